@@ -1,0 +1,5 @@
+"""Pallas kernels of snapmla-jax, each file one kernel beside its pure-jnp reference.
+
+Users call them through ``snapmla_jax`` (``write_kv``, ``mla_decode``), which
+validates arguments and picks the backend.
+"""

@@ -1,0 +1,96 @@
+"""Timing and ceilings shared by the benchmarks.
+
+Device work is asynchronous: every timed call ends in ``block_until_ready``.
+Each measurement warms up first (compilation, autotuning), then times ``iters``
+calls one by one and reports the median in milliseconds. Inputs are rotated
+among several copies where the benchmark asks, so that repeated runs do not
+measure the L2 cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import pathlib
+import platform
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def time_ms(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int = 3, iters: int = 20) -> float:
+    """Median wall time in ms of ``fn(*args)`` (synchronised), cycling through ``arg_sets``."""
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    samples = []
+    for i in range(iters):
+        args = arg_sets[i % len(arg_sets)]
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    """Rates measured on this device in this run: the roofline's two axes."""
+
+    copy_gbps: float  # device-to-device copy, bytes read + written per second / 1e9
+    bf16_tflops: float  # XLA bf16 GEMM
+    fp8_tflops: float  # XLA e4m3 GEMM (bf16 out)
+
+
+def measure_copy_gbps(nbytes: int = 2 << 30) -> float:
+    """Bandwidth of a large device-to-device copy (read + write), GB/s."""
+    n = nbytes // 4
+    srcs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32) for i in range(2)]
+    copy = jax.jit(lambda x: x * 1.0000001)  # one read and one write per element
+    ms = time_ms(copy, [(s,) for s in srcs], warmup=2, iters=10)
+    return 2 * n * 4 / (ms * 1e-3) / 1e9
+
+
+def measure_gemm_tflops(dtype, size: int = 8192) -> float:
+    """Rate of an XLA ``size``^3 GEMM with ``dtype`` operands (bf16 result), TFLOP/s."""
+    keys = jax.random.split(jax.random.key(1), 2)
+    a = jax.random.normal(keys[0], (size, size), jnp.float32).astype(dtype)
+    b = jax.random.normal(keys[1], (size, size), jnp.float32).astype(dtype)
+    mm = jax.jit(lambda x, y: jax.lax.dot_general(
+        x, y, (((1,), (0,)), ((), ())), preferred_element_type=jnp.bfloat16))
+    ms = time_ms(mm, [(a, b)], warmup=2, iters=10)
+    return 2 * size**3 / (ms * 1e-3) / 1e12
+
+
+def measure_ceilings() -> Ceilings:
+    return Ceilings(copy_gbps=measure_copy_gbps(), bf16_tflops=measure_gemm_tflops(jnp.bfloat16),
+                    fp8_tflops=measure_gemm_tflops(jnp.float8_e4m3fn))
+
+
+def environment() -> dict[str, str]:
+    """Device, software versions and date, to stamp every table."""
+    dev = jax.devices()[0]
+    return {
+        "device": getattr(dev, "device_kind", str(dev)),
+        "platform": dev.platform,
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def write_results(out_dir: str | pathlib.Path, name: str, env: dict, rows: list[dict], markdown: str) -> None:
+    """Save ``rows`` as ``{name}.json`` and ``markdown`` as ``{name}.md`` under ``out_dir``."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    (out / f"{name}.md").write_text(markdown)
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"

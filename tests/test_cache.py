@@ -1,0 +1,67 @@
+"""LatentCache: layout, byte accounting, pytree behaviour, argument checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from snapmla_jax import LatentCache, dequantize
+
+
+@pytest.mark.parametrize("dtype, per_token", [("fp8", 644), ("bf16", 1152)])
+def test_nbytes_per_token_matches_design(dtype, per_token):
+    cache = LatentCache.create(num_pages=3, page_size=16, dtype=dtype)
+    assert cache.nbytes_per_token == per_token
+    assert cache.nbytes == 3 * 16 * per_token
+
+
+def test_fp8_layout_shapes_and_dtypes_with_layer_axis():
+    cache = LatentCache.create(num_pages=5, page_size=16, dtype="fp8", num_layers=2)
+    assert cache.latent.shape == (2, 5, 16, 512) and cache.latent.dtype == jnp.float8_e4m3fn
+    assert cache.scale.shape == (2, 5, 16) and cache.scale.dtype == jnp.float32
+    assert cache.rope.shape == (2, 5, 16, 64) and cache.rope.dtype == jnp.bfloat16
+    assert (cache.num_layers, cache.num_pages, cache.page_size, cache.num_slots) == (2, 5, 16, 80)
+
+
+def test_bf16_layout_has_no_scale():
+    cache = LatentCache.create(num_pages=2, page_size=32, dtype="bf16")
+    assert cache.scale is None and cache.latent.dtype == jnp.bfloat16
+    assert cache.dtype == "bf16" and cache.num_layers is None
+
+
+def test_cache_is_a_pytree_that_survives_jit():
+    cache = LatentCache.create(num_pages=2, page_size=16, dtype="fp8")
+    leaves = jax.tree_util.tree_leaves(cache)
+    assert len(leaves) == 3
+    out = jax.jit(lambda c: LatentCache(c.latent, c.scale + 1.0, c.rope))(cache)
+    assert isinstance(out, LatentCache) and float(out.scale[0, 0]) == 1.0
+
+
+def test_dequantize_multiplies_by_the_token_scale():
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.uniform(-400, 400, (1, 4, 512)), jnp.float8_e4m3fn)
+    scale = jnp.asarray(rng.uniform(0.01, 2.0, (1, 4)), jnp.float32)
+    rope = jnp.asarray(rng.standard_normal((1, 4, 64)), jnp.bfloat16)
+    latent, rope_out = dequantize(LatentCache(q, scale, rope))
+    expected = np.asarray(q, np.float64) * np.asarray(scale, np.float64)[..., None]
+    # float32 product of an e4m3 value and a float32 scale: one float32 rounding.
+    np.testing.assert_allclose(np.asarray(latent), expected, rtol=2**-23)
+    np.testing.assert_array_equal(np.asarray(rope_out), np.asarray(rope, np.float32))
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(num_pages=0), "num_pages"),
+    (dict(num_pages=2, page_size=-1), "page_size"),
+    (dict(num_pages=2, dtype="int8"), "dtype"),
+    (dict(num_pages=2, num_layers=0), "num_layers"),
+    (dict(num_pages=2**20, page_size=64, num_layers=2), "num_pages"),
+])
+def test_create_rejects_bad_arguments_by_name(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        LatentCache.create(**kwargs)
+
+
+def test_dequantize_checks_layer():
+    cache = LatentCache.create(num_pages=1, page_size=16, num_layers=2)
+    with pytest.raises(ValueError, match="layer"):
+        dequantize(cache, layer=2)

@@ -1,0 +1,186 @@
+"""write_kv: fused per-token FP8 quantize + paged cache write.
+
+The Pallas kernel (interpret mode here, compiled under -m gpu) must write the
+same bytes as the jnp reference, reconstruct within FP8 rounding of a float64
+computation, write exactly the named slots, and reject bad input by name.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from snapmla_jax import LatentCache, dequantize, write_kv
+
+POISON_LATENT = -3.0  # an e4m3- and bf16-exact value no write produces at these scales
+POISON_SCALE = -1.0
+
+
+def _poisoned(dtype, num_pages=5, page_size=16, num_layers=None):
+    cache = LatentCache.create(num_pages, page_size, dtype=dtype, num_layers=num_layers)
+    scale = None if cache.scale is None else jnp.full_like(cache.scale, POISON_SCALE)
+    return LatentCache(jnp.full_like(cache.latent, POISON_LATENT), scale, jnp.full_like(cache.rope, POISON_LATENT))
+
+
+def _tokens(rng, t, dtype=jnp.bfloat16):
+    """Fresh latents with outlier tokens, an all-zero token and a wide-range RoPE part."""
+    latent = rng.standard_normal((t, 512)) * rng.uniform(0.01, 3.0, (t, 1))
+    latent[rng.integers(0, t)] *= 1000.0  # an outlier token: its own scale, others unaffected
+    latent[rng.integers(0, t), rng.integers(0, 512)] = 250.0  # a single outlier channel
+    latent[rng.integers(0, t)] = 0.0  # all-zero token: scale floor, no NaN
+    rope = rng.standard_normal((t, 64)) * 40.0
+    return jnp.asarray(latent, dtype), jnp.asarray(rope, dtype)
+
+
+def _slots(rng, t, num_slots, n_pad=3):
+    """Distinct slots scattered over pages (partial pages), with -1 padding entries."""
+    slots = rng.choice(num_slots, t, replace=False).astype(np.int32)
+    slots[rng.choice(t, n_pad, replace=False)] = -1
+    return jnp.asarray(slots)
+
+
+def _np(a):
+    return np.asarray(a.astype(jnp.float32) if a.dtype == jnp.float8_e4m3fn else a)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+@pytest.mark.parametrize("t", [1, 37])  # one token; several blocks with a ragged last one
+def test_interpret_kernel_writes_the_same_bytes_as_reference(dtype, t):
+    rng = np.random.default_rng(t)
+    latent, rope = _tokens(rng, t)
+    slots = _slots(rng, t, 80, n_pad=min(3, t - 1))
+    ref = write_kv(_poisoned(dtype), latent, rope, slots, backend="xla")
+    out = write_kv(_poisoned(dtype), latent, rope, slots, backend="interpret")
+    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_fp8_write_is_within_half_an_e4m3_ulp_of_float64(backend):
+    rng = np.random.default_rng(7)
+    latent, rope = _tokens(rng, 40, dtype=jnp.float32)
+    slots = _slots(rng, 40, 80)
+    cache = write_kv(_poisoned("fp8"), latent, rope, slots, backend=backend)
+    deq_latent, deq_rope = dequantize(cache)
+    x = np.asarray(latent, np.float64)
+    keep = np.asarray(slots) >= 0
+    s = np.asarray(slots)[keep]
+    got = np.asarray(deq_latent, np.float64).reshape(80, 512)[s]
+    x = x[keep]
+    amax = np.abs(x).max(-1)
+    scale64 = np.maximum(amax, 1e-30) / 448.0
+    stored_scale = np.asarray(cache.scale).reshape(80)[s]
+    # The float32 scale is the float64 one rounded once (2**-24 relative).
+    np.testing.assert_allclose(stored_scale, scale64, rtol=2**-23)
+    # e4m3 spacing at |v| (in units of the scale): 2**(floor(log2|v|) - 3) for
+    # normal values (|v| >= 2**-6), 2**-9 below; rounding errs by half of it,
+    # plus float32 roundings of x / s and q * s (a few 2**-24 relative).
+    v = np.abs(x) / stored_scale[:, None]
+    ulp = np.where(v >= 2**-6, 2.0 ** (np.floor(np.log2(np.maximum(v, 2**-6))) - 3), 2.0**-9)
+    bound = (0.5 * ulp + v * 2**-22) * stored_scale[:, None]
+    assert np.all(np.abs(got - x) <= bound)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(np.asarray(deq_rope).reshape(80, 64)[s],
+                                  np.asarray(rope).astype(ml_dtypes.bfloat16).astype(np.float32)[keep])
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_saturates_at_448_and_zero_token_gets_floor_scale(backend):
+    latent = jnp.zeros((2, 512), jnp.float32).at[0].set(jnp.linspace(-5.0, 7.0, 512)).at[1].set(0.0)
+    rope = jnp.ones((2, 64), jnp.float32)
+    cache = write_kv(_poisoned("fp8", num_pages=1), latent, rope, jnp.array([3, 4], jnp.int32), backend=backend)
+    q = np.asarray(cache.latent.astype(jnp.float32))[0]
+    assert q[3].max() == 448.0 and q[3].min() == pytest.approx(-5.0 / 7.0 * 448.0, rel=2**-3)
+    assert np.all(q[4] == 0.0) and np.asarray(cache.scale)[0, 4] == np.float32(1e-30) / np.float32(448.0)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_only_named_slots_of_the_named_layer_change(dtype, backend):
+    rng = np.random.default_rng(11)
+    latent, rope = _tokens(rng, 21)
+    slots = _slots(rng, 21, 80)
+    before = _poisoned(dtype, num_layers=3)
+    after = write_kv(before, latent, rope, slots, layer=1, backend=backend)
+    written = np.zeros((3, 80), bool)
+    written[1, np.asarray(slots)[np.asarray(slots) >= 0]] = True
+    for a, b in zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(before)):
+        a = _np(a).reshape(3, 80, -1)
+        b = _np(b).reshape(3, 80, -1)
+        np.testing.assert_array_equal(a[~written], b[~written])
+        assert (a[written] != b[written]).any(-1).all()  # every named row was written
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_traced_layer_under_jit_with_donated_cache(backend):
+    rng = np.random.default_rng(5)
+    latent, rope = _tokens(rng, 9)
+    slots = _slots(rng, 9, 80, n_pad=1)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(cache, layer):
+        return write_kv(cache, latent, rope, slots, layer=layer, backend=backend)
+
+    got = step(_poisoned("fp8", num_layers=2), jnp.int32(1))
+    want = write_kv(_poisoned("fp8", num_layers=2), latent, rope, slots, layer=1, backend="xla")
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_traced_out_of_range_layer_writes_nothing():
+    rng = np.random.default_rng(6)
+    latent, rope = _tokens(rng, 4)
+    before = _poisoned("fp8", num_layers=2)
+    after = jax.jit(lambda c, l: write_kv(c, latent, rope, jnp.arange(4, dtype=jnp.int32), layer=l,
+                                          backend="interpret"))(before, jnp.int32(2))
+    for a, b in zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(before)):
+        np.testing.assert_array_equal(_np(a), _np(b))
+
+
+@pytest.mark.parametrize("change, name", [
+    (dict(latent=np.ones((4, 256))), "latent"),
+    (dict(latent=np.ones((4,))), "latent"),
+    (dict(k_rope=np.ones((4, 32))), "k_rope"),
+    (dict(k_rope=np.ones((3, 64))), "k_rope"),
+    (dict(slot_mapping=np.arange(4, dtype=np.float32)), "slot_mapping"),
+    (dict(slot_mapping=np.arange(5, dtype=np.int32)), "slot_mapping"),
+    (dict(slot_mapping=np.array([0, 1, 2, 80], np.int32)), "slot_mapping"),
+    (dict(slot_mapping=np.array([0, -2, 1, 2], np.int32)), "slot_mapping"),
+    (dict(latent=np.ones((4, 512), np.int32)), "latent"),
+    (dict(layer=0), "layer"),
+    (dict(backend="cuda"), "backend"),
+])
+def test_bad_input_raises_value_error_naming_the_argument(change, name):
+    args = dict(latent=np.ones((4, 512), np.float32), k_rope=np.ones((4, 64), np.float32),
+                slot_mapping=np.arange(4, dtype=np.int32), layer=None, backend="xla")
+    args.update(change)
+    with pytest.raises(ValueError, match=name):
+        write_kv(_poisoned("fp8"), jnp.asarray(args["latent"]), jnp.asarray(args["k_rope"]),
+                 jnp.asarray(args["slot_mapping"]), layer=args["layer"], backend=args["backend"])
+
+
+def test_layered_cache_rejects_missing_or_out_of_range_layer():
+    cache = _poisoned("bf16", num_layers=2)
+    latent, rope = jnp.ones((1, 512)), jnp.ones((1, 64))
+    slot = jnp.zeros((1,), jnp.int32)
+    for layer in (None, 2, -1):
+        with pytest.raises(ValueError, match="layer"):
+            write_kv(cache, latent, rope, slot, layer=layer, backend="xla")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_compiled_kernel_matches_interpret_bytes(dtype):
+    rng = np.random.default_rng(99)
+    latent, rope = _tokens(rng, 1000)
+    slots = _slots(rng, 1000, 64 * 64, n_pad=50)
+    make = lambda: _poisoned(dtype, num_pages=64, page_size=64, num_layers=2)
+    gpu = write_kv(make(), latent, rope, slots, layer=1, backend="pallas")
+    cpu = jax.device_put(write_kv(jax.device_put(make(), jax.devices("cpu")[0]),
+                                  *jax.device_put((latent, rope, slots), jax.devices("cpu")[0]),
+                                  layer=1, backend="interpret"), jax.devices("cpu")[0])
+    for a, b in zip(jax.tree_util.tree_leaves(gpu), jax.tree_util.tree_leaves(cpu)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
