@@ -1,9 +1,9 @@
 """Fused per-token FP8 quantize + paged cache write (one pass over the new tokens).
 
-Each program takes one new token: it computes amax over the latent, the scale
-``max(amax, floor) / 448``, the saturated e4m3 latent, and stores latent, scale
-and the BF16 RoPE part straight into the cache row given by ``rows`` (row =
-flattened slot, -1 = nothing). The
+Each program takes a few new tokens in turn: for each it computes amax over the
+latent, the scale ``max(amax, floor) / 448``, the saturated e4m3 latent, and
+stores latent, scale and the BF16 RoPE part straight into the cache row given by
+``rows`` (row = flattened slot, -1 = nothing). The
 cache arrays are aliased input->output, so under ``jax.jit`` with the cache
 donated the write happens in place: no copy of the cache, no temporary.
 
@@ -18,6 +18,7 @@ offsets are ``row * R`` in int32; LatentCache.create rejects caches past 2**31.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,44 +26,54 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_tr
 
-from snapmla_jax.quantization import quantize_per_token
+from pallas_kernels.fp8 import quantize_per_token
 
-NUM_WARPS = 2  # one token's 512 values: 8 per thread, the amax reduced within two warps
+@dataclasses.dataclass(frozen=True)
+class WriteKVConfig:
+    """Launch knobs (measured on an H100: see docs/benchmarks/write.md)."""
+
+    # H100, fp8 cache, 256k tokens (scripts/tune_write_kv.py, 2026-11-23): 4 tokens x 1 warp
+    # reached 0.81 of copy bandwidth; 1 token x 2 warps 0.74; 4 warps 0.59-0.64.
+    tokens_per_program: int = 4  # tokens handled in turn by one program (unrolled)
+    num_warps: int = 1  # one warp holds a token's 512 values (16 per thread); amax by shuffles
 
 
-def _write_kv_kernel(rows_ref, latent_ref, rope_ref, *refs, quantize: bool):
-    """One new token per program.
+def _write_kv_kernel(rows_ref, latent_ref, rope_ref, *refs, quantize: bool, num_tokens: int,
+                     tokens_per_program: int):
+    """A block of new tokens, one after the other.
 
     rows_ref   [T] int32 (whole array) flattened cache row per token, -1 = skip
-    latent_ref [R]        this token's latent (bf16/f32)
-    rope_ref   [Dr]       this token's RoPE key (bf16/f32)
+    latent_ref [TPP, R]   this block's latents (bf16/f32; rows past T undefined)
+    rope_ref   [TPP, Dr]  this block's RoPE keys (bf16/f32)
     refs       aliased cache inputs (unused: same buffers as the outputs), then outputs:
                latent_out [N, R] (e4m3 or bf16), [scale_out [N] f32,] rope_out [N, Dr] bf16
 
-    One token per program (not a block of tokens with masked scatters): a
-    skipped token then stores nothing at all, so no masked-off lane can alias
-    a row that another token writes.
+    Each token is stored under its own ``pl.when`` rather than as one masked
+    scatter of the block: a skipped token then stores nothing at all, so no
+    masked-off lane can alias a row that another token writes.
     """
     outs = refs[-(3 if quantize else 2):]
-    row = rows_ref[pl.program_id(0)]
+    for i in range(tokens_per_program):
+        token = pl.program_id(0) * tokens_per_program + i
+        row = rows_ref[jnp.minimum(token, num_tokens - 1)]
 
-    @pl.when(row >= 0)
-    def _store():
-        latent = latent_ref[...].astype(jnp.float32)
-        if quantize:
-            latent_out, scale_out, rope_out = outs
-            q, scale = quantize_per_token(latent)
-            latent_out[row, :] = q
-            scale_out[row] = scale
-        else:
-            latent_out, rope_out = outs
-            latent_out[row, :] = latent.astype(latent_out.dtype)
-        rope_out[row, :] = rope_ref[...].astype(rope_out.dtype)
+        @pl.when((row >= 0) & (token < num_tokens))
+        def _store():
+            latent = latent_ref[i, :].astype(jnp.float32)
+            if quantize:
+                latent_out, scale_out, rope_out = outs
+                q, scale = quantize_per_token(latent)
+                latent_out[row, :] = q
+                scale_out[row] = scale
+            else:
+                latent_out, rope_out = outs
+                latent_out[row, :] = latent.astype(latent_out.dtype)
+            rope_out[row, :] = rope_ref[i, :].astype(rope_out.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
 def write_kv_pallas(cache_arrays: tuple, latent: jax.Array, k_rope: jax.Array, rows: jax.Array,
-                    *, interpret: bool = False) -> tuple:
+                    *, interpret: bool = False, config: WriteKVConfig = WriteKVConfig()) -> tuple:
     """Scatter ``T`` new tokens into flattened cache arrays.
 
     cache_arrays: (latent [N, R] e4m3, scale [N] f32, rope [N, Dr] bf16) for an fp8
@@ -74,22 +85,24 @@ def write_kv_pallas(cache_arrays: tuple, latent: jax.Array, k_rope: jax.Array, r
     num_tokens, rank = latent.shape
     rope_dim = k_rope.shape[1]
     n_cache = len(cache_arrays)
+    tpp = config.tokens_per_program
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_write_kv_kernel, quantize=quantize)
+    kernel = functools.partial(_write_kv_kernel, quantize=quantize, num_tokens=num_tokens,
+                               tokens_per_program=tpp)
     return pl.pallas_call(
         kernel,
-        grid=(num_tokens,),
+        grid=(pl.cdiv(num_tokens, tpp),),
         in_specs=[
             whole,
-            pl.BlockSpec((None, rank), lambda i: (i, 0)),
-            pl.BlockSpec((None, rope_dim), lambda i: (i, 0)),
+            pl.BlockSpec((tpp, rank), lambda i: (i, 0)),
+            pl.BlockSpec((tpp, rope_dim), lambda i: (i, 0)),
             *([whole] * n_cache),
         ],
         out_specs=[whole] * n_cache,
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in cache_arrays],
         input_output_aliases={3 + i: i for i in range(n_cache)},
         interpret=interpret,
-        compiler_params=plgpu_tr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        compiler_params=plgpu_tr.CompilerParams(num_warps=config.num_warps, num_stages=1),
         name="snapmla_write_kv",
     )(rows, latent, k_rope, *cache_arrays)
 

@@ -1,0 +1,62 @@
+"""Per-token FP8 (e4m3) quantization of the MLA latent: the math shared by the
+cache write kernel, its reference, the decode kernels and the ablation report.
+
+It lives in pallas_kernels (the bottom layer: kernels import nothing from
+snapmla_jax) and is re-exported as ``snapmla_jax.quantization``.
+
+A token's 512-dim latent gets ONE float32 scale: ``s_t = max(amax_t, AMAX_FLOOR) / 448``
+and is stored as ``e4m3(clip(x / s_t, -448, 448))``; it is read back as
+``float32(q) * s_t``. The RoPE part is not quantized (see ``LatentCache``).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_E4M3_MAX = 448.0  # largest finite e4m3fn value; scales map a token's amax onto it
+# Floor on a token's amax before it becomes a scale. It keeps the scale a normal
+# float32 (GPUs flush denormals, and x / 0 would be NaN) for all-zero tokens;
+# a token whose amax is below it loses nothing that bf16 inputs could carry.
+AMAX_FLOOR = 1e-30
+# Relative spacing of e4m3 values: 3 mantissa bits, so one ulp is 2**-3 of the
+# leading power of two and round-to-nearest errs by at most half of that.
+FP8_E4M3_EPS = 2.0**-3
+
+
+def per_token_scale(x: jnp.ndarray) -> jnp.ndarray:
+    """Scale per row of ``x`` [..., D] (any float dtype) -> float32 [...]."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    return jnp.maximum(amax, AMAX_FLOOR) / FP8_E4M3_MAX
+
+
+def quantize_with_scale(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
+    """``x`` [..., D] / ``scale`` [...] -> float8_e4m3fn [..., D], saturating at +-448.
+
+    Saturation matters: e4m3fn has no inf, and an unclipped value past 448
+    would become NaN.
+    """
+    y = x.astype(jnp.float32) / scale[..., None]
+    return jnp.clip(y, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(FP8_DTYPE)
+
+
+def quantize_per_token(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """``x`` [..., D] -> (float8_e4m3fn [..., D], float32 scale [...])."""
+    scale = per_token_scale(x)
+    return quantize_with_scale(x, scale), scale
+
+
+def dequantize_per_token(q: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
+    """float8 [..., D] and float32 scale [...] -> float32 [..., D]."""
+    return q.astype(jnp.float32) * scale[..., None]
+
+
+def fp8_round_trip_np(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """float64 numpy model of quantize + dequantize, for tests and reports.
+
+    ``x`` [..., D], ``scale`` [...] (float64 or float32) -> float64 [..., D].
+    """
+    y = np.clip(np.asarray(x, np.float64) / np.asarray(scale, np.float64)[..., None], -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return y.astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * np.asarray(scale, np.float64)[..., None]
