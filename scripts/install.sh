@@ -21,5 +21,5 @@ command -v "$PYTHON311" >/dev/null || PYTHON311=python3.11
 [ -x .venv-ref/bin/python ] || "$PYTHON311" -m venv .venv-ref
 .venv-ref/bin/python -m pip install -q --upgrade pip
 # torch 2.13.0 is the CPU build these machines keep on disk for Python 3.11.
-.venv-ref/bin/python -m pip install -q torch==2.13.0 transformers safetensors numpy
+.venv-ref/bin/python -m pip install -q torch==2.13.0 transformers==5.23.0 safetensors numpy
 echo "environments ready: .venv (project), .venv-ref (reference)"

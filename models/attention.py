@@ -1,0 +1,118 @@
+"""Multi-head Latent Attention (MLA) with its two execution forms.
+
+Per token, keys and values come from one shared latent ``c_kv`` [kv_lora_rank]
+(after ``kv_a_layernorm``) and one shared RoPE key ``k_pe`` [qk_rope_head_dim]:
+
+    k_nope[h] = c_kv @ W_UK[h]       v[h] = c_kv @ W_UV[h]
+    score[h]  = (q_nope[h] . k_nope[h] + q_pe[h] . k_pe) * softmax_scale
+
+``W_UK`` [R, H, qk_nope] and ``W_UV`` [R, H, v_head] are the two halves of
+DeepSeek's ``kv_b_proj``, split once at load time.
+
+* Full form (training, prefill): expand keys and values per head and run
+  ordinary causal attention; this is what Hugging Face's model computes.
+* Absorbed form (decode): fold W_UK into the query,
+  ``q_latent[h] = q_nope[h] @ W_UK[h]^T`` [R], attend over the cached latent
+  itself (K = [c_kv, k_pe], V = c_kv) with ``snapmla_jax.mla_decode``, and
+  apply W_UV to the R-dim output. The cache never holds per-head keys.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import MLAConfig
+from models.layers import RMSNorm, RotaryEmbedding, linear
+
+
+class MLAAttention(nnx.Module):
+    """One MLA layer's attention; ``hidden`` = cfg.hidden_size, ``H`` = heads, ``R`` = kv_lora_rank."""
+
+    def __init__(self, cfg: MLAConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        heads, hidden, rank = cfg.num_attention_heads, cfg.hidden_size, cfg.kv_lora_rank
+        if cfg.q_lora_rank is None:
+            self.q_proj = linear(hidden, heads * cfg.qk_head_dim, dtype=dtype, rngs=rngs)
+        else:
+            self.q_a_proj = linear(hidden, cfg.q_lora_rank, dtype=dtype, rngs=rngs)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, dtype=dtype)
+            self.q_b_proj = linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, dtype=dtype, rngs=rngs)
+        self.kv_a_proj_with_mqa = linear(hidden, rank + cfg.qk_rope_head_dim, dtype=dtype, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(rank, eps=cfg.rms_norm_eps, dtype=dtype)
+        init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=0, out_axis=(1, 2))
+        self.w_uk = nnx.Param(init(rngs.params(), (rank, heads, cfg.qk_nope_head_dim), dtype))
+        self.w_uv = nnx.Param(init(rngs.params(), (rank, heads, cfg.v_head_dim), dtype))
+        self.o_proj = linear(heads * cfg.v_head_dim, hidden, dtype=dtype, rngs=rngs)
+        self.rope = RotaryEmbedding(cfg)
+
+    def queries(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [B, S, hidden], positions [B, S] -> (q_nope [B, S, H, qk_nope], rotated q_pe [B, S, H, rope])."""
+        cfg = self.cfg
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(*x.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
+        q_nope, q_pe = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+        return q_nope, self.rope(q_pe, positions[..., None])
+
+    def latents(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [B, S, hidden], positions [B, S] -> (c_kv [B, S, R] normalized, rotated k_pe [B, S, rope]):
+        exactly what the cache stores per token."""
+        kv = self.kv_a_proj_with_mqa(x)
+        rank = self.cfg.kv_lora_rank
+        return self.kv_a_layernorm(kv[..., :rank]), self.rope(kv[..., rank:], positions)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Full causal attention: x [B, S, hidden], positions [B, S] int32 -> [B, S, hidden]."""
+        return self.full_attention(x, positions)[0]
+
+    def full_attention(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Full causal attention over the S tokens of each row (token i sees tokens <= i).
+
+        Returns (out [B, S, hidden], c_kv [B, S, R], k_pe [B, S, rope]); the
+        latents are returned so prefill can write them into the cache.
+        Scores and softmax run in float32.
+        """
+        cfg = self.cfg
+        q_nope, q_pe = self.queries(x, positions)
+        c_kv, k_pe = self.latents(x, positions)
+        k_nope = jnp.einsum("bkr,rhn->bkhn", c_kv, self.w_uk[...])
+        values = jnp.einsum("bkr,rhv->bkhv", c_kv, self.w_uv[...])
+        scores = (jnp.einsum("bqhn,bkhn->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
+                  + jnp.einsum("bqhr,bkr->bhqk", q_pe, k_pe, preferred_element_type=jnp.float32))
+        seq = x.shape[1]
+        causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]
+        scores = jnp.where(causal, scores * cfg.softmax_scale, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+        out = jnp.einsum("bhqk,bkhv->bqhv", probs, values)
+        return self.o_proj(out.reshape(*x.shape[:-1], -1)), c_kv, k_pe
+
+    def absorbed_decode(self, x: jax.Array, positions: jax.Array, cache, block_table: jax.Array,
+                        seq_lens: jax.Array, slots: jax.Array, *, backend: str):
+        """Decode step in absorbed form over the paged latent cache.
+
+        x [B, s_q, hidden]; positions [B, s_q] int32; cache a single-layer
+        ``LatentCache``; block_table [B, max_pages] int32; seq_lens [B] int32
+        (cached tokens including these s_q); slots [B * s_q] int32 (-1: skip).
+        Writes the new tokens' latents at ``slots`` and attends with
+        ``mla_decode``. Returns (out [B, s_q, hidden], new cache,
+        latent attention output [B, s_q, H, R] before W_UV).
+        """
+        # Imported here: snapmla_jax re-exports this package, so a module-level
+        # import would be circular.
+        from snapmla_jax.decode import mla_decode
+        from snapmla_jax.write import write_kv
+
+        cfg = self.cfg
+        q_nope, q_pe = self.queries(x, positions)
+        q_latent = jnp.einsum("bshn,rhn->bshr", q_nope, self.w_uk[...])
+        c_kv, k_pe = self.latents(x, positions)
+        cache = write_kv(cache, c_kv.reshape(-1, cfg.kv_lora_rank), k_pe.reshape(-1, cfg.qk_rope_head_dim),
+                         slots, backend=backend)
+        latent_out = mla_decode(q_latent, q_pe, cache, block_table, seq_lens,
+                                softmax_scale=cfg.softmax_scale, backend=backend)
+        out = jnp.einsum("bshr,rhv->bshv", latent_out, self.w_uv[...])
+        return self.o_proj(out.reshape(*x.shape[:-1], -1)), cache, latent_out

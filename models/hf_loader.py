@@ -1,0 +1,293 @@
+"""Load a Hugging Face DeepSeek-V2/V3 checkpoint (sharded safetensors) into ``MLAModel``.
+
+Names map mechanically because the model keeps Hugging Face's module names:
+drop the ``model.`` prefix and the leaf ``weight`` becomes ``kernel`` for a
+linear layer (transposed to [in, out]), ``scale`` for an RMSNorm and
+``embedding`` for the token embedding. Two tensors are reshaped:
+
+* ``self_attn.kv_b_proj.weight`` [H*(qk_nope+v), R] is split once into
+  ``w_uk`` [R, H, qk_nope] and ``w_uv`` [R, H, v] (what the absorbed decode uses);
+* ``mlp.experts.{e}.{gate,up,down}_proj.weight`` are stacked into
+  ``w_gate``/``w_up`` [E, hidden, I] and ``w_down`` [E, I, hidden].
+
+DeepSeek's FP8 releases store linear weights as float8_e4m3fn with a float32
+``<name>_scale_inv`` [ceil(out/128), ceil(in/128)]: each 128x128 block of the
+weight is multiplied by its scale (edge blocks cropped) and cast to the
+compute dtype. Multi-token-prediction layers (indices >= num_hidden_layers)
+are skipped. Every name, shape and scale is checked from the safetensors
+headers before any data is read, and tensors are then read one at a time from
+memory-mapped files, so host memory stays near one copy of the model (plus
+one stacked expert weight).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx, traverse_util
+from tqdm.auto import tqdm
+
+from models.config import MLAConfig, read_hf_config
+from models.transformer import MLAModel
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+SCALE_SUFFIX = "_scale_inv"
+# safetensors dtype tags -> numpy dtypes (ml_dtypes supplies bf16 and the fp8 types,
+# which the safetensors package's own numpy reader cannot return).
+SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+EXPERT_PARAMS = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_MAX_NAMES_IN_ERROR = 8
+
+
+class SafetensorsFile:
+    """A memory-mapped .safetensors file: ``shape(name)``, ``dtype(name)``, ``read(name)``.
+
+    ``read`` returns a read-only numpy view (no copy) in the stored dtype,
+    including bfloat16 and float8 via ml_dtypes.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        if not os.path.isfile(path):
+            raise ValueError(f"hf_dir: shard {path} is missing")
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            try:
+                header = json.loads(f.read(header_len))
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"hf_dir: {path} is not a safetensors file (bad header: {err})") from err
+        header.pop("__metadata__", None)
+        self.entries = header
+        self._data_start = 8 + header_len
+        self._map = None
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name]["shape"])
+
+    def dtype(self, name: str) -> np.dtype:
+        tag = self.entries[name]["dtype"]
+        if tag not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name}: unsupported safetensors dtype {tag} in {self.path}")
+        return np.dtype(SAFETENSORS_DTYPES[tag])
+
+    def read(self, name: str) -> np.ndarray:
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        begin, end = self.entries[name]["data_offsets"]
+        raw = self._map[self._data_start + begin:self._data_start + end]
+        return raw.view(self.dtype(name)).reshape(self.shape(name))
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one checkpoint tensor goes: state ``path`` (row ``expert`` of a
+    stacked expert weight, or the whole array), after ``transform`` from the
+    Hugging Face layout of shape ``hf_shape``."""
+
+    path: tuple
+    expert: int | None
+    transform: Callable[[np.ndarray], np.ndarray]
+    hf_shape: tuple[int, ...]
+
+
+def _identity(w: np.ndarray) -> np.ndarray:
+    return w
+
+
+def _transpose(w: np.ndarray) -> np.ndarray:
+    return w.T
+
+
+def _kv_b_placements(cfg: MLAConfig, prefix: tuple) -> list[Placement]:
+    heads, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    per_head = lambda w: w.reshape(heads, nope + cfg.v_head_dim, rank)
+    hf_shape = (heads * (nope + cfg.v_head_dim), rank)
+    return [Placement((*prefix, "w_uk"), None, lambda w: per_head(w)[:, :nope, :].transpose(2, 0, 1), hf_shape),
+            Placement((*prefix, "w_uv"), None, lambda w: per_head(w)[:, nope:, :].transpose(2, 0, 1), hf_shape)]
+
+
+def plan_tensor(name: str, cfg: MLAConfig, expected: dict[tuple, tuple], num_mtp_layers: int):
+    """Placements for checkpoint tensor ``name``: a list (empty: deliberately
+    skipped), or None when the model has no place for it (unexpected)."""
+    if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+        return []  # derived buffers / a tied head duplicating the embedding
+    local = name.removeprefix("model.")
+    prefix: tuple = ()
+    layer_match = _LAYER.fullmatch(local)
+    if layer_match:
+        layer = int(layer_match.group(1))
+        if layer >= cfg.num_hidden_layers:
+            return [] if layer < cfg.num_hidden_layers + num_mtp_layers else None
+        prefix, local = ("layers", layer), layer_match.group(2)
+        if local == "self_attn.kv_b_proj.weight":
+            return _kv_b_placements(cfg, (*prefix, "self_attn"))
+        expert_match = _EXPERT.fullmatch(local)
+        if expert_match:
+            path = (*prefix, "mlp", EXPERT_PARAMS[expert_match.group(2)])
+            expert = int(expert_match.group(1))
+            if path not in expected or expert >= expected[path][0]:
+                return None
+            return [Placement(path, expert, _transpose, expected[path][1:][::-1])]
+    parts = tuple(local.split("."))
+    module, leaf = (*prefix, *parts[:-1]), parts[-1]
+    if leaf == "weight":
+        for target, transform in (("kernel", _transpose), ("scale", _identity), ("embedding", _identity)):
+            path = (*module, target)
+            if path in expected:
+                hf_shape = expected[path][::-1] if transform is _transpose else expected[path]
+                return [Placement(path, None, transform, hf_shape)]
+        return None
+    path = (*prefix, *parts)
+    return [Placement(path, None, _identity, expected[path])] if path in expected else None
+
+
+def _index(hf_dir: str) -> dict[str, str]:
+    """Tensor name -> shard file path."""
+    index_path = os.path.join(hf_dir, INDEX_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as err:
+                raise ValueError(f"hf_dir: {index_path} has no valid weight_map ({err!r})") from err
+        return {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
+    single = os.path.join(hf_dir, SINGLE_FILE)
+    if os.path.isfile(single):
+        return {name: single for name in SafetensorsFile(single).names()}
+    raise ValueError(f"hf_dir: {hf_dir} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+
+
+def _names_list(names) -> str:
+    names = sorted(names, key=str)
+    more = f" (+{len(names) - _MAX_NAMES_IN_ERROR} more)" if len(names) > _MAX_NAMES_IN_ERROR else ""
+    return ", ".join(str(n) for n in names[:_MAX_NAMES_IN_ERROR]) + more
+
+
+def _check_scale(name: str, files: dict, index: dict, cfg: MLAConfig) -> None:
+    shape = files[index[name]].shape(name)
+    scale_name = name + SCALE_SUFFIX
+    if scale_name not in index:
+        if files[index[name]].dtype(name) in FP8_DTYPES:
+            raise ValueError(f"tensor {name}: stored as {files[index[name]].dtype(name)} without {scale_name}")
+        return
+    rows, cols = cfg.weight_block_size
+    want = (-(-shape[0] // rows), -(-shape[1] // cols)) if len(shape) == 2 else None
+    got = files[index[scale_name]].shape(scale_name)
+    if want is None or got != want:
+        raise ValueError(f"tensor {scale_name}: expected shape {list(want) if want else '[2-D weight]'} "
+                         f"for {rows}x{cols} blocks of {name} {list(shape)}, got {list(got)}")
+
+
+def dequantize_blocks(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """FP8 weight [out, in] and scale_inv [ceil(out/bo), ceil(in/bi)] -> float32 [out, in]
+    (each block times its scale; edge blocks cropped)."""
+    out_dim, in_dim = weight.shape
+    full = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], axis=0), block[1], axis=1)
+    return weight.astype(np.float32) * full[:out_dim, :in_dim]
+
+
+def _check_and_plan(hf_dir: str, cfg: MLAConfig, expected: dict[tuple, tuple], num_mtp_layers: int,
+                    index: dict[str, str], files: dict[str, SafetensorsFile]) -> dict[str, list[Placement]]:
+    """Placements of every tensor to load, from the headers alone; ValueError
+    naming the unexpected, mis-shaped and missing ones."""
+    plan, unexpected, misshaped = {}, [], []
+    covered: dict[tuple, set] = {}
+    for name in index:
+        if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in index:
+            continue  # read together with its weight
+        placements = plan_tensor(name, cfg, expected, num_mtp_layers)
+        if placements is None:
+            unexpected.append(name)
+            continue
+        if not placements:
+            continue
+        shape = files[index[name]].shape(name)
+        if shape != placements[0].hf_shape:
+            misshaped.append(f"{name} (expected {list(placements[0].hf_shape)}, got {list(shape)})")
+            continue
+        _check_scale(name, files, index, cfg)
+        plan[name] = placements
+        for p in placements:
+            covered.setdefault(p.path, set()).add(p.expert)
+    # A plain array is covered by {None}; a stacked expert weight needs every row.
+    complete = lambda path: covered.get(path) in ({None}, set(range(expected[path][0])))
+    missing = [".".join(map(str, path)) for path in expected if not complete(path)]
+    for label, names in (("unexpected tensors", unexpected), ("mis-shaped tensors", misshaped),
+                         ("missing weights for", missing)):
+        if names:
+            raise ValueError(f"hf_dir: {hf_dir}: {label}: {_names_list(names)}")
+    return plan
+
+
+def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progress: bool = True) -> MLAModel:
+    """Read a Hugging Face DeepSeek-V2/V2-Lite/V3 checkpoint directory into an ``MLAModel``.
+
+    Args:
+      hf_dir: directory with config.json and either model.safetensors or
+        model.safetensors.index.json plus its shards.
+      dtype: parameter/compute dtype of the model (float32, bfloat16, float16).
+        FP8 block-quantized weights are dequantized to it; the V3 router's
+        correction bias stays float32.
+      progress: show a tqdm bar over the tensors.
+
+    Raises ValueError naming the tensors that are missing, unexpected or
+    mis-shaped (checked from the headers before any data is read), an FP8
+    weight without its scale or with a mis-shaped one, a shard the index
+    names but that is absent, or an unsupported config.
+    """
+    hf_dir = os.fspath(hf_dir)
+    if not os.path.isdir(hf_dir):
+        raise ValueError(f"hf_dir: {hf_dir} is not a directory")
+    hf_config = read_hf_config(hf_dir)
+    cfg = MLAConfig.from_hf(hf_config)
+    abstract = nnx.eval_shape(lambda: MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, abstract_state = nnx.split(abstract)
+    targets = dict(nnx.to_flat_state(abstract_state))
+    expected = {path: tuple(var.shape) for path, var in targets.items()}
+    index = _index(hf_dir)
+    files = {path: SafetensorsFile(path) for path in sorted(set(index.values()))}
+    for name, path in index.items():
+        if name not in files[path].entries:
+            raise ValueError(f"hf_dir: the index places tensor {name} in {path}, which does not hold it")
+    plan = _check_and_plan(hf_dir, cfg, expected, int(hf_config.get("num_nextn_predict_layers") or 0), index, files)
+
+    arrays: dict[tuple, jax.Array] = {}
+    stacks: dict[tuple, tuple[np.ndarray, int]] = {}  # expert weights being filled: (buffer, rows filled)
+    ordered = sorted(plan, key=lambda n: (index[n], files[index[n]].entries[n]["data_offsets"][0]))
+    for name in tqdm(ordered, desc="loading weights", unit="tensor", disable=not progress):
+        weight = files[index[name]].read(name)
+        if name + SCALE_SUFFIX in index:
+            scale = files[index[name + SCALE_SUFFIX]].read(name + SCALE_SUFFIX)
+            weight = dequantize_blocks(weight, scale, cfg.weight_block_size)
+        for p in plan[name]:
+            value = np.asarray(p.transform(weight)).astype(targets[p.path].dtype)
+            if p.expert is None:
+                arrays[p.path] = jnp.asarray(value)
+                continue
+            buffer, filled = stacks.pop(p.path, None) or (np.empty(expected[p.path], value.dtype), 0)
+            buffer[p.expert] = value
+            if filled + 1 == expected[p.path][0]:
+                arrays[p.path] = jnp.asarray(buffer)  # stack complete: hand it to JAX, drop the host copy
+            else:
+                stacks[p.path] = (buffer, filled + 1)
+    nnx.replace_by_pure_dict(abstract_state, traverse_util.unflatten_dict(arrays))
+    return nnx.merge(graphdef, abstract_state)

@@ -1,0 +1,124 @@
+"""DeepSeek mixture-of-experts feed-forward: router, dropless routed experts,
+shared experts.
+
+Routing (``MLAConfig.topk_method``):
+  greedy               top-k of the scores (DeepSeek-V2-Lite).
+  group_limited_greedy experts sit in ``n_group`` groups; a group scores its
+                       best expert; only the ``topk_group`` best groups compete
+                       (DeepSeek-V2).
+  noaux_tc             the choice uses scores + ``e_score_correction_bias``; a
+                       group scores the sum of its two best experts; the gate
+                       weights are the uncorrected scores (DeepSeek-V3).
+Scores are softmax or sigmoid of the router logits (``scoring_func``),
+optionally renormalized over the chosen k, then times ``routed_scaling_factor``.
+
+The experts are dropless: every (token, expert) assignment is computed. The
+T*k assignments are sorted by expert so each expert's tokens are contiguous,
+and ``jax.lax.ragged_dot`` multiplies each contiguous group by its expert's
+weights: work is proportional to T*k, not T*n_experts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import MLAConfig
+from models.layers import MLP
+
+
+class RouterBias(nnx.Variable):
+    """DeepSeek-V3's ``e_score_correction_bias``: set by load balancing outside
+    gradient descent, so it is state but not an ``nnx.Param`` (optimizers that
+    select ``nnx.Param`` leave it alone)."""
+
+
+class Router(nnx.Module):
+    """Token -> (gate weights [T, k] float32, expert ids [T, k] int32).
+
+    Logits are computed in float32 from a float32 copy of the weight, as
+    DeepSeek does: routing decisions are discontinuous, so bf16 rounding of
+    the logits would flip experts.
+    """
+
+    def __init__(self, cfg: MLAConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        init = nnx.initializers.lecun_normal()
+        self.kernel = nnx.Param(init(rngs.params(), (cfg.hidden_size, cfg.n_routed_experts), dtype))
+        if cfg.topk_method == "noaux_tc":
+            self.e_score_correction_bias = RouterBias(jnp.zeros((cfg.n_routed_experts,), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int32)."""
+        cfg = self.cfg
+        logits = jnp.dot(x.astype(jnp.float32), self.kernel[...].astype(jnp.float32))
+        scores = jax.nn.softmax(logits, axis=-1) if cfg.scoring_func == "softmax" else jax.nn.sigmoid(logits)
+        if cfg.topk_method == "greedy":
+            weights, ids = jax.lax.top_k(scores, cfg.num_experts_per_tok)
+        else:
+            choice = scores
+            if cfg.topk_method == "noaux_tc":
+                choice = scores + self.e_score_correction_bias[...]
+            choice = self._keep_best_groups(choice)
+            _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+            weights = jnp.take_along_axis(scores, ids, axis=-1)
+        if cfg.norm_topk_prob:
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids.astype(jnp.int32)
+
+    def _keep_best_groups(self, choice: jax.Array) -> jax.Array:
+        """choice [T, E] -> same, with experts outside the topk_group best groups set to -inf."""
+        cfg = self.cfg
+        grouped = choice.reshape(choice.shape[0], cfg.n_group, cfg.experts_per_group)
+        if cfg.topk_method == "noaux_tc":
+            group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+        else:
+            group_score = jnp.max(grouped, axis=-1)
+        _, best = jax.lax.top_k(group_score, cfg.topk_group)
+        keep = jnp.any(best[..., None] == jnp.arange(cfg.n_group), axis=-2)  # [T, n_group]
+        return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
+
+
+def _expert_init(rngs: nnx.Rngs, shape: tuple[int, int, int], dtype) -> nnx.Param:
+    # One fan-in-scaled normal matrix per expert (axis 0 indexes experts).
+    init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))
+    return nnx.Param(init(rngs.params(), shape, dtype))
+
+
+class MoE(nnx.Module):
+    """Routed SwiGLU experts plus always-on shared experts: x [..., hidden] -> same shape and dtype.
+
+    Expert weights: ``w_gate``/``w_up`` [E, hidden, moe_intermediate],
+    ``w_down`` [E, moe_intermediate, hidden]. The shared experts form one MLP
+    of width ``moe_intermediate_size * n_shared_experts``.
+    """
+
+    def __init__(self, cfg: MLAConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        num, hidden, inner = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Router(cfg, dtype=dtype, rngs=rngs)
+        self.w_gate = _expert_init(rngs, (num, hidden, inner), dtype)
+        self.w_up = _expert_init(rngs, (num, hidden, inner), dtype)
+        self.w_down = _expert_init(rngs, (num, inner, hidden), dtype)
+        self.shared_experts = (MLP(hidden, inner * cfg.n_shared_experts, dtype=dtype, rngs=rngs)
+                               if cfg.n_shared_experts else None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.gate(flat)
+        k = cfg.num_experts_per_tok
+        expert_of = ids.reshape(-1)                        # [T*k], assignment a = token * k + slot
+        order = jnp.argsort(expert_of, stable=True)        # assignments grouped by expert
+        rows = flat[order // k]                            # [T*k, hidden], sorted by expert
+        group_sizes = jnp.bincount(expert_of, length=cfg.n_routed_experts).astype(jnp.int32)
+        hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, self.w_gate[...], group_sizes))
+                  * jax.lax.ragged_dot(rows, self.w_up[...], group_sizes))
+        out_sorted = jax.lax.ragged_dot(hidden, self.w_down[...], group_sizes)
+        per_assignment = jnp.zeros_like(out_sorted).at[order].set(out_sorted)   # back to token-major order
+        per_token = per_assignment.reshape(flat.shape[0], k, -1).astype(jnp.float32)
+        routed = jnp.einsum("tkd,tk->td", per_token, weights).astype(x.dtype)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(flat)
+        return routed.reshape(x.shape)

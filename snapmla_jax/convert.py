@@ -1,0 +1,56 @@
+"""Convert a Hugging Face DeepSeek-V2/V3 checkpoint into a snapmla-jax (orbax) checkpoint.
+
+    python -m snapmla_jax.convert --hf-dir DIR --out DIR [--dtype bfloat16] [--overwrite] [--quiet]
+
+FP8 block-quantized releases are dequantized to ``--dtype``; multi-token
+prediction layers are dropped. Exit code 0 on success, 2 with a one-line
+message on bad arguments or an unusable checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax.numpy as jnp
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+
+
+class _UsageError(Exception):
+    """Raised instead of argparse's print-usage-and-exit, so main() can return 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise _UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m snapmla_jax.convert", description=__doc__.splitlines()[0])
+    parser.add_argument("--hf-dir", required=True, help="Hugging Face checkpoint directory (config.json + safetensors)")
+    parser.add_argument("--out", required=True, help="output checkpoint directory (must be new or empty)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="parameter dtype (default bfloat16)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the conversion; returns the process exit code (0 ok, 2 bad input)."""
+    from models import load_hf_checkpoint, save_checkpoint
+    from models.transformer import param_count
+
+    try:
+        args = _parser().parse_args(argv)
+        model = load_hf_checkpoint(args.hf_dir, dtype=DTYPES[args.dtype], progress=not args.quiet)
+        save_checkpoint(model, args.out, overwrite=args.overwrite)
+    except (_UsageError, ValueError) as err:
+        print(f"snapmla_jax.convert: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    print(f"saved {param_count(model):,} parameters ({args.dtype}) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""orbax checkpoints of MLAModel: bit-exact round trip, restoring onto a
+sharding or another dtype, and clear errors for broken checkpoint directories."""
+
+import glob
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import MLAConfig, MLAModel, load_checkpoint, save_checkpoint
+from models.checkpoint import CheckpointError
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CFG = MLAConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, q_lora_rank=24,
+                n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+                first_k_dense_replace=1, n_group=2, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
+                norm_topk_prob=True, routed_scaling_factor=2.5)
+TOKENS = np.arange(12, dtype=np.int32).reshape(2, 6) * 5 % 64
+
+
+def flat_state(model) -> dict:
+    return {path: np.asarray(var.get_value()) for path, var in nnx.to_flat_state(nnx.state(model))}
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = MLAModel(CFG, rngs=nnx.Rngs(3), dtype=jnp.float32)
+    # A non-zero router bias: it is state outside nnx.Param and must survive too.
+    m.layers[1].mlp.gate.e_score_correction_bias.set_value(jnp.asarray(np.linspace(-0.3, 0.4, 4), jnp.float32))
+    return m
+
+
+@pytest.fixture(scope="module")
+def saved(model, tmp_path_factory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("ckpt") / "model"
+    save_checkpoint(model, path)
+    return path
+
+
+def test_round_trip_is_bit_exact_including_router_bias(model, saved):
+    restored = load_checkpoint(saved)
+    assert restored.cfg == CFG
+    want, got = flat_state(model), flat_state(restored)
+    assert set(got) == set(want)
+    for path in want:
+        assert got[path].dtype == want[path].dtype, path
+        np.testing.assert_array_equal(got[path], want[path], err_msg=str(path))
+    np.testing.assert_array_equal(np.asarray(restored(jnp.asarray(TOKENS))), np.asarray(model(jnp.asarray(TOKENS))))
+
+
+def test_restore_in_another_dtype_casts_params_but_keeps_router_bias_float32(model, saved):
+    restored = load_checkpoint(saved, dtype=jnp.bfloat16)
+    kernel = restored.layers[0].self_attn.q_a_proj.kernel[...]
+    assert kernel.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(kernel),
+                                  np.asarray(model.layers[0].self_attn.q_a_proj.kernel[...].astype(jnp.bfloat16)))
+    assert restored.layers[1].mlp.gate.e_score_correction_bias[...].dtype == jnp.float32
+
+
+def test_restore_onto_a_given_single_device_sharding(saved):
+    device = jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    restored = load_checkpoint(saved, sharding=sharding)
+    assert all(leaf.sharding == sharding for leaf in jax.tree.leaves(nnx.state(restored)))
+
+
+SHARDED_RESTORE = """
+import sys, jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from flax import nnx
+from models import load_checkpoint
+mesh = Mesh(np.array(jax.devices()), ("model",))
+def by_path(path, leaf):
+    # Split the output axis of every 2-D kernel over both devices; replicate the rest.
+    spec = P(None, "model") if len(leaf.shape) == 2 and leaf.shape[1] % 2 == 0 else P()
+    return NamedSharding(mesh, spec)
+model = load_checkpoint(sys.argv[1], sharding=by_path)
+kernel = model.layers[0].self_attn.q_a_proj.kernel[...]
+assert len(jax.devices()) == 2 and kernel.sharding.spec == P(None, "model"), kernel.sharding
+assert len(kernel.addressable_shards) == 2 and kernel.addressable_shards[0].data.shape == (32, 12)
+np.save(sys.argv[2], np.asarray(kernel))
+"""
+
+
+def test_restore_onto_a_two_device_named_sharding(model, saved, tmp_path):
+    # Two CPU devices exist only in a fresh process (the flag is read at JAX start-up).
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))
+    out = tmp_path / "kernel.npy"
+    result = subprocess.run([sys.executable, "-c", SHARDED_RESTORE, str(saved), str(out)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    np.testing.assert_array_equal(np.load(out), np.asarray(model.layers[0].self_attn.q_a_proj.kernel[...]))
+
+
+def copy_checkpoint(saved: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    subprocess.run(["cp", "-r", str(saved), str(dst)], check=True)
+    return dst
+
+
+def test_unfinished_save_without_config_is_reported(saved, tmp_path):
+    broken = copy_checkpoint(saved, tmp_path / "partial")
+    (broken / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="no config.json.*did not finish"):
+        load_checkpoint(broken)
+
+
+def test_corrupted_config_is_reported(saved, tmp_path):
+    broken = copy_checkpoint(saved, tmp_path / "garbled")
+    (broken / "config.json").write_text('{"format": "snapmla-jax/mla-model/1", "dtype": "float32", "conf')
+    with pytest.raises(CheckpointError, match="config.json is corrupted"):
+        load_checkpoint(broken)
+
+
+def test_missing_weights_directory_is_reported(saved, tmp_path):
+    broken = copy_checkpoint(saved, tmp_path / "no_state")
+    subprocess.run(["rm", "-r", str(broken / "state")], check=True)
+    with pytest.raises(CheckpointError, match="weights are missing"):
+        load_checkpoint(broken)
+
+
+def test_truncated_weight_files_are_reported_without_an_orbax_traceback(saved, tmp_path):
+    broken = copy_checkpoint(saved, tmp_path / "truncated")
+    data_files = [f for f in glob.glob(str(broken / "state" / "**" / "d" / "*"), recursive=True) if os.path.isfile(f)]
+    assert data_files, "expected orbax data files under state/"
+    for path in data_files:
+        with open(path, "r+b") as f:
+            f.truncate(7)
+    with pytest.raises(CheckpointError, match="cannot read the saved weights"):
+        load_checkpoint(broken)
+
+
+def test_config_that_does_not_fit_the_saved_arrays_is_reported(saved, tmp_path):
+    broken = copy_checkpoint(saved, tmp_path / "mismatch")
+    record = json.loads((broken / "config.json").read_text())
+    record["config"]["kv_lora_rank"] = 20
+    (broken / "config.json").write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match="does not fit.*w_uk"):
+        load_checkpoint(broken)
+
+
+def test_not_a_directory_is_reported(tmp_path):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        load_checkpoint(tmp_path / "absent")
+
+
+def test_saving_over_an_existing_checkpoint_needs_overwrite(model, saved, tmp_path):
+    target = copy_checkpoint(saved, tmp_path / "existing")
+    with pytest.raises(ValueError, match="overwrite"):
+        save_checkpoint(model, target)
+    save_checkpoint(model, target, overwrite=True)
+    np.testing.assert_array_equal(np.asarray(load_checkpoint(target)(jnp.asarray(TOKENS))),
+                                  np.asarray(model(jnp.asarray(TOKENS))))
