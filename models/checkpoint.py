@@ -127,10 +127,14 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, *, dtype=None,
         raise CheckpointError(f"ckpt_dir: {ckpt_dir}: the saved state does not fit its config: "
                               f"missing {missing[:8]}, mis-shaped {misshaped[:8]}")
 
+    # Always name a target sharding: without one orbax restores onto the saved
+    # topology and refuses a checkpoint written on another platform (GPU -> CPU).
+    default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
     def target(path: str, leaf) -> jax.ShapeDtypeStruct:
         plain = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
         chosen = sharding(path, plain) if callable(sharding) else sharding
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=chosen) if chosen is not None else plain
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=chosen or default_sharding)
 
     targets = {path: target(path, leaf) for path, leaf in wanted.items()}
     try:

@@ -1,0 +1,296 @@
+"""Train the small byte-level MLA model shipped as the CLI's default.
+
+    python -m snapmla_jax.train_demo --out DIR [--steps 4000] [--max-seconds 240]
+
+The model is DeepSeek-shaped where SnapMLA cares (kv_lora_rank 512, RoPE head
+dim 64, so the real cache layout and kernels run; a first dense layer, then
+MoE layers with routed + shared experts) and small everywhere else. It learns
+from Python's standard library (``snapmla_jax.byte_corpus``), one token per
+byte. Training needs optax (``pip install -e .[train]``).
+
+The learning rate warms up linearly, then follows a cosine to 10% of the peak.
+The cosine's progress is ``max(step / steps, elapsed / max_seconds)``: the run
+ends at whichever limit it reaches first, with the schedule finished either
+way. Parameters train in float32 and are stored in bfloat16.
+
+DIR becomes an orbax checkpoint (``models.save_checkpoint``: config.json and
+state/) that ``python -m snapmla_jax.generate --model DIR`` loads, with beside
+it the byte-level ``tokenizer_config.json``, the held-out file list
+``heldout_files.json`` and ``train_recipe.json`` (flags, steps, seconds,
+losses, device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import pathlib
+import sys
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import MLAConfig, MLAModel, save_checkpoint
+from snapmla_jax import byte_corpus
+
+LN2 = math.log(2.0)
+FINAL_LR_FRACTION = 0.1  # the cosine ends at 10% of the peak rather than 0: the last steps still learn
+
+
+def demo_config(max_position_embeddings: int = 2048) -> MLAConfig:
+    """The shipped model: ~8M parameters, 16 MB in bfloat16.
+
+    Attention dims are DeepSeek's (latent 512, RoPE 64, nope 64) so the cache
+    and decode kernels see production shapes; 4 heads keep kv_b_proj (W_UK,
+    W_UV: 512 x H x 64 each) from eating the size budget. Layer 0 is dense
+    (DeepSeek's first_k_dense_replace); layers 1-3 route top-2 of 8 small
+    experts plus one shared expert.
+    """
+    return MLAConfig(
+        vocab_size=byte_corpus.VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+        num_attention_heads=4, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
+        q_lora_rank=None, max_position_embeddings=max_position_embeddings,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=192,
+        first_k_dense_replace=1, topk_method="greedy", scoring_func="softmax", norm_topk_prob=True)
+
+
+def tiny_config() -> MLAConfig:
+    """A model small enough to train a few steps on a CPU in a test (same structure as the demo)."""
+    return dataclasses.replace(
+        demo_config(max_position_embeddings=256), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+        n_routed_experts=4, moe_intermediate_size=16)
+
+
+CONFIGS = {"demo": demo_config, "tiny": tiny_config}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRecipe:
+    """Hyperparameters of one run (stored in train_recipe.json)."""
+
+    config: str = "demo"
+    steps: int = 4000
+    max_seconds: float = 240.0
+    batch_size: int = 64
+    seq_len: int = 512
+    peak_lr: float = 2e-3
+    warmup_steps: int = 200
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    beta2: float = 0.95
+    steps_per_call: int = 50
+    heldout_fraction: float = byte_corpus.DEFAULT_HELDOUT_FRACTION
+    eval_windows: int = 256
+    seed: int = 0
+
+
+def learning_rate(recipe: TrainRecipe, step: int, elapsed_s: float) -> float:
+    """Linear warmup over ``warmup_steps``, then a cosine to FINAL_LR_FRACTION of the peak driven by
+    ``max(step / steps, elapsed_s / max_seconds)`` (see the module docstring)."""
+    if step < recipe.warmup_steps:
+        return recipe.peak_lr * (step + 1) / recipe.warmup_steps
+    progress = min(1.0, max(step / recipe.steps, elapsed_s / recipe.max_seconds))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return recipe.peak_lr * (FINAL_LR_FRACTION + (1.0 - FINAL_LR_FRACTION) * cosine)
+
+
+def token_losses(model: MLAModel, windows: jax.Array) -> jax.Array:
+    """Next-token cross entropy in nats: windows [B, S+1] int32 -> [B, S] float32."""
+    logits = model(windows[:, :-1]).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, windows[:, 1:, None], axis=-1)[..., 0]
+
+
+def _import_optax():
+    try:
+        import optax
+    except ImportError as err:
+        raise SystemExit("train_demo needs optax: pip install -e '.[train]'") from err
+    return optax
+
+
+def _make_chunk_fn(graphdef, rest, tx):
+    """A jitted function running ``K`` optimizer steps: (params, opt_state, batches [K, B, S+1] int32,
+    learning rates [K] float32) -> (params, opt_state, losses [K]). One call per K steps keeps host
+    dispatch off the step time; params and opt_state are donated."""
+    optax = _import_optax()
+
+    def loss_fn(params, windows):
+        return jnp.mean(token_losses(nnx.merge(graphdef, params, rest), windows))
+
+    def step(carry, windows_and_lr):
+        params, opt_state = carry
+        windows, lr = windows_and_lr
+        loss, grads = jax.value_and_grad(loss_fn)(params, windows)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, jax.tree.map(lambda u: -lr * u, updates))
+        return (params, opt_state), loss
+
+    def run_chunk(params, opt_state, batches, lrs):
+        (params, opt_state), losses = jax.lax.scan(step, (params, opt_state), (batches, lrs))
+        return params, opt_state, losses
+
+    return jax.jit(run_chunk, donate_argnums=(0, 1))
+
+
+def train(cfg: MLAConfig, train_stream: np.ndarray, recipe: TrainRecipe, *, log=print) -> tuple[MLAModel, dict]:
+    """Train a float32 MLAModel on random windows of ``train_stream`` (int32 [N]).
+
+    Returns (model, history) where history holds per-chunk ``steps``,
+    ``loss`` (mean nats per token of the chunk), ``lr`` and ``seconds``, and
+    ``compile_seconds``.
+    """
+    if recipe.seq_len + 1 > cfg.max_position_embeddings:
+        raise ValueError(f"seq_len: expected <= max_position_embeddings - 1 = {cfg.max_position_embeddings - 1}, "
+                         f"got {recipe.seq_len}")
+    optax = _import_optax()
+    model = MLAModel(cfg, rngs=nnx.Rngs(recipe.seed), dtype=jnp.float32)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    decay_mask = jax.tree.map(lambda p: p.ndim >= 2, params)  # no weight decay on norm scales
+    tx = optax.chain(optax.clip_by_global_norm(recipe.grad_clip),
+                     optax.scale_by_adam(b2=recipe.beta2),
+                     optax.add_decayed_weights(recipe.weight_decay, mask=decay_mask))
+    opt_state = tx.init(params)
+    run_chunk = _make_chunk_fn(graphdef, rest, tx)
+    rng = np.random.default_rng(recipe.seed)
+    history = {"steps": [], "loss": [], "lr": [], "seconds": [], "compile_seconds": 0.0}
+    step, start = 0, None
+    while step < recipe.steps:
+        elapsed = 0.0 if start is None else time.perf_counter() - start
+        if start is not None and elapsed >= recipe.max_seconds:
+            break
+        k = min(recipe.steps_per_call, recipe.steps - step)
+        batches = np.stack([byte_corpus.sample_windows(train_stream, recipe.batch_size, recipe.seq_len + 1, rng)
+                            for _ in range(k)])
+        lrs = np.array([learning_rate(recipe, step + i, elapsed) for i in range(k)], np.float32)
+        t0 = time.perf_counter()
+        params, opt_state, losses = run_chunk(params, opt_state, jnp.asarray(batches), jnp.asarray(lrs))
+        losses = np.asarray(losses)  # waits for the chunk
+        if start is None:  # the first chunk includes compilation; the time budget starts after it
+            history["compile_seconds"] = time.perf_counter() - t0
+            start = time.perf_counter()
+        step += k
+        history["steps"].append(step)
+        history["loss"].append(float(losses.mean()))
+        history["lr"].append(float(lrs[-1]))
+        history["seconds"].append(time.perf_counter() - start)
+        if not np.isfinite(losses).all():
+            raise FloatingPointError(f"training diverged at step {step}: loss {losses}")
+        log(f"step {step:6d}  loss {losses.mean():.4f} nats/byte ({losses.mean() / LN2:.3f} bits)  "
+            f"lr {lrs[-1]:.2e}  {history['seconds'][-1]:.1f}s")
+    nnx.update(model, params)
+    return model, history
+
+
+def heldout_windows(stream: np.ndarray, seq_len: int, max_windows: int) -> np.ndarray:
+    """Non-overlapping windows of seq_len + 1 tokens from the start of ``stream``: int32 [W, seq_len + 1],
+    W = min(max_windows, how many fit). Consecutive windows share one token (the last target of one is
+    the first input of the next), so every token after the first is scored once."""
+    count = min(max_windows, (stream.shape[0] - 1) // seq_len)
+    if count < 1:
+        raise ValueError(f"stream: expected at least seq_len + 1 = {seq_len + 1} tokens, got {stream.shape[0]}")
+    starts = np.arange(count) * seq_len
+    return stream[starts[:, None] + np.arange(seq_len + 1)[None, :]].astype(np.int32)
+
+
+def bits_per_byte(model: MLAModel, windows: np.ndarray, batch_size: int = 16) -> float:
+    """Mean next-token loss in bits over targets that are bytes (a file's BOS and EOS are not bytes).
+
+    windows [W, S+1] int32 -> float. Every window starts from an empty context.
+    """
+    loss_fn = nnx.jit(token_losses)
+    total, count = 0.0, 0
+    for i in range(0, windows.shape[0], batch_size):
+        chunk = windows[i:i + batch_size]
+        losses = np.asarray(loss_fn(model, jnp.asarray(chunk)), np.float64)
+        is_byte = chunk[:, 1:] < byte_corpus.NUM_BYTES
+        total += float(losses[is_byte].sum())
+        count += int(is_byte.sum())
+    return total / count / LN2
+
+
+def unigram_bits_per_byte(train_stream: np.ndarray, heldout_stream: np.ndarray) -> float:
+    """Held-out bits per byte of the add-one-smoothed byte frequencies of the training stream: the
+    floor a model must beat to have learned anything beyond byte frequencies."""
+    train_bytes = train_stream[train_stream < byte_corpus.NUM_BYTES]
+    held_bytes = heldout_stream[heldout_stream < byte_corpus.NUM_BYTES]
+    counts = np.bincount(train_bytes, minlength=byte_corpus.NUM_BYTES).astype(np.float64) + 1.0
+    log2p = np.log2(counts / counts.sum())
+    return float(-log2p[held_bytes].mean())
+
+
+def cast_model(model: MLAModel, dtype) -> MLAModel:
+    """A copy of ``model`` whose parameters are stored and computed in ``dtype`` (float32 router-bias
+    state, if any, stays float32)."""
+    out = MLAModel(model.cfg, rngs=nnx.Rngs(0), dtype=dtype)
+    params = nnx.state(model, nnx.Param)
+    nnx.update(out, jax.tree.map(lambda p: p.astype(dtype), params))
+    return out
+
+
+def _parse_args(argv):
+    defaults = TrainRecipe()
+    p = argparse.ArgumentParser(prog="python -m snapmla_jax.train_demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="directory for the checkpoint and its metadata")
+    p.add_argument("--config", choices=sorted(CONFIGS), default=defaults.config)
+    for field in dataclasses.fields(TrainRecipe):
+        if field.name != "config":
+            p.add_argument("--" + field.name.replace("_", "-"), type=type(field.default), default=field.default)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    recipe = TrainRecipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainRecipe)})
+    out = pathlib.Path(args.out)
+    cfg = CONFIGS[recipe.config]()
+    split = byte_corpus.split_files(heldout_fraction=recipe.heldout_fraction)
+    train_stream = byte_corpus.token_stream(split.root, split.train_files)
+    held_stream = byte_corpus.token_stream(split.root, split.heldout_files)
+    print(f"corpus: {len(split.train_files)} train files ({train_stream.size} tokens), "
+          f"{len(split.heldout_files)} held-out files ({held_stream.size} tokens) from {split.root}")
+
+    model, history = train(cfg, train_stream, recipe)
+    shipped = cast_model(model, jnp.bfloat16)
+    windows = heldout_windows(held_stream, recipe.seq_len, recipe.eval_windows)
+    train_windows = byte_corpus.sample_windows(train_stream, windows.shape[0], recipe.seq_len + 1,
+                                               np.random.default_rng(recipe.seed + 1))
+    results = {
+        "heldout_bits_per_byte_bf16": bits_per_byte(shipped, windows),
+        "train_bits_per_byte_bf16": bits_per_byte(shipped, train_windows),
+        "heldout_bits_per_byte_f32": bits_per_byte(model, windows),
+        "unigram_heldout_bits_per_byte": unigram_bits_per_byte(train_stream, held_stream),
+        "heldout_tokens_scored": int(windows.shape[0] * recipe.seq_len),
+    }
+    print(json.dumps(results, indent=1))
+
+    save_checkpoint(shipped, out)  # first: it wants an empty or new directory
+    byte_corpus.write_file_list(out / "heldout_files.json", split.heldout_files,
+                                heldout_fraction=recipe.heldout_fraction)
+    byte_corpus.write_tokenizer_config(out / "tokenizer_config.json")
+    num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(shipped, nnx.Param)))
+    record = {
+        "recipe": dataclasses.asdict(recipe), "model_config": cfg.to_dict(), "num_params": num_params,
+        "steps_done": history["steps"][-1], "train_seconds": history["seconds"][-1],
+        "compile_seconds": history["compile_seconds"], "final_train_loss_nats": history["loss"][-1],
+        "history": {k: v for k, v in history.items() if k != "compile_seconds"}, **results,
+        "device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__,
+        "python_version": sys.version.split()[0],
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "command": "python -m snapmla_jax.train_demo " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    (out / "train_recipe.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out}: {num_params} parameters, {history['steps'][-1]} steps in {history['seconds'][-1]:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
