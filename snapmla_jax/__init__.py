@@ -8,3 +8,13 @@ save_checkpoint, load_checkpoint) and generate.
 from snapmla_jax.cache import LatentCache, dequantize
 from snapmla_jax.quant_report import quant_error_report
 from snapmla_jax.write import write_kv
+from snapmla_jax.decode import mla_decode
+from models import MLAConfig, MLAModel, load_hf_checkpoint, save_checkpoint, load_checkpoint
+
+import warnings
+
+# `python -m snapmla_jax.generate` runs a module this package has already
+# imported (for the generate function); that is intended, so runpy's warning
+# about it is silenced, for this module only.
+warnings.filterwarnings("ignore", message=r"'snapmla_jax\.generate' found in sys\.modules", category=RuntimeWarning)
+from snapmla_jax.generate import generate  # noqa: E402

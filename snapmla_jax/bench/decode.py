@@ -1,0 +1,243 @@
+"""``python -m snapmla_jax.bench decode``: MLA decode, FP8 kernel vs its BF16 twin,
+the plain-XLA path and JAX's stock Pallas decode kernel, with roofline fractions.
+
+For every (batch B, context, heads H, s_q) the same random cache contents are
+stored as fp8 and bf16 LatentCaches (page_size 64, each row's pages in order),
+and each method is timed as the median of a few synchronised calls. Columns:
+
+  ms           median time of one decode step (all B rows, one layer)
+  GB/s         cache bytes + query/output bytes moved, per second
+  TFLOP/s      2 * B * s_q * H * ctx * (576 + 512) per second
+  % roof       roofline time / measured time, from ceilings measured in this
+               run: copy bandwidth, and the FP8 / BF16 GEMM rates (the FP8
+               kernel's 512-dim products are e4m3, its 64-dim RoPE product bf16).
+
+Writes ``decode.json`` and ``decode.md`` under ``--out`` (docs/benchmarks).
+``--merge`` keeps rows of an earlier run whose shapes this run does not cover,
+so a long grid can be measured in several invocations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from snapmla_jax.bench import timing
+from snapmla_jax.cache import LatentCache
+from snapmla_jax.decode import mla_decode
+from snapmla_jax.quantization import quantize_per_token
+
+RANK, ROPE, PAGE = 512, 64, 64
+FULL = dict(batches=(1, 8, 32, 64, 128), contexts=(1024, 4096, 16384, 65536), heads=(16, 128), s_qs=(1, 2))
+QUICK = dict(batches=(1, 64), contexts=(4096, 16384), heads=(128,), s_qs=(1,))
+# Share of device memory a configuration may plan to use (caches + the XLA path's temporaries).
+MEMORY_FRACTION = 0.7
+
+
+def _device_memory() -> int:
+    stats = jax.devices()[0].memory_stats() or {}
+    return int(stats.get("bytes_limit", 16 << 30))
+
+
+def make_caches(batch: int, context: int, seed: int = 0) -> tuple[LatentCache, LatentCache, jax.Array]:
+    """fp8 and bf16 caches of the same random contents (per-token magnitudes e^N(0,1)), and the block table."""
+    pages = batch * context // PAGE
+    k = jax.random.split(jax.random.key(seed), 3)
+    latent = (jax.random.normal(k[0], (pages, PAGE, RANK), jnp.bfloat16)
+              * jnp.exp(jax.random.normal(k[1], (pages, PAGE, 1), jnp.bfloat16)))
+    rope = jax.random.normal(k[2], (pages, PAGE, ROPE), jnp.bfloat16)
+    latent_fp8, scale = jax.jit(quantize_per_token)(latent)
+    fp8 = LatentCache(latent=latent_fp8, scale=scale, rope=rope)
+    bf16 = LatentCache(latent=latent, scale=None, rope=rope)
+    block_table = jnp.arange(pages, dtype=jnp.int32).reshape(batch, context // PAGE)
+    return fp8, bf16, block_table
+
+
+def stock_mqa(q, q_rope, cache: LatentCache, block_table, seq_lens, softmax_scale):
+    """JAX's stock Pallas decode kernel on MLA shapes: MQA with the 576-dim
+    [latent, rope] as K and as V (its V must match K's width; the first 512
+    output dims are the MLA output), on a contiguous copy of the cache."""
+    from jax.experimental.pallas.ops.gpu.decode_attention import mqa
+
+    batch = q.shape[0]
+    contiguous = lambda a: jnp.take(a, block_table, axis=0).reshape(batch, -1, a.shape[-1])
+    k = jnp.concatenate([contiguous(cache.latent), contiguous(cache.rope)], axis=-1)
+    qk = jnp.concatenate([q[:, 0], q_rope[:, 0]], axis=-1)
+    return (jax.jit(lambda qk, k, n: mqa(qk, k, k, kv_seq_len=n, sm_scale=softmax_scale)[..., :RANK]),
+            (qk, k, seq_lens))
+
+
+def _probe_stock(q, q_rope, cache, block_table, seq_lens, scale) -> str | None:
+    """None if the stock kernel runs on these MLA shapes, else why not (first line of the error)."""
+    try:
+        fn, args = stock_mqa(q, q_rope, cache, block_table, seq_lens, scale)
+        jax.block_until_ready(fn(*args))
+        return None
+    except Exception as err:  # the reason is the result here
+        lines = [l for l in str(err).splitlines() if l.strip()]
+        return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def roofline_ms(nbytes: float, flops_fp8: float, flops_bf16: float, ceilings: timing.Ceilings) -> float:
+    memory = nbytes / (ceilings.copy_gbps * 1e9)
+    compute = flops_fp8 / (ceilings.fp8_tflops * 1e12) + flops_bf16 / (ceilings.bf16_tflops * 1e12)
+    return max(memory, compute) * 1e3
+
+
+def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_reason, memory):
+    fp8, bf16, block_table = caches
+    k = jax.random.split(jax.random.key(batch * 7 + heads + s_q), 2)
+    q = jax.random.normal(k[0], (batch, s_q, heads, RANK), jnp.bfloat16)
+    q_rope = jax.random.normal(k[1], (batch, s_q, heads, ROPE), jnp.bfloat16)
+    seq_lens = jnp.full((batch,), context, jnp.int32)
+    scale = 1.0 / math.sqrt(RANK + ROPE)
+    args = (q, q_rope, block_table, seq_lens)
+    run = lambda cache, backend: jax.jit(
+        lambda q, qr, bt, n: mla_decode(q, qr, cache, bt, n, softmax_scale=scale, backend=backend))
+    row = dict(batch=batch, context=context, heads=heads, s_q=s_q)
+    io_bytes = batch * s_q * heads * (RANK + ROPE + RANK) * 2
+    flops = 2 * batch * s_q * heads * context * (RANK + ROPE + RANK)
+    flops_rope = 2 * batch * s_q * heads * context * ROPE
+    plans = {
+        "fp8": (lambda: run(fp8, "pallas"), fp8.nbytes_per_token, (flops - flops_rope, flops_rope)),
+        "bf16": (lambda: run(bf16, "pallas"), bf16.nbytes_per_token, (0, flops)),
+        "xla_bf16": (lambda: run(bf16, "xla"), bf16.nbytes_per_token, (0, flops)),
+    }
+    # The XLA path gathers the pages (a bf16 copy) and keeps fp32 scores and weights.
+    xla_bytes = batch * context * bf16.nbytes_per_token + 3 * batch * s_q * heads * context * 4
+    for name, (make, per_token, (f8, f16)) in plans.items():
+        if name == "xla_bf16" and xla_bytes > MEMORY_FRACTION * memory / 2:
+            row[f"{name}_ms"] = None
+            row[f"{name}_note"] = "skipped: does not fit memory"
+            continue
+        try:
+            ms = timing.time_ms(make(), [args], warmup=2, iters=iters)
+        except Exception as err:  # a failing method is reported, the run goes on
+            row[f"{name}_ms"] = None
+            row[f"{name}_note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            continue
+        nbytes = batch * context * per_token + io_bytes
+        row[f"{name}_ms"] = ms
+        row[f"{name}_gbps"] = nbytes / (ms * 1e-3) / 1e9
+        row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
+        row[f"{name}_roofline"] = roofline_ms(nbytes, f8, f16, ceilings) / ms
+    if stock_reason is None:
+        fn, stock_args = stock_mqa(q, q_rope, bf16, block_table, seq_lens, scale)
+        row["stock_mqa_ms"] = timing.time_ms(fn, [stock_args], warmup=2, iters=iters)
+    else:
+        row["stock_mqa_ms"] = None
+        row["stock_mqa_note"] = "does not run: " + stock_reason
+    if row.get("fp8_ms") and row.get("bf16_ms"):
+        row["fp8_over_bf16"] = row["bf16_ms"] / row["fp8_ms"]
+    if row.get("fp8_ms") and row.get("xla_bf16_ms"):
+        row["fp8_over_xla"] = row["xla_bf16_ms"] / row["fp8_ms"]
+    return row
+
+
+def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str | None) -> str:
+    fmt = lambda v, spec="{:.3g}": "-" if v is None else spec.format(v)
+    pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"
+    cols = ["B", "ctx", "H", "s_q", "FP8 ms", "BF16 ms", "XLA bf16 ms", "FP8/BF16", "FP8/XLA",
+            "FP8 GB/s", "FP8 TFLOP/s", "FP8 % roof", "BF16 GB/s", "BF16 TFLOP/s", "BF16 % roof", "XLA % roof"]
+    body = [[r["batch"], r["context"], r["heads"], r["s_q"], fmt(r.get("fp8_ms")), fmt(r.get("bf16_ms")),
+             fmt(r.get("xla_bf16_ms")), fmt(r.get("fp8_over_bf16"), "{:.2f}x"), fmt(r.get("fp8_over_xla"), "{:.2f}x"),
+             fmt(r.get("fp8_gbps"), "{:.0f}"), fmt(r.get("fp8_tflops"), "{:.0f}"), pct(r.get("fp8_roofline")),
+             fmt(r.get("bf16_gbps"), "{:.0f}"), fmt(r.get("bf16_tflops"), "{:.0f}"), pct(r.get("bf16_roofline")),
+             pct(r.get("xla_bf16_roofline"))] for r in rows]
+    notes = sorted({f"{k[:-5]}: {r[k]}" for r in rows for k in r if k.endswith("_note") and k != "stock_mqa_note"})
+    stock = ("runs (times in decode.json)" if stock_reason is None else f"does not run: {stock_reason}")
+    lines = [
+        "# MLA decode benchmark",
+        "",
+        f"Device: {env['device']}, jax {env['jax']}, Python {env['python']}, date {env['date']}.",
+        f"Ceilings measured in this run: copy {ceilings['copy_gbps']:.0f} GB/s, "
+        f"BF16 GEMM {ceilings['bf16_tflops']:.0f} TFLOP/s, FP8 GEMM {ceilings['fp8_tflops']:.0f} TFLOP/s.",
+        "",
+        "One decode step over one layer, page_size 64, all rows at the full context; times are medians.",
+        "FP8 = SnapMLA kernel on the fp8 cache (644 B/token), BF16 = the same kernel body on the bf16",
+        "cache (1152 B/token), XLA bf16 = `mla_decode(..., backend=\"xla\")` on the bf16 cache (gather",
+        "+ einsum + softmax, what a JAX user writes today).",
+        f"JAX stock `pallas.ops.gpu.decode_attention.mqa` (the 576-dim [latent, rope] as K and V): {stock}.",
+        "",
+        timing.markdown_table(cols, body),
+    ]
+    if notes:
+        lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m snapmla_jax.bench decode", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--out", default="docs/benchmarks", help="directory for decode.json / decode.md")
+    parser.add_argument("--iters", type=int, default=10, help="timed calls per measurement")
+    parser.add_argument("--batches", type=int, nargs="*", help="override the batch sizes")
+    parser.add_argument("--contexts", type=int, nargs="*", help="override the context lengths")
+    parser.add_argument("--heads", type=int, nargs="*", help="override the head counts")
+    parser.add_argument("--s-q", type=int, nargs="*", dest="s_qs", help="override the query lengths")
+    parser.add_argument("--merge", action="store_true", help="keep earlier rows of shapes not measured now")
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("decode benchmark: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    grid = dict(QUICK if args.quick else FULL)
+    for key in grid:
+        if getattr(args, key):
+            grid[key] = tuple(getattr(args, key))
+    env = timing.environment()
+    ceilings = timing.measure_ceilings()
+    memory = _device_memory()
+    print(f"{env}\n{ceilings}", flush=True)
+    rows, stock_reason = [], None
+    out = pathlib.Path(args.out)
+    earlier = []
+    if args.merge and (out / "decode.json").exists():
+        earlier = json.loads((out / "decode.json").read_text())["rows"]
+
+    def save(measured: list[dict]) -> str:
+        done = {(r["batch"], r["context"], r["heads"], r["s_q"]) for r in measured}
+        merged = [r for r in earlier if (r["batch"], r["context"], r["heads"], r["s_q"]) not in done] + measured
+        merged.sort(key=lambda r: (r["heads"], r["s_q"], r["batch"], r["context"]))
+        ceil = dataclasses.asdict(ceilings)
+        markdown = to_markdown(env, ceil, merged, stock_reason)
+        timing.write_results(out, "decode", {**env, "ceilings": ceil, "stock_mqa": stock_reason or "runs"}, merged,
+                             markdown)
+        return markdown
+
+    stock_probed = False
+    for batch in grid["batches"]:
+        for context in grid["contexts"]:
+            cache_bytes = batch * context * (644 + 1152)
+            if cache_bytes > MEMORY_FRACTION * memory:
+                print(f"skip B={batch} ctx={context}: caches need {cache_bytes / 2**30:.1f} GiB", flush=True)
+                continue
+            caches = make_caches(batch, context)
+            if not stock_probed:
+                q = jnp.ones((batch, 1, grid["heads"][0], RANK), jnp.bfloat16)
+                stock_reason = _probe_stock(q, q[..., :ROPE], caches[1], caches[2],
+                                            jnp.full((batch,), context, jnp.int32), 0.04)
+                stock_probed = True
+                print(f"stock mqa: {stock_reason or 'runs'}", flush=True)
+            for heads in grid["heads"]:
+                for s_q in grid["s_qs"]:
+                    try:
+                        row = measure_config(batch, context, heads, s_q, caches, ceilings, args.iters,
+                                             stock_reason, memory)
+                    except Exception:
+                        traceback.print_exc()
+                        continue
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    save(rows)  # after every row: a run cut short keeps what it measured
+            del caches
+    print(save(rows))
+    return 0

@@ -1,0 +1,433 @@
+"""``python -m snapmla_jax.bench e2e``: end-to-end decode throughput, FP8 vs BF16 cache.
+
+A model with DeepSeek-V2-Lite's shapes (27 layers, hidden 2048, 16 heads,
+kv_lora_rank 512, 64 routed experts top-6 + 2 shared, vocab 102400) with random
+bf16 weights decodes with ``snapmla_jax.generate``'s compiled decode loop (the
+``lax.while_loop`` of ``--steps`` steps: 27 x (write_kv + mla_decode), the
+MoE, the LM head and greedy sampling per step, cache donated). Every row holds
+``context`` cached tokens (the cache is filled with constant values instead of
+a prefill: the kernels' time does not depend on the values).
+
+Per (batch, context, cache format): generated tokens/s = batch / step time,
+and the share of the step spent in attention, measured by timing the same
+27 x (write_kv + mla_decode) alone. The feed-forward stack (dense MLP + 26 MoE
+layers) is timed alone too, and the step's weight-read floor is computed from
+the bytes of the weights a step touches and the copy bandwidth measured in the
+run. A (batch, context) whose cache does not fit next to the weights is
+reported as such.
+
+One compiled program per (batch, cache format) serves every context: the
+cache and block table are sized for the largest context that fits, and the
+kernels stop at each row's seq_len. Programs are compiled in parallel threads
+before the runs; results are written after every run, so a run cut short
+still leaves its table. ``--tiny`` runs a 2-layer model on any backend (CPU test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import functools
+import gc
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import MLAConfig, MLAModel
+from snapmla_jax.bench import timing
+from snapmla_jax.cache import LatentCache
+from snapmla_jax.decode import mla_decode
+from snapmla_jax.generate import DecodeState, decode_chunk
+from snapmla_jax.paging import allocate_pages
+from snapmla_jax.sampling import SamplingConfig
+from snapmla_jax.write import write_kv
+
+PAGE_SIZE = 64
+GIB = 2**30
+# Left free beside weights and caches: logits [B, vocab] f32, MoE temporaries,
+# the split-KV partials and XLA's scratch.
+HEADROOM_BYTES = 4 * GIB
+CACHE_FORMATS = ("fp8", "bf16")
+WEIGHT_STD = 0.02  # of the random weight matrices (GPT-2's init scale; values only need to stay finite)
+
+V2_LITE = MLAConfig(
+    vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=None,
+    max_position_embeddings=163840, rope_type="yarn", rope_factor=40.0, rope_original_max_position=4096,
+    rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=0.707, rope_mscale_all_dim=0.707,
+    n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
+    first_k_dense_replace=1, topk_method="greedy")
+TINY = MLAConfig(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+    kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16, max_position_embeddings=4096,
+    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1)
+FULL_GRID = dict(batches=(16, 64, 128), contexts=(4096, 16384, 32768))
+TINY_GRID = dict(batches=(2, 3), contexts=(64, 200))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One compiled decode program: a batch size and cache format, and the contexts it serves."""
+
+    batch: int
+    kv_cache: str
+    contexts: tuple[int, ...]  # those that fit, ascending
+    too_big: tuple[int, ...]  # those whose cache does not fit
+    num_pages: int
+    cache_bytes: int  # for the largest fitting context
+
+
+def cache_bytes_per_token(cfg: MLAConfig, kv_cache: str) -> int:
+    """All layers: fp8 512 + 4 + 128 = 644 B per layer, bf16 1024 + 128 = 1152 B."""
+    per_layer = cfg.kv_lora_rank * (1 if kv_cache == "fp8" else 2) + cfg.qk_rope_head_dim * 2
+    return cfg.num_hidden_layers * (per_layer + (4 if kv_cache == "fp8" else 0))
+
+
+def free_device_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats["bytes_in_use"]
+
+
+def make_plans(cfg: MLAConfig, batches, contexts, total_steps: int, free: int | None) -> list[Plan]:
+    plans = []
+    for batch in batches:
+        for kv_cache in CACHE_FORMATS:
+            fits, too_big = [], []
+            for context in sorted(contexts):
+                tokens = batch * (context + total_steps)
+                need = tokens * cache_bytes_per_token(cfg, kv_cache)
+                # One layer's latent array must stay under 2**31 elements (int32 offsets).
+                addressable = tokens * cfg.kv_lora_rank < 2**31 - PAGE_SIZE * cfg.kv_lora_rank * batch
+                (fits if addressable and (free is None or need + HEADROOM_BYTES <= free) else too_big).append(context)
+            if fits:
+                pages = allocate_pages([fits[-1]] * batch, total_steps, page_size=PAGE_SIZE)
+                nbytes = pages.num_pages * PAGE_SIZE * cache_bytes_per_token(cfg, kv_cache)
+            else:
+                pages, nbytes = None, 0
+            plans.append(Plan(batch, kv_cache, tuple(fits), tuple(too_big), pages.num_pages if pages else 0, nbytes))
+    return plans
+
+
+def filled_caches(cfg: MLAConfig, num_pages: int, kv_cache: str) -> tuple:
+    """Per-layer caches holding constant finite values (the kernels' time does not depend on them)."""
+    def one():
+        pages = (num_pages, PAGE_SIZE)
+        if kv_cache == "fp8":
+            latent = jnp.full((*pages, cfg.kv_lora_rank), 0.5, jnp.float8_e4m3fn)
+            scale = jnp.full(pages, 1 / 448, jnp.float32)
+        else:
+            latent, scale = jnp.full((*pages, cfg.kv_lora_rank), 0.5, jnp.bfloat16), None
+        return LatentCache(latent=latent, scale=scale, rope=jnp.full((*pages, cfg.qk_rope_head_dim), 0.5, jnp.bfloat16))
+    make = jax.jit(one)
+    return tuple(make() for _ in range(cfg.num_hidden_layers))
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _random_array(key, shape, dtype):
+    if len(shape) == 1:  # RMSNorm scales
+        return jnp.ones(shape, dtype)
+    return jax.random.normal(key, shape, dtype) * jnp.asarray(WEIGHT_STD, dtype)
+
+
+def random_model(cfg: MLAConfig, dtype, seed: int = 0) -> MLAModel:
+    """An MLAModel with random weights drawn on the device directly in ``dtype``:
+    N(0, WEIGHT_STD) matrices, unit norm scales. One small compiled generator per
+    distinct shape, instead of running the model's initializers op by op."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+    leaves, treedef = jax.tree.flatten(state)
+    key = jax.random.key(seed)
+    values = [_random_array(jax.random.fold_in(key, i), tuple(leaf.shape), jnp.dtype(leaf.dtype))
+              for i, leaf in enumerate(leaves)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, values))
+
+
+def abstract_caches(model: MLAModel, num_pages: int, kv_cache: str):
+    return jax.eval_shape(lambda: model.init_cache(num_pages, PAGE_SIZE, kv_cache=kv_cache))
+
+
+def decode_state(caches, batch: int, total_steps: int) -> DecodeState:
+    return DecodeState(caches=caches, tokens=jnp.ones((batch, total_steps), jnp.int32),
+                       step=jnp.asarray(1, jnp.int32), finished=jnp.zeros((batch,), bool))
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "backend"), donate_argnames=("caches",))
+def attention_layers(caches, latent, k_rope, slots, q_latent, q_rope, block_table, seq_lens, *, softmax_scale,
+                     backend):
+    """A decode step's attention alone: per layer, write one token per row, then ``mla_decode``.
+
+    latent [B, R], k_rope [B, Dr], slots [B] int32, q_latent [B, 1, H, R],
+    q_rope [B, 1, H, Dr]. Returns (caches, outputs [L, B, 1, H, R])."""
+    new, outs = [], []
+    for cache in caches:
+        cache = write_kv(cache, latent, k_rope, slots, backend=backend)
+        outs.append(mla_decode(q_latent, q_rope, cache, block_table, seq_lens, softmax_scale=softmax_scale,
+                               backend=backend))
+        new.append(cache)
+    return tuple(new), jnp.stack(outs)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def feed_forward_stack(params, x, *, graphdef):
+    """A decode step's feed-forward alone: every layer's norm + dense MLP / MoE on x [B, 1, hidden]."""
+    model = nnx.merge(graphdef, params)
+    for layer in model.layers:
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return x
+
+
+def weight_bytes_touched(cfg: MLAConfig, params, batch: int) -> tuple[int, int]:
+    """(all weight bytes, bytes a step of ``batch`` tokens reads): the embedding counts
+    ``batch`` rows; routed experts count by the expected share any token picks,
+    1 - (1 - k/E)^batch (uniform routing)."""
+    total = expert = unread = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        nbytes = leaf.size * leaf.dtype.itemsize
+        names = {getattr(key, "key", None) for key in path}
+        total += nbytes
+        if names & {"w_gate", "w_up", "w_down"}:
+            expert += nbytes
+        if "embed_tokens" in names:
+            unread += nbytes - min(nbytes, batch * nbytes // leaf.shape[0])
+    share = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch if cfg.n_routed_experts else 1.0
+    return total, int(total - unread - (1 - share) * expert)
+
+
+def _timed_calls(call, iters: int) -> float:
+    """Median seconds of ``call()`` (which synchronises) over ``iters`` calls after one warm-up call."""
+    call()
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+class Runner:
+    """Compiles the programs of every plan (in parallel threads) and runs them one plan at a time."""
+
+    def __init__(self, cfg: MLAConfig, model: MLAModel, *, steps: int, iters: int, backend: str, threads: int):
+        self.cfg, self.steps, self.iters, self.backend = cfg, steps, iters, backend
+        self.graphdef, self.params = nnx.split(model)
+        self.model = model
+        self.total_steps = 1 + (iters + 1) * steps
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads)
+        self.compile_seconds: dict[str, float] = {}
+
+    def _submit(self, name: str, lowered):
+        def compile_():
+            start = time.perf_counter()
+            compiled = lowered.compile()
+            self.compile_seconds[name] = time.perf_counter() - start
+            return compiled
+        return self.pool.submit(compile_)
+
+    def _inputs(self, plan: Plan):
+        cfg, batch = self.cfg, plan.batch
+        pages = allocate_pages([plan.contexts[-1]] * batch, self.total_steps, page_size=PAGE_SIZE)
+        rng = np.random.default_rng(0)
+        vectors = dict(
+            latent=jnp.asarray(rng.standard_normal((batch, cfg.kv_lora_rank)), jnp.bfloat16),
+            k_rope=jnp.asarray(rng.standard_normal((batch, cfg.qk_rope_head_dim)), jnp.bfloat16),
+            q_latent=jnp.asarray(rng.standard_normal((batch, 1, cfg.num_attention_heads, cfg.kv_lora_rank)),
+                                 jnp.bfloat16),
+            q_rope=jnp.asarray(rng.standard_normal((batch, 1, cfg.num_attention_heads, cfg.qk_rope_head_dim)),
+                               jnp.bfloat16))
+        return pages, vectors
+
+    def submit(self, plan: Plan) -> dict:
+        """Lower this plan's decode and attention programs here, compile them in the pool."""
+        pages, vectors = self._inputs(plan)
+        caches = abstract_caches(self.model, plan.num_pages, plan.kv_cache)
+        batch = plan.batch
+        lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        table = jax.ShapeDtypeStruct(pages.block_table.shape, jnp.int32)
+        state = jax.eval_shape(lambda c: decode_state(c, batch, self.total_steps), caches)
+        decode = decode_chunk.lower(self.params, state, lengths, table, jax.random.key(0),
+                                     jax.ShapeDtypeStruct((), jnp.int32), graphdef=self.graphdef,
+                                     sampling=SamplingConfig(), eos_id=None, backend=self.backend)
+        attention = attention_layers.lower(caches, vectors["latent"], vectors["k_rope"], lengths,
+                                           vectors["q_latent"], vectors["q_rope"], table, lengths,
+                                           softmax_scale=self.cfg.softmax_scale, backend=self.backend)
+        name = f"B={batch} {plan.kv_cache}"
+        return dict(decode=self._submit(f"decode {name}", decode),
+                    attention=self._submit(f"attention {name}", attention))
+
+    def submit_ffn(self, batch: int):
+        x = jax.ShapeDtypeStruct((batch, 1, self.cfg.hidden_size), self.model.dtype)
+        return self._submit(f"ffn B={batch}", feed_forward_stack.lower(self.params, x, graphdef=self.graphdef))
+
+    def run(self, plan: Plan, programs: dict, ffn) -> list[dict]:
+        """Time decode and attention for every context of ``plan`` (one cache allocation)."""
+        pages, vectors = self._inputs(plan)
+        batch, table = plan.batch, jnp.asarray(pages.block_table)
+        decode, attention = programs["decode"].result(), programs["attention"].result()
+        holder = {"caches": filled_caches(self.cfg, plan.num_pages, plan.kv_cache)}
+        x = jnp.ones((batch, 1, self.cfg.hidden_size), self.model.dtype)
+        ffn_ms = _timed_calls(lambda: ffn.result()(self.params, x).block_until_ready(), self.iters) * 1e3
+        key = jax.random.key(0)
+        rows = []
+        for context in plan.contexts:
+            lengths = jnp.full((batch,), context, jnp.int32)
+            state = {"s": decode_state(holder.pop("caches"), batch, self.total_steps)}
+
+            def decode_call():
+                stop = jnp.asarray(int(state["s"].step) + self.steps, jnp.int32)
+                state["s"] = decode(self.params, state["s"], lengths, table, key, stop)
+                int(state["s"].step)
+
+            step_ms = _timed_calls(decode_call, self.iters) / self.steps * 1e3
+            holder["caches"] = state.pop("s").caches
+            positions = np.full(batch, context)
+            slots = jnp.asarray(pages.block_table[np.arange(batch), positions // PAGE_SIZE] * PAGE_SIZE
+                                + positions % PAGE_SIZE, jnp.int32)
+            seq_lens = jnp.asarray(positions + 1, jnp.int32)
+
+            def attention_call():
+                holder["caches"], out = attention(holder["caches"], vectors["latent"], vectors["k_rope"], slots,
+                                                  vectors["q_latent"], vectors["q_rope"], table, seq_lens)
+                out.block_until_ready()
+
+            attention_ms = _timed_calls(attention_call, max(self.iters, 5)) * 1e3
+            rows.append(dict(batch=batch, context=context, kv_cache=plan.kv_cache, status="ok", step_ms=step_ms,
+                             tokens_per_s=batch / step_ms * 1e3, attention_ms=attention_ms,
+                             attention_share=attention_ms / step_ms, ffn_ms=ffn_ms, ffn_share=ffn_ms / step_ms,
+                             cache_gib=batch * context * cache_bytes_per_token(self.cfg, plan.kv_cache) / GIB))
+            print(f"  B={batch} ctx={context} {plan.kv_cache}: {step_ms:.2f} ms/step, "
+                  f"{rows[-1]['tokens_per_s']:.0f} tok/s, attention {attention_ms:.2f} ms, ffn {ffn_ms:.2f} ms",
+                  flush=True)
+        del holder
+        gc.collect()
+        return rows
+
+
+def _cell(row: dict | None, field: str, fmt: str) -> str:
+    """A table cell: the value, the status of a row that did not run (tokens/s column), or "-"."""
+    if row is not None and row["status"] == "ok":
+        return format(row[field], fmt)
+    return row["status"] if row is not None and field == "tokens_per_s" else "-"
+
+
+def markdown(env: dict, rows: list[dict], batches, contexts) -> str:
+    by_key = {(r["batch"], r["context"], r["kv_cache"]): r for r in rows}
+    lines = [
+        "# End-to-end decode: FP8 vs BF16 latent cache\n",
+        f"Device {env['device']}, jax {env['jax']}, {env['date']}. Produced by `python -m snapmla_jax.bench e2e`.\n",
+        f"Model: {env['model']} with random bf16 weights ({env['params_b']:.2f} B parameters, "
+        f"{env['weights_gib']:.1f} GiB). Greedy decoding in the compiled `lax.while_loop` of "
+        f"`snapmla_jax.generate` ({env['steps']} steps per call, median of {env['iters']} calls), every row "
+        f"holding `context` cached tokens; backend `{env['backend']}`. Copy bandwidth measured in this run: "
+        f"{env['copy_gbps']:.0f} GB/s.\n",
+        f"Columns: generated tokens/s (= batch / step time); attention = {env['layers']} x (write_kv + "
+        f"mla_decode) timed alone, as a share of the step; FFN = the {env['layers']} feed-forward blocks "
+        f"(dense MLP / MoE) timed alone; floor = (weight bytes the step reads + cache bytes) / copy bandwidth.\n",
+    ]
+    header = ["batch", "context", "FP8 tok/s", "BF16 tok/s", "FP8 / BF16", "FP8 ms/step", "BF16 ms/step",
+              "attn share FP8", "attn share BF16", "FFN ms", "floor ms FP8", "floor ms BF16"]
+    table = []
+    for batch in batches:
+        for context in contexts:
+            fp8, bf16 = by_key.get((batch, context, "fp8")), by_key.get((batch, context, "bf16"))
+            ratio = (format(fp8["tokens_per_s"] / bf16["tokens_per_s"], ".2f")
+                     if fp8 and bf16 and fp8["status"] == bf16["status"] == "ok" else "-")
+            ok = fp8 if fp8 and fp8["status"] == "ok" else bf16 if bf16 and bf16["status"] == "ok" else None
+            table.append([batch, context, _cell(fp8, "tokens_per_s", ".0f"), _cell(bf16, "tokens_per_s", ".0f"),
+                          ratio, _cell(fp8, "step_ms", ".2f"), _cell(bf16, "step_ms", ".2f"),
+                          _cell(fp8, "attention_share", ".0%"), _cell(bf16, "attention_share", ".0%"),
+                          _cell(ok, "ffn_ms", ".2f"), _cell(fp8, "floor_ms", ".2f"), _cell(bf16, "floor_ms", ".2f")])
+    lines.append(timing.markdown_table(header, table))
+    ok = [r for r in rows if r["status"] == "ok"]
+    if ok:
+        span = lambda values, fmt: f"{format(min(values), fmt)} to {format(max(values), fmt)}"
+        attention = [f"{kv.upper()} {span([r['attention_share'] for r in ok if r['kv_cache'] == kv], '.0%')}"
+                     for kv in CACHE_FORMATS if any(r["kv_cache"] == kv for r in ok)]
+        lines.append(f"\nShare of the step: attention {', '.join(attention)}; feed-forward "
+                     f"{span([r['ffn_share'] for r in ok], '.0%')}. Step time / floor: "
+                     f"{span([r['step_ms'] / r['floor_ms'] for r in ok], '.1f')}.\n")
+    compiled = env.get("compile_seconds", {})
+    if compiled:
+        lines.append(f"Compile times (s, parallel threads): "
+                     + ", ".join(f"{k} {v:.0f}" for k, v in sorted(compiled.items())) + "\n")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m snapmla_jax.bench e2e", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model and small shapes (CPU test)")
+    parser.add_argument("--batches", type=int, nargs="*", help="override the batch sizes")
+    parser.add_argument("--contexts", type=int, nargs="*", help="override the context lengths")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per timed call (default 8)")
+    parser.add_argument("--iters", type=int, default=3, help="timed calls per measurement (default 3)")
+    parser.add_argument("--backend", default="auto", help="write_kv/mla_decode backend (default auto)")
+    parser.add_argument("--threads", type=int, default=8, help="parallel compilations (default 8)")
+    parser.add_argument("--budget-s", type=float, default=None, help="stop starting new runs after this long")
+    parser.add_argument("--out", default="docs/benchmarks", help="directory for e2e.json / e2e.md")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.iters < 1:
+        parser.error("--steps and --iters: expected ints >= 1")
+    if not args.tiny and jax.default_backend() != "gpu":
+        print("e2e benchmark: the V2-Lite-sized model needs a CUDA GPU (use --tiny elsewhere)", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    cfg = TINY if args.tiny else V2_LITE
+    grid = dict(TINY_GRID if args.tiny else FULL_GRID)
+    for key in grid:
+        if getattr(args, key):
+            grid[key] = tuple(getattr(args, key))
+    env = timing.environment()
+    env["copy_gbps"] = timing.measure_copy_gbps((64 << 20) if args.tiny else (2 << 30))
+    model = random_model(cfg, jnp.bfloat16)
+    runner = Runner(cfg, model, steps=args.steps, iters=args.iters, backend=args.backend, threads=args.threads)
+    weights_total = weight_bytes_touched(cfg, runner.params, 1)[0]
+    env.update(model="tiny (2 layers)" if args.tiny else "DeepSeek-V2-Lite shapes",
+               params_b=sum(x.size for x in jax.tree.leaves(runner.params)) / 1e9, weights_gib=weights_total / GIB,
+               layers=cfg.num_hidden_layers, steps=args.steps, iters=args.iters, backend=args.backend,
+               compile_seconds=runner.compile_seconds)
+    plans = make_plans(cfg, grid["batches"], grid["contexts"], runner.total_steps, free_device_bytes())
+    print(f"{env}\nmodel built in {time.perf_counter() - start:.0f} s; plans: "
+          + "; ".join(f"B={p.batch} {p.kv_cache} ctx {list(p.contexts)} ({p.cache_bytes / GIB:.1f} GiB cache; "
+                      f"no room: {list(p.too_big)})" for p in plans), flush=True)
+    programs, ffns = {}, {}
+    for plan in plans:  # in run order, so that the first runs' programs compile first
+        if plan.contexts:
+            programs[id(plan)] = runner.submit(plan)
+            if plan.batch not in ffns:
+                ffns[plan.batch] = runner.submit_ffn(plan.batch)
+    rows = []
+    for plan in plans:
+        need = lambda c: plan.batch * c * cache_bytes_per_token(cfg, plan.kv_cache) / GIB
+        rows += [dict(batch=plan.batch, context=c, kv_cache=plan.kv_cache,
+                      status=f"no room ({need(c):.0f} GiB cache)") for c in plan.too_big]
+        if not plan.contexts:
+            continue
+        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+            rows += [dict(batch=plan.batch, context=c, kv_cache=plan.kv_cache, status="not run (time budget)")
+                     for c in plan.contexts]
+            continue
+        try:
+            rows += runner.run(plan, programs[id(plan)], ffns[plan.batch])
+        except Exception as err:  # one failing shape must not lose the others' results
+            traceback.print_exc()
+            reason = " ".join(str(err).split())[:120]
+            print(f"B={plan.batch} {plan.kv_cache} failed: {reason}", flush=True)
+            rows += [dict(batch=plan.batch, context=c, kv_cache=plan.kv_cache, status=f"failed: {reason}")
+                     for c in plan.contexts]
+        for row in rows:
+            if row["status"] == "ok" and "floor_ms" not in row:
+                touched = weight_bytes_touched(cfg, runner.params, row["batch"])[1]
+                cache = row["batch"] * row["context"] * cache_bytes_per_token(cfg, row["kv_cache"])
+                row["floor_ms"] = (touched + cache) / (env["copy_gbps"] * 1e9) * 1e3
+        timing.write_results(args.out, "e2e", env, rows, markdown(env, rows, grid["batches"], grid["contexts"]))
+    runner.pool.shutdown(wait=False, cancel_futures=True)
+    print(f"done in {time.perf_counter() - start:.0f} s; wrote {args.out}/e2e.md", flush=True)
+    return 0

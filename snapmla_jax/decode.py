@@ -1,0 +1,151 @@
+"""``mla_decode``: Multi-head Latent Attention decode over the paged latent cache.
+
+Validates arguments, picks the backend (``snapmla_jax.backend``), chooses the
+split-KV count from the shapes and the GPU's SM count, and lays queries out as
+the kernel's rows. The kernels and the pure-jnp path live in
+``pallas_kernels/mla_decode.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, DecodeConfig, mla_decode_pallas,
+                                      mla_decode_reference, rows_per_block, tokens_per_block)
+from snapmla_jax.backend import resolve_backend
+from snapmla_jax.cache import LatentCache, check_layer
+
+H100_SMS = 132  # SM count assumed when no GPU is visible (interpret mode, planning)
+# A split writes block_m x 512 fp32 partials (128 KiB at block_m = 64) that the
+# combine reads back: give each split at least this many tokens (~660 KB of FP8
+# cache) so that the partials stay small next to the cache they summarise.
+MIN_TOKENS_PER_SPLIT = 1024
+MAX_SPLITS = 64  # beyond this the combine's traffic outweighs the extra parallelism
+
+
+def _sm_count() -> int:
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return H100_SMS
+    return getattr(device, "core_count", None) or H100_SMS
+
+
+def choose_num_splits(batch: int, row_blocks: int, max_tokens: int, num_sms: int) -> int:
+    """Split-KV count: enough (batch x row-block x split) programs to fill ``num_sms``
+    SMs once, no split shorter than MIN_TOKENS_PER_SPLIT tokens, at most MAX_SPLITS."""
+    programs = batch * row_blocks
+    if programs >= num_sms:
+        return 1
+    return max(1, min(num_sms // programs, max_tokens // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _validate(q_latent, q_rope, cache, block_table, seq_lens, softmax_scale, layer) -> None:
+    if not isinstance(cache, LatentCache):
+        raise ValueError(f"cache: expected a LatentCache, got {type(cache).__name__}")
+    rank, rope_dim = cache.kv_lora_rank, cache.rope_dim
+    if q_latent.ndim != 4 or q_latent.shape[3] != rank:
+        raise ValueError(f"q_latent: expected shape [B, s_q, H, {rank}], got {list(q_latent.shape)}")
+    batch, s_q, heads, _ = q_latent.shape
+    if tuple(q_rope.shape) != (batch, s_q, heads, rope_dim):
+        raise ValueError(f"q_rope: expected shape {[batch, s_q, heads, rope_dim]} (B, s_q, H as q_latent), "
+                         f"got {list(q_rope.shape)}")
+    for name, arr in (("q_latent", q_latent), ("q_rope", q_rope)):
+        if arr.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+            raise ValueError(f"{name}: expected bfloat16/float16/float32, got {arr.dtype}")
+    if batch == 0 or s_q == 0 or heads == 0:
+        raise ValueError(f"q_latent: expected non-empty B, s_q, H, got {list(q_latent.shape)}")
+    if block_table.ndim != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table: expected shape [{batch}, max_pages], got {list(block_table.shape)}")
+    if block_table.dtype != jnp.int32:
+        raise ValueError(f"block_table: expected int32, got {block_table.dtype}")
+    if tuple(seq_lens.shape) != (batch,):
+        raise ValueError(f"seq_lens: expected shape [{batch}], got {list(seq_lens.shape)}")
+    if seq_lens.dtype != jnp.int32:
+        raise ValueError(f"seq_lens: expected int32, got {seq_lens.dtype}")
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale: expected a positive python float, got {softmax_scale!r}")
+    check_layer(cache, layer)
+    if _is_concrete(seq_lens):
+        lens = np.asarray(seq_lens)
+        capacity = block_table.shape[1] * cache.page_size
+        if (lens < 0).any() or (lens > capacity).any():
+            bad = int(np.flatnonzero((lens < 0) | (lens > capacity))[0])
+            raise ValueError(f"seq_lens: expected values in [0, {capacity}] (block_table holds "
+                             f"{block_table.shape[1]} pages of {cache.page_size}), got {int(lens[bad])} at row {bad}")
+        if _is_concrete(block_table):
+            table = np.asarray(block_table)
+            used = np.arange(table.shape[1])[None, :] < -(-lens[:, None] // cache.page_size)
+            bad = used & ((table < 0) | (table >= cache.num_pages))
+            if bad.any():
+                row, col = (int(v[0]) for v in np.nonzero(bad))
+                raise ValueError(f"block_table: expected page ids in [0, {cache.num_pages}) for the pages "
+                                 f"seq_lens uses, got {int(table[row, col])} at [{row}, {col}]")
+
+
+def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block_table: jax.Array,
+               seq_lens: jax.Array, *, softmax_scale: float, layer: int | jax.Array | None = None,
+               backend: str = "auto", return_lse: bool = False, num_splits: int | None = None,
+               config: DecodeConfig | None = None):
+    """MLA decode attention (absorbed form) over the paged latent cache.
+
+    q_latent    [B, s_q, H, R] bf16/f16/f32: queries in latent space (R = 512).
+    q_rope      [B, s_q, H, Dr] same dtype family: rotated RoPE queries (Dr = 64).
+    cache       LatentCache, fp8 or bf16, with or without a layer axis.
+    block_table [B, max_pages] int32: pages of each batch row, in token order.
+    seq_lens    [B] int32: cached tokens per row INCLUDING the s_q new ones;
+                query i (0-based) sees tokens [0, seq_len - s_q + i]. 0 is
+                allowed (out 0, lse -inf).
+    softmax_scale: python float multiplying q.k (e.g. 1/sqrt(qk_head_dim)).
+    layer       None for a cache without a layer axis, else an int or traced
+                int32 scalar (an out-of-range traced layer yields out 0, lse -inf).
+    backend     "auto" | "pallas" | "interpret" | "xla" (see snapmla_jax.backend).
+    num_splits  split-KV count for the Pallas kernels; None picks it from the
+                shapes and the GPU's SM count.
+    config      DecodeConfig tuning knobs (None: FP8_CONFIG / BF16_CONFIG, measured on an H100).
+
+    Returns out [B, s_q, H, R] in q_latent's dtype, and with ``return_lse``
+    also lse [B, s_q, H] float32 (natural log of the softmax denominator).
+    Raises ValueError naming the argument on a shape/dtype mismatch, and when
+    concrete, on seq_lens outside the block table's capacity or page ids out of range.
+    """
+    _validate(q_latent, q_rope, cache, block_table, seq_lens, softmax_scale, layer)
+    backend = resolve_backend(backend)
+    config = config or (FP8_CONFIG if cache.dtype == "fp8" else BF16_CONFIG)
+    batch, s_q, heads, rank = q_latent.shape
+    softmax_scale = float(softmax_scale)
+    if layer is not None and not _is_concrete(layer):
+        # Documented behaviour for a traced out-of-range layer: nothing visible.
+        seq_lens = jnp.where((layer >= 0) & (layer < cache.num_layers), seq_lens, 0)
+    if backend == "xla":
+        one = cache.layer_arrays(layer)
+        out, lse = mla_decode_reference(q_latent, q_rope, one.latent, one.scale, one.rope, block_table, seq_lens,
+                                        softmax_scale=softmax_scale,
+                                        block_n=tokens_per_block(cache.page_size, config))
+        return (out, lse) if return_lse else out
+
+    num_rows = s_q * heads
+    block_m = rows_per_block(num_rows, config)
+    padded_rows = -(-num_rows // block_m) * block_m
+    to_rows = lambda q: jnp.pad(q.reshape(batch, num_rows, q.shape[-1]), [(0, 0), (0, padded_rows - num_rows), (0, 0)])
+    flat = lambda a: None if a is None else a.reshape(-1, *a.shape[cache.latent.ndim - 1:])
+    cache_arrays = tuple(a for a in (flat(cache.latent), flat(cache.scale), flat(cache.rope)) if a is not None)
+    layer_offset = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32) * cache.num_slots, (1,))
+    layer_offset = jnp.clip(layer_offset, 0, (cache.num_layers or 1) * cache.num_slots - cache.num_slots)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, padded_rows // block_m, block_table.shape[1] * cache.page_size,
+                                       _sm_count())
+    elif not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits: expected None or a positive int, got {num_splits!r}")
+    out, lse = mla_decode_pallas(
+        to_rows(q_latent), to_rows(q_rope), cache_arrays, block_table, seq_lens, layer_offset,
+        softmax_scale=softmax_scale, page_size=cache.page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,
+        config=config, interpret=backend == "interpret")
+    out = out[:, :num_rows].reshape(batch, s_q, heads, rank)
+    lse = lse[:, :num_rows].reshape(batch, s_q, heads)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,171 @@
+"""``python -m snapmla_jax.generate`` end to end on a tiny orbax checkpoint with a
+byte-level BPE tokenizer trained here; bad input exits 2 with one line."""
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from models import MLAConfig, MLAModel, load_checkpoint, save_checkpoint
+from snapmla_jax.generate import generate, main
+from snapmla_jax.tokenizer import load_tokenizer
+
+CONTEXT = 64
+CORPUS = ["the quick brown fox jumps over the lazy dog", "a cache of latent vectors in eight bits",
+          "multi head latent attention decodes one token at a time", "héllo wörld, ünïcode bytes"] * 4
+STATS_LINE = re.compile(r"^prefill: \d+ tokens, [\d.]+ tokens/s \| decode: \d+ tokens, [\d.]+ tokens/s \| "
+                        r"KV cache \((fp8|bf16)\): \d+ bytes \| compile: [\d.]+ s$")
+
+
+def _train_tokenizer() -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    tokenizer = _train_tokenizer()
+    cfg = MLAConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=2, kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64,
+                    v_head_dim=16, max_position_embeddings=CONTEXT)
+    path = tmp_path_factory.mktemp("cli") / "ckpt"
+    save_checkpoint(MLAModel(cfg, rngs=nnx.Rngs(1), dtype=jnp.float32), path)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return path
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_tokenizer_round_trips_and_finds_eos(checkpoint):
+    tokenizer = load_tokenizer(checkpoint)
+    ids = tokenizer.encode("héllo wörld")
+    assert ids[0] == 0  # <s> added by the post-processor
+    assert tokenizer.decode(ids) == "héllo wörld"
+    assert tokenizer.eos_id == 1
+
+
+def test_byte_level_tokenizer_declared_in_tokenizer_config(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "ByteTokenizer", "bos_token_id": 256, "eos_token_id": 257}))
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer.encode("é!") == [256, 0xC3, 0xA9, ord("!")]
+    assert tokenizer.decode([256, 0xC3, 0xA9, 257, ord("!")]) == "é!"  # ids >= 256 dropped
+    assert tokenizer.decode([0xC3]) == "\ufffd"  # a cut UTF-8 sequence decodes to U+FFFD
+    assert tokenizer.eos_id == 257
+
+
+def test_text_output_ends_with_the_stats_line(checkpoint, capsys):
+    code, out, err = _run(capsys, "--model", checkpoint, "--prompt", "the quick", "--max-new-tokens", 6,
+                          "--backend", "xla", "--eos-id", -1)
+    assert code == 0, err
+    lines = out.rstrip("\n").split("\n")
+    assert STATS_LINE.match(lines[-1]), lines[-1]
+    assert "decode: 5 tokens" in lines[-1] and "KV cache (fp8)" in lines[-1]
+
+
+def test_json_batch_matches_generate_with_the_same_settings(checkpoint, tmp_path, capsys):
+    batch = tmp_path / "prompts.txt"
+    batch.write_text("the quick brown\na cache\nmulti head latent attention decodes\n")
+    flags = ["--temperature", 0.8, "--top-k", 20, "--top-p", 0.9, "--seed", 11]
+    code, out, err = _run(capsys, "--model", checkpoint, "--batch-file", batch, "--max-new-tokens", 8,
+                          "--kv-cache", "bf16", "--backend", "xla", "--json", *flags)
+    assert code == 0, err
+    record = json.loads(out)
+    tokenizer = load_tokenizer(checkpoint)
+    prompts = [tokenizer.encode(line) for line in batch.read_text().splitlines()]
+    expected = generate(load_checkpoint(checkpoint), prompts, max_new_tokens=8, kv_cache="bf16", temperature=0.8,
+                        top_k=20, top_p=0.9, seed=11, eos_id=tokenizer.eos_id, backend="xla")
+    assert [c["tokens"] for c in record["completions"]] == expected
+    assert [c["text"] for c in record["completions"]] == [tokenizer.decode(t) for t in expected]
+    assert [c["prompt_tokens"] for c in record["completions"]] == [len(p) for p in prompts]
+    assert all(c["finish_reason"] in ("eos", "length") for c in record["completions"])
+    assert record["stats"]["kv_cache_bytes"] > 0 and record["stats"]["prefill_tokens"] == sum(map(len, prompts))
+
+
+def test_streamed_text_equals_the_text_printed_at_the_end(checkpoint, capsys):
+    common = ["--model", checkpoint, "--prompt", "héllo", "--max-new-tokens", 12, "--backend", "xla",
+              "--eos-id", -1, "--temperature", 1.0, "--seed", 2]
+    code_s, streamed, _ = _run(capsys, *common, "--chunk-size", 3)
+    code_n, whole, _ = _run(capsys, *common, "--no-stream")
+    assert code_s == code_n == 0
+    assert streamed.rsplit("\n", 2)[0] == whole.rsplit("\n", 2)[0]
+
+
+def test_module_runs_as_a_program(checkpoint):
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    ok = subprocess.run([sys.executable, "-m", "snapmla_jax.generate", "--model", str(checkpoint), "--prompt",
+                         "a cache", "--max-new-tokens", "4", "--backend", "xla"], capture_output=True, text=True,
+                        env=env, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert STATS_LINE.match(ok.stdout.rstrip("\n").split("\n")[-1])
+    bad = subprocess.run([sys.executable, "-m", "snapmla_jax.generate", "--model", str(checkpoint), "--prompt",
+                          "x", "--kv-cache", "int4"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2
+    assert bad.stderr.count("\n") == 1 and "--kv-cache" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--prompt", "x", "--bogus"], "--bogus"),
+    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--prompt", "x", "--max-new-tokens", "many"], "--max-new-tokens"),
+    (["--prompt", "x", "--top-p", "0"], "top_p"),
+    (["--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["--prompt", ""], "--prompt"),
+    ([], "--prompt or --batch-file"),
+    (["--prompt", "the " * CONTEXT], "context"),
+    (["--prompt", "the quick brown fox", "--max-new-tokens", str(CONTEXT)], "context"),
+    (["--prompt", "x", "--eos-id", "999"], "eos_id"),
+])
+def test_bad_input_exits_2_with_one_line(checkpoint, capsys, argv, needle):
+    code, out, err = _run(capsys, "--model", checkpoint, "--backend", "xla", *argv)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("snapmla_jax.generate: error:") and needle in err, err
+
+
+def test_bad_batch_files_exit_2(checkpoint, tmp_path, capsys):
+    blank = tmp_path / "blank.txt"
+    blank.write_text("first prompt\n\nthird prompt\n")
+    for path, needle in ((blank, "line 2"), (tmp_path / "missing.txt", "--batch-file")):
+        code, _, err = _run(capsys, "--model", checkpoint, "--batch-file", path)
+        assert code == 2 and err.count("\n") == 1 and needle in err, err
+
+
+def test_missing_model_or_tokenizer_exits_2(checkpoint, tmp_path, capsys, monkeypatch):
+    code, _, err = _run(capsys, "--model", tmp_path / "nowhere", "--prompt", "x")
+    assert code == 2 and "--model" in err and err.count("\n") == 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = _run(capsys, "--model", empty, "--prompt", "x")
+    assert code == 2 and "no tokenizer" in err and err.count("\n") == 1
+    code, _, err = _run(capsys, "--model", empty, "--tokenizer", checkpoint, "--prompt", "x")
+    assert code == 2 and "neither an orbax checkpoint" in err
+    # The module, not the package's generate function of the same name.
+    module = importlib.import_module("snapmla_jax.generate")
+    monkeypatch.setattr(module, "DEFAULT_MODEL_DIR", tmp_path / "no_demo_model")
+    code, _, err = _run(capsys, "--prompt", "x")
+    assert code == 2 and "demo model is not installed" in err and err.count("\n") == 1
+
+
+def test_help_exits_0(capsys):
+    code, out, _ = _run(capsys, "--help")
+    assert code == 0 and "--kv-cache" in out and "--batch-file" in out

@@ -1,0 +1,403 @@
+"""mla_decode: the Pallas kernels (interpret mode), the xla path, and their contract.
+
+References are float64 numpy attention over the cache's dequantized contents
+(or the original unquantized latent where a test says so). Inputs are random
+with per-token magnitudes spread over e^N(0,1) and a few 30x outlier tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels.mla_decode import DecodeConfig
+from snapmla_jax.cache import LatentCache
+from snapmla_jax.decode import choose_num_splits, mla_decode
+from snapmla_jax.quantization import AMAX_FLOOR, FP8_E4M3_EPS, FP8_E4M3_MAX, quantize_per_token
+
+RANK, ROPE = 512, 64
+SCALE = 1.0 / math.sqrt(RANK + ROPE)  # DeepSeek's 1/sqrt(qk_head_dim)
+# The FP8 rounding model: round-to-nearest errs by at most half an ulp, i.e.
+# 2**-4 relative for normal e4m3 values and 2**-10 = 2**-4 * 2**-6 absolute for
+# subnormals (min normal 2**-6).
+HALF_ULP = FP8_E4M3_EPS / 2
+FP8_MIN_NORMAL = 2.0**-6
+GAMMA = 576 * 2.0**-24  # worst-case relative error of an fp32 sum of 576 products
+# fp32 softmax, denominator and accumulation over a few hundred tokens, GPU exp2
+# (2 ulp): relative errors ~1e-5; 1e-4 of the output scale covers them with margin.
+FP32_SLACK = 1e-4
+
+
+def make_latent(rng, num_pages, page_size, *, outliers=4, tiny_scale_tokens=0):
+    """Random latent [P, S, 512] f32 (bf16-representable) and rope [P, S, 64]."""
+    shape = (num_pages, page_size)
+    mag = np.exp(rng.normal(size=(*shape, 1)))
+    flat = mag.reshape(-1)
+    flat[rng.choice(flat.size, outliers, replace=False)] *= 30.0
+    latent = rng.normal(size=(*shape, RANK)) * mag
+    rope = rng.normal(size=(*shape, ROPE)) * 2.0
+    bf = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    return bf(latent), bf(rope)
+
+
+def make_cache(latent, rope, dtype):
+    if dtype == "fp8":
+        q, scale = quantize_per_token(jnp.asarray(latent))
+        return LatentCache(latent=q, scale=scale, rope=jnp.asarray(rope, jnp.bfloat16))
+    return LatentCache(latent=jnp.asarray(latent, jnp.bfloat16), scale=None, rope=jnp.asarray(rope, jnp.bfloat16))
+
+
+def cache_contents(cache):
+    """float64 (latent [P, S, R], rope [P, S, Dr], scale [P, S] or None) as the kernels read them."""
+    latent = np.asarray(cache.latent.astype(jnp.float32), np.float64)
+    scale = None if cache.scale is None else np.asarray(cache.scale, np.float64)
+    if scale is not None:
+        latent = latent * scale[..., None]
+    return latent, np.asarray(cache.rope.astype(jnp.float32), np.float64), scale
+
+
+def make_queries(rng, batch, s_q, heads):
+    """bf16-representable float32 queries (so no input rounding enters the comparison).
+
+    Magnitudes vary per head; scores against ordinary tokens come out O(1) and
+    against the outlier tokens O(10), like trained attention with sink tokens.
+    """
+    bf = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    q = bf(0.2 * rng.normal(size=(batch, s_q, heads, RANK)) * np.exp(0.5 * rng.normal(size=(1, 1, heads, 1))))
+    return jnp.asarray(q), jnp.asarray(bf(0.2 * rng.normal(size=(batch, s_q, heads, ROPE))))
+
+
+def scrambled_block_table(rng, batch, pages_per_row, num_pages):
+    return jnp.asarray(rng.permutation(num_pages)[: batch * pages_per_row].reshape(batch, pages_per_row), jnp.int32)
+
+
+def gather_tokens(x, block_table, b):
+    """x [P, S, ...] -> the tokens of batch row b in order, [max_pages * S, ...]."""
+    pages = np.asarray(block_table)[b]
+    return x[pages].reshape(-1, *x.shape[2:])
+
+
+def attention_f64(q, q_rope, latent, rope, block_table, seq_lens):
+    """float64 MLA decode: (out [B, s_q, H, R], lse [B, s_q, H], weights per (b, i) [H, T])."""
+    q, q_rope = np.asarray(q, np.float64), np.asarray(q_rope, np.float64)
+    batch, s_q, heads, _ = q.shape
+    out = np.zeros(q.shape)
+    lse = np.full((batch, s_q, heads), -np.inf)
+    weights = {}
+    for b in range(batch):
+        kv, kr = gather_tokens(latent, block_table, b), gather_tokens(rope, block_table, b)
+        for i in range(s_q):
+            n = int(seq_lens[b]) - s_q + i + 1
+            if n <= 0:
+                continue
+            s = (q[b, i] @ kv[:n].T + q_rope[b, i] @ kr[:n].T) * SCALE
+            m = s.max(axis=1, keepdims=True)
+            e = np.exp(s - m)
+            w = e / e.sum(axis=1, keepdims=True)
+            out[b, i] = w @ kv[:n]
+            lse[b, i] = (m[:, 0] + np.log(e.sum(axis=1)))
+            weights[b, i] = w
+    return out, lse, weights
+
+
+def fp8_error_bound(q, q_rope, cache, block_table, seq_lens):
+    """Elementwise bound [B, s_q, H, R] on |FP8 kernel - float64 attention on the dequantized cache|.
+
+    Q rounding is deterministic (one scale per row, round to nearest), so its
+    effect on score t is known: d_t = SCALE * (q_hat - q) . x_t, to which fp32
+    accumulation adds <= GAMMA * SCALE * (|q|.|x_t| + |q_r|.|k_r,t|). Logits moved
+    by eps_t change weight t by a factor in [e**-eps_t / Z+, e**(eps_t + eps_bar)]
+    (Z+ = sum_u w_u e**eps_u, eps_bar = sum_u w_u eps_u, by Jensen), i.e. by a
+    relative delta_t. P' rounding: each block's row is scaled so its max is 448,
+    so a term w'_t s_t v_tj errs by at most 2**-4 * max(w'_t s_t, 2**-6 / 448 *
+    max_u w'_u s_u) * |v_tj| (normal vs subnormal e4m3).
+    Sum: |err_j| <= sum_t w_t delta_t |x_tj| + P' terms.
+    """
+    latent, rope, scale = cache_contents(cache)
+    stored = np.asarray(cache.latent.astype(jnp.float32), np.float64)
+    q32, qr64 = np.asarray(q, np.float32), np.asarray(q_rope, np.float64)
+    q64 = q32.astype(np.float64)
+    q_scale = np.maximum(np.abs(q32).max(axis=-1), AMAX_FLOOR) / np.float32(FP8_E4M3_MAX)
+    q_hat = (q32 / q_scale[..., None]).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * q_scale[..., None]
+    _, _, weights = attention_f64(q, q_rope, latent, rope, block_table, seq_lens)
+    bound = np.zeros(q64.shape)
+    for (b, i), w in weights.items():
+        n = w.shape[1]
+        x, v = gather_tokens(latent, block_table, b)[:n], gather_tokens(stored, block_table, b)[:n]
+        s_t, kr = gather_tokens(scale, block_table, b)[:n], gather_tokens(rope, block_table, b)[:n]
+        eps = SCALE * (np.abs((q_hat[b, i] - q64[b, i]) @ x.T)
+                       + GAMMA * (np.abs(q64[b, i]) @ np.abs(x).T + np.abs(qr64[b, i]) @ np.abs(kr).T))
+        eps_bar = (w * eps).sum(axis=1, keepdims=True)
+        z_plus = (w * np.exp(eps)).sum(axis=1, keepdims=True)
+        delta = np.maximum(np.exp(eps + eps_bar) - 1, 1 - np.exp(-eps) / z_plus)
+        w_hi = w * (1 + delta)
+        subnormal = (w_hi * s_t).max(axis=1, keepdims=True) * FP8_MIN_NORMAL / FP8_E4M3_MAX * np.abs(v).sum(axis=0)
+        bound[b, i] = ((w * delta) @ np.abs(x) + HALF_ULP * (w_hi @ np.abs(x) + subnormal)
+                       + FP32_SLACK * (w @ np.abs(x)))
+    return bound
+
+
+def run(q, q_rope, cache, block_table, seq_lens, backend="interpret", **kw):
+    return mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=SCALE, backend=backend,
+                      return_lse=True, **kw)
+
+
+def rel_err(out, ref):
+    return float(np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+def norm_rel_err(out, ref):
+    """Relative L2 (Frobenius) error of the whole output."""
+    return float(np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref))
+
+
+@pytest.fixture(scope="module")
+def paged_setup():
+    """B=3 rows, ragged lengths (one partial page), pages scrambled, page_size 16."""
+    rng = np.random.default_rng(0)
+    latent, rope = make_latent(rng, 24, 16)
+    block_table = scrambled_block_table(rng, 3, 7, 24)
+    seq_lens = jnp.asarray([100, 37, 112], jnp.int32)
+    q, q_rope = make_queries(rng, 3, 1, 16)
+    return latent, rope, block_table, seq_lens, q, q_rope
+
+
+# ---------------------------------------------------------------- numerics
+
+def test_bf16_twin_matches_float64_reference(paged_setup):
+    latent, rope, block_table, seq_lens, q, q_rope = paged_setup
+    cache = make_cache(latent, rope, "bf16")
+    out, lse = run(q, q_rope, cache, block_table, seq_lens)
+    ref, ref_lse, _ = attention_f64(q, q_rope, *cache_contents(cache)[:2], block_table, seq_lens)
+    # Q and P are rounded to bf16 (2**-9 relative each) and scores of size ~10
+    # move by ~2**-9 * 10: a few 1e-3 of the output scale; 1e-2 is the issue's bound.
+    assert rel_err(out, ref) <= 1e-2
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-2)  # score error 2**-9 * |s| for |s| <~ 10
+
+
+def test_fp8_kernel_within_rounding_bound(paged_setup):
+    latent, rope, block_table, seq_lens, q, q_rope = paged_setup
+    cache = make_cache(latent, rope, "fp8")
+    out, _ = run(q, q_rope, cache, block_table, seq_lens)
+    ref, _, _ = attention_f64(q, q_rope, *cache_contents(cache)[:2], block_table, seq_lens)
+    bound = fp8_error_bound(q, q_rope, cache, block_table, seq_lens)
+    err = np.abs(np.asarray(out, np.float64) - ref)
+    assert np.all(err <= bound), f"worst err/bound {np.max(err / bound):.3g}"
+    # The bound is not vacuous: typically a fraction of each output element
+    # (measured: median 0.33, and the worst element reaches 0.6 of its bound).
+    assert np.median(bound / np.abs(ref)) < 0.5
+
+
+def test_fp8_kernel_matches_xla_emulation_of_its_roundings(paged_setup):
+    latent, rope, block_table, seq_lens, q, q_rope = paged_setup
+    cache = make_cache(latent, rope, "fp8")
+    out, lse = run(q, q_rope, cache, block_table, seq_lens)
+    emu, emu_lse = run(q, q_rope, cache, block_table, seq_lens, backend="xla")
+    # Same roundings; only fp32 summation order and exp2 arguments (running vs
+    # global max) differ, which can flip a P' value sitting on an e4m3 rounding
+    # boundary by one ulp (2**-3 relative) for an isolated token: 2e-3 of the
+    # output scale allows a handful of such flips, 30x tighter than the FP8 bound.
+    assert rel_err(out, np.asarray(emu, np.float64)) <= 2e-3
+    np.testing.assert_allclose(lse, emu_lse, atol=1e-5)  # lse is unquantized: fp32 only
+
+
+def test_fp8_attends_tokens_whose_scales_differ_1000x():
+    """Half the tokens are 1000x smaller yet get nearly all the attention (via the
+    RoPE scores): without the per-row P' factor their P' would underflow e4m3."""
+    rng = np.random.default_rng(1)
+    latent, rope = make_latent(rng, 4, 16, outliers=0)
+    small = np.arange(64) % 2 == 1
+    latent.reshape(64, RANK)[small] *= 1e-3
+    q, q_rope = make_queries(rng, 1, 1, 16)
+    head0 = np.asarray(q_rope)[0, 0, 0]
+    # Aligned with head 0's RoPE query so that their scores are ~ +8 (weights e**8 higher).
+    rope.reshape(64, ROPE)[small] = head0 * 8.0 / (SCALE * head0 @ head0)
+    rope.reshape(64, ROPE)[~small] = 0.0
+    cache = make_cache(latent, rope, "fp8")
+    scale = np.asarray(cache.scale).reshape(-1)
+    assert np.median(scale[~small]) / np.median(scale[small]) > 300
+    block_table = jnp.asarray([[2, 0, 3, 1]], jnp.int32)
+    seq_lens = jnp.asarray([64], jnp.int32)
+    out, _ = run(q, q_rope, cache, block_table, seq_lens)
+    ref, _, weights = attention_f64(q, q_rope, *cache_contents(cache)[:2], block_table, seq_lens)
+    order = np.asarray(block_table)[0]
+    small_tokens = small.reshape(4, 16)[order].reshape(-1)
+    assert weights[0, 0][0, small_tokens].sum() > 0.99  # head 0 looks almost only at the small tokens
+    bound = fp8_error_bound(q, q_rope, cache, block_table, seq_lens)
+    err = np.abs(np.asarray(out, np.float64) - ref)
+    assert np.all(err <= bound)
+    # Head 0's output is made of the small tokens: it must not collapse to 0 or to the large ones.
+    np.testing.assert_allclose(np.asarray(out)[0, 0, 0], ref[0, 0, 0], rtol=0, atol=0.1 * np.abs(ref[0, 0, 0]).max())
+
+
+def test_fp8_error_against_bf16_attention_on_unquantized_data(paged_setup):
+    latent, rope, block_table, seq_lens, q, q_rope = paged_setup
+    out, _ = run(q, q_rope, make_cache(latent, rope, "fp8"), block_table, seq_lens)
+    twin, _ = run(q, q_rope, make_cache(latent, rope, "bf16"), block_table, seq_lens)
+    ref, _, _ = attention_f64(q, q_rope, latent.astype(np.float64), rope.astype(np.float64), block_table, seq_lens)
+    fp8_err, bf16_err = norm_rel_err(out, ref), norm_rel_err(twin, ref)
+    print(f"relative L2 error vs float64 on unquantized data: fp8 {fp8_err:.3g}, "
+          f"bf16 twin {bf16_err:.3g}")
+    # Latent, Q and P' each carry <= 2**-4 relative rounding per element (the
+    # cache's own quantization included). Rounding errors of K and Q add up over
+    # 512 dims to score errors of ~0.2 on the outlier tokens' O(10) scores, which
+    # the softmax turns into weight errors of that relative size: measured 0.075
+    # on this outlier-heavy data (bf16 twin 9e-5). 0.1 guards that level.
+    assert fp8_err <= 0.1
+    assert bf16_err <= 1e-2
+
+
+# ---------------------------------------------------------------- structure
+
+@pytest.mark.parametrize("page_size", [16, 24, 64, 256])  # 24: not a multiple of 16, per-token gather path
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_paged_cache_any_page_size(page_size, dtype):
+    rng = np.random.default_rng(page_size)
+    num_pages = max(3, 600 // page_size)
+    latent, rope = make_latent(rng, num_pages, page_size)
+    cache = make_cache(latent, rope, dtype)
+    pages_per_row = num_pages // 2
+    block_table = scrambled_block_table(rng, 2, pages_per_row, num_pages)
+    capacity = pages_per_row * page_size
+    seq_lens = jnp.asarray([capacity - page_size // 2 - 1, capacity // 3], jnp.int32)  # partial last pages
+    q, q_rope = make_queries(rng, 2, 1, 16)
+    out, lse = run(q, q_rope, cache, block_table, seq_lens)
+    emu, emu_lse = run(q, q_rope, cache, block_table, seq_lens, backend="xla")
+    # Same math both sides: fp32 order only, plus rare single e4m3 P' flips (see above).
+    assert rel_err(out, np.asarray(emu, np.float64)) <= 2e-3
+    np.testing.assert_allclose(lse, emu_lse, atol=1e-5)
+    if dtype == "bf16":
+        ref, _, _ = attention_f64(q, q_rope, *cache_contents(cache)[:2], block_table, seq_lens)
+        assert rel_err(out, ref) <= 1e-2
+
+
+def test_ragged_seq_lens_and_empty_rows(paged_setup):
+    latent, rope, block_table, _, q, q_rope = paged_setup
+    cache = make_cache(latent, rope, "bf16")
+    seq_lens = jnp.asarray([0, 1, 17], jnp.int32)
+    out, lse = run(q, q_rope, cache, block_table, seq_lens)
+    assert np.all(np.asarray(out)[0] == 0) and np.all(np.asarray(lse)[0] == -np.inf)
+    ref, ref_lse, _ = attention_f64(q, q_rope, *cache_contents(cache)[:2], block_table, seq_lens)
+    assert rel_err(out[1:], ref[1:]) <= 1e-2
+    np.testing.assert_allclose(lse[1:], ref_lse[1:], atol=2e-2)
+    # One visible token: the output is that token's latent (bf16 output rounding 2**-9).
+    first = gather_tokens(cache_contents(cache)[0], block_table, 1)[0]
+    np.testing.assert_allclose(np.asarray(out)[1, 0], np.broadcast_to(first, (16, RANK)), rtol=2**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize("s_q", [2, 4])
+def test_multi_token_queries_are_causal(s_q):
+    rng = np.random.default_rng(10 + s_q)
+    latent, rope = make_latent(rng, 12, 16)
+    cache = make_cache(latent, rope, "bf16")
+    block_table = scrambled_block_table(rng, 2, 6, 12)
+    seq_lens = jnp.asarray([90, s_q + 3], jnp.int32)
+    q, q_rope = make_queries(rng, 2, s_q, 16)
+    out, lse = run(q, q_rope, cache, block_table, seq_lens)
+    ref, ref_lse, _ = attention_f64(q, q_rope, *cache_contents(cache)[:2], block_table, seq_lens)
+    assert rel_err(out, ref) <= 1e-2
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-2)
+    # The attention of query i must not depend on tokens after seq_len - s_q + i.
+    assert not np.allclose(np.asarray(out)[:, 0], np.asarray(out)[:, -1], atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_split_kv_combine_matches_single_pass(dtype, paged_setup):
+    latent, rope, block_table, seq_lens, q, q_rope = paged_setup
+    cache = make_cache(latent, rope, dtype)
+    config = DecodeConfig(block_n=16)  # 7 token blocks per row: 3 splits get unequal work, one row ends early
+    one, one_lse = run(q, q_rope, cache, block_table, seq_lens, num_splits=1, config=config)
+    many, many_lse = run(q, q_rope, cache, block_table, seq_lens, num_splits=3, config=config)
+    # Splits start on token-block boundaries and FP8's P' scaling is relative to
+    # the block, so the same e4m3 roundings happen; BF16's P rounding sees the
+    # running max, which differs per split: <= 2**-9 per weight, i.e. <= 2**-9 of
+    # the output scale. 2**-8 covers that plus the fp32 merge.
+    reference = np.asarray(one, np.float64)
+    assert rel_err(many, reference) <= 2**-8
+    np.testing.assert_allclose(many_lse, one_lse, atol=1e-5)  # lse: unquantized fp32 sums
+    # More splits than token blocks: empty splits must merge away.
+    most, _ = run(q, q_rope, cache, block_table, seq_lens, num_splits=9, config=config)
+    assert rel_err(most, reference) <= 2**-8
+
+
+@pytest.mark.parametrize("heads,s_q", [(20, 1), (6, 2)])
+def test_head_count_not_a_multiple_of_the_row_block(heads, s_q):
+    rng = np.random.default_rng(heads)
+    latent, rope = make_latent(rng, 8, 16)
+    cache = make_cache(latent, rope, "fp8")
+    block_table = scrambled_block_table(rng, 2, 4, 8)
+    seq_lens = jnp.asarray([60, 33], jnp.int32)
+    q, q_rope = make_queries(rng, 2, s_q, heads)
+    out, _ = run(q, q_rope, cache, block_table, seq_lens, config=DecodeConfig(block_m=16))
+    ref, _, _ = attention_f64(q, q_rope, *cache_contents(cache)[:2], block_table, seq_lens)
+    bound = fp8_error_bound(q, q_rope, cache, block_table, seq_lens)
+    assert out.shape == (2, s_q, heads, RANK)
+    assert np.all(np.abs(np.asarray(out, np.float64) - ref) <= bound)
+
+
+def test_layered_cache_selects_layer_by_offset():
+    rng = np.random.default_rng(5)
+    layers = [make_latent(rng, 6, 16) for _ in range(3)]
+    caches = [make_cache(lat, rope, "fp8") for lat, rope in layers]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *caches)
+    block_table = scrambled_block_table(rng, 2, 3, 6)
+    seq_lens = jnp.asarray([40, 21], jnp.int32)
+    q, q_rope = make_queries(rng, 2, 1, 16)
+    want, _ = run(q, q_rope, caches[2], block_table, seq_lens)
+    got, _ = run(q, q_rope, stacked, block_table, seq_lens, layer=2)
+    np.testing.assert_array_equal(got, want)
+    traced = jax.jit(lambda layer: run(q, q_rope, stacked, block_table, seq_lens, layer=layer))
+    np.testing.assert_array_equal(traced(jnp.int32(2))[0], want)
+    out, lse = traced(jnp.int32(7))  # out of range when traced: nothing visible
+    assert np.all(np.asarray(out) == 0) and np.all(np.asarray(lse) == -np.inf)
+
+
+def test_xla_backend_is_the_cpu_default_and_lse_is_optional(paged_setup):
+    latent, rope, block_table, seq_lens, q, q_rope = paged_setup
+    cache = make_cache(latent, rope, "fp8")
+    auto = mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=SCALE)
+    xla, _ = run(q, q_rope, cache, block_table, seq_lens, backend="xla")
+    np.testing.assert_array_equal(auto, xla)
+
+
+def test_split_heuristic_fills_the_gpu_only_when_needed():
+    assert choose_num_splits(batch=128, row_blocks=2, max_tokens=16384, num_sms=132) == 1
+    assert choose_num_splits(batch=8, row_blocks=2, max_tokens=16384, num_sms=132) == 8
+    assert choose_num_splits(batch=1, row_blocks=2, max_tokens=65536, num_sms=132) == 64
+    assert choose_num_splits(batch=1, row_blocks=1, max_tokens=1024, num_sms=132) == 1  # too short to split
+
+
+# ---------------------------------------------------------------- bad input
+
+@pytest.fixture(scope="module")
+def small_args():
+    rng = np.random.default_rng(3)
+    latent, rope = make_latent(rng, 4, 16, outliers=1)
+    cache = make_cache(latent, rope, "fp8")
+    q, q_rope = make_queries(rng, 2, 1, 4)
+    return q, q_rope, cache, jnp.asarray([[0, 1], [2, 3]], jnp.int32), jnp.asarray([20, 32], jnp.int32)
+
+
+@pytest.mark.parametrize("change,name", [
+    (lambda a: {**a, "q_rope": a["q_rope"][:, :, :3]}, "q_rope"),
+    (lambda a: {**a, "q_latent": a["q_latent"][..., :256]}, "q_latent"),
+    (lambda a: {**a, "q_latent": a["q_latent"].astype(jnp.int32)}, "q_latent"),
+    (lambda a: {**a, "seq_lens": a["seq_lens"].astype(jnp.float32)}, "seq_lens"),
+    (lambda a: {**a, "seq_lens": jnp.asarray([20, 33], jnp.int32)}, "seq_lens"),  # 33 > 2 pages x 16
+    (lambda a: {**a, "block_table": a["block_table"][:1]}, "block_table"),
+    (lambda a: {**a, "block_table": a["block_table"].astype(jnp.float32)}, "block_table"),
+    (lambda a: {**a, "block_table": jnp.asarray([[0, 1], [2, 9]], jnp.int32)}, "block_table"),  # page 9 of 4
+    (lambda a: {**a, "layer": 0}, "layer"),
+    (lambda a: {**a, "softmax_scale": -1.0}, "softmax_scale"),
+])
+def test_bad_input_raises_value_error_naming_the_argument(small_args, change, name):
+    q, q_rope, cache, block_table, seq_lens = small_args
+    args = dict(q_latent=q, q_rope=q_rope, cache=cache, block_table=block_table, seq_lens=seq_lens,
+                softmax_scale=SCALE)
+    with pytest.raises(ValueError, match=name):
+        mla_decode(**change(args), backend="interpret")
