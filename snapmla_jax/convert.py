@@ -3,18 +3,24 @@
     python -m snapmla_jax.convert --hf-dir DIR --out DIR [--dtype bfloat16] [--overwrite] [--quiet]
 
 FP8 block-quantized releases are dequantized to ``--dtype``; multi-token
-prediction layers are dropped. Exit code 0 on success, 2 with a one-line
-message on bad arguments or an unusable checkpoint.
+prediction layers are dropped. The tokenizer files found beside the weights
+are copied into ``--out`` so that ``python -m snapmla_jax.generate --model OUT``
+needs nothing else. Exit code 0 on success, 2 with a one-line message on bad
+arguments or an unusable checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
+import shutil
 import sys
 
 import jax.numpy as jnp
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+# What snapmla_jax.tokenizer.load_tokenizer and generation read from a model directory.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 class _UsageError(Exception):
@@ -45,10 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         model = load_hf_checkpoint(args.hf_dir, dtype=DTYPES[args.dtype], progress=not args.quiet)
         save_checkpoint(model, args.out, overwrite=args.overwrite)
+        copied = [name for name in TOKENIZER_FILES if (pathlib.Path(args.hf_dir) / name).is_file()]
+        for name in copied:
+            shutil.copy2(pathlib.Path(args.hf_dir) / name, pathlib.Path(args.out) / name)
     except (_UsageError, ValueError) as err:
         print(f"snapmla_jax.convert: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
-    print(f"saved {param_count(model):,} parameters ({args.dtype}) to {args.out}")
+    print(f"saved {param_count(model):,} parameters ({args.dtype}) to {args.out}"
+          + (f" with {', '.join(copied)}" if copied else " (no tokenizer files found beside the weights)"))
     return 0
 
 

@@ -40,8 +40,15 @@ def test_compiled_kernel_matches_interpret_and_xla(dtype, heads, s_q, page_size,
     # boundary for isolated tokens: 2e-3 of the output scale (see the CPU tests).
     assert rel_err(out, np.asarray(interp, np.float64)) <= 2e-3
     assert rel_err(out, np.asarray(emu, np.float64)) <= 2e-3
-    np.testing.assert_allclose(lse, interp_lse, atol=1e-4)  # fp32 log-sum-exp of O(10) scores
-    np.testing.assert_allclose(lse, emu_lse, atol=1e-4)
+    # lse: fp32 log-sum-exp of O(10) scores, 1e-4 apart for BF16 (fp32 MMA
+    # accumulation). Hopper's FP8 MMA keeps only ~14 significant bits in its
+    # accumulator (DeepSeek-V3 report, 3.3.2) where the CPU paths keep fp32:
+    # over the 16 k-steps of a 512-dim product that is up to ~2**-9 of the
+    # score's magnitude (measured on an H100: 5e-4 of |lse| at most).
+    finite = np.isfinite(np.asarray(interp_lse))
+    lse_atol = 1e-4 if dtype == "bf16" else 2**-9 * float(np.max(np.abs(np.asarray(interp_lse)[finite])))
+    np.testing.assert_allclose(lse, interp_lse, atol=lse_atol)
+    np.testing.assert_allclose(lse, emu_lse, atol=lse_atol)
     assert np.all(np.asarray(out)[0] == 0) and np.all(np.asarray(lse)[0] == -np.inf)  # seq_len 0
 
 

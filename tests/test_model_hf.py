@@ -194,6 +194,23 @@ def test_convert_cli_writes_a_checkpoint_that_reloads_bit_exactly(hf_reference, 
     np.testing.assert_array_equal(forward(reloaded, variant), forward(direct, variant))
 
 
+def test_convert_cli_copies_the_tokenizer_so_the_output_generates(hf_reference, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from snapmla_jax.tokenizer import load_tokenizer
+
+    variant = tmp_path / "hf"
+    shutil.copytree(hf_reference / "v2", variant)
+    vocab = {"[UNK]": 0, "def": 1, "f": 2, "return": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(variant / "tokenizer.json"))
+    out = tmp_path / "converted"
+    assert convert_main(["--hf-dir", str(variant), "--out", str(out), "--quiet"]) == 0
+    assert (out / "tokenizer.json").read_bytes() == (variant / "tokenizer.json").read_bytes()
+    assert load_tokenizer(out).encode("def f return") == [1, 2, 3]
+
+
 def test_convert_cli_bad_input_exits_2_with_one_line(tmp_path, capsys):
     assert convert_main(["--hf-dir", str(tmp_path / "absent"), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
