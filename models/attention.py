@@ -26,6 +26,8 @@ from flax import nnx
 from models.config import MLAConfig
 from models.layers import RMSNorm, RotaryEmbedding, linear
 
+QUERY_CHUNK = 1024  # queries per block of the full form's attention (bounds its score matrix)
+
 
 class MLAAttention(nnx.Module):
     """One MLA layer's attention; ``hidden`` = cfg.hidden_size, ``H`` = heads, ``R`` = kv_lora_rank."""
@@ -74,21 +76,38 @@ class MLAAttention(nnx.Module):
 
         Returns (out [B, S, hidden], c_kv [B, S, R], k_pe [B, S, rope]); the
         latents are returned so prefill can write them into the cache.
-        Scores and softmax run in float32.
+        Scores and softmax run in float32, QUERY_CHUNK queries at a time.
         """
-        cfg = self.cfg
         q_nope, q_pe = self.queries(x, positions)
         c_kv, k_pe = self.latents(x, positions)
         k_nope = jnp.einsum("bkr,rhn->bkhn", c_kv, self.w_uk[...])
         values = jnp.einsum("bkr,rhv->bkhv", c_kv, self.w_uv[...])
+        batch, seq = x.shape[:2]
+        if seq <= QUERY_CHUNK:
+            out = self._attend(q_nope, q_pe, k_nope, k_pe, values, 0)
+        else:
+            # Query blocks in sequence: scores [B, H, QUERY_CHUNK, S] live one
+            # block at a time instead of [B, H, S, S] (4 GiB in float32 for one
+            # 8k-token prompt with 16 heads). Rows are independent, so the
+            # result is the same as in one block.
+            chunks = -(-seq // QUERY_CHUNK)
+            pad = ((0, 0), (0, chunks * QUERY_CHUNK - seq), (0, 0), (0, 0))
+            blocked = lambda q: jnp.pad(q, pad).reshape(batch, chunks, QUERY_CHUNK, *q.shape[2:]).swapaxes(0, 1)
+            out = jax.lax.map(
+                lambda args: self._attend(args[0], args[1], k_nope, k_pe, values, args[2]),
+                (blocked(q_nope), blocked(q_pe), jnp.arange(chunks) * QUERY_CHUNK))
+            out = out.swapaxes(0, 1).reshape(batch, chunks * QUERY_CHUNK, *out.shape[3:])[:, :seq]
+        return self.o_proj(out.reshape(batch, seq, -1)), c_kv, k_pe
+
+    def _attend(self, q_nope, q_pe, k_nope, k_pe, values, first_query):
+        """Causal attention of queries [B, C, H, *] at positions first_query + (0..C-1)
+        over all S keys [B, S, ...] -> [B, C, H, v_head] (float32 scores and softmax)."""
         scores = (jnp.einsum("bqhn,bkhn->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
                   + jnp.einsum("bqhr,bkr->bhqk", q_pe, k_pe, preferred_element_type=jnp.float32))
-        seq = x.shape[1]
-        causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]
-        scores = jnp.where(causal, scores * cfg.softmax_scale, -jnp.inf)
+        causal = (first_query + jnp.arange(q_nope.shape[1]))[:, None] >= jnp.arange(k_nope.shape[1])[None, :]
+        scores = jnp.where(causal, scores * self.cfg.softmax_scale, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-        out = jnp.einsum("bhqk,bkhv->bqhv", probs, values)
-        return self.o_proj(out.reshape(*x.shape[:-1], -1)), c_kv, k_pe
+        return jnp.einsum("bhqk,bkhv->bqhv", probs, values)
 
     def absorbed_decode(self, x: jax.Array, positions: jax.Array, cache, block_table: jax.Array,
                         seq_lens: jax.Array, slots: jax.Array, *, backend: str):
