@@ -134,7 +134,7 @@ class MLAModel(nnx.Module):
                              f"(model.init_cache), got {got}")
 
     def prefill(self, input_ids: jax.Array, lengths: jax.Array, caches: tuple, block_table: jax.Array, *,
-                backend: str = "auto") -> tuple[jax.Array, tuple]:
+                backend: str = "auto", last_only: bool = False) -> tuple[jax.Array, tuple]:
         """Run right-padded prompts with full causal attention and fill the cache.
 
         input_ids [B, S] int32; lengths [B] int32 (tokens of row b at positions
@@ -142,7 +142,10 @@ class MLAModel(nnx.Module):
         caches from ``init_cache``; block_table [B, max_pages] int32.
         Token ``pos`` of row b goes to slot ``block_table[b, pos // page_size]
         * page_size + pos % page_size``. Returns (logits [B, S, vocab] float32,
-        updated caches). Jittable; donate ``caches`` to update in place.
+        updated caches); with ``last_only=True`` the logits are those of each
+        row's last prompt token only, [B, vocab] (the LM head then runs on B
+        rows, not B x S: the full logits of a long prompt are gigabytes).
+        Jittable; donate ``caches`` to update in place.
         """
         x = self._embed(input_ids)
         _check_int_array("lengths", lengths, 1, f"[{input_ids.shape[0]}]")
@@ -155,6 +158,9 @@ class MLAModel(nnx.Module):
         for layer, cache in zip(self.layers, caches):
             x, cache = layer.prefill(x, positions, cache, slots, backend=backend)
             new_caches.append(cache)
+        if last_only:
+            last = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None].astype(jnp.int32), axis=1)
+            return self.logits(last)[:, 0], tuple(new_caches)
         return self.logits(x), tuple(new_caches)
 
     def decode(self, input_ids: jax.Array, caches: tuple, block_table: jax.Array, seq_lens: jax.Array, *,

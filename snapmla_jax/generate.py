@@ -74,8 +74,7 @@ class DecodeState:
 def _prefill(params, caches, input_ids, lengths, block_table, key, *, graphdef, sampling, backend):
     """Fill the cache from the prompts and draw each row's first new token ([B] int32)."""
     model = nnx.merge(graphdef, params)
-    logits, caches = model.prefill(input_ids, lengths, caches, block_table, backend=backend)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    last, caches = model.prefill(input_ids, lengths, caches, block_table, backend=backend, last_only=True)
     return sample(last, jax.random.fold_in(key, 0), sampling), caches
 
 

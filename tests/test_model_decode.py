@@ -86,6 +86,16 @@ def test_prefill_logits_equal_the_full_forward_on_valid_tokens(model, tokens, fu
         assert err <= 1e-5, f"row {b}: relative error {err:.2e}"
 
 
+def test_prefill_last_only_returns_each_rows_last_prompt_logits(model, tokens, full_logits):
+    caches = model.init_cache(NUM_PAGES, PAGE_SIZE, kv_cache="bf16")
+    last, _ = nnx.jit(lambda m, ids, lens, c, t: m.prefill(ids, lens, c, t, backend="xla", last_only=True))(
+        model, jnp.asarray(prompts(tokens)), jnp.asarray(PROMPT_LENS), caches, jnp.asarray(BLOCK_TABLE))
+    assert last.shape == (2, 96)
+    want = np.stack([full_logits[b, n - 1] for b, n in enumerate(PROMPT_LENS)])
+    # Same float32 computation as the full forward on each causal prefix.
+    assert np.abs(np.asarray(last) - want).max() / np.abs(full_logits).max() <= 1e-5
+
+
 def test_prefill_writes_each_valid_token_latent_at_its_slot_and_nothing_else(model, tokens):
     caches = model.init_cache(NUM_PAGES, PAGE_SIZE, kv_cache="bf16")
     padded = jnp.asarray(prompts(tokens))
