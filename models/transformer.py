@@ -123,7 +123,13 @@ class MLAModel(nnx.Module):
                                         rope_dim=self.cfg.qk_rope_head_dim, dtype=kv_cache)
                      for _ in range(self.cfg.num_hidden_layers))
 
-    def _check_serving_args(self, input_ids, caches, block_table) -> None:
+    def _check_serving_args(self, input_ids, caches, block_table, lens_name: str, lens) -> None:
+        """ValueError naming the argument unless block_table, caches and the per-row
+        length vector ``lens`` (called ``lens_name``) fit ``input_ids``' batch."""
+        batch = input_ids.shape[0]
+        _check_int_array(lens_name, lens, 1, f"[{batch}]")
+        if lens.shape[0] != batch:
+            raise ValueError(f"{lens_name}: expected shape [{batch}], got {list(lens.shape)}")
         _check_int_array("block_table", block_table, 2, "[B, max_pages]")
         if block_table.shape[0] != input_ids.shape[0]:
             raise ValueError(f"block_table: expected {input_ids.shape[0]} rows (one per input row), "
@@ -148,10 +154,7 @@ class MLAModel(nnx.Module):
         Jittable; donate ``caches`` to update in place.
         """
         x = self._embed(input_ids)
-        _check_int_array("lengths", lengths, 1, f"[{input_ids.shape[0]}]")
-        if lengths.shape[0] != input_ids.shape[0]:
-            raise ValueError(f"lengths: expected shape [{input_ids.shape[0]}], got {list(lengths.shape)}")
-        self._check_serving_args(input_ids, caches, block_table)
+        self._check_serving_args(input_ids, caches, block_table, "lengths", lengths)
         positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
         slots = slot_mapping(block_table, positions, positions < lengths[:, None], caches[0].page_size)
         new_caches = []
@@ -178,10 +181,7 @@ class MLAModel(nnx.Module):
         Jittable; donate ``caches`` to update in place.
         """
         x = self._embed(input_ids)
-        _check_int_array("seq_lens", seq_lens, 1, f"[{input_ids.shape[0]}]")
-        if seq_lens.shape[0] != input_ids.shape[0]:
-            raise ValueError(f"seq_lens: expected shape [{input_ids.shape[0]}], got {list(seq_lens.shape)}")
-        self._check_serving_args(input_ids, caches, block_table)
+        self._check_serving_args(input_ids, caches, block_table, "seq_lens", seq_lens)
         s_q = input_ids.shape[1]
         positions = (seq_lens[:, None] - s_q + jnp.arange(s_q, dtype=jnp.int32)).astype(jnp.int32)
         slots = slot_mapping(block_table, positions, positions >= 0, caches[0].page_size)
