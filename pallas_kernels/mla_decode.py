@@ -77,12 +77,23 @@ class DecodeConfig:
              two >= 16 (Triton's dot minimum). The fp32 accumulator is
              block_m x 512 x 4 bytes and lives in registers.
     block_n: tokens per inner step, a power of two >= 16.
+    pv_mma:  which tensor-core instruction multiplies P' (e4m3) by the e4m3
+             latent tile in the FP8 kernel: "fp8" (an FP8 MMA, whose token-major
+             B operand Triton re-lays through registers) or "bf16" (both
+             operands widened to bf16 first). e4m3 -> bf16 is exact and both
+             MMAs accumulate the exact products in fp32, so the math is the same
+             (measured on an H100: bit-identical outputs).
     """
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    pv_mma: str = "fp8"
+
+    def __post_init__(self):
+        if self.pv_mma not in ("fp8", "bf16"):
+            raise ValueError(f"DecodeConfig.pv_mma: expected 'fp8' or 'bf16', got {self.pv_mma!r}")
 
 
 # Measured on an H100 at B=64, ctx=16k, H=128 (docs/decode_kernel.md). The FP8
@@ -90,7 +101,10 @@ class DecodeConfig:
 # P.V product through registers), so it needs 8 warps to fit 64 rows x 512
 # fp32 and the tile; the BF16 twin feeds both products from shared memory and
 # runs best with 32 rows and 4 warps.
-FP8_CONFIG = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+# Its P'.V runs on BF16 MMAs (pv_mma="bf16"): same products, measured 1.18-1.23x
+# faster than the FP8 MMA at H=128 (2.57 vs 3.13 ms at B=64 x 16k), 7% slower
+# at H=16 (scripts/tune_decode.py, docs/decode_kernel.md).
+FP8_CONFIG = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, pv_mma="bf16")
 BF16_CONFIG = DecodeConfig(block_m=32, block_n=64, num_warps=4, num_stages=2)
 
 
@@ -135,7 +149,7 @@ def _dot_nn(a, b):
 
 def _mla_decode_kernel(seq_lens_ref, block_table_ref, layer_offset_ref, q_ref, q_rope_ref, latent_ref, *refs,
                        quantized: bool, block_n: int, page_size: int, num_splits: int, num_heads: int,
-                       s_q: int, scale_log2: float):
+                       s_q: int, scale_log2: float, pv_mma: str = "fp8"):
     """One (batch row, split, row block) program.
 
     seq_lens_ref     [B] int32            tokens in the cache per batch row (incl. the s_q new ones)
@@ -219,7 +233,12 @@ def _mla_decode_kernel(seq_lens_ref, block_table_ref, layer_offset_ref, q_ref, q
         if quantized:
             pv = p * k_scale[None, :]
             pv_max = jnp.max(pv, axis=1)
-            pv_out = _dot_nn(_to_fp8_p(pv, _fp8_pv_factor(pv_max)), kv) * (pv_max / FP8_E4M3_MAX)[:, None]
+            p8 = _to_fp8_p(pv, _fp8_pv_factor(pv_max))
+            if pv_mma == "bf16":  # exact widening: the same products on BF16 MMAs
+                p8, values = p8.astype(jnp.bfloat16), kv.astype(jnp.bfloat16)
+            else:
+                values = kv
+            pv_out = _dot_nn(p8, values) * (pv_max / FP8_E4M3_MAX)[:, None]
         else:
             pv_out = _dot_nn(p.astype(jnp.bfloat16), kv)
         return acc * alpha[:, None] + pv_out, m_new, l
@@ -268,7 +287,8 @@ def mla_decode_pallas(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: t
     out_dtype = q_rows.dtype if num_splits == 1 else jnp.float32
     kernel = functools.partial(
         _mla_decode_kernel, quantized=quantized, block_n=tokens_per_block(page_size, config), page_size=page_size,
-        num_splits=num_splits, num_heads=num_heads, s_q=s_q, scale_log2=softmax_scale * LOG2E)
+        num_splits=num_splits, num_heads=num_heads, s_q=s_q, scale_log2=softmax_scale * LOG2E,
+        pv_mma=config.pv_mma)
     whole = pl.BlockSpec(memory_space=pl.ANY)
     out, lse = pl.pallas_call(
         kernel,

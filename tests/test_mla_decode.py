@@ -325,6 +325,31 @@ def test_split_kv_combine_matches_single_pass(dtype, paged_setup):
     assert rel_err(most, reference) <= 2**-8
 
 
+@pytest.mark.parametrize("dtype,config", [
+    ("fp8", DecodeConfig(block_n=16, pv_mma="bf16")),
+    ("fp8", DecodeConfig(block_n=16, pv_mma="fp8")),
+    ("bf16", DecodeConfig(block_n=16, pv_mma="bf16")),  # pv_mma is moot on the bf16 cache
+])
+@pytest.mark.parametrize("page_size", [64, 24])  # contiguous tiles, and the per-token gather
+def test_config_variants_compute_the_same_attention(dtype, config, page_size):
+    """The MMA that runs P'.V on e4m3 operands changes the instruction, not the math."""
+    rng = np.random.default_rng(page_size)
+    latent, rope = make_latent(rng, 12, page_size)
+    block_table = scrambled_block_table(rng, 3, 4, 12)
+    seq_lens = jnp.asarray([4 * page_size - 5, 0, page_size + 3], jnp.int32)
+    q, q_rope = make_queries(rng, 3, 2, 20)  # 40 rows: one padded row block
+    cache = make_cache(latent, rope, dtype)
+    base, base_lse = run(q, q_rope, cache, block_table, seq_lens, num_splits=2,
+                         config=DecodeConfig(block_n=16, pv_mma="fp8" if config.pv_mma == "bf16" else "bf16"))
+    got, got_lse = run(q, q_rope, cache, block_table, seq_lens, num_splits=2, config=config)
+    # Same roundings of the same operands; only fp32 summation order may differ
+    # (an e4m3 x e4m3 product is exact in bf16 x bf16 -> fp32 MMAs): 1e-5 of
+    # the output scale leaves room for that and fails on any wrong operand.
+    assert rel_err(got, np.asarray(base, np.float64)) <= 1e-5
+    np.testing.assert_allclose(got_lse, base_lse, atol=1e-5)
+    assert np.all(np.asarray(got)[1] == 0)  # seq_len 0 row
+
+
 @pytest.mark.parametrize("heads,s_q", [(20, 1), (6, 2)])
 def test_head_count_not_a_multiple_of_the_row_block(heads, s_q):
     rng = np.random.default_rng(heads)

@@ -61,3 +61,23 @@ def test_compiled_layered_cache_with_traced_layer():
     got = jax.jit(lambda layer: run(q, q_rope, stacked, block_table, seq_lens, backend="pallas", layer=layer))(
         jnp.int32(1))[0]
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("config", [
+    dict(block_m=64, num_warps=8, pv_mma="fp8"),
+    dict(block_m=64, num_warps=8, pv_mma="bf16"),
+    dict(block_m=32, num_warps=4, pv_mma="bf16"),
+], ids=str)
+def test_compiled_fp8_config_variants_match_interpret(config):
+    from pallas_kernels.mla_decode import DecodeConfig
+    latent, rope, block_table, seq_lens, q, q_rope = _inputs(
+        11, batch=3, heads=128, s_q=2, page_size=64, pages_per_row=9)
+    cache = make_cache(latent, rope, "fp8")
+    out, lse = run(q, q_rope, cache, block_table, seq_lens, backend="pallas", config=DecodeConfig(**config))
+    interp, interp_lse = run(q, q_rope, cache, block_table, seq_lens, backend="interpret")
+    # Same e4m3 operands whichever MMA runs P'.V; the FP8 Q.K^T MMA's ~14-bit
+    # accumulation bounds the lse as in the test above.
+    assert rel_err(out, np.asarray(interp, np.float64)) <= 2e-3
+    finite = np.isfinite(np.asarray(interp_lse))
+    lse_atol = 2**-9 * float(np.max(np.abs(np.asarray(interp_lse)[finite])))
+    np.testing.assert_allclose(lse, interp_lse, atol=lse_atol)
