@@ -160,6 +160,18 @@ def check_layer(cache: LatentCache, layer) -> None:
         raise ValueError(f"layer: expected an int in [0, {cache.num_layers}), got {value}")
 
 
+def check_kernel_addressable(cache: LatentCache) -> None:
+    """ValueError if the Pallas kernels cannot address ``cache``: its latent array
+    holds more than 2**31 - 1 elements, beyond their int32 offsets (an
+    out-of-bounds access on the GPU otherwise). LatentCache.create refuses such
+    caches; this catches ones assembled from arrays."""
+    if cache.latent.size > MAX_CACHE_ELEMENTS:
+        raise ValueError(
+            f"cache: its latent array {list(cache.latent.shape)} holds {cache.latent.size} elements, more than "
+            "the 2**31 - 1 that the Pallas kernels' int32 offsets address; split it (one cache per layer, "
+            "fewer pages) or use backend='xla'")
+
+
 def dequantize(cache: LatentCache, *, layer: int | jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The cache's contents in float32: (latent [num_pages, page_size, R], rope [num_pages, page_size, Dr]).
 

@@ -15,7 +15,7 @@ import numpy as np
 from pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, DecodeConfig, mla_decode_pallas,
                                       mla_decode_reference, rows_per_block, tokens_per_block)
 from snapmla_jax.backend import resolve_backend
-from snapmla_jax.cache import LatentCache, check_layer
+from snapmla_jax.cache import LatentCache, check_kernel_addressable, check_layer
 
 H100_SMS = 132  # SM count assumed when no GPU is visible (interpret mode, planning)
 # A split writes block_m x 512 fp32 partials (128 KiB at block_m = 64) that the
@@ -129,6 +129,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
                                         block_n=tokens_per_block(cache.page_size, config))
         return (out, lse) if return_lse else out
 
+    check_kernel_addressable(cache)
     num_rows = s_q * heads
     block_m = rows_per_block(num_rows, config)
     padded_rows = -(-num_rows // block_m) * block_m

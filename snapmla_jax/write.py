@@ -9,7 +9,7 @@ import numpy as np
 
 from pallas_kernels.write_kv import write_kv_pallas, write_kv_reference
 from snapmla_jax.backend import resolve_backend
-from snapmla_jax.cache import LatentCache, check_layer
+from snapmla_jax.cache import LatentCache, check_kernel_addressable, check_layer
 
 
 def _flat_arrays(cache: LatentCache) -> tuple:
@@ -95,5 +95,6 @@ def write_kv(cache: LatentCache, latent: jax.Array, k_rope: jax.Array, slot_mapp
     if backend == "xla":
         new = write_kv_reference(arrays, latent, k_rope, rows)
     else:
+        check_kernel_addressable(cache)
         new = write_kv_pallas(arrays, latent, k_rope, rows, interpret=backend == "interpret")
     return _unflatten(cache, tuple(new))

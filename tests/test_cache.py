@@ -65,3 +65,32 @@ def test_dequantize_checks_layer():
     cache = LatentCache.create(num_pages=1, page_size=16, num_layers=2)
     with pytest.raises(ValueError, match="layer"):
         dequantize(cache, layer=2)
+
+
+def test_kernels_refuse_a_cache_beyond_int32_offsets():
+    """A cache assembled from arrays larger than 2**31 - 1 latent elements (the
+    decode benchmark's B=128 x 64k once was) must fail with a ValueError naming
+    the cache, not run off the end of the kernels' int32 offsets on the GPU.
+    Checked on shapes only (eval_shape: nothing is allocated)."""
+    from snapmla_jax.decode import mla_decode
+    from snapmla_jax.write import write_kv
+
+    def cache_of(pages):
+        return LatentCache(latent=jax.ShapeDtypeStruct((pages, 64, 512), jnp.float8_e4m3fn),
+                           scale=jax.ShapeDtypeStruct((pages, 64), jnp.float32),
+                           rope=jax.ShapeDtypeStruct((pages, 64, 64), jnp.bfloat16))
+
+    q = jax.ShapeDtypeStruct((1, 1, 16, 512), jnp.bfloat16)
+    q_rope = jax.ShapeDtypeStruct((1, 1, 16, 64), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+    lens = jax.ShapeDtypeStruct((1,), jnp.int32)
+    decode = lambda backend: lambda c, q, qr, t, n: mla_decode(q, qr, c, t, n, softmax_scale=0.1, backend=backend)
+    too_big, just_fits = cache_of(2**16 + 1), cache_of(2**16 - 1)  # 2**31 elements = 2**16 pages of 64 x 512
+    with pytest.raises(ValueError, match="cache: .*2\\*\\*31"):
+        jax.eval_shape(decode("interpret"), too_big, q, q_rope, table, lens)
+    jax.eval_shape(decode("interpret"), just_fits, q, q_rope, table, lens)
+    jax.eval_shape(decode("xla"), too_big, q, q_rope, table, lens)  # XLA indexes with 64 bits
+    tokens = jax.ShapeDtypeStruct((3, 512), jnp.bfloat16), jax.ShapeDtypeStruct((3, 64), jnp.bfloat16)
+    slots = jax.ShapeDtypeStruct((3,), jnp.int32)
+    with pytest.raises(ValueError, match="cache: .*2\\*\\*31"):
+        jax.eval_shape(lambda c, l, r, s: write_kv(c, l, r, s, backend="interpret"), too_big, *tokens, slots)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from snapmla_jax.bench import timing
-from snapmla_jax.cache import LatentCache
+from snapmla_jax.cache import MAX_CACHE_ELEMENTS, LatentCache
 from snapmla_jax.decode import mla_decode
 from snapmla_jax.quantization import quantize_per_token
 
@@ -144,7 +144,8 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
     return row
 
 
-def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str | None) -> str:
+def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str | None,
+                merged: bool = False) -> str:
     fmt = lambda v, spec="{:.3g}": "-" if v is None else spec.format(v)
     pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"
     cols = ["B", "ctx", "H", "s_q", "FP8 ms", "BF16 ms", "XLA bf16 ms", "FP8/BF16", "FP8/XLA",
@@ -162,8 +163,12 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         f"Device: {env['device']}, jax {env['jax']}, Python {env['python']}, date {env['date']}.",
         f"Ceilings measured in this run: copy {ceilings['copy_gbps']:.0f} GB/s, "
         f"BF16 GEMM {ceilings['bf16_tflops']:.0f} TFLOP/s, FP8 GEMM {ceilings['fp8_tflops']:.0f} TFLOP/s.",
+        *(["Rows kept from earlier invocations (--merge) carry the % roof of their own run's ceilings."]
+          if merged else []),
         "",
         "One decode step over one layer, page_size 64, all rows at the full context; times are medians.",
+        "Shapes whose cache exceeds the kernels' int32 offsets (2**31 - 1 latent elements, e.g. B=128 x 64k)",
+        "are not run: one decode call cannot address them (mla_decode raises ValueError).",
         "FP8 = SnapMLA kernel on the fp8 cache (644 B/token), BF16 = the same kernel body on the bf16",
         "cache (1152 B/token), XLA bf16 = `mla_decode(..., backend=\"xla\")` on the bf16 cache (gather",
         "+ einsum + softmax, what a JAX user writes today).",
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         merged = [r for r in earlier if (r["batch"], r["context"], r["heads"], r["s_q"]) not in done] + measured
         merged.sort(key=lambda r: (r["heads"], r["s_q"], r["batch"], r["context"]))
         ceil = dataclasses.asdict(ceilings)
-        markdown = to_markdown(env, ceil, merged, stock_reason)
+        markdown = to_markdown(env, ceil, merged, stock_reason, merged=bool(earlier))
         timing.write_results(out, "decode", {**env, "ceilings": ceil, "stock_mqa": stock_reason or "runs"}, merged,
                              markdown)
         return markdown
@@ -219,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     for batch in grid["batches"]:
         for context in grid["contexts"]:
             cache_bytes = batch * context * (644 + 1152)
+            if batch * context * RANK > MAX_CACHE_ELEMENTS:
+                print(f"skip B={batch} ctx={context}: {batch * context * RANK} latent elements exceed the "
+                      "kernels' int32 offsets (2**31 - 1)", flush=True)
+                continue
             if cache_bytes > MEMORY_FRACTION * memory:
                 print(f"skip B={batch} ctx={context}: caches need {cache_bytes / 2**30:.1f} GiB", flush=True)
                 continue
