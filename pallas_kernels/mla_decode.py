@@ -79,21 +79,23 @@ class DecodeConfig:
     block_n: tokens per inner step, a power of two >= 16.
     pv_mma:  which tensor-core instruction multiplies P' (e4m3) by the e4m3
              latent tile in the FP8 kernel: "fp8" (an FP8 MMA, whose token-major
-             B operand Triton re-lays through registers) or "bf16" (both
-             operands widened to bf16 first). e4m3 -> bf16 is exact and both
-             MMAs accumulate the exact products in fp32, so the math is the same
-             (measured on an H100: bit-identical outputs).
+             B operand Triton re-lays through registers), "bf16" (both operands
+             widened to bf16 first), or "auto": "bf16" for 64-row blocks, "fp8"
+             for smaller ones (the faster of the two on an H100 at each size,
+             docs/decode_kernel.md). e4m3 -> bf16 is exact and both MMAs
+             accumulate the exact products in fp32, so the math is the same
+             (measured: bit-identical outputs).
     """
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
-    pv_mma: str = "fp8"
+    pv_mma: str = "auto"
 
     def __post_init__(self):
-        if self.pv_mma not in ("fp8", "bf16"):
-            raise ValueError(f"DecodeConfig.pv_mma: expected 'fp8' or 'bf16', got {self.pv_mma!r}")
+        if self.pv_mma not in ("auto", "fp8", "bf16"):
+            raise ValueError(f"DecodeConfig.pv_mma: expected 'auto', 'fp8' or 'bf16', got {self.pv_mma!r}")
 
 
 # Measured on an H100 at B=64, ctx=16k, H=128 (docs/decode_kernel.md). The FP8
@@ -101,10 +103,10 @@ class DecodeConfig:
 # P.V product through registers), so it needs 8 warps to fit 64 rows x 512
 # fp32 and the tile; the BF16 twin feeds both products from shared memory and
 # runs best with 32 rows and 4 warps.
-# Its P'.V runs on BF16 MMAs (pv_mma="bf16"): same products, measured 1.18-1.23x
-# faster than the FP8 MMA at H=128 (2.57 vs 3.13 ms at B=64 x 16k), 7% slower
-# at H=16 (scripts/tune_decode.py, docs/decode_kernel.md).
-FP8_CONFIG = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, pv_mma="bf16")
+# With 64-row blocks its P'.V runs on BF16 MMAs (same products): 1.18-1.23x
+# faster than the FP8 MMA at H=128 (2.57 vs 3.13 ms at B=64 x 16k); with 16 or
+# 32 rows (H=16) the FP8 MMA is 1.1-1.2x faster (scripts/tune_decode.py).
+FP8_CONFIG = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, pv_mma="auto")
 BF16_CONFIG = DecodeConfig(block_m=32, block_n=64, num_warps=4, num_stages=2)
 
 
@@ -120,6 +122,13 @@ def tokens_per_block(page_size: int, config: DecodeConfig) -> int:
 def rows_per_block(num_rows: int, config: DecodeConfig) -> int:
     """Query rows per program for ``num_rows`` = s_q * H rows: a power of two in [16, block_m]."""
     return min(config.block_m, max(MIN_BLOCK, pl.next_power_of_2(num_rows)))
+
+
+def resolve_pv_mma(config: DecodeConfig, block_m: int) -> str:
+    """config.pv_mma with "auto" resolved for a block of ``block_m`` rows."""
+    if config.pv_mma != "auto":
+        return config.pv_mma
+    return "bf16" if block_m >= 64 else "fp8"
 
 
 def _fp8_pv_factor(pv_row_max: jax.Array) -> jax.Array:
@@ -288,7 +297,7 @@ def mla_decode_pallas(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: t
     kernel = functools.partial(
         _mla_decode_kernel, quantized=quantized, block_n=tokens_per_block(page_size, config), page_size=page_size,
         num_splits=num_splits, num_heads=num_heads, s_q=s_q, scale_log2=softmax_scale * LOG2E,
-        pv_mma=config.pv_mma)
+        pv_mma=resolve_pv_mma(config, block_m))
     whole = pl.BlockSpec(memory_space=pl.ANY)
     out, lse = pl.pallas_call(
         kernel,

@@ -33,6 +33,8 @@ CANDIDATES = {
     "fp8 64/8w bf16-pv": ("fp8", DecodeConfig(64, 64, 8, 2, pv_mma="bf16")),
     "fp8 32/4w bf16-pv": ("fp8", DecodeConfig(32, 64, 4, 2, pv_mma="bf16")),
     "fp8 64/8w bf16-pv 3st": ("fp8", DecodeConfig(64, 64, 8, 3, pv_mma="bf16")),
+    "fp8 32/4w fp8-pv": ("fp8", DecodeConfig(32, 64, 4, 2, pv_mma="fp8")),
+    "fp8 32/4w fp8-pv 3st": ("fp8", DecodeConfig(32, 64, 4, 3, pv_mma="fp8")),
     "bf16 32/4w": ("bf16", DecodeConfig(32, 64, 4, 2)),
     "bf16 64/8w": ("bf16", DecodeConfig(64, 64, 8, 2)),
 }

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.mla_decode import DecodeConfig
+from pallas_kernels.mla_decode import DecodeConfig, resolve_pv_mma
 from snapmla_jax.cache import LatentCache
 from snapmla_jax.decode import choose_num_splits, mla_decode
 from snapmla_jax.quantization import AMAX_FLOOR, FP8_E4M3_EPS, FP8_E4M3_MAX, quantize_per_token
@@ -341,6 +341,7 @@ def test_config_variants_compute_the_same_attention(dtype, config, page_size):
     cache = make_cache(latent, rope, dtype)
     base, base_lse = run(q, q_rope, cache, block_table, seq_lens, num_splits=2,
                          config=DecodeConfig(block_n=16, pv_mma="fp8" if config.pv_mma == "bf16" else "bf16"))
+    assert resolve_pv_mma(DecodeConfig(), 64) == "bf16" and resolve_pv_mma(DecodeConfig(), 32) == "fp8"
     got, got_lse = run(q, q_rope, cache, block_table, seq_lens, num_splits=2, config=config)
     # Same roundings of the same operands; only fp32 summation order may differ
     # (an e4m3 x e4m3 product is exact in bf16 x bf16 -> fp32 MMAs): 1e-5 of
