@@ -30,7 +30,8 @@ FP8 math (``quantized=True``), per token block:
   * PV: P'[r, t] = P[r, t] * k_scale[t] (the token's V scale, a column of P);
     each row of the block is multiplied by f_r = 448 / max_t P'[r, t], cast to
     e4m3 and multiplied with the FP8 latent; the fp32 product is multiplied by
-    1 / f_r. Without f_r a token whose scale is 1000x below its neighbours'
+    1 / f_r. (With 64-row blocks that product runs on BF16 MMAs of the exactly
+    widened e4m3 values, which Triton executes faster: DecodeConfig.pv_mma.) Without f_r a token whose scale is 1000x below its neighbours'
     would underflow e4m3; with it, ratios down to 448 / 2**-6 ~ 3e4 inside a
     block stay in e4m3's normal range.
 The BF16 twin runs the same body with Q and P cast to bf16 and no scales.

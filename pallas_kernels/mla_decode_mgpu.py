@@ -55,7 +55,6 @@ j + 1 after step j's P'.V (SMEM is short). No warp specialisation yet.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -64,10 +63,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, quantize_per_token
+from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-MIN_PV_ROW_MAX = 2.0**-100  # as mla_decode.py: floor on a row's P' max before dividing
 
 PAGE = 64  # cache page size this kernel supports
 STEP = 128  # tokens per inner step: two pages (see the module docstring)
