@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.mla_decode import DecodeConfig
 from snapmla_jax.bench import timing
-from snapmla_jax.bench.decode import RANK, ROPE, make_caches
+from snapmla_jax.bench.decode import make_caches, make_queries
 from snapmla_jax.decode import mla_decode
 
 CANDIDATES = {
@@ -55,11 +53,7 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         batch, context, heads, s_q = map(int, shape.split("x"))
         fp8, bf16, block_table = make_caches(batch, context)
-        k = jax.random.split(jax.random.key(batch + heads), 2)
-        q = jax.random.normal(k[0], (batch, s_q, heads, RANK), jnp.bfloat16)
-        q_rope = jax.random.normal(k[1], (batch, s_q, heads, ROPE), jnp.bfloat16)
-        seq_lens = jnp.full((batch,), context, jnp.int32)
-        scale = 1.0 / math.sqrt(RANK + ROPE)
+        q, q_rope, seq_lens, scale = make_queries(batch, context, heads, s_q)
         row = {"shape": shape}
         first_out = None
         for name in args.candidates:

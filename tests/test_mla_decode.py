@@ -341,7 +341,6 @@ def test_config_variants_compute_the_same_attention(dtype, config, page_size):
     cache = make_cache(latent, rope, dtype)
     base, base_lse = run(q, q_rope, cache, block_table, seq_lens, num_splits=2,
                          config=DecodeConfig(block_n=16, pv_mma="fp8" if config.pv_mma == "bf16" else "bf16"))
-    assert resolve_pv_mma(DecodeConfig(), 64) == "bf16" and resolve_pv_mma(DecodeConfig(), 32) == "fp8"
     got, got_lse = run(q, q_rope, cache, block_table, seq_lens, num_splits=2, config=config)
     # Same roundings of the same operands; only fp32 summation order may differ
     # (an e4m3 x e4m3 product is exact in bf16 x bf16 -> fp32 MMAs): 1e-5 of
@@ -349,6 +348,12 @@ def test_config_variants_compute_the_same_attention(dtype, config, page_size):
     assert rel_err(got, np.asarray(base, np.float64)) <= 1e-5
     np.testing.assert_allclose(got_lse, base_lse, atol=1e-5)
     assert np.all(np.asarray(got)[1] == 0)  # seq_len 0 row
+
+
+def test_pv_mma_auto_picks_bf16_mmas_for_64_row_blocks_only():
+    assert resolve_pv_mma(DecodeConfig(), 64) == "bf16"
+    assert resolve_pv_mma(DecodeConfig(), 32) == resolve_pv_mma(DecodeConfig(), 16) == "fp8"
+    assert resolve_pv_mma(DecodeConfig(pv_mma="fp8"), 64) == "fp8"
 
 
 @pytest.mark.parametrize("heads,s_q", [(20, 1), (6, 2)])

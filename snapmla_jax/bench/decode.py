@@ -92,13 +92,18 @@ def roofline_ms(nbytes: float, flops_fp8: float, flops_bf16: float, ceilings: ti
     return max(memory, compute) * 1e3
 
 
-def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_reason, memory):
-    fp8, bf16, block_table = caches
+def make_queries(batch: int, context: int, heads: int, s_q: int) -> tuple[jax.Array, jax.Array, jax.Array, float]:
+    """Random bf16 queries (q [B, s_q, H, 512], q_rope [B, s_q, H, 64]), seq_lens at the full
+    context, and the softmax scale 1/sqrt(576)."""
     k = jax.random.split(jax.random.key(batch * 7 + heads + s_q), 2)
     q = jax.random.normal(k[0], (batch, s_q, heads, RANK), jnp.bfloat16)
     q_rope = jax.random.normal(k[1], (batch, s_q, heads, ROPE), jnp.bfloat16)
-    seq_lens = jnp.full((batch,), context, jnp.int32)
-    scale = 1.0 / math.sqrt(RANK + ROPE)
+    return q, q_rope, jnp.full((batch,), context, jnp.int32), 1.0 / math.sqrt(RANK + ROPE)
+
+
+def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_reason, memory):
+    fp8, bf16, block_table = caches
+    q, q_rope, seq_lens, scale = make_queries(batch, context, heads, s_q)
     # The cache is an argument of the jitted step (as in a serving loop), not a
     # closed-over constant that XLA would have to embed.
     run = lambda backend: jax.jit(
