@@ -1,14 +1,13 @@
 """SnapMLA FP8 MLA decode on Mosaic GPU (Hopper wgmma + TMA): first version.
 
-Status (2026-11-23): NOT WORKING YET, not wired into ``snapmla_jax``. It lowers
-through Mosaic GPU's layout inference but needs 232480 B of shared memory, 32 B
-more than an H100 allows, so it has never run. Its V transpose was checked on
-an H100 in isolation (scripts/probe_mgpu_transpose.py): the 16-bit transposed
-store, the RefUnion alias and the FP8 wgmma work; the 3-D token-pair buffer
-did not (odd tokens came back with features XOR 16), so this kernel uses the
-two-buffer form that fixes it (confirmed on the H100 in the probe: V^T bytes
-exact). Details and next steps:
-docs/mosaic_gpu_decode_plan.md. Its math is untested on hardware.
+Status (2026-11-23): lowers for CUDA (its buffers take 213,504 B of SMEM, the
+H100 allows 232,448) and matches ``mla_decode_reference`` in the Mosaic GPU
+interpreter on CPU. NOT yet run on a GPU (no device was lent in the session
+that made it fit), so it is not wired into ``snapmla_jax.mla_decode``. The
+parts the interpreter cannot check are the V transpose and the P' packing,
+both through ``RefUnion`` views; the V transpose was verified on an H100 in
+isolation (scripts/probe_mgpu_transpose.py). Plan and history:
+docs/mosaic_gpu_decode_plan.md.
 
 Same inputs and outputs as ``pallas_kernels.mla_decode.mla_decode_pallas`` with
 an FP8 cache, ``page_size == 64`` and ``num_splits == 1``:
@@ -16,40 +15,54 @@ an FP8 cache, ``page_size == 64`` and ``num_splits == 1``:
   q_rows       [B, rows, 512] bf16/f32, rows = s_q * H padded to a multiple of 64
   q_rope_rows  [B, rows, 64]
   cache_arrays (latent [N, 512] e4m3, scale [N] f32, rope [N, 64] bf16), flat rows
-  block_table  [B, max_pages] int32, seq_lens [B] int32, layer_offset [1] int32
+  block_table  [B, max_pages] int32, seq_lens [B] int32,
+  layer_offset [1] int32, a multiple of 64 (layer x pages x 64)
   -> out [B, rows, 512] (q_rows' dtype), lse [B, rows] f32 (natural log)
 
-Math (the same as the Triton FP8 kernel, so ``mla_decode_reference(...,
-block_n=128)`` is its reference): Q quantized per row (in the launcher, one XLA
-fusion, with ``quantize_per_token``); scores = Q8.K8^T * q_scale * k_scale +
-Qr.Kr^T (FP8 and BF16 wgmma, fp32 accumulation) in base 2; online softmax on
-exp2; P' = P * k_scale per token, scaled per row by 448 / max over the 128-token
-step, cast e4m3, FP8 wgmma with V^T, the factor undone in fp32.
+Math (as the Triton FP8 kernel, so ``mla_decode_reference(..., block_n=128)``
+is its reference): Q quantized per row (in the launcher, one XLA fusion, with
+``quantize_per_token``); scores = Q8.K8^T * q_scale * k_scale + Qr.Kr^T (FP8
+and BF16 wgmma, fp32 accumulation) in base 2; online softmax on exp2; P' = P *
+k_scale per token, scaled per row by 448 / max over the 128-token step, cast
+e4m3, FP8 wgmma with V^T, the factor undone in fp32.
 
 Layout of the work. Grid (batch row, block of 64 query rows, column quarter).
-One warpgroup per CTA owns 128 of the 512 output columns (fp32 acc 64 x 128 = 64
-registers a thread). Each CTA computes the whole 64 x 128 score tile (the QK
+One warpgroup per CTA owns 128 of the 512 output columns (fp32 acc 64 x 128 =
+64 registers a thread). Each CTA computes the whole 64 x 128 score tile (the QK
 product is done 4 times, once per quarter; the 4 CTAs of a (b, row block) run
-next to each other so their cache reads mostly hit L2). Why quarters: no
+next to each other so that their cache reads mostly hit L2). Why quarters: no
 cross-warpgroup exchange of P, no register pressure, and each CTA transposes
 exactly one 128-column V chunk, the width at which the transposed 16-bit store
-lowers (the plan doc: wider chunks do not lower). It costs 2.5x the MMA work of
-an ideal kernel; this is a first correct version, not the final design.
+lowers. It costs 2.5x the MMA work of an ideal kernel: a first correct
+version, not the final design.
 
-V transpose. An FP8 wgmma needs its B operand K-major (tokens contiguous for
-P'.V), and Mosaic GPU has no 8-bit transpose. The CTA's V chunk is brought in
-a second time by TMA as uint8 token pairs (a free bitcast + reshape of the
-cache in GMEM to [N/2, 2, 512]; even and odd tokens by two strided TMAs into a
-[2, 64, 128] buffer), each pair of tokens is packed into one uint16 word (low
-byte = even token), and the [64, 128] words are stored through the transposed view
-of a uint16 [128, 64] buffer. That buffer is a ``RefUnion`` with an e4m3
-[128, 128] view, which is V^T: row d holds tokens 0..127 of feature d.
-A step therefore covers 128 tokens = two 64-token pages (the 16-bit WGMMA
-layout needs 64 rows of words).
+Step order. A step covers 128 tokens = two 64-token pages (the 16-bit WGMMA
+layout of the transposed store needs 64 rows of token pairs). The TMA brings
+the even tokens of the step to SMEM rows 0..63 and the odd ones to rows
+64..127 (strided boxes from a free [N/2, 2, 512] reshape of the cache), so
+row c holds token 2c (c < 64) or 2(c - 64) + 1 (``step_token_order``). Scores,
+RoPE rows and token scales all follow that order; the token scales are
+gathered per batch row in step order by the launcher (a TMA cannot read every
+other float; 8 B a token against the cache's 644 B).
+
+V transpose and P' packing. An FP8 wgmma needs its B operand K-major (tokens
+contiguous for P'.V), and Mosaic GPU has no 8-bit transpose. Rows k and 64 + k
+of the step's V chunk are tokens 2k and 2k + 1: loaded as two [64, 128] tiles
+and packed into uint16 words (low byte = token 2k), they are stored through
+the transposed view of a uint16 [128, 64] buffer whose ``RefUnion`` e4m3
+[128, 128] view is V^T in token order. P' is packed the same way (word k of a
+row = columns k and 64 + k) into a uint16 [64, 64] buffer whose e4m3 [64, 128]
+view is P' in token order, the wgmma's A operand. No second copy of the tile.
 
 Pipelining: the 4 latent chunks (QK operand) have a 2-slot TMA ring, requested
-one step ahead; rope, scales and V pairs have one buffer, refilled for step
-j + 1 after step j's P'.V (SMEM is short). No warp specialisation yet.
+one step ahead; rope and scales have one buffer, refilled for step j + 1 after
+step j's P'.V. No warp specialisation yet.
+
+Layout inference: every dynamic TMA start is marked with ``pl.multiple_of``
+(``_aligned``). Without it, Mosaic GPU cannot prove that a box starts on a
+whole SMEM tile and its layout search runs out of fuel ("Layout inference
+failed to find a solution"): that, not SMEM bookkeeping, was what made earlier
+versions of this kernel fail whenever a buffer was added or removed.
 """
 
 from __future__ import annotations
@@ -68,6 +81,7 @@ from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX
 
 PAGE = 64  # cache page size this kernel supports
 STEP = 128  # tokens per inner step: two pages (see the module docstring)
+HALF = STEP // 2
 BLOCK_M = 64  # query rows per CTA (one wgmma M)
 CHUNK = 128  # output columns per CTA, and the K width of each QK wgmma
 RANK = 512
@@ -75,40 +89,65 @@ ROPE = 64
 NUM_CHUNKS = RANK // CHUNK
 NUM_SLOTS = 2  # kv ring; every other buffer is single
 # TMA copies that arrive on a barrier per step (each copy arrives once):
-# group A per page: 4 latent chunks; group B per page: even and odd V tokens,
-# rope, scales.
-COPIES_KV = 2 * NUM_CHUNKS
-COPIES_VR = 2 * 4
+# kv, per page and token parity: 4 latent chunks; vr, per page and parity: the
+# rope rows, plus one box of step-ordered token scales.
+COPIES_KV = 2 * 2 * NUM_CHUNKS
+COPIES_VR = 2 * 2 + 1
 COPIES_Q = NUM_CHUNKS + 2  # Q8 chunks, Q rope, q scale
 
 
-def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, lat_ref, latp_ref, sc_ref, rope_ref,
+def _as_u16(x: jax.Array) -> jax.Array:
+    """The bits of an 8-bit array, widened to uint16."""
+    return lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint16)
+
+
+def _aligned(index, multiple: int):
+    """``index`` marked as a multiple of ``multiple`` for layout inference (python ints pass through).
+
+    Without it, a dynamic TMA start is only known to be a multiple of 1, and
+    Mosaic GPU's layout inference cannot pick a tiled SMEM layout for the
+    destination: it searches until its fuel runs out ("failed to find a
+    solution").
+    """
+    return index if isinstance(index, int) else pl.multiple_of(index, multiple)
+
+
+def step_token_order(num_tokens: int) -> jax.Array:
+    """Token offset held by each SMEM row of a step, for ``num_tokens`` = k * STEP positions.
+
+    Within a step, rows 0..63 hold the even tokens and rows 64..127 the odd ones
+    (row c < 64: token 2c; row c >= 64: token 2(c - 64) + 1).
+    """
+    c = jnp.arange(num_tokens) % STEP
+    base = jnp.arange(num_tokens) - c
+    return base + jnp.where(c < HALF, 2 * c, 2 * (c - HALF) + 1)
+
+
+def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
             o_ref, lse_ref,
-            q_union, qr_s, kv_s, kvp_s, rope_s, ksc_s, vt_union, p_union, kv_bar, vr_bar, q_bar,
-            *, s_q: int, num_heads: int, scale_log2: float):
+            q_union, qr_s, kv_s, rope_s, ksc_s, vt_union, p_union, kv_bar, vr_bar, q_bar,
+            *, s_q: int, num_heads: int, scale_log2: float, interpret: bool):
     """One CTA: (batch row b, row block r, column quarter c); shapes in the module docstring.
 
     SMEM: q_union = (q8_s e4m3 [4, 64, 128] | (o_s [64, 128], lse_s f32 [64])),
-    qr_s bf16 [64, 64], kv_s e4m3 [2, 4, 128, 128] (slot, chunk, token, feature),
-    kvp_s uint8 [2, 64, 128] (token parity, pair, feature of quarter c),
-    rope_s bf16 [128, 64], ksc_s f32 [128],
-    vt_union = (uint16 [128, 64] | e4m3 [128, 128]), p_union = (p_s e4m3 [64, 128] | qsc_s f32 [64]).
+    qr_s bf16 [64, 64], kv_s e4m3 [2, 4, 128, 128] (slot, chunk, step row, feature),
+    rope_s bf16 [128, 64], ksc_s f32 [128] (rows in step order, see
+    ``step_token_order``), vt_union = (uint16 [128, 64] | e4m3 [128, 128]),
+    p_union = (p16_s uint16 [64, 64] | p8_s e4m3 [64, 128] | qsc_s f32 [64]).
     """
     b = lax.axis_index("b")
     r = lax.axis_index("r")
     c = lax.axis_index("c")
     vt16_s, vt8_s = vt_union
-    # SMEM is short of the 227 KB limit: the output tile and lse reuse Q8's
-    # bytes after the loop, P' reuses the q scales' (read into registers
-    # before the loop). Other aliases tried (Q rope or the token scales with
-    # P' or V^T) made layout inference fail: docs/mosaic_gpu_decode_plan.md.
+    # The output tile and lse reuse Q8's bytes after the loop; P' reuses the q
+    # scales' (read into registers before the loop).
     q8_s, (o_s, lse_s) = q_union
-    p_s, qsc_s = p_union
+    p16_s, p8_s, qsc_s = p_union
     max_pages = bt_ref.shape[1]
     seq_len = seq_lens_ref[b]
     layer_offset = off_ref[0]
     num_steps = (seq_len + (STEP - 1)) // STEP
-    row0 = r * BLOCK_M
+    row0 = pl.multiple_of(r * BLOCK_M, BLOCK_M)
 
     # Query tiles: 4 FP8 chunks, RoPE part and the per-row scale (times softmax scale * log2 e).
     for ch in range(NUM_CHUNKS):
@@ -116,55 +155,54 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, lat_ref, lat
     plgpu.copy_gmem_to_smem(qr_ref.at[b, pl.ds(row0, BLOCK_M)], qr_s, q_bar)
     plgpu.copy_gmem_to_smem(qsc_ref.at[b, pl.ds(row0, BLOCK_M)], qsc_s, q_bar)
 
-    def pages(step):
+    def page_copies(step):
+        """(first token-pair row in the pair views, destination rows) for each page and parity."""
         # Pages past the table's end (only in a partial last step) are
         # clamped; their tokens are masked.
         for half in range(2):
             page = bt_ref[b, jnp.minimum(step * 2 + half, max_pages - 1)]
-            yield half, layer_offset + page * PAGE
+            # layer_offset is a multiple of PAGE: the TMA boxes start on whole pages.
+            first_pair = pl.multiple_of((layer_offset + page * PAGE) // 2, PAGE // 2)
+            for parity in range(2):
+                yield parity, first_pair, pl.ds(parity * HALF + half * (PAGE // 2), PAGE // 2)
 
     def issue_kv(step, slot):
-        """Group A (2 slots): the 4 latent chunks (the QK operand)."""
-        for half, first in pages(step):
-            rows = pl.ds(first, PAGE)
+        """The 4 latent chunks of a step (2 slots): even tokens to rows 0..63, odd to 64..127."""
+        for parity, first_pair, dst in page_copies(step):
             for ch in range(NUM_CHUNKS):
-                plgpu.copy_gmem_to_smem(lat_ref.at[rows, pl.ds(ch * CHUNK, CHUNK)],
-                                        kv_s.at[slot, ch, pl.ds(half * PAGE, PAGE)], kv_bar.at[slot])
+                plgpu.copy_gmem_to_smem(latp_ref.at[pl.ds(first_pair, PAGE // 2), parity, pl.ds(ch * CHUNK, CHUNK)],
+                                        kv_s.at[slot, ch, dst], kv_bar.at[slot])
 
     def issue_vr(step):
-        """Group B (1 slot, SMEM is short): rope tile, scales and this quarter's V token pairs.
+        """Rope rows (same order as kv) and token scales (1 slot, SMEM is short).
 
         Issued for step j + 1 only after step j has read both buffers.
         """
-        for half, first in pages(step):
-            # Even and odd tokens into two 2-D buffers (strided GMEM views): a
-            # 3-D [pairs, 2, 128] buffer read as [:, 1, :] gave the odd bytes
-            # with features XOR 16 on an H100 (scripts/probe_mgpu_transpose.py).
-            for parity in range(2):
-                plgpu.copy_gmem_to_smem(latp_ref.at[pl.ds(first // 2, PAGE // 2), parity, pl.ds(c * CHUNK, CHUNK)],
-                                        kvp_s.at[parity, pl.ds(half * PAGE // 2, PAGE // 2)], vr_bar)
-            plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(first, PAGE)], rope_s.at[pl.ds(half * PAGE, PAGE)], vr_bar)
-            plgpu.copy_gmem_to_smem(sc_ref.at[pl.ds(first, PAGE)], ksc_s.at[pl.ds(half * PAGE, PAGE)], vr_bar)
+        for parity, first_pair, dst in page_copies(step):
+            plgpu.copy_gmem_to_smem(ropep_ref.at[pl.ds(first_pair, PAGE // 2), parity], rope_s.at[dst], vr_bar)
+        plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(_aligned(step * STEP, STEP), STEP)], ksc_s, vr_bar)
 
     @pl.when(num_steps > 0)
     def _():
         issue_kv(0, 0)
 
     plgpu.barrier_wait(q_bar)
-    q_row_scale = plgpu.load(qsc_s, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    q_row_scale = plgpu.load(qsc_s, layout=plgpu.Layout.WGMMA.reduce(1))
 
     @pl.when(num_steps > 0)
     def _():
         issue_vr(0)
     row_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, STEP), 0, layout=plgpu.Layout.WGMMA)
     col_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, STEP), 1, layout=plgpu.Layout.WGMMA)
+    # Token offset within the step of each score column (step order).
+    col_tokens = jnp.where(col_ids < HALF, 2 * col_ids, 2 * (col_ids - HALF) + 1)
     if s_q == 1:
         visible_len = seq_len  # padding rows see all tokens too; the caller slices them off
     else:
         # Row i * H + h is query position i: causal limit seq_len - s_q + i + 1.
         visible_len = seq_len - s_q + lax.div(row0 + row_ids, jnp.int32(num_heads)) + 1
-    # Row/word ids of the packed V tile: word j holds tokens 2j and 2j + 1.
-    word_ids = plgpu.broadcasted_iota(jnp.int32, (STEP // 2, CHUNK), 0, layout=plgpu.Layout.WGMMA)
+    # Word k of the packed V tile holds tokens 2k (low byte) and 2k + 1.
+    word_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 0, layout=plgpu.Layout.WGMMA)
 
     def step(j, carry):
         acc, m, l = carry
@@ -177,12 +215,12 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, lat_ref, lat
         def _():
             issue_kv(j + 1, 1 - slot)  # the other slot was read by step j - 1
 
-        def qk(acc_ref):
+        def qk8(acc_ref):
             for ch in range(NUM_CHUNKS):
                 plgpu.wgmma(acc_ref, q8_s.at[ch], kv_s.at[slot, ch].transpose((1, 0)))
             return acc_ref[...]
 
-        s8 = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, STEP), jnp.float32))
+        s8 = pl.run_scoped(qk8, plgpu.ACC((BLOCK_M, STEP), jnp.float32))
 
         def qk_rope(acc_ref):
             plgpu.wgmma(acc_ref, qr_s, rope_s.transpose((1, 0)))
@@ -190,11 +228,27 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, lat_ref, lat
 
         sr = pl.run_scoped(qk_rope, plgpu.ACC((BLOCK_M, STEP), jnp.float32))
 
-        k_scale = plgpu.load(ksc_s, (), layout=plgpu.Layout.WGMMA.reduce(0))
+        if not interpret:
+            # V^T of this CTA's column quarter: token pairs (rows k and 64 + k
+            # of the step) packed into 16-bit words; slots past seq_len are
+            # zeroed (0 * NaN would poison the sum).
+            even = (t0 + 2 * word_ids) < seq_len
+            odd = (t0 + 2 * word_ids + 1) < seq_len
+            lo = _as_u16(plgpu.load(kv_s.at[slot, c, pl.ds(0, HALF)], layout=plgpu.Layout.WGMMA))
+            hi = _as_u16(plgpu.load(kv_s.at[slot, c, pl.ds(HALF, HALF)], layout=plgpu.Layout.WGMMA))
+            word = jnp.where(even, lo, jnp.uint16(0)) | jnp.where(odd, hi << 8, jnp.uint16(0))
+        else:
+            # The interpreter does not alias RefUnion views: V stays token-major
+            # in step order (its FP8 wgmma accepts that, the hardware does not).
+            v_rows = plgpu.broadcasted_iota(jnp.int32, (STEP, CHUNK), 0, layout=plgpu.Layout.WGMMA)
+            v_tokens = t0 + jnp.where(v_rows < HALF, 2 * v_rows, 2 * (v_rows - HALF) + 1)
+            v_tile = jnp.where(v_tokens < seq_len, kv_s[slot, c].astype(jnp.float32), 0.0).astype(FP8_DTYPE)
+
+        k_scale = plgpu.load(ksc_s, layout=plgpu.Layout.WGMMA.reduce(0))
         k_scale_b = lax.broadcast_in_dim(k_scale, (BLOCK_M, STEP), [1])
         scores = (s8 * lax.broadcast_in_dim(q_row_scale, (BLOCK_M, STEP), [0]) * k_scale_b
                   + sr * scale_log2)
-        visible = (t0 + col_ids) < visible_len
+        visible = (t0 + col_tokens) < visible_len
         scores = jnp.where(visible, scores, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -205,28 +259,28 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, lat_ref, lat
         pv = jnp.where(visible, p * k_scale_b, 0.0)
         pv_max = pv.max(axis=1)
         factor = FP8_E4M3_MAX / jnp.maximum(pv_max, MIN_PV_ROW_MAX)
-        p_s[...] = jnp.minimum(pv * lax.broadcast_in_dim(factor, pv.shape, [0]), FP8_E4M3_MAX).astype(FP8_DTYPE)
-
-        # V^T of this CTA's column quarter: pack token pairs into 16-bit words
-        # (slots past seq_len are zeroed: 0 * NaN would poison the sum) and
-        # store them transposed.
-        even = (t0 + 2 * word_ids) < seq_len
-        odd = (t0 + 2 * word_ids + 1) < seq_len
-        lo = kvp_s[0].astype(jnp.uint16)
-        hi = kvp_s[1].astype(jnp.uint16)
-        word = jnp.where(even, lo, jnp.uint16(0)) | jnp.where(odd, hi << 8, jnp.uint16(0))
-        vt16_s.transpose((1, 0))[...] = plgpu.layout_cast(word, plgpu.Layout.WGMMA)
-        plgpu.commit_smem()  # generic-proxy stores (p_s, vt16_s) -> visible to wgmma
+        p8 = jnp.minimum(pv * lax.broadcast_in_dim(factor, pv.shape, [0]), FP8_E4M3_MAX).astype(FP8_DTYPE)
+        if not interpret:
+            # P' columns in token order: word k = (column k: token 2k, column 64 + k: token 2k + 1).
+            p_bits = _as_u16(p8)
+            p16_s[...] = p_bits[:, :HALF] | (p_bits[:, HALF:] << 8)
+            vt16_s.transpose((1, 0))[...] = plgpu.layout_cast(word, plgpu.Layout.WGMMA)
+            v_operand = vt8_s.transpose((1, 0))
+        else:
+            p8_s[...] = p8
+            vt8_s[...] = v_tile
+            v_operand = vt8_s
+        plgpu.commit_smem()  # generic-proxy stores (P', V^T) -> visible to wgmma
 
         def pv_mma(acc_ref):
-            plgpu.wgmma(acc_ref, p_s, vt8_s.transpose((1, 0)))
+            plgpu.wgmma(acc_ref, p8_s, v_operand)
             return acc_ref[...]
 
         pv_out = pl.run_scoped(pv_mma, plgpu.ACC((BLOCK_M, CHUNK), jnp.float32))
 
         @pl.when(j + 1 < num_steps)
         def _():
-            issue_vr(j + 1)  # rope_s, kvp_s and ksc_s (aliases vt) are no longer read in this step
+            issue_vr(j + 1)  # rope_s and ksc_s are no longer read in this step
         undo = lax.broadcast_in_dim(pv_max * (1.0 / FP8_E4M3_MAX), (BLOCK_M, CHUNK), [0])
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_out * undo
         return acc, m_new, l
@@ -249,10 +303,10 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, lat_ref, lat
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads"))
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "interpret"))
 def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                     seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
-                    s_q: int, num_heads: int) -> tuple[jax.Array, jax.Array]:
+                    s_q: int, num_heads: int, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """FP8 decode on Mosaic GPU; arguments and results as ``mla_decode_pallas`` (module docstring).
 
     ``layer_offset`` must be a multiple of 2 (it is layers x pages x 64 in practice).
@@ -265,11 +319,21 @@ def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tup
     latent, scale, rope = cache_arrays
     q8, q_scale = quantize_per_token(q_rows.astype(jnp.float32))
     q_row_scale = q_scale * (softmax_scale * LOG2E)
-    # The same bytes as uint8 token pairs, for the V transpose (free: bitcast + reshape).
-    latent_pairs = lax.bitcast_convert_type(latent, jnp.uint8).reshape(latent.shape[0] // 2, 2, RANK)
+    # Token-pair views of the cache (free reshapes): even and odd tokens of a
+    # page are separate strided TMA boxes, so that a step's rows come in step
+    # order (``step_token_order``).
+    latent_pairs = latent.reshape(latent.shape[0] // 2, 2, RANK)
+    rope_pairs = rope.reshape(rope.shape[0] // 2, 2, ROPE)
+    # Token scales gathered per batch row in step order (TMA cannot read every
+    # other float): 8 B a token of extra traffic against 644 B of cache.
+    max_pages = block_table.shape[1]
+    positions = step_token_order(pl.cdiv(max_pages * PAGE, STEP) * STEP)
+    pages = jnp.take(block_table, jnp.minimum(positions // PAGE, max_pages - 1), axis=1)
+    step_scales = jnp.take(scale, layer_offset[0] + pages * PAGE + positions % PAGE, mode="clip")
     out_dtype = q_rows.dtype
     kernel = plgpu.kernel(
-        functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E),
+        functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
+                          interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((batch, num_rows, RANK), out_dtype),
                   jax.ShapeDtypeStruct((batch, num_rows), jnp.float32)),
         scratch_types=[
@@ -277,11 +341,11 @@ def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tup
                            (plgpu.SMEM((BLOCK_M, CHUNK), out_dtype), plgpu.SMEM((BLOCK_M,), jnp.float32))),
             plgpu.SMEM((BLOCK_M, ROPE), jnp.bfloat16),
             plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
-            plgpu.SMEM((2, STEP // 2, CHUNK), jnp.uint8),
             plgpu.SMEM((STEP, ROPE), jnp.bfloat16),
             plgpu.SMEM((STEP,), jnp.float32),
-            plgpu.RefUnion(plgpu.SMEM((CHUNK, STEP // 2), jnp.uint16), plgpu.SMEM((CHUNK, STEP), FP8_DTYPE)),
-            plgpu.RefUnion(plgpu.SMEM((BLOCK_M, STEP), FP8_DTYPE), plgpu.SMEM((BLOCK_M,), jnp.float32)),
+            plgpu.RefUnion(plgpu.SMEM((CHUNK, HALF), jnp.uint16), plgpu.SMEM((CHUNK, STEP), FP8_DTYPE)),
+            plgpu.RefUnion(plgpu.SMEM((BLOCK_M, HALF), jnp.uint16), plgpu.SMEM((BLOCK_M, STEP), FP8_DTYPE),
+                           plgpu.SMEM((BLOCK_M,), jnp.float32)),
             plgpu.Barrier(num_arrivals=COPIES_KV, num_barriers=NUM_SLOTS),
             plgpu.Barrier(num_arrivals=COPIES_VR),
             plgpu.Barrier(num_arrivals=COPIES_Q),
@@ -289,7 +353,7 @@ def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tup
         grid=(batch, num_rows // BLOCK_M, NUM_CHUNKS),
         grid_names=("b", "r", "c"),
         kernel_name="snapmla_decode_fp8_mgpu",
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     return kernel(seq_lens, block_table, layer_offset, q8, q_row_scale, q_rope_rows.astype(jnp.bfloat16),
-                  latent, latent_pairs, scale, rope)
-
+                  latent_pairs, step_scales, rope_pairs)
