@@ -123,6 +123,20 @@ def step_token_order(num_tokens: int) -> jax.Array:
     return base + jnp.where(c < HALF, 2 * c, 2 * (c - HALF) + 1)
 
 
+def step_scales(scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array) -> jax.Array:
+    """Token scales [B, steps * 128] f32 of each batch row's pages, in step order.
+
+    scale [N] f32 (flat cache rows), block_table [B, max_pages] int32,
+    layer_offset [1] int32. A TMA cannot read every other float, so the
+    launcher gathers them (8 B a token of extra traffic against the cache's
+    644 B); positions past the table read its last page (masked in the kernel).
+    """
+    max_pages = block_table.shape[1]
+    positions = step_token_order(pl.cdiv(max_pages * PAGE, STEP) * STEP)
+    pages = jnp.take(block_table, jnp.minimum(positions // PAGE, max_pages - 1), axis=1)
+    return jnp.take(scale, layer_offset[0] + pages * PAGE + positions % PAGE, mode="clip")
+
+
 def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
             o_ref, lse_ref,
             q_union, qr_s, kv_s, rope_s, ksc_s, vt_union, p_union, kv_bar, vr_bar, q_bar,
@@ -324,12 +338,6 @@ def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tup
     # order (``step_token_order``).
     latent_pairs = latent.reshape(latent.shape[0] // 2, 2, RANK)
     rope_pairs = rope.reshape(rope.shape[0] // 2, 2, ROPE)
-    # Token scales gathered per batch row in step order (TMA cannot read every
-    # other float): 8 B a token of extra traffic against 644 B of cache.
-    max_pages = block_table.shape[1]
-    positions = step_token_order(pl.cdiv(max_pages * PAGE, STEP) * STEP)
-    pages = jnp.take(block_table, jnp.minimum(positions // PAGE, max_pages - 1), axis=1)
-    step_scales = jnp.take(scale, layer_offset[0] + pages * PAGE + positions % PAGE, mode="clip")
     out_dtype = q_rows.dtype
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
@@ -356,4 +364,4 @@ def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tup
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     return kernel(seq_lens, block_table, layer_offset, q8, q_row_scale, q_rope_rows.astype(jnp.bfloat16),
-                  latent_pairs, step_scales, rope_pairs)
+                  latent_pairs, step_scales(scale, block_table, layer_offset), rope_pairs)

@@ -1,11 +1,13 @@
-"""Time the Mosaic GPU FP8 decode kernel against the Triton FP8 kernel and the BF16 twin.
+"""Time the Mosaic GPU FP8 decode kernels against the Triton FP8 kernel and the BF16 twin.
 
     PYTHONPATH=. python scripts/bench_mgpu.py --out /tmp/bench_mgpu [--shapes 64x16384x128x1 ...]
 
 Same caches and queries as ``python -m snapmla_jax.bench decode`` (page 64, every
 row at the full context), each variant timed with warm-up and a median
-(snapmla_jax/bench/timing.py), side by side in one run. The Mosaic kernel's
-output is compared with the Triton FP8 kernel's (relative L2 difference: both
+(snapmla_jax/bench/timing.py), side by side in one run. Variants: the two
+Mosaic kernels ("mosaic_quarters": one warpgroup per column quarter;
+"mosaic_2wg": two warpgroups per CTA), the Triton FP8 kernel and the BF16 twin.
+Each Mosaic kernel's output is compared with the Triton FP8 kernel's (relative L2 difference: both
 round Q and P' to e4m3, with P' factors per 64 vs 128 tokens). Writes
 bench_mgpu.json under --out.
 """
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.mla_decode_mgpu import BLOCK_M, mla_decode_mgpu
+from pallas_kernels.mla_decode_mgpu_2wg import mla_decode_mgpu_2wg
 from snapmla_jax.bench import timing
 from snapmla_jax.bench.decode import make_caches, make_queries
 from snapmla_jax.decode import mla_decode
@@ -31,14 +34,14 @@ SHAPES = ("64x16384x128x1", "32x16384x128x1", "128x4096x128x1", "8x65536x128x1",
           "32x4096x128x2")
 
 
-def mgpu_decode(q, q_rope, cache, block_table, seq_lens, *, softmax_scale):
-    """The Mosaic kernel on the API's shapes (no split-KV, page 64, layer 0)."""
+def mgpu_decode(q, q_rope, cache, block_table, seq_lens, *, softmax_scale, kernel=mla_decode_mgpu):
+    """A Mosaic kernel on the API's shapes (no split-KV, page 64, layer 0)."""
     batch, s_q, heads, rank = q.shape
     rows = s_q * heads
     padded = -(-rows // BLOCK_M) * BLOCK_M
     to_rows = lambda a: jnp.pad(a.reshape(batch, rows, a.shape[-1]), [(0, 0), (0, padded - rows), (0, 0)])
     flat = (cache.latent.reshape(-1, rank), cache.scale.reshape(-1), cache.rope.reshape(-1, cache.rope.shape[-1]))
-    out, _ = mla_decode_mgpu(to_rows(q), to_rows(q_rope), flat, block_table, seq_lens, jnp.zeros((1,), jnp.int32),
+    out, _ = kernel(to_rows(q), to_rows(q_rope), flat, block_table, seq_lens, jnp.zeros((1,), jnp.int32),
                              softmax_scale=softmax_scale, page_size=64, s_q=s_q, num_heads=heads)
     return out[:, :rows].reshape(q.shape)
 
@@ -60,7 +63,10 @@ def main(argv=None) -> int:
         fp8, bf16, block_table = make_caches(batch, context)
         q, q_rope, seq_lens, scale = make_queries(batch, context, heads, s_q)
         variants = {
-            "mosaic_fp8": (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(q, qr, c, bt, n, softmax_scale=scale))),
+            "mosaic_quarters": (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(q, qr, c, bt, n,
+                                                                                 softmax_scale=scale))),
+            "mosaic_2wg": (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
+                                                                            kernel=mla_decode_mgpu_2wg))),
             "triton_fp8": (fp8, jax.jit(lambda q, qr, c, bt, n: mla_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                            backend="pallas"))),
             "triton_bf16": (bf16, jax.jit(lambda q, qr, c, bt, n: mla_decode(q, qr, c, bt, n, softmax_scale=scale,
@@ -81,14 +87,15 @@ def main(argv=None) -> int:
                 continue
             row[name] = {"ms": ms, "first_call_s": compile_s}
             print(shape, name, json.dumps(row[name]), flush=True)
-        if "mosaic_fp8" in outs and "triton_fp8" in outs:
-            a, b = outs["mosaic_fp8"], outs["triton_fp8"]
-            row["rel_l2_mosaic_vs_triton_fp8"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
-            row["finite"] = bool(np.isfinite(a).all())
-            print(shape, "rel_l2", row["rel_l2_mosaic_vs_triton_fp8"], "finite", row["finite"], flush=True)
-        for name in ("triton_fp8", "triton_bf16"):
-            if isinstance(row.get("mosaic_fp8"), dict) and isinstance(row.get(name), dict):
-                row[f"mosaic_speedup_vs_{name}"] = row[name]["ms"] / row["mosaic_fp8"]["ms"]
+        for mosaic in ("mosaic_quarters", "mosaic_2wg"):
+            if mosaic in outs and "triton_fp8" in outs:
+                a, b = outs[mosaic], outs["triton_fp8"]
+                row[f"rel_l2_{mosaic}_vs_triton_fp8"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+                row[f"{mosaic}_finite"] = bool(np.isfinite(a).all())
+                print(shape, mosaic, "rel_l2", row[f"rel_l2_{mosaic}_vs_triton_fp8"], flush=True)
+            for name in ("triton_fp8", "triton_bf16"):
+                if isinstance(row.get(mosaic), dict) and isinstance(row.get(name), dict):
+                    row[f"{mosaic}_speedup_vs_{name}"] = row[name]["ms"] / row[mosaic]["ms"]
         results["rows"].append(row)
         del fp8, bf16, outs
         (out_dir / "bench_mgpu.json").write_text(json.dumps(results, indent=1))

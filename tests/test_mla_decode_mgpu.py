@@ -1,17 +1,23 @@
-"""Mosaic GPU FP8 decode kernel (pallas_kernels/mla_decode_mgpu.py): experimental.
+"""Mosaic GPU FP8 decode kernels: experimental.
 
 CPU: the V-transpose probe and the kernel lower for CUDA (Mosaic GPU layout
 inference and SMEM allocation run without a GPU). GPU (``pytest -m gpu``): the
 compiled kernel against ``mla_decode_reference(..., block_n=128)``.
 
-The interpreter cannot run this kernel (it does not alias ``RefUnion`` views,
-which the V transpose relies on), so its numbers are checked on the GPU only.
+Two kernels: "quarters" (pallas_kernels/mla_decode_mgpu.py, one warpgroup per
+CTA and column quarter) and "2wg" (pallas_kernels/mla_decode_mgpu_2wg.py, two
+warpgroups per CTA). The interpreter runs both on CPU except for their
+``RefUnion`` views, which it does not alias: there the kernels take a
+token-major V path, so the V transpose and P' packing are checked on the GPU only.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import pathlib
+import subprocess
 import sys
 
 import jax
@@ -53,14 +59,23 @@ def _inputs(seed, *, batch, heads, pages_per_row, seq_lens, s_q=1):
     return q, q_rope, latent, scale, rope, block_table, jnp.asarray(seq_lens, jnp.int32)
 
 
-def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_scale, *, layer_pages=0,
-                 interpret=False):
+def _kernel(name):
+    from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
+    from pallas_kernels.mla_decode_mgpu_2wg import mla_decode_mgpu_2wg
+    return {"quarters": mla_decode_mgpu, "2wg": mla_decode_mgpu_2wg}[name]
+
+
+KERNELS = pytest.mark.parametrize("kernel", ["quarters", "2wg"])
+
+
+def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_scale, *, kernel="quarters",
+                 layer_pages=0, interpret=False):
     """The kernel on the API's shapes: rows padded to 64, the cache flattened.
 
     ``layer_pages`` > 0 puts a layer of NaN pages in front of the cache and reads
     the second layer through ``layer_offset``, as a multi-layer cache does.
     """
-    from pallas_kernels.mla_decode_mgpu import BLOCK_M, mla_decode_mgpu
+    from pallas_kernels.mla_decode_mgpu import BLOCK_M
     batch, s_q, heads, rank = q.shape
     rows = s_q * heads
     padded = -(-rows // BLOCK_M) * BLOCK_M
@@ -69,31 +84,34 @@ def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_
     cache = [latent.reshape(n, rank), scale.reshape(n), rope.reshape(n, 64)]
     if layer_pages:
         cache = [jnp.concatenate([jnp.full((layer_pages * 64, *a.shape[1:]), jnp.nan, a.dtype), a]) for a in cache]
-    out, lse = mla_decode_mgpu(to_rows(q), to_rows(q_rope), tuple(cache), block_table, seq_lens,
+    out, lse = _kernel(kernel)(to_rows(q), to_rows(q_rope), tuple(cache), block_table, seq_lens,
                                jnp.full((1,), layer_pages * 64, jnp.int32), softmax_scale=softmax_scale,
                                page_size=64, s_q=s_q, num_heads=heads, interpret=interpret)
     return out[:, :rows].reshape(q.shape), lse[:, :rows].reshape(batch, s_q, heads)
 
 
+@KERNELS
 @pytest.mark.parametrize("s_q", [1, 2])
-def test_kernel_lowers_for_cuda(s_q):
+def test_kernel_lowers_for_cuda(kernel, s_q):
+    """Layout inference, SMEM allocation (fits in an H100's 227 KB) and lowering to MLIR, without a GPU."""
     args = _inputs(0, batch=2, heads=64, pages_per_row=3, seq_lens=[100, 0], s_q=s_q)
-    jax.jit(lambda *a: _call_kernel(*a, 0.1)).trace(*args).lower(lowering_platforms=("cuda",))
+    jax.jit(lambda *a: _call_kernel(*a, 0.1, kernel=kernel)).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages", [
     (64, 1, [100, 300, 0], 0),    # ragged, a partial page, seq_len 0
     (128, 1, [129, 64, 1], 3),    # a 1-token last step; a second layer (NaN first layer) via layer_offset
+    (64, 1, [320, 257, 128], 0),  # 3 steps: both ring slots reused
     (16, 2, [200, 2, 77], 0),     # s_q = 2 (causal rule), H padded to 64 rows
 ])
 
 
-def _check(heads, s_q, seq_lens, layer_pages, *, interpret):
+def _check(kernel, heads, s_q, seq_lens, layer_pages, *, interpret):
     """Kernel vs ``mla_decode_reference(block_n=128)``; returns (max error / max |ref|, max lse error, lse scale)."""
     q, q_rope, latent, scale, rope, block_table, lens = _inputs(heads + s_q, batch=3, heads=heads, pages_per_row=5,
                                                                 seq_lens=seq_lens, s_q=s_q)
     softmax_scale = 576 ** -0.5
-    out, lse = _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale,
+    out, lse = _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale, kernel=kernel,
                             layer_pages=layer_pages, interpret=interpret)
     # The reference rounds Q and P' to e4m3 as the kernel does (P' factor per
     # 128-token step), with exact products, on the same pages without a layer offset.
@@ -105,17 +123,41 @@ def _check(heads, s_q, seq_lens, layer_pages, *, interpret):
     assert np.all(out[~seen] == 0)
     assert np.all(np.isneginf(lse[~seen]))
     err = np.max(np.abs(out[seen] - ref[seen])) / np.max(np.abs(ref[seen]))
-    return err, float(np.max(np.abs(lse[seen] - ref_lse[seen]))), float(np.max(np.abs(ref_lse[seen])))
+    return float(err), float(np.max(np.abs(lse[seen] - ref_lse[seen]))), float(np.max(np.abs(ref_lse[seen])))
 
 
+def _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages):
+    """``_check`` in interpret mode in a fresh process that has 8 CPU devices.
+
+    The interpreter runs each warpgroup as a thread whose memory operations
+    are host callbacks. With two warpgroups waiting on each other's barriers,
+    the callbacks of one can starve behind the other's blocked wait when the
+    CPU client has few devices (on a 2-core machine it hung in about 1 run of
+    3; with 8 CPU devices, 18 of 18 runs finished). The device count is fixed
+    at start-up, hence the subprocess; a hang still fails, by the timeout.
+    """
+    code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
+            "import test_mla_decode_mgpu as t; "
+            f"print(json.dumps(t._check({kernel!r}, {heads}, {s_q}, {seq_lens!r}, {layer_pages}, interpret=True)))")
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@KERNELS
 @CASES
-def test_kernel_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages):
-    """On CPU: paging through the token-pair views, step order, masking, s_q, layer offset.
+def test_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens, layer_pages):
+    """On CPU: paging through the token-pair views, step order, masking, s_q, layer offset,
+    and for "2wg" the barriers between the two warpgroups and the ring's reuse.
 
     Not covered here: the V transpose and the P' packing (RefUnion views the
     interpreter does not alias); the GPU test below covers them.
     """
-    err, lse_err, _ = _check(heads, s_q, seq_lens, layer_pages, interpret=True)
+    if kernel == "2wg":
+        err, lse_err, _ = _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages)
+    else:
+        err, lse_err, _ = _check(kernel, heads, s_q, seq_lens, layer_pages, interpret=True)
     # Same roundings in fp32 on both sides: what differs is summation order, which
     # can move a P' value across an e4m3 rounding boundary (one ulp, 2**-3
     # relative, on one weight of >= 100), plus the bf16 output (2**-9): 4e-3.
@@ -124,9 +166,10 @@ def test_kernel_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages)
 
 
 @pytest.mark.gpu
+@KERNELS
 @CASES
-def test_kernel_matches_reference(heads, s_q, seq_lens, layer_pages):
-    err, lse_err, lse_scale = _check(heads, s_q, seq_lens, layer_pages, interpret=False)
+def test_kernel_matches_reference(kernel, heads, s_q, seq_lens, layer_pages):
+    err, lse_err, lse_scale = _check(kernel, heads, s_q, seq_lens, layer_pages, interpret=False)
     # As in the interpreter, plus Hopper's FP8 MMA accumulating Q.K in ~14 bits
     # (test_mla_decode_gpu.py): scores move by ~2**-9 of their magnitude, which
     # shifts P' roundings more often: 2e-2 of the largest output.

@@ -1,0 +1,291 @@
+"""SnapMLA FP8 MLA decode on Mosaic GPU, two warpgroups per CTA (FlashMLA's split).
+
+Status (2026-11-23): lowers for CUDA and matches ``mla_decode_reference`` in
+the Mosaic GPU interpreter on CPU; never run on a GPU, not wired in. Same
+arguments, results, math and step order as ``mla_decode_mgpu`` (read its
+docstring first); this file only changes how the work is laid out.
+
+Layout of the work. Grid (batch row, block of 64 query rows): one CTA reads
+each cache tile once per row block (the quarter kernel reads it 4 times, once
+per column quarter). Two warpgroups share everything the TMA brings in; warp
+group w owns output columns [256 w, 256 w + 256) (two 128-column chunks, two
+fp32 accumulators of 64 x 128: 128 registers a thread). Both compute the whole
+64 x 128 score tile (QK done twice instead of 4 times: 1.5x the MMA work of an
+ideal kernel) and the same softmax, so no row max or P' crosses between them;
+each keeps its own copy of P'.
+
+V^T in place. After both warpgroups have read a step's latent slot as K (a
+barrier with 2 arrivals), each one packs its own two chunks into 16-bit token
+pairs and stores them transposed over the same bytes (the slot is a
+``RefUnion`` of e4m3 [.., 128, 128] and uint16 [.., 128, 64] views): chunk c of
+the slot then holds V^T of chunk c, the P'.V wgmma's B operand. No V^T buffer:
+that is what makes a 2-slot ring of whole 128-token steps (128 KB) fit next to
+Q (40 KB), RoPE keys (2 x 16 KB) and P' (2 x 8 KB).
+
+Pipelining: warpgroup 0 issues the TMA of step j + 1 (latent chunks, RoPE rows
+and token scales, one barrier a slot) at the start of step j, once both
+warpgroups have finished step j - 1's P'.V on that slot (a "consumed" barrier
+with 2 arrivals). One warpgroup's softmax can overlap the other's wgmmas.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, quantize_per_token
+from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX
+from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, HALF, NUM_CHUNKS, PAGE, RANK, ROPE, STEP, _aligned,
+                                            _as_u16, step_scales)
+
+NUM_WGS = 2
+CHUNKS_PER_WG = NUM_CHUNKS // NUM_WGS
+NUM_SLOTS = 2
+# TMA copies arriving on a slot's barrier per step: per page and token parity,
+# the 4 latent chunks and the RoPE rows; plus one box of token scales.
+COPIES_STEP = 2 * 2 * (NUM_CHUNKS + 1) + 1
+COPIES_Q = NUM_CHUNKS + 2  # Q8 chunks, Q rope, q scale
+
+
+def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
+            o_ref, lse_ref,
+            q_union, qr_s, qsc_s, lse_s, kv_union, rope_s, ksc_s, p_union,
+            step_bar, qk_done_bar, consumed_bar, q_bar, end_bar,
+            *, s_q: int, num_heads: int, scale_log2: float, interpret: bool):
+    """One CTA: (batch row b, row block r), two warpgroups; shapes in the module docstring.
+
+    SMEM (shared by both warpgroups): q_union = (q8_s e4m3 [4, 64, 128] | o_s
+    [2, 64, 128] output staging, one chunk per warpgroup), qr_s bf16 [64, 64],
+    qsc_s f32 [64], lse_s f32 [64], kv_union = (kv8_s e4m3 [2, 4, 128, 128] |
+    kv16_s uint16 [2, 4, 128, 64]) (slot, chunk, step row, feature: K, then V^T
+    in place), rope_s bf16 [2, 128, 64], ksc_s f32 [2, 128], p_union = (p16_s
+    uint16 [2, 64, 64] | p8_s e4m3 [2, 64, 128]) (one P' per warpgroup).
+    """
+    b = lax.axis_index("b")
+    r = lax.axis_index("r")
+    wg = lax.axis_index("wg")
+    q8_s, o_s = q_union
+    kv8_s, kv16_s = kv_union
+    p16_s, p8_s = p_union
+    max_pages = bt_ref.shape[1]
+    seq_len = seq_lens_ref[b]
+    layer_offset = off_ref[0]
+    num_steps = (seq_len + (STEP - 1)) // STEP
+    row0 = _aligned(r * BLOCK_M, BLOCK_M)
+
+    def issue_step(step, slot):
+        """Latent chunks and RoPE rows in step order (even tokens to rows 0..63), and token scales."""
+        for half in range(2):
+            page = bt_ref[b, jnp.minimum(step * 2 + half, max_pages - 1)]  # clamped past the table: masked
+            first_pair = _aligned((layer_offset + page * PAGE) // 2, PAGE // 2)
+            for parity in range(2):
+                src = pl.ds(first_pair, PAGE // 2)
+                dst = pl.ds(parity * HALF + half * (PAGE // 2), PAGE // 2)
+                for ch in range(NUM_CHUNKS):
+                    plgpu.copy_gmem_to_smem(latp_ref.at[src, parity, pl.ds(ch * CHUNK, CHUNK)],
+                                            kv8_s.at[slot, ch, dst], step_bar.at[slot])
+                plgpu.copy_gmem_to_smem(ropep_ref.at[src, parity], rope_s.at[slot, dst], step_bar.at[slot])
+        plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(_aligned(step * STEP, STEP), STEP)], ksc_s.at[slot],
+                                step_bar.at[slot])
+
+    @pl.when(wg == 0)
+    def _():
+        for ch in range(NUM_CHUNKS):
+            plgpu.copy_gmem_to_smem(q8_ref.at[b, pl.ds(row0, BLOCK_M), pl.ds(ch * CHUNK, CHUNK)], q8_s.at[ch],
+                                    q_bar)
+        plgpu.copy_gmem_to_smem(qr_ref.at[b, pl.ds(row0, BLOCK_M)], qr_s, q_bar)
+        plgpu.copy_gmem_to_smem(qsc_ref.at[b, pl.ds(row0, BLOCK_M)], qsc_s, q_bar)
+
+        @pl.when(num_steps > 0)
+        def _():
+            issue_step(0, 0)
+
+    plgpu.barrier_wait(q_bar)
+    q_row_scale = plgpu.load(qsc_s, layout=plgpu.Layout.WGMMA.reduce(1))
+    row_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, STEP), 0, layout=plgpu.Layout.WGMMA)
+    col_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, STEP), 1, layout=plgpu.Layout.WGMMA)
+    col_tokens = jnp.where(col_ids < HALF, 2 * col_ids, 2 * (col_ids - HALF) + 1)  # step order
+    if s_q == 1:
+        visible_len = seq_len
+    else:
+        # Row i * H + h is query position i: causal limit seq_len - s_q + i + 1.
+        visible_len = seq_len - s_q + lax.div(row0 + row_ids, jnp.int32(num_heads)) + 1
+    word_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 0, layout=plgpu.Layout.WGMMA)
+    my_p8 = p8_s.at[wg]
+
+    def step(j, carry):
+        accs, m, l = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
+        t0 = j * STEP
+        slot = lax.rem(j, NUM_SLOTS)
+        plgpu.barrier_wait(step_bar.at[slot])
+
+        @pl.when((wg == 0) & (j + 1 < num_steps))
+        def _():
+            @pl.when(j >= 1)
+            def _():
+                plgpu.barrier_wait(consumed_bar.at[1 - slot])  # step j - 1's P'.V by both warpgroups
+            issue_step(j + 1, 1 - slot)
+
+        def qk8(acc_ref):
+            for ch in range(NUM_CHUNKS):
+                plgpu.wgmma(acc_ref, q8_s.at[ch], kv8_s.at[slot, ch].transpose((1, 0)))
+            return acc_ref[...]
+
+        s8 = pl.run_scoped(qk8, plgpu.ACC((BLOCK_M, STEP), jnp.float32))
+
+        def qk_rope(acc_ref):
+            plgpu.wgmma(acc_ref, qr_s, rope_s.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+
+        sr = pl.run_scoped(qk_rope, plgpu.ACC((BLOCK_M, STEP), jnp.float32))
+        plgpu.barrier_arrive(qk_done_bar.at[slot])
+
+        k_scale = plgpu.load(ksc_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        k_scale_b = lax.broadcast_in_dim(k_scale, (BLOCK_M, STEP), [1])
+        scores = (s8 * lax.broadcast_in_dim(q_row_scale, (BLOCK_M, STEP), [0]) * k_scale_b + sr * scale_log2)
+        visible = (t0 + col_tokens) < visible_len
+        scores = jnp.where(visible, scores, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.where(visible, jnp.exp2(scores - lax.broadcast_in_dim(m_safe, scores.shape, [0])), 0.0)
+        l = l * alpha + p.sum(axis=1)
+        pv = jnp.where(visible, p * k_scale_b, 0.0)  # select: masked slots may hold any bytes
+        pv_max = pv.max(axis=1)
+        factor = FP8_E4M3_MAX / jnp.maximum(pv_max, MIN_PV_ROW_MAX)
+        p8 = jnp.minimum(pv * lax.broadcast_in_dim(factor, pv.shape, [0]), FP8_E4M3_MAX).astype(FP8_DTYPE)
+        if not interpret:
+            p_bits = _as_u16(p8)  # word k = (column k: token 2k, column 64 + k: token 2k + 1)
+            p16_s[wg] = p_bits[:, :HALF] | (p_bits[:, HALF:] << 8)
+        else:
+            my_p8[...] = p8
+
+        # Both warpgroups have read the slot as K: overwrite my chunks with V^T.
+        plgpu.barrier_wait(qk_done_bar.at[slot])
+        v_operands = []
+        for i in range(CHUNKS_PER_WG):
+            ch = wg * CHUNKS_PER_WG + i
+            if not interpret:
+                even = (t0 + 2 * word_ids) < seq_len
+                odd = (t0 + 2 * word_ids + 1) < seq_len
+                lo = _as_u16(plgpu.load(kv8_s.at[slot, ch, pl.ds(0, HALF)], layout=plgpu.Layout.WGMMA))
+                hi = _as_u16(plgpu.load(kv8_s.at[slot, ch, pl.ds(HALF, HALF)], layout=plgpu.Layout.WGMMA))
+                word = jnp.where(even, lo, jnp.uint16(0)) | jnp.where(odd, hi << 8, jnp.uint16(0))
+                kv16_s.at[slot, ch].transpose((1, 0))[...] = plgpu.layout_cast(word, plgpu.Layout.WGMMA)
+                v_operands.append(kv8_s.at[slot, ch].transpose((1, 0)))
+            else:
+                # The interpreter does not alias RefUnion views: V stays
+                # token-major in step order, masked in place.
+                v_rows = plgpu.broadcasted_iota(jnp.int32, (STEP, CHUNK), 0, layout=plgpu.Layout.WGMMA)
+                v_tokens = t0 + jnp.where(v_rows < HALF, 2 * v_rows, 2 * (v_rows - HALF) + 1)
+                v_tile = kv8_s[slot, ch].astype(jnp.float32)
+                kv8_s[slot, ch] = jnp.where(v_tokens < seq_len, v_tile, 0.0).astype(FP8_DTYPE)
+                v_operands.append(kv8_s.at[slot, ch])
+        plgpu.commit_smem()  # generic-proxy stores (P', V^T) -> visible to wgmma
+
+        undo = lax.broadcast_in_dim(pv_max * (1.0 / FP8_E4M3_MAX), (BLOCK_M, CHUNK), [0])
+        alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_M, CHUNK), [0])
+        new_accs = []
+        for acc, v_operand in zip(accs, v_operands):
+            def pv_mma(acc_ref, v_operand=v_operand):
+                plgpu.wgmma(acc_ref, my_p8, v_operand)
+                return acc_ref[...]
+
+            pv_out = pl.run_scoped(pv_mma, plgpu.ACC((BLOCK_M, CHUNK), jnp.float32))
+            new_accs.append(acc * alpha_b + pv_out * undo)
+        plgpu.barrier_arrive(consumed_bar.at[slot])
+        return (*new_accs, m_new, l)
+
+    zeros = plgpu.layout_cast(jnp.zeros((BLOCK_M, CHUNK), jnp.float32), plgpu.Layout.WGMMA)
+    init = ((zeros,) * CHUNKS_PER_WG
+            + (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+               plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))))
+    *accs, m, l = lax.fori_loop(0, num_steps, step, init)
+
+    @pl.when(wg == 0)
+    def _():
+        # Observe the consumption of the last two steps too (the loop waited for
+        # steps 0 .. num_steps - 3 only): a barrier phase nobody waits for is
+        # left dangling (the interpreter rejects that).
+        for back in (2, 1):
+            @pl.when(num_steps >= back)
+            def _():
+                plgpu.barrier_wait(consumed_bar.at[lax.rem(num_steps - back, NUM_SLOTS)])
+
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    inv_l = lax.broadcast_in_dim(1.0 / l_safe, (BLOCK_M, CHUNK), [0])
+    # The output staging reuses Q8's bytes: wait until both warpgroups are past their last QK.
+    plgpu.barrier_arrive(end_bar)
+    plgpu.barrier_wait(end_bar)
+    my_o = o_s.at[wg]
+    for i, acc in enumerate(accs):
+        if i:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk has left the staging tile
+        my_o[...] = (acc * inv_l).astype(my_o.dtype)
+        plgpu.commit_smem()
+        col = (wg * CHUNKS_PER_WG + i) * CHUNK
+        plgpu.copy_smem_to_gmem(my_o, o_ref.at[b, pl.ds(row0, BLOCK_M), pl.ds(col, CHUNK)])
+
+    @pl.when(wg == 0)
+    def _():
+        lse_s[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, pl.ds(row0, BLOCK_M)])
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "interpret"))
+def mla_decode_mgpu_2wg(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
+                        seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
+                        s_q: int, num_heads: int, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """FP8 decode, two warpgroups per CTA; arguments and results as ``mla_decode_mgpu``."""
+    batch, num_rows, rank = q_rows.shape
+    if page_size != PAGE or rank != RANK or q_rope_rows.shape[2] != ROPE or len(cache_arrays) != 3:
+        raise ValueError("mla_decode_mgpu_2wg: FP8 cache, page_size 64, rank 512, rope 64 only")
+    if num_rows % BLOCK_M:
+        raise ValueError(f"q_rows: expected rows padded to a multiple of {BLOCK_M}, got {num_rows}")
+    latent, scale, rope = cache_arrays
+    q8, q_scale = quantize_per_token(q_rows.astype(jnp.float32))
+    q_row_scale = q_scale * (softmax_scale * LOG2E)
+    latent_pairs = latent.reshape(latent.shape[0] // 2, 2, RANK)
+    rope_pairs = rope.reshape(rope.shape[0] // 2, 2, ROPE)
+    out_dtype = q_rows.dtype
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
+                          interpret=interpret),
+        out_type=(jax.ShapeDtypeStruct((batch, num_rows, RANK), out_dtype),
+                  jax.ShapeDtypeStruct((batch, num_rows), jnp.float32)),
+        scratch_types=[
+            plgpu.RefUnion(plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), FP8_DTYPE),
+                           plgpu.SMEM((NUM_WGS, BLOCK_M, CHUNK), out_dtype)),
+            plgpu.SMEM((BLOCK_M, ROPE), jnp.bfloat16),
+            plgpu.SMEM((BLOCK_M,), jnp.float32),
+            plgpu.SMEM((BLOCK_M,), jnp.float32),
+            plgpu.RefUnion(plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
+                           plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK // 2), jnp.uint16)),
+            plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
+            plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
+            plgpu.RefUnion(plgpu.SMEM((NUM_WGS, BLOCK_M, HALF), jnp.uint16),
+                           plgpu.SMEM((NUM_WGS, BLOCK_M, STEP), FP8_DTYPE)),
+            plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
+            plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),
+            plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),
+            plgpu.Barrier(num_arrivals=COPIES_Q),
+            plgpu.Barrier(num_arrivals=NUM_WGS),
+        ],
+        grid=(batch, num_rows // BLOCK_M),
+        grid_names=("b", "r"),
+        num_threads=NUM_WGS,
+        thread_name="wg",
+        kernel_name="snapmla_decode_fp8_mgpu_2wg",
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return kernel(seq_lens, block_table, layer_offset, q8, q_row_scale, q_rope_rows.astype(jnp.bfloat16),
+                  latent_pairs, step_scales(scale, block_table, layer_offset), rope_pairs)
