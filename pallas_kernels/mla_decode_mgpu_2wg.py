@@ -5,7 +5,7 @@ the Mosaic GPU interpreter on CPU; never run on a GPU, not wired in. Same
 arguments, results, math and step order as ``mla_decode_mgpu`` (read its
 docstring first); this file only changes how the work is laid out.
 
-Layout of the work. Grid (batch row, block of 64 query rows): one CTA reads
+Layout of the work. Grid (batch row, KV split, block of 64 query rows): one CTA reads
 each cache tile once per row block (the quarter kernel reads it 4 times, once
 per column quarter). Two warpgroups share everything the TMA brings in; warp
 group w owns output columns [256 w, 256 w + 256) (two 128-column chunks, two
@@ -21,6 +21,11 @@ pairs and stores them transposed over the same bytes (the slot is a
 the slot then holds V^T of chunk c, the P'.V wgmma's B operand. No V^T buffer:
 that is what makes a 2-slot ring of whole 128-token steps (128 KB) fit next to
 Q (40 KB), RoPE keys (2 x 16 KB) and P' (2 x 8 KB).
+
+Split-KV: grid (batch row, split, row block); split s takes a contiguous run
+of whole 128-token steps of its row and writes float32 partials with their
+lse, merged by ``_combine_splits`` (the Triton kernels' merge). The caller picks
+the count (``snapmla_jax.decode.choose_num_splits``).
 
 Pipelining: warpgroup 0 issues the TMA of step j + 1 (latent chunks, RoPE rows
 and token scales, one barrier a slot) at the start of step j, once both
@@ -39,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, quantize_per_token
-from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX
+from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX, _combine_splits
 from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, HALF, NUM_CHUNKS, PAGE, RANK, ROPE, STEP, _aligned,
                                             _as_u16, step_scales)
 
@@ -56,7 +61,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
             o_ref, lse_ref,
             q_union, qr_s, qsc_s, lse_s, kv_union, rope_s, ksc_s, p_union,
             step_bar, qk_done_bar, consumed_bar, q_bar, end_bar,
-            *, s_q: int, num_heads: int, scale_log2: float, interpret: bool):
+            *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, interpret: bool):
     """One CTA: (batch row b, row block r), two warpgroups; shapes in the module docstring.
 
     SMEM (shared by both warpgroups): q_union = (q8_s e4m3 [4, 64, 128] | o_s
@@ -67,6 +72,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     uint16 [2, 64, 64] | p8_s e4m3 [2, 64, 128]) (one P' per warpgroup).
     """
     b = lax.axis_index("b")
+    split = lax.axis_index("s")
     r = lax.axis_index("r")
     wg = lax.axis_index("wg")
     q8_s, o_s = q_union
@@ -75,7 +81,11 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     max_pages = bt_ref.shape[1]
     seq_len = seq_lens_ref[b]
     layer_offset = off_ref[0]
-    num_steps = (seq_len + (STEP - 1)) // STEP
+    # Split-KV: this CTA takes steps [first_step, first_step + num_steps) of the row.
+    total_steps = (seq_len + (STEP - 1)) // STEP
+    steps_per_split = (total_steps + (num_splits - 1)) // num_splits
+    first_step = split * steps_per_split
+    num_steps = jnp.maximum(jnp.minimum(total_steps - first_step, steps_per_split), 0)
     row0 = _aligned(r * BLOCK_M, BLOCK_M)
 
     def issue_step(step, slot):
@@ -103,7 +113,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
 
         @pl.when(num_steps > 0)
         def _():
-            issue_step(0, 0)
+            issue_step(first_step, 0)
 
     plgpu.barrier_wait(q_bar)
     q_row_scale = plgpu.load(qsc_s, layout=plgpu.Layout.WGMMA.reduce(1))
@@ -120,7 +130,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
 
     def step(j, carry):
         accs, m, l = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
-        t0 = j * STEP
+        t0 = (first_step + j) * STEP
         slot = lax.rem(j, NUM_SLOTS)
         plgpu.barrier_wait(step_bar.at[slot])
 
@@ -129,7 +139,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
             @pl.when(j >= 1)
             def _():
                 plgpu.barrier_wait(consumed_bar.at[1 - slot])  # step j - 1's P'.V by both warpgroups
-            issue_step(j + 1, 1 - slot)
+            issue_step(first_step + j + 1, 1 - slot)
 
         def qk8(acc_ref):
             for ch in range(NUM_CHUNKS):
@@ -223,29 +233,41 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     # The output staging reuses Q8's bytes: wait until both warpgroups are past their last QK.
     plgpu.barrier_arrive(end_bar)
     plgpu.barrier_wait(end_bar)
+    # Staging tile of 64 x cols: 128 columns of a 2-byte output, 64 of the
+    # float32 partials of a split (Q8's 32 KB either way).
     my_o = o_s.at[wg]
-    for i, acc in enumerate(accs):
-        if i:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk has left the staging tile
-        my_o[...] = (acc * inv_l).astype(my_o.dtype)
+    cols = my_o.shape[1]
+    pieces = [(i * CHUNK + c, acc[:, c:c + cols] if cols < CHUNK else acc)
+              for i, acc in enumerate(accs) for c in range(0, CHUNK, cols)]
+    for k, (col, piece) in enumerate(pieces):
+        if k:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous piece has left the staging tile
+        my_o[...] = (piece * inv_l[:, :cols]).astype(my_o.dtype)
         plgpu.commit_smem()
-        col = (wg * CHUNKS_PER_WG + i) * CHUNK
-        plgpu.copy_smem_to_gmem(my_o, o_ref.at[b, pl.ds(row0, BLOCK_M), pl.ds(col, CHUNK)])
+        col0 = wg * CHUNKS_PER_WG * CHUNK + col
+        plgpu.copy_smem_to_gmem(my_o, o_ref.at[b, split, pl.ds(row0, BLOCK_M), pl.ds(col0, cols)])
 
     @pl.when(wg == 0)
     def _():
         lse_s[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, pl.ds(row0, BLOCK_M)])
+        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, split, pl.ds(row0, BLOCK_M)])
 
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "interpret"))
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
+                                             "interpret"))
 def mla_decode_mgpu_2wg(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                         seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
-                        s_q: int, num_heads: int, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """FP8 decode, two warpgroups per CTA; arguments and results as ``mla_decode_mgpu``."""
+                        s_q: int, num_heads: int, num_splits: int = 1,
+                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """FP8 decode, two warpgroups per CTA; arguments and results as ``mla_decode_mgpu``.
+
+    ``num_splits`` > 1 splits each row's steps over that many CTAs (flash
+    decoding); their float32 partials are merged with their log-sum-exp, as the
+    Triton kernel's are (``_combine_splits``).
+    """
     batch, num_rows, rank = q_rows.shape
     if page_size != PAGE or rank != RANK or q_rope_rows.shape[2] != ROPE or len(cache_arrays) != 3:
         raise ValueError("mla_decode_mgpu_2wg: FP8 cache, page_size 64, rank 512, rope 64 only")
@@ -256,15 +278,18 @@ def mla_decode_mgpu_2wg(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays:
     q_row_scale = q_scale * (softmax_scale * LOG2E)
     latent_pairs = latent.reshape(latent.shape[0] // 2, 2, RANK)
     rope_pairs = rope.reshape(rope.shape[0] // 2, 2, ROPE)
-    out_dtype = q_rows.dtype
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
+    out_dtype = q_rows.dtype if num_splits == 1 else jnp.float32
+    stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # the staging tile fits in Q8's 32 KB
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          interpret=interpret),
-        out_type=(jax.ShapeDtypeStruct((batch, num_rows, RANK), out_dtype),
-                  jax.ShapeDtypeStruct((batch, num_rows), jnp.float32)),
+                          num_splits=num_splits, interpret=interpret),
+        out_type=(jax.ShapeDtypeStruct((batch, num_splits, num_rows, RANK), out_dtype),
+                  jax.ShapeDtypeStruct((batch, num_splits, num_rows), jnp.float32)),
         scratch_types=[
             plgpu.RefUnion(plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), FP8_DTYPE),
-                           plgpu.SMEM((NUM_WGS, BLOCK_M, CHUNK), out_dtype)),
+                           plgpu.SMEM((NUM_WGS, BLOCK_M, stage_cols), out_dtype)),
             plgpu.SMEM((BLOCK_M, ROPE), jnp.bfloat16),
             plgpu.SMEM((BLOCK_M,), jnp.float32),
             plgpu.SMEM((BLOCK_M,), jnp.float32),
@@ -280,12 +305,16 @@ def mla_decode_mgpu_2wg(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays:
             plgpu.Barrier(num_arrivals=COPIES_Q),
             plgpu.Barrier(num_arrivals=NUM_WGS),
         ],
-        grid=(batch, num_rows // BLOCK_M),
-        grid_names=("b", "r"),
+        grid=(batch, num_splits, num_rows // BLOCK_M),
+        grid_names=("b", "s", "r"),
         num_threads=NUM_WGS,
         thread_name="wg",
         kernel_name="snapmla_decode_fp8_mgpu_2wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return kernel(seq_lens, block_table, layer_offset, q8, q_row_scale, q_rope_rows.astype(jnp.bfloat16),
-                  latent_pairs, step_scales(scale, block_table, layer_offset), rope_pairs)
+    out, lse = kernel(seq_lens, block_table, layer_offset, q8, q_row_scale, q_rope_rows.astype(jnp.bfloat16),
+                      latent_pairs, step_scales(scale, block_table, layer_offset), rope_pairs)
+    if num_splits == 1:
+        return out[:, 0], lse[:, 0]
+    merged, merged_lse = _combine_splits(out, lse)
+    return merged.astype(q_rows.dtype), merged_lse

@@ -28,21 +28,21 @@ from pallas_kernels.mla_decode_mgpu import BLOCK_M, mla_decode_mgpu
 from pallas_kernels.mla_decode_mgpu_2wg import mla_decode_mgpu_2wg
 from snapmla_jax.bench import timing
 from snapmla_jax.bench.decode import make_caches, make_queries
-from snapmla_jax.decode import mla_decode
+from snapmla_jax.decode import _sm_count, choose_num_splits, mla_decode
 
 SHAPES = ("64x16384x128x1", "32x16384x128x1", "128x4096x128x1", "8x65536x128x1", "128x16384x16x1",
           "32x4096x128x2")
 
 
-def mgpu_decode(q, q_rope, cache, block_table, seq_lens, *, softmax_scale, kernel=mla_decode_mgpu):
-    """A Mosaic kernel on the API's shapes (no split-KV, page 64, layer 0)."""
+def mgpu_decode(q, q_rope, cache, block_table, seq_lens, *, softmax_scale, kernel=mla_decode_mgpu, **kwargs):
+    """A Mosaic kernel on the API's shapes (page 64, layer 0); kwargs: num_splits for the 2wg kernel."""
     batch, s_q, heads, rank = q.shape
     rows = s_q * heads
     padded = -(-rows // BLOCK_M) * BLOCK_M
     to_rows = lambda a: jnp.pad(a.reshape(batch, rows, a.shape[-1]), [(0, 0), (0, padded - rows), (0, 0)])
     flat = (cache.latent.reshape(-1, rank), cache.scale.reshape(-1), cache.rope.reshape(-1, cache.rope.shape[-1]))
     out, _ = kernel(to_rows(q), to_rows(q_rope), flat, block_table, seq_lens, jnp.zeros((1,), jnp.int32),
-                             softmax_scale=softmax_scale, page_size=64, s_q=s_q, num_heads=heads)
+                             softmax_scale=softmax_scale, page_size=64, s_q=s_q, num_heads=heads, **kwargs)
     return out[:, :rows].reshape(q.shape)
 
 
@@ -66,13 +66,16 @@ def main(argv=None) -> int:
             "mosaic_quarters": (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(q, qr, c, bt, n,
                                                                                  softmax_scale=scale))),
             "mosaic_2wg": (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
-                                                                            kernel=mla_decode_mgpu_2wg))),
+                                                                            kernel=mla_decode_mgpu_2wg,
+                                                                            num_splits=splits))),
             "triton_fp8": (fp8, jax.jit(lambda q, qr, c, bt, n: mla_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                            backend="pallas"))),
             "triton_bf16": (bf16, jax.jit(lambda q, qr, c, bt, n: mla_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                              backend="pallas"))),
         }
-        row = {"shape": shape}
+        # The 2wg kernel splits the KV as the Triton kernels do (same rule, 64-row blocks).
+        splits = choose_num_splits(batch, -(-s_q * heads // BLOCK_M), context, _sm_count())
+        row = {"shape": shape, "mosaic_2wg_num_splits": splits}
         outs = {}
         for name, (cache, fn) in variants.items():
             call_args = (q, q_rope, cache, block_table, seq_lens)

@@ -69,7 +69,7 @@ KERNELS = pytest.mark.parametrize("kernel", ["quarters", "2wg"])
 
 
 def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_scale, *, kernel="quarters",
-                 layer_pages=0, interpret=False):
+                 layer_pages=0, num_splits=1, interpret=False):
     """The kernel on the API's shapes: rows padded to 64, the cache flattened.
 
     ``layer_pages`` > 0 puts a layer of NaN pages in front of the cache and reads
@@ -86,33 +86,37 @@ def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_
         cache = [jnp.concatenate([jnp.full((layer_pages * 64, *a.shape[1:]), jnp.nan, a.dtype), a]) for a in cache]
     out, lse = _kernel(kernel)(to_rows(q), to_rows(q_rope), tuple(cache), block_table, seq_lens,
                                jnp.full((1,), layer_pages * 64, jnp.int32), softmax_scale=softmax_scale,
-                               page_size=64, s_q=s_q, num_heads=heads, interpret=interpret)
+                               page_size=64, s_q=s_q, num_heads=heads, interpret=interpret,
+                               **({"num_splits": num_splits} if num_splits > 1 else {}))
     return out[:, :rows].reshape(q.shape), lse[:, :rows].reshape(batch, s_q, heads)
 
 
-@KERNELS
-@pytest.mark.parametrize("s_q", [1, 2])
-def test_kernel_lowers_for_cuda(kernel, s_q):
+@pytest.mark.parametrize("kernel,s_q,num_splits", [("quarters", 1, 1), ("quarters", 2, 1), ("2wg", 1, 1), ("2wg", 2, 1),
+                                                  ("2wg", 1, 4)])
+def test_kernel_lowers_for_cuda(kernel, s_q, num_splits):
     """Layout inference, SMEM allocation (fits in an H100's 227 KB) and lowering to MLIR, without a GPU."""
     args = _inputs(0, batch=2, heads=64, pages_per_row=3, seq_lens=[100, 0], s_q=s_q)
-    jax.jit(lambda *a: _call_kernel(*a, 0.1, kernel=kernel)).trace(*args).lower(lowering_platforms=("cuda",))
+    call = lambda *a: _call_kernel(*a, 0.1, kernel=kernel, num_splits=num_splits)
+    jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages", [
-    (64, 1, [100, 300, 0], 0),    # ragged, a partial page, seq_len 0
-    (128, 1, [129, 64, 1], 3),    # a 1-token last step; a second layer (NaN first layer) via layer_offset
-    (64, 1, [320, 257, 128], 0),  # 3 steps: both ring slots reused
-    (16, 2, [200, 2, 77], 0),     # s_q = 2 (causal rule), H padded to 64 rows
+# splits: split-KV count for the "2wg" kernel (the "quarters" kernel has no split-KV).
+CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages,splits", [
+    (64, 1, [100, 300, 0], 0, 1),    # ragged, a partial page, seq_len 0; 3 steps: both ring slots reused
+    (128, 1, [129, 64, 1], 3, 1),    # a 1-token last step; a second layer (NaN first layer) via layer_offset
+    (64, 1, [320, 257, 128], 0, 2),  # split-KV: splits of 2 and 1 steps, and an empty split
+    (16, 2, [200, 2, 77], 0, 1),     # s_q = 2 (causal rule), H padded to 64 rows
 ])
 
 
-def _check(kernel, heads, s_q, seq_lens, layer_pages, *, interpret):
+def _check(kernel, heads, s_q, seq_lens, layer_pages, splits, *, interpret):
+    num_splits = splits if kernel == "2wg" else 1
     """Kernel vs ``mla_decode_reference(block_n=128)``; returns (max error / max |ref|, max lse error, lse scale)."""
     q, q_rope, latent, scale, rope, block_table, lens = _inputs(heads + s_q, batch=3, heads=heads, pages_per_row=5,
                                                                 seq_lens=seq_lens, s_q=s_q)
     softmax_scale = 576 ** -0.5
     out, lse = _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale, kernel=kernel,
-                            layer_pages=layer_pages, interpret=interpret)
+                            layer_pages=layer_pages, num_splits=num_splits, interpret=interpret)
     # The reference rounds Q and P' to e4m3 as the kernel does (P' factor per
     # 128-token step), with exact products, on the same pages without a layer offset.
     ref, ref_lse = mla_decode_reference(q, q_rope, latent, scale, rope, block_table, lens,
@@ -126,7 +130,7 @@ def _check(kernel, heads, s_q, seq_lens, layer_pages, *, interpret):
     return float(err), float(np.max(np.abs(lse[seen] - ref_lse[seen]))), float(np.max(np.abs(ref_lse[seen])))
 
 
-def _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages):
+def _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages, splits):
     """``_check`` in interpret mode in a fresh process that has 8 CPU devices.
 
     The interpreter runs each warpgroup as a thread whose memory operations
@@ -138,7 +142,8 @@ def _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages):
     """
     code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
             "import test_mla_decode_mgpu as t; "
-            f"print(json.dumps(t._check({kernel!r}, {heads}, {s_q}, {seq_lens!r}, {layer_pages}, interpret=True)))")
+            f"print(json.dumps(t._check({kernel!r}, {heads}, {s_q}, {seq_lens!r}, {layer_pages}, {splits}, "
+            "interpret=True)))")
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -147,7 +152,7 @@ def _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages):
 
 @KERNELS
 @CASES
-def test_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens, layer_pages):
+def test_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
     """On CPU: paging through the token-pair views, step order, masking, s_q, layer offset,
     and for "2wg" the barriers between the two warpgroups and the ring's reuse.
 
@@ -155,9 +160,9 @@ def test_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens, laye
     interpreter does not alias); the GPU test below covers them.
     """
     if kernel == "2wg":
-        err, lse_err, _ = _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages)
+        err, lse_err, _ = _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages, splits)
     else:
-        err, lse_err, _ = _check(kernel, heads, s_q, seq_lens, layer_pages, interpret=True)
+        err, lse_err, _ = _check(kernel, heads, s_q, seq_lens, layer_pages, splits, interpret=True)
     # Same roundings in fp32 on both sides: what differs is summation order, which
     # can move a P' value across an e4m3 rounding boundary (one ulp, 2**-3
     # relative, on one weight of >= 100), plus the bf16 output (2**-9): 4e-3.
@@ -168,8 +173,8 @@ def test_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens, laye
 @pytest.mark.gpu
 @KERNELS
 @CASES
-def test_kernel_matches_reference(kernel, heads, s_q, seq_lens, layer_pages):
-    err, lse_err, lse_scale = _check(kernel, heads, s_q, seq_lens, layer_pages, interpret=False)
+def test_kernel_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
+    err, lse_err, lse_scale = _check(kernel, heads, s_q, seq_lens, layer_pages, splits, interpret=False)
     # As in the interpreter, plus Hopper's FP8 MMA accumulating Q.K in ~14 bits
     # (test_mla_decode_gpu.py): scores move by ~2**-9 of their magnitude, which
     # shifts P' roundings more often: 2e-2 of the largest output.
