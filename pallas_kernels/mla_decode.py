@@ -86,6 +86,12 @@ class DecodeConfig:
              docs/decode_kernel.md). e4m3 -> bf16 is exact and both MMAs
              accumulate the exact products in fp32, so the math is the same
              (measured: bit-identical outputs).
+    kernel:  "triton" (this file's kernels) or "mosaic": the FP8 kernel on
+             Mosaic GPU with two warpgroups per CTA
+             (pallas_kernels/mla_decode_mgpu_2wg.py; fp8 cache, page_size 64;
+             block_m, block_n, num_warps, num_stages and pv_mma do not apply).
+             EXPERIMENTAL: checked in the interpreter and lowered for CUDA,
+             not yet run on a GPU (docs/mosaic_gpu_decode_plan.md).
     """
 
     block_m: int = 64
@@ -93,10 +99,13 @@ class DecodeConfig:
     num_warps: int = 8
     num_stages: int = 2
     pv_mma: str = "auto"
+    kernel: str = "triton"
 
     def __post_init__(self):
         if self.pv_mma not in ("auto", "fp8", "bf16"):
             raise ValueError(f"DecodeConfig.pv_mma: expected 'auto', 'fp8' or 'bf16', got {self.pv_mma!r}")
+        if self.kernel not in ("triton", "mosaic"):
+            raise ValueError(f"DecodeConfig.kernel: expected 'triton' or 'mosaic', got {self.kernel!r}")
 
 
 # Measured on an H100 at B=64, ctx=16k, H=128 (docs/decode_kernel.md). The FP8

@@ -14,6 +14,10 @@ import numpy as np
 
 from pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, DecodeConfig, mla_decode_pallas,
                                       mla_decode_reference, rows_per_block, tokens_per_block)
+from pallas_kernels.mla_decode_mgpu import BLOCK_M as MOSAIC_BLOCK_M
+from pallas_kernels.mla_decode_mgpu import PAGE as MOSAIC_PAGE
+from pallas_kernels.mla_decode_mgpu import STEP as MOSAIC_STEP
+from pallas_kernels.mla_decode_mgpu_2wg import mla_decode_mgpu_2wg
 from snapmla_jax.backend import resolve_backend
 from snapmla_jax.cache import LatentCache, check_kernel_addressable, check_layer
 
@@ -108,6 +112,9 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     num_splits  split-KV count for the Pallas kernels; None picks it from the
                 shapes and the GPU's SM count.
     config      DecodeConfig tuning knobs (None: FP8_CONFIG / BF16_CONFIG, measured on an H100).
+                ``DecodeConfig(kernel="mosaic")`` runs the experimental Mosaic GPU
+                FP8 kernel (fp8 cache, page_size 64), and with backend="xla" its
+                math (P' factors per 128 tokens).
 
     Returns out [B, s_q, H, R] in q_latent's dtype, and with ``return_lse``
     also lse [B, s_q, H] float32 (natural log of the softmax denominator).
@@ -119,6 +126,10 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     config = config or (FP8_CONFIG if cache.dtype == "fp8" else BF16_CONFIG)
     batch, s_q, heads, rank = q_latent.shape
     softmax_scale = float(softmax_scale)
+    mosaic = config.kernel == "mosaic"
+    if mosaic and (cache.dtype != "fp8" or cache.page_size != MOSAIC_PAGE):
+        raise ValueError(f"config: kernel='mosaic' needs an fp8 cache with page_size {MOSAIC_PAGE}, got a "
+                         f"{cache.dtype} cache with page_size {cache.page_size}")
     if layer is not None and not _is_concrete(layer):
         # Documented behaviour for a traced out-of-range layer: nothing visible.
         seq_lens = jnp.where((layer >= 0) & (layer < cache.num_layers), seq_lens, 0)
@@ -126,12 +137,12 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
         one = cache.layer_arrays(layer)
         out, lse = mla_decode_reference(q_latent, q_rope, one.latent, one.scale, one.rope, block_table, seq_lens,
                                         softmax_scale=softmax_scale,
-                                        block_n=tokens_per_block(cache.page_size, config))
+                                        block_n=MOSAIC_STEP if mosaic else tokens_per_block(cache.page_size, config))
         return (out, lse) if return_lse else out
 
     check_kernel_addressable(cache)
     num_rows = s_q * heads
-    block_m = rows_per_block(num_rows, config)
+    block_m = MOSAIC_BLOCK_M if mosaic else rows_per_block(num_rows, config)
     padded_rows = -(-num_rows // block_m) * block_m
     to_rows = lambda q: jnp.pad(q.reshape(batch, num_rows, q.shape[-1]), [(0, 0), (0, padded_rows - num_rows), (0, 0)])
     flat = lambda a: None if a is None else a.reshape(-1, *a.shape[cache.latent.ndim - 1:])
@@ -143,10 +154,16 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
                                        _sm_count())
     elif not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected None or a positive int, got {num_splits!r}")
-    out, lse = mla_decode_pallas(
-        to_rows(q_latent), to_rows(q_rope), cache_arrays, block_table, seq_lens, layer_offset,
-        softmax_scale=softmax_scale, page_size=cache.page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,
-        config=config, interpret=backend == "interpret")
+    if mosaic:
+        out, lse = mla_decode_mgpu_2wg(
+            to_rows(q_latent), to_rows(q_rope), cache_arrays, block_table, seq_lens, layer_offset,
+            softmax_scale=softmax_scale, page_size=cache.page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,
+            interpret=backend == "interpret")
+    else:
+        out, lse = mla_decode_pallas(
+            to_rows(q_latent), to_rows(q_rope), cache_arrays, block_table, seq_lens, layer_offset,
+            softmax_scale=softmax_scale, page_size=cache.page_size, s_q=s_q, num_heads=heads,
+            num_splits=num_splits, config=config, interpret=backend == "interpret")
     out = out[:, :num_rows].reshape(batch, s_q, heads, rank)
     lse = lse[:, :num_rows].reshape(batch, s_q, heads)
     return (out, lse) if return_lse else out

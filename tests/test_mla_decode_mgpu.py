@@ -180,3 +180,71 @@ def test_kernel_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, spl
     # shifts P' roundings more often: 2e-2 of the largest output.
     assert err < 2e-2, err
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
+
+
+def _api_check(seed: int, backend: str = "interpret") -> tuple[float, float, float]:
+    """``mla_decode(config=DecodeConfig(kernel="mosaic"))``, ``backend`` vs xla, through the public API.
+
+    A 2-layer fp8 cache read at layer 1, s_q = 2 with H = 24 (48 rows, padded to
+    64), ragged lengths incl. 0, 2 KV splits. Returns (max output error / max
+    |xla|, max lse error, max |lse|).
+    """
+    from pallas_kernels.mla_decode import DecodeConfig
+    from snapmla_jax.cache import LatentCache
+    from snapmla_jax.decode import mla_decode
+
+    rng = np.random.default_rng(seed)
+    layers, pages, batch, heads, s_q = 2, 12, 3, 24, 2
+    x = rng.standard_normal((layers, pages, 64, 512)).astype(np.float32)
+    x[rng.random((layers, pages, 64)) < 0.02] *= 300.0  # outlier tokens
+    latent, scale = quantize_per_token(jnp.asarray(x))
+    cache = LatentCache(latent=latent, scale=scale,
+                        rope=jnp.asarray(rng.standard_normal((layers, pages, 64, 64)), jnp.bfloat16))
+    block_table = jnp.asarray(rng.permutation(pages)[:batch * 4].reshape(batch, 4), jnp.int32)
+    seq_lens = jnp.asarray([250, 0, 131], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((batch, s_q, heads, 512)) * 0.3, jnp.bfloat16)
+    q_rope = jnp.asarray(rng.standard_normal((batch, s_q, heads, 64)) * 0.3, jnp.bfloat16)
+    run = lambda backend: mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=576 ** -0.5, layer=1,
+                                     backend=backend, return_lse=True, num_splits=2,
+                                     config=DecodeConfig(kernel="mosaic"))
+    (out, lse), (ref, ref_lse) = run(backend), run("xla")
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    seen = np.asarray(seq_lens) > 0
+    assert np.all(out[~seen] == 0) and np.all(np.isneginf(np.asarray(lse)[~seen]))
+    err = np.max(np.abs(out[seen] - ref[seen])) / np.max(np.abs(ref[seen]))
+    ref_lse = np.asarray(ref_lse)[seen]
+    return float(err), float(np.max(np.abs(np.asarray(lse)[seen] - ref_lse))), float(np.max(np.abs(ref_lse)))
+
+
+def test_mla_decode_mosaic_config_interpreted_matches_xla():
+    """The opt-in path through ``snapmla_jax.mla_decode``: row padding, layer offset, splits, the merge."""
+    code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
+            "import test_mla_decode_mgpu as t; print(json.dumps(t._api_check(3)))")
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")  # see _check_in_subprocess
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    err, lse_err, _ = json.loads(done.stdout.strip().splitlines()[-1])
+    assert err < 4e-3, err  # as test_kernel_interpreted_matches_reference
+    assert lse_err < 1e-4, lse_err
+
+
+@pytest.mark.gpu
+def test_mla_decode_mosaic_config_compiled_matches_xla():
+    err, lse_err, lse_scale = _api_check(3, backend="pallas")
+    assert err < 2e-2, err  # as test_kernel_matches_reference
+    assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
+
+
+def test_mla_decode_mosaic_config_refuses_what_it_cannot_run():
+    from pallas_kernels.mla_decode import DecodeConfig
+    from snapmla_jax.cache import LatentCache
+    from snapmla_jax.decode import mla_decode
+
+    with pytest.raises(ValueError, match="DecodeConfig.kernel"):
+        DecodeConfig(kernel="cutlass")
+    q, q_rope = jnp.ones((1, 1, 16, 512), jnp.bfloat16), jnp.ones((1, 1, 16, 64), jnp.bfloat16)
+    table, lens = jnp.zeros((1, 2), jnp.int32), jnp.asarray([10], jnp.int32)
+    for cache in (LatentCache.create(4, page_size=64, dtype="bf16"), LatentCache.create(8, page_size=32)):
+        with pytest.raises(ValueError, match="config: kernel='mosaic' needs an fp8 cache with page_size 64"):
+            mla_decode(q, q_rope, cache, table, lens, softmax_scale=0.1, backend="xla",
+                       config=DecodeConfig(kernel="mosaic"))
