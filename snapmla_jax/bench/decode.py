@@ -30,6 +30,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.mla_decode import DecodeConfig
 from snapmla_jax.bench import timing
 from snapmla_jax.cache import MAX_CACHE_ELEMENTS, LatentCache
 from snapmla_jax.decode import mla_decode
@@ -106,27 +107,31 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
     q, q_rope, seq_lens, scale = make_queries(batch, context, heads, s_q)
     # The cache is an argument of the jitted step (as in a serving loop), not a
     # closed-over constant that XLA would have to embed.
-    run = lambda backend: jax.jit(
-        lambda q, qr, cache, bt, n: mla_decode(q, qr, cache, bt, n, softmax_scale=scale, backend=backend))
+    run = lambda backend, config=None: jax.jit(
+        lambda q, qr, cache, bt, n: mla_decode(q, qr, cache, bt, n, softmax_scale=scale, backend=backend,
+                                               config=config))
     row = dict(batch=batch, context=context, heads=heads, s_q=s_q)
     io_bytes = batch * s_q * heads * (RANK + ROPE + RANK) * 2
     flops = 2 * batch * s_q * heads * context * (RANK + ROPE + RANK)
     flops_rope = 2 * batch * s_q * heads * context * ROPE
     plans = {
-        "fp8": (fp8, "pallas", (flops - flops_rope, flops_rope)),
-        "bf16": (bf16, "pallas", (0, flops)),
-        "xla_bf16": (bf16, "xla", (0, flops)),
+        "fp8": (fp8, "pallas", None, (flops - flops_rope, flops_rope)),
+        # The experimental Mosaic GPU kernel (DecodeConfig(kernel="mosaic")), same math.
+        "fp8_mosaic": (fp8, "pallas", DecodeConfig(kernel="mosaic"), (flops - flops_rope, flops_rope)),
+        "bf16": (bf16, "pallas", None, (0, flops)),
+        "xla_bf16": (bf16, "xla", None, (0, flops)),
     }
     # The XLA path gathers the pages (a bf16 copy) and keeps fp32 scores and weights.
     xla_bytes = batch * context * bf16.nbytes_per_token + 3 * batch * s_q * heads * context * 4
-    for name, (cache, backend, (f8, f16)) in plans.items():
+    for name, (cache, backend, config, (f8, f16)) in plans.items():
         per_token = cache.nbytes_per_token
         if name == "xla_bf16" and xla_bytes > MEMORY_FRACTION * memory / 2:
             row[f"{name}_ms"] = None
             row[f"{name}_note"] = "skipped: does not fit memory"
             continue
         try:
-            ms = timing.time_ms(run(backend), [(q, q_rope, cache, block_table, seq_lens)], warmup=2, iters=iters)
+            ms = timing.time_ms(run(backend, config), [(q, q_rope, cache, block_table, seq_lens)], warmup=2,
+                                iters=iters)
         except Exception as err:  # a failing method is reported, the run goes on
             row[f"{name}_ms"] = None
             row[f"{name}_note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
@@ -146,6 +151,8 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
         row["fp8_over_bf16"] = row["bf16_ms"] / row["fp8_ms"]
     if row.get("fp8_ms") and row.get("xla_bf16_ms"):
         row["fp8_over_xla"] = row["xla_bf16_ms"] / row["fp8_ms"]
+    if row.get("fp8_mosaic_ms") and row.get("bf16_ms"):
+        row["fp8_mosaic_over_bf16"] = row["bf16_ms"] / row["fp8_mosaic_ms"]
     return row
 
 
@@ -154,12 +161,14 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
     fmt = lambda v, spec="{:.3g}": "-" if v is None else spec.format(v)
     pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"
     cols = ["B", "ctx", "H", "s_q", "FP8 ms", "BF16 ms", "XLA bf16 ms", "FP8/BF16", "FP8/XLA",
-            "FP8 GB/s", "FP8 TFLOP/s", "FP8 % roof", "BF16 GB/s", "BF16 TFLOP/s", "BF16 % roof", "XLA % roof"]
+            "FP8 GB/s", "FP8 TFLOP/s", "FP8 % roof", "BF16 GB/s", "BF16 TFLOP/s", "BF16 % roof", "XLA % roof",
+            "Mosaic FP8 ms", "Mosaic/BF16", "Mosaic % roof"]
     body = [[r["batch"], r["context"], r["heads"], r["s_q"], fmt(r.get("fp8_ms")), fmt(r.get("bf16_ms")),
              fmt(r.get("xla_bf16_ms")), fmt(r.get("fp8_over_bf16"), "{:.2f}x"), fmt(r.get("fp8_over_xla"), "{:.2f}x"),
              fmt(r.get("fp8_gbps"), "{:.0f}"), fmt(r.get("fp8_tflops"), "{:.0f}"), pct(r.get("fp8_roofline")),
              fmt(r.get("bf16_gbps"), "{:.0f}"), fmt(r.get("bf16_tflops"), "{:.0f}"), pct(r.get("bf16_roofline")),
-             pct(r.get("xla_bf16_roofline"))] for r in rows]
+             pct(r.get("xla_bf16_roofline")), fmt(r.get("fp8_mosaic_ms")),
+             fmt(r.get("fp8_mosaic_over_bf16"), "{:.2f}x"), pct(r.get("fp8_mosaic_roofline"))] for r in rows]
     notes = sorted({f"{k[:-5]}: {r[k]}" for r in rows for k in r if k.endswith("_note") and k != "stock_mqa_note"})
     stock = ("runs (times in decode.json)" if stock_reason is None else f"does not run: {stock_reason}")
     lines = [
@@ -176,7 +185,9 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         "are not run: one decode call cannot address them (mla_decode raises ValueError).",
         "FP8 = SnapMLA kernel on the fp8 cache (644 B/token), BF16 = the same kernel body on the bf16",
         "cache (1152 B/token), XLA bf16 = `mla_decode(..., backend=\"xla\")` on the bf16 cache (gather",
-        "+ einsum + softmax, what a JAX user writes today).",
+        "+ einsum + softmax, what a JAX user writes today). Mosaic FP8 = the experimental Mosaic GPU",
+        "kernel (`DecodeConfig(kernel=\"mosaic\")`, two warpgroups per CTA) on the fp8 cache; \"-\" where it",
+        "was not measured (rows from runs before it existed) or failed (see the notes).",
         f"JAX stock `pallas.ops.gpu.decode_attention.mqa` (the 576-dim [latent, rope] as K and V): {stock}.",
         "",
         timing.markdown_table(cols, body),
