@@ -137,6 +137,89 @@ def step_scales(scale: jax.Array, block_table: jax.Array, layer_offset: jax.Arra
     return jnp.take(scale, layer_offset[0] + pages * PAGE + positions % PAGE, mode="clip")
 
 
+def step_iotas(row0, seq_len, *, s_q: int, num_heads: int):
+    """Per-step constants: (token offset within the step of each score column [64, 128],
+    visible length per row (a scalar at s_q = 1, [64, 128] otherwise), word row ids [64, 128])."""
+    row_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, STEP), 0, layout=plgpu.Layout.WGMMA)
+    col_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, STEP), 1, layout=plgpu.Layout.WGMMA)
+    col_tokens = jnp.where(col_ids < HALF, 2 * col_ids, 2 * (col_ids - HALF) + 1)  # step order
+    if s_q == 1:
+        visible_len = seq_len  # padding rows see all tokens too; the caller slices them off
+    else:
+        # Row i * H + h is query position i: causal limit seq_len - s_q + i + 1.
+        visible_len = seq_len - s_q + lax.div(row0 + row_ids, jnp.int32(num_heads)) + 1
+    # Word k of a packed V tile holds tokens 2k (low byte) and 2k + 1.
+    word_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 0, layout=plgpu.Layout.WGMMA)
+    return col_tokens, visible_len, word_ids
+
+
+def softmax_step(s8, sr, q_row_scale, k_scale, visible, m, l, scale_log2: float):
+    """One step's online softmax and P' (module docstring, "Math").
+
+    s8, sr [64, 128] f32 (FP8 and RoPE products), q_row_scale [64], k_scale
+    [128], visible [64, 128] bool, running m, l [64]. Returns (m_new, alpha,
+    l_new, p8 e4m3 [64, 128] in step order, pv_max [64]: the factor to undo).
+    """
+    k_scale_b = lax.broadcast_in_dim(k_scale, (BLOCK_M, STEP), [1])
+    scores = s8 * lax.broadcast_in_dim(q_row_scale, (BLOCK_M, STEP), [0]) * k_scale_b + sr * scale_log2
+    scores = jnp.where(visible, scores, -jnp.inf)
+    m_new = jnp.maximum(m, scores.max(axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_safe)
+    p = jnp.where(visible, jnp.exp2(scores - lax.broadcast_in_dim(m_safe, scores.shape, [0])), 0.0)
+    l = l * alpha + p.sum(axis=1)
+    pv = jnp.where(visible, p * k_scale_b, 0.0)  # select: masked slots may hold any bytes
+    pv_max = pv.max(axis=1)
+    factor = FP8_E4M3_MAX / jnp.maximum(pv_max, MIN_PV_ROW_MAX)
+    p8 = jnp.minimum(pv * lax.broadcast_in_dim(factor, pv.shape, [0]), FP8_E4M3_MAX).astype(FP8_DTYPE)
+    return m_new, alpha, l, p8, pv_max
+
+
+def pack_p(p8: jax.Array) -> jax.Array:
+    """P' e4m3 [64, 128] in step order -> uint16 [64, 64] words in token order
+    (word k = column k: token 2k, low byte; column 64 + k: token 2k + 1)."""
+    bits = _as_u16(p8)
+    return bits[:, :HALF] | (bits[:, HALF:] << 8)
+
+
+def v_words(chunk_ref, t0, seq_len, word_ids) -> jax.Array:
+    """A step's V chunk (SMEM e4m3 [128, 128] in step order) as uint16 [64, 128] token-pair
+    words (rows k and 64 + k are tokens 2k and 2k + 1); tokens past seq_len are zeroed
+    (0 * NaN would poison the P'.V sum)."""
+    even = (t0 + 2 * word_ids) < seq_len
+    odd = (t0 + 2 * word_ids + 1) < seq_len
+    lo = _as_u16(plgpu.load(chunk_ref.at[pl.ds(0, HALF)], layout=plgpu.Layout.WGMMA))
+    hi = _as_u16(plgpu.load(chunk_ref.at[pl.ds(HALF, HALF)], layout=plgpu.Layout.WGMMA))
+    return jnp.where(even, lo, jnp.uint16(0)) | jnp.where(odd, hi << 8, jnp.uint16(0))
+
+
+def v_masked_token_major(chunk_ref, t0, seq_len) -> jax.Array:
+    """Interpreter path: the V chunk e4m3 [128, 128] in step order with tokens past
+    seq_len zeroed (the interpreter's FP8 wgmma accepts a token-major B operand)."""
+    v_rows = plgpu.broadcasted_iota(jnp.int32, (STEP, CHUNK), 0, layout=plgpu.Layout.WGMMA)
+    v_tokens = t0 + jnp.where(v_rows < HALF, 2 * v_rows, 2 * (v_rows - HALF) + 1)
+    return jnp.where(v_tokens < seq_len, chunk_ref[...].astype(jnp.float32), 0.0).astype(FP8_DTYPE)
+
+
+def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, *, softmax_scale: float,
+                   page_size: int, name: str):
+    """Checks and launcher-side inputs shared by the Mosaic kernels.
+
+    Returns (q8 e4m3 [B, rows, 512], q_row_scale f32 [B, rows] (times softmax
+    scale * log2 e), latent pairs e4m3 [N/2, 2, 512], rope pairs bf16 [N/2, 2,
+    64] (free reshapes), step-ordered token scales f32 [B, steps * 128]).
+    """
+    num_rows, rank = q_rows.shape[1:]
+    if page_size != PAGE or rank != RANK or q_rope_rows.shape[2] != ROPE or len(cache_arrays) != 3:
+        raise ValueError(f"{name}: FP8 cache, page_size {PAGE}, rank {RANK}, rope {ROPE} only")
+    if num_rows % BLOCK_M:
+        raise ValueError(f"q_rows: expected rows padded to a multiple of {BLOCK_M}, got {num_rows}")
+    latent, scale, rope = cache_arrays
+    q8, q_scale = quantize_per_token(q_rows.astype(jnp.float32))
+    return (q8, q_scale * (softmax_scale * LOG2E), latent.reshape(latent.shape[0] // 2, 2, RANK),
+            rope.reshape(rope.shape[0] // 2, 2, ROPE), step_scales(scale, block_table, layer_offset))
+
+
 def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
             o_ref, lse_ref,
             q_union, qr_s, kv_s, rope_s, ksc_s, vt_union, p_union, kv_bar, vr_bar, q_bar,
@@ -206,17 +289,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     @pl.when(num_steps > 0)
     def _():
         issue_vr(0)
-    row_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, STEP), 0, layout=plgpu.Layout.WGMMA)
-    col_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, STEP), 1, layout=plgpu.Layout.WGMMA)
-    # Token offset within the step of each score column (step order).
-    col_tokens = jnp.where(col_ids < HALF, 2 * col_ids, 2 * (col_ids - HALF) + 1)
-    if s_q == 1:
-        visible_len = seq_len  # padding rows see all tokens too; the caller slices them off
-    else:
-        # Row i * H + h is query position i: causal limit seq_len - s_q + i + 1.
-        visible_len = seq_len - s_q + lax.div(row0 + row_ids, jnp.int32(num_heads)) + 1
-    # Word k of the packed V tile holds tokens 2k (low byte) and 2k + 1.
-    word_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 0, layout=plgpu.Layout.WGMMA)
+    col_tokens, visible_len, word_ids = step_iotas(row0, seq_len, s_q=s_q, num_heads=num_heads)
 
     def step(j, carry):
         acc, m, l = carry
@@ -242,42 +315,19 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
 
         sr = pl.run_scoped(qk_rope, plgpu.ACC((BLOCK_M, STEP), jnp.float32))
 
+        # This CTA's V chunk, read before the slot is refilled: token-pair words
+        # for the transpose (the interpreter, which does not alias RefUnion
+        # views, keeps V token-major instead).
         if not interpret:
-            # V^T of this CTA's column quarter: token pairs (rows k and 64 + k
-            # of the step) packed into 16-bit words; slots past seq_len are
-            # zeroed (0 * NaN would poison the sum).
-            even = (t0 + 2 * word_ids) < seq_len
-            odd = (t0 + 2 * word_ids + 1) < seq_len
-            lo = _as_u16(plgpu.load(kv_s.at[slot, c, pl.ds(0, HALF)], layout=plgpu.Layout.WGMMA))
-            hi = _as_u16(plgpu.load(kv_s.at[slot, c, pl.ds(HALF, HALF)], layout=plgpu.Layout.WGMMA))
-            word = jnp.where(even, lo, jnp.uint16(0)) | jnp.where(odd, hi << 8, jnp.uint16(0))
+            word = v_words(kv_s.at[slot, c], t0, seq_len, word_ids)
         else:
-            # The interpreter does not alias RefUnion views: V stays token-major
-            # in step order (its FP8 wgmma accepts that, the hardware does not).
-            v_rows = plgpu.broadcasted_iota(jnp.int32, (STEP, CHUNK), 0, layout=plgpu.Layout.WGMMA)
-            v_tokens = t0 + jnp.where(v_rows < HALF, 2 * v_rows, 2 * (v_rows - HALF) + 1)
-            v_tile = jnp.where(v_tokens < seq_len, kv_s[slot, c].astype(jnp.float32), 0.0).astype(FP8_DTYPE)
+            v_tile = v_masked_token_major(kv_s.at[slot, c], t0, seq_len)
 
         k_scale = plgpu.load(ksc_s, layout=plgpu.Layout.WGMMA.reduce(0))
-        k_scale_b = lax.broadcast_in_dim(k_scale, (BLOCK_M, STEP), [1])
-        scores = (s8 * lax.broadcast_in_dim(q_row_scale, (BLOCK_M, STEP), [0]) * k_scale_b
-                  + sr * scale_log2)
-        visible = (t0 + col_tokens) < visible_len
-        scores = jnp.where(visible, scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_safe)
-        p = jnp.where(visible, jnp.exp2(scores - lax.broadcast_in_dim(m_safe, scores.shape, [0])), 0.0)
-        l = l * alpha + p.sum(axis=1)
-        # P' = P * k_scale (masked slots may hold any bytes: select, do not multiply).
-        pv = jnp.where(visible, p * k_scale_b, 0.0)
-        pv_max = pv.max(axis=1)
-        factor = FP8_E4M3_MAX / jnp.maximum(pv_max, MIN_PV_ROW_MAX)
-        p8 = jnp.minimum(pv * lax.broadcast_in_dim(factor, pv.shape, [0]), FP8_E4M3_MAX).astype(FP8_DTYPE)
+        m_new, alpha, l, p8, pv_max = softmax_step(s8, sr, q_row_scale, k_scale, (t0 + col_tokens) < visible_len,
+                                                   m, l, scale_log2)
         if not interpret:
-            # P' columns in token order: word k = (column k: token 2k, column 64 + k: token 2k + 1).
-            p_bits = _as_u16(p8)
-            p16_s[...] = p_bits[:, :HALF] | (p_bits[:, HALF:] << 8)
+            p16_s[...] = pack_p(p8)
             vt16_s.transpose((1, 0))[...] = plgpu.layout_cast(word, plgpu.Layout.WGMMA)
             v_operand = vt8_s.transpose((1, 0))
         else:
@@ -323,21 +373,12 @@ def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tup
                     s_q: int, num_heads: int, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """FP8 decode on Mosaic GPU; arguments and results as ``mla_decode_pallas`` (module docstring).
 
-    ``layer_offset`` must be a multiple of 2 (it is layers x pages x 64 in practice).
+    ``layer_offset`` must be a multiple of 64 (it is layer x pages x 64).
     """
-    batch, num_rows, rank = q_rows.shape
-    if page_size != PAGE or rank != RANK or q_rope_rows.shape[2] != ROPE or len(cache_arrays) != 3:
-        raise ValueError("mla_decode_mgpu: FP8 cache, page_size 64, rank 512, rope 64 only")
-    if num_rows % BLOCK_M:
-        raise ValueError(f"q_rows: expected rows padded to a multiple of {BLOCK_M}, got {num_rows}")
-    latent, scale, rope = cache_arrays
-    q8, q_scale = quantize_per_token(q_rows.astype(jnp.float32))
-    q_row_scale = q_scale * (softmax_scale * LOG2E)
-    # Token-pair views of the cache (free reshapes): even and odd tokens of a
-    # page are separate strided TMA boxes, so that a step's rows come in step
-    # order (``step_token_order``).
-    latent_pairs = latent.reshape(latent.shape[0] // 2, 2, RANK)
-    rope_pairs = rope.reshape(rope.shape[0] // 2, 2, ROPE)
+    batch, num_rows, _ = q_rows.shape
+    q8, q_row_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
+        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, softmax_scale=softmax_scale,
+        page_size=page_size, name="mla_decode_mgpu")
     out_dtype = q_rows.dtype
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
@@ -364,4 +405,4 @@ def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tup
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     return kernel(seq_lens, block_table, layer_offset, q8, q_row_scale, q_rope_rows.astype(jnp.bfloat16),
-                  latent_pairs, step_scales(scale, block_table, layer_offset), rope_pairs)
+                  latent_pairs, scales, rope_pairs)

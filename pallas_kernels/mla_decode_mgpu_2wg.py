@@ -43,10 +43,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, quantize_per_token
-from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX, _combine_splits
-from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, HALF, NUM_CHUNKS, PAGE, RANK, ROPE, STEP, _aligned,
-                                            _as_u16, step_scales)
+from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
+from pallas_kernels.mla_decode import LN2, LOG2E, _combine_splits
+from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, HALF, NUM_CHUNKS, PAGE, RANK, ROPE, STEP, _aligned, pack_p,
+                                            prepare_inputs, softmax_step, step_iotas, v_masked_token_major, v_words)
 
 NUM_WGS = 2
 CHUNKS_PER_WG = NUM_CHUNKS // NUM_WGS
@@ -117,15 +117,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
 
     plgpu.barrier_wait(q_bar)
     q_row_scale = plgpu.load(qsc_s, layout=plgpu.Layout.WGMMA.reduce(1))
-    row_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, STEP), 0, layout=plgpu.Layout.WGMMA)
-    col_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, STEP), 1, layout=plgpu.Layout.WGMMA)
-    col_tokens = jnp.where(col_ids < HALF, 2 * col_ids, 2 * (col_ids - HALF) + 1)  # step order
-    if s_q == 1:
-        visible_len = seq_len
-    else:
-        # Row i * H + h is query position i: causal limit seq_len - s_q + i + 1.
-        visible_len = seq_len - s_q + lax.div(row0 + row_ids, jnp.int32(num_heads)) + 1
-    word_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 0, layout=plgpu.Layout.WGMMA)
+    col_tokens, visible_len, word_ids = step_iotas(row0, seq_len, s_q=s_q, num_heads=num_heads)
     my_p8 = p8_s.at[wg]
 
     def step(j, carry):
@@ -156,22 +148,10 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         plgpu.barrier_arrive(qk_done_bar.at[slot])
 
         k_scale = plgpu.load(ksc_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-        k_scale_b = lax.broadcast_in_dim(k_scale, (BLOCK_M, STEP), [1])
-        scores = (s8 * lax.broadcast_in_dim(q_row_scale, (BLOCK_M, STEP), [0]) * k_scale_b + sr * scale_log2)
-        visible = (t0 + col_tokens) < visible_len
-        scores = jnp.where(visible, scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_safe)
-        p = jnp.where(visible, jnp.exp2(scores - lax.broadcast_in_dim(m_safe, scores.shape, [0])), 0.0)
-        l = l * alpha + p.sum(axis=1)
-        pv = jnp.where(visible, p * k_scale_b, 0.0)  # select: masked slots may hold any bytes
-        pv_max = pv.max(axis=1)
-        factor = FP8_E4M3_MAX / jnp.maximum(pv_max, MIN_PV_ROW_MAX)
-        p8 = jnp.minimum(pv * lax.broadcast_in_dim(factor, pv.shape, [0]), FP8_E4M3_MAX).astype(FP8_DTYPE)
+        m_new, alpha, l, p8, pv_max = softmax_step(s8, sr, q_row_scale, k_scale, (t0 + col_tokens) < visible_len,
+                                                   m, l, scale_log2)
         if not interpret:
-            p_bits = _as_u16(p8)  # word k = (column k: token 2k, column 64 + k: token 2k + 1)
-            p16_s[wg] = p_bits[:, :HALF] | (p_bits[:, HALF:] << 8)
+            p16_s[wg] = pack_p(p8)
         else:
             my_p8[...] = p8
 
@@ -181,20 +161,13 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         for i in range(CHUNKS_PER_WG):
             ch = wg * CHUNKS_PER_WG + i
             if not interpret:
-                even = (t0 + 2 * word_ids) < seq_len
-                odd = (t0 + 2 * word_ids + 1) < seq_len
-                lo = _as_u16(plgpu.load(kv8_s.at[slot, ch, pl.ds(0, HALF)], layout=plgpu.Layout.WGMMA))
-                hi = _as_u16(plgpu.load(kv8_s.at[slot, ch, pl.ds(HALF, HALF)], layout=plgpu.Layout.WGMMA))
-                word = jnp.where(even, lo, jnp.uint16(0)) | jnp.where(odd, hi << 8, jnp.uint16(0))
+                word = v_words(kv8_s.at[slot, ch], t0, seq_len, word_ids)
                 kv16_s.at[slot, ch].transpose((1, 0))[...] = plgpu.layout_cast(word, plgpu.Layout.WGMMA)
                 v_operands.append(kv8_s.at[slot, ch].transpose((1, 0)))
             else:
                 # The interpreter does not alias RefUnion views: V stays
                 # token-major in step order, masked in place.
-                v_rows = plgpu.broadcasted_iota(jnp.int32, (STEP, CHUNK), 0, layout=plgpu.Layout.WGMMA)
-                v_tokens = t0 + jnp.where(v_rows < HALF, 2 * v_rows, 2 * (v_rows - HALF) + 1)
-                v_tile = kv8_s[slot, ch].astype(jnp.float32)
-                kv8_s[slot, ch] = jnp.where(v_tokens < seq_len, v_tile, 0.0).astype(FP8_DTYPE)
+                kv8_s[slot, ch] = v_masked_token_major(kv8_s.at[slot, ch], t0, seq_len)
                 v_operands.append(kv8_s.at[slot, ch])
         plgpu.commit_smem()  # generic-proxy stores (P', V^T) -> visible to wgmma
 
@@ -268,16 +241,10 @@ def mla_decode_mgpu_2wg(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays:
     decoding); their float32 partials are merged with their log-sum-exp, as the
     Triton kernel's are (``_combine_splits``).
     """
-    batch, num_rows, rank = q_rows.shape
-    if page_size != PAGE or rank != RANK or q_rope_rows.shape[2] != ROPE or len(cache_arrays) != 3:
-        raise ValueError("mla_decode_mgpu_2wg: FP8 cache, page_size 64, rank 512, rope 64 only")
-    if num_rows % BLOCK_M:
-        raise ValueError(f"q_rows: expected rows padded to a multiple of {BLOCK_M}, got {num_rows}")
-    latent, scale, rope = cache_arrays
-    q8, q_scale = quantize_per_token(q_rows.astype(jnp.float32))
-    q_row_scale = q_scale * (softmax_scale * LOG2E)
-    latent_pairs = latent.reshape(latent.shape[0] // 2, 2, RANK)
-    rope_pairs = rope.reshape(rope.shape[0] // 2, 2, ROPE)
+    batch, num_rows, _ = q_rows.shape
+    q8, q_row_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
+        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, softmax_scale=softmax_scale,
+        page_size=page_size, name="mla_decode_mgpu_2wg")
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
     out_dtype = q_rows.dtype if num_splits == 1 else jnp.float32
@@ -313,7 +280,7 @@ def mla_decode_mgpu_2wg(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays:
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     out, lse = kernel(seq_lens, block_table, layer_offset, q8, q_row_scale, q_rope_rows.astype(jnp.bfloat16),
-                      latent_pairs, step_scales(scale, block_table, layer_offset), rope_pairs)
+                      latent_pairs, scales, rope_pairs)
     if num_splits == 1:
         return out[:, 0], lse[:, 0]
     merged, merged_lse = _combine_splits(out, lse)
