@@ -62,10 +62,11 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
             q_union, qr_s, qsc_s, lse_s, kv_union, rope_s, ksc_s, p_union,
             step_bar, qk_done_bar, consumed_bar, q_bar, end_bar,
             *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, interpret: bool):
-    """One CTA: (batch row b, row block r), two warpgroups; shapes in the module docstring.
+    """One CTA: (batch row b, KV split s, row block r), two warpgroups; shapes in the module docstring.
 
     SMEM (shared by both warpgroups): q_union = (q8_s e4m3 [4, 64, 128] | o_s
-    [2, 64, 128] output staging, one chunk per warpgroup), qr_s bf16 [64, 64],
+    [2, 64, 128] bf16 or [2, 64, 64] f32 output staging, one tile per
+    warpgroup), qr_s bf16 [64, 64],
     qsc_s f32 [64], lse_s f32 [64], kv_union = (kv8_s e4m3 [2, 4, 128, 128] |
     kv16_s uint16 [2, 4, 128, 64]) (slot, chunk, step row, feature: K, then V^T
     in place), rope_s bf16 [2, 128, 64], ksc_s f32 [2, 128], p_union = (p16_s
