@@ -91,7 +91,10 @@ class DecodeConfig:
              (pallas_kernels/mla_decode_mgpu_2wg.py; fp8 cache, page_size 64;
              block_m, block_n, num_warps, num_stages and pv_mma do not apply).
              EXPERIMENTAL: checked in the interpreter and lowered for CUDA,
-             not yet run on a GPU (docs/mosaic_gpu_decode_plan.md).
+             not yet run on a GPU (docs/mosaic_gpu_decode_plan.md). With
+             backend="interpret" on a machine with few cores, start Python
+             with JAX_NUM_CPU_DEVICES=8: the interpreter runs the two
+             warpgroups as threads and can otherwise stall.
     """
 
     block_m: int = 64
