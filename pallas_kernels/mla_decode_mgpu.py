@@ -153,6 +153,47 @@ def step_iotas(row0, seq_len, *, s_q: int, num_heads: int):
     return col_tokens, visible_len, word_ids
 
 
+def page_boxes(bt_ref, b, step, layer_offset):
+    """TMA boxes of a step, yielding (parity, source token pairs, destination rows):
+    per page of the step and token parity, the pairs ``pl.ds`` in the [N/2, 2, ...]
+    pair views and the 32 step-order rows (even tokens to rows 0..63) they fill.
+
+    Pages past the table's end (only in a partial last step) are clamped; their
+    tokens are masked.
+    """
+    max_pages = bt_ref.shape[1]
+    for half in range(2):
+        page = bt_ref[b, jnp.minimum(step * 2 + half, max_pages - 1)]
+        # layer_offset is a multiple of PAGE: the TMA boxes start on whole pages.
+        first_pair = _aligned((layer_offset + page * PAGE) // 2, PAGE // 2)
+        for parity in range(2):
+            yield parity, pl.ds(first_pair, PAGE // 2), pl.ds(parity * HALF + half * (PAGE // 2), PAGE // 2)
+
+
+def issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, bar) -> None:
+    """TMA of a row block's query tiles: 4 FP8 chunks, the RoPE part and the per-row scale."""
+    for ch in range(NUM_CHUNKS):
+        plgpu.copy_gmem_to_smem(q8_ref.at[b, pl.ds(row0, BLOCK_M), pl.ds(ch * CHUNK, CHUNK)], q8_s.at[ch], bar)
+    plgpu.copy_gmem_to_smem(qr_ref.at[b, pl.ds(row0, BLOCK_M)], qr_s, bar)
+    plgpu.copy_gmem_to_smem(qsc_ref.at[b, pl.ds(row0, BLOCK_M)], qsc_s, bar)
+
+
+def qk_products(q8_s, kv_slot, qr_s, rope_slot) -> tuple[jax.Array, jax.Array]:
+    """A step's scores before scaling: (Q8 . K8^T over the 4 chunks of ``kv_slot`` (e4m3
+    [4, 128, 128]), Qr . Kr^T with ``rope_slot`` (bf16 [128, 64])), both f32 [64, 128]."""
+    def qk8(acc_ref):
+        for ch in range(NUM_CHUNKS):
+            plgpu.wgmma(acc_ref, q8_s.at[ch], kv_slot.at[ch].transpose((1, 0)))
+        return acc_ref[...]
+
+    def qk_rope(acc_ref):
+        plgpu.wgmma(acc_ref, qr_s, rope_slot.transpose((1, 0)))
+        return acc_ref[...]
+
+    return (pl.run_scoped(qk8, plgpu.ACC((BLOCK_M, STEP), jnp.float32)),
+            pl.run_scoped(qk_rope, plgpu.ACC((BLOCK_M, STEP), jnp.float32)))
+
+
 def softmax_step(s8, sr, q_row_scale, k_scale, visible, m, l, scale_log2: float):
     """One step's online softmax and P' (module docstring, "Math").
 
@@ -240,43 +281,27 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     # scales' (read into registers before the loop).
     q8_s, (o_s, lse_s) = q_union
     p16_s, p8_s, qsc_s = p_union
-    max_pages = bt_ref.shape[1]
     seq_len = seq_lens_ref[b]
     layer_offset = off_ref[0]
     num_steps = (seq_len + (STEP - 1)) // STEP
-    row0 = pl.multiple_of(r * BLOCK_M, BLOCK_M)
+    row0 = _aligned(r * BLOCK_M, BLOCK_M)
 
-    # Query tiles: 4 FP8 chunks, RoPE part and the per-row scale (times softmax scale * log2 e).
-    for ch in range(NUM_CHUNKS):
-        plgpu.copy_gmem_to_smem(q8_ref.at[b, pl.ds(row0, BLOCK_M), pl.ds(ch * CHUNK, CHUNK)], q8_s.at[ch], q_bar)
-    plgpu.copy_gmem_to_smem(qr_ref.at[b, pl.ds(row0, BLOCK_M)], qr_s, q_bar)
-    plgpu.copy_gmem_to_smem(qsc_ref.at[b, pl.ds(row0, BLOCK_M)], qsc_s, q_bar)
-
-    def page_copies(step):
-        """(first token-pair row in the pair views, destination rows) for each page and parity."""
-        # Pages past the table's end (only in a partial last step) are
-        # clamped; their tokens are masked.
-        for half in range(2):
-            page = bt_ref[b, jnp.minimum(step * 2 + half, max_pages - 1)]
-            # layer_offset is a multiple of PAGE: the TMA boxes start on whole pages.
-            first_pair = pl.multiple_of((layer_offset + page * PAGE) // 2, PAGE // 2)
-            for parity in range(2):
-                yield parity, first_pair, pl.ds(parity * HALF + half * (PAGE // 2), PAGE // 2)
+    issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, q_bar)
 
     def issue_kv(step, slot):
         """The 4 latent chunks of a step (2 slots): even tokens to rows 0..63, odd to 64..127."""
-        for parity, first_pair, dst in page_copies(step):
+        for parity, src, dst in page_boxes(bt_ref, b, step, layer_offset):
             for ch in range(NUM_CHUNKS):
-                plgpu.copy_gmem_to_smem(latp_ref.at[pl.ds(first_pair, PAGE // 2), parity, pl.ds(ch * CHUNK, CHUNK)],
-                                        kv_s.at[slot, ch, dst], kv_bar.at[slot])
+                plgpu.copy_gmem_to_smem(latp_ref.at[src, parity, pl.ds(ch * CHUNK, CHUNK)], kv_s.at[slot, ch, dst],
+                                        kv_bar.at[slot])
 
     def issue_vr(step):
         """Rope rows (same order as kv) and token scales (1 slot, SMEM is short).
 
         Issued for step j + 1 only after step j has read both buffers.
         """
-        for parity, first_pair, dst in page_copies(step):
-            plgpu.copy_gmem_to_smem(ropep_ref.at[pl.ds(first_pair, PAGE // 2), parity], rope_s.at[dst], vr_bar)
+        for parity, src, dst in page_boxes(bt_ref, b, step, layer_offset):
+            plgpu.copy_gmem_to_smem(ropep_ref.at[src, parity], rope_s.at[dst], vr_bar)
         plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(_aligned(step * STEP, STEP), STEP)], ksc_s, vr_bar)
 
     @pl.when(num_steps > 0)
@@ -302,18 +327,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         def _():
             issue_kv(j + 1, 1 - slot)  # the other slot was read by step j - 1
 
-        def qk8(acc_ref):
-            for ch in range(NUM_CHUNKS):
-                plgpu.wgmma(acc_ref, q8_s.at[ch], kv_s.at[slot, ch].transpose((1, 0)))
-            return acc_ref[...]
-
-        s8 = pl.run_scoped(qk8, plgpu.ACC((BLOCK_M, STEP), jnp.float32))
-
-        def qk_rope(acc_ref):
-            plgpu.wgmma(acc_ref, qr_s, rope_s.transpose((1, 0)))
-            return acc_ref[...]
-
-        sr = pl.run_scoped(qk_rope, plgpu.ACC((BLOCK_M, STEP), jnp.float32))
+        s8, sr = qk_products(q8_s, kv_s.at[slot], qr_s, rope_s)
 
         # This CTA's V chunk, read before the slot is refilled: token-pair words
         # for the transpose (the interpreter, which does not alias RefUnion

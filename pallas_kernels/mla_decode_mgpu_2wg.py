@@ -45,8 +45,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from pallas_kernels.mla_decode import LN2, LOG2E, _combine_splits
-from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, HALF, NUM_CHUNKS, PAGE, RANK, ROPE, STEP, _aligned, pack_p,
-                                            prepare_inputs, softmax_step, step_iotas, v_masked_token_major, v_words)
+from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, HALF, NUM_CHUNKS, RANK, ROPE, STEP, _aligned, issue_query,
+                                            pack_p, page_boxes, prepare_inputs, qk_products, softmax_step, step_iotas,
+                                            v_masked_token_major, v_words)
 
 NUM_WGS = 2
 CHUNKS_PER_WG = NUM_CHUNKS // NUM_WGS
@@ -79,7 +80,6 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     q8_s, o_s = q_union
     kv8_s, kv16_s = kv_union
     p16_s, p8_s = p_union
-    max_pages = bt_ref.shape[1]
     seq_len = seq_lens_ref[b]
     layer_offset = off_ref[0]
     # Split-KV: this CTA takes steps [first_step, first_step + num_steps) of the row.
@@ -91,26 +91,17 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
 
     def issue_step(step, slot):
         """Latent chunks and RoPE rows in step order (even tokens to rows 0..63), and token scales."""
-        for half in range(2):
-            page = bt_ref[b, jnp.minimum(step * 2 + half, max_pages - 1)]  # clamped past the table: masked
-            first_pair = _aligned((layer_offset + page * PAGE) // 2, PAGE // 2)
-            for parity in range(2):
-                src = pl.ds(first_pair, PAGE // 2)
-                dst = pl.ds(parity * HALF + half * (PAGE // 2), PAGE // 2)
-                for ch in range(NUM_CHUNKS):
-                    plgpu.copy_gmem_to_smem(latp_ref.at[src, parity, pl.ds(ch * CHUNK, CHUNK)],
-                                            kv8_s.at[slot, ch, dst], step_bar.at[slot])
-                plgpu.copy_gmem_to_smem(ropep_ref.at[src, parity], rope_s.at[slot, dst], step_bar.at[slot])
+        for parity, src, dst in page_boxes(bt_ref, b, step, layer_offset):
+            for ch in range(NUM_CHUNKS):
+                plgpu.copy_gmem_to_smem(latp_ref.at[src, parity, pl.ds(ch * CHUNK, CHUNK)],
+                                        kv8_s.at[slot, ch, dst], step_bar.at[slot])
+            plgpu.copy_gmem_to_smem(ropep_ref.at[src, parity], rope_s.at[slot, dst], step_bar.at[slot])
         plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(_aligned(step * STEP, STEP), STEP)], ksc_s.at[slot],
                                 step_bar.at[slot])
 
     @pl.when(wg == 0)
     def _():
-        for ch in range(NUM_CHUNKS):
-            plgpu.copy_gmem_to_smem(q8_ref.at[b, pl.ds(row0, BLOCK_M), pl.ds(ch * CHUNK, CHUNK)], q8_s.at[ch],
-                                    q_bar)
-        plgpu.copy_gmem_to_smem(qr_ref.at[b, pl.ds(row0, BLOCK_M)], qr_s, q_bar)
-        plgpu.copy_gmem_to_smem(qsc_ref.at[b, pl.ds(row0, BLOCK_M)], qsc_s, q_bar)
+        issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, q_bar)
 
         @pl.when(num_steps > 0)
         def _():
@@ -134,18 +125,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                 plgpu.barrier_wait(consumed_bar.at[1 - slot])  # step j - 1's P'.V by both warpgroups
             issue_step(first_step + j + 1, 1 - slot)
 
-        def qk8(acc_ref):
-            for ch in range(NUM_CHUNKS):
-                plgpu.wgmma(acc_ref, q8_s.at[ch], kv8_s.at[slot, ch].transpose((1, 0)))
-            return acc_ref[...]
-
-        s8 = pl.run_scoped(qk8, plgpu.ACC((BLOCK_M, STEP), jnp.float32))
-
-        def qk_rope(acc_ref):
-            plgpu.wgmma(acc_ref, qr_s, rope_s.at[slot].transpose((1, 0)))
-            return acc_ref[...]
-
-        sr = pl.run_scoped(qk_rope, plgpu.ACC((BLOCK_M, STEP), jnp.float32))
+        s8, sr = qk_products(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot])
         plgpu.barrier_arrive(qk_done_bar.at[slot])
 
         k_scale = plgpu.load(ksc_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
