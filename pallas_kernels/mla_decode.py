@@ -88,10 +88,10 @@ class DecodeConfig:
              (measured: bit-identical outputs).
     kernel:  "triton" (this file's kernels) or "mosaic": the FP8 kernel on
              Mosaic GPU with two warpgroups per CTA
-             (pallas_kernels/mla_decode_mgpu_2wg.py; fp8 cache, page_size 64;
+             (pallas_kernels/mla_decode_mgpu.py; fp8 cache, page_size 64;
              block_m, block_n, num_warps, num_stages and pv_mma do not apply).
-             EXPERIMENTAL: checked in the interpreter and lowered for CUDA,
-             not yet run on a GPU (docs/mosaic_gpu_decode_plan.md). With
+             Checked on an H100 and in the interpreter; speed and status in
+             docs/mosaic_gpu_decode_plan.md. With
              backend="interpret" on a machine with few cores, start Python
              with JAX_NUM_CPU_DEVICES=8: the interpreter runs the two
              warpgroups as threads and can otherwise stall.
@@ -121,6 +121,9 @@ class DecodeConfig:
 # 32 rows (H=16) the FP8 MMA is 1.1-1.2x faster (scripts/tune_decode.py).
 FP8_CONFIG = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, pv_mma="auto")
 BF16_CONFIG = DecodeConfig(block_m=32, block_n=64, num_warps=4, num_stages=2)
+# The Mosaic GPU FP8 kernel (mla_decode_mgpu.py): what compiled decoding over an
+# fp8 cache with 64-token pages uses (snapmla_jax.decode.default_config).
+MOSAIC_CONFIG = DecodeConfig(kernel="mosaic")
 
 
 def tokens_per_block(page_size: int, config: DecodeConfig) -> int:

@@ -1,16 +1,12 @@
-"""SnapMLA FP8 MLA decode on Mosaic GPU (Hopper wgmma + TMA): first version.
+"""SnapMLA FP8 MLA decode on Mosaic GPU (Hopper wgmma + TMA), two warpgroups per CTA.
 
-Status (2026-11-23): lowers for CUDA (its buffers take 213,504 B of SMEM, the
-H100 allows 232,448) and matches ``mla_decode_reference`` in the Mosaic GPU
-interpreter on CPU. NOT yet run on a GPU (no device was lent in the session
-that made it fit), so it is not wired into ``snapmla_jax.mla_decode``. The
-parts the interpreter cannot check are the V transpose and the P' packing,
-both through ``RefUnion`` views; the V transpose was verified on an H100 in
-isolation (scripts/probe_mgpu_transpose.py). Plan and history:
-docs/mosaic_gpu_decode_plan.md.
+Status (2026-11-23): runs on an H100 and matches ``mla_decode_reference``
+there and in the Mosaic GPU interpreter on CPU. Reachable as
+``mla_decode(..., config=DecodeConfig(kernel="mosaic"))``; measurements and
+history in docs/mosaic_gpu_decode_plan.md.
 
 Same inputs and outputs as ``pallas_kernels.mla_decode.mla_decode_pallas`` with
-an FP8 cache, ``page_size == 64`` and ``num_splits == 1``:
+an FP8 cache and ``page_size == 64``:
 
   q_rows       [B, rows, 512] bf16/f32, rows = s_q * H padded to a multiple of 64
   q_rope_rows  [B, rows, 64]
@@ -21,20 +17,20 @@ an FP8 cache, ``page_size == 64`` and ``num_splits == 1``:
 
 Math (as the Triton FP8 kernel, so ``mla_decode_reference(..., block_n=128)``
 is its reference): Q quantized per row (in the launcher, one XLA fusion, with
-``quantize_per_token``); scores = Q8.K8^T * q_scale * k_scale + Qr.Kr^T (FP8
-and BF16 wgmma, fp32 accumulation) in base 2; online softmax on exp2; P' = P *
-k_scale per token, scaled per row by 448 / max over the 128-token step, cast
-e4m3, FP8 wgmma with V^T, the factor undone in fp32.
+``quantize_per_token``); scores = (Q8.K8^T * q_scale * k_scale + Qr.Kr^T) *
+softmax_scale * log2(e), FP8 and BF16 wgmma with fp32 accumulation; online
+softmax on exp2; P' = P * k_scale per token, scaled per row by 448 / its max
+over the 128-token step, cast to e4m3, FP8 wgmma with V^T, the factor undone
+in fp32. On the GPU the RoPE wgmma accumulates onto the scaled FP8 scores
+(``step_scores``), so one score tile is live, not two.
 
-Layout of the work. Grid (batch row, block of 64 query rows, column quarter).
-One warpgroup per CTA owns 128 of the 512 output columns (fp32 acc 64 x 128 =
-64 registers a thread). Each CTA computes the whole 64 x 128 score tile (the QK
-product is done 4 times, once per quarter; the 4 CTAs of a (b, row block) run
-next to each other so that their cache reads mostly hit L2). Why quarters: no
-cross-warpgroup exchange of P, no register pressure, and each CTA transposes
-exactly one 128-column V chunk, the width at which the transposed 16-bit store
-lowers. It costs 2.5x the MMA work of an ideal kernel: a first correct
-version, not the final design.
+Layout of the work. Grid (batch row, KV split, block of 64 query rows), two
+warpgroups per CTA (FlashMLA's split): both read each cache tile the TMA
+brings in once; warpgroup w owns output columns [256 w, 256 w + 256) (two
+128-column chunks, two fp32 accumulators of 64 x 128: 128 registers a
+thread). Both compute the whole 64 x 128 score tile (the QK product is done
+twice, 1.5x the MMA work of an ideal kernel) and the same softmax, so no row
+max or P' crosses between them; each keeps its own copy of P'.
 
 Step order. A step covers 128 tokens = two 64-token pages (the 16-bit WGMMA
 layout of the transposed store needs 64 rows of token pairs). The TMA brings
@@ -48,21 +44,40 @@ other float; 8 B a token against the cache's 644 B).
 V transpose and P' packing. An FP8 wgmma needs its B operand K-major (tokens
 contiguous for P'.V), and Mosaic GPU has no 8-bit transpose. Rows k and 64 + k
 of the step's V chunk are tokens 2k and 2k + 1: loaded as two [64, 128] tiles
-and packed into uint16 words (low byte = token 2k), they are stored through
-the transposed view of a uint16 [128, 64] buffer whose ``RefUnion`` e4m3
-[128, 128] view is V^T in token order. P' is packed the same way (word k of a
-row = columns k and 64 + k) into a uint16 [64, 64] buffer whose e4m3 [64, 128]
-view is P' in token order, the wgmma's A operand. No second copy of the tile.
+and interleaved into uint16 words (low byte = token 2k; ``mgpu_bytes``), they
+are stored through the transposed view of a uint16 [128, 64] tile whose
+``RefUnion`` e4m3 [128, 128] view is V^T in token order. After both warpgroups
+have read a step's slot as K (a barrier with 2 arrivals), each one writes the
+V^T of its own two chunks over the same bytes, so no V^T buffer is needed and
+a 2-slot ring of whole steps (128 KB) fits next to Q (40 KB), RoPE keys
+(2 x 16 KB) and P' (2 x 8 KB). P' is packed the same way (word k of a row =
+columns k and 64 + k, rounded to e4m3 two at a time) into a uint16 [64, 64]
+tile whose e4m3 [64, 128] view is P' in token order, the wgmma's A operand.
 
-Pipelining: the 4 latent chunks (QK operand) have a 2-slot TMA ring, requested
-one step ahead; rope and scales have one buffer, refilled for step j + 1 after
-step j's P'.V. No warp specialisation yet.
+Masking. Only a row's last step or two (s_q > 1) can hold tokens a query row
+must not see; every step before them runs without masks or their index
+arithmetic (two loops over one step body).
+
+Split-KV: split s takes a contiguous run of whole steps of its row and writes
+float32 partials with their lse, merged by ``_combine_splits`` (the Triton
+kernels' merge). The caller picks the count
+(``snapmla_jax.decode.choose_num_splits``).
+
+Pipelining: warpgroup 0 issues the TMA of step j + 1 (latent chunks, RoPE rows
+and token scales, one barrier a slot) at the start of step j, once both
+warpgroups have finished step j - 1's P'.V on that slot (a "consumed" barrier
+with 2 arrivals). One warpgroup's softmax can overlap the other's wgmmas.
 
 Layout inference: every dynamic TMA start is marked with ``pl.multiple_of``
 (``_aligned``). Without it, Mosaic GPU cannot prove that a box starts on a
 whole SMEM tile and its layout search runs out of fuel ("Layout inference
-failed to find a solution"): that, not SMEM bookkeeping, was what made earlier
-versions of this kernel fail whenever a buffer was added or removed.
+failed to find a solution").
+
+Interpreter (``interpret=True``): it neither aliases ``RefUnion`` views nor
+runs inline PTX or pre-initialised accumulators, so there V stays token-major
+in step order (its FP8 wgmma accepts that B operand; hardware does not), P' is
+stored unpacked and the RoPE product is added in registers. Everything else,
+barriers and ring included, is the hardware code.
 """
 
 from __future__ import annotations
@@ -76,29 +91,28 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, quantize_per_token
-from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX
-
+from pallas_kernels.mgpu_bytes import interleave_bytes, pack_e4m3_pairs
+from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX, _combine_splits
 
 PAGE = 64  # cache page size this kernel supports
 STEP = 128  # tokens per inner step: two pages (see the module docstring)
 HALF = STEP // 2
 BLOCK_M = 64  # query rows per CTA (one wgmma M)
-CHUNK = 128  # output columns per CTA, and the K width of each QK wgmma
+CHUNK = 128  # output columns per accumulator, and the K width of each QK wgmma
 RANK = 512
 ROPE = 64
 NUM_CHUNKS = RANK // CHUNK
-NUM_SLOTS = 2  # kv ring; every other buffer is single
-# TMA copies that arrive on a barrier per step (each copy arrives once):
-# kv, per page and token parity: 4 latent chunks; vr, per page and parity: the
-# rope rows, plus one box of step-ordered token scales.
-COPIES_KV = 2 * 2 * NUM_CHUNKS
-COPIES_VR = 2 * 2 + 1
+NUM_WGS = 2
+CHUNKS_PER_WG = NUM_CHUNKS // NUM_WGS
+NUM_SLOTS = 2
+# TMA copies arriving on a slot's barrier per step: per page and token parity,
+# the 4 latent chunks and the RoPE rows; plus one box of token scales.
+COPIES_STEP = 2 * 2 * (NUM_CHUNKS + 1) + 1
 COPIES_Q = NUM_CHUNKS + 2  # Q8 chunks, Q rope, q scale
-
-
-def _as_u16(x: jax.Array) -> jax.Array:
-    """The bits of an 8-bit array, widened to uint16."""
-    return lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint16)
+# Features per fp32 promotion of the FP8 Q.K product: Hopper's FP8 wgmma keeps
+# only ~14 significant bits in its accumulator, so a long chain loses precision
+# on large scores (``step_scores``); 512 would be one chain.
+QK_PROMOTION = 128
 
 
 def _aligned(index, multiple: int):
@@ -137,20 +151,20 @@ def step_scales(scale: jax.Array, block_table: jax.Array, layer_offset: jax.Arra
     return jnp.take(scale, layer_offset[0] + pages * PAGE + positions % PAGE, mode="clip")
 
 
-def step_iotas(row0, seq_len, *, s_q: int, num_heads: int):
-    """Per-step constants: (token offset within the step of each score column [64, 128],
-    visible length per row (a scalar at s_q = 1, [64, 128] otherwise), word row ids [64, 128])."""
-    row_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, STEP), 0, layout=plgpu.Layout.WGMMA)
-    col_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, STEP), 1, layout=plgpu.Layout.WGMMA)
-    col_tokens = jnp.where(col_ids < HALF, 2 * col_ids, 2 * (col_ids - HALF) + 1)  # step order
+def step_visibility(row0, t0, seq_len, half: int, *, s_q: int, num_heads: int) -> jax.Array:
+    """bool [64, 64]: which score columns of a step's half (``half`` 0: its even tokens, 1: its
+    odd ones; first token t0) each query row may see.
+
+    Row i * H + h is query position i: it sees tokens below seq_len - s_q + i + 1
+    (padding rows past s_q * H are capped at seq_len).
+    """
+    col_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, HALF), 1, layout=plgpu.Layout.WGMMA)
+    tokens = t0 + 2 * col_ids + half
     if s_q == 1:
-        visible_len = seq_len  # padding rows see all tokens too; the caller slices them off
-    else:
-        # Row i * H + h is query position i: causal limit seq_len - s_q + i + 1.
-        visible_len = seq_len - s_q + lax.div(row0 + row_ids, jnp.int32(num_heads)) + 1
-    # Word k of a packed V tile holds tokens 2k (low byte) and 2k + 1.
-    word_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 0, layout=plgpu.Layout.WGMMA)
-    return col_tokens, visible_len, word_ids
+        return tokens < seq_len  # padding rows see all tokens too; the caller slices them off
+    row_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, HALF), 0, layout=plgpu.Layout.WGMMA)
+    visible_len = jnp.minimum(seq_len - s_q + lax.div(row0 + row_ids, jnp.int32(num_heads)) + 1, seq_len)
+    return tokens < visible_len
 
 
 def page_boxes(bt_ref, b, step, layer_offset):
@@ -178,60 +192,93 @@ def issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, bar) -> Non
     plgpu.copy_gmem_to_smem(qsc_ref.at[b, pl.ds(row0, BLOCK_M)], qsc_s, bar)
 
 
-def qk_products(q8_s, kv_slot, qr_s, rope_slot) -> tuple[jax.Array, jax.Array]:
-    """A step's scores before scaling: (Q8 . K8^T over the 4 chunks of ``kv_slot`` (e4m3
-    [4, 128, 128]), Qr . Kr^T with ``rope_slot`` (bf16 [128, 64])), both f32 [64, 128]."""
-    def qk8(acc_ref):
-        for ch in range(NUM_CHUNKS):
-            plgpu.wgmma(acc_ref, q8_s.at[ch], kv_slot.at[ch].transpose((1, 0)))
-        return acc_ref[...]
+def step_scores(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpret: bool) -> list[jax.Array]:
+    """A step's scores before the softmax scale, Q8.K8^T * q_scale * k_scale + Qr.Kr^T, as two
+    f32 [64, 64] halves: the columns of the step's SMEM rows 0..63 (even tokens) and 64..127.
 
-    def qk_rope(acc_ref):
-        plgpu.wgmma(acc_ref, qr_s, rope_slot.transpose((1, 0)))
-        return acc_ref[...]
+    q8_s e4m3 [4, 64, 128], kv_slot e4m3 [4, 128, 128] (step order), qr_s bf16
+    [64, 64], rope_slot bf16 [128, 64], q_scale [64], k_scales two [64].
 
-    return (pl.run_scoped(qk8, plgpu.ACC((BLOCK_M, STEP), jnp.float32)),
-            pl.run_scoped(qk_rope, plgpu.ACC((BLOCK_M, STEP), jnp.float32)))
-
-
-def softmax_step(s8, sr, q_row_scale, k_scale, visible, m, l, scale_log2: float):
-    """One step's online softmax and P' (module docstring, "Math").
-
-    s8, sr [64, 128] f32 (FP8 and RoPE products), q_row_scale [64], k_scale
-    [128], visible [64, 128] bool, running m, l [64]. Returns (m_new, alpha,
-    l_new, p8 e4m3 [64, 128] in step order, pv_max [64]: the factor to undo).
+    Registers decide the shape of this code. The FP8 product is promoted to
+    fp32 every ``QK_PROMOTION`` features (one wgmma chain per 128-feature
+    chunk; with a single 512-feature chain the output error on large scores was
+    8x the Triton kernel's, measured on an H100), and a chain's accumulator is
+    live next to the running sum. Working on 64-token halves keeps that at 2 x
+    32 registers a thread; on the GPU the RoPE wgmma then accumulates onto the
+    scaled FP8 half, so no separate RoPE tile exists either. (The same code on
+    128-token tiles spilled 2 KB a thread and ran 1.5x slower.) The interpreter,
+    which has no pre-initialised accumulators, adds the RoPE product in registers.
     """
-    k_scale_b = lax.broadcast_in_dim(k_scale, (BLOCK_M, STEP), [1])
-    scores = s8 * lax.broadcast_in_dim(q_row_scale, (BLOCK_M, STEP), [0]) * k_scale_b + sr * scale_log2
-    scores = jnp.where(visible, scores, -jnp.inf)
-    m_new = jnp.maximum(m, scores.max(axis=1))
+    def qk8(acc_ref, rows, chunks):
+        for ch in chunks:
+            plgpu.wgmma(acc_ref, q8_s.at[ch], kv_slot.at[ch, rows].transpose((1, 0)))
+        return acc_ref[...]
+
+    def qk_rope(acc_ref, rows):
+        plgpu.wgmma(acc_ref, qr_s, rope_slot.at[rows].transpose((1, 0)))
+
+    def qk_rope_value(acc_ref, rows):
+        qk_rope(acc_ref, rows)
+        return acc_ref[...]
+
+    per_chain = QK_PROMOTION // CHUNK
+    q_scale_b = lax.broadcast_in_dim(q_scale, (BLOCK_M, HALF), [0])
+    halves = []
+    for half, k_scale in enumerate(k_scales):
+        rows = pl.ds(half * HALF, HALF)
+        s8 = None
+        for first in range(0, NUM_CHUNKS, per_chain):
+            part = pl.run_scoped(functools.partial(qk8, rows=rows, chunks=range(first, first + per_chain)),
+                                 plgpu.ACC((BLOCK_M, HALF), jnp.float32))
+            s8 = part if s8 is None else s8 + part
+        scaled = s8 * q_scale_b * lax.broadcast_in_dim(k_scale, (BLOCK_M, HALF), [1])
+        if interpret:
+            halves.append(scaled + pl.run_scoped(functools.partial(qk_rope_value, rows=rows),
+                                                 plgpu.ACC((BLOCK_M, HALF), jnp.float32)))
+        else:
+            halves.append(pl.run_state(functools.partial(qk_rope, rows=rows))(plgpu.ACC.init(scaled)))
+    return halves
+
+
+def softmax_step(scores, k_scales, m, l, scale_log2: float, visible=None):
+    """One step's online softmax and P' before rounding (module docstring, "Math").
+
+    scores: the two f32 [64, 64] halves of ``step_scores``; k_scales: their two
+    [64] token scales; running m (base 2), l [64]; visible: two bool [64, 64]
+    or None (every column visible). Returns (m_new, alpha, l_new, the two
+    halves of P' * 448 / pv_max (f32, at most 448), pv_max [64]: the factor to
+    undo).
+    """
+    scores = [s * scale_log2 for s in scores]
+    if visible is not None:  # masked slots may hold any bytes, NaN included
+        scores = [jnp.where(v, s, -jnp.inf) for s, v in zip(scores, visible)]
+    m_new = jnp.maximum(m, jnp.maximum(scores[0].max(axis=1), scores[1].max(axis=1)))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_safe)
-    p = jnp.where(visible, jnp.exp2(scores - lax.broadcast_in_dim(m_safe, scores.shape, [0])), 0.0)
-    l = l * alpha + p.sum(axis=1)
-    pv = jnp.where(visible, p * k_scale_b, 0.0)  # select: masked slots may hold any bytes
-    pv_max = pv.max(axis=1)
-    factor = FP8_E4M3_MAX / jnp.maximum(pv_max, MIN_PV_ROW_MAX)
-    p8 = jnp.minimum(pv * lax.broadcast_in_dim(factor, pv.shape, [0]), FP8_E4M3_MAX).astype(FP8_DTYPE)
-    return m_new, alpha, l, p8, pv_max
+    m_b = lax.broadcast_in_dim(m_safe, (BLOCK_M, HALF), [0])
+    p = [jnp.exp2(s - m_b) for s in scores]
+    l = l * alpha + p[0].sum(axis=1) + p[1].sum(axis=1)
+    pv = [ph * lax.broadcast_in_dim(k, (BLOCK_M, HALF), [1]) for ph, k in zip(p, k_scales)]
+    if visible is not None:
+        pv = [jnp.where(v, x, 0.0) for x, v in zip(pv, visible)]  # 0 * a garbage scale could be NaN
+    pv_max = jnp.maximum(pv[0].max(axis=1), pv[1].max(axis=1))
+    factor = lax.broadcast_in_dim(FP8_E4M3_MAX / jnp.maximum(pv_max, MIN_PV_ROW_MAX), (BLOCK_M, HALF), [0])
+    return m_new, alpha, l, [x * factor for x in pv], pv_max
 
 
-def pack_p(p8: jax.Array) -> jax.Array:
-    """P' e4m3 [64, 128] in step order -> uint16 [64, 64] words in token order
-    (word k = column k: token 2k, low byte; column 64 + k: token 2k + 1)."""
-    bits = _as_u16(p8)
-    return bits[:, :HALF] | (bits[:, HALF:] << 8)
-
-
-def v_words(chunk_ref, t0, seq_len, word_ids) -> jax.Array:
+def v_words(chunk_ref, t0, seq_len, *, masked: bool) -> jax.Array:
     """A step's V chunk (SMEM e4m3 [128, 128] in step order) as uint16 [64, 128] token-pair
-    words (rows k and 64 + k are tokens 2k and 2k + 1); tokens past seq_len are zeroed
-    (0 * NaN would poison the P'.V sum)."""
+    words (word k: token 2k in the low byte, 2k + 1 in the high one). ``masked``: tokens
+    past seq_len are zeroed (0 * NaN would poison the P'.V sum)."""
+    lo = plgpu.load(chunk_ref.at[pl.ds(0, HALF)], layout=plgpu.Layout.WGMMA)
+    hi = plgpu.load(chunk_ref.at[pl.ds(HALF, HALF)], layout=plgpu.Layout.WGMMA)
+    words = interleave_bytes(lo, hi)
+    if not masked:
+        return words
+    word_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 0, layout=plgpu.Layout.WGMMA)
     even = (t0 + 2 * word_ids) < seq_len
     odd = (t0 + 2 * word_ids + 1) < seq_len
-    lo = _as_u16(plgpu.load(chunk_ref.at[pl.ds(0, HALF)], layout=plgpu.Layout.WGMMA))
-    hi = _as_u16(plgpu.load(chunk_ref.at[pl.ds(HALF, HALF)], layout=plgpu.Layout.WGMMA))
-    return jnp.where(even, lo, jnp.uint16(0)) | jnp.where(odd, hi << 8, jnp.uint16(0))
+    return jnp.where(odd, words, jnp.where(even, words & jnp.uint16(0x00FF), jnp.uint16(0)))
 
 
 def v_masked_token_major(chunk_ref, t0, seq_len) -> jax.Array:
@@ -242,181 +289,234 @@ def v_masked_token_major(chunk_ref, t0, seq_len) -> jax.Array:
     return jnp.where(v_tokens < seq_len, chunk_ref[...].astype(jnp.float32), 0.0).astype(FP8_DTYPE)
 
 
-def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, *, softmax_scale: float,
-                   page_size: int, name: str):
-    """Checks and launcher-side inputs shared by the Mosaic kernels.
-
-    Returns (q8 e4m3 [B, rows, 512], q_row_scale f32 [B, rows] (times softmax
-    scale * log2 e), latent pairs e4m3 [N/2, 2, 512], rope pairs bf16 [N/2, 2,
-    64] (free reshapes), step-ordered token scales f32 [B, steps * 128]).
-    """
-    num_rows, rank = q_rows.shape[1:]
-    if page_size != PAGE or rank != RANK or q_rope_rows.shape[2] != ROPE or len(cache_arrays) != 3:
-        raise ValueError(f"{name}: FP8 cache, page_size {PAGE}, rank {RANK}, rope {ROPE} only")
-    if num_rows % BLOCK_M:
-        raise ValueError(f"q_rows: expected rows padded to a multiple of {BLOCK_M}, got {num_rows}")
-    latent, scale, rope = cache_arrays
-    q8, q_scale = quantize_per_token(q_rows.astype(jnp.float32))
-    return (q8, q_scale * (softmax_scale * LOG2E), latent.reshape(latent.shape[0] // 2, 2, RANK),
-            rope.reshape(rope.shape[0] // 2, 2, ROPE), step_scales(scale, block_table, layer_offset))
-
-
 def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
             o_ref, lse_ref,
-            q_union, qr_s, kv_s, rope_s, ksc_s, vt_union, p_union, kv_bar, vr_bar, q_bar,
-            *, s_q: int, num_heads: int, scale_log2: float, interpret: bool):
-    """One CTA: (batch row b, row block r, column quarter c); shapes in the module docstring.
+            q_union, qr_s, qsc_s, lse_s, kv_union, rope_s, ksc_s, p_union,
+            step_bar, qk_done_bar, consumed_bar, q_bar, end_bar,
+            *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, interpret: bool):
+    """One CTA: (batch row b, KV split s, row block r), two warpgroups; shapes in the module docstring.
 
-    SMEM: q_union = (q8_s e4m3 [4, 64, 128] | (o_s [64, 128], lse_s f32 [64])),
-    qr_s bf16 [64, 64], kv_s e4m3 [2, 4, 128, 128] (slot, chunk, step row, feature),
-    rope_s bf16 [128, 64], ksc_s f32 [128] (rows in step order, see
-    ``step_token_order``), vt_union = (uint16 [128, 64] | e4m3 [128, 128]),
-    p_union = (p16_s uint16 [64, 64] | p8_s e4m3 [64, 128] | qsc_s f32 [64]).
+    SMEM (shared by both warpgroups): q_union = (q8_s e4m3 [4, 64, 128] | o_s
+    [2, 64, 128] bf16 or [2, 64, 64] f32 output staging, one tile per
+    warpgroup), qr_s bf16 [64, 64],
+    qsc_s f32 [64], lse_s f32 [64], kv_union = (kv8_s e4m3 [2, 4, 128, 128] |
+    kv16_s uint16 [2, 4, 128, 64]) (slot, chunk, step row, feature: K, then V^T
+    in place), rope_s bf16 [2, 128, 64], ksc_s f32 [2, 128], p_union = (p16_s
+    uint16 [2, 64, 64] | p8_s e4m3 [2, 64, 128]) (one P' per warpgroup).
     """
     b = lax.axis_index("b")
+    split = lax.axis_index("s")
     r = lax.axis_index("r")
-    c = lax.axis_index("c")
-    vt16_s, vt8_s = vt_union
-    # The output tile and lse reuse Q8's bytes after the loop; P' reuses the q
-    # scales' (read into registers before the loop).
-    q8_s, (o_s, lse_s) = q_union
-    p16_s, p8_s, qsc_s = p_union
+    wg = lax.axis_index("wg")
+    q8_s, o_s = q_union
+    kv8_s, kv16_s = kv_union
+    p16_s, p8_s = p_union
     seq_len = seq_lens_ref[b]
     layer_offset = off_ref[0]
-    num_steps = (seq_len + (STEP - 1)) // STEP
+    # Split-KV: this CTA takes steps [first_step, first_step + num_steps) of the row.
+    total_steps = (seq_len + (STEP - 1)) // STEP
+    steps_per_split = (total_steps + (num_splits - 1)) // num_splits
+    first_step = split * steps_per_split
+    num_steps = jnp.maximum(jnp.minimum(total_steps - first_step, steps_per_split), 0)
+    # Steps every row sees whole (the shortest real row sees seq_len - s_q + 1 tokens).
+    unmasked_steps = jnp.clip((seq_len - s_q + 1) // STEP - first_step, 0, num_steps)
     row0 = _aligned(r * BLOCK_M, BLOCK_M)
 
-    issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, q_bar)
-
-    def issue_kv(step, slot):
-        """The 4 latent chunks of a step (2 slots): even tokens to rows 0..63, odd to 64..127."""
+    def issue_step(step, slot):
+        """Latent chunks and RoPE rows in step order (even tokens to rows 0..63), and token scales."""
         for parity, src, dst in page_boxes(bt_ref, b, step, layer_offset):
             for ch in range(NUM_CHUNKS):
-                plgpu.copy_gmem_to_smem(latp_ref.at[src, parity, pl.ds(ch * CHUNK, CHUNK)], kv_s.at[slot, ch, dst],
-                                        kv_bar.at[slot])
+                plgpu.copy_gmem_to_smem(latp_ref.at[src, parity, pl.ds(ch * CHUNK, CHUNK)],
+                                        kv8_s.at[slot, ch, dst], step_bar.at[slot])
+            plgpu.copy_gmem_to_smem(ropep_ref.at[src, parity], rope_s.at[slot, dst], step_bar.at[slot])
+        plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(_aligned(step * STEP, STEP), STEP)], ksc_s.at[slot],
+                                step_bar.at[slot])
 
-    def issue_vr(step):
-        """Rope rows (same order as kv) and token scales (1 slot, SMEM is short).
-
-        Issued for step j + 1 only after step j has read both buffers.
-        """
-        for parity, src, dst in page_boxes(bt_ref, b, step, layer_offset):
-            plgpu.copy_gmem_to_smem(ropep_ref.at[src, parity], rope_s.at[dst], vr_bar)
-        plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(_aligned(step * STEP, STEP), STEP)], ksc_s, vr_bar)
-
-    @pl.when(num_steps > 0)
+    @pl.when(wg == 0)
     def _():
-        issue_kv(0, 0)
+        issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, q_bar)
+
+        @pl.when(num_steps > 0)
+        def _():
+            issue_step(first_step, 0)
 
     plgpu.barrier_wait(q_bar)
-    q_row_scale = plgpu.load(qsc_s, layout=plgpu.Layout.WGMMA.reduce(1))
+    q_scale = plgpu.load(qsc_s, layout=plgpu.Layout.WGMMA.reduce(1))
+    my_p8 = p8_s.at[wg]
 
-    @pl.when(num_steps > 0)
-    def _():
-        issue_vr(0)
-    col_tokens, visible_len, word_ids = step_iotas(row0, seq_len, s_q=s_q, num_heads=num_heads)
-
-    def step(j, carry):
-        acc, m, l = carry
-        t0 = j * STEP
+    def step(j, carry, *, masked: bool):
+        accs, m, l = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
+        t0 = (first_step + j) * STEP
         slot = lax.rem(j, NUM_SLOTS)
-        plgpu.barrier_wait(kv_bar.at[slot])
-        plgpu.barrier_wait(vr_bar)
+        plgpu.barrier_wait(step_bar.at[slot])
 
-        @pl.when(j + 1 < num_steps)
+        @pl.when((wg == 0) & (j + 1 < num_steps))
         def _():
-            issue_kv(j + 1, 1 - slot)  # the other slot was read by step j - 1
+            @pl.when(j >= 1)
+            def _():
+                plgpu.barrier_wait(consumed_bar.at[1 - slot])  # step j - 1's P'.V by both warpgroups
+            issue_step(first_step + j + 1, 1 - slot)
 
-        s8, sr = qk_products(q8_s, kv_s.at[slot], qr_s, rope_s)
+        k_scales = [plgpu.load(ksc_s.at[slot, pl.ds(half * HALF, HALF)], layout=plgpu.Layout.WGMMA.reduce(0))
+                    for half in range(2)]
+        scores = step_scores(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scales, interpret=interpret)
+        plgpu.barrier_arrive(qk_done_bar.at[slot])
 
-        # This CTA's V chunk, read before the slot is refilled: token-pair words
-        # for the transpose (the interpreter, which does not alias RefUnion
-        # views, keeps V token-major instead).
+        visible = None
+        if masked:
+            visible = [step_visibility(row0, t0, seq_len, half, s_q=s_q, num_heads=num_heads) for half in range(2)]
+        m_new, alpha, l, p_scaled, pv_max = softmax_step(scores, k_scales, m, l, scale_log2, visible)
         if not interpret:
-            word = v_words(kv_s.at[slot, c], t0, seq_len, word_ids)
+            # Word k of a row: tokens 2k and 2k + 1 = column k of each half.
+            p16_s[wg] = pack_e4m3_pairs(*p_scaled)
         else:
-            v_tile = v_masked_token_major(kv_s.at[slot, c], t0, seq_len)
+            for half in range(2):
+                my_p8[:, pl.ds(half * HALF, HALF)] = p_scaled[half].astype(FP8_DTYPE)
 
-        k_scale = plgpu.load(ksc_s, layout=plgpu.Layout.WGMMA.reduce(0))
-        m_new, alpha, l, p8, pv_max = softmax_step(s8, sr, q_row_scale, k_scale, (t0 + col_tokens) < visible_len,
-                                                   m, l, scale_log2)
-        if not interpret:
-            p16_s[...] = pack_p(p8)
-            vt16_s.transpose((1, 0))[...] = plgpu.layout_cast(word, plgpu.Layout.WGMMA)
-            v_operand = vt8_s.transpose((1, 0))
-        else:
-            p8_s[...] = p8
-            vt8_s[...] = v_tile
-            v_operand = vt8_s
+        # Both warpgroups have read the slot as K: overwrite my chunks with V^T.
+        plgpu.barrier_wait(qk_done_bar.at[slot])
+        v_operands = []
+        for i in range(CHUNKS_PER_WG):
+            ch = wg * CHUNKS_PER_WG + i
+            if not interpret:
+                word = v_words(kv8_s.at[slot, ch], t0, seq_len, masked=masked)
+                kv16_s.at[slot, ch].transpose((1, 0))[...] = plgpu.layout_cast(word, plgpu.Layout.WGMMA)
+                v_operands.append(kv8_s.at[slot, ch].transpose((1, 0)))
+            else:
+                kv8_s[slot, ch] = v_masked_token_major(kv8_s.at[slot, ch], t0, seq_len)
+                v_operands.append(kv8_s.at[slot, ch])
         plgpu.commit_smem()  # generic-proxy stores (P', V^T) -> visible to wgmma
 
-        def pv_mma(acc_ref):
-            plgpu.wgmma(acc_ref, p8_s, v_operand)
-            return acc_ref[...]
-
-        pv_out = pl.run_scoped(pv_mma, plgpu.ACC((BLOCK_M, CHUNK), jnp.float32))
-
-        @pl.when(j + 1 < num_steps)
-        def _():
-            issue_vr(j + 1)  # rope_s and ksc_s are no longer read in this step
         undo = lax.broadcast_in_dim(pv_max * (1.0 / FP8_E4M3_MAX), (BLOCK_M, CHUNK), [0])
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_out * undo
-        return acc, m_new, l
+        alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_M, CHUNK), [0])
+        new_accs = []
+        for acc, v_operand in zip(accs, v_operands):
+            def pv_mma(acc_ref, v_operand=v_operand):
+                plgpu.wgmma(acc_ref, my_p8, v_operand)
+                return acc_ref[...]
 
-    init = (plgpu.layout_cast(jnp.zeros((BLOCK_M, CHUNK), jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-            plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
-    acc, m, l = lax.fori_loop(0, num_steps, step, init)
+            pv_out = pl.run_scoped(pv_mma, plgpu.ACC((BLOCK_M, CHUNK), jnp.float32))
+            new_accs.append(acc * alpha_b + pv_out * undo)
+        plgpu.barrier_arrive(consumed_bar.at[slot])
+        return (*new_accs, m_new, l)
+
+    zeros = plgpu.layout_cast(jnp.zeros((BLOCK_M, CHUNK), jnp.float32), plgpu.Layout.WGMMA)
+    carry = ((zeros,) * CHUNKS_PER_WG
+             + (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+                plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))))
+    carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), carry)
+    *accs, m, l = lax.fori_loop(unmasked_steps, num_steps, functools.partial(step, masked=True), carry)
+
+    @pl.when(wg == 0)
+    def _():
+        # Observe the consumption of the last two steps too (the loop waited for
+        # steps 0 .. num_steps - 3 only): a barrier phase nobody waits for is
+        # left dangling (the interpreter rejects that).
+        for back in (2, 1):
+            @pl.when(num_steps >= back)
+            def _():
+                plgpu.barrier_wait(consumed_bar.at[lax.rem(num_steps - back, NUM_SLOTS)])
+
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
-    o_s[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(o_s.dtype)
-    lse_s[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(row0, BLOCK_M), pl.ds(c * CHUNK, CHUNK)])
+    inv_l = lax.broadcast_in_dim(1.0 / l_safe, (BLOCK_M, CHUNK), [0])
+    # The output staging reuses Q8's bytes: wait until both warpgroups are past their last QK.
+    plgpu.barrier_arrive(end_bar)
+    plgpu.barrier_wait(end_bar)
+    # Staging tile of 64 x cols: 128 columns of a 2-byte output, 64 of the
+    # float32 partials of a split (Q8's 32 KB either way).
+    my_o = o_s.at[wg]
+    cols = my_o.shape[1]
+    pieces = [(i * CHUNK + c, acc[:, c:c + cols] if cols < CHUNK else acc)
+              for i, acc in enumerate(accs) for c in range(0, CHUNK, cols)]
+    for k, (col, piece) in enumerate(pieces):
+        if k:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous piece has left the staging tile
+        my_o[...] = (piece * inv_l[:, :cols]).astype(my_o.dtype)
+        plgpu.commit_smem()
+        col0 = wg * CHUNKS_PER_WG * CHUNK + col
+        plgpu.copy_smem_to_gmem(my_o, o_ref.at[b, split, pl.ds(row0, BLOCK_M), pl.ds(col0, cols)])
 
-    @pl.when(c == 0)
+    @pl.when(wg == 0)
     def _():
-        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, pl.ds(row0, BLOCK_M)])
+        lse_s[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, split, pl.ds(row0, BLOCK_M)])
 
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "interpret"))
+def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, *, page_size: int):
+    """Checks and launcher-side inputs.
+
+    Returns (q8 e4m3 [B, rows, 512], q_scale f32 [B, rows], latent pairs e4m3
+    [N/2, 2, 512], rope pairs bf16 [N/2, 2, 64] (free reshapes), step-ordered
+    token scales f32 [B, steps * 128]).
+    """
+    num_rows, rank = q_rows.shape[1:]
+    if page_size != PAGE or rank != RANK or q_rope_rows.shape[2] != ROPE or len(cache_arrays) != 3:
+        raise ValueError(f"mla_decode_mgpu: FP8 cache, page_size {PAGE}, rank {RANK}, rope {ROPE} only")
+    if num_rows % BLOCK_M:
+        raise ValueError(f"q_rows: expected rows padded to a multiple of {BLOCK_M}, got {num_rows}")
+    latent, scale, rope = cache_arrays
+    q8, q_scale = quantize_per_token(q_rows.astype(jnp.float32))
+    return (q8, q_scale, latent.reshape(latent.shape[0] // 2, 2, RANK),
+            rope.reshape(rope.shape[0] // 2, 2, ROPE), step_scales(scale, block_table, layer_offset))
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
+                                             "interpret"))
 def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                     seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
-                    s_q: int, num_heads: int, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """FP8 decode on Mosaic GPU; arguments and results as ``mla_decode_pallas`` (module docstring).
+                    s_q: int, num_heads: int, num_splits: int = 1,
+                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """FP8 decode on Mosaic GPU; arguments and results in the module docstring.
 
     ``layer_offset`` must be a multiple of 64 (it is layer x pages x 64).
+    ``num_splits`` > 1 splits each row's steps over that many CTAs (flash
+    decoding); their float32 partials are merged with their log-sum-exp, as the
+    Triton kernel's are (``_combine_splits``).
     """
     batch, num_rows, _ = q_rows.shape
-    q8, q_row_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
-        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, softmax_scale=softmax_scale,
-        page_size=page_size, name="mla_decode_mgpu")
-    out_dtype = q_rows.dtype
+    q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
+        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
+    out_dtype = q_rows.dtype if num_splits == 1 else jnp.float32
+    stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # the staging tile fits in Q8's 32 KB
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          interpret=interpret),
-        out_type=(jax.ShapeDtypeStruct((batch, num_rows, RANK), out_dtype),
-                  jax.ShapeDtypeStruct((batch, num_rows), jnp.float32)),
+                          num_splits=num_splits, interpret=interpret),
+        out_type=(jax.ShapeDtypeStruct((batch, num_splits, num_rows, RANK), out_dtype),
+                  jax.ShapeDtypeStruct((batch, num_splits, num_rows), jnp.float32)),
         scratch_types=[
             plgpu.RefUnion(plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), FP8_DTYPE),
-                           (plgpu.SMEM((BLOCK_M, CHUNK), out_dtype), plgpu.SMEM((BLOCK_M,), jnp.float32))),
+                           plgpu.SMEM((NUM_WGS, BLOCK_M, stage_cols), out_dtype)),
             plgpu.SMEM((BLOCK_M, ROPE), jnp.bfloat16),
-            plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
-            plgpu.SMEM((STEP, ROPE), jnp.bfloat16),
-            plgpu.SMEM((STEP,), jnp.float32),
-            plgpu.RefUnion(plgpu.SMEM((CHUNK, HALF), jnp.uint16), plgpu.SMEM((CHUNK, STEP), FP8_DTYPE)),
-            plgpu.RefUnion(plgpu.SMEM((BLOCK_M, HALF), jnp.uint16), plgpu.SMEM((BLOCK_M, STEP), FP8_DTYPE),
-                           plgpu.SMEM((BLOCK_M,), jnp.float32)),
-            plgpu.Barrier(num_arrivals=COPIES_KV, num_barriers=NUM_SLOTS),
-            plgpu.Barrier(num_arrivals=COPIES_VR),
+            plgpu.SMEM((BLOCK_M,), jnp.float32),
+            plgpu.SMEM((BLOCK_M,), jnp.float32),
+            plgpu.RefUnion(plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
+                           plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK // 2), jnp.uint16)),
+            plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
+            plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
+            plgpu.RefUnion(plgpu.SMEM((NUM_WGS, BLOCK_M, HALF), jnp.uint16),
+                           plgpu.SMEM((NUM_WGS, BLOCK_M, STEP), FP8_DTYPE)),
+            plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
+            plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),
+            plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),
             plgpu.Barrier(num_arrivals=COPIES_Q),
+            plgpu.Barrier(num_arrivals=NUM_WGS),
         ],
-        grid=(batch, num_rows // BLOCK_M, NUM_CHUNKS),
-        grid_names=("b", "r", "c"),
+        grid=(batch, num_splits, num_rows // BLOCK_M),
+        grid_names=("b", "s", "r"),
+        num_threads=NUM_WGS,
+        thread_name="wg",
         kernel_name="snapmla_decode_fp8_mgpu",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return kernel(seq_lens, block_table, layer_offset, q8, q_row_scale, q_rope_rows.astype(jnp.bfloat16),
-                  latent_pairs, scales, rope_pairs)
+    out, lse = kernel(seq_lens, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
+                      latent_pairs, scales, rope_pairs)
+    if num_splits == 1:
+        return out[:, 0], lse[:, 0]
+    merged, merged_lse = _combine_splits(out, lse)
+    return merged.astype(q_rows.dtype), merged_lse

@@ -1,13 +1,13 @@
-"""Time the Mosaic GPU FP8 decode kernels against the Triton FP8 kernel and the BF16 twin.
+"""Time the Mosaic GPU FP8 decode kernel against the Triton FP8 kernel and the BF16 twin.
 
     PYTHONPATH=. python scripts/bench_mgpu.py --out /tmp/bench_mgpu [--shapes 64x16384x128x1 ...]
 
 Same caches and queries as ``python -m snapmla_jax.bench decode`` (page 64, every
 row at the full context), each variant timed with warm-up and a median
-(snapmla_jax/bench/timing.py), side by side in one run. Variants: the two
-Mosaic kernels ("mosaic_quarters": one warpgroup per column quarter;
-"mosaic_2wg": two warpgroups per CTA), the Triton FP8 kernel and the BF16 twin.
-Each Mosaic kernel's output is compared with the Triton FP8 kernel's (relative L2 difference: both
+(snapmla_jax/bench/timing.py), side by side in one run. Variants: the Mosaic
+kernel ("mosaic", pallas_kernels/mla_decode_mgpu.py, KV splits from
+``choose_num_splits``), the Triton FP8 kernel and the BF16 twin. The Mosaic
+output is compared with the Triton FP8 kernel's (relative L2 difference: both
 round Q and P' to e4m3, with P' factors per 64 vs 128 tokens). Writes
 bench_mgpu.json under --out.
 """
@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.mla_decode_mgpu import BLOCK_M, mla_decode_mgpu
-from pallas_kernels.mla_decode_mgpu_2wg import mla_decode_mgpu_2wg
 from snapmla_jax.bench import timing
 from snapmla_jax.bench.decode import make_caches, make_queries
 from snapmla_jax.decode import _sm_count, choose_num_splits, mla_decode
@@ -35,7 +34,7 @@ SHAPES = ("64x16384x128x1", "32x16384x128x1", "128x4096x128x1", "8x65536x128x1",
 
 
 def mgpu_decode(q, q_rope, cache, block_table, seq_lens, *, softmax_scale, kernel=mla_decode_mgpu, **kwargs):
-    """A Mosaic kernel on the API's shapes (page 64, layer 0); kwargs: num_splits for the 2wg kernel."""
+    """The Mosaic kernel on the API's shapes (page 64, layer 0); kwargs: num_splits."""
     batch, s_q, heads, rank = q.shape
     rows = s_q * heads
     padded = -(-rows // BLOCK_M) * BLOCK_M
@@ -63,19 +62,16 @@ def main(argv=None) -> int:
         fp8, bf16, block_table = make_caches(batch, context)
         q, q_rope, seq_lens, scale = make_queries(batch, context, heads, s_q)
         variants = {
-            "mosaic_quarters": (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(q, qr, c, bt, n,
-                                                                                 softmax_scale=scale))),
-            "mosaic_2wg": (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
-                                                                            kernel=mla_decode_mgpu_2wg,
-                                                                            num_splits=splits))),
+            "mosaic": (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
+                                                                        num_splits=splits))),
             "triton_fp8": (fp8, jax.jit(lambda q, qr, c, bt, n: mla_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                            backend="pallas"))),
             "triton_bf16": (bf16, jax.jit(lambda q, qr, c, bt, n: mla_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                              backend="pallas"))),
         }
-        # The 2wg kernel splits the KV as the Triton kernels do (same rule, 64-row blocks).
+        # The Mosaic kernel splits the KV as the Triton kernels do (same rule, 64-row blocks).
         splits = choose_num_splits(batch, -(-s_q * heads // BLOCK_M), context, _sm_count())
-        row = {"shape": shape, "mosaic_2wg_num_splits": splits}
+        row = {"shape": shape, "mosaic_num_splits": splits}
         outs = {}
         for name, (cache, fn) in variants.items():
             call_args = (q, q_rope, cache, block_table, seq_lens)
@@ -90,7 +86,7 @@ def main(argv=None) -> int:
                 continue
             row[name] = {"ms": ms, "first_call_s": compile_s}
             print(shape, name, json.dumps(row[name]), flush=True)
-        for mosaic in ("mosaic_quarters", "mosaic_2wg"):
+        for mosaic in ("mosaic",):
             if mosaic in outs and "triton_fp8" in outs:
                 a, b = outs[mosaic], outs["triton_fp8"]
                 row[f"rel_l2_{mosaic}_vs_triton_fp8"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))

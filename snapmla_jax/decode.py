@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, DecodeConfig, mla_decode_pallas,
+from pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG, DecodeConfig, mla_decode_pallas,
                                       mla_decode_reference, rows_per_block, tokens_per_block)
 from pallas_kernels.mla_decode_mgpu import BLOCK_M as MOSAIC_BLOCK_M
 from pallas_kernels.mla_decode_mgpu import PAGE as MOSAIC_PAGE
 from pallas_kernels.mla_decode_mgpu import STEP as MOSAIC_STEP
-from pallas_kernels.mla_decode_mgpu_2wg import mla_decode_mgpu_2wg
+from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
 from snapmla_jax.backend import resolve_backend
 from snapmla_jax.cache import LatentCache, check_kernel_addressable, check_layer
 
@@ -92,6 +92,26 @@ def _validate(q_latent, q_rope, cache, block_table, seq_lens, softmax_scale, lay
                                  f"seq_lens uses, got {int(table[row, col])} at [{row}, {col}]")
 
 
+def default_config(cache: LatentCache, backend: str) -> DecodeConfig:
+    """The kernel and knobs ``mla_decode`` uses when ``config`` is None.
+
+    Compiled (backend "pallas") over an fp8 cache with page_size 64: the Mosaic
+    GPU kernel, faster than the Triton FP8 kernel at every shape measured on an
+    H100 (docs/benchmarks/decode.md, scripts/bench_mgpu.py). Elsewhere the
+    Triton kernels (FP8_CONFIG / BF16_CONFIG): the Mosaic kernel needs 64-token
+    pages, and in the interpreter it runs its two warpgroups as host threads
+    (slow, and it can stall on small CPUs), so "interpret" and the "xla"
+    emulation stay with the Triton kernel's math. Both round P' to e4m3 with a
+    factor per row and block, 64 tokens (Triton) or 128 (Mosaic), so their
+    outputs differ by e4m3 rounding noise only (relative L2 ~1e-3 on the bench).
+    """
+    if cache.dtype != "fp8":
+        return BF16_CONFIG
+    if backend == "pallas" and cache.page_size == MOSAIC_PAGE:
+        return MOSAIC_CONFIG
+    return FP8_CONFIG
+
+
 def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block_table: jax.Array,
                seq_lens: jax.Array, *, softmax_scale: float, layer: int | jax.Array | None = None,
                backend: str = "auto", return_lse: bool = False, num_splits: int | None = None,
@@ -111,10 +131,10 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     backend     "auto" | "pallas" | "interpret" | "xla" (see snapmla_jax.backend).
     num_splits  split-KV count for the Pallas kernels; None picks it from the
                 shapes and the GPU's SM count.
-    config      DecodeConfig tuning knobs (None: FP8_CONFIG / BF16_CONFIG, measured on an H100).
-                ``DecodeConfig(kernel="mosaic")`` runs the experimental Mosaic GPU
-                FP8 kernel (fp8 cache, page_size 64), and with backend="xla" its
-                math (P' factors per 128 tokens).
+    config      DecodeConfig tuning knobs (None: ``default_config``, measured on an H100).
+                ``DecodeConfig(kernel="mosaic")`` runs the Mosaic GPU FP8 kernel
+                (fp8 cache, page_size 64), and with backend="xla" its math (P'
+                factors per 128 tokens); ``FP8_CONFIG`` the Triton FP8 kernel.
 
     Returns out [B, s_q, H, R] in q_latent's dtype, and with ``return_lse``
     also lse [B, s_q, H] float32 (natural log of the softmax denominator).
@@ -123,7 +143,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     """
     _validate(q_latent, q_rope, cache, block_table, seq_lens, softmax_scale, layer)
     backend = resolve_backend(backend)
-    config = config or (FP8_CONFIG if cache.dtype == "fp8" else BF16_CONFIG)
+    config = config or default_config(cache, backend)
     batch, s_q, heads, rank = q_latent.shape
     softmax_scale = float(softmax_scale)
     mosaic = config.kernel == "mosaic"
@@ -155,7 +175,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     elif not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected None or a positive int, got {num_splits!r}")
     if mosaic:
-        out, lse = mla_decode_mgpu_2wg(
+        out, lse = mla_decode_mgpu(
             to_rows(q_latent), to_rows(q_rope), cache_arrays, block_table, seq_lens, layer_offset,
             softmax_scale=softmax_scale, page_size=cache.page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,
             interpret=backend == "interpret")

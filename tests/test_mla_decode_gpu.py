@@ -1,5 +1,9 @@
 """Compiled decode kernels (Triton backend) against interpret mode and the xla
-path on the same inputs. Run with ``pytest -m gpu`` on a CUDA machine."""
+path on the same inputs. Run with ``pytest -m gpu`` on a CUDA machine.
+
+The Triton kernels are pinned with their configs where it matters: compiled
+fp8 decoding with 64-token pages defaults to the Mosaic GPU kernel
+(test_mla_decode_mgpu.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG
 from test_mla_decode import (make_cache, make_latent, make_queries, rel_err, run,
                              scrambled_block_table)
 
@@ -32,9 +37,11 @@ def test_compiled_kernel_matches_interpret_and_xla(dtype, heads, s_q, page_size,
     latent, rope, block_table, seq_lens, q, q_rope = _inputs(
         heads + s_q, batch=3, heads=heads, s_q=s_q, page_size=page_size, pages_per_row=512 // page_size + 1)
     cache = make_cache(latent, rope, dtype)
-    out, lse = run(q, q_rope, cache, block_table, seq_lens, backend="pallas", num_splits=num_splits)
-    interp, interp_lse = run(q, q_rope, cache, block_table, seq_lens, backend="interpret", num_splits=num_splits)
-    emu, emu_lse = run(q, q_rope, cache, block_table, seq_lens, backend="xla")
+    config = FP8_CONFIG if dtype == "fp8" else BF16_CONFIG
+    out, lse = run(q, q_rope, cache, block_table, seq_lens, backend="pallas", num_splits=num_splits, config=config)
+    interp, interp_lse = run(q, q_rope, cache, block_table, seq_lens, backend="interpret", num_splits=num_splits,
+                             config=config)
+    emu, emu_lse = run(q, q_rope, cache, block_table, seq_lens, backend="xla", config=config)
     # Same roundings everywhere; the GPU's exp2 (2 ulp) and MMA summation order
     # differ in fp32 only, which can move a P value across an e4m3/bf16 rounding
     # boundary for isolated tokens: 2e-3 of the output scale (see the CPU tests).

@@ -1,14 +1,12 @@
-"""Mosaic GPU FP8 decode kernels: experimental.
+"""The Mosaic GPU FP8 decode kernel (pallas_kernels/mla_decode_mgpu.py).
 
 CPU: the V-transpose probe and the kernel lower for CUDA (Mosaic GPU layout
-inference and SMEM allocation run without a GPU). GPU (``pytest -m gpu``): the
-compiled kernel against ``mla_decode_reference(..., block_n=128)``.
-
-Two kernels: "quarters" (pallas_kernels/mla_decode_mgpu.py, one warpgroup per
-CTA and column quarter) and "2wg" (pallas_kernels/mla_decode_mgpu_2wg.py, two
-warpgroups per CTA). The interpreter runs both on CPU except for their
-``RefUnion`` views, which it does not alias: there the kernels take a
-token-major V path, so the V transpose and P' packing are checked on the GPU only.
+inference and SMEM allocation run without a GPU), and the interpreter runs the
+kernel against ``mla_decode_reference(..., block_n=128)``. The interpreter
+neither aliases ``RefUnion`` views nor runs inline PTX, so there the kernel
+keeps V token-major and P' unpacked: the V transpose, the byte packing
+(``mgpu_bytes``) and the RoPE product accumulated onto the FP8 scores are
+checked on the GPU only (``pytest -m gpu``), by the same cases compiled.
 """
 
 from __future__ import annotations
@@ -59,23 +57,14 @@ def _inputs(seed, *, batch, heads, pages_per_row, seq_lens, s_q=1):
     return q, q_rope, latent, scale, rope, block_table, jnp.asarray(seq_lens, jnp.int32)
 
 
-def _kernel(name):
-    from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
-    from pallas_kernels.mla_decode_mgpu_2wg import mla_decode_mgpu_2wg
-    return {"quarters": mla_decode_mgpu, "2wg": mla_decode_mgpu_2wg}[name]
-
-
-KERNELS = pytest.mark.parametrize("kernel", ["quarters", "2wg"])
-
-
-def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_scale, *, kernel="quarters",
-                 layer_pages=0, num_splits=1, interpret=False):
+def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_scale, *, layer_pages=0,
+                 num_splits=1, interpret=False):
     """The kernel on the API's shapes: rows padded to 64, the cache flattened.
 
     ``layer_pages`` > 0 puts a layer of NaN pages in front of the cache and reads
     the second layer through ``layer_offset``, as a multi-layer cache does.
     """
-    from pallas_kernels.mla_decode_mgpu import BLOCK_M
+    from pallas_kernels.mla_decode_mgpu import BLOCK_M, mla_decode_mgpu
     batch, s_q, heads, rank = q.shape
     rows = s_q * heads
     padded = -(-rows // BLOCK_M) * BLOCK_M
@@ -84,39 +73,39 @@ def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_
     cache = [latent.reshape(n, rank), scale.reshape(n), rope.reshape(n, 64)]
     if layer_pages:
         cache = [jnp.concatenate([jnp.full((layer_pages * 64, *a.shape[1:]), jnp.nan, a.dtype), a]) for a in cache]
-    out, lse = _kernel(kernel)(to_rows(q), to_rows(q_rope), tuple(cache), block_table, seq_lens,
+    out, lse = mla_decode_mgpu(to_rows(q), to_rows(q_rope), tuple(cache), block_table, seq_lens,
                                jnp.full((1,), layer_pages * 64, jnp.int32), softmax_scale=softmax_scale,
-                               page_size=64, s_q=s_q, num_heads=heads, interpret=interpret,
-                               **({"num_splits": num_splits} if num_splits > 1 else {}))
+                               page_size=64, s_q=s_q, num_heads=heads, num_splits=num_splits, interpret=interpret)
     return out[:, :rows].reshape(q.shape), lse[:, :rows].reshape(batch, s_q, heads)
 
 
-@pytest.mark.parametrize("kernel,s_q,num_splits", [("quarters", 1, 1), ("quarters", 2, 1), ("2wg", 1, 1), ("2wg", 2, 1),
-                                                  ("2wg", 1, 4)])
-def test_kernel_lowers_for_cuda(kernel, s_q, num_splits):
+@pytest.mark.parametrize("s_q,num_splits", [(1, 1), (2, 1), (1, 4)])
+def test_kernel_lowers_for_cuda(s_q, num_splits):
     """Layout inference, SMEM allocation (fits in an H100's 227 KB) and lowering to MLIR, without a GPU."""
     args = _inputs(0, batch=2, heads=64, pages_per_row=3, seq_lens=[100, 0], s_q=s_q)
-    call = lambda *a: _call_kernel(*a, 0.1, kernel=kernel, num_splits=num_splits)
+    call = lambda *a: _call_kernel(*a, 0.1, num_splits=num_splits)
     jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-# splits: split-KV count for the "2wg" kernel (the "quarters" kernel has no split-KV).
+# Steps before a row's last one run unmasked (a second loop runs the masked
+# tail): the cases mix whole-step rows, 1-token tails and, with s_q = 4, rows
+# whose last two steps both need the causal mask.
 CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages,splits", [
     (64, 1, [100, 300, 0], 0, 1),    # ragged, a partial page, seq_len 0; 3 steps: both ring slots reused
     (128, 1, [129, 64, 1], 3, 1),    # a 1-token last step; a second layer (NaN first layer) via layer_offset
-    (64, 1, [320, 257, 128], 0, 2),  # split-KV: splits of 2 and 1 steps, and an empty split
+    (64, 1, [320, 257, 128], 0, 2),  # split-KV: splits of 2 and 1 steps, an empty split, a whole-step row
     (16, 2, [200, 2, 77], 0, 1),     # s_q = 2 (causal rule), H padded to 64 rows
+    (16, 4, [129, 4, 258], 0, 1),    # s_q = 4: two masked steps in a row
 ])
 
 
-def _check(kernel, heads, s_q, seq_lens, layer_pages, splits, *, interpret):
-    num_splits = splits if kernel == "2wg" else 1
+def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret):
     """Kernel vs ``mla_decode_reference(block_n=128)``; returns (max error / max |ref|, max lse error, lse scale)."""
     q, q_rope, latent, scale, rope, block_table, lens = _inputs(heads + s_q, batch=3, heads=heads, pages_per_row=5,
                                                                 seq_lens=seq_lens, s_q=s_q)
     softmax_scale = 576 ** -0.5
-    out, lse = _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale, kernel=kernel,
-                            layer_pages=layer_pages, num_splits=num_splits, interpret=interpret)
+    out, lse = _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale,
+                            layer_pages=layer_pages, num_splits=splits, interpret=interpret)
     # The reference rounds Q and P' to e4m3 as the kernel does (P' factor per
     # 128-token step), with exact products, on the same pages without a layer offset.
     ref, ref_lse = mla_decode_reference(q, q_rope, latent, scale, rope, block_table, lens,
@@ -130,7 +119,7 @@ def _check(kernel, heads, s_q, seq_lens, layer_pages, splits, *, interpret):
     return float(err), float(np.max(np.abs(lse[seen] - ref_lse[seen]))), float(np.max(np.abs(ref_lse[seen])))
 
 
-def _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages, splits):
+def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits):
     """``_check`` in interpret mode in a fresh process that has 8 CPU devices.
 
     The interpreter runs each warpgroup as a thread whose memory operations
@@ -142,7 +131,7 @@ def _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages, splits):
     """
     code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
             "import test_mla_decode_mgpu as t; "
-            f"print(json.dumps(t._check({kernel!r}, {heads}, {s_q}, {seq_lens!r}, {layer_pages}, {splits}, "
+            f"print(json.dumps(t._check({heads}, {s_q}, {seq_lens!r}, {layer_pages}, {splits}, "
             "interpret=True)))")
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -150,19 +139,16 @@ def _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages, splits):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@KERNELS
 @CASES
-def test_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
-    """On CPU: paging through the token-pair views, step order, masking, s_q, layer offset,
-    and for "2wg" the barriers between the two warpgroups and the ring's reuse.
+def test_kernel_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
+    """On CPU: paging through the token-pair views, step order, the unmasked and masked
+    loops, s_q, layer offset, split-KV, the barriers between the two warpgroups and the
+    ring's reuse.
 
-    Not covered here: the V transpose and the P' packing (RefUnion views the
-    interpreter does not alias); the GPU test below covers them.
+    Not covered here: the V transpose, the byte packing and the RoPE product
+    accumulated onto the FP8 scores; the GPU test below covers them.
     """
-    if kernel == "2wg":
-        err, lse_err, _ = _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages, splits)
-    else:
-        err, lse_err, _ = _check(kernel, heads, s_q, seq_lens, layer_pages, splits, interpret=True)
+    err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits)
     # Same roundings in fp32 on both sides: what differs is summation order, which
     # can move a P' value across an e4m3 rounding boundary (one ulp, 2**-3
     # relative, on one weight of >= 100), plus the bf16 output (2**-9): 4e-3.
@@ -171,10 +157,9 @@ def test_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens, laye
 
 
 @pytest.mark.gpu
-@KERNELS
 @CASES
-def test_kernel_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
-    err, lse_err, lse_scale = _check(kernel, heads, s_q, seq_lens, layer_pages, splits, interpret=False)
+def test_kernel_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
+    err, lse_err, lse_scale = _check(heads, s_q, seq_lens, layer_pages, splits, interpret=False)
     # As in the interpreter, plus Hopper's FP8 MMA accumulating Q.K in ~14 bits
     # (test_mla_decode_gpu.py): scores move by ~2**-9 of their magnitude, which
     # shifts P' roundings more often: 2e-2 of the largest output.
@@ -248,3 +233,17 @@ def test_mla_decode_mosaic_config_refuses_what_it_cannot_run():
         with pytest.raises(ValueError, match="config: kernel='mosaic' needs an fp8 cache with page_size 64"):
             mla_decode(q, q_rope, cache, table, lens, softmax_scale=0.1, backend="xla",
                        config=DecodeConfig(kernel="mosaic"))
+
+
+def test_default_config_picks_mosaic_for_compiled_fp8_with_64_token_pages():
+    from pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG
+    from snapmla_jax.cache import LatentCache
+    from snapmla_jax.decode import default_config
+
+    fp8_64, fp8_32 = LatentCache.create(4, page_size=64), LatentCache.create(4, page_size=32)
+    assert default_config(fp8_64, "pallas") == MOSAIC_CONFIG
+    # Other page sizes, the interpreter and the xla emulation keep the Triton kernel's math.
+    assert default_config(fp8_32, "pallas") == FP8_CONFIG
+    assert default_config(fp8_64, "interpret") == FP8_CONFIG
+    assert default_config(fp8_64, "xla") == FP8_CONFIG
+    assert default_config(LatentCache.create(4, page_size=64, dtype="bf16"), "pallas") == BF16_CONFIG

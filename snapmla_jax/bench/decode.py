@@ -30,7 +30,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mla_decode import DecodeConfig
+from pallas_kernels.mla_decode import FP8_CONFIG
 from snapmla_jax.bench import timing
 from snapmla_jax.cache import MAX_CACHE_ELEMENTS, LatentCache
 from snapmla_jax.decode import mla_decode
@@ -115,9 +115,9 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
     flops = 2 * batch * s_q * heads * context * (RANK + ROPE + RANK)
     flops_rope = 2 * batch * s_q * heads * context * ROPE
     plans = {
+        # The default FP8 kernel (page 64: the Mosaic GPU kernel) and the Triton FP8 kernel, same math.
         "fp8": (fp8, "pallas", None, (flops - flops_rope, flops_rope)),
-        # The experimental Mosaic GPU kernel (DecodeConfig(kernel="mosaic")), same math.
-        "fp8_mosaic": (fp8, "pallas", DecodeConfig(kernel="mosaic"), (flops - flops_rope, flops_rope)),
+        "fp8_triton": (fp8, "pallas", FP8_CONFIG, (flops - flops_rope, flops_rope)),
         "bf16": (bf16, "pallas", None, (0, flops)),
         "xla_bf16": (bf16, "xla", None, (0, flops)),
     }
@@ -151,8 +151,8 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
         row["fp8_over_bf16"] = row["bf16_ms"] / row["fp8_ms"]
     if row.get("fp8_ms") and row.get("xla_bf16_ms"):
         row["fp8_over_xla"] = row["xla_bf16_ms"] / row["fp8_ms"]
-    if row.get("fp8_mosaic_ms") and row.get("bf16_ms"):
-        row["fp8_mosaic_over_bf16"] = row["bf16_ms"] / row["fp8_mosaic_ms"]
+    if row.get("fp8_triton_ms") and row.get("bf16_ms"):
+        row["fp8_triton_over_bf16"] = row["bf16_ms"] / row["fp8_triton_ms"]
     return row
 
 
@@ -162,13 +162,13 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
     pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"
     cols = ["B", "ctx", "H", "s_q", "FP8 ms", "BF16 ms", "XLA bf16 ms", "FP8/BF16", "FP8/XLA",
             "FP8 GB/s", "FP8 TFLOP/s", "FP8 % roof", "BF16 GB/s", "BF16 TFLOP/s", "BF16 % roof", "XLA % roof",
-            "Mosaic FP8 ms", "Mosaic/BF16", "Mosaic % roof"]
+            "Triton FP8 ms", "Triton/BF16", "Triton % roof"]
     body = [[r["batch"], r["context"], r["heads"], r["s_q"], fmt(r.get("fp8_ms")), fmt(r.get("bf16_ms")),
              fmt(r.get("xla_bf16_ms")), fmt(r.get("fp8_over_bf16"), "{:.2f}x"), fmt(r.get("fp8_over_xla"), "{:.2f}x"),
              fmt(r.get("fp8_gbps"), "{:.0f}"), fmt(r.get("fp8_tflops"), "{:.0f}"), pct(r.get("fp8_roofline")),
              fmt(r.get("bf16_gbps"), "{:.0f}"), fmt(r.get("bf16_tflops"), "{:.0f}"), pct(r.get("bf16_roofline")),
-             pct(r.get("xla_bf16_roofline")), fmt(r.get("fp8_mosaic_ms")),
-             fmt(r.get("fp8_mosaic_over_bf16"), "{:.2f}x"), pct(r.get("fp8_mosaic_roofline"))] for r in rows]
+             pct(r.get("xla_bf16_roofline")), fmt(r.get("fp8_triton_ms")),
+             fmt(r.get("fp8_triton_over_bf16"), "{:.2f}x"), pct(r.get("fp8_triton_roofline"))] for r in rows]
     notes = sorted({f"{k[:-5]}: {r[k]}" for r in rows for k in r if k.endswith("_note") and k != "stock_mqa_note"})
     stock = ("runs (times in decode.json)" if stock_reason is None else f"does not run: {stock_reason}")
     lines = [
@@ -183,11 +183,11 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         "One decode step over one layer, page_size 64, all rows at the full context; times are medians.",
         "Shapes whose cache exceeds the kernels' int32 offsets (2**31 - 1 latent elements, e.g. B=128 x 64k)",
         "are not run: one decode call cannot address them (mla_decode raises ValueError).",
-        "FP8 = SnapMLA kernel on the fp8 cache (644 B/token), BF16 = the same kernel body on the bf16",
-        "cache (1152 B/token), XLA bf16 = `mla_decode(..., backend=\"xla\")` on the bf16 cache (gather",
-        "+ einsum + softmax, what a JAX user writes today). Mosaic FP8 = the experimental Mosaic GPU",
-        "kernel (`DecodeConfig(kernel=\"mosaic\")`, two warpgroups per CTA) on the fp8 cache; \"-\" where it",
-        "was not measured (rows from runs before it existed) or failed (see the notes).",
+        "FP8 = the default SnapMLA FP8 kernel on the fp8 cache (644 B/token): with page_size 64 the",
+        "Mosaic GPU kernel (two warpgroups per CTA, pallas_kernels/mla_decode_mgpu.py). BF16 = the Triton",
+        "BF16 twin on the bf16 cache (1152 B/token). XLA bf16 = `mla_decode(..., backend=\"xla\")` on the",
+        "bf16 cache (gather + einsum + softmax, what a JAX user writes today). Triton FP8 = the Triton",
+        "FP8 kernel (`FP8_CONFIG`), the BF16 twin's sibling; \"-\" where not measured or failed (notes).",
         f"JAX stock `pallas.ops.gpu.decode_attention.mqa` (the 576-dim [latent, rope] as K and V): {stock}.",
         "",
         timing.markdown_table(cols, body),
