@@ -8,6 +8,8 @@ the kernel's rows. The kernels and the pure-jnp path live in
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,22 +94,29 @@ def _validate(q_latent, q_rope, cache, block_table, seq_lens, softmax_scale, lay
                                  f"seq_lens uses, got {int(table[row, col])} at [{row}, {col}]")
 
 
+@functools.lru_cache(maxsize=None)
+def _on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (sm_90: the Mosaic kernel's wgmma and TMA)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
 def default_config(cache: LatentCache, backend: str) -> DecodeConfig:
     """The kernel and knobs ``mla_decode`` uses when ``config`` is None.
 
-    Compiled (backend "pallas") over an fp8 cache with page_size 64: the Mosaic
-    GPU kernel, faster than the Triton FP8 kernel at every shape measured on an
+    Compiled (backend "pallas") on a Hopper GPU over an fp8 cache with
+    page_size 64: the Mosaic GPU kernel, faster than the Triton FP8 kernel at every shape measured on an
     H100 (docs/benchmarks/decode.md, scripts/bench_mgpu.py). Elsewhere the
     Triton kernels (FP8_CONFIG / BF16_CONFIG): the Mosaic kernel needs 64-token
     pages, and in the interpreter it runs its two warpgroups as host threads
     (slow, and it can stall on small CPUs), so "interpret" and the "xla"
-    emulation stay with the Triton kernel's math. Both round P' to e4m3 with a
+    emulation stay with the Triton kernel's math; other GPUs have no wgmma. Both round P' to e4m3 with a
     factor per row and block, 64 tokens (Triton) or 128 (Mosaic), so their
     outputs differ by e4m3 rounding noise only (relative L2 ~1e-3 on the bench).
     """
     if cache.dtype != "fp8":
         return BF16_CONFIG
-    if backend == "pallas" and cache.page_size == MOSAIC_PAGE:
+    if backend == "pallas" and cache.page_size == MOSAIC_PAGE and _on_hopper():
         return MOSAIC_CONFIG
     return FP8_CONFIG
 

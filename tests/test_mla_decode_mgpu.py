@@ -235,12 +235,15 @@ def test_mla_decode_mosaic_config_refuses_what_it_cannot_run():
                        config=DecodeConfig(kernel="mosaic"))
 
 
-def test_default_config_picks_mosaic_for_compiled_fp8_with_64_token_pages():
+def test_default_config_picks_mosaic_for_compiled_fp8_with_64_token_pages(monkeypatch):
+    import snapmla_jax.decode as decode
     from pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG
     from snapmla_jax.cache import LatentCache
     from snapmla_jax.decode import default_config
 
     fp8_64, fp8_32 = LatentCache.create(4, page_size=64), LatentCache.create(4, page_size=32)
+    assert default_config(fp8_64, "pallas") == FP8_CONFIG  # this CPU is no Hopper GPU: no wgmma
+    monkeypatch.setattr(decode, "_on_hopper", lambda: True)
     assert default_config(fp8_64, "pallas") == MOSAIC_CONFIG
     # Other page sizes, the interpreter and the xla emulation keep the Triton kernel's math.
     assert default_config(fp8_32, "pallas") == FP8_CONFIG
