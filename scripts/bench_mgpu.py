@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.mla_decode import FP8_CONFIG
 from pallas_kernels.mla_decode_mgpu import BLOCK_M, mla_decode_mgpu
 from snapmla_jax.bench import timing
 from snapmla_jax.bench.decode import make_caches, make_queries
@@ -33,14 +34,14 @@ SHAPES = ("64x16384x128x1", "32x16384x128x1", "128x4096x128x1", "8x65536x128x1",
           "32x4096x128x2")
 
 
-def mgpu_decode(q, q_rope, cache, block_table, seq_lens, *, softmax_scale, kernel=mla_decode_mgpu, **kwargs):
+def mgpu_decode(q, q_rope, cache, block_table, seq_lens, *, softmax_scale, **kwargs):
     """The Mosaic kernel on the API's shapes (page 64, layer 0); kwargs: num_splits."""
     batch, s_q, heads, rank = q.shape
     rows = s_q * heads
     padded = -(-rows // BLOCK_M) * BLOCK_M
     to_rows = lambda a: jnp.pad(a.reshape(batch, rows, a.shape[-1]), [(0, 0), (0, padded - rows), (0, 0)])
     flat = (cache.latent.reshape(-1, rank), cache.scale.reshape(-1), cache.rope.reshape(-1, cache.rope.shape[-1]))
-    out, _ = kernel(to_rows(q), to_rows(q_rope), flat, block_table, seq_lens, jnp.zeros((1,), jnp.int32),
+    out, _ = mla_decode_mgpu(to_rows(q), to_rows(q_rope), flat, block_table, seq_lens, jnp.zeros((1,), jnp.int32),
                              softmax_scale=softmax_scale, page_size=64, s_q=s_q, num_heads=heads, **kwargs)
     return out[:, :rows].reshape(q.shape)
 
@@ -64,8 +65,9 @@ def main(argv=None) -> int:
         variants = {
             "mosaic": (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                         num_splits=splits))),
+            # Pinned: compiled fp8 decoding with 64-token pages defaults to the Mosaic kernel.
             "triton_fp8": (fp8, jax.jit(lambda q, qr, c, bt, n: mla_decode(q, qr, c, bt, n, softmax_scale=scale,
-                                                                           backend="pallas"))),
+                                                                           backend="pallas", config=FP8_CONFIG))),
             "triton_bf16": (bf16, jax.jit(lambda q, qr, c, bt, n: mla_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                              backend="pallas"))),
         }
