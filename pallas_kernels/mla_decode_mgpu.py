@@ -192,12 +192,15 @@ def issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, bar) -> Non
     plgpu.copy_gmem_to_smem(qsc_ref.at[b, pl.ds(row0, BLOCK_M)], qsc_s, bar)
 
 
-def step_scores(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpret: bool) -> list[jax.Array]:
-    """A step's scores before the softmax scale, Q8.K8^T * q_scale * k_scale + Qr.Kr^T, as two
-    f32 [64, 64] halves: the columns of the step's SMEM rows 0..63 (even tokens) and 64..127.
+def step_scores(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpret: bool,
+                first_rows=(0, HALF)) -> list[jax.Array]:
+    """A step's scores before the softmax scale, Q8.K8^T * q_scale * k_scale + Qr.Kr^T, as
+    f32 [64, 64] halves: by default two, the columns of the step's SMEM rows 0..63 (even
+    tokens) and 64..127; ``first_rows`` picks the halves (a traced start must be a
+    marked multiple of 64).
 
     q8_s e4m3 [4, 64, 128], kv_slot e4m3 [4, 128, 128] (step order), qr_s bf16
-    [64, 64], rope_slot bf16 [128, 64], q_scale [64], k_scales two [64].
+    [64, 64], rope_slot bf16 [128, 64], q_scale [64], k_scales one [64] per half.
 
     Registers decide the shape of this code. The FP8 product is promoted to
     fp32 every ``QK_PROMOTION`` features (one wgmma chain per 128-feature
@@ -224,8 +227,8 @@ def step_scores(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpret:
     per_chain = QK_PROMOTION // CHUNK
     q_scale_b = lax.broadcast_in_dim(q_scale, (BLOCK_M, HALF), [0])
     halves = []
-    for half, k_scale in enumerate(k_scales):
-        rows = pl.ds(half * HALF, HALF)
+    for first_row, k_scale in zip(first_rows, k_scales, strict=True):
+        rows = pl.ds(first_row, HALF)
         s8 = None
         for first in range(0, NUM_CHUNKS, per_chain):
             part = pl.run_scoped(functools.partial(qk8, rows=rows, chunks=range(first, first + per_chain)),

@@ -57,14 +57,25 @@ def _inputs(seed, *, batch, heads, pages_per_row, seq_lens, s_q=1):
     return q, q_rope, latent, scale, rope, block_table, jnp.asarray(seq_lens, jnp.int32)
 
 
-def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_scale, *, layer_pages=0,
-                 num_splits=1, interpret=False):
+# "base": pallas_kernels/mla_decode_mgpu.py (the default); "split": mla_decode_mgpu_split.py
+# (experimental: the score tile split between the warpgroups).
+KERNELS = pytest.mark.parametrize("kernel", ["base", "split"])
+
+
+def _kernel_fn(kernel):
+    from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
+    from pallas_kernels.mla_decode_mgpu_split import mla_decode_mgpu_split
+    return {"base": mla_decode_mgpu, "split": mla_decode_mgpu_split}[kernel]
+
+
+def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_scale, *, kernel="base",
+                 layer_pages=0, num_splits=1, interpret=False):
     """The kernel on the API's shapes: rows padded to 64, the cache flattened.
 
     ``layer_pages`` > 0 puts a layer of NaN pages in front of the cache and reads
     the second layer through ``layer_offset``, as a multi-layer cache does.
     """
-    from pallas_kernels.mla_decode_mgpu import BLOCK_M, mla_decode_mgpu
+    from pallas_kernels.mla_decode_mgpu import BLOCK_M
     batch, s_q, heads, rank = q.shape
     rows = s_q * heads
     padded = -(-rows // BLOCK_M) * BLOCK_M
@@ -73,17 +84,18 @@ def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_
     cache = [latent.reshape(n, rank), scale.reshape(n), rope.reshape(n, 64)]
     if layer_pages:
         cache = [jnp.concatenate([jnp.full((layer_pages * 64, *a.shape[1:]), jnp.nan, a.dtype), a]) for a in cache]
-    out, lse = mla_decode_mgpu(to_rows(q), to_rows(q_rope), tuple(cache), block_table, seq_lens,
+    out, lse = _kernel_fn(kernel)(to_rows(q), to_rows(q_rope), tuple(cache), block_table, seq_lens,
                                jnp.full((1,), layer_pages * 64, jnp.int32), softmax_scale=softmax_scale,
                                page_size=64, s_q=s_q, num_heads=heads, num_splits=num_splits, interpret=interpret)
     return out[:, :rows].reshape(q.shape), lse[:, :rows].reshape(batch, s_q, heads)
 
 
+@KERNELS
 @pytest.mark.parametrize("s_q,num_splits", [(1, 1), (2, 1), (1, 4)])
-def test_kernel_lowers_for_cuda(s_q, num_splits):
+def test_kernel_lowers_for_cuda(kernel, s_q, num_splits):
     """Layout inference, SMEM allocation (fits in an H100's 227 KB) and lowering to MLIR, without a GPU."""
     args = _inputs(0, batch=2, heads=64, pages_per_row=3, seq_lens=[100, 0], s_q=s_q)
-    call = lambda *a: _call_kernel(*a, 0.1, num_splits=num_splits)
+    call = lambda *a: _call_kernel(*a, 0.1, kernel=kernel, num_splits=num_splits)
     jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))
 
 
@@ -99,12 +111,12 @@ CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages,splits", [
 ])
 
 
-def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret):
+def _check(kernel, heads, s_q, seq_lens, layer_pages, splits, *, interpret):
     """Kernel vs ``mla_decode_reference(block_n=128)``; returns (max error / max |ref|, max lse error, lse scale)."""
     q, q_rope, latent, scale, rope, block_table, lens = _inputs(heads + s_q, batch=3, heads=heads, pages_per_row=5,
                                                                 seq_lens=seq_lens, s_q=s_q)
     softmax_scale = 576 ** -0.5
-    out, lse = _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale,
+    out, lse = _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale, kernel=kernel,
                             layer_pages=layer_pages, num_splits=splits, interpret=interpret)
     # The reference rounds Q and P' to e4m3 as the kernel does (P' factor per
     # 128-token step), with exact products, on the same pages without a layer offset.
@@ -119,7 +131,7 @@ def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret):
     return float(err), float(np.max(np.abs(lse[seen] - ref_lse[seen]))), float(np.max(np.abs(ref_lse[seen])))
 
 
-def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits):
+def _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages, splits):
     """``_check`` in interpret mode in a fresh process that has 8 CPU devices.
 
     The interpreter runs each warpgroup as a thread whose memory operations
@@ -131,7 +143,7 @@ def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits):
     """
     code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
             "import test_mla_decode_mgpu as t; "
-            f"print(json.dumps(t._check({heads}, {s_q}, {seq_lens!r}, {layer_pages}, {splits}, "
+            f"print(json.dumps(t._check({kernel!r}, {heads}, {s_q}, {seq_lens!r}, {layer_pages}, {splits}, "
             "interpret=True)))")
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -139,8 +151,9 @@ def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@KERNELS
 @CASES
-def test_kernel_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
+def test_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
     """On CPU: paging through the token-pair views, step order, the unmasked and masked
     loops, s_q, layer offset, split-KV, the barriers between the two warpgroups and the
     ring's reuse.
@@ -148,7 +161,7 @@ def test_kernel_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages,
     Not covered here: the V transpose, the byte packing and the RoPE product
     accumulated onto the FP8 scores; the GPU test below covers them.
     """
-    err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits)
+    err, lse_err, _ = _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages, splits)
     # Same roundings in fp32 on both sides: what differs is summation order, which
     # can move a P' value across an e4m3 rounding boundary (one ulp, 2**-3
     # relative, on one weight of >= 100), plus the bf16 output (2**-9): 4e-3.
@@ -157,9 +170,10 @@ def test_kernel_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages,
 
 
 @pytest.mark.gpu
+@KERNELS
 @CASES
-def test_kernel_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
-    err, lse_err, lse_scale = _check(heads, s_q, seq_lens, layer_pages, splits, interpret=False)
+def test_kernel_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
+    err, lse_err, lse_scale = _check(kernel, heads, s_q, seq_lens, layer_pages, splits, interpret=False)
     # As in the interpreter, plus Hopper's FP8 MMA accumulating Q.K in ~14 bits
     # (test_mla_decode_gpu.py): scores move by ~2**-9 of their magnitude, which
     # shifts P' roundings more often: 2e-2 of the largest output.
