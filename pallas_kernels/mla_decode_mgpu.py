@@ -292,6 +292,151 @@ def v_masked_token_major(chunk_ref, t0, seq_len) -> jax.Array:
     return jnp.where(v_tokens < seq_len, chunk_ref[...].astype(jnp.float32), 0.0).astype(FP8_DTYPE)
 
 
+def cta_steps(seq_len, split, *, s_q: int, num_splits: int):
+    """The steps of a row one CTA takes: (first_step, num_steps, unmasked_steps).
+
+    Split-KV: split s takes steps [first_step, first_step + num_steps) of the
+    row. The first ``unmasked_steps`` of them every query row sees whole (the
+    shortest real row sees seq_len - s_q + 1 tokens), so they run without masks.
+    """
+    total_steps = (seq_len + (STEP - 1)) // STEP
+    steps_per_split = (total_steps + (num_splits - 1)) // num_splits
+    first_step = split * steps_per_split
+    num_steps = jnp.maximum(jnp.minimum(total_steps - first_step, steps_per_split), 0)
+    unmasked_steps = jnp.clip((seq_len - s_q + 1) // STEP - first_step, 0, num_steps)
+    return first_step, num_steps, unmasked_steps
+
+
+def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar):
+    """``issue(step, slot)``: the TMA of a step into a ring slot, arriving on ``step_bar[slot]``:
+    latent chunks and RoPE rows in step order (even tokens to rows 0..63), and token scales."""
+    def issue(step, slot):
+        for parity, src, dst in page_boxes(bt_ref, b, step, layer_offset):
+            for ch in range(NUM_CHUNKS):
+                plgpu.copy_gmem_to_smem(latp_ref.at[src, parity, pl.ds(ch * CHUNK, CHUNK)],
+                                        kv8_s.at[slot, ch, dst], step_bar.at[slot])
+            plgpu.copy_gmem_to_smem(ropep_ref.at[src, parity], rope_s.at[slot, dst], step_bar.at[slot])
+        plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(_aligned(step * STEP, STEP), STEP)], ksc_s.at[slot],
+                                step_bar.at[slot])
+    return issue
+
+
+def start_cta(wg, first_step, num_steps, issue, query_refs, q_bar) -> None:
+    """Warpgroup 0 issues the query tiles (``issue_query``'s arguments but the barrier) and
+    the first step; both warpgroups wait for the query."""
+    @pl.when(wg == 0)
+    def _():
+        issue_query(*query_refs, q_bar)
+
+        @pl.when(num_steps > 0)
+        def _():
+            issue(first_step, 0)
+
+    plgpu.barrier_wait(q_bar)
+
+
+def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar):
+    """Wait for step j's slot; warpgroup 0 issues step j + 1 into the other slot once both
+    warpgroups have finished step j - 1's P'.V on it. Returns the slot."""
+    slot = lax.rem(j, NUM_SLOTS)
+    plgpu.barrier_wait(step_bar.at[slot])
+
+    @pl.when((wg == 0) & (j + 1 < num_steps))
+    def _():
+        @pl.when(j >= 1)
+        def _():
+            plgpu.barrier_wait(consumed_bar.at[1 - slot])  # step j - 1's P'.V by both warpgroups
+        issue(first_step + j + 1, 1 - slot)
+
+    return slot
+
+
+def v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, *, masked: bool, interpret: bool) -> list:
+    """Overwrite this warpgroup's latent chunks of a slot with their V^T (both warpgroups must
+    have read the slot as K) and return the P'.V wgmma's B operands, one per chunk.
+
+    The interpreter, which does not alias ``RefUnion`` views, keeps V token-major in
+    step order instead, masked in place.
+    """
+    v_operands = []
+    for i in range(CHUNKS_PER_WG):
+        ch = wg * CHUNKS_PER_WG + i
+        if not interpret:
+            word = v_words(kv8_s.at[slot, ch], t0, seq_len, masked=masked)
+            kv16_s.at[slot, ch].transpose((1, 0))[...] = plgpu.layout_cast(word, plgpu.Layout.WGMMA)
+            v_operands.append(kv8_s.at[slot, ch].transpose((1, 0)))
+        else:
+            kv8_s[slot, ch] = v_masked_token_major(kv8_s.at[slot, ch], t0, seq_len)
+            v_operands.append(kv8_s.at[slot, ch])
+    return v_operands
+
+
+def pv_update(accs, p8_ref, v_operands, alpha, pv_max) -> list:
+    """acc * alpha + (P'.V) * pv_max / 448 for each of this warpgroup's accumulators [64, 128]."""
+    undo = lax.broadcast_in_dim(pv_max * (1.0 / FP8_E4M3_MAX), (BLOCK_M, CHUNK), [0])
+    alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_M, CHUNK), [0])
+    new_accs = []
+    for acc, v_operand in zip(accs, v_operands):
+        def pv_mma(acc_ref, v_operand=v_operand):
+            plgpu.wgmma(acc_ref, p8_ref, v_operand)
+            return acc_ref[...]
+
+        pv_out = pl.run_scoped(pv_mma, plgpu.ACC((BLOCK_M, CHUNK), jnp.float32))
+        new_accs.append(acc * alpha_b + pv_out * undo)
+    return new_accs
+
+
+def initial_carry() -> tuple:
+    """The step loop's carry: zero accumulators, m = -inf, l = 0."""
+    zeros = plgpu.layout_cast(jnp.zeros((BLOCK_M, CHUNK), jnp.float32), plgpu.Layout.WGMMA)
+    return ((zeros,) * CHUNKS_PER_WG
+            + (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+               plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))))
+
+
+def drain_consumed(wg, num_steps, consumed_bar) -> None:
+    """Warpgroup 0 observes the consumption of the last two steps too (the loop waited for
+    steps 0 .. num_steps - 3 only): a barrier phase nobody waits for is left dangling (the
+    interpreter rejects that)."""
+    @pl.when(wg == 0)
+    def _():
+        for back in (2, 1):
+            @pl.when(num_steps >= back)
+            def _():
+                plgpu.barrier_wait(consumed_bar.at[lax.rem(num_steps - back, NUM_SLOTS)])
+
+
+def write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg) -> None:
+    """This warpgroup's columns of out[b, split, row0:row0 + 64] (accs / l) and, from
+    warpgroup 0, the rows' lse; call once both warpgroups are past their last QK.
+
+    o_s: the staging tiles (Q8's bytes), [2, 64, 128] for a 2-byte output or
+    [2, 64, 64] for the float32 partials of a split (Q8's 32 KB either way).
+    """
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    inv_l = lax.broadcast_in_dim(1.0 / l_safe, (BLOCK_M, CHUNK), [0])
+    my_o = o_s.at[wg]
+    cols = my_o.shape[1]
+    pieces = [(i * CHUNK + c, acc[:, c:c + cols] if cols < CHUNK else acc)
+              for i, acc in enumerate(accs) for c in range(0, CHUNK, cols)]
+    for k, (col, piece) in enumerate(pieces):
+        if k:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous piece has left the staging tile
+        my_o[...] = (piece * inv_l[:, :cols]).astype(my_o.dtype)
+        plgpu.commit_smem()
+        col0 = wg * CHUNKS_PER_WG * CHUNK + col
+        plgpu.copy_smem_to_gmem(my_o, o_ref.at[b, split, pl.ds(row0, BLOCK_M), pl.ds(col0, cols)])
+
+    @pl.when(wg == 0)
+    def _():
+        lse_s[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, split, pl.ds(row0, BLOCK_M)])
+
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
             o_ref, lse_ref,
             q_union, qr_s, qsc_s, lse_s, kv_union, rope_s, ksc_s, p_union,
@@ -316,49 +461,17 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     p16_s, p8_s = p_union
     seq_len = seq_lens_ref[b]
     layer_offset = off_ref[0]
-    # Split-KV: this CTA takes steps [first_step, first_step + num_steps) of the row.
-    total_steps = (seq_len + (STEP - 1)) // STEP
-    steps_per_split = (total_steps + (num_splits - 1)) // num_splits
-    first_step = split * steps_per_split
-    num_steps = jnp.maximum(jnp.minimum(total_steps - first_step, steps_per_split), 0)
-    # Steps every row sees whole (the shortest real row sees seq_len - s_q + 1 tokens).
-    unmasked_steps = jnp.clip((seq_len - s_q + 1) // STEP - first_step, 0, num_steps)
+    first_step, num_steps, unmasked_steps = cta_steps(seq_len, split, s_q=s_q, num_splits=num_splits)
     row0 = _aligned(r * BLOCK_M, BLOCK_M)
-
-    def issue_step(step, slot):
-        """Latent chunks and RoPE rows in step order (even tokens to rows 0..63), and token scales."""
-        for parity, src, dst in page_boxes(bt_ref, b, step, layer_offset):
-            for ch in range(NUM_CHUNKS):
-                plgpu.copy_gmem_to_smem(latp_ref.at[src, parity, pl.ds(ch * CHUNK, CHUNK)],
-                                        kv8_s.at[slot, ch, dst], step_bar.at[slot])
-            plgpu.copy_gmem_to_smem(ropep_ref.at[src, parity], rope_s.at[slot, dst], step_bar.at[slot])
-        plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(_aligned(step * STEP, STEP), STEP)], ksc_s.at[slot],
-                                step_bar.at[slot])
-
-    @pl.when(wg == 0)
-    def _():
-        issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, q_bar)
-
-        @pl.when(num_steps > 0)
-        def _():
-            issue_step(first_step, 0)
-
-    plgpu.barrier_wait(q_bar)
+    issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar)
+    start_cta(wg, first_step, num_steps, issue, (q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar)
     q_scale = plgpu.load(qsc_s, layout=plgpu.Layout.WGMMA.reduce(1))
     my_p8 = p8_s.at[wg]
 
     def step(j, carry, *, masked: bool):
         accs, m, l = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
         t0 = (first_step + j) * STEP
-        slot = lax.rem(j, NUM_SLOTS)
-        plgpu.barrier_wait(step_bar.at[slot])
-
-        @pl.when((wg == 0) & (j + 1 < num_steps))
-        def _():
-            @pl.when(j >= 1)
-            def _():
-                plgpu.barrier_wait(consumed_bar.at[1 - slot])  # step j - 1's P'.V by both warpgroups
-            issue_step(first_step + j + 1, 1 - slot)
+        slot = begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar)
 
         k_scales = [plgpu.load(ksc_s.at[slot, pl.ds(half * HALF, HALF)], layout=plgpu.Layout.WGMMA.reduce(0))
                     for half in range(2)]
@@ -376,77 +489,20 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
             for half in range(2):
                 my_p8[:, pl.ds(half * HALF, HALF)] = p_scaled[half].astype(FP8_DTYPE)
 
-        # Both warpgroups have read the slot as K: overwrite my chunks with V^T.
-        plgpu.barrier_wait(qk_done_bar.at[slot])
-        v_operands = []
-        for i in range(CHUNKS_PER_WG):
-            ch = wg * CHUNKS_PER_WG + i
-            if not interpret:
-                word = v_words(kv8_s.at[slot, ch], t0, seq_len, masked=masked)
-                kv16_s.at[slot, ch].transpose((1, 0))[...] = plgpu.layout_cast(word, plgpu.Layout.WGMMA)
-                v_operands.append(kv8_s.at[slot, ch].transpose((1, 0)))
-            else:
-                kv8_s[slot, ch] = v_masked_token_major(kv8_s.at[slot, ch], t0, seq_len)
-                v_operands.append(kv8_s.at[slot, ch])
+        plgpu.barrier_wait(qk_done_bar.at[slot])  # both warpgroups have read the slot as K
+        v_operands = v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, masked=masked, interpret=interpret)
         plgpu.commit_smem()  # generic-proxy stores (P', V^T) -> visible to wgmma
-
-        undo = lax.broadcast_in_dim(pv_max * (1.0 / FP8_E4M3_MAX), (BLOCK_M, CHUNK), [0])
-        alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_M, CHUNK), [0])
-        new_accs = []
-        for acc, v_operand in zip(accs, v_operands):
-            def pv_mma(acc_ref, v_operand=v_operand):
-                plgpu.wgmma(acc_ref, my_p8, v_operand)
-                return acc_ref[...]
-
-            pv_out = pl.run_scoped(pv_mma, plgpu.ACC((BLOCK_M, CHUNK), jnp.float32))
-            new_accs.append(acc * alpha_b + pv_out * undo)
+        new_accs = pv_update(accs, my_p8, v_operands, alpha, pv_max)
         plgpu.barrier_arrive(consumed_bar.at[slot])
         return (*new_accs, m_new, l)
 
-    zeros = plgpu.layout_cast(jnp.zeros((BLOCK_M, CHUNK), jnp.float32), plgpu.Layout.WGMMA)
-    carry = ((zeros,) * CHUNKS_PER_WG
-             + (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-                plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))))
-    carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), initial_carry())
     *accs, m, l = lax.fori_loop(unmasked_steps, num_steps, functools.partial(step, masked=True), carry)
-
-    @pl.when(wg == 0)
-    def _():
-        # Observe the consumption of the last two steps too (the loop waited for
-        # steps 0 .. num_steps - 3 only): a barrier phase nobody waits for is
-        # left dangling (the interpreter rejects that).
-        for back in (2, 1):
-            @pl.when(num_steps >= back)
-            def _():
-                plgpu.barrier_wait(consumed_bar.at[lax.rem(num_steps - back, NUM_SLOTS)])
-
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
-    inv_l = lax.broadcast_in_dim(1.0 / l_safe, (BLOCK_M, CHUNK), [0])
+    drain_consumed(wg, num_steps, consumed_bar)
     # The output staging reuses Q8's bytes: wait until both warpgroups are past their last QK.
     plgpu.barrier_arrive(end_bar)
     plgpu.barrier_wait(end_bar)
-    # Staging tile of 64 x cols: 128 columns of a 2-byte output, 64 of the
-    # float32 partials of a split (Q8's 32 KB either way).
-    my_o = o_s.at[wg]
-    cols = my_o.shape[1]
-    pieces = [(i * CHUNK + c, acc[:, c:c + cols] if cols < CHUNK else acc)
-              for i, acc in enumerate(accs) for c in range(0, CHUNK, cols)]
-    for k, (col, piece) in enumerate(pieces):
-        if k:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous piece has left the staging tile
-        my_o[...] = (piece * inv_l[:, :cols]).astype(my_o.dtype)
-        plgpu.commit_smem()
-        col0 = wg * CHUNKS_PER_WG * CHUNK + col
-        plgpu.copy_smem_to_gmem(my_o, o_ref.at[b, split, pl.ds(row0, BLOCK_M), pl.ds(col0, cols)])
-
-    @pl.when(wg == 0)
-    def _():
-        lse_s[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, split, pl.ds(row0, BLOCK_M)])
-
-    plgpu.wait_smem_to_gmem(0)
+    write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg)
 
 
 def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, *, page_size: int):
@@ -467,6 +523,65 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset,
             rope.reshape(rope.shape[0] // 2, 2, ROPE), step_scales(scale, block_table, layer_offset))
 
 
+def launch(body, kernel_name: str, q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, *,
+           softmax_scale: float, page_size: int, s_q: int, num_heads: int, num_splits: int, interpret: bool,
+           rope_scratch=None, extra_scratch=(), extra_barriers: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Run a kernel body with this file's launch: inputs, grid (b, split, row block), two
+    warpgroups, SMEM, the merge of split-KV partials.
+
+    The body gets, after the inputs and outputs: q_union, qr_s, qsc_s, lse_s, kv_union,
+    the RoPE ring (``rope_scratch``, default bf16 [2, 128, 64]), ksc_s, p_union,
+    ``extra_scratch``, then the barriers step_bar, qk_done_bar, ``extra_barriers`` more
+    per-slot barriers of 2 arrivals, consumed_bar, q_bar, end_bar.
+    """
+    batch, num_rows, _ = q_rows.shape
+    q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
+        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
+    out_dtype = q_rows.dtype if num_splits == 1 else jnp.float32
+    stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # the staging tile fits in Q8's 32 KB
+    slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
+    kernel = plgpu.kernel(
+        functools.partial(body, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
+                          num_splits=num_splits, interpret=interpret),
+        out_type=(jax.ShapeDtypeStruct((batch, num_splits, num_rows, RANK), out_dtype),
+                  jax.ShapeDtypeStruct((batch, num_splits, num_rows), jnp.float32)),
+        scratch_types=[
+            plgpu.RefUnion(plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), FP8_DTYPE),
+                           plgpu.SMEM((NUM_WGS, BLOCK_M, stage_cols), out_dtype)),
+            plgpu.SMEM((BLOCK_M, ROPE), jnp.bfloat16),
+            plgpu.SMEM((BLOCK_M,), jnp.float32),
+            plgpu.SMEM((BLOCK_M,), jnp.float32),
+            plgpu.RefUnion(plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
+                           plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK // 2), jnp.uint16)),
+            rope_scratch or plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
+            plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
+            plgpu.RefUnion(plgpu.SMEM((NUM_WGS, BLOCK_M, HALF), jnp.uint16),
+                           plgpu.SMEM((NUM_WGS, BLOCK_M, STEP), FP8_DTYPE)),
+            *extra_scratch,
+            plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
+            slot_barrier(),
+            *(slot_barrier() for _ in range(extra_barriers)),
+            slot_barrier(),
+            plgpu.Barrier(num_arrivals=COPIES_Q),
+            plgpu.Barrier(num_arrivals=NUM_WGS),
+        ],
+        grid=(batch, num_splits, num_rows // BLOCK_M),
+        grid_names=("b", "s", "r"),
+        num_threads=NUM_WGS,
+        thread_name="wg",
+        kernel_name=kernel_name,
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    out, lse = kernel(seq_lens, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
+                      latent_pairs, scales, rope_pairs)
+    if num_splits == 1:
+        return out[:, 0], lse[:, 0]
+    merged, merged_lse = _combine_splits(out, lse)
+    return merged.astype(q_rows.dtype), merged_lse
+
+
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
                                              "interpret"))
 def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
@@ -480,46 +595,6 @@ def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tup
     decoding); their float32 partials are merged with their log-sum-exp, as the
     Triton kernel's are (``_combine_splits``).
     """
-    batch, num_rows, _ = q_rows.shape
-    q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
-        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size)
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
-    out_dtype = q_rows.dtype if num_splits == 1 else jnp.float32
-    stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # the staging tile fits in Q8's 32 KB
-    kernel = plgpu.kernel(
-        functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          num_splits=num_splits, interpret=interpret),
-        out_type=(jax.ShapeDtypeStruct((batch, num_splits, num_rows, RANK), out_dtype),
-                  jax.ShapeDtypeStruct((batch, num_splits, num_rows), jnp.float32)),
-        scratch_types=[
-            plgpu.RefUnion(plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), FP8_DTYPE),
-                           plgpu.SMEM((NUM_WGS, BLOCK_M, stage_cols), out_dtype)),
-            plgpu.SMEM((BLOCK_M, ROPE), jnp.bfloat16),
-            plgpu.SMEM((BLOCK_M,), jnp.float32),
-            plgpu.SMEM((BLOCK_M,), jnp.float32),
-            plgpu.RefUnion(plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
-                           plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK // 2), jnp.uint16)),
-            plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
-            plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
-            plgpu.RefUnion(plgpu.SMEM((NUM_WGS, BLOCK_M, HALF), jnp.uint16),
-                           plgpu.SMEM((NUM_WGS, BLOCK_M, STEP), FP8_DTYPE)),
-            plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
-            plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),
-            plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),
-            plgpu.Barrier(num_arrivals=COPIES_Q),
-            plgpu.Barrier(num_arrivals=NUM_WGS),
-        ],
-        grid=(batch, num_splits, num_rows // BLOCK_M),
-        grid_names=("b", "s", "r"),
-        num_threads=NUM_WGS,
-        thread_name="wg",
-        kernel_name="snapmla_decode_fp8_mgpu",
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )
-    out, lse = kernel(seq_lens, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
-                      latent_pairs, scales, rope_pairs)
-    if num_splits == 1:
-        return out[:, 0], lse[:, 0]
-    merged, merged_lse = _combine_splits(out, lse)
-    return merged.astype(q_rows.dtype), merged_lse
+    return launch(_kernel, "snapmla_decode_fp8_mgpu", q_rows, q_rope_rows, cache_arrays, block_table, seq_lens,
+                  layer_offset, softmax_scale=softmax_scale, page_size=page_size, s_q=s_q, num_heads=num_heads,
+                  num_splits=num_splits, interpret=interpret)

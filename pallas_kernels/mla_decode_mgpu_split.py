@@ -50,11 +50,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from pallas_kernels.mgpu_bytes import interleave_bytes
-from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX, _combine_splits
-from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, HALF, NUM_CHUNKS,
-                                            NUM_SLOTS, NUM_WGS, RANK, ROPE, STEP, _aligned, issue_query, page_boxes,
-                                            prepare_inputs, step_scores, step_visibility, v_masked_token_major,
-                                            v_words)
+from pallas_kernels.mla_decode import MIN_PV_ROW_MAX
+from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNKS_PER_WG, HALF, NUM_SLOTS, NUM_WGS, ROPE, STEP, _aligned,
+                                            begin_step, cta_steps, drain_consumed, initial_carry, launch, pv_update,
+                                            start_cta, step_issuer, step_scores, step_visibility, v_operands_in_place,
+                                            write_outputs)
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
 COL = plgpu.Layout.WGMMA.reduce(0)  # a [64] vector with one value per score column
@@ -115,47 +115,18 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     p16_s, p8_s = p_union
     seq_len = seq_lens_ref[b]
     layer_offset = off_ref[0]
-    total_steps = (seq_len + (STEP - 1)) // STEP
-    steps_per_split = (total_steps + (num_splits - 1)) // num_splits
-    first_step = split * steps_per_split
-    num_steps = jnp.maximum(jnp.minimum(total_steps - first_step, steps_per_split), 0)
-    unmasked_steps = jnp.clip((seq_len - s_q + 1) // STEP - first_step, 0, num_steps)
+    first_step, num_steps, unmasked_steps = cta_steps(seq_len, split, s_q=s_q, num_splits=num_splits)
     row0 = _aligned(r * BLOCK_M, BLOCK_M)
     my_rows = _aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
-
-    def issue_step(step, slot):
-        for parity, src, dst in page_boxes(bt_ref, b, step, layer_offset):
-            for ch in range(NUM_CHUNKS):
-                plgpu.copy_gmem_to_smem(latp_ref.at[src, parity, pl.ds(ch * CHUNK, CHUNK)],
-                                        kv8_s.at[slot, ch, dst], step_bar.at[slot])
-            plgpu.copy_gmem_to_smem(ropep_ref.at[src, parity], rope_s.at[slot, dst], step_bar.at[slot])
-        plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(_aligned(step * STEP, STEP), STEP)], ksc_s.at[slot],
-                                step_bar.at[slot])
-
-    @pl.when(wg == 0)
-    def _():
-        issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, q_bar)
-
-        @pl.when(num_steps > 0)
-        def _():
-            issue_step(first_step, 0)
-
-    plgpu.barrier_wait(q_bar)
+    issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar)
+    start_cta(wg, first_step, num_steps, issue, (q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar)
     q_scale = plgpu.load(qsc_s, layout=ROW)
     my_p8 = p8_s.at[wg]
 
     def step(j, carry, *, masked: bool):
         accs, m, l_part = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
         t0 = (first_step + j) * STEP
-        slot = lax.rem(j, NUM_SLOTS)
-        plgpu.barrier_wait(step_bar.at[slot])
-
-        @pl.when((wg == 0) & (j + 1 < num_steps))
-        def _():
-            @pl.when(j >= 1)
-            def _():
-                plgpu.barrier_wait(consumed_bar.at[1 - slot])
-            issue_step(first_step + j + 1, 1 - slot)
+        slot = begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar)
 
         k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=COL)
         [scores] = step_scores(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, [k_scale],
@@ -178,16 +149,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         # my latent chunks become their V^T.
         plgpu.barrier_wait(qk_done_bar.at[slot])
         xb[slot, wg] = jnp.minimum(p_scaled, FP8_E4M3_MAX).astype(FP8_DTYPE)
-        v_operands = []
-        for i in range(CHUNKS_PER_WG):
-            ch = wg * CHUNKS_PER_WG + i
-            if not interpret:
-                word = v_words(kv8_s.at[slot, ch], t0, seq_len, masked=masked)
-                kv16_s.at[slot, ch].transpose((1, 0))[...] = plgpu.layout_cast(word, plgpu.Layout.WGMMA)
-                v_operands.append(kv8_s.at[slot, ch].transpose((1, 0)))
-            else:
-                kv8_s[slot, ch] = v_masked_token_major(kv8_s.at[slot, ch], t0, seq_len)
-                v_operands.append(kv8_s.at[slot, ch])
+        v_operands = v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, masked=masked, interpret=interpret)
         plgpu.barrier_arrive(pexch_bar.at[slot])
         plgpu.barrier_wait(pexch_bar.at[slot])
         if not interpret:
@@ -198,62 +160,20 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
             for half in range(NUM_WGS):
                 my_p8[:, pl.ds(half * HALF, HALF)] = xb[slot, half]
         plgpu.commit_smem()  # generic-proxy stores (P', V^T) -> visible to wgmma
-
-        undo = lax.broadcast_in_dim(pv_max * (1.0 / FP8_E4M3_MAX), (BLOCK_M, CHUNK), [0])
-        alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_M, CHUNK), [0])
-        new_accs = []
-        for acc, v_operand in zip(accs, v_operands):
-            def pv_mma(acc_ref, v_operand=v_operand):
-                plgpu.wgmma(acc_ref, my_p8, v_operand)
-                return acc_ref[...]
-
-            pv_out = pl.run_scoped(pv_mma, plgpu.ACC((BLOCK_M, CHUNK), jnp.float32))
-            new_accs.append(acc * alpha_b + pv_out * undo)
+        new_accs = pv_update(accs, my_p8, v_operands, alpha, pv_max)
         plgpu.barrier_arrive(consumed_bar.at[slot])
         return (*new_accs, m_new, l_part)
 
-    zeros = plgpu.layout_cast(jnp.zeros((BLOCK_M, CHUNK), jnp.float32), plgpu.Layout.WGMMA)
-    carry = ((zeros,) * CHUNKS_PER_WG
-             + (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), ROW),
-                plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), ROW)))
-    carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), initial_carry())
     *accs, m, l_part = lax.fori_loop(unmasked_steps, num_steps, functools.partial(step, masked=True), carry)
-
-    @pl.when(wg == 0)
-    def _():
-        for back in (2, 1):
-            @pl.when(num_steps >= back)
-            def _():
-                plgpu.barrier_wait(consumed_bar.at[lax.rem(num_steps - back, NUM_SLOTS)])
-
+    drain_consumed(wg, num_steps, consumed_bar)
     lsum_s[wg] = l_part
     # Both warpgroups are past their last QK (Q8's bytes become the output
     # staging) and have published their partial l.
     plgpu.barrier_arrive(end_bar)
     plgpu.barrier_wait(end_bar)
-    l = l_part + plgpu.load(lsum_s.at[1 - wg], layout=ROW)
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
-    inv_l = lax.broadcast_in_dim(1.0 / l_safe, (BLOCK_M, CHUNK), [0])
-    my_o = o_s.at[wg]
-    cols = my_o.shape[1]
-    pieces = [(i * CHUNK + c, acc[:, c:c + cols] if cols < CHUNK else acc)
-              for i, acc in enumerate(accs) for c in range(0, CHUNK, cols)]
-    for k, (col, piece) in enumerate(pieces):
-        if k:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        my_o[...] = (piece * inv_l[:, :cols]).astype(my_o.dtype)
-        plgpu.commit_smem()
-        col0 = wg * CHUNKS_PER_WG * CHUNK + col
-        plgpu.copy_smem_to_gmem(my_o, o_ref.at[b, split, pl.ds(row0, BLOCK_M), pl.ds(col0, cols)])
-
-    @pl.when(wg == 0)
-    def _():
-        lse_s[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, split, pl.ds(row0, BLOCK_M)])
-
-    plgpu.wait_smem_to_gmem(0)
+    write_outputs(accs, m, l_part + plgpu.load(lsum_s.at[1 - wg], layout=ROW), o_s, lse_s, o_ref, lse_ref, b, split,
+                  row0, wg)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
@@ -263,51 +183,11 @@ def mla_decode_mgpu_split(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
                           s_q: int, num_heads: int, num_splits: int = 1,
                           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """FP8 decode, score tile split between the warpgroups; arguments and results as ``mla_decode_mgpu``."""
-    batch, num_rows, _ = q_rows.shape
-    q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
-        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size)
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
-    out_dtype = q_rows.dtype if num_splits == 1 else jnp.float32
-    stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize
-    kernel = plgpu.kernel(
-        functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          num_splits=num_splits, interpret=interpret),
-        out_type=(jax.ShapeDtypeStruct((batch, num_splits, num_rows, RANK), out_dtype),
-                  jax.ShapeDtypeStruct((batch, num_splits, num_rows), jnp.float32)),
-        scratch_types=[
-            plgpu.RefUnion(plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), FP8_DTYPE),
-                           plgpu.SMEM((NUM_WGS, BLOCK_M, stage_cols), out_dtype)),
-            plgpu.SMEM((BLOCK_M, ROPE), jnp.bfloat16),
-            plgpu.SMEM((BLOCK_M,), jnp.float32),
-            plgpu.SMEM((BLOCK_M,), jnp.float32),
-            plgpu.RefUnion(plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
-                           plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK // 2), jnp.uint16)),
-            plgpu.RefUnion(plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
-                           plgpu.SMEM((NUM_SLOTS, NUM_WGS, BLOCK_M, HALF), FP8_DTYPE)),
-            plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
-            plgpu.RefUnion(plgpu.SMEM((NUM_WGS, BLOCK_M, HALF), jnp.uint16),
-                           plgpu.SMEM((NUM_WGS, BLOCK_M, STEP), FP8_DTYPE)),
-            plgpu.SMEM((NUM_SLOTS, NUM_WGS, 2, BLOCK_M), jnp.float32),
-            plgpu.SMEM((NUM_WGS, BLOCK_M), jnp.float32),
-            plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
-            plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),
-            plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),
-            plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),
-            plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),
-            plgpu.Barrier(num_arrivals=COPIES_Q),
-            plgpu.Barrier(num_arrivals=NUM_WGS),
-        ],
-        grid=(batch, num_splits, num_rows // BLOCK_M),
-        grid_names=("b", "s", "r"),
-        num_threads=NUM_WGS,
-        thread_name="wg",
-        kernel_name="snapmla_decode_fp8_mgpu_split",
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )
-    out, lse = kernel(seq_lens, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
-                      latent_pairs, scales, rope_pairs)
-    if num_splits == 1:
-        return out[:, 0], lse[:, 0]
-    merged, merged_lse = _combine_splits(out, lse)
-    return merged.astype(q_rows.dtype), merged_lse
+    return launch(_kernel, "snapmla_decode_fp8_mgpu_split", q_rows, q_rope_rows, cache_arrays, block_table,
+                  seq_lens, layer_offset, softmax_scale=softmax_scale, page_size=page_size, s_q=s_q,
+                  num_heads=num_heads, num_splits=num_splits, interpret=interpret,
+                  rope_scratch=plgpu.RefUnion(plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
+                                              plgpu.SMEM((NUM_SLOTS, NUM_WGS, BLOCK_M, HALF), FP8_DTYPE)),
+                  extra_scratch=[plgpu.SMEM((NUM_SLOTS, NUM_WGS, 2, BLOCK_M), jnp.float32),
+                                 plgpu.SMEM((NUM_WGS, BLOCK_M), jnp.float32)],
+                  extra_barriers=2)
