@@ -1,21 +1,23 @@
-"""Byte packing for the Mosaic GPU decode kernels, one PTX instruction per 32-bit register.
+"""Byte packing for the Mosaic GPU decode kernel, one PTX instruction per 32-bit register.
 
 The FP8 P'.V wgmma needs both operands with tokens contiguous, and Mosaic GPU
-has no 8-bit transpose, so the kernels pack token pairs into 16-bit words
+has no 8-bit transpose, so the kernel packs token pairs into 16-bit words
 (``mla_decode_mgpu``'s docstring, "V transpose and P' packing"). Written with
 jnp ops, that packing widens every byte to 16 bits, shifts and ORs: on an H100
-it cost a third of the two-warpgroup kernel's time (scripts/probe_mgpu_costs.py,
+it cost a third of the kernel's time (scripts/probe_mgpu_costs.py,
 2026-11-23), because LLVM handles the 2 x 8-bit registers of the WGMMA layout
 byte by byte. Here each 32-bit register is built by one instruction:
+``interleave_bytes``, two 8-bit tiles -> uint16 words (``prmt.b32``).
 
-- ``pack_e4m3_pairs``: two f32 tiles -> uint16 words of their e4m3 roundings
-  (``cvt.rn.satfinite.e4m3x2.f32``, the same rounding as ``astype``, two
-  values at a time);
-- ``interleave_bytes``: two 8-bit tiles -> uint16 words (``prmt.b32``).
+(f32 -> e4m3 needs no helper: Mosaic GPU's ``astype`` already converts two
+values per ``cvt.rn.satfinite.e4m3x2.f32``. A helper that also paired two
+tiles' roundings into words served the kernel while each warpgroup held a
+whole P' tile; since the warpgroups split the score tile, P' crosses between
+them as bytes and is interleaved here.)
 
-Both take and return arrays in the WGMMA layout (register i of every array
-holds the same two elements), run in a warpgroup context, and exist on the GPU
-only: the interpreter has no inline PTX, so the kernel's interpreter path
+It takes and returns arrays in the WGMMA layout (register i of every array
+holds the same two elements), runs in a warpgroup context, and exists on the
+GPU only: the interpreter has no inline PTX, so the kernel's interpreter path
 keeps P' unpacked and V token-major instead. Reference semantics, for tests:
 ``word = lo | hi << 8`` on the bytes.
 """
@@ -29,7 +31,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, vector
+from jaxlib.mlir.dialects import arith, llvm
 
 
 def _words_result(shape) -> plgpu.ShapeDtypeStruct:
@@ -40,37 +42,6 @@ def _check_pair(lo: jax.Array, hi: jax.Array, dtypes: tuple, name: str) -> None:
     if lo.shape != hi.shape or lo.dtype != hi.dtype or lo.dtype not in dtypes:
         raise ValueError(f"{name}: expected two arrays of one shape and dtype in {dtypes}, "
                          f"got {lo.shape} {lo.dtype} and {hi.shape} {hi.dtype}")
-
-
-def pack_e4m3_pairs(lo: jax.Array, hi: jax.Array) -> jax.Array:
-    """f32 [M, N] x 2 (WGMMA layout) -> uint16 [M, N]: e4m3(lo) in the low byte, e4m3(hi) in the high byte.
-
-    Round to nearest even, saturating to +-448 (NaN stays NaN), as
-    ``x.astype(float8_e4m3fn)`` on values already within range.
-    """
-    _check_pair(lo, hi, (jnp.float32,), "pack_e4m3_pairs")
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA), return_type=_words_result(lo.shape))
-    def pack(ctx, lo_fa, hi_fa):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        words_ty = ir.VectorType.get((2,), ir.IntegerType.get_signless(16))
-        out = np.empty_like(lo_fa.registers)
-        for idx, lo_reg in np.ndenumerate(lo_fa.registers):
-            hi_reg = hi_fa.registers[idx]
-            lane = lambda reg, i: vector.extract(reg, [], [i])
-            # cvt.e4m3x2.f32 d, a, b puts a in d's upper byte and b in its lower one.
-            word_pair = llvm.inline_asm(
-                i32, [lane(hi_reg, 0), lane(lo_reg, 0), lane(hi_reg, 1), lane(lo_reg, 1)],
-                "{ .reg .b16 w0, w1;\n"
-                "cvt.rn.satfinite.e4m3x2.f32 w0, $1, $2;\n"
-                "cvt.rn.satfinite.e4m3x2.f32 w1, $3, $4;\n"
-                "mov.b32 $0, {w0, w1}; }",
-                "=r,f,f,f,f")
-            out[idx] = mgpu_utils.bitcast(word_pair, words_ty)
-        return mgpu.FragmentedArray(_registers=out, _layout=lo_fa.layout, _is_signed=False)
-
-    return pack(lo, hi)
 
 
 def interleave_bytes(lo: jax.Array, hi: jax.Array) -> jax.Array:

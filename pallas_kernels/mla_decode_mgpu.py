@@ -1,9 +1,10 @@
 """SnapMLA FP8 MLA decode on Mosaic GPU (Hopper wgmma + TMA), two warpgroups per CTA.
 
 Status (2026-11-23): runs on an H100 and matches ``mla_decode_reference``
-there and in the Mosaic GPU interpreter on CPU. Reachable as
-``mla_decode(..., config=DecodeConfig(kernel="mosaic"))``; measurements and
-history in docs/mosaic_gpu_decode_plan.md.
+there and in the Mosaic GPU interpreter on CPU. The default for compiled FP8
+decoding with 64-token pages on Hopper (``snapmla_jax.decode.default_config``),
+and reachable as ``mla_decode(..., config=DecodeConfig(kernel="mosaic"))``;
+measurements and history in docs/mosaic_gpu_decode_plan.md.
 
 Same inputs and outputs as ``pallas_kernels.mla_decode.mla_decode_pallas`` with
 an FP8 cache and ``page_size == 64``:
@@ -24,13 +25,29 @@ over the 128-token step, cast to e4m3, FP8 wgmma with V^T, the factor undone
 in fp32. On the GPU the RoPE wgmma accumulates onto the scaled FP8 scores
 (``step_scores``), so one score tile is live, not two.
 
-Layout of the work. Grid (batch row, KV split, block of 64 query rows), two
-warpgroups per CTA (FlashMLA's split): both read each cache tile the TMA
-brings in once; warpgroup w owns output columns [256 w, 256 w + 256) (two
-128-column chunks, two fp32 accumulators of 64 x 128: 128 registers a
-thread). Both compute the whole 64 x 128 score tile (the QK product is done
-twice, 1.5x the MMA work of an ideal kernel) and the same softmax, so no row
-max or P' crosses between them; each keeps its own copy of P'.
+Layout of the work (FlashMLA's). Grid (batch row, KV split, block of 64 query
+rows), two warpgroups per CTA: both read each cache tile the TMA brings in
+once. Warpgroup w owns output columns [256 w, 256 w + 256) (two 128-column
+chunks, two fp32 accumulators of 64 x 128: 128 registers a thread) and scores
+only the step's SMEM rows [64 w, 64 w + 64) (its even tokens for w = 0, the
+odd ones for w = 1): half the Q.K product and half the softmax each, on a
+64 x 64 score tile (32 registers). What crosses between them, per step,
+through SMEM:
+
+1. Row statistics (``stats_s``): each warpgroup's row max of its scores
+   (base 2) and row max of score + log2(token scale). Both then hold the
+   step's row max m and pv_max = exp2(max(score + log2 k_scale) - m), the
+   largest P * k_scale over all 128 tokens, so m, alpha and the P' factor are
+   the same in both, as their two column halves of one output require. The
+   running l stays per warpgroup and is summed once, after the loop.
+2. P' bytes (``xb``, aliasing the first half of the step's RoPE slot, free
+   once both warpgroups have passed the step's ``qk_done`` barrier): each
+   stores its 64 columns as e4m3, then each interleaves both halves into its
+   own P' word tile (below).
+
+(Before this, both warpgroups computed the whole 64 x 128 score tile and no
+statistic crossed: 1.5x the MMA work, twice the softmax, and 64 score
+registers; this layout measured 2-12% faster on an H100.)
 
 Step order. A step covers 128 tokens = two 64-token pages (the 16-bit WGMMA
 layout of the transposed store needs 64 rows of token pairs). The TMA brings
@@ -50,9 +67,10 @@ are stored through the transposed view of a uint16 [128, 64] tile whose
 have read a step's slot as K (a barrier with 2 arrivals), each one writes the
 V^T of its own two chunks over the same bytes, so no V^T buffer is needed and
 a 2-slot ring of whole steps (128 KB) fits next to Q (40 KB), RoPE keys
-(2 x 16 KB) and P' (2 x 8 KB). P' is packed the same way (word k of a row =
-columns k and 64 + k, rounded to e4m3 two at a time) into a uint16 [64, 64]
-tile whose e4m3 [64, 128] view is P' in token order, the wgmma's A operand.
+(2 x 16 KB) and P' (2 x 8 KB). P' is packed the same way: word k of a row
+interleaves warpgroup 0's column k (token 2k) and warpgroup 1's (token
+2k + 1), stored as a uint16 [64, 64] tile whose e4m3 [64, 128] view is P' in
+token order, each warpgroup's own copy of the wgmma's A operand.
 
 Masking. Only a row's last step or two (s_q > 1) can hold tokens a query row
 must not see; every step before them runs without masks or their index
@@ -66,7 +84,10 @@ kernels' merge). The caller picks the count
 Pipelining: warpgroup 0 issues the TMA of step j + 1 (latent chunks, RoPE rows
 and token scales, one barrier a slot) at the start of step j, once both
 warpgroups have finished step j - 1's P'.V on that slot (a "consumed" barrier
-with 2 arrivals). One warpgroup's softmax can overlap the other's wgmmas.
+with 2 arrivals). The two warpgroups meet at barriers three times a step
+(statistics, the slot read as K, P' bytes), so they run nearly in lockstep:
+their wgmmas and their elementwise work do not overlap much
+(docs/mosaic_gpu_decode_plan.md has the cost attribution).
 
 Layout inference: every dynamic TMA start is marked with ``pl.multiple_of``
 (``_aligned``). Without it, Mosaic GPU cannot prove that a box starts on a
@@ -91,7 +112,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, quantize_per_token
-from pallas_kernels.mgpu_bytes import interleave_bytes, pack_e4m3_pairs
+from pallas_kernels.mgpu_bytes import interleave_bytes
 from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX, _combine_splits
 
 PAGE = 64  # cache page size this kernel supports
@@ -113,6 +134,18 @@ COPIES_Q = NUM_CHUNKS + 2  # Q8 chunks, Q rope, q scale
 # only ~14 significant bits in its accumulator, so a long chain loses precision
 # on large scores (``step_scores``); 512 would be one chain.
 QK_PROMOTION = 128
+
+
+ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
+COL = plgpu.Layout.WGMMA.reduce(0)  # a [64] vector with one value per score column
+# P' bytes cross between the warpgroups through the step's RoPE slot (``_kernel``).
+# Every member of a ``RefUnion`` starts at the union's first byte, so xb[slot]
+# lies inside rope_s[slot] only if both have the same slot stride (16 KB): xb has
+# 4 tiles of 64 x 64 bytes a slot, of which the warpgroups use the first 2. (With
+# 2 tiles a slot, xb[1] was the second half of rope_s[0] and overwrote the RoPE
+# keys the TMA had brought for the next step: wrong from a row's third step on,
+# on the H100; the interpreter does not alias union members.)
+XB_TILES_PER_SLOT = STEP * ROPE * 2 // (BLOCK_M * HALF)
 
 
 def _aligned(index, multiple: int):
@@ -192,81 +225,89 @@ def issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, bar) -> Non
     plgpu.copy_gmem_to_smem(qsc_ref.at[b, pl.ds(row0, BLOCK_M)], qsc_s, bar)
 
 
-def step_scores(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpret: bool,
-                first_rows=(0, HALF)) -> list[jax.Array]:
-    """A step's scores before the softmax scale, Q8.K8^T * q_scale * k_scale + Qr.Kr^T, as
-    f32 [64, 64] halves: by default two, the columns of the step's SMEM rows 0..63 (even
-    tokens) and 64..127; ``first_rows`` picks the halves (a traced start must be a
-    marked multiple of 64).
+def qk8_promoted(q8_s, kv_slot, rows) -> jax.Array:
+    """Q8.K8^T of a slot's step rows ``rows`` (64), f32 [64, 64]: q8_s e4m3 [4, 64, 128], kv_slot
+    e4m3 [4, 128, 128].
 
-    q8_s e4m3 [4, 64, 128], kv_slot e4m3 [4, 128, 128] (step order), qr_s bf16
-    [64, 64], rope_slot bf16 [128, 64], q_scale [64], k_scales one [64] per half.
-
-    Registers decide the shape of this code. The FP8 product is promoted to
-    fp32 every ``QK_PROMOTION`` features (one wgmma chain per 128-feature
-    chunk; with a single 512-feature chain the output error on large scores was
-    8x the Triton kernel's, measured on an H100), and a chain's accumulator is
-    live next to the running sum. Working on 64-token halves keeps that at 2 x
-    32 registers a thread; on the GPU the RoPE wgmma then accumulates onto the
-    scaled FP8 half, so no separate RoPE tile exists either. (The same code on
-    128-token tiles spilled 2 KB a thread and ran 1.5x slower.) The interpreter,
-    which has no pre-initialised accumulators, adds the RoPE product in registers.
+    Hopper's FP8 wgmma keeps only ~14 significant bits in its accumulator, so
+    the product is promoted to fp32 every ``QK_PROMOTION`` features: one wgmma
+    chain per promotion, summed in registers. (Keeping two chains in flight, the
+    next one issued before the previous one is summed, measured no faster on an
+    H100: 1.002 vs 0.997 ms at B=64 x 16k, H=128.)
     """
-    def qk8(acc_ref, rows, chunks):
-        for ch in chunks:
+    per_chain = QK_PROMOTION // CHUNK
+
+    def chain(acc_ref, first):
+        for ch in range(first, first + per_chain):
             plgpu.wgmma(acc_ref, q8_s.at[ch], kv_slot.at[ch, rows].transpose((1, 0)))
         return acc_ref[...]
 
-    def qk_rope(acc_ref, rows):
+    parts = [pl.run_scoped(functools.partial(chain, first=first), plgpu.ACC((BLOCK_M, HALF), jnp.float32))
+             for first in range(0, NUM_CHUNKS, per_chain)]
+    return functools.reduce(jnp.add, parts)
+
+
+def step_scores(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret: bool) -> jax.Array:
+    """Scores before the softmax scale of this warpgroup's half of a step, Q8.K8^T * q_scale *
+    k_scale + Qr.Kr^T, f32 [64, 64]: the columns of SMEM rows [first_row, first_row + 64)
+    (a traced start must be a marked multiple of 64).
+
+    q8_s e4m3 [4, 64, 128], kv_slot e4m3 [4, 128, 128] (step order), qr_s bf16
+    [64, 64], rope_slot bf16 [128, 64], q_scale [64] (per row), k_scale [64]
+    (per column).
+
+    On the GPU the RoPE wgmma accumulates onto the scaled FP8 product
+    (``pl.run_state`` + ``ACC.init``), so no separate RoPE tile is live; the
+    interpreter, which has no pre-initialised accumulators, adds the RoPE
+    product in registers.
+    """
+    rows = pl.ds(first_row, HALF)
+    s8 = qk8_promoted(q8_s, kv_slot, rows)
+    scaled = (s8 * lax.broadcast_in_dim(q_scale, (BLOCK_M, HALF), [0])
+              * lax.broadcast_in_dim(k_scale, (BLOCK_M, HALF), [1]))
+
+    def qk_rope(acc_ref):
         plgpu.wgmma(acc_ref, qr_s, rope_slot.at[rows].transpose((1, 0)))
 
-    def qk_rope_value(acc_ref, rows):
-        qk_rope(acc_ref, rows)
-        return acc_ref[...]
-
-    per_chain = QK_PROMOTION // CHUNK
-    q_scale_b = lax.broadcast_in_dim(q_scale, (BLOCK_M, HALF), [0])
-    halves = []
-    for first_row, k_scale in zip(first_rows, k_scales, strict=True):
-        rows = pl.ds(first_row, HALF)
-        s8 = None
-        for first in range(0, NUM_CHUNKS, per_chain):
-            part = pl.run_scoped(functools.partial(qk8, rows=rows, chunks=range(first, first + per_chain)),
-                                 plgpu.ACC((BLOCK_M, HALF), jnp.float32))
-            s8 = part if s8 is None else s8 + part
-        scaled = s8 * q_scale_b * lax.broadcast_in_dim(k_scale, (BLOCK_M, HALF), [1])
-        if interpret:
-            halves.append(scaled + pl.run_scoped(functools.partial(qk_rope_value, rows=rows),
-                                                 plgpu.ACC((BLOCK_M, HALF), jnp.float32)))
-        else:
-            halves.append(pl.run_state(functools.partial(qk_rope, rows=rows))(plgpu.ACC.init(scaled)))
-    return halves
+    if interpret:
+        def qk_rope_value(acc_ref):
+            qk_rope(acc_ref)
+            return acc_ref[...]
+        return scaled + pl.run_scoped(qk_rope_value, plgpu.ACC((BLOCK_M, HALF), jnp.float32))
+    return pl.run_state(qk_rope)(plgpu.ACC.init(scaled))
 
 
-def softmax_step(scores, k_scales, m, l, scale_log2: float, visible=None):
-    """One step's online softmax and P' before rounding (module docstring, "Math").
-
-    scores: the two f32 [64, 64] halves of ``step_scores``; k_scales: their two
-    [64] token scales; running m (base 2), l [64]; visible: two bool [64, 64]
-    or None (every column visible). Returns (m_new, alpha, l_new, the two
-    halves of P' * 448 / pv_max (f32, at most 448), pv_max [64]: the factor to
-    undo).
-    """
-    scores = [s * scale_log2 for s in scores]
+def local_stats(scores, k_scale, scale_log2: float, visible=None):
+    """A warpgroup's half of a step: (scores in base 2 [64, 64], invisible columns at -inf;
+    row max [64]; row max of score + log2 k_scale [64], the log of the row's largest P * k_scale
+    before the max is subtracted)."""
+    scores = scores * scale_log2
     if visible is not None:  # masked slots may hold any bytes, NaN included
-        scores = [jnp.where(v, s, -jnp.inf) for s, v in zip(scores, visible)]
-    m_new = jnp.maximum(m, jnp.maximum(scores[0].max(axis=1), scores[1].max(axis=1)))
+        scores = jnp.where(visible, scores, -jnp.inf)
+    log_scaled = scores + lax.broadcast_in_dim(jnp.log2(k_scale), scores.shape, [1])
+    if visible is not None:
+        log_scaled = jnp.where(visible, log_scaled, -jnp.inf)  # a garbage scale's log could be NaN
+    return scores, scores.max(axis=1), log_scaled.max(axis=1)
+
+
+def softmax_half(scores, k_scale, m, l_part, row_max, log_pv_max, visible=None):
+    """Online softmax of a warpgroup's 64 columns given the step's row statistics over all 128.
+
+    scores [64, 64] base 2 (``local_stats``), k_scale [64], running m and this
+    warpgroup's partial l [64], row_max and log_pv_max [64] over both halves.
+    Returns (m_new, alpha, l_part_new, P' * 448 / pv_max f32 [64, 64], pv_max [64]).
+    """
+    m_new = jnp.maximum(m, row_max)
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_safe)
-    m_b = lax.broadcast_in_dim(m_safe, (BLOCK_M, HALF), [0])
-    p = [jnp.exp2(s - m_b) for s in scores]
-    l = l * alpha + p[0].sum(axis=1) + p[1].sum(axis=1)
-    pv = [ph * lax.broadcast_in_dim(k, (BLOCK_M, HALF), [1]) for ph, k in zip(p, k_scales)]
+    p = jnp.exp2(scores - lax.broadcast_in_dim(m_safe, scores.shape, [0]))
+    l_part = l_part * alpha + p.sum(axis=1)
+    pv = p * lax.broadcast_in_dim(k_scale, scores.shape, [1])
     if visible is not None:
-        pv = [jnp.where(v, x, 0.0) for x, v in zip(pv, visible)]  # 0 * a garbage scale could be NaN
-    pv_max = jnp.maximum(pv[0].max(axis=1), pv[1].max(axis=1))
-    factor = lax.broadcast_in_dim(FP8_E4M3_MAX / jnp.maximum(pv_max, MIN_PV_ROW_MAX), (BLOCK_M, HALF), [0])
-    return m_new, alpha, l, [x * factor for x in pv], pv_max
+        pv = jnp.where(visible, pv, 0.0)  # 0 * a garbage scale could be NaN
+    pv_max = jnp.exp2(log_pv_max - m_safe)
+    factor = FP8_E4M3_MAX / jnp.maximum(pv_max, MIN_PV_ROW_MAX)
+    return m_new, alpha, l_part, pv * lax.broadcast_in_dim(factor, pv.shape, [0]), pv_max
 
 
 def v_words(chunk_ref, t0, seq_len, *, masked: bool) -> jax.Array:
@@ -439,18 +480,20 @@ def write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg) ->
 
 def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
             o_ref, lse_ref,
-            q_union, qr_s, qsc_s, lse_s, kv_union, rope_s, ksc_s, p_union,
-            step_bar, qk_done_bar, consumed_bar, q_bar, end_bar,
+            q_union, qr_s, qsc_s, lse_s, kv_union, rope_union, ksc_s, p_union, stats_s, lsum_s,
+            step_bar, qk_done_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar,
             *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, interpret: bool):
     """One CTA: (batch row b, KV split s, row block r), two warpgroups; shapes in the module docstring.
 
     SMEM (shared by both warpgroups): q_union = (q8_s e4m3 [4, 64, 128] | o_s
     [2, 64, 128] bf16 or [2, 64, 64] f32 output staging, one tile per
-    warpgroup), qr_s bf16 [64, 64],
-    qsc_s f32 [64], lse_s f32 [64], kv_union = (kv8_s e4m3 [2, 4, 128, 128] |
-    kv16_s uint16 [2, 4, 128, 64]) (slot, chunk, step row, feature: K, then V^T
-    in place), rope_s bf16 [2, 128, 64], ksc_s f32 [2, 128], p_union = (p16_s
-    uint16 [2, 64, 64] | p8_s e4m3 [2, 64, 128]) (one P' per warpgroup).
+    warpgroup), qr_s bf16 [64, 64], qsc_s f32 [64], lse_s f32 [64], kv_union =
+    (kv8_s e4m3 [2, 4, 128, 128] | kv16_s uint16 [2, 4, 128, 64]) (slot, chunk,
+    step row, feature: K, then V^T in place), rope_union = (rope_s bf16 [2, 128,
+    64] | xb e4m3 [2, 4, 64, 64]: the P' byte halves at [slot, wg]), ksc_s f32
+    [2, 128], p_union = (p16_s uint16 [2, 64, 64] | p8_s e4m3 [2, 64, 128]) (one
+    P' per warpgroup), stats_s f32 [2 slots, 2 warpgroups, 2, 64] (row max, log
+    pv max), lsum_s f32 [2, 64] (each warpgroup's partial l, after the loop).
     """
     b = lax.axis_index("b")
     split = lax.axis_index("s")
@@ -458,51 +501,72 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     wg = lax.axis_index("wg")
     q8_s, o_s = q_union
     kv8_s, kv16_s = kv_union
+    rope_s, xb = rope_union
     p16_s, p8_s = p_union
     seq_len = seq_lens_ref[b]
     layer_offset = off_ref[0]
     first_step, num_steps, unmasked_steps = cta_steps(seq_len, split, s_q=s_q, num_splits=num_splits)
     row0 = _aligned(r * BLOCK_M, BLOCK_M)
+    my_rows = _aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
     issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar)
     start_cta(wg, first_step, num_steps, issue, (q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar)
-    q_scale = plgpu.load(qsc_s, layout=plgpu.Layout.WGMMA.reduce(1))
+    q_scale = plgpu.load(qsc_s, layout=ROW)
     my_p8 = p8_s.at[wg]
 
     def step(j, carry, *, masked: bool):
-        accs, m, l = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
+        accs, m, l_part = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
         t0 = (first_step + j) * STEP
         slot = begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar)
 
-        k_scales = [plgpu.load(ksc_s.at[slot, pl.ds(half * HALF, HALF)], layout=plgpu.Layout.WGMMA.reduce(0))
-                    for half in range(2)]
-        scores = step_scores(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scales, interpret=interpret)
+        k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=COL)
+        scores = step_scores(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scale, my_rows,
+                             interpret=interpret)
         plgpu.barrier_arrive(qk_done_bar.at[slot])
 
-        visible = None
-        if masked:
-            visible = [step_visibility(row0, t0, seq_len, half, s_q=s_q, num_heads=num_heads) for half in range(2)]
-        m_new, alpha, l, p_scaled, pv_max = softmax_step(scores, k_scales, m, l, scale_log2, visible)
-        if not interpret:
-            # Word k of a row: tokens 2k and 2k + 1 = column k of each half.
-            p16_s[wg] = pack_e4m3_pairs(*p_scaled)
-        else:
-            for half in range(2):
-                my_p8[:, pl.ds(half * HALF, HALF)] = p_scaled[half].astype(FP8_DTYPE)
+        visible = step_visibility(row0, t0, seq_len, wg, s_q=s_q, num_heads=num_heads) if masked else None
+        scores, row_max, log_pv_max = local_stats(scores, k_scale, scale_log2, visible)
+        stats_s[slot, wg, 0] = row_max
+        stats_s[slot, wg, 1] = log_pv_max
+        plgpu.barrier_arrive(stats_bar.at[slot])
+        plgpu.barrier_wait(stats_bar.at[slot])
+        other = 1 - wg
+        row_max = jnp.maximum(row_max, plgpu.load(stats_s.at[slot, other, 0], layout=ROW))
+        log_pv_max = jnp.maximum(log_pv_max, plgpu.load(stats_s.at[slot, other, 1], layout=ROW))
+        m_new, alpha, l_part, p_scaled, pv_max = softmax_half(scores, k_scale, m, l_part, row_max, log_pv_max,
+                                                              visible)
 
-        plgpu.barrier_wait(qk_done_bar.at[slot])  # both warpgroups have read the slot as K
+        # Both warpgroups are past their QK: the RoPE slot takes the P' bytes, and
+        # my latent chunks become their V^T. (The statistics barrier above implies
+        # this one, as each warpgroup reaches it after its QK wgmmas completed;
+        # dropping qk_done measured mixed on an H100, one run each: 10% slower at
+        # B=64 x 16k x 128, 3% faster at 32 x 16k and 8 x 64k. To re-measure.)
+        plgpu.barrier_wait(qk_done_bar.at[slot])
+        xb[slot, wg] = jnp.minimum(p_scaled, FP8_E4M3_MAX).astype(FP8_DTYPE)
         v_operands = v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, masked=masked, interpret=interpret)
+        plgpu.barrier_arrive(pexch_bar.at[slot])
+        plgpu.barrier_wait(pexch_bar.at[slot])
+        if not interpret:
+            # Word k of a row: tokens 2k (warpgroup 0's column k) and 2k + 1.
+            p16_s[wg] = interleave_bytes(plgpu.load(xb.at[slot, 0], layout=plgpu.Layout.WGMMA),
+                                         plgpu.load(xb.at[slot, 1], layout=plgpu.Layout.WGMMA))
+        else:
+            for half in range(NUM_WGS):
+                my_p8[:, pl.ds(half * HALF, HALF)] = xb[slot, half]
         plgpu.commit_smem()  # generic-proxy stores (P', V^T) -> visible to wgmma
         new_accs = pv_update(accs, my_p8, v_operands, alpha, pv_max)
         plgpu.barrier_arrive(consumed_bar.at[slot])
-        return (*new_accs, m_new, l)
+        return (*new_accs, m_new, l_part)
 
     carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), initial_carry())
-    *accs, m, l = lax.fori_loop(unmasked_steps, num_steps, functools.partial(step, masked=True), carry)
+    *accs, m, l_part = lax.fori_loop(unmasked_steps, num_steps, functools.partial(step, masked=True), carry)
     drain_consumed(wg, num_steps, consumed_bar)
-    # The output staging reuses Q8's bytes: wait until both warpgroups are past their last QK.
+    lsum_s[wg] = l_part
+    # Both warpgroups are past their last QK (Q8's bytes become the output
+    # staging) and have published their partial l.
     plgpu.barrier_arrive(end_bar)
     plgpu.barrier_wait(end_bar)
-    write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg)
+    write_outputs(accs, m, l_part + plgpu.load(lsum_s.at[1 - wg], layout=ROW), o_s, lse_s, o_ref, lse_ref, b, split,
+                  row0, wg)
 
 
 def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, *, page_size: int):
@@ -523,17 +587,10 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset,
             rope.reshape(rope.shape[0] // 2, 2, ROPE), step_scales(scale, block_table, layer_offset))
 
 
-def launch(body, kernel_name: str, q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, *,
-           softmax_scale: float, page_size: int, s_q: int, num_heads: int, num_splits: int, interpret: bool,
-           rope_scratch=None, extra_scratch=(), extra_barriers: int = 0) -> tuple[jax.Array, jax.Array]:
-    """Run a kernel body with this file's launch: inputs, grid (b, split, row block), two
-    warpgroups, SMEM, the merge of split-KV partials.
-
-    The body gets, after the inputs and outputs: q_union, qr_s, qsc_s, lse_s, kv_union,
-    the RoPE ring (``rope_scratch``, default bf16 [2, 128, 64]), ksc_s, p_union,
-    ``extra_scratch``, then the barriers step_bar, qk_done_bar, ``extra_barriers`` more
-    per-slot barriers of 2 arrivals, consumed_bar, q_bar, end_bar.
-    """
+def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, *, softmax_scale: float,
+           page_size: int, s_q: int, num_heads: int, num_splits: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """``_kernel`` on its grid (b, split, row block) with two warpgroups, its SMEM and barriers,
+    and the merge of split-KV partials."""
     batch, num_rows, _ = q_rows.shape
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size)
@@ -543,7 +600,7 @@ def launch(body, kernel_name: str, q_rows, q_rope_rows, cache_arrays, block_tabl
     stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # the staging tile fits in Q8's 32 KB
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
     kernel = plgpu.kernel(
-        functools.partial(body, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
+        functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
                           num_splits=num_splits, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((batch, num_splits, num_rows, RANK), out_dtype),
                   jax.ShapeDtypeStruct((batch, num_splits, num_rows), jnp.float32)),
@@ -555,15 +612,15 @@ def launch(body, kernel_name: str, q_rows, q_rope_rows, cache_arrays, block_tabl
             plgpu.SMEM((BLOCK_M,), jnp.float32),
             plgpu.RefUnion(plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
                            plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK // 2), jnp.uint16)),
-            rope_scratch or plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
+            plgpu.RefUnion(plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
+                           plgpu.SMEM((NUM_SLOTS, XB_TILES_PER_SLOT, BLOCK_M, HALF), FP8_DTYPE)),
             plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
             plgpu.RefUnion(plgpu.SMEM((NUM_WGS, BLOCK_M, HALF), jnp.uint16),
                            plgpu.SMEM((NUM_WGS, BLOCK_M, STEP), FP8_DTYPE)),
-            *extra_scratch,
+            plgpu.SMEM((NUM_SLOTS, NUM_WGS, 2, BLOCK_M), jnp.float32),
+            plgpu.SMEM((NUM_WGS, BLOCK_M), jnp.float32),
             plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
-            slot_barrier(),
-            *(slot_barrier() for _ in range(extra_barriers)),
-            slot_barrier(),
+            *(slot_barrier() for _ in range(4)),  # qk_done, stats, pexch, consumed
             plgpu.Barrier(num_arrivals=COPIES_Q),
             plgpu.Barrier(num_arrivals=NUM_WGS),
         ],
@@ -571,7 +628,7 @@ def launch(body, kernel_name: str, q_rows, q_rope_rows, cache_arrays, block_tabl
         grid_names=("b", "s", "r"),
         num_threads=NUM_WGS,
         thread_name="wg",
-        kernel_name=kernel_name,
+        kernel_name="snapmla_decode_fp8_mgpu",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     out, lse = kernel(seq_lens, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
@@ -595,6 +652,5 @@ def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tup
     decoding); their float32 partials are merged with their log-sum-exp, as the
     Triton kernel's are (``_combine_splits``).
     """
-    return launch(_kernel, "snapmla_decode_fp8_mgpu", q_rows, q_rope_rows, cache_arrays, block_table, seq_lens,
-                  layer_offset, softmax_scale=softmax_scale, page_size=page_size, s_q=s_q, num_heads=num_heads,
-                  num_splits=num_splits, interpret=interpret)
+    return launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, softmax_scale=softmax_scale,
+                  page_size=page_size, s_q=s_q, num_heads=num_heads, num_splits=num_splits, interpret=interpret)

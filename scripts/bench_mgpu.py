@@ -1,17 +1,15 @@
-"""Time the Mosaic GPU FP8 decode kernels against the Triton FP8 kernel and the BF16 twin.
+"""Time the Mosaic GPU FP8 decode kernel against the Triton FP8 kernel and the BF16 twin.
 
     PYTHONPATH=. python scripts/bench_mgpu.py --out /tmp/bench_mgpu [--shapes 64x16384x128x1 ...]
 
 Same caches and queries as ``python -m snapmla_jax.bench decode`` (page 64, every
 row at the full context), each variant timed with warm-up and a median
 (snapmla_jax/bench/timing.py), side by side in one run. Variants: the Mosaic
-kernel ("mosaic", pallas_kernels/mla_decode_mgpu.py, the default), its
-experimental sibling with the score tile split between the warpgroups
-("mosaic_split", mla_decode_mgpu_split.py), both with KV splits from
-``choose_num_splits``, the Triton FP8 kernel and the BF16 twin. Each Mosaic
-output is compared with the Triton FP8 kernel's (relative L2 difference: both
-round Q and P' to e4m3, with P' factors per 64 vs 128 tokens). Writes
-bench_mgpu.json under --out.
+kernel ("mosaic", pallas_kernels/mla_decode_mgpu.py, the default, with KV
+splits from ``choose_num_splits``), the Triton FP8 kernel and the BF16 twin.
+The Mosaic output is compared with the Triton FP8 kernel's (relative L2
+difference: both round Q and P' to e4m3, with P' factors per 64 vs 128
+tokens). Writes bench_mgpu.json under --out.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ import numpy as np
 
 from pallas_kernels.mla_decode import FP8_CONFIG
 from pallas_kernels.mla_decode_mgpu import BLOCK_M, mla_decode_mgpu
-from pallas_kernels.mla_decode_mgpu_split import mla_decode_mgpu_split
 from snapmla_jax.bench import timing
 from snapmla_jax.bench.decode import make_caches, make_queries
 from snapmla_jax.decode import _sm_count, choose_num_splits, mla_decode
@@ -37,14 +34,14 @@ SHAPES = ("64x16384x128x1", "32x16384x128x1", "128x4096x128x1", "8x65536x128x1",
           "32x4096x128x2")
 
 
-def mgpu_decode(q, q_rope, cache, block_table, seq_lens, *, softmax_scale, kernel=mla_decode_mgpu, **kwargs):
-    """A Mosaic kernel on the API's shapes (page 64, layer 0); kwargs: num_splits."""
+def mgpu_decode(q, q_rope, cache, block_table, seq_lens, *, softmax_scale, **kwargs):
+    """The Mosaic kernel on the API's shapes (page 64, layer 0); kwargs: num_splits."""
     batch, s_q, heads, rank = q.shape
     rows = s_q * heads
     padded = -(-rows // BLOCK_M) * BLOCK_M
     to_rows = lambda a: jnp.pad(a.reshape(batch, rows, a.shape[-1]), [(0, 0), (0, padded - rows), (0, 0)])
     flat = (cache.latent.reshape(-1, rank), cache.scale.reshape(-1), cache.rope.reshape(-1, cache.rope.shape[-1]))
-    out, _ = kernel(to_rows(q), to_rows(q_rope), flat, block_table, seq_lens, jnp.zeros((1,), jnp.int32),
+    out, _ = mla_decode_mgpu(to_rows(q), to_rows(q_rope), flat, block_table, seq_lens, jnp.zeros((1,), jnp.int32),
                              softmax_scale=softmax_scale, page_size=64, s_q=s_q, num_heads=heads, **kwargs)
     return out[:, :rows].reshape(q.shape)
 
@@ -68,9 +65,6 @@ def main(argv=None) -> int:
         variants = {
             "mosaic": (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                         num_splits=splits))),
-            "mosaic_split": (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
-                                                                              kernel=mla_decode_mgpu_split,
-                                                                              num_splits=splits))),
             # Pinned: compiled fp8 decoding with 64-token pages defaults to the Mosaic kernel.
             "triton_fp8": (fp8, jax.jit(lambda q, qr, c, bt, n: mla_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                            backend="pallas", config=FP8_CONFIG))),
@@ -94,15 +88,14 @@ def main(argv=None) -> int:
                 continue
             row[name] = {"ms": ms, "first_call_s": compile_s}
             print(shape, name, json.dumps(row[name]), flush=True)
-        for mosaic in ("mosaic", "mosaic_split"):
-            if mosaic in outs and "triton_fp8" in outs:
-                a, b = outs[mosaic], outs["triton_fp8"]
-                row[f"rel_l2_{mosaic}_vs_triton_fp8"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
-                row[f"{mosaic}_finite"] = bool(np.isfinite(a).all())
-                print(shape, mosaic, "rel_l2", row[f"rel_l2_{mosaic}_vs_triton_fp8"], flush=True)
-            for name in ("triton_fp8", "triton_bf16"):
-                if isinstance(row.get(mosaic), dict) and isinstance(row.get(name), dict):
-                    row[f"{mosaic}_speedup_vs_{name}"] = row[name]["ms"] / row[mosaic]["ms"]
+        if "mosaic" in outs and "triton_fp8" in outs:
+            a, b = outs["mosaic"], outs["triton_fp8"]
+            row["rel_l2_mosaic_vs_triton_fp8"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+            row["mosaic_finite"] = bool(np.isfinite(a).all())
+            print(shape, "mosaic rel_l2", row["rel_l2_mosaic_vs_triton_fp8"], flush=True)
+        for name in ("triton_fp8", "triton_bf16"):
+            if isinstance(row.get("mosaic"), dict) and isinstance(row.get(name), dict):
+                row[f"mosaic_speedup_vs_{name}"] = row[name]["ms"] / row["mosaic"]["ms"]
         results["rows"].append(row)
         del fp8, bf16, outs
         (out_dir / "bench_mgpu.json").write_text(json.dumps(results, indent=1))

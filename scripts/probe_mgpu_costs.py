@@ -2,11 +2,13 @@
 
     PYTHONPATH=. python scripts/probe_mgpu_costs.py --out $OUT [--shape 64x16384x128x1]
 
-Each variant replaces one of the step helpers of ``mla_decode_mgpu``
-(``step_scores``, ``softmax_step``, ``v_words``) by a cheaper stand-in
-with the same shapes and layouts, recompiles, and times it next to the
-unmodified kernel. The results are wrong by design; only the time counts: the
-difference to "baseline" bounds what that part costs. Writes probe_costs.json.
+Each variant replaces one or more of the step helpers of ``mla_decode_mgpu``
+(``step_scores``, ``qk8_promoted``, ``softmax_half``, ``v_words``,
+``v_operands_in_place``, ``pv_update``) by a cheaper stand-in or another
+variant with the same shapes and layouts, recompiles, and times it next to the
+unmodified kernel. The results of the stand-ins are wrong by design; only the
+time counts: the difference to "baseline" bounds what that part costs. Writes
+probe_costs.json.
 """
 
 from __future__ import annotations
@@ -20,33 +22,62 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kernels.mla_decode_mgpu as mgpu_kernel
-from pallas_kernels.mla_decode_mgpu import BLOCK_M, CHUNK, HALF, NUM_CHUNKS
+from pallas_kernels.mla_decode_mgpu import BLOCK_M, CHUNK, CHUNKS_PER_WG, HALF, NUM_CHUNKS
 from snapmla_jax.bench import timing
 from snapmla_jax.bench.decode import make_caches, make_queries
 from snapmla_jax.decode import _sm_count, choose_num_splits
 
 ROOT = pathlib.Path(__file__).resolve().parent
-ORIGINAL = {name: getattr(mgpu_kernel, name) for name in ("step_scores", "softmax_step", "v_words")}
+ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
+            ("step_scores", "qk8_promoted", "softmax_half", "v_words", "v_operands_in_place", "pv_update")}
 
 
-def scores_fp8_only(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpret):
-    """The FP8 product only, unscaled, one chain per 64-token half: no RoPE wgmma, no promotion."""
-    def qk8(acc_ref, rows):
-        for ch in range(NUM_CHUNKS):
+def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
+    """The RoPE wgmma issued first, into its own accumulator, and added in registers: it runs
+    beside the FP8 chains instead of after them (one accumulator more is live)."""
+    rows = pl.ds(first_row, HALF)
+
+    def body(rope_ref):
+        plgpu.wgmma(rope_ref, qr_s, rope_slot.at[rows].transpose((1, 0)))
+        s8 = mgpu_kernel.qk8_promoted(q8_s, kv_slot, rows)
+        return (s8 * lax.broadcast_in_dim(q_scale, (BLOCK_M, HALF), [0])
+                * lax.broadcast_in_dim(k_scale, (BLOCK_M, HALF), [1]) + rope_ref[...])
+    return pl.run_scoped(body, plgpu.ACC((BLOCK_M, HALF), jnp.float32))
+
+
+def qk8_promotion_256(q8_s, kv_slot, rows):
+    """fp32 promotion every 256 features instead of 128: two wgmma chains, not four."""
+    def chain(acc_ref, first):
+        for ch in (first, first + 1):
             plgpu.wgmma(acc_ref, q8_s.at[ch], kv_slot.at[ch, rows].transpose((1, 0)))
         return acc_ref[...]
-    return [pl.run_scoped(functools.partial(qk8, rows=pl.ds(half * HALF, HALF)),
-                          plgpu.ACC((BLOCK_M, HALF), jnp.float32)) for half in range(2)]
+    return functools.reduce(jnp.add, [pl.run_scoped(functools.partial(chain, first=first),
+                                                    plgpu.ACC((BLOCK_M, HALF), jnp.float32)) for first in (0, 2)])
 
 
-def softmax_none(scores, k_scale, m, l, scale_log2, visible=None):
-    """No softmax: P' is the scores (still rounded and packed)."""
-    one = l * 0.0 + 1.0
-    return m, one, l, scores, one
+def scores_fp8_only(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
+    """The FP8 product only, unscaled, one 512-feature chain: no RoPE wgmma, no promotion."""
+    def qk8(acc_ref):
+        for ch in range(NUM_CHUNKS):
+            plgpu.wgmma(acc_ref, q8_s.at[ch], kv_slot.at[ch, pl.ds(first_row, HALF)].transpose((1, 0)))
+        return acc_ref[...]
+    return pl.run_scoped(qk8, plgpu.ACC((BLOCK_M, HALF), jnp.float32))
+
+
+def scores_constant(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
+    """No QK wgmmas at all: constant scores (the wait for the step's TMA remains)."""
+    return plgpu.layout_cast(jnp.full((BLOCK_M, HALF), 1.0, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def softmax_none(scores, k_scale, m, l_part, row_max, log_pv_max, visible=None):
+    """No softmax: P' is the scores (still rounded, exchanged and packed)."""
+    one = l_part * 0.0 + 1.0
+    return m, one, l_part, scores, one
 
 
 def v_words_constant(chunk_ref, t0, seq_len, *, masked):
@@ -54,12 +85,30 @@ def v_words_constant(chunk_ref, t0, seq_len, *, masked):
     return plgpu.layout_cast(jnp.full((HALF, CHUNK), 0x3838, jnp.uint16), plgpu.Layout.WGMMA)
 
 
+def v_operands_untransposed(kv8_s, kv16_s, slot, wg, t0, seq_len, *, masked, interpret):
+    """No V^T: the slot's K bytes are read as V^T (no V loads, packing or transposed stores)."""
+    return [kv8_s.at[slot, wg * CHUNKS_PER_WG + i].transpose((1, 0)) for i in range(CHUNKS_PER_WG)]
+
+
+def pv_none(accs, p8_ref, v_operands, alpha, pv_max):
+    """No P'.V wgmma: the accumulators are only rescaled."""
+    alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_M, CHUNK), [0])
+    return [acc * alpha_b for acc in accs]
+
+
 VARIANTS = {
     "baseline": {},
+    "rope_first": {"step_scores": scores_rope_first},
+    "promotion_256": {"qk8_promoted": qk8_promotion_256},
     "no_rope": {"step_scores": scores_fp8_only},
-    "no_softmax": {"softmax_step": softmax_none},
+    "no_qk": {"step_scores": scores_constant},
+    "no_softmax": {"softmax_half": softmax_none},
     "v_constant": {"v_words": v_words_constant},
-    "all_cheap": {"step_scores": scores_fp8_only, "softmax_step": softmax_none, "v_words": v_words_constant},
+    "no_v_transpose": {"v_operands_in_place": v_operands_untransposed},
+    "no_pv": {"pv_update": pv_none},
+    # The TMA ring, barriers, statistics and P' exchange, P' packing and output alone.
+    "no_compute": {"step_scores": scores_constant, "softmax_half": softmax_none,
+                   "v_operands_in_place": v_operands_untransposed, "pv_update": pv_none},
 }
 
 

@@ -20,7 +20,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -28,15 +27,15 @@ from pallas_kernels.fp8 import quantize_per_token
 from pallas_kernels.mla_decode import mla_decode_reference
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-def _load_probe():
-    spec = importlib.util.spec_from_file_location("probe_mgpu_transpose", ROOT / "scripts/probe_mgpu_transpose.py")
+def _load_script(name: str = "probe_mgpu_transpose"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"scripts/{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 def test_transpose_probe_lowers_for_cuda():
-    probe = _load_probe()
+    probe = _load_script()
     p = jnp.zeros((64, 128), jnp.float8_e4m3fn)
     vp = jnp.zeros((64, 2, 128), jnp.uint8)
     jax.jit(lambda a, b: probe.build()(a, b)).trace(p, vp).lower(lowering_platforms=("cuda",))
@@ -57,25 +56,14 @@ def _inputs(seed, *, batch, heads, pages_per_row, seq_lens, s_q=1):
     return q, q_rope, latent, scale, rope, block_table, jnp.asarray(seq_lens, jnp.int32)
 
 
-# "base": pallas_kernels/mla_decode_mgpu.py (the default); "split": mla_decode_mgpu_split.py
-# (experimental: the score tile split between the warpgroups).
-KERNELS = pytest.mark.parametrize("kernel", ["base", "split"])
-
-
-def _kernel_fn(kernel):
-    from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
-    from pallas_kernels.mla_decode_mgpu_split import mla_decode_mgpu_split
-    return {"base": mla_decode_mgpu, "split": mla_decode_mgpu_split}[kernel]
-
-
-def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_scale, *, kernel="base",
-                 layer_pages=0, num_splits=1, interpret=False):
+def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_scale, *, layer_pages=0, num_splits=1,
+                 interpret=False):
     """The kernel on the API's shapes: rows padded to 64, the cache flattened.
 
     ``layer_pages`` > 0 puts a layer of NaN pages in front of the cache and reads
     the second layer through ``layer_offset``, as a multi-layer cache does.
     """
-    from pallas_kernels.mla_decode_mgpu import BLOCK_M
+    from pallas_kernels.mla_decode_mgpu import BLOCK_M, mla_decode_mgpu
     batch, s_q, heads, rank = q.shape
     rows = s_q * heads
     padded = -(-rows // BLOCK_M) * BLOCK_M
@@ -84,19 +72,33 @@ def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_
     cache = [latent.reshape(n, rank), scale.reshape(n), rope.reshape(n, 64)]
     if layer_pages:
         cache = [jnp.concatenate([jnp.full((layer_pages * 64, *a.shape[1:]), jnp.nan, a.dtype), a]) for a in cache]
-    out, lse = _kernel_fn(kernel)(to_rows(q), to_rows(q_rope), tuple(cache), block_table, seq_lens,
+    out, lse = mla_decode_mgpu(to_rows(q), to_rows(q_rope), tuple(cache), block_table, seq_lens,
                                jnp.full((1,), layer_pages * 64, jnp.int32), softmax_scale=softmax_scale,
                                page_size=64, s_q=s_q, num_heads=heads, num_splits=num_splits, interpret=interpret)
     return out[:, :rows].reshape(q.shape), lse[:, :rows].reshape(batch, s_q, heads)
 
 
-@KERNELS
 @pytest.mark.parametrize("s_q,num_splits", [(1, 1), (2, 1), (1, 4)])
-def test_kernel_lowers_for_cuda(kernel, s_q, num_splits):
+def test_kernel_lowers_for_cuda(s_q, num_splits):
     """Layout inference, SMEM allocation (fits in an H100's 227 KB) and lowering to MLIR, without a GPU."""
     args = _inputs(0, batch=2, heads=64, pages_per_row=3, seq_lens=[100, 0], s_q=s_q)
-    call = lambda *a: _call_kernel(*a, 0.1, kernel=kernel, num_splits=num_splits)
+    call = lambda *a: _call_kernel(*a, 0.1, num_splits=num_splits)
     jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_cost_probe_variants_lower_for_cuda(monkeypatch):
+    """scripts/probe_mgpu_costs.py swaps the kernel's step helpers for stand-ins: each variant
+    still matches the helpers' signatures and lowers (the probe itself needs a GPU)."""
+    import pallas_kernels.mla_decode_mgpu as kernel_module
+    probe = _load_script("probe_mgpu_costs")
+    args = _inputs(0, batch=2, heads=64, pages_per_row=3, seq_lens=[100, 0])
+    for name, swaps in probe.VARIANTS.items():
+        for helper, original in probe.ORIGINAL.items():
+            monkeypatch.setattr(kernel_module, helper, swaps.get(helper, original))
+        jax.clear_caches()  # the kernel's jit cache would hand back the previous variant
+        jax.jit(lambda *a: _call_kernel(*a, 0.1)).trace(*args).lower(lowering_platforms=("cuda",))
+    monkeypatch.undo()
+    jax.clear_caches()  # later tests must trace the real helpers again
 
 
 # Steps before a row's last one run unmasked (a second loop runs the masked
@@ -111,12 +113,12 @@ CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages,splits", [
 ])
 
 
-def _check(kernel, heads, s_q, seq_lens, layer_pages, splits, *, interpret):
+def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret):
     """Kernel vs ``mla_decode_reference(block_n=128)``; returns (max error / max |ref|, max lse error, lse scale)."""
     q, q_rope, latent, scale, rope, block_table, lens = _inputs(heads + s_q, batch=3, heads=heads, pages_per_row=5,
                                                                 seq_lens=seq_lens, s_q=s_q)
     softmax_scale = 576 ** -0.5
-    out, lse = _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale, kernel=kernel,
+    out, lse = _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale,
                             layer_pages=layer_pages, num_splits=splits, interpret=interpret)
     # The reference rounds Q and P' to e4m3 as the kernel does (P' factor per
     # 128-token step), with exact products, on the same pages without a layer offset.
@@ -131,7 +133,7 @@ def _check(kernel, heads, s_q, seq_lens, layer_pages, splits, *, interpret):
     return float(err), float(np.max(np.abs(lse[seen] - ref_lse[seen]))), float(np.max(np.abs(ref_lse[seen])))
 
 
-def _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages, splits):
+def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits):
     """``_check`` in interpret mode in a fresh process that has 8 CPU devices.
 
     The interpreter runs each warpgroup as a thread whose memory operations
@@ -143,7 +145,7 @@ def _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages, splits):
     """
     code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
             "import test_mla_decode_mgpu as t; "
-            f"print(json.dumps(t._check({kernel!r}, {heads}, {s_q}, {seq_lens!r}, {layer_pages}, {splits}, "
+            f"print(json.dumps(t._check({heads}, {s_q}, {seq_lens!r}, {layer_pages}, {splits}, "
             "interpret=True)))")
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -151,9 +153,8 @@ def _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages, splits):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@KERNELS
 @CASES
-def test_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
+def test_kernel_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
     """On CPU: paging through the token-pair views, step order, the unmasked and masked
     loops, s_q, layer offset, split-KV, the barriers between the two warpgroups and the
     ring's reuse.
@@ -161,7 +162,7 @@ def test_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens, laye
     Not covered here: the V transpose, the byte packing and the RoPE product
     accumulated onto the FP8 scores; the GPU test below covers them.
     """
-    err, lse_err, _ = _check_in_subprocess(kernel, heads, s_q, seq_lens, layer_pages, splits)
+    err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits)
     # Same roundings in fp32 on both sides: what differs is summation order, which
     # can move a P' value across an e4m3 rounding boundary (one ulp, 2**-3
     # relative, on one weight of >= 100), plus the bf16 output (2**-9): 4e-3.
@@ -170,10 +171,9 @@ def test_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens, laye
 
 
 @pytest.mark.gpu
-@KERNELS
 @CASES
-def test_kernel_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
-    err, lse_err, lse_scale = _check(kernel, heads, s_q, seq_lens, layer_pages, splits, interpret=False)
+def test_kernel_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
+    err, lse_err, lse_scale = _check(heads, s_q, seq_lens, layer_pages, splits, interpret=False)
     # As in the interpreter, plus Hopper's FP8 MMA accumulating Q.K in ~14 bits
     # (test_mla_decode_gpu.py): scores move by up to ~2**-9 of their magnitude,
     # which shifts P' roundings more often: 2e-2 of the largest output. The

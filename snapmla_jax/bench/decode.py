@@ -14,7 +14,8 @@ and each method is timed as the median of a few synchronised calls. Columns:
 
 Writes ``decode.json`` and ``decode.md`` under ``--out`` (docs/benchmarks).
 ``--merge`` keeps rows of an earlier run whose shapes this run does not cover,
-so a long grid can be measured in several invocations.
+so a long grid can be measured in several invocations; the "measured" column
+says when each row was (a kernel change between invocations shows there).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import math
 import pathlib
 import sys
+import time
 import traceback
 
 import jax
@@ -110,7 +112,8 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
     run = lambda backend, config=None: jax.jit(
         lambda q, qr, cache, bt, n: mla_decode(q, qr, cache, bt, n, softmax_scale=scale, backend=backend,
                                                config=config))
-    row = dict(batch=batch, context=context, heads=heads, s_q=s_q)
+    row = dict(batch=batch, context=context, heads=heads, s_q=s_q,
+               measured_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
     io_bytes = batch * s_q * heads * (RANK + ROPE + RANK) * 2
     flops = 2 * batch * s_q * heads * context * (RANK + ROPE + RANK)
     flops_rope = 2 * batch * s_q * heads * context * ROPE
@@ -156,19 +159,24 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
     return row
 
 
+def shape_key(row: dict) -> tuple[int, int, int, int]:
+    return row["batch"], row["context"], row["heads"], row["s_q"]
+
+
 def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str | None,
                 merged: bool = False) -> str:
     fmt = lambda v, spec="{:.3g}": "-" if v is None else spec.format(v)
     pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"
     cols = ["B", "ctx", "H", "s_q", "FP8 ms", "BF16 ms", "XLA bf16 ms", "FP8/BF16", "FP8/XLA",
             "FP8 GB/s", "FP8 TFLOP/s", "FP8 % roof", "BF16 GB/s", "BF16 TFLOP/s", "BF16 % roof", "XLA % roof",
-            "Triton FP8 ms", "Triton/BF16", "Triton % roof"]
+            "Triton FP8 ms", "Triton/BF16", "Triton % roof", "measured (UTC)"]
     body = [[r["batch"], r["context"], r["heads"], r["s_q"], fmt(r.get("fp8_ms")), fmt(r.get("bf16_ms")),
              fmt(r.get("xla_bf16_ms")), fmt(r.get("fp8_over_bf16"), "{:.2f}x"), fmt(r.get("fp8_over_xla"), "{:.2f}x"),
              fmt(r.get("fp8_gbps"), "{:.0f}"), fmt(r.get("fp8_tflops"), "{:.0f}"), pct(r.get("fp8_roofline")),
              fmt(r.get("bf16_gbps"), "{:.0f}"), fmt(r.get("bf16_tflops"), "{:.0f}"), pct(r.get("bf16_roofline")),
              pct(r.get("xla_bf16_roofline")), fmt(r.get("fp8_triton_ms")),
-             fmt(r.get("fp8_triton_over_bf16"), "{:.2f}x"), pct(r.get("fp8_triton_roofline"))] for r in rows]
+             fmt(r.get("fp8_triton_over_bf16"), "{:.2f}x"), pct(r.get("fp8_triton_roofline")),
+             r.get("measured_utc", "-")] for r in rows]
     notes = sorted({f"{k[:-5]}: {r[k]}" for r in rows for k in r if k.endswith("_note") and k != "stock_mqa_note"})
     stock = ("runs (times in decode.json)" if stock_reason is None else f"does not run: {stock_reason}")
     lines = [
@@ -177,14 +185,16 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         f"Device: {env['device']}, jax {env['jax']}, Python {env['python']}, date {env['date']}.",
         f"Ceilings measured in this run: copy {ceilings['copy_gbps']:.0f} GB/s, "
         f"BF16 GEMM {ceilings['bf16_tflops']:.0f} TFLOP/s, FP8 GEMM {ceilings['fp8_tflops']:.0f} TFLOP/s.",
-        *(["Rows kept from earlier invocations (--merge) carry the % roof of their own run's ceilings."]
+        *(["Rows kept from earlier invocations (--merge) were measured with the kernels of their time (the",
+           "\"measured\" column) and carry the % roof of their own run's ceilings."]
           if merged else []),
         "",
         "One decode step over one layer, page_size 64, all rows at the full context; times are medians.",
         "Shapes whose cache exceeds the kernels' int32 offsets (2**31 - 1 latent elements, e.g. B=128 x 64k)",
         "are not run: one decode call cannot address them (mla_decode raises ValueError).",
         "FP8 = the default SnapMLA FP8 kernel on the fp8 cache (644 B/token): with page_size 64 the",
-        "Mosaic GPU kernel (two warpgroups per CTA, pallas_kernels/mla_decode_mgpu.py). BF16 = the Triton",
+        "Mosaic GPU kernel (pallas_kernels/mla_decode_mgpu.py: two warpgroups, each scoring half of a step's",
+        "tokens and owning half of the output columns). BF16 = the Triton",
         "BF16 twin on the bf16 cache (1152 B/token). XLA bf16 = `mla_decode(..., backend=\"xla\")` on the",
         "bf16 cache (gather + einsum + softmax, what a JAX user writes today). Triton FP8 = the Triton",
         "FP8 kernel (`FP8_CONFIG`), the BF16 twin's sibling; \"-\" where not measured or failed (notes).",
@@ -227,11 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         earlier = json.loads((out / "decode.json").read_text())["rows"]
 
     def save(measured: list[dict]) -> str:
-        done = {(r["batch"], r["context"], r["heads"], r["s_q"]) for r in measured}
-        merged = [r for r in earlier if (r["batch"], r["context"], r["heads"], r["s_q"]) not in done] + measured
-        merged.sort(key=lambda r: (r["heads"], r["s_q"], r["batch"], r["context"]))
+        done = {shape_key(r) for r in measured}
+        kept = [r for r in earlier if shape_key(r) not in done]
+        merged = sorted(kept + measured, key=lambda r: (r["heads"], r["s_q"], r["batch"], r["context"]))
         ceil = dataclasses.asdict(ceilings)
-        markdown = to_markdown(env, ceil, merged, stock_reason, merged=bool(earlier))
+        markdown = to_markdown(env, ceil, merged, stock_reason, merged=bool(kept))
         timing.write_results(out, "decode", {**env, "ceilings": ceil, "stock_mqa": stock_reason or "runs"}, merged,
                              markdown)
         return markdown
