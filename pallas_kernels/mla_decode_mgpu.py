@@ -104,6 +104,8 @@ barriers and ring included, is the hardware code.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -218,11 +220,13 @@ def page_boxes(bt_ref, b, step, layer_offset):
 
 
 def issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, bar) -> None:
-    """TMA of a row block's query tiles: 4 FP8 chunks, the RoPE part and the per-row scale."""
+    """TMA of a row block's query tiles (as many rows as q8_s [4, rows, 128] holds): 4 FP8
+    chunks, the RoPE part and the per-row scale."""
+    rows = q8_s.shape[1]
     for ch in range(NUM_CHUNKS):
-        plgpu.copy_gmem_to_smem(q8_ref.at[b, pl.ds(row0, BLOCK_M), pl.ds(ch * CHUNK, CHUNK)], q8_s.at[ch], bar)
-    plgpu.copy_gmem_to_smem(qr_ref.at[b, pl.ds(row0, BLOCK_M)], qr_s, bar)
-    plgpu.copy_gmem_to_smem(qsc_ref.at[b, pl.ds(row0, BLOCK_M)], qsc_s, bar)
+        plgpu.copy_gmem_to_smem(q8_ref.at[b, pl.ds(row0, rows), pl.ds(ch * CHUNK, CHUNK)], q8_s.at[ch], bar)
+    plgpu.copy_gmem_to_smem(qr_ref.at[b, pl.ds(row0, rows)], qr_s, bar)
+    plgpu.copy_gmem_to_smem(qsc_ref.at[b, pl.ds(row0, rows)], qsc_s, bar)
 
 
 def qk8_promoted(q8_s, kv_slot, rows) -> jax.Array:
@@ -376,6 +380,38 @@ def start_cta(wg, first_step, num_steps, issue, query_refs, q_bar) -> None:
     plgpu.barrier_wait(q_bar)
 
 
+class Cta(NamedTuple):
+    """Where a CTA is and what it walks (``begin_cta``)."""
+    b: jax.Array  # batch row
+    split: jax.Array  # KV split
+    wg: jax.Array  # this warpgroup
+    seq_len: jax.Array
+    row0: jax.Array  # first query row of the block
+    first_step: jax.Array
+    num_steps: jax.Array
+    unmasked_steps: jax.Array
+    issue: Callable  # ``step_issuer``'s issue(step, slot)
+
+
+def begin_cta(seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
+              q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, *, s_q: int, num_splits: int) -> Cta:
+    """The start of a Mosaic decode CTA (grid b, split, row block of q8_s's rows): its steps
+    (``cta_steps``), the TMA issuer of the ring, then ``start_cta`` (query tiles and first step
+    in flight, the query waited for)."""
+    b = lax.axis_index("b")
+    split = lax.axis_index("s")
+    r = lax.axis_index("r")
+    wg = lax.axis_index("wg")
+    seq_len = seq_lens_ref[b]
+    layer_offset = off_ref[0]
+    first_step, num_steps, unmasked_steps = cta_steps(seq_len, split, s_q=s_q, num_splits=num_splits)
+    rows = q8_s.shape[1]
+    row0 = _aligned(r * rows, rows)
+    issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar)
+    start_cta(wg, first_step, num_steps, issue, (q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar)
+    return Cta(b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue)
+
+
 def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar):
     """Wait for step j's slot; warpgroup 0 issues step j + 1 into the other slot once both
     warpgroups have finished step j - 1's P'.V on it. Returns the slot."""
@@ -468,12 +504,18 @@ def write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg) ->
         plgpu.commit_smem()
         col0 = wg * CHUNKS_PER_WG * CHUNK + col
         plgpu.copy_smem_to_gmem(my_o, o_ref.at[b, split, pl.ds(row0, BLOCK_M), pl.ds(col0, cols)])
+    write_lse_and_wait(wg, m, l_safe, seen, lse_s, lse_ref, b, split, row0)
 
+
+def write_lse_and_wait(wg, m, l_safe, seen, lse_s, lse_ref, b, split, row0) -> None:
+    """From warpgroup 0, the block's lse (natural log; -inf for rows that saw no token) to
+    lse_ref[b, split, row0:row0 + rows] through lse_s f32 [rows]; then every copy out of SMEM
+    has finished."""
     @pl.when(wg == 0)
     def _():
         lse_s[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, split, pl.ds(row0, BLOCK_M)])
+        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, split, pl.ds(row0, lse_s.shape[0])])
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -495,21 +537,14 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     P' per warpgroup), stats_s f32 [2 slots, 2 warpgroups, 2, 64] (row max, log
     pv max), lsum_s f32 [2, 64] (each warpgroup's partial l, after the loop).
     """
-    b = lax.axis_index("b")
-    split = lax.axis_index("s")
-    r = lax.axis_index("r")
-    wg = lax.axis_index("wg")
     q8_s, o_s = q_union
     kv8_s, kv16_s = kv_union
     rope_s, xb = rope_union
     p16_s, p8_s = p_union
-    seq_len = seq_lens_ref[b]
-    layer_offset = off_ref[0]
-    first_step, num_steps, unmasked_steps = cta_steps(seq_len, split, s_q=s_q, num_splits=num_splits)
-    row0 = _aligned(r * BLOCK_M, BLOCK_M)
+    b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = begin_cta(
+        seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
+        q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits)
     my_rows = _aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
-    issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar)
-    start_cta(wg, first_step, num_steps, issue, (q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar)
     q_scale = plgpu.load(qsc_s, layout=ROW)
     my_p8 = p8_s.at[wg]
 
@@ -569,8 +604,9 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                   row0, wg)
 
 
-def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, *, page_size: int):
-    """Checks and launcher-side inputs.
+def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, *, page_size: int,
+                   block_rows: int = BLOCK_M):
+    """Checks and launcher-side inputs (``block_rows``: the query rows of a CTA).
 
     Returns (q8 e4m3 [B, rows, 512], q_scale f32 [B, rows], latent pairs e4m3
     [N/2, 2, 512], rope pairs bf16 [N/2, 2, 64] (free reshapes), step-ordered
@@ -579,8 +615,8 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset,
     num_rows, rank = q_rows.shape[1:]
     if page_size != PAGE or rank != RANK or q_rope_rows.shape[2] != ROPE or len(cache_arrays) != 3:
         raise ValueError(f"mla_decode_mgpu: FP8 cache, page_size {PAGE}, rank {RANK}, rope {ROPE} only")
-    if num_rows % BLOCK_M:
-        raise ValueError(f"q_rows: expected rows padded to a multiple of {BLOCK_M}, got {num_rows}")
+    if num_rows % block_rows:
+        raise ValueError(f"q_rows: expected rows padded to a multiple of {block_rows}, got {num_rows}")
     latent, scale, rope = cache_arrays
     q8, q_scale = quantize_per_token(q_rows.astype(jnp.float32))
     return (q8, q_scale, latent.reshape(latent.shape[0] // 2, 2, RANK),
@@ -624,19 +660,28 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
             plgpu.Barrier(num_arrivals=COPIES_Q),
             plgpu.Barrier(num_arrivals=NUM_WGS),
         ],
-        grid=(batch, num_splits, num_rows // BLOCK_M),
-        grid_names=("b", "s", "r"),
-        num_threads=NUM_WGS,
-        thread_name="wg",
-        kernel_name="snapmla_decode_fp8_mgpu",
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        **grid_params(batch, num_splits, num_rows // BLOCK_M, "snapmla_decode_fp8_mgpu", interpret),
     )
     out, lse = kernel(seq_lens, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
                       latent_pairs, scales, rope_pairs)
-    if num_splits == 1:
+    return merge_splits(out, lse, q_rows.dtype)
+
+
+def grid_params(batch: int, num_splits: int, row_blocks: int, kernel_name: str, interpret: bool) -> dict:
+    """``plgpu.kernel`` arguments shared by the Mosaic decode kernels: the grid (batch row,
+    KV split, row block) and two warpgroups."""
+    return dict(grid=(batch, num_splits, row_blocks), grid_names=("b", "s", "r"), num_threads=NUM_WGS,
+                thread_name="wg", kernel_name=kernel_name,
+                interpret=plgpu.InterpretGPUParams() if interpret else None)
+
+
+def merge_splits(out: jax.Array, lse: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """out [B, S, rows, 512], lse [B, S, rows] -> ([B, rows, 512] in ``dtype``, [B, rows]):
+    one split passes through, several are merged with their log-sum-exp."""
+    if out.shape[1] == 1:
         return out[:, 0], lse[:, 0]
     merged, merged_lse = _combine_splits(out, lse)
-    return merged.astype(q_rows.dtype), merged_lse
+    return merged.astype(dtype), merged_lse
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",

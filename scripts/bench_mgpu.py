@@ -5,11 +5,12 @@
 Same caches and queries as ``python -m snapmla_jax.bench decode`` (page 64, every
 row at the full context), each variant timed with warm-up and a median
 (snapmla_jax/bench/timing.py), side by side in one run. Variants: the Mosaic
-kernel ("mosaic", pallas_kernels/mla_decode_mgpu.py, the default, with KV
-splits from ``choose_num_splits``), the Triton FP8 kernel and the BF16 twin.
-The Mosaic output is compared with the Triton FP8 kernel's (relative L2
-difference: both round Q and P' to e4m3, with P' factors per 64 vs 128
-tokens). Writes bench_mgpu.json under --out.
+kernel ("mosaic", pallas_kernels/mla_decode_mgpu.py, the default), where
+s_q x H <= 32 the experimental 16-row kernel ("mosaic_small",
+mla_decode_mgpu_small.py), both with KV splits from ``choose_num_splits``, the
+Triton FP8 kernel and the BF16 twin. Each Mosaic output is compared with the
+Triton FP8 kernel's (relative L2 difference: both round Q and P' to e4m3, with
+P' factors per 64 vs 128 tokens). Writes bench_mgpu.json under --out.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import numpy as np
 
 from pallas_kernels.mla_decode import FP8_CONFIG
 from pallas_kernels.mla_decode_mgpu import BLOCK_M, mla_decode_mgpu
+from pallas_kernels.mla_decode_mgpu_small import ROWS as SMALL_ROWS
+from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
 from snapmla_jax.bench import timing
 from snapmla_jax.bench.decode import make_caches, make_queries
 from snapmla_jax.decode import _sm_count, choose_num_splits, mla_decode
@@ -34,15 +37,17 @@ SHAPES = ("64x16384x128x1", "32x16384x128x1", "128x4096x128x1", "8x65536x128x1",
           "32x4096x128x2")
 
 
-def mgpu_decode(q, q_rope, cache, block_table, seq_lens, *, softmax_scale, **kwargs):
-    """The Mosaic kernel on the API's shapes (page 64, layer 0); kwargs: num_splits."""
+def mgpu_decode(q, q_rope, cache, block_table, seq_lens, *, softmax_scale, small=False, **kwargs):
+    """A Mosaic kernel on the API's shapes (page 64, layer 0): ``mla_decode_mgpu``, or with
+    ``small`` the 16-row ``mla_decode_mgpu_small``; kwargs: num_splits."""
+    kernel, block_rows = (mla_decode_mgpu_small, SMALL_ROWS) if small else (mla_decode_mgpu, BLOCK_M)
     batch, s_q, heads, rank = q.shape
     rows = s_q * heads
-    padded = -(-rows // BLOCK_M) * BLOCK_M
+    padded = -(-rows // block_rows) * block_rows
     to_rows = lambda a: jnp.pad(a.reshape(batch, rows, a.shape[-1]), [(0, 0), (0, padded - rows), (0, 0)])
     flat = (cache.latent.reshape(-1, rank), cache.scale.reshape(-1), cache.rope.reshape(-1, cache.rope.shape[-1]))
-    out, _ = mla_decode_mgpu(to_rows(q), to_rows(q_rope), flat, block_table, seq_lens, jnp.zeros((1,), jnp.int32),
-                             softmax_scale=softmax_scale, page_size=64, s_q=s_q, num_heads=heads, **kwargs)
+    out, _ = kernel(to_rows(q), to_rows(q_rope), flat, block_table, seq_lens, jnp.zeros((1,), jnp.int32),
+                    softmax_scale=softmax_scale, page_size=64, s_q=s_q, num_heads=heads, **kwargs)
     return out[:, :rows].reshape(q.shape)
 
 
@@ -71,9 +76,13 @@ def main(argv=None) -> int:
             "triton_bf16": (bf16, jax.jit(lambda q, qr, c, bt, n: mla_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                              backend="pallas"))),
         }
-        # The Mosaic kernel splits the KV as the Triton kernels do (same rule, 64-row blocks).
+        # The Mosaic kernels split the KV as the Triton kernels do (same rule, their row blocks).
         splits = choose_num_splits(batch, -(-s_q * heads // BLOCK_M), context, _sm_count())
-        row = {"shape": shape, "mosaic_num_splits": splits}
+        small_splits = choose_num_splits(batch, -(-s_q * heads // SMALL_ROWS), context, _sm_count())
+        if s_q * heads <= 2 * SMALL_ROWS:
+            variants["mosaic_small"] = (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(
+                q, qr, c, bt, n, softmax_scale=scale, small=True, num_splits=small_splits)))
+        row = {"shape": shape, "mosaic_num_splits": splits, "mosaic_small_num_splits": small_splits}
         outs = {}
         for name, (cache, fn) in variants.items():
             call_args = (q, q_rope, cache, block_table, seq_lens)
@@ -88,14 +97,15 @@ def main(argv=None) -> int:
                 continue
             row[name] = {"ms": ms, "first_call_s": compile_s}
             print(shape, name, json.dumps(row[name]), flush=True)
-        if "mosaic" in outs and "triton_fp8" in outs:
-            a, b = outs["mosaic"], outs["triton_fp8"]
-            row["rel_l2_mosaic_vs_triton_fp8"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
-            row["mosaic_finite"] = bool(np.isfinite(a).all())
-            print(shape, "mosaic rel_l2", row["rel_l2_mosaic_vs_triton_fp8"], flush=True)
-        for name in ("triton_fp8", "triton_bf16"):
-            if isinstance(row.get("mosaic"), dict) and isinstance(row.get(name), dict):
-                row[f"mosaic_speedup_vs_{name}"] = row[name]["ms"] / row["mosaic"]["ms"]
+        for mosaic in ("mosaic", "mosaic_small"):
+            if mosaic in outs and "triton_fp8" in outs:
+                a, b = outs[mosaic], outs["triton_fp8"]
+                row[f"rel_l2_{mosaic}_vs_triton_fp8"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+                row[f"{mosaic}_finite"] = bool(np.isfinite(a).all())
+                print(shape, mosaic, "rel_l2", row[f"rel_l2_{mosaic}_vs_triton_fp8"], flush=True)
+            for name in ("triton_fp8", "triton_bf16"):
+                if isinstance(row.get(mosaic), dict) and isinstance(row.get(name), dict):
+                    row[f"{mosaic}_speedup_vs_{name}"] = row[name]["ms"] / row[mosaic]["ms"]
         results["rows"].append(row)
         del fp8, bf16, outs
         (out_dir / "bench_mgpu.json").write_text(json.dumps(results, indent=1))

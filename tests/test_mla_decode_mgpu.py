@@ -56,33 +56,44 @@ def _inputs(seed, *, batch, heads, pages_per_row, seq_lens, s_q=1):
     return q, q_rope, latent, scale, rope, block_table, jnp.asarray(seq_lens, jnp.int32)
 
 
+def _kernel_and_rows(kernel: str):
+    """"mgpu": pallas_kernels/mla_decode_mgpu.py (64-row blocks); "small": the experimental
+    mla_decode_mgpu_small.py (16-row blocks, transposed products)."""
+    from pallas_kernels import mla_decode_mgpu, mla_decode_mgpu_small
+    return {"mgpu": (mla_decode_mgpu.mla_decode_mgpu, mla_decode_mgpu.BLOCK_M),
+            "small": (mla_decode_mgpu_small.mla_decode_mgpu_small, mla_decode_mgpu_small.ROWS)}[kernel]
+
+
 def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_scale, *, layer_pages=0, num_splits=1,
-                 interpret=False):
-    """The kernel on the API's shapes: rows padded to 64, the cache flattened.
+                 interpret=False, kernel="mgpu"):
+    """A Mosaic kernel (``_kernel_and_rows``) on the API's shapes: rows padded to its block,
+    the cache flattened.
 
     ``layer_pages`` > 0 puts a layer of NaN pages in front of the cache and reads
     the second layer through ``layer_offset``, as a multi-layer cache does.
     """
-    from pallas_kernels.mla_decode_mgpu import BLOCK_M, mla_decode_mgpu
+    kernel_fn, block_rows = _kernel_and_rows(kernel)
     batch, s_q, heads, rank = q.shape
     rows = s_q * heads
-    padded = -(-rows // BLOCK_M) * BLOCK_M
+    padded = -(-rows // block_rows) * block_rows
     to_rows = lambda a: jnp.pad(a.reshape(batch, rows, a.shape[-1]), [(0, 0), (0, padded - rows), (0, 0)])
     n = latent.shape[0] * latent.shape[1]
     cache = [latent.reshape(n, rank), scale.reshape(n), rope.reshape(n, 64)]
     if layer_pages:
         cache = [jnp.concatenate([jnp.full((layer_pages * 64, *a.shape[1:]), jnp.nan, a.dtype), a]) for a in cache]
-    out, lse = mla_decode_mgpu(to_rows(q), to_rows(q_rope), tuple(cache), block_table, seq_lens,
-                               jnp.full((1,), layer_pages * 64, jnp.int32), softmax_scale=softmax_scale,
-                               page_size=64, s_q=s_q, num_heads=heads, num_splits=num_splits, interpret=interpret)
+    out, lse = kernel_fn(to_rows(q), to_rows(q_rope), tuple(cache), block_table, seq_lens,
+                         jnp.full((1,), layer_pages * 64, jnp.int32), softmax_scale=softmax_scale,
+                         page_size=64, s_q=s_q, num_heads=heads, num_splits=num_splits, interpret=interpret)
     return out[:, :rows].reshape(q.shape), lse[:, :rows].reshape(batch, s_q, heads)
 
 
+@pytest.mark.parametrize("kernel", ["mgpu", "small"])
 @pytest.mark.parametrize("s_q,num_splits", [(1, 1), (2, 1), (1, 4)])
-def test_kernel_lowers_for_cuda(s_q, num_splits):
+def test_kernel_lowers_for_cuda(kernel, s_q, num_splits):
     """Layout inference, SMEM allocation (fits in an H100's 227 KB) and lowering to MLIR, without a GPU."""
-    args = _inputs(0, batch=2, heads=64, pages_per_row=3, seq_lens=[100, 0], s_q=s_q)
-    call = lambda *a: _call_kernel(*a, 0.1, num_splits=num_splits)
+    heads = 64 if kernel == "mgpu" else 16
+    args = _inputs(0, batch=2, heads=heads, pages_per_row=3, seq_lens=[100, 0], s_q=s_q)
+    call = lambda *a: _call_kernel(*a, 0.1, num_splits=num_splits, kernel=kernel)
     jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))
 
 
@@ -111,15 +122,39 @@ CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages,splits", [
     (16, 2, [200, 2, 77], 0, 1),     # s_q = 2 (causal rule), H padded to 64 rows
     (16, 4, [129, 4, 258], 0, 1),    # s_q = 4: two masked steps in a row
 ])
+# The same situations for the experimental 16-row kernel, plus several row blocks.
+SMALL_CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages,splits", [
+    (16, 1, [100, 300, 0], 0, 1),
+    (16, 1, [129, 64, 1], 3, 1),
+    (16, 1, [320, 257, 128], 0, 2),
+    (8, 2, [200, 2, 77], 0, 1),
+    (4, 4, [129, 4, 258], 0, 1),
+    (24, 2, [300, 5, 130], 0, 3),    # 48 rows: three blocks of 16; splits of 1 step
+])
 
 
-def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret):
+def _nan_past_seq_lens(latent, scale, rope, block_table, seq_lens):
+    """The cache with NaN in every slot of a row's pages past its seq_len (latent, scale and
+    RoPE part), as never-written or recycled pages may hold: a kernel must mask them, not
+    multiply them by 0."""
+    latent, scale, rope = np.array(latent), np.array(scale), np.array(rope)
+    for row, length in enumerate(seq_lens):
+        for slot, page in enumerate(np.asarray(block_table)[row]):
+            past = np.arange(64) + slot * 64 >= length
+            latent[page, past] = np.nan
+            scale[page, past] = np.nan
+            rope[page, past] = np.nan
+    return jnp.asarray(latent), jnp.asarray(scale), jnp.asarray(rope)
+
+
+def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu"):
     """Kernel vs ``mla_decode_reference(block_n=128)``; returns (max error / max |ref|, max lse error, lse scale)."""
     q, q_rope, latent, scale, rope, block_table, lens = _inputs(heads + s_q, batch=3, heads=heads, pages_per_row=5,
                                                                 seq_lens=seq_lens, s_q=s_q)
+    latent, scale, rope = _nan_past_seq_lens(latent, scale, rope, block_table, seq_lens)
     softmax_scale = 576 ** -0.5
     out, lse = _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale,
-                            layer_pages=layer_pages, num_splits=splits, interpret=interpret)
+                            layer_pages=layer_pages, num_splits=splits, interpret=interpret, kernel=kernel)
     # The reference rounds Q and P' to e4m3 as the kernel does (P' factor per
     # 128-token step), with exact products, on the same pages without a layer offset.
     ref, ref_lse = mla_decode_reference(q, q_rope, latent, scale, rope, block_table, lens,
@@ -133,7 +168,7 @@ def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret):
     return float(err), float(np.max(np.abs(lse[seen] - ref_lse[seen]))), float(np.max(np.abs(ref_lse[seen])))
 
 
-def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits):
+def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel="mgpu"):
     """``_check`` in interpret mode in a fresh process that has 8 CPU devices.
 
     The interpreter runs each warpgroup as a thread whose memory operations
@@ -146,7 +181,7 @@ def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits):
     code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
             "import test_mla_decode_mgpu as t; "
             f"print(json.dumps(t._check({heads}, {s_q}, {seq_lens!r}, {layer_pages}, {splits}, "
-            "interpret=True)))")
+            f"interpret=True, kernel={kernel!r})))")
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -181,6 +216,24 @@ def test_kernel_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
     # an H100: 4.4e-3 at most, as the Triton kernel; one 512-feature chain gave
     # 0.034 on the 128-head case, which this bound rejects.
     assert err < 2e-2, err
+    assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
+
+
+@SMALL_CASES
+def test_small_kernel_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
+    """The experimental 16-row kernel on CPU: as the test above, plus the transposed
+    products (S^T = K.Q^T, O^T = V^T.P'^T on f16 tiles) and the softmax along the
+    tokens. Not covered here: the RoPE product accumulated onto the FP8 scores."""
+    err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel="small")
+    assert err < 4e-3, err  # as test_kernel_interpreted_matches_reference: same roundings, another order
+    assert lse_err < 1e-4, lse_err
+
+
+@pytest.mark.gpu
+@SMALL_CASES
+def test_small_kernel_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
+    err, lse_err, lse_scale = _check(heads, s_q, seq_lens, layer_pages, splits, interpret=False, kernel="small")
+    assert err < 2e-2, err  # as test_kernel_matches_reference (Hopper's FP8 accumulation)
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
 

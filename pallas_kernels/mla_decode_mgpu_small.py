@@ -1,0 +1,300 @@
+"""SnapMLA FP8 MLA decode on Mosaic GPU for few query rows (s_q x H <= 16), transposed products.
+
+Status (2026-11-23): EXPERIMENTAL. Lowers for CUDA and matches
+``mla_decode_reference`` in the Mosaic GPU interpreter; never run on a GPU
+(written after the session's device time ran out). Not reachable from
+``snapmla_jax.mla_decode``; ``scripts/bench_mgpu.py`` times it beside
+``mla_decode_mgpu`` at H=16.
+
+Why. ``mla_decode_mgpu`` puts a CTA's query rows on the wgmma M dimension,
+which is 64 per warpgroup: with H=16 (DeepSeek-V2-Lite; V3 split over 8 GPUs
+by heads) 48 of its 64 rows are padding, and the kernel ran at 0.74-0.79x the
+BF16 twin (H100, docs/benchmarks/decode.md). Here the query rows are the N
+dimension (R = 16, a legal wgmma N) and the tokens or features are M:
+
+* S^T = K.Q^T, [64 tokens, R] per half step: A = the K tile as the TMA lays it
+  (tokens x features, features contiguous: K-major, as FP8 needs), B = Q8's
+  chunk through ``.transpose`` (K-major too); the RoPE product likewise in
+  BF16. fp32 promotion every ``QK_PROMOTION`` features, as the big kernel.
+* The online softmax runs per column (query row): maxima and sums reduce along
+  the tokens (axis 0, across warps).
+* O^T = V^T.P'^T, [128 features, R] per chunk, in f16 on converted tiles:
+  P' rounds to e4m3 as in the big kernel (same ``mla_decode_reference(...,
+  block_n=128)`` math) and then to f16, exactly; V's e4m3 bytes convert to
+  f16 exactly, into a [64 tokens, 128 features] tile read as the MN-major A
+  operand, and P'^T is stored as it sits in registers ([tokens, R], the
+  MN-major B operand). 16-bit operands may be MN-major; FP8 ones may not, so
+  no 8-bit transpose is needed anywhere. At R = 16 the kernel is
+  memory-bound, so f16 instead of FP8 tensor-core rates costs nothing the
+  cache bytes do not already cost.
+
+Registers are no longer the limit: O^T is 256 x 16 fp32 per warpgroup (32 a
+thread), a half step's scores 64 x 16 (8). Both warpgroups compute the whole
+score tile and the same softmax (a few MFLOP a step at R = 16), so nothing but
+the ring's barriers crosses between them; warpgroup w converts and multiplies
+the V chunks of output columns [256 w, 256 w + 256).
+
+Shared with ``mla_decode_mgpu`` (read its docstring first): the inputs and
+outputs (rows padded to a multiple of 16 instead of 64), the step order (even
+tokens of a 128-token step in SMEM rows 0..63, odd ones in 64..127), the TMA
+ring of whole steps, the token scales gathered in step order, masks only in a
+row's last steps, split-KV with ``_combine_splits``.
+
+SMEM (R = 16): ring 2 x 80.5 KB, Q 10 KB, P'^T 2 x 4 KB, the V f16 tiles 2 x
+16 KB (reused as the output staging after the loop): 211 KB.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
+from pallas_kernels.mla_decode import LOG2E, MIN_PV_ROW_MAX
+from pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, HALF, NUM_CHUNKS,
+                                            NUM_SLOTS, NUM_WGS, QK_PROMOTION, RANK, ROPE, STEP, begin_cta,
+                                            begin_step, drain_consumed, grid_params, merge_splits,
+                                            prepare_inputs, write_lse_and_wait)
+
+ROWS = 16  # query rows per CTA: the wgmma N of every product
+TOKENS = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per token (axis 0 of a [64, R] tile)
+QROWS = plgpu.Layout.WGMMA.reduce(0)  # an [R] vector with one value per query row (axis 1)
+
+
+def half_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, half: int, *, interpret: bool) -> jax.Array:
+    """S^T of a half step before the softmax scale, (K8.Q8^T * k_scale * q_scale + Kr.Qr^T),
+    f32 [64, R]: the step's SMEM rows [64 half, 64 half + 64) against the query rows.
+
+    q8_s e4m3 [4, R, 128], kv_slot e4m3 [4, 128, 128], qr_s bf16 [R, 64], rope_slot
+    bf16 [128, 64], q_scale [R] (``QROWS``), k_scale [64] (``TOKENS``).
+    """
+    rows = pl.ds(half * HALF, HALF)
+    per_chain = QK_PROMOTION // CHUNK
+
+    def chain(acc_ref, first):
+        for ch in range(first, first + per_chain):
+            plgpu.wgmma(acc_ref, kv_slot.at[ch, rows], q8_s.at[ch].transpose((1, 0)))
+        return acc_ref[...]
+
+    acc = plgpu.ACC((HALF, ROWS), jnp.float32)
+    s8 = functools.reduce(jnp.add, [pl.run_scoped(functools.partial(chain, first=first), acc)
+                                    for first in range(0, NUM_CHUNKS, per_chain)])
+    scaled = (s8 * lax.broadcast_in_dim(k_scale, (HALF, ROWS), [0])
+              * lax.broadcast_in_dim(q_scale, (HALF, ROWS), [1]))
+
+    def qk_rope(acc_ref):
+        plgpu.wgmma(acc_ref, rope_slot.at[rows], qr_s.transpose((1, 0)))
+
+    if interpret:  # no pre-initialised accumulators in the interpreter
+        def qk_rope_value(acc_ref):
+            qk_rope(acc_ref)
+            return acc_ref[...]
+        return scaled + pl.run_scoped(qk_rope_value, acc)
+    return pl.run_state(qk_rope)(plgpu.ACC.init(scaled))
+
+
+def visibility_t(row0, t0, seq_len, half: int, *, s_q: int, num_heads: int) -> jax.Array:
+    """bool [64, R]: which tokens of a half step (SMEM row c: token t0 + 2c + half) each query
+    row sees (row i * H + h is query position i: tokens below seq_len - s_q + i + 1; padding
+    rows are capped at seq_len)."""
+    token_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, ROWS), 0, layout=plgpu.Layout.WGMMA)
+    tokens = t0 + 2 * token_ids + half
+    if s_q == 1:
+        return tokens < seq_len
+    row_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, ROWS), 1, layout=plgpu.Layout.WGMMA)
+    visible_len = jnp.minimum(seq_len - s_q + lax.div(row0 + row_ids, jnp.int32(num_heads)) + 1, seq_len)
+    return tokens < visible_len
+
+
+def softmax_t(scores, k_scales, m, l, scale_log2: float, visible=None):
+    """The online softmax of a step along the tokens, per query row (column).
+
+    scores: the two halves' S^T f32 [64, R]; k_scales: their [64] token scales;
+    running m (base 2), l [R]; visible: two bool [64, R] or None. Returns
+    (m_new, alpha, l_new, the two halves of P' * 448 / pv_max (f32, at most
+    448), pv_max [R]: the factor to undo), as ``mla_decode_mgpu.softmax_half``
+    with rows and columns exchanged.
+    """
+    scores = [s * scale_log2 for s in scores]
+    if visible is not None:  # masked slots may hold any bytes, NaN included
+        scores = [jnp.where(v, s, -jnp.inf) for s, v in zip(scores, visible)]
+    m_new = jnp.maximum(m, jnp.maximum(scores[0].max(axis=0), scores[1].max(axis=0)))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_safe)
+    m_b = lax.broadcast_in_dim(m_safe, (HALF, ROWS), [1])
+    p = [jnp.exp2(s - m_b) for s in scores]
+    l = l * alpha + p[0].sum(axis=0) + p[1].sum(axis=0)
+    pv = [ph * lax.broadcast_in_dim(k, (HALF, ROWS), [0]) for ph, k in zip(p, k_scales)]
+    if visible is not None:
+        pv = [jnp.where(v, x, 0.0) for x, v in zip(pv, visible)]  # 0 * a garbage scale could be NaN
+    pv_max = jnp.maximum(pv[0].max(axis=0), pv[1].max(axis=0))
+    factor = lax.broadcast_in_dim(FP8_E4M3_MAX / jnp.maximum(pv_max, MIN_PV_ROW_MAX), (HALF, ROWS), [1])
+    return m_new, alpha, l, [x * factor for x in pv], pv_max
+
+
+def v_half_f16(chunk_ref, half: int, t0, seq_len, *, masked: bool) -> jax.Array:
+    """Rows [64 half, 64 half + 64) of a step's V chunk (e4m3 [128, 128]) as f16 [64, 128]
+    (exact); ``masked``: tokens past seq_len zeroed (0 * NaN would poison the sum)."""
+    v = plgpu.load(chunk_ref.at[pl.ds(half * HALF, HALF)], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+    if not masked:
+        return v
+    token_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 0, layout=plgpu.Layout.WGMMA)
+    return jnp.where(t0 + 2 * token_ids + half < seq_len, v, jnp.float16(0))
+
+
+def pv_update_t(accs, kv_slot, wg, pt_ref, v16_ref, alpha, pv_max, t0, seq_len, *, masked: bool) -> list:
+    """acc * alpha + (V^T.P'^T) * pv_max / 448 for each of this warpgroup's O^T chunks [128, R].
+
+    Each half step's V chunk converts to f16 into ``v16_ref`` (f16 [64, 128]), the
+    MN-major A operand; ``pt_ref`` f16 [128, R] holds P'^T, the MN-major B operand.
+    The one tile is reused, so each half waits for the previous wgmma to read it.
+    """
+    undo = lax.broadcast_in_dim(pv_max * (1.0 / FP8_E4M3_MAX), (CHUNK, ROWS), [1])
+    alpha_b = lax.broadcast_in_dim(alpha, (CHUNK, ROWS), [1])
+    new_accs = []
+    for i, acc in enumerate(accs):
+        chunk_ref = kv_slot.at[wg * CHUNKS_PER_WG + i]
+
+        def pv_mma(acc_ref, chunk_ref=chunk_ref):
+            for half in range(2):
+                if half:
+                    plgpu.wgmma_wait(0)  # the first half's wgmma has read the tile
+                v16_ref[...] = v_half_f16(chunk_ref, half, t0, seq_len, masked=masked)
+                plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma
+                plgpu.wgmma(acc_ref, v16_ref.transpose((1, 0)), pt_ref.at[pl.ds(half * HALF, HALF)])
+            return acc_ref[...]
+
+        pv_out = pl.run_scoped(pv_mma, plgpu.ACC((CHUNK, ROWS), jnp.float32))
+        new_accs.append(acc * alpha_b + pv_out * undo)
+    return new_accs
+
+
+def write_outputs_t(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg, *, transposed: bool) -> None:
+    """This warpgroup's columns of the output (O^T / l) and, from warpgroup 0, the rows' lse.
+
+    ``transposed`` False: out[b, split, row0:row0 + R, columns], staged through the
+    transposed view of o_s [2, R, 128] (a 16-bit transposed store). True (the
+    float32 partials of a split, whose 32-bit transposed store Mosaic GPU's layout
+    inference rejects): out[b, split, columns, row0:row0 + R], staged as is in
+    o_s [2, 128, R]; the launcher transposes the partials.
+    """
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    inv_l = lax.broadcast_in_dim(1.0 / l_safe, (CHUNK, ROWS), [1])
+    my_o = o_s.at[wg]
+    for i, acc in enumerate(accs):
+        if i:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk has left the staging tile
+        col0 = (wg * CHUNKS_PER_WG + i) * CHUNK
+        if transposed:
+            my_o[...] = acc * inv_l
+            dst = o_ref.at[b, split, pl.ds(col0, CHUNK), pl.ds(row0, ROWS)]
+        else:
+            my_o.transpose((1, 0))[...] = (acc * inv_l).astype(my_o.dtype)
+            dst = o_ref.at[b, split, pl.ds(row0, ROWS), pl.ds(col0, CHUNK)]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(my_o, dst)
+    write_lse_and_wait(wg, m, l_safe, seen, lse_s, lse_ref, b, split, row0)
+
+
+def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
+            o_ref, lse_ref,
+            q8_s, qr_s, qsc_s, lse_s, kv8_s, rope_s, ksc_s, pt_s, v_union,
+            step_bar, consumed_bar, q_bar, end_bar,
+            *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, interpret: bool):
+    """One CTA: (batch row b, KV split s, block of R query rows), two warpgroups.
+
+    SMEM: q8_s e4m3 [4, R, 128], qr_s bf16 [R, 64], qsc_s f32 [R], lse_s f32 [R],
+    kv8_s e4m3 [2, 4, 128, 128] and rope_s bf16 [2, 128, 64] (the ring, step
+    order), ksc_s f32 [2, 128], pt_s f16 [2 warpgroups, 128, R] (P'^T), v_union =
+    (v16_s f16 [2, 64, 128] | o_s output staging after the loop: [2, R, 128] in the
+    output's dtype, or [2, 128, R] f32 for a split's partials).
+    """
+    v16_s, o_s = v_union
+    b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = begin_cta(
+        seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
+        q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits)
+    q_scale = plgpu.load(qsc_s, layout=QROWS)
+    my_pt = pt_s.at[wg]
+
+    def step(j, carry, *, masked: bool):
+        accs, m, l = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
+        t0 = (first_step + j) * STEP
+        slot = begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar)
+        k_scales = [plgpu.load(ksc_s.at[slot, pl.ds(half * HALF, HALF)], layout=TOKENS) for half in range(2)]
+        scores = [half_scores_t(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scales[half], half,
+                                interpret=interpret) for half in range(2)]
+        visible = None
+        if masked:
+            visible = [visibility_t(row0, t0, seq_len, half, s_q=s_q, num_heads=num_heads) for half in range(2)]
+        m_new, alpha, l, p_scaled, pv_max = softmax_t(scores, k_scales, m, l, scale_log2, visible)
+        for half in range(2):  # P' rounds to e4m3 (the SnapMLA math), then to f16 exactly
+            my_pt[pl.ds(half * HALF, HALF)] = (
+                jnp.minimum(p_scaled[half], FP8_E4M3_MAX).astype(FP8_DTYPE).astype(jnp.float16))
+        new_accs = pv_update_t(accs, kv8_s.at[slot], wg, my_pt, v16_s.at[wg], alpha, pv_max, t0, seq_len,
+                               masked=masked)
+        plgpu.barrier_arrive(consumed_bar.at[slot])
+        return (*new_accs, m_new, l)
+
+    zeros = plgpu.layout_cast(jnp.zeros((CHUNK, ROWS), jnp.float32), plgpu.Layout.WGMMA)
+    carry = ((zeros,) * CHUNKS_PER_WG
+             + (plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), QROWS),
+                plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), QROWS)))
+    carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), carry)
+    *accs, m, l = lax.fori_loop(unmasked_steps, num_steps, functools.partial(step, masked=True), carry)
+    drain_consumed(wg, num_steps, consumed_bar)
+    # The output staging reuses the V tiles' bytes: wait until both warpgroups are past their last step.
+    plgpu.barrier_arrive(end_bar)
+    plgpu.barrier_wait(end_bar)
+    write_outputs_t(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg, transposed=num_splits > 1)
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
+                                             "interpret"))
+def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
+                          seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
+                          s_q: int, num_heads: int, num_splits: int = 1,
+                          interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """FP8 decode for blocks of 16 query rows; arguments and results as ``mla_decode_mgpu``'s,
+    with q_rows [B, rows, 512] padded to a multiple of 16."""
+    batch, num_rows, _ = q_rows.shape
+    q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
+        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, block_rows=ROWS)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
+    # A split's float32 partials leave the kernel as [features, rows] (``write_outputs_t``).
+    out_shape, stage_shape, out_dtype = (((batch, 1, num_rows, RANK), (NUM_WGS, ROWS, CHUNK), q_rows.dtype)
+                                         if num_splits == 1 else
+                                         ((batch, num_splits, RANK, num_rows), (NUM_WGS, CHUNK, ROWS), jnp.float32))
+    slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
+                          num_splits=num_splits, interpret=interpret),
+        out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype),
+                  jax.ShapeDtypeStruct((batch, num_splits, num_rows), jnp.float32)),
+        scratch_types=[
+            plgpu.SMEM((NUM_CHUNKS, ROWS, CHUNK), FP8_DTYPE),
+            plgpu.SMEM((ROWS, ROPE), jnp.bfloat16),
+            plgpu.SMEM((ROWS,), jnp.float32),
+            plgpu.SMEM((ROWS,), jnp.float32),
+            plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
+            plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
+            plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
+            plgpu.SMEM((NUM_WGS, STEP, ROWS), jnp.float16),
+            plgpu.RefUnion(plgpu.SMEM((NUM_WGS, HALF, CHUNK), jnp.float16),
+                           plgpu.SMEM(stage_shape, out_dtype)),
+            plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
+            slot_barrier(),
+            plgpu.Barrier(num_arrivals=COPIES_Q),
+            plgpu.Barrier(num_arrivals=NUM_WGS),
+        ],
+        **grid_params(batch, num_splits, num_rows // ROWS, "snapmla_decode_fp8_mgpu_small", interpret),
+    )
+    out, lse = kernel(seq_lens, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
+                      latent_pairs, scales, rope_pairs)
+    return merge_splits(out if num_splits == 1 else out.transpose(0, 1, 3, 2), lse, q_rows.dtype)
