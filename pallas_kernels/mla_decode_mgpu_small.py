@@ -1,4 +1,4 @@
-"""SnapMLA FP8 MLA decode on Mosaic GPU for few query rows (s_q x H <= 16), transposed products.
+"""SnapMLA FP8 MLA decode on Mosaic GPU in blocks of 16 query rows (for H = 16), transposed products.
 
 Status (2026-11-23): EXPERIMENTAL. Lowers for CUDA and matches
 ``mla_decode_reference`` in the Mosaic GPU interpreter; never run on a GPU
@@ -15,7 +15,8 @@ dimension (R = 16, a legal wgmma N) and the tokens or features are M:
 * S^T = K.Q^T, [64 tokens, R] per half step: A = the K tile as the TMA lays it
   (tokens x features, features contiguous: K-major, as FP8 needs), B = Q8's
   chunk through ``.transpose`` (K-major too); the RoPE product likewise in
-  BF16. fp32 promotion every ``QK_PROMOTION`` features, as the big kernel.
+  BF16. fp32 promotion every ``QK_PROMOTION`` features, as the big kernel,
+  with all eight chains of a step in flight at once (``step_scores_t``).
 * The online softmax runs per column (query row): maxima and sums reduce along
   the tokens (axis 0, across warps).
 * O^T = V^T.P'^T, [128 features, R] per chunk, in f16 on converted tiles:
@@ -24,9 +25,9 @@ dimension (R = 16, a legal wgmma N) and the tokens or features are M:
   f16 exactly, into a [64 tokens, 128 features] tile read as the MN-major A
   operand, and P'^T is stored as it sits in registers ([tokens, R], the
   MN-major B operand). 16-bit operands may be MN-major; FP8 ones may not, so
-  no 8-bit transpose is needed anywhere. At R = 16 the kernel is
-  memory-bound, so f16 instead of FP8 tensor-core rates costs nothing the
-  cache bytes do not already cost.
+  no 8-bit transpose is needed anywhere. At R = 16 the MMA work is small
+  (about 7 MFLOP a 128-token step, QK counted twice, against 82 KB of
+  cache), so f16 rates instead of FP8 ones should not matter: to be measured.
 
 Registers are no longer the limit: O^T is 256 x 16 fp32 per warpgroup (32 a
 thread), a half step's scores 64 x 16 (8). Both warpgroups compute the whole
@@ -66,36 +67,47 @@ TOKENS = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per token 
 QROWS = plgpu.Layout.WGMMA.reduce(0)  # an [R] vector with one value per query row (axis 1)
 
 
-def half_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, half: int, *, interpret: bool) -> jax.Array:
-    """S^T of a half step before the softmax scale, (K8.Q8^T * k_scale * q_scale + Kr.Qr^T),
-    f32 [64, R]: the step's SMEM rows [64 half, 64 half + 64) against the query rows.
+def step_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpret: bool) -> list[jax.Array]:
+    """S^T of a step before the softmax scale, (K8.Q8^T * k_scale * q_scale + Kr.Qr^T), as two
+    f32 [64, R] halves: the step's SMEM rows 0..63 (even tokens) and 64..127 against the query rows.
 
     q8_s e4m3 [4, R, 128], kv_slot e4m3 [4, 128, 128], qr_s bf16 [R, 64], rope_slot
-    bf16 [128, 64], q_scale [R] (``QROWS``), k_scale [64] (``TOKENS``).
+    bf16 [128, 64], q_scale [R] (``QROWS``), k_scales: the halves' [64] (``TOKENS``).
+
+    fp32 promotion every ``QK_PROMOTION`` features, as in ``mla_decode_mgpu``, but
+    with every chain of both halves in flight at once (one accumulator each, 8
+    registers at R = 16) and one wait, instead of a wait per chain.
     """
-    rows = pl.ds(half * HALF, HALF)
     per_chain = QK_PROMOTION // CHUNK
-
-    def chain(acc_ref, first):
-        for ch in range(first, first + per_chain):
-            plgpu.wgmma(acc_ref, kv_slot.at[ch, rows], q8_s.at[ch].transpose((1, 0)))
-        return acc_ref[...]
-
+    chains = [(half, first) for half in range(2) for first in range(0, NUM_CHUNKS, per_chain)]
     acc = plgpu.ACC((HALF, ROWS), jnp.float32)
-    s8 = functools.reduce(jnp.add, [pl.run_scoped(functools.partial(chain, first=first), acc)
-                                    for first in range(0, NUM_CHUNKS, per_chain)])
-    scaled = (s8 * lax.broadcast_in_dim(k_scale, (HALF, ROWS), [0])
-              * lax.broadcast_in_dim(q_scale, (HALF, ROWS), [1]))
 
-    def qk_rope(acc_ref):
-        plgpu.wgmma(acc_ref, rope_slot.at[rows], qr_s.transpose((1, 0)))
+    def qk8(*acc_refs):
+        for (half, first), acc_ref in zip(chains, acc_refs):
+            for ch in range(first, first + per_chain):
+                plgpu.wgmma(acc_ref, kv_slot.at[ch, pl.ds(half * HALF, HALF)], q8_s.at[ch].transpose((1, 0)))
+        parts = [acc_ref[...] for acc_ref in acc_refs]
+        return [functools.reduce(jnp.add, [part for (h, _), part in zip(chains, parts) if h == half])
+                for half in range(2)]
 
-    if interpret:  # no pre-initialised accumulators in the interpreter
-        def qk_rope_value(acc_ref):
-            qk_rope(acc_ref)
-            return acc_ref[...]
-        return scaled + pl.run_scoped(qk_rope_value, acc)
-    return pl.run_state(qk_rope)(plgpu.ACC.init(scaled))
+    s8 = pl.run_scoped(qk8, *([acc] * len(chains)))
+    halves = []
+    for half in range(2):
+        rows = pl.ds(half * HALF, HALF)
+        scaled = (s8[half] * lax.broadcast_in_dim(k_scales[half], (HALF, ROWS), [0])
+                  * lax.broadcast_in_dim(q_scale, (HALF, ROWS), [1]))
+
+        def qk_rope(acc_ref, rows=rows):
+            plgpu.wgmma(acc_ref, rope_slot.at[rows], qr_s.transpose((1, 0)))
+
+        if interpret:  # no pre-initialised accumulators in the interpreter
+            def qk_rope_value(acc_ref, qk_rope=qk_rope):
+                qk_rope(acc_ref)
+                return acc_ref[...]
+            halves.append(scaled + pl.run_scoped(qk_rope_value, acc))
+        else:
+            halves.append(pl.run_state(qk_rope)(plgpu.ACC.init(scaled)))
+    return halves
 
 
 def visibility_t(row0, t0, seq_len, half: int, *, s_q: int, num_heads: int) -> jax.Array:
@@ -227,8 +239,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         t0 = (first_step + j) * STEP
         slot = begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar)
         k_scales = [plgpu.load(ksc_s.at[slot, pl.ds(half * HALF, HALF)], layout=TOKENS) for half in range(2)]
-        scores = [half_scores_t(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scales[half], half,
-                                interpret=interpret) for half in range(2)]
+        scores = step_scores_t(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scales, interpret=interpret)
         visible = None
         if masked:
             visible = [visibility_t(row0, t0, seq_len, half, s_q=s_q, num_heads=num_heads) for half in range(2)]
