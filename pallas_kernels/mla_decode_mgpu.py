@@ -463,12 +463,24 @@ def pv_update(accs, p8_ref, v_operands, alpha, pv_max) -> list:
     return new_accs
 
 
-def initial_carry() -> tuple:
-    """The step loop's carry: zero accumulators, m = -inf, l = 0."""
-    zeros = plgpu.layout_cast(jnp.zeros((BLOCK_M, CHUNK), jnp.float32), plgpu.Layout.WGMMA)
+def initial_carry(acc_shape=(BLOCK_M, CHUNK), rows_axis: int = 0) -> tuple:
+    """The step loop's carry: ``CHUNKS_PER_WG`` zero f32 accumulators of ``acc_shape``, and
+    m = -inf, l = 0 per query row, the accumulators' axis ``rows_axis`` (0 here; 1 for the
+    transposed accumulators of ``mla_decode_mgpu_small``)."""
+    zeros = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
+    rows, layout = acc_shape[rows_axis], plgpu.Layout.WGMMA.reduce(1 - rows_axis)
     return ((zeros,) * CHUNKS_PER_WG
-            + (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-               plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))))
+            + (plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), layout),
+               plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), layout)))
+
+
+def walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar) -> tuple:
+    """Run ``step(j, carry, masked=...)`` over a CTA's steps: the unmasked ones, then the masked
+    tail (``cta_steps``); then ``drain_consumed``. Returns the final carry."""
+    carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(unmasked_steps, num_steps, functools.partial(step, masked=True), carry)
+    drain_consumed(wg, num_steps, consumed_bar)
+    return carry
 
 
 def drain_consumed(wg, num_steps, consumed_bar) -> None:
@@ -592,9 +604,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         plgpu.barrier_arrive(consumed_bar.at[slot])
         return (*new_accs, m_new, l_part)
 
-    carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), initial_carry())
-    *accs, m, l_part = lax.fori_loop(unmasked_steps, num_steps, functools.partial(step, masked=True), carry)
-    drain_consumed(wg, num_steps, consumed_bar)
+    *accs, m, l_part = walk_steps(step, initial_carry(), wg, unmasked_steps, num_steps, consumed_bar)
     lsum_s[wg] = l_part
     # Both warpgroups are past their last QK (Q8's bytes become the output
     # staging) and have published their partial l.

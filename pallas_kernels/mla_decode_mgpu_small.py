@@ -59,8 +59,8 @@ from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from pallas_kernels.mla_decode import LOG2E, MIN_PV_ROW_MAX
 from pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, HALF, NUM_CHUNKS,
                                             NUM_SLOTS, NUM_WGS, QK_PROMOTION, RANK, ROPE, STEP, begin_cta,
-                                            begin_step, drain_consumed, grid_params, merge_splits,
-                                            prepare_inputs, write_lse_and_wait)
+                                            begin_step, grid_params, initial_carry, merge_splits,
+                                            prepare_inputs, walk_steps, write_lse_and_wait)
 
 ROWS = 16  # query rows per CTA: the wgmma N of every product
 TOKENS = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per token (axis 0 of a [64, R] tile)
@@ -252,13 +252,8 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         plgpu.barrier_arrive(consumed_bar.at[slot])
         return (*new_accs, m_new, l)
 
-    zeros = plgpu.layout_cast(jnp.zeros((CHUNK, ROWS), jnp.float32), plgpu.Layout.WGMMA)
-    carry = ((zeros,) * CHUNKS_PER_WG
-             + (plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), QROWS),
-                plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), QROWS)))
-    carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), carry)
-    *accs, m, l = lax.fori_loop(unmasked_steps, num_steps, functools.partial(step, masked=True), carry)
-    drain_consumed(wg, num_steps, consumed_bar)
+    *accs, m, l = walk_steps(step, initial_carry((CHUNK, ROWS), rows_axis=1), wg, unmasked_steps, num_steps,
+                             consumed_bar)
     # The output staging reuses the V tiles' bytes: wait until both warpgroups are past their last step.
     plgpu.barrier_arrive(end_bar)
     plgpu.barrier_wait(end_bar)
