@@ -1,10 +1,10 @@
 """SnapMLA FP8 MLA decode on Mosaic GPU in blocks of 16 query rows (for H = 16), transposed products.
 
-Status (2026-11-23): EXPERIMENTAL. Lowers for CUDA and matches
-``mla_decode_reference`` in the Mosaic GPU interpreter; never run on a GPU
-(written after the session's device time ran out). Not reachable from
-``snapmla_jax.mla_decode``; ``scripts/bench_mgpu.py`` times it beside
-``mla_decode_mgpu`` at H=16.
+Status (2026-11-23): the default for up to 16 query rows a batch row
+(``snapmla_jax.decode.mosaic_kernel``: H = 16 at s_q = 1). On an H100 it
+passes the GPU tests (``pytest -m gpu -k small``) and runs 1.13-1.18x the BF16
+twin at H = 16, 16k-64k contexts, where the 64-row kernel ran 0.74-0.79x
+(docs/benchmarks/mgpu.md, decode.md).
 
 Why. ``mla_decode_mgpu`` puts a CTA's query rows on the wgmma M dimension,
 which is 64 per warpgroup: with H=16 (DeepSeek-V2-Lite; V3 split over 8 GPUs
@@ -30,10 +30,19 @@ dimension (R = 16, a legal wgmma N) and the tokens or features are M:
   cache), so f16 rates instead of FP8 ones should not matter: to be measured.
 
 Registers are no longer the limit: O^T is 256 x 16 fp32 per warpgroup (32 a
-thread), a half step's scores 64 x 16 (8). Both warpgroups compute the whole
-score tile and the same softmax (a few MFLOP a step at R = 16), so nothing but
-the ring's barriers crosses between them; warpgroup w converts and multiplies
-the V chunks of output columns [256 w, 256 w + 256).
+thread), a half step's scores 64 x 16 (8). Warpgroup 0 alone computes the
+score tile and the softmax (a few MFLOP a step at R = 16) and hands P'^T and
+the step's alpha and P' factor to warpgroup 1 through SMEM (``p_ready``); each
+warpgroup converts and multiplies the V chunks of output columns [256 w,
+256 w + 256). Why only one warpgroup: the softmax reduces along the tokens,
+across warps, and Pallas Mosaic GPU lowers such a reduction through an SMEM
+scratch at one static offset, the same for both warpgroups (the kernel body is
+one program). When both computed the softmax, as this kernel first did, their
+reductions overwrote each other's partials whenever the warpgroups drifted
+apart: its first H100 run returned wrong maxima and sums, up to 1e34 in the
+output. (Moving warpgroup 1's scratch, by running its softmax under
+``lax.cond`` inside an unused allocation, hung the GPU; not pursued.) The
+interpreter does not share that scratch, so only the GPU test can see this.
 
 Shared with ``mla_decode_mgpu`` (read its docstring first): the inputs and
 outputs (rows padded to a multiple of 16 instead of 64), the step order (even
@@ -41,8 +50,9 @@ tokens of a 128-token step in SMEM rows 0..63, odd ones in 64..127), the TMA
 ring of whole steps, the token scales gathered in step order, masks only in a
 row's last steps, split-KV with ``_combine_splits``.
 
-SMEM (R = 16): ring 2 x 80.5 KB, Q 10 KB, P'^T 2 x 4 KB, the V f16 tiles 2 x
-16 KB (reused as the output staging after the loop): 211 KB.
+SMEM (R = 16): ring 2 x 80.5 KB, Q 10 KB, P'^T 2 slots x 4 KB, the V f16
+tiles 2 x 16 KB (reused as the output staging after the loop), and a few
+[R]-vectors: 211 KB.
 """
 
 from __future__ import annotations
@@ -163,7 +173,8 @@ def pv_update_t(accs, kv_slot, wg, pt_ref, v16_ref, alpha, pv_max, t0, seq_len, 
     """acc * alpha + (V^T.P'^T) * pv_max / 448 for each of this warpgroup's O^T chunks [128, R].
 
     Each half step's V chunk converts to f16 into ``v16_ref`` (f16 [64, 128]), the
-    MN-major A operand; ``pt_ref`` f16 [128, R] holds P'^T, the MN-major B operand.
+    MN-major A operand; ``pt_ref`` f16 [128, R] holds the step's P'^T (written by
+    warpgroup 0), the MN-major B operand.
     The one tile is reused, so each half waits for the previous wgmma to read it.
     """
     undo = lax.broadcast_in_dim(pv_max * (1.0 / FP8_E4M3_MAX), (CHUNK, ROWS), [1])
@@ -190,10 +201,10 @@ def write_outputs_t(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg, 
     """This warpgroup's columns of the output (O^T / l) and, from warpgroup 0, the rows' lse.
 
     ``transposed`` False: out[b, split, row0:row0 + R, columns], staged through the
-    transposed view of o_s [2, R, 128] (a 16-bit transposed store). True (the
-    float32 partials of a split, whose 32-bit transposed store Mosaic GPU's layout
-    inference rejects): out[b, split, columns, row0:row0 + R], staged as is in
-    o_s [2, 128, R]; the launcher transposes the partials.
+    transposed view of o_s [2, R, 128] (a 16-bit transposed store). True (float32:
+    a split's partials or a float32 output, whose 32-bit transposed store Mosaic
+    GPU's layout inference rejects): out[b, split, columns, row0:row0 + R], staged
+    as is in o_s [2, 128, R]; the launcher transposes them.
     """
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
@@ -216,48 +227,79 @@ def write_outputs_t(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg, 
 
 def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
             o_ref, lse_ref,
-            q8_s, qr_s, qsc_s, lse_s, kv8_s, rope_s, ksc_s, pt_s, v_union,
-            step_bar, consumed_bar, q_bar, end_bar,
-            *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, interpret: bool):
-    """One CTA: (batch row b, KV split s, block of R query rows), two warpgroups.
+            q8_s, qr_s, qsc_s, lse_s, kv8_s, rope_s, ksc_s, pt_s, stats_s, ml_s, v_union,
+            step_bar, p_ready_bar, consumed_bar, q_bar, end_bar,
+            *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, transposed: bool, interpret: bool):
+    """One CTA: (batch row b, KV split s, block of R query rows), two warpgroups; ``transposed``:
+    the output leaves as [features, rows] float32 (``write_outputs_t``).
 
     SMEM: q8_s e4m3 [4, R, 128], qr_s bf16 [R, 64], qsc_s f32 [R], lse_s f32 [R],
     kv8_s e4m3 [2, 4, 128, 128] and rope_s bf16 [2, 128, 64] (the ring, step
-    order), ksc_s f32 [2, 128], pt_s f16 [2 warpgroups, 128, R] (P'^T), v_union =
-    (v16_s f16 [2, 64, 128] | o_s output staging after the loop: [2, R, 128] in the
-    output's dtype, or [2, 128, R] f32 for a split's partials).
+    order), ksc_s f32 [2, 128], and from warpgroup 0 (module docstring): pt_s f16
+    [2 slots, 128, R] (P'^T), stats_s f32 [2 slots, 2, R] (alpha, P' factor
+    pv_max), ml_s f32 [2, R] (running m, l); v_union = (v16_s f16 [2, 64, 128] |
+    o_s output staging after the loop: [2, R, 128] in the output's 16-bit dtype,
+    or [2, 128, R] f32 when ``transposed``).
+
+    Slot reuse: warpgroup 0 writes step j's pt_s and stats_s slot after
+    ``begin_step`` of step j - 1 waited for both warpgroups to consume step j - 2.
     """
     v16_s, o_s = v_union
     b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = begin_cta(
         seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits)
-    q_scale = plgpu.load(qsc_s, layout=QROWS)
-    my_pt = pt_s.at[wg]
+    *_, m0, l0 = initial_carry((CHUNK, ROWS), rows_axis=1)
 
-    def step(j, carry, *, masked: bool):
-        accs, m, l = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
-        t0 = (first_step + j) * STEP
-        slot = begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar)
+    @pl.when(wg == 0)
+    def _():
+        ml_s[0] = m0
+        ml_s[1] = l0
+        plgpu.commit_smem()  # the warpgroup's barrier: every thread sees them before its first load
+
+    def softmax_step(j, slot, t0, *, masked: bool) -> None:
+        """Warpgroup 0: step j's scores and online softmax; P'^T, alpha and pv_max to the slot."""
         k_scales = [plgpu.load(ksc_s.at[slot, pl.ds(half * HALF, HALF)], layout=TOKENS) for half in range(2)]
+        q_scale = plgpu.load(qsc_s, layout=QROWS)
         scores = step_scores_t(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scales, interpret=interpret)
         visible = None
         if masked:
             visible = [visibility_t(row0, t0, seq_len, half, s_q=s_q, num_heads=num_heads) for half in range(2)]
+        m, l = plgpu.load(ml_s.at[0], layout=QROWS), plgpu.load(ml_s.at[1], layout=QROWS)
         m_new, alpha, l, p_scaled, pv_max = softmax_t(scores, k_scales, m, l, scale_log2, visible)
+        ml_s[0] = m_new
+        ml_s[1] = l
         for half in range(2):  # P' rounds to e4m3 (the SnapMLA math), then to f16 exactly
-            my_pt[pl.ds(half * HALF, HALF)] = (
+            pt_s[slot, pl.ds(half * HALF, HALF)] = (
                 jnp.minimum(p_scaled[half], FP8_E4M3_MAX).astype(FP8_DTYPE).astype(jnp.float16))
-        new_accs = pv_update_t(accs, kv8_s.at[slot], wg, my_pt, v16_s.at[wg], alpha, pv_max, t0, seq_len,
+        stats_s[slot, 0] = alpha
+        stats_s[slot, 1] = pv_max
+        plgpu.commit_smem()  # generic-proxy stores -> visible to both warpgroups' wgmma
+        plgpu.barrier_arrive(p_ready_bar.at[slot])
+
+    def step(j, accs, *, masked: bool):
+        t0 = (first_step + j) * STEP
+        slot = begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar)
+        pl.when(wg == 0)(functools.partial(softmax_step, j, slot, t0, masked=masked))
+
+        @pl.when(wg == 1)
+        def _():
+            plgpu.barrier_wait(p_ready_bar.at[slot])
+
+        alpha = plgpu.load(stats_s.at[slot, 0], layout=QROWS)
+        pv_max = plgpu.load(stats_s.at[slot, 1], layout=QROWS)
+        new_accs = pv_update_t(accs, kv8_s.at[slot], wg, pt_s.at[slot], v16_s.at[wg], alpha, pv_max, t0, seq_len,
                                masked=masked)
         plgpu.barrier_arrive(consumed_bar.at[slot])
-        return (*new_accs, m_new, l)
+        return tuple(new_accs)
 
-    *accs, m, l = walk_steps(step, initial_carry((CHUNK, ROWS), rows_axis=1), wg, unmasked_steps, num_steps,
-                             consumed_bar)
-    # The output staging reuses the V tiles' bytes: wait until both warpgroups are past their last step.
+    accs = walk_steps(step, initial_carry((CHUNK, ROWS), rows_axis=1)[:CHUNKS_PER_WG], wg, unmasked_steps,
+                      num_steps, consumed_bar)
+    # The output staging reuses the V tiles' bytes: wait until both warpgroups are past their
+    # last step (and warpgroup 0's final m and l are in ml_s).
     plgpu.barrier_arrive(end_bar)
     plgpu.barrier_wait(end_bar)
-    write_outputs_t(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg, transposed=num_splits > 1)
+    m, l = plgpu.load(ml_s.at[0], layout=QROWS), plgpu.load(ml_s.at[1], layout=QROWS)
+    write_outputs_t(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg, transposed=transposed)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
@@ -273,14 +315,16 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, block_rows=ROWS)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
-    # A split's float32 partials leave the kernel as [features, rows] (``write_outputs_t``).
-    out_shape, stage_shape, out_dtype = (((batch, 1, num_rows, RANK), (NUM_WGS, ROWS, CHUNK), q_rows.dtype)
-                                         if num_splits == 1 else
-                                         ((batch, num_splits, RANK, num_rows), (NUM_WGS, CHUNK, ROWS), jnp.float32))
+    # A split's float32 partials, and a float32 output, leave the kernel as [features, rows]
+    # (``write_outputs_t``: Mosaic GPU cannot store 32-bit values transposed).
+    transposed = num_splits > 1 or jnp.dtype(q_rows.dtype).itemsize == 4
+    out_shape, stage_shape, out_dtype = (((batch, num_splits, RANK, num_rows), (NUM_WGS, CHUNK, ROWS), jnp.float32)
+                                         if transposed else
+                                         ((batch, 1, num_rows, RANK), (NUM_WGS, ROWS, CHUNK), q_rows.dtype))
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          num_splits=num_splits, interpret=interpret),
+                          num_splits=num_splits, transposed=transposed, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype),
                   jax.ShapeDtypeStruct((batch, num_splits, num_rows), jnp.float32)),
         scratch_types=[
@@ -291,10 +335,13 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
             plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
             plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
             plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
-            plgpu.SMEM((NUM_WGS, STEP, ROWS), jnp.float16),
+            plgpu.SMEM((NUM_SLOTS, STEP, ROWS), jnp.float16),
+            plgpu.SMEM((NUM_SLOTS, 2, ROWS), jnp.float32),
+            plgpu.SMEM((2, ROWS), jnp.float32),
             plgpu.RefUnion(plgpu.SMEM((NUM_WGS, HALF, CHUNK), jnp.float16),
                            plgpu.SMEM(stage_shape, out_dtype)),
             plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
+            plgpu.Barrier(num_arrivals=1, num_barriers=NUM_SLOTS),  # P'^T ready (warpgroup 0)
             slot_barrier(),
             plgpu.Barrier(num_arrivals=COPIES_Q),
             plgpu.Barrier(num_arrivals=NUM_WGS),
@@ -303,4 +350,4 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
     )
     out, lse = kernel(seq_lens, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
                       latent_pairs, scales, rope_pairs)
-    return merge_splits(out if num_splits == 1 else out.transpose(0, 1, 3, 2), lse, q_rows.dtype)
+    return merge_splits(out.transpose(0, 1, 3, 2) if transposed else out, lse, q_rows.dtype)

@@ -6,8 +6,8 @@ Same caches and queries as ``python -m snapmla_jax.bench decode`` (page 64, ever
 row at the full context), each variant timed with warm-up and a median
 (snapmla_jax/bench/timing.py), side by side in one run. Variants: the Mosaic
 kernel ("mosaic", pallas_kernels/mla_decode_mgpu.py, the default), where
-s_q x H <= 32 the experimental 16-row kernel ("mosaic_small",
-mla_decode_mgpu_small.py), both with KV splits from ``choose_num_splits``, the
+s_q x H <= 32 the 16-row kernel ("mosaic_small", mla_decode_mgpu_small.py, the
+default up to 16 rows), both with KV splits from ``choose_num_splits``, the
 Triton FP8 kernel and the BF16 twin. Each Mosaic output is compared with the
 Triton FP8 kernel's (relative L2 difference: both round Q and P' to e4m3, with
 P' factors per 64 vs 128 tokens). Writes bench_mgpu.json under --out.

@@ -20,6 +20,8 @@ from pallas_kernels.mla_decode_mgpu import BLOCK_M as MOSAIC_BLOCK_M
 from pallas_kernels.mla_decode_mgpu import PAGE as MOSAIC_PAGE
 from pallas_kernels.mla_decode_mgpu import STEP as MOSAIC_STEP
 from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
+from pallas_kernels.mla_decode_mgpu_small import ROWS as MOSAIC_SMALL_ROWS
+from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
 from snapmla_jax.backend import resolve_backend
 from snapmla_jax.cache import LatentCache, check_kernel_addressable, check_layer
 
@@ -105,20 +107,39 @@ def default_config(cache: LatentCache, backend: str) -> DecodeConfig:
     """The kernel and knobs ``mla_decode`` uses when ``config`` is None.
 
     Compiled (backend "pallas") on a Hopper GPU over an fp8 cache with
-    page_size 64: the Mosaic GPU kernel, faster than the Triton FP8 kernel at every shape measured on an
-    H100 (docs/benchmarks/decode.md, scripts/bench_mgpu.py). Elsewhere the
-    Triton kernels (FP8_CONFIG / BF16_CONFIG): the Mosaic kernel needs 64-token
-    pages, and in the interpreter it runs its two warpgroups as host threads
-    (slow, and it can stall on small CPUs), so "interpret" and the "xla"
-    emulation stay with the Triton kernel's math; other GPUs have no wgmma. Both round P' to e4m3 with a
-    factor per row and block, 64 tokens (Triton) or 128 (Mosaic), so their
-    outputs differ by e4m3 rounding noise only (relative L2 ~1e-3 on the bench).
+    page_size 64: the Mosaic GPU kernels (``mosaic_kernel`` picks one by the
+    query rows), faster than the Triton FP8 kernel at every shape measured on
+    an H100 (docs/benchmarks/decode.md, scripts/bench_mgpu.py). Elsewhere the
+    Triton kernels (FP8_CONFIG / BF16_CONFIG): the Mosaic kernels need 64-token
+    pages, and in the interpreter they run their two warpgroups as host
+    threads (slow, and they can stall on small CPUs), so "interpret" and the
+    "xla" emulation stay with the Triton kernel's math; other GPUs have no
+    wgmma. Both round P' to e4m3 with a factor per row and block, 64 tokens
+    (Triton) or 128 (Mosaic), so their outputs differ by e4m3 rounding noise
+    only (relative L2 ~1e-3 on the bench).
     """
     if cache.dtype != "fp8":
         return BF16_CONFIG
     if backend == "pallas" and cache.page_size == MOSAIC_PAGE and _on_hopper():
         return MOSAIC_CONFIG
     return FP8_CONFIG
+
+
+def mosaic_kernel(num_rows: int):
+    """The Mosaic GPU kernel for ``num_rows`` query rows (s_q x heads) a batch row, and its
+    rows per CTA: (kernel function, block rows).
+
+    Up to 16 rows (H = 16 at s_q = 1: DeepSeek-V2-Lite, V3 over 8 GPUs by heads),
+    ``mla_decode_mgpu_small``, 16 rows on the wgmma N dimension; above, the
+    64-row ``mla_decode_mgpu``. Measured on an H100 (scripts/bench_mgpu.py, H =
+    16, 16k-64k contexts): at 16 rows the small kernel ran 1.13-1.18x the BF16
+    twin where the 64-row one, 48 of its rows padding, ran 0.74-0.79x; at 32
+    rows (s_q = 2) its two row blocks read the cache twice, 0.73 ms against the
+    64-row kernel's 0.58 at B = 64 x 16k. Both compute the same math.
+    """
+    if num_rows <= MOSAIC_SMALL_ROWS:
+        return mla_decode_mgpu_small, MOSAIC_SMALL_ROWS
+    return mla_decode_mgpu, MOSAIC_BLOCK_M
 
 
 def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block_table: jax.Array,
@@ -141,8 +162,8 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     num_splits  split-KV count for the Pallas kernels; None picks it from the
                 shapes and the GPU's SM count.
     config      DecodeConfig tuning knobs (None: ``default_config``, measured on an H100).
-                ``DecodeConfig(kernel="mosaic")`` runs the Mosaic GPU FP8 kernel
-                (fp8 cache, page_size 64), and with backend="xla" its math (P'
+                ``DecodeConfig(kernel="mosaic")`` runs a Mosaic GPU FP8 kernel
+                (``mosaic_kernel``; fp8 cache, page_size 64), and with backend="xla" its math (P'
                 factors per 128 tokens); ``FP8_CONFIG`` the Triton FP8 kernel.
 
     Returns out [B, s_q, H, R] in q_latent's dtype, and with ``return_lse``
@@ -171,7 +192,8 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
 
     check_kernel_addressable(cache)
     num_rows = s_q * heads
-    block_m = MOSAIC_BLOCK_M if mosaic else rows_per_block(num_rows, config)
+    mosaic_fn, mosaic_rows = mosaic_kernel(num_rows)
+    block_m = mosaic_rows if mosaic else rows_per_block(num_rows, config)
     padded_rows = -(-num_rows // block_m) * block_m
     to_rows = lambda q: jnp.pad(q.reshape(batch, num_rows, q.shape[-1]), [(0, 0), (0, padded_rows - num_rows), (0, 0)])
     flat = lambda a: None if a is None else a.reshape(-1, *a.shape[cache.latent.ndim - 1:])
@@ -184,7 +206,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     elif not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected None or a positive int, got {num_splits!r}")
     if mosaic:
-        out, lse = mla_decode_mgpu(
+        out, lse = mosaic_fn(
             to_rows(q_latent), to_rows(q_rope), cache_arrays, block_table, seq_lens, layer_offset,
             softmax_scale=softmax_scale, page_size=cache.page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,
             interpret=backend == "interpret")

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import quantize_per_token
 from pallas_kernels.mla_decode import mla_decode_reference
@@ -88,11 +89,15 @@ def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_
 
 
 @pytest.mark.parametrize("kernel", ["mgpu", "small"])
-@pytest.mark.parametrize("s_q,num_splits", [(1, 1), (2, 1), (1, 4)])
-def test_kernel_lowers_for_cuda(kernel, s_q, num_splits):
-    """Layout inference, SMEM allocation (fits in an H100's 227 KB) and lowering to MLIR, without a GPU."""
+@pytest.mark.parametrize("s_q,num_splits,dtype", [(1, 1, "bfloat16"), (2, 1, "bfloat16"), (1, 4, "bfloat16"),
+                                                  (1, 1, "float32"), (1, 2, "float32")])
+def test_kernel_lowers_for_cuda(kernel, s_q, num_splits, dtype):
+    """Layout inference, SMEM allocation (fits in an H100's 227 KB) and lowering to MLIR, without a
+    GPU. float32 queries (a float32 model) give a float32 output: the 16-row kernel stores it
+    transposed, as its split partials (a 32-bit transposed store does not lower)."""
     heads = 64 if kernel == "mgpu" else 16
-    args = _inputs(0, batch=2, heads=heads, pages_per_row=3, seq_lens=[100, 0], s_q=s_q)
+    q, q_rope, *cache = _inputs(0, batch=2, heads=heads, pages_per_row=3, seq_lens=[100, 0], s_q=s_q)
+    args = (q.astype(dtype), q_rope.astype(dtype), *cache)
     call = lambda *a: _call_kernel(*a, 0.1, num_splits=num_splits, kernel=kernel)
     jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))
 
@@ -110,6 +115,48 @@ def test_cost_probe_variants_lower_for_cuda(monkeypatch):
         jax.jit(lambda *a: _call_kernel(*a, 0.1)).trace(*args).lower(lowering_platforms=("cuda",))
     monkeypatch.undo()
     jax.clear_caches()  # later tests must trace the real helpers again
+
+
+def _mosaic_module_text(kernel: str) -> str:
+    """The Mosaic GPU module a kernel lowers to for CUDA (MLIR text without debug info), no GPU needed."""
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib.mlir import ir
+    from jax.experimental.mosaic.gpu import dialect as mosaic_gpu_dialect
+
+    args = _inputs(0, batch=2, heads=64 if kernel == "mgpu" else 16, pages_per_row=3, seq_lens=[100, 0])
+    lowered = jax.jit(lambda *a: _call_kernel(*a, 0.1, num_splits=2, kernel=kernel)).trace(*args).lower(
+        lowering_platforms=("cuda",))
+    modules = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.name == "stablehlo.custom_call":
+                        config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
+                        if "module" in config:
+                            modules.append(ir.StringAttr(config["module"]).value_bytes)
+                    walk(inner)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    assert len(modules) == 1, len(modules)
+    context = jax_mlir.make_ir_context()
+    mosaic_gpu_dialect.register_dialect(context)
+    context.allow_unregistered_dialects = True
+    with context:
+        return ir.Module.parse(modules[0]).operation.get_asm(enable_debug_info=False)
+
+
+def test_64_row_kernel_reduces_within_warps():
+    """Pallas Mosaic GPU lowers a reduction across warps through an SMEM scratch at one static
+    offset, and both warpgroups run the same program: two warpgroups reducing at once
+    overwrite each other's partials (the 16-row kernel's first GPU run; the interpreter cannot
+    show it). The 64-row kernel, both of whose warpgroups reduce, must reduce along its rows,
+    inside warps: no such scratch. The 16-row kernel has one (warpgroup 0 alone reduces),
+    which shows that the check sees it."""
+    scratch_view = f"memref<{plgpu.CompilerParams().reduction_scratch_bytes // 4}xf32"
+    assert scratch_view not in _mosaic_module_text("mgpu")
+    assert scratch_view in _mosaic_module_text("small")
 
 
 # Steps before a row's last one run unmasked (a second loop runs the masked
@@ -147,10 +194,12 @@ def _nan_past_seq_lens(latent, scale, rope, block_table, seq_lens):
     return jnp.asarray(latent), jnp.asarray(scale), jnp.asarray(rope)
 
 
-def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu"):
-    """Kernel vs ``mla_decode_reference(block_n=128)``; returns (max error / max |ref|, max lse error, lse scale)."""
+def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu", dtype="bfloat16"):
+    """Kernel vs ``mla_decode_reference(block_n=128)``, queries in ``dtype``; returns (max error /
+    max |ref|, max lse error, lse scale)."""
     q, q_rope, latent, scale, rope, block_table, lens = _inputs(heads + s_q, batch=3, heads=heads, pages_per_row=5,
                                                                 seq_lens=seq_lens, s_q=s_q)
+    q, q_rope = q.astype(dtype), q_rope.astype(dtype)
     latent, scale, rope = _nan_past_seq_lens(latent, scale, rope, block_table, seq_lens)
     softmax_scale = 576 ** -0.5
     out, lse = _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale,
@@ -168,7 +217,7 @@ def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu
     return float(err), float(np.max(np.abs(lse[seen] - ref_lse[seen]))), float(np.max(np.abs(ref_lse[seen])))
 
 
-def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel="mgpu"):
+def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel="mgpu", dtype="bfloat16"):
     """``_check`` in interpret mode in a fresh process that has 8 CPU devices.
 
     The interpreter runs each warpgroup as a thread whose memory operations
@@ -181,7 +230,7 @@ def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel="mgpu
     code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
             "import test_mla_decode_mgpu as t; "
             f"print(json.dumps(t._check({heads}, {s_q}, {seq_lens!r}, {layer_pages}, {splits}, "
-            f"interpret=True, kernel={kernel!r})))")
+            f"interpret=True, kernel={kernel!r}, dtype={dtype!r})))")
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -237,19 +286,49 @@ def test_small_kernel_matches_reference(heads, s_q, seq_lens, layer_pages, split
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
 
-def _api_check(seed: int, backend: str = "interpret") -> tuple[float, float, float]:
+# Through the public API: (heads, s_q) with 48 rows (the 64-row kernel, rows
+# padded) and with 16 (the 16-row kernel), as ``mosaic_kernel`` routes them.
+API_SHAPES = pytest.mark.parametrize("heads,s_q", [(24, 2), (16, 1)])
+
+
+def test_mosaic_kernel_routes_by_rows():
+    from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
+    from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
+    from snapmla_jax.decode import mosaic_kernel
+    assert mosaic_kernel(16) == (mla_decode_mgpu_small, 16)
+    assert mosaic_kernel(8) == (mla_decode_mgpu_small, 16)
+    assert mosaic_kernel(17) == (mla_decode_mgpu, 64)
+    assert mosaic_kernel(48) == (mla_decode_mgpu, 64)
+
+
+def test_small_kernel_interpreted_float32_output():
+    """float32 queries, one split: the 16-row kernel's float32 output leaves transposed, as
+    its split partials do, and the launcher transposes it back."""
+    err, lse_err, _ = _check_in_subprocess(16, 1, [100, 300, 0], 0, 1, kernel="small", dtype="float32")
+    assert err < 4e-3, err  # as test_kernel_interpreted_matches_reference
+    assert lse_err < 1e-4, lse_err
+
+
+@pytest.mark.gpu
+def test_small_kernel_float32_output():
+    err, lse_err, lse_scale = _check(16, 1, [100, 300, 0], 0, 1, interpret=False, kernel="small", dtype="float32")
+    assert err < 2e-2, err  # as test_kernel_matches_reference
+    assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
+
+
+def _api_check(seed: int, backend: str = "interpret", heads: int = 24, s_q: int = 2) -> tuple[float, float, float]:
     """``mla_decode(config=DecodeConfig(kernel="mosaic"))``, ``backend`` vs xla, through the public API.
 
-    A 2-layer fp8 cache read at layer 1, s_q = 2 with H = 24 (48 rows, padded to
-    64), ragged lengths incl. 0, 2 KV splits. Returns (max output error / max
-    |xla|, max lse error, max |lse|).
+    A 2-layer fp8 cache read at layer 1, ``heads`` x ``s_q`` rows (API_SHAPES),
+    ragged lengths incl. 0, 2 KV splits. Returns (max output error / max |xla|,
+    max lse error, max |lse|).
     """
     from pallas_kernels.mla_decode import DecodeConfig
     from snapmla_jax.cache import LatentCache
     from snapmla_jax.decode import mla_decode
 
     rng = np.random.default_rng(seed)
-    layers, pages, batch, heads, s_q = 2, 12, 3, 24, 2
+    layers, pages, batch = 2, 12, 3
     x = rng.standard_normal((layers, pages, 64, 512)).astype(np.float32)
     x[rng.random((layers, pages, 64)) < 0.02] *= 300.0  # outlier tokens
     latent, scale = quantize_per_token(jnp.asarray(x))
@@ -271,10 +350,11 @@ def _api_check(seed: int, backend: str = "interpret") -> tuple[float, float, flo
     return float(err), float(np.max(np.abs(np.asarray(lse)[seen] - ref_lse))), float(np.max(np.abs(ref_lse)))
 
 
-def test_mla_decode_mosaic_config_interpreted_matches_xla():
-    """The opt-in path through ``snapmla_jax.mla_decode``: row padding, layer offset, splits, the merge."""
+@API_SHAPES
+def test_mla_decode_mosaic_config_interpreted_matches_xla(heads, s_q):
+    """The path through ``snapmla_jax.mla_decode``: kernel choice, row padding, layer offset, splits, the merge."""
     code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
-            "import test_mla_decode_mgpu as t; print(json.dumps(t._api_check(3)))")
+            f"import test_mla_decode_mgpu as t; print(json.dumps(t._api_check(3, heads={heads}, s_q={s_q})))")
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")  # see _check_in_subprocess
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -284,8 +364,9 @@ def test_mla_decode_mosaic_config_interpreted_matches_xla():
 
 
 @pytest.mark.gpu
-def test_mla_decode_mosaic_config_compiled_matches_xla():
-    err, lse_err, lse_scale = _api_check(3, backend="pallas")
+@API_SHAPES
+def test_mla_decode_mosaic_config_compiled_matches_xla(heads, s_q):
+    err, lse_err, lse_scale = _api_check(3, backend="pallas", heads=heads, s_q=s_q)
     assert err < 2e-2, err  # as test_kernel_matches_reference
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
