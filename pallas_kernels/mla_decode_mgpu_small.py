@@ -2,9 +2,11 @@
 
 Status (2026-11-23): the default for up to 16 query rows a batch row
 (``snapmla_jax.decode.mosaic_kernel``: H = 16 at s_q = 1). On an H100 it
-passes the GPU tests (``pytest -m gpu -k small``) and runs 1.13-1.18x the BF16
-twin at H = 16, 16k-64k contexts, where the 64-row kernel ran 0.74-0.79x
-(docs/benchmarks/mgpu.md, decode.md).
+passed its six GPU cases and the API check, and ran 1.13-1.18x the BF16 twin
+at H = 16, 16k-64k contexts, where the 64-row kernel ran 0.74-0.79x
+(docs/benchmarks/mgpu.md, decode.md). The float32-output path (a float32
+model; ``transposed`` below) was fixed after that GPU session and has run in
+the interpreter only.
 
 Why. ``mla_decode_mgpu`` puts a CTA's query rows on the wgmma M dimension,
 which is 64 per warpgroup: with H=16 (DeepSeek-V2-Lite; V3 split over 8 GPUs
