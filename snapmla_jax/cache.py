@@ -36,6 +36,13 @@ CacheDType = Literal["fp8", "bf16"]
 CACHE_DTYPES = ("fp8", "bf16")
 # Pallas kernels address cache elements with int32 offsets.
 MAX_CACHE_ELEMENTS = 2**31 - 1
+INT32_LIMIT = "the Pallas kernels' int32 offsets address at most 2**31 - 1 latent elements"
+
+
+def kernel_addressable(token_slots: int, kv_lora_rank: int) -> bool:
+    """Whether a latent array of ``token_slots`` x ``kv_lora_rank`` elements (all layers of
+    one cache array) is within the kernels' int32 offsets."""
+    return token_slots * kv_lora_rank <= MAX_CACHE_ELEMENTS
 
 
 @jax.tree_util.register_dataclass
@@ -73,10 +80,9 @@ class LatentCache:
             raise ValueError(f"dtype: expected one of {CACHE_DTYPES}, got {dtype!r}")
         lead = () if num_layers is None else (num_layers,)
         tokens = (num_layers or 1) * num_pages * page_size
-        if tokens * kv_lora_rank > MAX_CACHE_ELEMENTS:
-            raise ValueError(
-                f"num_pages: a cache of {tokens} token slots x {kv_lora_rank} exceeds 2**31 - 1 elements, "
-                "which the kernels' int32 offsets cannot address; use one cache per layer or fewer pages")
+        if not kernel_addressable(tokens, kv_lora_rank):
+            raise ValueError(f"num_pages: a cache of {tokens} token slots x {kv_lora_rank} is too large: "
+                             f"{INT32_LIMIT}; use one cache per layer or fewer pages")
         pages = (*lead, num_pages, page_size)
         if dtype == "fp8":
             latent = jnp.zeros((*pages, kv_lora_rank), FP8_DTYPE)
@@ -166,10 +172,9 @@ def check_kernel_addressable(cache: LatentCache) -> None:
     out-of-bounds access on the GPU otherwise). LatentCache.create refuses such
     caches; this catches ones assembled from arrays."""
     if cache.latent.size > MAX_CACHE_ELEMENTS:
-        raise ValueError(
-            f"cache: its latent array {list(cache.latent.shape)} holds {cache.latent.size} elements, more than "
-            "the 2**31 - 1 that the Pallas kernels' int32 offsets address; split it (one cache per layer, "
-            "fewer pages) or use backend='xla'")
+        raise ValueError(f"cache: its latent array {list(cache.latent.shape)} holds {cache.latent.size} elements, "
+                         f"too many: {INT32_LIMIT}; split it (one cache per layer, fewer pages) or use "
+                         "backend='xla'")
 
 
 def dequantize(cache: LatentCache, *, layer: int | jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

@@ -94,3 +94,18 @@ def test_kernels_refuse_a_cache_beyond_int32_offsets():
     slots = jax.ShapeDtypeStruct((3,), jnp.int32)
     with pytest.raises(ValueError, match="cache: .*2\\*\\*31"):
         jax.eval_shape(lambda c, l, r, s: write_kv(c, l, r, s, backend="interpret"), too_big, *tokens, slots)
+
+
+def test_int32_limit_is_one_rule_for_create_and_the_e2e_planner():
+    """``kernel_addressable`` is the int32 rule LatentCache.create and the e2e planner share:
+    2**22 token slots x 512 = 2**31 elements is one too many."""
+    from snapmla_jax.bench.e2e import PAGE_SIZE, V2_LITE, make_plans
+    from snapmla_jax.cache import kernel_addressable
+
+    assert kernel_addressable(2**22 - 1, 512) and not kernel_addressable(2**22, 512)
+    with pytest.raises(ValueError, match="num_pages: .*2\\*\\*31"):
+        LatentCache.create(num_pages=2**16, page_size=64)
+    jax.eval_shape(lambda: LatentCache.create(num_pages=2**16 - 1, page_size=64))
+    # B=128: 32k fits the offsets (with a page of slack per row), 64k does not.
+    [plan] = [p for p in make_plans(V2_LITE, [128], [32768 - 2 * PAGE_SIZE, 65536], 8, None) if p.kv_cache == "fp8"]
+    assert plan.contexts == (32768 - 2 * PAGE_SIZE,) and plan.too_big == (65536,)

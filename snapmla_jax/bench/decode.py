@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.mla_decode import FP8_CONFIG
 from snapmla_jax.bench import timing
-from snapmla_jax.cache import MAX_CACHE_ELEMENTS, LatentCache
+from snapmla_jax.cache import INT32_LIMIT, LatentCache, kernel_addressable
 from snapmla_jax.decode import mla_decode
 from snapmla_jax.quantization import quantize_per_token
 
@@ -252,9 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     for batch in grid["batches"]:
         for context in grid["contexts"]:
             cache_bytes = batch * context * (644 + 1152)
-            if batch * context * RANK > MAX_CACHE_ELEMENTS:
-                print(f"skip B={batch} ctx={context}: {batch * context * RANK} latent elements exceed the "
-                      "kernels' int32 offsets (2**31 - 1)", flush=True)
+            if not kernel_addressable(batch * context, RANK):
+                print(f"skip B={batch} ctx={context}: {batch * context * RANK} latent elements, {INT32_LIMIT}",
+                      flush=True)
                 continue
             if cache_bytes > MEMORY_FRACTION * memory:
                 print(f"skip B={batch} ctx={context}: caches need {cache_bytes / 2**30:.1f} GiB", flush=True)

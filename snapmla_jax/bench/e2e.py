@@ -42,7 +42,7 @@ from flax import nnx
 
 from models import MLAConfig, MLAModel
 from snapmla_jax.bench import timing
-from snapmla_jax.cache import LatentCache
+from snapmla_jax.cache import LatentCache, kernel_addressable
 from snapmla_jax.decode import mla_decode
 from snapmla_jax.generate import DecodeState, decode_chunk
 from snapmla_jax.paging import allocate_pages
@@ -105,8 +105,8 @@ def make_plans(cfg: MLAConfig, batches, contexts, total_steps: int, free: int | 
             for context in sorted(contexts):
                 tokens = batch * (context + total_steps)
                 need = tokens * cache_bytes_per_token(cfg, kv_cache)
-                # One layer's latent array must stay under 2**31 elements (int32 offsets).
-                addressable = tokens * cfg.kv_lora_rank < 2**31 - PAGE_SIZE * cfg.kv_lora_rank * batch
+                # One layer's latent array (up to a page more per row) within the int32 offsets.
+                addressable = kernel_addressable(tokens + PAGE_SIZE * batch, cfg.kv_lora_rank)
                 (fits if addressable and (free is None or need + HEADROOM_BYTES <= free) else too_big).append(context)
             if fits:
                 pages = allocate_pages([fits[-1]] * batch, total_steps, page_size=PAGE_SIZE)
