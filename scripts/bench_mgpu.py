@@ -57,8 +57,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="*", default=SHAPES)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        print("bench_mgpu: needs a CUDA GPU", file=sys.stderr)
+    if timing.missing_gpu("bench_mgpu"):
         return 2
     results = {"env": timing.environment(), "rows": []}
     out_dir = pathlib.Path(args.out)

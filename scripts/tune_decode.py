@@ -46,8 +46,7 @@ def main(argv=None) -> int:
     parser.add_argument("--candidates", nargs="*", default=list(CANDIDATES))
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        print("tune_decode: needs a CUDA GPU", file=sys.stderr)
+    if timing.missing_gpu("tune_decode"):
         return 2
     results = {"env": timing.environment(), "rows": []}
     for shape in args.shapes:

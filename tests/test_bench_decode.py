@@ -1,5 +1,7 @@
 """The decode benchmark's table (the timings need a GPU; its markdown does not)."""
 
+import pytest
+
 from snapmla_jax.bench import decode
 
 ENV = {"device": "test device", "jax": "0", "python": "3", "date": "2026-11-23"}
@@ -30,3 +32,13 @@ def test_decode_table_says_when_each_row_was_measured():
 def test_decode_table_without_merged_rows_has_no_merge_note():
     text = decode.to_markdown(ENV, CEILINGS, [_row(8, "2026-11-23 16:49")], "no")
     assert "earlier invocations" not in text
+
+
+def test_benchmarks_exit_2_with_one_line_without_a_gpu(capsys):
+    """On a CPU the GPU benchmarks print one line naming themselves and exit with status 2."""
+    from snapmla_jax.bench import timing
+    if not timing.missing_gpu("probe"):
+        pytest.skip("a GPU is present")
+    assert decode.main(["--quick"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["probe: needs a CUDA GPU", "decode benchmark: needs a CUDA GPU"]

@@ -25,7 +25,6 @@ import dataclasses
 import json
 import math
 import pathlib
-import sys
 import time
 import traceback
 
@@ -221,8 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s-q", type=int, nargs="*", dest="s_qs", help="override the query lengths")
     parser.add_argument("--merge", action="store_true", help="keep earlier rows of shapes not measured now")
     args = parser.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        print("decode benchmark: needs a CUDA GPU", file=sys.stderr)
+    if timing.missing_gpu("decode benchmark"):
         return 2
     grid = dict(QUICK if args.quick else FULL)
     for key in grid:

@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import gc
 import statistics
-import sys
 import time
 import traceback
 
@@ -375,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.iters < 1:
         parser.error("--steps and --iters: expected ints >= 1")
-    if not args.tiny and jax.default_backend() != "gpu":
-        print("e2e benchmark: the V2-Lite-sized model needs a CUDA GPU (use --tiny elsewhere)", file=sys.stderr)
+    if not args.tiny and timing.missing_gpu("e2e benchmark",
+                                            "the V2-Lite-sized model needs a CUDA GPU (use --tiny elsewhere)"):
         return 2
     start = time.perf_counter()
     cfg = TINY if args.tiny else V2_LITE

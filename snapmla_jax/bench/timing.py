@@ -17,6 +17,7 @@ import json
 import pathlib
 import platform
 import statistics
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -75,6 +76,15 @@ def measure_gemm_tflops(dtype, size: int = 8192) -> float:
 def measure_ceilings() -> Ceilings:
     return Ceilings(copy_gbps=measure_copy_gbps(), bf16_tflops=measure_gemm_tflops(jnp.bfloat16),
                     fp8_tflops=measure_gemm_tflops(jnp.float8_e4m3fn))
+
+
+def missing_gpu(program: str, what: str = "needs a CUDA GPU") -> bool:
+    """True, after "``program``: ``what``" on stderr, when the default backend is not a GPU:
+    the benchmarks then exit with status 2."""
+    if jax.default_backend() == "gpu":
+        return False
+    print(f"{program}: {what}", file=sys.stderr)
+    return True
 
 
 def environment() -> dict[str, str]:
