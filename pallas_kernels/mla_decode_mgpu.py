@@ -615,7 +615,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
 
 
 def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, *, page_size: int,
-                   block_rows: int = BLOCK_M):
+                   num_splits: int, block_rows: int = BLOCK_M):
     """Checks and launcher-side inputs (``block_rows``: the query rows of a CTA).
 
     Returns (q8 e4m3 [B, rows, 512], q_scale f32 [B, rows], latent pairs e4m3
@@ -627,6 +627,8 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset,
         raise ValueError(f"mla_decode_mgpu: FP8 cache, page_size {PAGE}, rank {RANK}, rope {ROPE} only")
     if num_rows % block_rows:
         raise ValueError(f"q_rows: expected rows padded to a multiple of {block_rows}, got {num_rows}")
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
     latent, scale, rope = cache_arrays
     q8, q_scale = quantize_per_token(q_rows.astype(jnp.float32))
     return (q8, q_scale, latent.reshape(latent.shape[0] // 2, 2, RANK),
@@ -639,9 +641,7 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
     and the merge of split-KV partials."""
     batch, num_rows, _ = q_rows.shape
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
-        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size)
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
+        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits)
     out_dtype = q_rows.dtype if num_splits == 1 else jnp.float32
     stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # the staging tile fits in Q8's 32 KB
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)

@@ -314,16 +314,14 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
     with q_rows [B, rows, 512] padded to a multiple of 16."""
     batch, num_rows, _ = q_rows.shape
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
-        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, block_rows=ROWS)
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
+        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
+        block_rows=ROWS)
     # A split's float32 partials, and a float32 output, leave the kernel as [features, rows]
     # (``write_outputs_t``: Mosaic GPU cannot store 32-bit values transposed).
     transposed = num_splits > 1 or jnp.dtype(q_rows.dtype).itemsize == 4
     out_shape, stage_shape, out_dtype = (((batch, num_splits, RANK, num_rows), (NUM_WGS, CHUNK, ROWS), jnp.float32)
                                          if transposed else
                                          ((batch, 1, num_rows, RANK), (NUM_WGS, ROWS, CHUNK), q_rows.dtype))
-    slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
                           num_splits=num_splits, transposed=transposed, interpret=interpret),
@@ -344,7 +342,7 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
                            plgpu.SMEM(stage_shape, out_dtype)),
             plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
             plgpu.Barrier(num_arrivals=1, num_barriers=NUM_SLOTS),  # P'^T ready (warpgroup 0)
-            slot_barrier(),
+            plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),  # consumed (both warpgroups)
             plgpu.Barrier(num_arrivals=COPIES_Q),
             plgpu.Barrier(num_arrivals=NUM_WGS),
         ],

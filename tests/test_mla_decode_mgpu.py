@@ -58,8 +58,8 @@ def _inputs(seed, *, batch, heads, pages_per_row, seq_lens, s_q=1):
 
 
 def _kernel_and_rows(kernel: str):
-    """"mgpu": pallas_kernels/mla_decode_mgpu.py (64-row blocks); "small": the experimental
-    mla_decode_mgpu_small.py (16-row blocks, transposed products)."""
+    """"mgpu": pallas_kernels/mla_decode_mgpu.py (64-row blocks); "small":
+    pallas_kernels/mla_decode_mgpu_small.py (16-row blocks, transposed products)."""
     from pallas_kernels import mla_decode_mgpu, mla_decode_mgpu_small
     return {"mgpu": (mla_decode_mgpu.mla_decode_mgpu, mla_decode_mgpu.BLOCK_M),
             "small": (mla_decode_mgpu_small.mla_decode_mgpu_small, mla_decode_mgpu_small.ROWS)}[kernel]
@@ -169,7 +169,7 @@ CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages,splits", [
     (16, 2, [200, 2, 77], 0, 1),     # s_q = 2 (causal rule), H padded to 64 rows
     (16, 4, [129, 4, 258], 0, 1),    # s_q = 4: two masked steps in a row
 ])
-# The same situations for the experimental 16-row kernel, plus several row blocks.
+# The same situations for the 16-row kernel, plus several row blocks.
 SMALL_CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages,splits", [
     (16, 1, [100, 300, 0], 0, 1),
     (16, 1, [129, 64, 1], 3, 1),
@@ -218,7 +218,14 @@ def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu
 
 
 def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel="mgpu", dtype="bfloat16"):
-    """``_check`` in interpret mode in a fresh process that has 8 CPU devices.
+    """``_check`` in interpret mode in a fresh process that has 8 CPU devices (``_in_subprocess``)."""
+    return _in_subprocess(f"_check({heads}, {s_q}, {seq_lens!r}, {layer_pages}, {splits}, interpret=True, "
+                          f"kernel={kernel!r}, dtype={dtype!r})")
+
+
+def _in_subprocess(call: str):
+    """``call``, a call of a function of this module, in a fresh process that has 8 CPU
+    devices; returns its JSON-encoded result.
 
     The interpreter runs each warpgroup as a thread whose memory operations
     are host callbacks. With two warpgroups waiting on each other's barriers,
@@ -228,9 +235,7 @@ def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel="mgpu
     at start-up, hence the subprocess; a hang still fails, by the timeout.
     """
     code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
-            "import test_mla_decode_mgpu as t; "
-            f"print(json.dumps(t._check({heads}, {s_q}, {seq_lens!r}, {layer_pages}, {splits}, "
-            f"interpret=True, kernel={kernel!r}, dtype={dtype!r})))")
+            f"import test_mla_decode_mgpu as t; print(json.dumps(t.{call}))")
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -270,7 +275,7 @@ def test_kernel_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
 
 @SMALL_CASES
 def test_small_kernel_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
-    """The experimental 16-row kernel on CPU: as the test above, plus the transposed
+    """The 16-row kernel on CPU: as the test above, plus the transposed
     products (S^T = K.Q^T, O^T = V^T.P'^T on f16 tiles) and the softmax along the
     tokens. Not covered here: the RoPE product accumulated onto the FP8 scores."""
     err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel="small")
@@ -353,12 +358,7 @@ def _api_check(seed: int, backend: str = "interpret", heads: int = 24, s_q: int 
 @API_SHAPES
 def test_mla_decode_mosaic_config_interpreted_matches_xla(heads, s_q):
     """The path through ``snapmla_jax.mla_decode``: kernel choice, row padding, layer offset, splits, the merge."""
-    code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
-            f"import test_mla_decode_mgpu as t; print(json.dumps(t._api_check(3, heads={heads}, s_q={s_q})))")
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")  # see _check_in_subprocess
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    err, lse_err, _ = json.loads(done.stdout.strip().splitlines()[-1])
+    err, lse_err, _ = _in_subprocess(f"_api_check(3, heads={heads}, s_q={s_q})")
     assert err < 4e-3, err  # as test_kernel_interpreted_matches_reference
     assert lse_err < 1e-4, lse_err
 
