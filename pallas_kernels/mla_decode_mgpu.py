@@ -136,6 +136,9 @@ COPIES_Q = NUM_CHUNKS + 2  # Q8 chunks, Q rope, q scale
 # only ~14 significant bits in its accumulator, so a long chain loses precision
 # on large scores (``step_scores``); 512 would be one chain.
 QK_PROMOTION = 128
+# Whether a warpgroup waits on the ``qk_done`` barrier before it overwrites the
+# step's slot (the statistics barrier already orders it; see ``_kernel``).
+WAIT_QK_DONE = True
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
@@ -366,10 +369,10 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
     return issue
 
 
-def start_cta(wg, first_step, num_steps, issue, query_refs, q_bar) -> None:
-    """Warpgroup 0 issues the query tiles (``issue_query``'s arguments but the barrier) and
-    the first step; both warpgroups wait for the query."""
-    @pl.when(wg == 0)
+def start_cta(wg, first_step, num_steps, issue, query_refs, q_bar, *, issuer: int = 0) -> None:
+    """Warpgroup ``issuer`` issues the query tiles (``issue_query``'s arguments but the barrier)
+    and the first step; both warpgroups wait for the query."""
+    @pl.when(wg == issuer)
     def _():
         issue_query(*query_refs, q_bar)
 
@@ -394,10 +397,11 @@ class Cta(NamedTuple):
 
 
 def begin_cta(seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
-              q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, *, s_q: int, num_splits: int) -> Cta:
+              q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, *, s_q: int, num_splits: int,
+              issuer: int = 0) -> Cta:
     """The start of a Mosaic decode CTA (grid b, split, row block of q8_s's rows): its steps
     (``cta_steps``), the TMA issuer of the ring, then ``start_cta`` (query tiles and first step
-    in flight, the query waited for)."""
+    in flight from warpgroup ``issuer``, the query waited for)."""
     b = lax.axis_index("b")
     split = lax.axis_index("s")
     r = lax.axis_index("r")
@@ -408,17 +412,18 @@ def begin_cta(seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, 
     rows = q8_s.shape[1]
     row0 = _aligned(r * rows, rows)
     issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar)
-    start_cta(wg, first_step, num_steps, issue, (q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar)
+    start_cta(wg, first_step, num_steps, issue, (q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar,
+              issuer=issuer)
     return Cta(b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue)
 
 
-def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar):
-    """Wait for step j's slot; warpgroup 0 issues step j + 1 into the other slot once both
-    warpgroups have finished step j - 1's P'.V on it. Returns the slot."""
+def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, *, issuer: int = 0):
+    """Wait for step j's slot; warpgroup ``issuer`` issues step j + 1 into the other slot once
+    both warpgroups have finished step j - 1's P'.V on it. Returns the slot."""
     slot = lax.rem(j, NUM_SLOTS)
     plgpu.barrier_wait(step_bar.at[slot])
 
-    @pl.when((wg == 0) & (j + 1 < num_steps))
+    @pl.when((wg == issuer) & (j + 1 < num_steps))
     def _():
         @pl.when(j >= 1)
         def _():
@@ -474,20 +479,20 @@ def initial_carry(acc_shape=(BLOCK_M, CHUNK), rows_axis: int = 0) -> tuple:
                plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), layout)))
 
 
-def walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar) -> tuple:
+def walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar, *, issuer: int = 0) -> tuple:
     """Run ``step(j, carry, masked=...)`` over a CTA's steps: the unmasked ones, then the masked
     tail (``cta_steps``); then ``drain_consumed``. Returns the final carry."""
     carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), carry)
     carry = lax.fori_loop(unmasked_steps, num_steps, functools.partial(step, masked=True), carry)
-    drain_consumed(wg, num_steps, consumed_bar)
+    drain_consumed(wg, num_steps, consumed_bar, issuer=issuer)
     return carry
 
 
-def drain_consumed(wg, num_steps, consumed_bar) -> None:
-    """Warpgroup 0 observes the consumption of the last two steps too (the loop waited for
-    steps 0 .. num_steps - 3 only): a barrier phase nobody waits for is left dangling (the
+def drain_consumed(wg, num_steps, consumed_bar, *, issuer: int = 0) -> None:
+    """The issuing warpgroup observes the consumption of the last two steps too (the loop waited
+    for steps 0 .. num_steps - 3 only): a barrier phase nobody waits for is left dangling (the
     interpreter rejects that)."""
-    @pl.when(wg == 0)
+    @pl.when(wg == issuer)
     def _():
         for back in (2, 1):
             @pl.when(num_steps >= back)
@@ -568,7 +573,8 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=COL)
         scores = step_scores(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scale, my_rows,
                              interpret=interpret)
-        plgpu.barrier_arrive(qk_done_bar.at[slot])
+        if WAIT_QK_DONE:
+            plgpu.barrier_arrive(qk_done_bar.at[slot])
 
         visible = step_visibility(row0, t0, seq_len, wg, s_q=s_q, num_heads=num_heads) if masked else None
         scores, row_max, log_pv_max = local_stats(scores, k_scale, scale_log2, visible)
@@ -585,9 +591,11 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         # Both warpgroups are past their QK: the RoPE slot takes the P' bytes, and
         # my latent chunks become their V^T. (The statistics barrier above implies
         # this one, as each warpgroup reaches it after its QK wgmmas completed;
-        # dropping qk_done measured mixed on an H100, one run each: 10% slower at
-        # B=64 x 16k x 128, 3% faster at 32 x 16k and 8 x 64k. To re-measure.)
-        plgpu.barrier_wait(qk_done_bar.at[slot])
+        # dropping qk_done (``WAIT_QK_DONE``) measured mixed on an H100, one run
+        # each: 10% slower at B=64 x 16k x 128, 3% faster at 32 x 16k and 8 x 64k;
+        # side by side later, 0.3% faster at 64 x 16k and 128 x 16k: noise. Kept.)
+        if WAIT_QK_DONE:
+            plgpu.barrier_wait(qk_done_bar.at[slot])
         xb[slot, wg] = jnp.minimum(p_scaled, FP8_E4M3_MAX).astype(FP8_DTYPE)
         v_operands = v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, masked=masked, interpret=interpret)
         plgpu.barrier_arrive(pexch_bar.at[slot])

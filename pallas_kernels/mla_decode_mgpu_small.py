@@ -2,11 +2,12 @@
 
 Status (2026-11-23): the default for up to 16 query rows a batch row
 (``snapmla_jax.decode.mosaic_kernel``: H = 16 at s_q = 1). On an H100 it
-passed its six GPU cases and the API check, and ran 1.13-1.18x the BF16 twin
-at H = 16, 16k-64k contexts, where the 64-row kernel ran 0.74-0.79x
-(docs/benchmarks/mgpu.md, decode.md). The float32-output path (a float32
-model; ``transposed`` below) was fixed after that GPU session and has run in
-the interpreter only.
+passes its GPU cases (float32 output included) and the API checks, and runs
+1.43-1.56x the BF16 twin at H = 16 from 16k tokens of cache (B >= 32), 64-83%
+of the copy roofline, where the 64-row kernel ran 0.74-0.79x
+(docs/benchmarks/decode.md, mgpu.md). Its TMA ring alone runs at 95% of the
+copy ceiling; what remains is warpgroup 0's work per step (scores, softmax,
+its half of the products), which sets the step time (``ISSUER``).
 
 Why. ``mla_decode_mgpu`` puts a CTA's query rows on the wgmma M dimension,
 which is 64 per warpgroup: with H=16 (DeepSeek-V2-Lite; V3 split over 8 GPUs
@@ -77,6 +78,9 @@ from pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPI
 ROWS = 16  # query rows per CTA: the wgmma N of every product
 TOKENS = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per token (axis 0 of a [64, R] tile)
 QROWS = plgpu.Layout.WGMMA.reduce(0)  # an [R] vector with one value per query row (axis 1)
+# The warpgroup that issues the ring's TMAs: warpgroup 1, which waits for warpgroup 0's
+# softmax at the start of every step anyway (warpgroup 0's work sets the step time).
+ISSUER = 1
 
 
 def step_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpret: bool) -> list[jax.Array]:
@@ -88,7 +92,8 @@ def step_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpre
 
     fp32 promotion every ``QK_PROMOTION`` features, as in ``mla_decode_mgpu``, but
     with every chain of both halves in flight at once (one accumulator each, 8
-    registers at R = 16) and one wait, instead of a wait per chain.
+    registers at R = 16) and one wait, instead of a wait per chain; then both
+    halves' RoPE wgmmas onto the scaled FP8 products, one wait.
     """
     per_chain = QK_PROMOTION // CHUNK
     chains = [(half, first) for half in range(2) for first in range(0, NUM_CHUNKS, per_chain)]
@@ -103,23 +108,19 @@ def step_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpre
                 for half in range(2)]
 
     s8 = pl.run_scoped(qk8, *([acc] * len(chains)))
-    halves = []
-    for half in range(2):
-        rows = pl.ds(half * HALF, HALF)
-        scaled = (s8[half] * lax.broadcast_in_dim(k_scales[half], (HALF, ROWS), [0])
-                  * lax.broadcast_in_dim(q_scale, (HALF, ROWS), [1]))
+    scaled = [s8[half] * lax.broadcast_in_dim(k_scales[half], (HALF, ROWS), [0])
+              * lax.broadcast_in_dim(q_scale, (HALF, ROWS), [1]) for half in range(2)]
 
-        def qk_rope(acc_ref, rows=rows):
-            plgpu.wgmma(acc_ref, rope_slot.at[rows], qr_s.transpose((1, 0)))
+    def qk_rope(acc_refs):  # both halves in flight, one wait
+        for half, acc_ref in enumerate(acc_refs):
+            plgpu.wgmma(acc_ref, rope_slot.at[pl.ds(half * HALF, HALF)], qr_s.transpose((1, 0)))
 
-        if interpret:  # no pre-initialised accumulators in the interpreter
-            def qk_rope_value(acc_ref, qk_rope=qk_rope):
-                qk_rope(acc_ref)
-                return acc_ref[...]
-            halves.append(scaled + pl.run_scoped(qk_rope_value, acc))
-        else:
-            halves.append(pl.run_state(qk_rope)(plgpu.ACC.init(scaled)))
-    return halves
+    if interpret:  # no pre-initialised accumulators in the interpreter
+        def qk_rope_values(*acc_refs):
+            qk_rope(acc_refs)
+            return [acc_ref[...] for acc_ref in acc_refs]
+        return [x + r for x, r in zip(scaled, pl.run_scoped(qk_rope_values, acc, acc))]
+    return list(pl.run_state(qk_rope)(tuple(plgpu.ACC.init(x) for x in scaled)))
 
 
 def visibility_t(row0, t0, seq_len, half: int, *, s_q: int, num_heads: int) -> jax.Array:
@@ -147,16 +148,18 @@ def softmax_t(scores, k_scales, m, l, scale_log2: float, visible=None):
     scores = [s * scale_log2 for s in scores]
     if visible is not None:  # masked slots may hold any bytes, NaN included
         scores = [jnp.where(v, s, -jnp.inf) for s, v in zip(scores, visible)]
-    m_new = jnp.maximum(m, jnp.maximum(scores[0].max(axis=0), scores[1].max(axis=0)))
+    # Each reduction along the tokens crosses warps (through SMEM and a barrier): the two
+    # halves are combined elementwise first, so that a step reduces three times, not six.
+    m_new = jnp.maximum(m, jnp.maximum(scores[0], scores[1]).max(axis=0))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_safe)
     m_b = lax.broadcast_in_dim(m_safe, (HALF, ROWS), [1])
     p = [jnp.exp2(s - m_b) for s in scores]
-    l = l * alpha + p[0].sum(axis=0) + p[1].sum(axis=0)
+    l = l * alpha + (p[0] + p[1]).sum(axis=0)
     pv = [ph * lax.broadcast_in_dim(k, (HALF, ROWS), [0]) for ph, k in zip(p, k_scales)]
     if visible is not None:
         pv = [jnp.where(v, x, 0.0) for x, v in zip(pv, visible)]  # 0 * a garbage scale could be NaN
-    pv_max = jnp.maximum(pv[0].max(axis=0), pv[1].max(axis=0))
+    pv_max = jnp.maximum(pv[0], pv[1]).max(axis=0)
     factor = lax.broadcast_in_dim(FP8_E4M3_MAX / jnp.maximum(pv_max, MIN_PV_ROW_MAX), (HALF, ROWS), [1])
     return m_new, alpha, l, [x * factor for x in pv], pv_max
 
@@ -249,7 +252,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     v16_s, o_s = v_union
     b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = begin_cta(
         seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
-        q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits)
+        q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits, issuer=ISSUER)
     *_, m0, l0 = initial_carry((CHUNK, ROWS), rows_axis=1)
 
     @pl.when(wg == 0)
@@ -280,7 +283,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
 
     def step(j, accs, *, masked: bool):
         t0 = (first_step + j) * STEP
-        slot = begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar)
+        slot = begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, issuer=ISSUER)
         pl.when(wg == 0)(functools.partial(softmax_step, j, slot, t0, masked=masked))
 
         @pl.when(wg == 1)
@@ -295,7 +298,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         return tuple(new_accs)
 
     accs = walk_steps(step, initial_carry((CHUNK, ROWS), rows_axis=1)[:CHUNKS_PER_WG], wg, unmasked_steps,
-                      num_steps, consumed_bar)
+                      num_steps, consumed_bar, issuer=ISSUER)
     # The output staging reuses the V tiles' bytes: wait until both warpgroups are past their
     # last step (and warpgroup 0's final m and l are in ml_s).
     plgpu.barrier_arrive(end_bar)

@@ -1,14 +1,19 @@
 """Where the Mosaic GPU decode kernel spends its time: time it with parts of a step cheapened.
 
     PYTHONPATH=. python scripts/probe_mgpu_costs.py --out $OUT [--shape 64x16384x128x1]
+    PYTHONPATH=. python scripts/probe_mgpu_costs.py --kernel small --shape 128x16384x16x1 --out $OUT
 
 Each variant replaces one or more of the step helpers of ``mla_decode_mgpu``
 (``step_scores``, ``qk8_promoted``, ``softmax_half``, ``v_words``,
-``v_operands_in_place``, ``pv_update``) by a cheaper stand-in or another
+``v_operands_in_place``, ``pv_update``), or with ``--kernel small`` of
+``mla_decode_mgpu_small`` (``step_scores_t``, ``softmax_t``, ``v_half_f16``,
+``pv_update_t``), or a module constant, by a cheaper stand-in or another
 variant with the same shapes and layouts, recompiles, and times it next to the
 unmodified kernel. The results of the stand-ins are wrong by design; only the
-time counts: the difference to "baseline" bounds what that part costs. Writes
-probe_costs.json.
+time counts: the difference to "baseline" bounds what that part costs. Other
+variants are candidate changes; their relative L2 difference to the baseline's
+output (when "baseline" runs first) says whether they still compute the same.
+Writes probe_costs.json.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kernels.mla_decode_mgpu as mgpu_kernel
+import pallas_kernels.mla_decode_mgpu_small as small_kernel
 from pallas_kernels.mla_decode_mgpu import BLOCK_M, CHUNK, CHUNKS_PER_WG, HALF, NUM_CHUNKS
 from snapmla_jax.bench import timing
 from snapmla_jax.bench.decode import make_caches, make_queries
@@ -34,7 +40,8 @@ from snapmla_jax.decode import _sm_count, choose_num_splits
 
 ROOT = pathlib.Path(__file__).resolve().parent
 ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
-            ("step_scores", "qk8_promoted", "softmax_half", "v_words", "v_operands_in_place", "pv_update")}
+            ("step_scores", "qk8_promoted", "softmax_half", "v_words", "v_operands_in_place", "pv_update",
+             "WAIT_QK_DONE")}
 
 
 def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
@@ -96,6 +103,43 @@ def pv_none(accs, p8_ref, v_operands, alpha, pv_max):
     return [acc * alpha_b for acc in accs]
 
 
+def _in_place_scales(alpha, pv_max):
+    """Per-row (pre, post) factors of P'.V accumulated in place: acc_new = (acc * pre + P'.V) * post
+    equals acc * alpha + P'.V * pv_max / 448 where pre = alpha / undo stays below 2^64; rows above
+    (the step's P' is < 2^-64 of the running sum's weight) keep acc * alpha and drop the step."""
+    undo = pv_max * (1.0 / mgpu_kernel.FP8_E4M3_MAX)
+    ratio = alpha / undo
+    keep = ratio <= 2.0 ** 64
+    pre = jnp.where(keep, ratio, 2.0 ** 64)
+    post = jnp.where(keep, undo, alpha * 2.0 ** -64)
+    shape = (BLOCK_M, CHUNK)
+    return lax.broadcast_in_dim(pre, shape, [0]), lax.broadcast_in_dim(post, shape, [0])
+
+
+def pv_in_place(accs, p8_ref, v_operands, alpha, pv_max):
+    """P'.V accumulated onto the live accumulators (``ACC.init``), both chunks' wgmmas in flight
+    at once: no fresh 64 x 128 accumulator per chunk."""
+    pre, post = _in_place_scales(alpha, pv_max)
+
+    def mma(acc_refs):
+        for acc_ref, v_operand in zip(acc_refs, v_operands):
+            plgpu.wgmma(acc_ref, p8_ref, v_operand)
+
+    outs = pl.run_state(mma)(tuple(plgpu.ACC.init(acc * pre) for acc in accs))
+    return [out * post for out in outs]
+
+
+def pv_in_place_one_by_one(accs, p8_ref, v_operands, alpha, pv_max):
+    """``pv_in_place`` with each chunk's wgmma waited for before the next is issued."""
+    pre, post = _in_place_scales(alpha, pv_max)
+    outs = []
+    for acc, v_operand in zip(accs, v_operands):
+        def mma(acc_ref, v_operand=v_operand):
+            plgpu.wgmma(acc_ref, p8_ref, v_operand)
+        outs.append(pl.run_state(mma)(plgpu.ACC.init(acc * pre)) * post)
+    return outs
+
+
 VARIANTS = {
     "baseline": {},
     "rope_first": {"step_scores": scores_rope_first},
@@ -106,44 +150,100 @@ VARIANTS = {
     "v_constant": {"v_words": v_words_constant},
     "no_v_transpose": {"v_operands_in_place": v_operands_untransposed},
     "no_pv": {"pv_update": pv_none},
+    "no_qk_done": {"WAIT_QK_DONE": False},
+    "pv_in_place": {"pv_update": pv_in_place},
+    "pv_in_place_one_by_one": {"pv_update": pv_in_place_one_by_one},
+    "pv_in_place_no_qk_done": {"pv_update": pv_in_place, "WAIT_QK_DONE": False},
     # The TMA ring, barriers, statistics and P' exchange, P' packing and output alone.
     "no_compute": {"step_scores": scores_constant, "softmax_half": softmax_none,
                    "v_operands_in_place": v_operands_untransposed, "pv_update": pv_none},
 }
 
 
+SMALL_ROWS = small_kernel.ROWS
+
+
+def small_scores_constant(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpret):
+    """No QK wgmmas: constant S^T halves (the wait for the step's TMA remains)."""
+    return [plgpu.layout_cast(jnp.full((HALF, SMALL_ROWS), 1.0, jnp.float32), plgpu.Layout.WGMMA)] * 2
+
+
+def small_softmax_none(scores, k_scales, m, l, scale_log2, visible=None):
+    """No softmax: P' is the scores (still rounded, stored and multiplied)."""
+    one = l * 0.0 + 1.0
+    return m, one, l, scores, one
+
+
+def small_v_constant(chunk_ref, half, t0, seq_len, *, masked):
+    """No V load or conversion: a constant f16 tile (the store to SMEM remains)."""
+    return plgpu.layout_cast(jnp.full((HALF, CHUNK), 1.0, jnp.float16), plgpu.Layout.WGMMA)
+
+
+def small_pv_none(accs, kv_slot, wg, pt_ref, v16_ref, alpha, pv_max, t0, seq_len, *, masked, first_converted=False):
+    """No V conversion and no V^T.P'^T wgmma: the accumulators are only rescaled."""
+    alpha_b = lax.broadcast_in_dim(alpha, (CHUNK, SMALL_ROWS), [1])
+    return [acc * alpha_b for acc in accs]
+
+
+SMALL_VARIANTS = {
+    "baseline": {},
+    "issuer_0": {"ISSUER": 0},
+    "no_qk": {"step_scores_t": small_scores_constant},
+    "no_softmax": {"softmax_t": small_softmax_none},
+    "v_constant": {"v_half_f16": small_v_constant},
+    "no_pv": {"pv_update_t": small_pv_none},
+    "no_compute": {"step_scores_t": small_scores_constant, "softmax_t": small_softmax_none,
+                   "pv_update_t": small_pv_none},
+}
+SMALL_ORIGINAL = {name: getattr(small_kernel, name) for name in
+                  ("step_scores_t", "softmax_t", "v_half_f16", "pv_update_t", "ISSUER")}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="/tmp/probe_mgpu_costs")
     parser.add_argument("--shape", default="64x16384x128x1")
-    parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    parser.add_argument("--kernel", choices=("mgpu", "small"), default="mgpu",
+                        help="the 64-row kernel (mgpu) or the 16-row one (small)")
+    parser.add_argument("--variants", nargs="*", help="default: all of the kernel's")
     args = parser.parse_args(argv)
+    module, original, variants, block_rows = ((small_kernel, SMALL_ORIGINAL, SMALL_VARIANTS, SMALL_ROWS)
+                                              if args.kernel == "small" else
+                                              (mgpu_kernel, ORIGINAL, VARIANTS, BLOCK_M))
     spec = importlib.util.spec_from_file_location("bench_mgpu", ROOT / "bench_mgpu.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     batch, context, heads, s_q = map(int, args.shape.split("x"))
     fp8, _, block_table = make_caches(batch, context)
     q, q_rope, seq_lens, scale = make_queries(batch, context, heads, s_q)
-    splits = choose_num_splits(batch, -(-s_q * heads // BLOCK_M), context, _sm_count())
-    results = {"env": timing.environment(), "shape": args.shape, "num_splits": splits, "ms": {}}
+    splits = choose_num_splits(batch, -(-s_q * heads // block_rows), context, _sm_count())
+    results = {"env": timing.environment(), "kernel": args.kernel, "shape": args.shape, "num_splits": splits,
+               "ms": {}}
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name in args.variants:
-        for helper, fn in ORIGINAL.items():
-            setattr(mgpu_kernel, helper, VARIANTS[name].get(helper, fn))
+    results["rel_l2_to_baseline"] = {}
+    reference = None
+    for name in args.variants or list(variants):
+        for helper, fn in original.items():
+            setattr(module, helper, variants[name].get(helper, fn))
         jax.clear_caches()  # the kernel's jit cache would hand back the previous variant
         fn = jax.jit(lambda q, qr, c, bt, n: bench.mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
-                                                               num_splits=splits))
+                                                               small=args.kernel == "small", num_splits=splits))
         call_args = (q, q_rope, fp8, block_table, seq_lens)
         try:
-            jax.block_until_ready(fn(*call_args))
+            out = jax.block_until_ready(fn(*call_args)).astype(jnp.float32)
+            if reference is None and name == "baseline":
+                reference = out
+            if reference is not None:
+                results["rel_l2_to_baseline"][name] = float(jnp.linalg.norm(out - reference)
+                                                            / jnp.linalg.norm(reference))
             results["ms"][name] = timing.time_ms(fn, [call_args], warmup=2, iters=10)
         except Exception as err:  # a variant that does not compile is a result
             results["ms"][name] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-        print(name, results["ms"][name], flush=True)
+        print(name, results["ms"][name], results["rel_l2_to_baseline"].get(name), flush=True)
         (out_dir / "probe_costs.json").write_text(json.dumps(results, indent=1))
-    for helper, fn in ORIGINAL.items():
-        setattr(mgpu_kernel, helper, fn)
+    for helper, fn in original.items():
+        setattr(module, helper, fn)
     return 0
 
 

@@ -131,11 +131,12 @@ def mosaic_kernel(num_rows: int):
 
     Up to 16 rows (H = 16 at s_q = 1: DeepSeek-V2-Lite, V3 over 8 GPUs by heads),
     ``mla_decode_mgpu_small``, 16 rows on the wgmma N dimension; above, the
-    64-row ``mla_decode_mgpu``. Measured on an H100 (scripts/bench_mgpu.py, H =
-    16, 16k-64k contexts): at 16 rows the small kernel ran 1.13-1.18x the BF16
-    twin where the 64-row one, 48 of its rows padding, ran 0.74-0.79x; at 32
-    rows (s_q = 2) its two row blocks read the cache twice, 0.73 ms against the
-    64-row kernel's 0.58 at B = 64 x 16k. Both compute the same math.
+    64-row ``mla_decode_mgpu``. Measured on an H100 (docs/benchmarks/mgpu.md,
+    decode.md; H = 16, 16k-64k contexts): at 16 rows the small kernel ran
+    1.43-1.56x the BF16 twin where the 64-row one, 48 of its rows padding, ran
+    0.74-0.79x; at 32 rows (s_q = 2) its two row blocks read the cache twice
+    (0.73 ms against the 64-row kernel's 0.58 at B = 64 x 16k, before the small
+    kernel's last speed-up of ~1.25x: to re-measure). Both compute the same math.
     """
     if num_rows <= MOSAIC_SMALL_ROWS:
         return mla_decode_mgpu_small, MOSAIC_SMALL_ROWS
