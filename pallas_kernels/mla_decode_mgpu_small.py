@@ -1,7 +1,9 @@
-"""SnapMLA FP8 MLA decode on Mosaic GPU in blocks of 16 query rows (for H = 16), transposed products.
+"""SnapMLA FP8 MLA decode on Mosaic GPU in blocks of 16 or 32 query rows (for H = 16), transposed products.
 
-Status (2026-11-23): the default for up to 16 query rows a batch row
-(``snapmla_jax.decode.mosaic_kernel``: H = 16 at s_q = 1). On an H100 it
+Status (2026-11-23): the default for up to 32 query rows a batch row
+(``snapmla_jax.decode.mosaic_kernel``: 16-row blocks for H = 16 at s_q = 1,
+32-row blocks (``block_rows=32``) for H = 16 at s_q = 2 or H = 32, where they
+ran 1.07-1.15x the 64-row kernel and 1.04-1.13x the BF16 twin). On an H100 it
 passes its GPU cases (float32 output included) and the API checks, and runs
 1.43-1.56x the BF16 twin at H = 16 from 16k tokens of cache (B >= 32), 64-83%
 of the copy roofline, where the 64-row kernel ran 0.74-0.79x
@@ -13,7 +15,7 @@ Why. ``mla_decode_mgpu`` puts a CTA's query rows on the wgmma M dimension,
 which is 64 per warpgroup: with H=16 (DeepSeek-V2-Lite; V3 split over 8 GPUs
 by heads) 48 of its 64 rows are padding, and the kernel ran at 0.74-0.79x the
 BF16 twin (H100, docs/benchmarks/decode.md). Here the query rows are the N
-dimension (R = 16, a legal wgmma N) and the tokens or features are M:
+dimension (R = 16 or 32, legal wgmma Ns) and the tokens or features are M:
 
 * S^T = K.Q^T, [64 tokens, R] per half step: A = the K tile as the TMA lays it
   (tokens x features, features contiguous: K-major, as FP8 needs), B = Q8's
@@ -53,9 +55,10 @@ tokens of a 128-token step in SMEM rows 0..63, odd ones in 64..127), the TMA
 ring of whole steps, the token scales gathered in step order, masks only in a
 row's last steps, split-KV with ``_combine_splits``.
 
-SMEM (R = 16): ring 2 x 80.5 KB, Q 10 KB, P'^T 2 slots x 4 KB, the V f16
-tiles 2 x 16 KB (reused as the output staging after the loop), and a few
-[R]-vectors: 211 KB.
+SMEM: ring 2 x 80.5 KB (P'^T, 4 or 8 KB a step, lives in the step's RoPE
+rows once warpgroup 0's QK has read them), Q 10 or 20 KB, the V f16 tiles
+2 x 16 KB (reused as the output staging after the loop), and a few
+[R]-vectors: 203 KB at R = 16, 214 KB at R = 32.
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ from pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPI
                                             begin_step, grid_params, initial_carry, merge_splits,
                                             prepare_inputs, walk_steps, write_lse_and_wait)
 
-ROWS = 16  # query rows per CTA: the wgmma N of every product
+ROWS = 16  # query rows per CTA by default: the wgmma N of every product
+BLOCK_ROWS = (16, 32)  # the row blocks the kernel takes (``block_rows``)
 TOKENS = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per token (axis 0 of a [64, R] tile)
 QROWS = plgpu.Layout.WGMMA.reduce(0)  # an [R] vector with one value per query row (axis 1)
 # The warpgroup that issues the ring's TMAs: warpgroup 1, which waits for warpgroup 0's
@@ -95,9 +99,10 @@ def step_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpre
     registers at R = 16) and one wait, instead of a wait per chain; then both
     halves' RoPE wgmmas onto the scaled FP8 products, one wait.
     """
+    rows = q8_s.shape[1]
     per_chain = QK_PROMOTION // CHUNK
     chains = [(half, first) for half in range(2) for first in range(0, NUM_CHUNKS, per_chain)]
-    acc = plgpu.ACC((HALF, ROWS), jnp.float32)
+    acc = plgpu.ACC((HALF, rows), jnp.float32)
 
     def qk8(*acc_refs):
         for (half, first), acc_ref in zip(chains, acc_refs):
@@ -108,8 +113,8 @@ def step_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpre
                 for half in range(2)]
 
     s8 = pl.run_scoped(qk8, *([acc] * len(chains)))
-    scaled = [s8[half] * lax.broadcast_in_dim(k_scales[half], (HALF, ROWS), [0])
-              * lax.broadcast_in_dim(q_scale, (HALF, ROWS), [1]) for half in range(2)]
+    scaled = [s8[half] * lax.broadcast_in_dim(k_scales[half], (HALF, rows), [0])
+              * lax.broadcast_in_dim(q_scale, (HALF, rows), [1]) for half in range(2)]
 
     def qk_rope(acc_refs):  # both halves in flight, one wait
         for half, acc_ref in enumerate(acc_refs):
@@ -123,15 +128,15 @@ def step_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpre
     return list(pl.run_state(qk_rope)(tuple(plgpu.ACC.init(x) for x in scaled)))
 
 
-def visibility_t(row0, t0, seq_len, half: int, *, s_q: int, num_heads: int) -> jax.Array:
+def visibility_t(row0, t0, seq_len, half: int, *, s_q: int, num_heads: int, rows: int) -> jax.Array:
     """bool [64, R]: which tokens of a half step (SMEM row c: token t0 + 2c + half) each query
     row sees (row i * H + h is query position i: tokens below seq_len - s_q + i + 1; padding
     rows are capped at seq_len)."""
-    token_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, ROWS), 0, layout=plgpu.Layout.WGMMA)
+    token_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, rows), 0, layout=plgpu.Layout.WGMMA)
     tokens = t0 + 2 * token_ids + half
     if s_q == 1:
         return tokens < seq_len
-    row_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, ROWS), 1, layout=plgpu.Layout.WGMMA)
+    row_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, rows), 1, layout=plgpu.Layout.WGMMA)
     visible_len = jnp.minimum(seq_len - s_q + lax.div(row0 + row_ids, jnp.int32(num_heads)) + 1, seq_len)
     return tokens < visible_len
 
@@ -153,14 +158,15 @@ def softmax_t(scores, k_scales, m, l, scale_log2: float, visible=None):
     m_new = jnp.maximum(m, jnp.maximum(scores[0], scores[1]).max(axis=0))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_safe)
-    m_b = lax.broadcast_in_dim(m_safe, (HALF, ROWS), [1])
+    shape = scores[0].shape
+    m_b = lax.broadcast_in_dim(m_safe, shape, [1])
     p = [jnp.exp2(s - m_b) for s in scores]
     l = l * alpha + (p[0] + p[1]).sum(axis=0)
-    pv = [ph * lax.broadcast_in_dim(k, (HALF, ROWS), [0]) for ph, k in zip(p, k_scales)]
+    pv = [ph * lax.broadcast_in_dim(k, shape, [0]) for ph, k in zip(p, k_scales)]
     if visible is not None:
         pv = [jnp.where(v, x, 0.0) for x, v in zip(pv, visible)]  # 0 * a garbage scale could be NaN
     pv_max = jnp.maximum(pv[0], pv[1]).max(axis=0)
-    factor = lax.broadcast_in_dim(FP8_E4M3_MAX / jnp.maximum(pv_max, MIN_PV_ROW_MAX), (HALF, ROWS), [1])
+    factor = lax.broadcast_in_dim(FP8_E4M3_MAX / jnp.maximum(pv_max, MIN_PV_ROW_MAX), shape, [1])
     return m_new, alpha, l, [x * factor for x in pv], pv_max
 
 
@@ -182,8 +188,9 @@ def pv_update_t(accs, kv_slot, wg, pt_ref, v16_ref, alpha, pv_max, t0, seq_len, 
     warpgroup 0), the MN-major B operand.
     The one tile is reused, so each half waits for the previous wgmma to read it.
     """
-    undo = lax.broadcast_in_dim(pv_max * (1.0 / FP8_E4M3_MAX), (CHUNK, ROWS), [1])
-    alpha_b = lax.broadcast_in_dim(alpha, (CHUNK, ROWS), [1])
+    shape = accs[0].shape
+    undo = lax.broadcast_in_dim(pv_max * (1.0 / FP8_E4M3_MAX), shape, [1])
+    alpha_b = lax.broadcast_in_dim(alpha, shape, [1])
     new_accs = []
     for i, acc in enumerate(accs):
         chunk_ref = kv_slot.at[wg * CHUNKS_PER_WG + i]
@@ -197,7 +204,7 @@ def pv_update_t(accs, kv_slot, wg, pt_ref, v16_ref, alpha, pv_max, t0, seq_len, 
                 plgpu.wgmma(acc_ref, v16_ref.transpose((1, 0)), pt_ref.at[pl.ds(half * HALF, HALF)])
             return acc_ref[...]
 
-        pv_out = pl.run_scoped(pv_mma, plgpu.ACC((CHUNK, ROWS), jnp.float32))
+        pv_out = pl.run_scoped(pv_mma, plgpu.ACC(shape, jnp.float32))
         new_accs.append(acc * alpha_b + pv_out * undo)
     return new_accs
 
@@ -213,7 +220,8 @@ def write_outputs_t(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg, 
     """
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
-    inv_l = lax.broadcast_in_dim(1.0 / l_safe, (CHUNK, ROWS), [1])
+    rows = accs[0].shape[1]
+    inv_l = lax.broadcast_in_dim(1.0 / l_safe, accs[0].shape, [1])
     my_o = o_s.at[wg]
     for i, acc in enumerate(accs):
         if i:
@@ -221,10 +229,10 @@ def write_outputs_t(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg, 
         col0 = (wg * CHUNKS_PER_WG + i) * CHUNK
         if transposed:
             my_o[...] = acc * inv_l
-            dst = o_ref.at[b, split, pl.ds(col0, CHUNK), pl.ds(row0, ROWS)]
+            dst = o_ref.at[b, split, pl.ds(col0, CHUNK), pl.ds(row0, rows)]
         else:
             my_o.transpose((1, 0))[...] = (acc * inv_l).astype(my_o.dtype)
-            dst = o_ref.at[b, split, pl.ds(row0, ROWS), pl.ds(col0, CHUNK)]
+            dst = o_ref.at[b, split, pl.ds(row0, rows), pl.ds(col0, CHUNK)]
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(my_o, dst)
     write_lse_and_wait(wg, m, l_safe, seen, lse_s, lse_ref, b, split, row0)
@@ -232,28 +240,36 @@ def write_outputs_t(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg, 
 
 def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
             o_ref, lse_ref,
-            q8_s, qr_s, qsc_s, lse_s, kv8_s, rope_s, ksc_s, pt_s, stats_s, ml_s, v_union,
+            q8_s, qr_s, qsc_s, lse_s, kv8_s, rope_union, ksc_s, stats_s, ml_s, v_union,
             step_bar, p_ready_bar, consumed_bar, q_bar, end_bar,
             *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, transposed: bool, interpret: bool):
     """One CTA: (batch row b, KV split s, block of R query rows), two warpgroups; ``transposed``:
     the output leaves as [features, rows] float32 (``write_outputs_t``).
 
-    SMEM: q8_s e4m3 [4, R, 128], qr_s bf16 [R, 64], qsc_s f32 [R], lse_s f32 [R],
-    kv8_s e4m3 [2, 4, 128, 128] and rope_s bf16 [2, 128, 64] (the ring, step
-    order), ksc_s f32 [2, 128], and from warpgroup 0 (module docstring): pt_s f16
-    [2 slots, 128, R] (P'^T), stats_s f32 [2 slots, 2, R] (alpha, P' factor
-    pv_max), ml_s f32 [2, R] (running m, l); v_union = (v16_s f16 [2, 64, 128] |
-    o_s output staging after the loop: [2, R, 128] in the output's 16-bit dtype,
-    or [2, 128, R] f32 when ``transposed``).
+    SMEM (R = 16 or 32 rows): q8_s e4m3 [4, R, 128], qr_s bf16 [R, 64], qsc_s f32
+    [R], lse_s f32 [R], kv8_s e4m3 [2, 4, 128, 128] and rope_union = (rope_s bf16
+    [2, 128, 64] | pt_s f16 [2, 64 / R, 128, R]) (the ring, step order: RoPE rows,
+    then in the same bytes P'^T at pt_s[slot, 0]), ksc_s f32 [2, 128], and from
+    warpgroup 0 (module docstring): stats_s f32 [2 slots, 2, R] (alpha, P'
+    factor pv_max), ml_s f32 [2, R] (running m, l); v_union = (v16_s f16 [2, 64,
+    128] | o_s output staging after the loop: [2, R, 128] in the output's
+    16-bit dtype, or [2, 128, R] f32 when ``transposed``).
 
-    Slot reuse: warpgroup 0 writes step j's pt_s and stats_s slot after
-    ``begin_step`` of step j - 1 waited for both warpgroups to consume step j - 2.
+    Slot reuse: warpgroup 0 writes step j's P'^T over the step's RoPE rows once
+    its own QK wgmmas (their only reader) have completed, and the slot's next
+    TMA (step j + 2) is issued after both warpgroups consumed step j. It writes
+    step j's stats_s slot after ``begin_step`` of step j - 1 waited for both
+    warpgroups to consume step j - 2. (Every member of a ``RefUnion`` starts at
+    its first byte: pt_s has the RoPE slot's stride, 16 KB, so pt_s[slot] lies
+    in rope_s[slot]; see ``mla_decode_mgpu.XB_TILES_PER_SLOT``.)
     """
+    rope_s, pt_s = rope_union
+    rows = q8_s.shape[1]
     v16_s, o_s = v_union
     b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = begin_cta(
         seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits, issuer=ISSUER)
-    *_, m0, l0 = initial_carry((CHUNK, ROWS), rows_axis=1)
+    *_, m0, l0 = initial_carry((CHUNK, rows), rows_axis=1)
 
     @pl.when(wg == 0)
     def _():
@@ -268,13 +284,14 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         scores = step_scores_t(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scales, interpret=interpret)
         visible = None
         if masked:
-            visible = [visibility_t(row0, t0, seq_len, half, s_q=s_q, num_heads=num_heads) for half in range(2)]
+            visible = [visibility_t(row0, t0, seq_len, half, s_q=s_q, num_heads=num_heads, rows=rows)
+                       for half in range(2)]
         m, l = plgpu.load(ml_s.at[0], layout=QROWS), plgpu.load(ml_s.at[1], layout=QROWS)
         m_new, alpha, l, p_scaled, pv_max = softmax_t(scores, k_scales, m, l, scale_log2, visible)
         ml_s[0] = m_new
         ml_s[1] = l
         for half in range(2):  # P' rounds to e4m3 (the SnapMLA math), then to f16 exactly
-            pt_s[slot, pl.ds(half * HALF, HALF)] = (
+            pt_s[slot, 0, pl.ds(half * HALF, HALF)] = (
                 jnp.minimum(p_scaled[half], FP8_E4M3_MAX).astype(FP8_DTYPE).astype(jnp.float16))
         stats_s[slot, 0] = alpha
         stats_s[slot, 1] = pv_max
@@ -292,12 +309,12 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
 
         alpha = plgpu.load(stats_s.at[slot, 0], layout=QROWS)
         pv_max = plgpu.load(stats_s.at[slot, 1], layout=QROWS)
-        new_accs = pv_update_t(accs, kv8_s.at[slot], wg, pt_s.at[slot], v16_s.at[wg], alpha, pv_max, t0, seq_len,
+        new_accs = pv_update_t(accs, kv8_s.at[slot], wg, pt_s.at[slot, 0], v16_s.at[wg], alpha, pv_max, t0, seq_len,
                                masked=masked)
         plgpu.barrier_arrive(consumed_bar.at[slot])
         return tuple(new_accs)
 
-    accs = walk_steps(step, initial_carry((CHUNK, ROWS), rows_axis=1)[:CHUNKS_PER_WG], wg, unmasked_steps,
+    accs = walk_steps(step, initial_carry((CHUNK, rows), rows_axis=1)[:CHUNKS_PER_WG], wg, unmasked_steps,
                       num_steps, consumed_bar, issuer=ISSUER)
     # The output staging reuses the V tiles' bytes: wait until both warpgroups are past their
     # last step (and warpgroup 0's final m and l are in ml_s).
@@ -308,39 +325,43 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
-                                             "interpret"))
+                                             "block_rows", "interpret"))
 def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                           seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
-                          s_q: int, num_heads: int, num_splits: int = 1,
+                          s_q: int, num_heads: int, num_splits: int = 1, block_rows: int = ROWS,
                           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """FP8 decode for blocks of 16 query rows; arguments and results as ``mla_decode_mgpu``'s,
-    with q_rows [B, rows, 512] padded to a multiple of 16."""
+    """FP8 decode for blocks of ``block_rows`` (16 or 32) query rows; arguments and results as
+    ``mla_decode_mgpu``'s, with q_rows [B, rows, 512] padded to a multiple of ``block_rows``."""
+    if block_rows not in BLOCK_ROWS:
+        raise ValueError(f"block_rows: expected one of {BLOCK_ROWS}, got {block_rows!r}")
+    rows = block_rows
     batch, num_rows, _ = q_rows.shape
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
-        block_rows=ROWS)
+        block_rows=rows)
     # A split's float32 partials, and a float32 output, leave the kernel as [features, rows]
     # (``write_outputs_t``: Mosaic GPU cannot store 32-bit values transposed).
     transposed = num_splits > 1 or jnp.dtype(q_rows.dtype).itemsize == 4
-    out_shape, stage_shape, out_dtype = (((batch, num_splits, RANK, num_rows), (NUM_WGS, CHUNK, ROWS), jnp.float32)
+    out_shape, stage_shape, out_dtype = (((batch, num_splits, RANK, num_rows), (NUM_WGS, CHUNK, rows), jnp.float32)
                                          if transposed else
-                                         ((batch, 1, num_rows, RANK), (NUM_WGS, ROWS, CHUNK), q_rows.dtype))
+                                         ((batch, 1, num_rows, RANK), (NUM_WGS, rows, CHUNK), q_rows.dtype))
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
                           num_splits=num_splits, transposed=transposed, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype),
                   jax.ShapeDtypeStruct((batch, num_splits, num_rows), jnp.float32)),
         scratch_types=[
-            plgpu.SMEM((NUM_CHUNKS, ROWS, CHUNK), FP8_DTYPE),
-            plgpu.SMEM((ROWS, ROPE), jnp.bfloat16),
-            plgpu.SMEM((ROWS,), jnp.float32),
-            plgpu.SMEM((ROWS,), jnp.float32),
+            plgpu.SMEM((NUM_CHUNKS, rows, CHUNK), FP8_DTYPE),
+            plgpu.SMEM((rows, ROPE), jnp.bfloat16),
+            plgpu.SMEM((rows,), jnp.float32),
+            plgpu.SMEM((rows,), jnp.float32),
             plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
-            plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
+            # P'^T [128, rows] f16 in the step's RoPE slot, with the slot's stride (``_kernel``).
+            plgpu.RefUnion(plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
+                           plgpu.SMEM((NUM_SLOTS, ROPE // rows, STEP, rows), jnp.float16)),
             plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
-            plgpu.SMEM((NUM_SLOTS, STEP, ROWS), jnp.float16),
-            plgpu.SMEM((NUM_SLOTS, 2, ROWS), jnp.float32),
-            plgpu.SMEM((2, ROWS), jnp.float32),
+            plgpu.SMEM((NUM_SLOTS, 2, rows), jnp.float32),
+            plgpu.SMEM((2, rows), jnp.float32),
             plgpu.RefUnion(plgpu.SMEM((NUM_WGS, HALF, CHUNK), jnp.float16),
                            plgpu.SMEM(stage_shape, out_dtype)),
             plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
@@ -349,7 +370,7 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
             plgpu.Barrier(num_arrivals=COPIES_Q),
             plgpu.Barrier(num_arrivals=NUM_WGS),
         ],
-        **grid_params(batch, num_splits, num_rows // ROWS, "snapmla_decode_fp8_mgpu_small", interpret),
+        **grid_params(batch, num_splits, num_rows // rows, "snapmla_decode_fp8_mgpu_small", interpret),
     )
     out, lse = kernel(seq_lens, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
                       latent_pairs, scales, rope_pairs)

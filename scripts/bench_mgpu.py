@@ -7,7 +7,8 @@ row at the full context), each variant timed with warm-up and a median
 (snapmla_jax/bench/timing.py), side by side in one run. Variants: the Mosaic
 kernel ("mosaic", pallas_kernels/mla_decode_mgpu.py, the default), where
 s_q x H <= 32 the 16-row kernel ("mosaic_small", mla_decode_mgpu_small.py, the
-default up to 16 rows), both with KV splits from ``choose_num_splits``, the
+default up to 16 rows), where 16 < s_q x H <= 32 the same kernel in 32-row blocks
+("mosaic_small32"), all with KV splits from ``choose_num_splits``, the
 Triton FP8 kernel and the BF16 twin. Each Mosaic output is compared with the
 Triton FP8 kernel's (relative L2 difference: both round Q and P' to e4m3, with
 P' factors per 64 vs 128 tokens). Writes bench_mgpu.json under --out.
@@ -16,6 +17,7 @@ P' factors per 64 vs 128 tokens). Writes bench_mgpu.json under --out.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -37,10 +39,14 @@ SHAPES = ("64x16384x128x1", "32x16384x128x1", "128x4096x128x1", "8x65536x128x1",
           "32x4096x128x2")
 
 
-def mgpu_decode(q, q_rope, cache, block_table, seq_lens, *, softmax_scale, small=False, **kwargs):
+def mgpu_decode(q, q_rope, cache, block_table, seq_lens, *, softmax_scale, small=False, small_rows=SMALL_ROWS,
+                **kwargs):
     """A Mosaic kernel on the API's shapes (page 64, layer 0): ``mla_decode_mgpu``, or with
-    ``small`` the 16-row ``mla_decode_mgpu_small``; kwargs: num_splits."""
-    kernel, block_rows = (mla_decode_mgpu_small, SMALL_ROWS) if small else (mla_decode_mgpu, BLOCK_M)
+    ``small`` ``mla_decode_mgpu_small`` in blocks of ``small_rows`` (16 or 32); kwargs: num_splits."""
+    if small:
+        kernel, block_rows = functools.partial(mla_decode_mgpu_small, block_rows=small_rows), small_rows
+    else:
+        kernel, block_rows = mla_decode_mgpu, BLOCK_M
     batch, s_q, heads, rank = q.shape
     rows = s_q * heads
     padded = -(-rows // block_rows) * block_rows
@@ -78,10 +84,15 @@ def main(argv=None) -> int:
         # The Mosaic kernels split the KV as the Triton kernels do (same rule, their row blocks).
         splits = choose_num_splits(batch, -(-s_q * heads // BLOCK_M), context, _sm_count())
         small_splits = choose_num_splits(batch, -(-s_q * heads // SMALL_ROWS), context, _sm_count())
+        small32_splits = choose_num_splits(batch, -(-s_q * heads // 32), context, _sm_count())
         if s_q * heads <= 2 * SMALL_ROWS:
             variants["mosaic_small"] = (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(
                 q, qr, c, bt, n, softmax_scale=scale, small=True, num_splits=small_splits)))
-        row = {"shape": shape, "mosaic_num_splits": splits, "mosaic_small_num_splits": small_splits}
+        if SMALL_ROWS < s_q * heads <= 32:
+            variants["mosaic_small32"] = (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(
+                q, qr, c, bt, n, softmax_scale=scale, small=True, small_rows=32, num_splits=small32_splits)))
+        row = {"shape": shape, "mosaic_num_splits": splits, "mosaic_small_num_splits": small_splits,
+               "mosaic_small32_num_splits": small32_splits}
         outs = {}
         for name, (cache, fn) in variants.items():
             call_args = (q, q_rope, cache, block_table, seq_lens)
@@ -96,7 +107,7 @@ def main(argv=None) -> int:
                 continue
             row[name] = {"ms": ms, "first_call_s": compile_s}
             print(shape, name, json.dumps(row[name]), flush=True)
-        for mosaic in ("mosaic", "mosaic_small"):
+        for mosaic in ("mosaic", "mosaic_small", "mosaic_small32"):
             if mosaic in outs and "triton_fp8" in outs:
                 a, b = outs[mosaic], outs["triton_fp8"]
                 row[f"rel_l2_{mosaic}_vs_triton_fp8"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))

@@ -20,7 +20,7 @@ from pallas_kernels.mla_decode_mgpu import BLOCK_M as MOSAIC_BLOCK_M
 from pallas_kernels.mla_decode_mgpu import PAGE as MOSAIC_PAGE
 from pallas_kernels.mla_decode_mgpu import STEP as MOSAIC_STEP
 from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
-from pallas_kernels.mla_decode_mgpu_small import ROWS as MOSAIC_SMALL_ROWS
+from pallas_kernels.mla_decode_mgpu_small import BLOCK_ROWS as MOSAIC_SMALL_BLOCKS
 from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
 from snapmla_jax.backend import resolve_backend
 from snapmla_jax.cache import LatentCache, check_kernel_addressable, check_layer
@@ -130,16 +130,18 @@ def mosaic_kernel(num_rows: int):
     rows per CTA: (kernel function, block rows).
 
     Up to 16 rows (H = 16 at s_q = 1: DeepSeek-V2-Lite, V3 over 8 GPUs by heads),
-    ``mla_decode_mgpu_small``, 16 rows on the wgmma N dimension; above, the
-    64-row ``mla_decode_mgpu``. Measured on an H100 (docs/benchmarks/mgpu.md,
-    decode.md; H = 16, 16k-64k contexts): at 16 rows the small kernel ran
-    1.43-1.56x the BF16 twin where the 64-row one, 48 of its rows padding, ran
-    0.74-0.79x; at 32 rows (s_q = 2) its two row blocks read the cache twice
-    (0.73 ms against the 64-row kernel's 0.58 at B = 64 x 16k, before the small
-    kernel's last speed-up of ~1.25x: to re-measure). Both compute the same math.
+    ``mla_decode_mgpu_small``, the query rows on the wgmma N dimension; up to 32
+    (H = 16 at s_q = 2, multi-token prediction; H = 32) the same kernel in
+    32-row blocks; above, the 64-row ``mla_decode_mgpu``. Measured on an H100
+    (docs/benchmarks/mgpu.md, decode.md; 16k-64k contexts): at 16 rows the small
+    kernel ran 1.43-1.56x the BF16 twin where the 64-row one, 48 of its rows
+    padding, ran 0.74-0.79x; at 32 rows its 32-row blocks ran 1.07-1.15x the
+    64-row kernel and 1.04-1.13x the twin, 16-row blocks (the cache read twice)
+    0.99-1.04x the 64-row kernel. All compute the same math.
     """
-    if num_rows <= MOSAIC_SMALL_ROWS:
-        return mla_decode_mgpu_small, MOSAIC_SMALL_ROWS
+    for block_rows in MOSAIC_SMALL_BLOCKS:
+        if num_rows <= block_rows:
+            return functools.partial(mla_decode_mgpu_small, block_rows=block_rows), block_rows
     return mla_decode_mgpu, MOSAIC_BLOCK_M
 
 

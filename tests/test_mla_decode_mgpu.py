@@ -11,6 +11,7 @@ checked on the GPU only (``pytest -m gpu``), by the same cases compiled.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -59,10 +60,13 @@ def _inputs(seed, *, batch, heads, pages_per_row, seq_lens, s_q=1):
 
 def _kernel_and_rows(kernel: str):
     """"mgpu": pallas_kernels/mla_decode_mgpu.py (64-row blocks); "small":
-    pallas_kernels/mla_decode_mgpu_small.py (16-row blocks, transposed products)."""
+    pallas_kernels/mla_decode_mgpu_small.py (16-row blocks, transposed products); "small32":
+    the same kernel in 32-row blocks."""
     from pallas_kernels import mla_decode_mgpu, mla_decode_mgpu_small
+    small = mla_decode_mgpu_small.mla_decode_mgpu_small
     return {"mgpu": (mla_decode_mgpu.mla_decode_mgpu, mla_decode_mgpu.BLOCK_M),
-            "small": (mla_decode_mgpu_small.mla_decode_mgpu_small, mla_decode_mgpu_small.ROWS)}[kernel]
+            "small": (small, mla_decode_mgpu_small.ROWS),
+            "small32": (functools.partial(small, block_rows=32), 32)}[kernel]
 
 
 def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_scale, *, layer_pages=0, num_splits=1,
@@ -88,7 +92,7 @@ def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_
     return out[:, :rows].reshape(q.shape), lse[:, :rows].reshape(batch, s_q, heads)
 
 
-@pytest.mark.parametrize("kernel", ["mgpu", "small"])
+@pytest.mark.parametrize("kernel", ["mgpu", "small", "small32"])
 @pytest.mark.parametrize("s_q,num_splits,dtype", [(1, 1, "bfloat16"), (2, 1, "bfloat16"), (1, 4, "bfloat16"),
                                                   (1, 1, "float32"), (1, 2, "float32")])
 def test_kernel_lowers_for_cuda(kernel, s_q, num_splits, dtype):
@@ -177,6 +181,13 @@ SMALL_CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages,splits", [
     (8, 2, [200, 2, 77], 0, 1),
     (4, 4, [129, 4, 258], 0, 1),
     (24, 2, [300, 5, 130], 0, 3),    # 48 rows: three blocks of 16; splits of 1 step
+])
+# The 16-row kernel in 32-row blocks (H = 16 at s_q = 2: multi-token prediction).
+SMALL32_CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages,splits", [
+    (16, 2, [200, 2, 77], 0, 1),     # one block, the causal rule between the two positions
+    (32, 1, [320, 257, 128], 3, 2),  # split-KV, a layer offset
+    (8, 4, [129, 4, 258], 0, 1),     # s_q = 4: two masked steps in a row
+    (24, 2, [300, 5, 130], 0, 1),    # 48 rows: two blocks of 32, the second half padding
 ])
 
 
@@ -291,18 +302,41 @@ def test_small_kernel_matches_reference(heads, s_q, seq_lens, layer_pages, split
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
 
+@SMALL32_CASES
+def test_small_kernel_32_rows_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
+    """The 16-row kernel with ``block_rows=32``: every product has N = 32, and P'^T (twice the
+    bytes) shares the RoPE slot with 2 tiles a slot instead of 4."""
+    err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel="small32")
+    assert err < 4e-3, err  # as test_kernel_interpreted_matches_reference
+    assert lse_err < 1e-4, lse_err
+
+
+@pytest.mark.gpu
+@SMALL32_CASES
+def test_small_kernel_32_rows_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
+    err, lse_err, lse_scale = _check(heads, s_q, seq_lens, layer_pages, splits, interpret=False, kernel="small32")
+    assert err < 2e-2, err  # as test_kernel_matches_reference (Hopper's FP8 accumulation)
+    assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
+
+
 # Through the public API: (heads, s_q) with 48 rows (the 64-row kernel, rows
-# padded) and with 16 (the 16-row kernel), as ``mosaic_kernel`` routes them.
-API_SHAPES = pytest.mark.parametrize("heads,s_q", [(24, 2), (16, 1)])
+# padded), 16 (the 16-row kernel) and 32 (its 32-row blocks), as
+# ``mosaic_kernel`` routes them.
+API_SHAPES = pytest.mark.parametrize("heads,s_q", [(24, 2), (16, 1), (16, 2)])
 
 
 def test_mosaic_kernel_routes_by_rows():
     from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
     from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
     from snapmla_jax.decode import mosaic_kernel
-    assert mosaic_kernel(16) == (mla_decode_mgpu_small, 16)
-    assert mosaic_kernel(8) == (mla_decode_mgpu_small, 16)
-    assert mosaic_kernel(17) == (mla_decode_mgpu, 64)
+    def small(num_rows):
+        fn, rows = mosaic_kernel(num_rows)
+        assert fn.func is mla_decode_mgpu_small and fn.keywords == {"block_rows": rows}
+        return rows
+
+    assert small(16) == small(8) == 16
+    assert small(17) == small(32) == 32
+    assert mosaic_kernel(33) == (mla_decode_mgpu, 64)
     assert mosaic_kernel(48) == (mla_decode_mgpu, 64)
 
 
@@ -401,3 +435,12 @@ def test_default_config_picks_mosaic_for_compiled_fp8_with_64_token_pages(monkey
     assert default_config(fp8_64, "interpret") == FP8_CONFIG
     assert default_config(fp8_64, "xla") == FP8_CONFIG
     assert default_config(LatentCache.create(4, page_size=64, dtype="bf16"), "pallas") == BF16_CONFIG
+
+
+def test_small_kernel_refuses_other_row_blocks():
+    from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
+    q, q_rope, latent, scale, rope, block_table, lens = _inputs(0, batch=1, heads=16, pages_per_row=2, seq_lens=[70])
+    with pytest.raises(ValueError, match="block_rows"):
+        mla_decode_mgpu_small(q[:, 0], q_rope[:, 0], (latent.reshape(-1, 512), scale.reshape(-1), rope.reshape(-1, 64)),
+                              block_table, lens, jnp.zeros((1,), jnp.int32), softmax_scale=0.1, page_size=64, s_q=1,
+                              num_heads=16, block_rows=24)
