@@ -43,6 +43,15 @@ def test_transpose_probe_lowers_for_cuda():
     jax.jit(lambda a, b: probe.build()(a, b)).trace(p, vp).lower(lowering_platforms=("cuda",))
 
 
+def test_kslice_probe_lowers_for_cuda():
+    """scripts/probe_mgpu_kslice.py (FP8 wgmmas on 64-byte K-slices of 128-byte-swizzled
+    tiles, the seesaw layout's operands) lowers; its numbers come from the GPU."""
+    probe = _load_script("probe_mgpu_kslice")
+    tile = jnp.zeros((64, 128), jnp.float8_e4m3fn)
+    jax.jit(lambda a, b: probe.build()(a, b)).trace(tile, jnp.zeros((128, 128), tile.dtype)).lower(
+        lowering_platforms=("cuda",))
+
+
 def _inputs(seed, *, batch, heads, pages_per_row, seq_lens, s_q=1):
     """Random FP8 cache with outlier tokens, scrambled pages."""
     rng = np.random.default_rng(seed)
