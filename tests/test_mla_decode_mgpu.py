@@ -115,17 +115,22 @@ def test_kernel_lowers_for_cuda(kernel, s_q, num_splits, dtype):
     jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-def test_cost_probe_variants_lower_for_cuda(monkeypatch):
-    """scripts/probe_mgpu_costs.py swaps the kernel's step helpers for stand-ins: each variant
-    still matches the helpers' signatures and lowers (the probe itself needs a GPU)."""
-    import pallas_kernels.mla_decode_mgpu as kernel_module
+@pytest.mark.parametrize("kernel", ["mgpu", "small"])
+def test_cost_probe_variants_lower_for_cuda(monkeypatch, kernel):
+    """scripts/probe_mgpu_costs.py swaps a kernel's step helpers (or module constants) for
+    stand-ins: each variant still matches the helpers' signatures and lowers (the probe
+    itself needs a GPU)."""
+    import pallas_kernels.mla_decode_mgpu as mgpu_module
+    import pallas_kernels.mla_decode_mgpu_small as small_module
     probe = _load_script("probe_mgpu_costs")
-    args = _inputs(0, batch=2, heads=64, pages_per_row=3, seq_lens=[100, 0])
-    for name, swaps in probe.VARIANTS.items():
-        for helper, original in probe.ORIGINAL.items():
-            monkeypatch.setattr(kernel_module, helper, swaps.get(helper, original))
+    module, original, variants = ((mgpu_module, probe.ORIGINAL, probe.VARIANTS) if kernel == "mgpu" else
+                                  (small_module, probe.SMALL_ORIGINAL, probe.SMALL_VARIANTS))
+    args = _inputs(0, batch=2, heads=64 if kernel == "mgpu" else 16, pages_per_row=3, seq_lens=[100, 0])
+    for name, swaps in variants.items():
+        for helper, value in original.items():
+            monkeypatch.setattr(module, helper, swaps.get(helper, value))
         jax.clear_caches()  # the kernel's jit cache would hand back the previous variant
-        jax.jit(lambda *a: _call_kernel(*a, 0.1)).trace(*args).lower(lowering_platforms=("cuda",))
+        jax.jit(lambda *a: _call_kernel(*a, 0.1, kernel=kernel)).trace(*args).lower(lowering_platforms=("cuda",))
     monkeypatch.undo()
     jax.clear_caches()  # later tests must trace the real helpers again
 
