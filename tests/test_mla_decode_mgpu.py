@@ -187,21 +187,21 @@ CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages,splits", [
     (16, 2, [200, 2, 77], 0, 1),     # s_q = 2 (causal rule), H padded to 64 rows
     (16, 4, [129, 4, 258], 0, 1),    # s_q = 4: two masked steps in a row
 ])
-# The same situations for the 16-row kernel, plus several row blocks.
-SMALL_CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages,splits", [
-    (16, 1, [100, 300, 0], 0, 1),
-    (16, 1, [129, 64, 1], 3, 1),
-    (16, 1, [320, 257, 128], 0, 2),
-    (8, 2, [200, 2, 77], 0, 1),
-    (4, 4, [129, 4, 258], 0, 1),
-    (24, 2, [300, 5, 130], 0, 3),    # 48 rows: three blocks of 16; splits of 1 step
-])
-# The 16-row kernel in 32-row blocks (H = 16 at s_q = 2: multi-token prediction).
-SMALL32_CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages,splits", [
-    (16, 2, [200, 2, 77], 0, 1),     # one block, the causal rule between the two positions
-    (32, 1, [320, 257, 128], 3, 2),  # split-KV, a layer offset
-    (8, 4, [129, 4, 258], 0, 1),     # s_q = 4: two masked steps in a row
-    (24, 2, [300, 5, 130], 0, 1),    # 48 rows: two blocks of 32, the second half padding
+# The same situations for the 16-row kernel, plus several row blocks; then the same
+# kernel in 32-row blocks ("small32": every product has N = 32, and P'^T, twice the
+# bytes, shares the RoPE slot with 2 tiles a slot instead of 4; H = 16 at s_q = 2 is
+# multi-token prediction).
+SMALL_CASES = pytest.mark.parametrize("kernel,heads,s_q,seq_lens,layer_pages,splits", [
+    ("small", 16, 1, [100, 300, 0], 0, 1),
+    ("small", 16, 1, [129, 64, 1], 3, 1),
+    ("small", 16, 1, [320, 257, 128], 0, 2),
+    ("small", 8, 2, [200, 2, 77], 0, 1),
+    ("small", 4, 4, [129, 4, 258], 0, 1),
+    ("small", 24, 2, [300, 5, 130], 0, 3),    # 48 rows: three blocks of 16; splits of 1 step
+    ("small32", 16, 2, [200, 2, 77], 0, 1),   # one block, the causal rule between the two positions
+    ("small32", 32, 1, [320, 257, 128], 3, 2),  # split-KV, a layer offset
+    ("small32", 8, 4, [129, 4, 258], 0, 1),   # s_q = 4: two masked steps in a row
+    ("small32", 24, 2, [300, 5, 130], 0, 1),  # 48 rows: two blocks of 32, the second half padding
 ])
 
 
@@ -299,36 +299,19 @@ def test_kernel_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
 
 
 @SMALL_CASES
-def test_small_kernel_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
-    """The 16-row kernel on CPU: as the test above, plus the transposed
-    products (S^T = K.Q^T, O^T = V^T.P'^T on f16 tiles) and the softmax along the
+def test_small_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
+    """The 16-row kernel (in 16- or 32-row blocks) on CPU: as the test above, plus the
+    transposed products (S^T = K.Q^T, O^T = V^T.P'^T on f16 tiles) and the softmax along the
     tokens. Not covered here: the RoPE product accumulated onto the FP8 scores."""
-    err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel="small")
+    err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel=kernel)
     assert err < 4e-3, err  # as test_kernel_interpreted_matches_reference: same roundings, another order
     assert lse_err < 1e-4, lse_err
 
 
 @pytest.mark.gpu
 @SMALL_CASES
-def test_small_kernel_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
-    err, lse_err, lse_scale = _check(heads, s_q, seq_lens, layer_pages, splits, interpret=False, kernel="small")
-    assert err < 2e-2, err  # as test_kernel_matches_reference (Hopper's FP8 accumulation)
-    assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
-
-
-@SMALL32_CASES
-def test_small_kernel_32_rows_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
-    """The 16-row kernel with ``block_rows=32``: every product has N = 32, and P'^T (twice the
-    bytes) shares the RoPE slot with 2 tiles a slot instead of 4."""
-    err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel="small32")
-    assert err < 4e-3, err  # as test_kernel_interpreted_matches_reference
-    assert lse_err < 1e-4, lse_err
-
-
-@pytest.mark.gpu
-@SMALL32_CASES
-def test_small_kernel_32_rows_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
-    err, lse_err, lse_scale = _check(heads, s_q, seq_lens, layer_pages, splits, interpret=False, kernel="small32")
+def test_small_kernel_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
+    err, lse_err, lse_scale = _check(heads, s_q, seq_lens, layer_pages, splits, interpret=False, kernel=kernel)
     assert err < 2e-2, err  # as test_kernel_matches_reference (Hopper's FP8 accumulation)
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
