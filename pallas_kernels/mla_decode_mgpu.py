@@ -84,7 +84,9 @@ kernels' merge). The caller picks the count
 Pipelining: warpgroup 0 issues the TMA of step j + 1 (latent chunks, RoPE rows
 and token scales, one barrier a slot) at the start of step j, once both
 warpgroups have finished step j - 1's P'.V on that slot (a "consumed" barrier
-with 2 arrivals). The two warpgroups meet at barriers three times a step
+with 2 arrivals); each of its four warps issues one (page, parity) box
+(``ISSUE_BY_WARPS``). Each warpgroup's P'.V runs as four pipelined 64-column
+products (``pv_update``). The two warpgroups meet at barriers three times a step
 (statistics, the slot read as K, P' bytes), so they run nearly in lockstep:
 their wgmmas and their elementwise work do not overlap much
 (docs/mosaic_gpu_decode_plan.md has the cost attribution).
@@ -139,6 +141,16 @@ QK_PROMOTION = 128
 # Whether a warpgroup waits on the ``qk_done`` barrier before it overwrites the
 # step's slot (the statistics barrier already orders it; see ``_kernel``).
 WAIT_QK_DONE = True
+# Whether the four warps of the issuing warpgroup share a step's TMA issue
+# (``step_issuer``). One thread issuing all 21 copies took ~2000 SM cycles of a
+# ~14000-cycle step (scripts/profile_mgpu_steps.py), on the path of both
+# warpgroups, and ran 1.06-1.09x slower at B=64-128 x 16k x 128 (H100); for the
+# 16-row kernel, whose warpgroup 1 issues off the critical path, it is neutral.
+ISSUE_BY_WARPS = True
+# Extra ``plgpu.CompilerParams`` for both Mosaic decode kernels (``grid_params``):
+# None in the library; ``scripts/profile_mgpu_steps.py`` sets the on-device
+# profiler's here.
+COMPILER_PARAMS: plgpu.CompilerParams | None = None
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
@@ -357,15 +369,41 @@ def cta_steps(seq_len, split, *, s_q: int, num_splits: int):
 
 def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar):
     """``issue(step, slot)``: the TMA of a step into a ring slot, arriving on ``step_bar[slot]``:
-    latent chunks and RoPE rows in step order (even tokens to rows 0..63), and token scales."""
+    latent chunks and RoPE rows in step order (even tokens to rows 0..63), and token scales.
+
+    With ``ISSUE_BY_WARPS`` each warp of the issuing warpgroup issues the copies of one (page,
+    parity) box, the last one also the token scales: four threads issue in parallel instead of
+    one issuing all 21."""
+    def copy_box(slot, parity, src, dst):
+        for ch in range(NUM_CHUNKS):
+            plgpu.copy_gmem_to_smem(latp_ref.at[src, parity, pl.ds(ch * CHUNK, CHUNK)],
+                                    kv8_s.at[slot, ch, dst], step_bar.at[slot])
+        plgpu.copy_gmem_to_smem(ropep_ref.at[src, parity], rope_s.at[slot, dst], step_bar.at[slot])
+
+    def copy_scales(first_token, slot):
+        plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(first_token, STEP)], ksc_s.at[slot], step_bar.at[slot])
+
     def issue(step, slot):
-        for parity, src, dst in page_boxes(bt_ref, b, step, layer_offset):
-            for ch in range(NUM_CHUNKS):
-                plgpu.copy_gmem_to_smem(latp_ref.at[src, parity, pl.ds(ch * CHUNK, CHUNK)],
-                                        kv8_s.at[slot, ch, dst], step_bar.at[slot])
-            plgpu.copy_gmem_to_smem(ropep_ref.at[src, parity], rope_s.at[slot, dst], step_bar.at[slot])
-        plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(_aligned(step * STEP, STEP), STEP)], ksc_s.at[slot],
-                                step_bar.at[slot])
+        # Box starts computed here: ``pl.multiple_of`` does not lower in a warp's code.
+        boxes = list(page_boxes(bt_ref, b, step, layer_offset))
+        first_token = _aligned(step * STEP, STEP)
+        if not ISSUE_BY_WARPS:
+            for parity, src, dst in boxes:
+                copy_box(slot, parity, src, dst)
+            copy_scales(first_token, slot)
+            return
+
+        def per_warp(warp):
+            for k, (parity, src, dst) in enumerate(boxes):
+                @pl.when(warp == k)
+                def _():
+                    copy_box(slot, parity, src, dst)
+
+            @pl.when(warp == 3)
+            def _():
+                copy_scales(first_token, slot)
+
+        plgpu.warp_map(per_warp)
     return issue
 
 
@@ -454,18 +492,33 @@ def v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, *, masked: bool, i
 
 
 def pv_update(accs, p8_ref, v_operands, alpha, pv_max) -> list:
-    """acc * alpha + (P'.V) * pv_max / 448 for each of this warpgroup's accumulators [64, 128]."""
-    undo = lax.broadcast_in_dim(pv_max * (1.0 / FP8_E4M3_MAX), (BLOCK_M, CHUNK), [0])
-    alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_M, CHUNK), [0])
-    new_accs = []
-    for acc, v_operand in zip(accs, v_operands):
-        def pv_mma(acc_ref, v_operand=v_operand):
-            plgpu.wgmma(acc_ref, p8_ref, v_operand)
-            return acc_ref[...]
+    """acc * alpha + (P'.V) * pv_max / 448 for each of this warpgroup's accumulators [64, 128].
 
-        pv_out = pl.run_scoped(pv_mma, plgpu.ACC((BLOCK_M, CHUNK), jnp.float32))
-        new_accs.append(acc * alpha_b + pv_out * undo)
-    return new_accs
+    The products run as 64-column pieces (two a chunk), each issued before the previous one is
+    waited for and folded in: the tensor cores have the next piece while the registers fold the
+    last, and two 32-register products are live. (One 64 x 128 product a chunk, each waited for
+    before the next was issued, ran 1.15-1.17x slower at B=64-128 x 16k x 128 on an H100, with
+    twice the register spills: ``scripts/probe_mgpu_costs.py`` variant "pv_whole_chunks".)"""
+    cols = CHUNK // 2
+    undo = lax.broadcast_in_dim(pv_max * (1.0 / FP8_E4M3_MAX), (BLOCK_M, cols), [0])
+    alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_M, cols), [0])
+    pieces = [(acc[:, h * cols:(h + 1) * cols], v_operand.at[:, pl.ds(h * cols, cols)])
+              for acc, v_operand in zip(accs, v_operands) for h in range(2)]
+
+    def fold(k, acc_ref, wait_n):
+        return pieces[k][0] * alpha_b + plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n) * undo
+
+    def run(k, previous_ref):
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, p8_ref, pieces[k][1])
+            folded = [] if previous_ref is None else [fold(k - 1, previous_ref, 1)]
+            if k + 1 < len(pieces):
+                return folded + run(k + 1, acc_ref)
+            return folded + [fold(k, acc_ref, 0)]
+        return pl.run_scoped(body, plgpu.ACC((BLOCK_M, cols), jnp.float32))
+
+    halves = run(0, None)
+    return [jnp.concatenate(halves[2 * i:2 * i + 2], axis=1) for i in range(len(accs))]
 
 
 def initial_carry(acc_shape=(BLOCK_M, CHUNK), rows_axis: int = 0) -> tuple:
@@ -568,25 +621,33 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     def step(j, carry, *, masked: bool):
         accs, m, l_part = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
         t0 = (first_step + j) * STEP
-        slot = begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar)
+        # The named scopes are the phases ``scripts/profile_mgpu_steps.py`` times
+        # on the GPU (the on-device profiler records them when ``COMPILER_PARAMS``
+        # asks for it; otherwise they only name MLIR locations).
+        with jax.named_scope("wait_step"):
+            slot = begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar)
 
-        k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=COL)
-        scores = step_scores(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scale, my_rows,
-                             interpret=interpret)
-        if WAIT_QK_DONE:
-            plgpu.barrier_arrive(qk_done_bar.at[slot])
+        with jax.named_scope("qk"):
+            k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=COL)
+            scores = step_scores(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scale, my_rows,
+                                 interpret=interpret)
+            if WAIT_QK_DONE:
+                plgpu.barrier_arrive(qk_done_bar.at[slot])
 
-        visible = step_visibility(row0, t0, seq_len, wg, s_q=s_q, num_heads=num_heads) if masked else None
-        scores, row_max, log_pv_max = local_stats(scores, k_scale, scale_log2, visible)
-        stats_s[slot, wg, 0] = row_max
-        stats_s[slot, wg, 1] = log_pv_max
-        plgpu.barrier_arrive(stats_bar.at[slot])
-        plgpu.barrier_wait(stats_bar.at[slot])
-        other = 1 - wg
-        row_max = jnp.maximum(row_max, plgpu.load(stats_s.at[slot, other, 0], layout=ROW))
-        log_pv_max = jnp.maximum(log_pv_max, plgpu.load(stats_s.at[slot, other, 1], layout=ROW))
-        m_new, alpha, l_part, p_scaled, pv_max = softmax_half(scores, k_scale, m, l_part, row_max, log_pv_max,
-                                                              visible)
+        with jax.named_scope("stats"):
+            visible = step_visibility(row0, t0, seq_len, wg, s_q=s_q, num_heads=num_heads) if masked else None
+            scores, row_max, log_pv_max = local_stats(scores, k_scale, scale_log2, visible)
+            stats_s[slot, wg, 0] = row_max
+            stats_s[slot, wg, 1] = log_pv_max
+            plgpu.barrier_arrive(stats_bar.at[slot])
+        with jax.named_scope("wait_stats"):
+            plgpu.barrier_wait(stats_bar.at[slot])
+        with jax.named_scope("softmax"):
+            other = 1 - wg
+            row_max = jnp.maximum(row_max, plgpu.load(stats_s.at[slot, other, 0], layout=ROW))
+            log_pv_max = jnp.maximum(log_pv_max, plgpu.load(stats_s.at[slot, other, 1], layout=ROW))
+            m_new, alpha, l_part, p_scaled, pv_max = softmax_half(scores, k_scale, m, l_part, row_max,
+                                                                  log_pv_max, visible)
 
         # Both warpgroups are past their QK: the RoPE slot takes the P' bytes, and
         # my latent chunks become their V^T. (The statistics barrier above implies
@@ -595,21 +656,28 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         # each: 10% slower at B=64 x 16k x 128, 3% faster at 32 x 16k and 8 x 64k;
         # side by side later, 0.3% faster at 64 x 16k and 128 x 16k: noise. Kept.)
         if WAIT_QK_DONE:
-            plgpu.barrier_wait(qk_done_bar.at[slot])
-        xb[slot, wg] = jnp.minimum(p_scaled, FP8_E4M3_MAX).astype(FP8_DTYPE)
-        v_operands = v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, masked=masked, interpret=interpret)
-        plgpu.barrier_arrive(pexch_bar.at[slot])
-        plgpu.barrier_wait(pexch_bar.at[slot])
-        if not interpret:
-            # Word k of a row: tokens 2k (warpgroup 0's column k) and 2k + 1.
-            p16_s[wg] = interleave_bytes(plgpu.load(xb.at[slot, 0], layout=plgpu.Layout.WGMMA),
-                                         plgpu.load(xb.at[slot, 1], layout=plgpu.Layout.WGMMA))
-        else:
-            for half in range(NUM_WGS):
-                my_p8[:, pl.ds(half * HALF, HALF)] = xb[slot, half]
-        plgpu.commit_smem()  # generic-proxy stores (P', V^T) -> visible to wgmma
-        new_accs = pv_update(accs, my_p8, v_operands, alpha, pv_max)
-        plgpu.barrier_arrive(consumed_bar.at[slot])
+            with jax.named_scope("wait_qk_done"):
+                plgpu.barrier_wait(qk_done_bar.at[slot])
+        with jax.named_scope("p_store"):
+            xb[slot, wg] = jnp.minimum(p_scaled, FP8_E4M3_MAX).astype(FP8_DTYPE)
+        with jax.named_scope("v_transpose"):
+            v_operands = v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, masked=masked,
+                                             interpret=interpret)
+            plgpu.barrier_arrive(pexch_bar.at[slot])
+        with jax.named_scope("wait_p"):
+            plgpu.barrier_wait(pexch_bar.at[slot])
+        with jax.named_scope("p_pack"):
+            if not interpret:
+                # Word k of a row: tokens 2k (warpgroup 0's column k) and 2k + 1.
+                p16_s[wg] = interleave_bytes(plgpu.load(xb.at[slot, 0], layout=plgpu.Layout.WGMMA),
+                                             plgpu.load(xb.at[slot, 1], layout=plgpu.Layout.WGMMA))
+            else:
+                for half in range(NUM_WGS):
+                    my_p8[:, pl.ds(half * HALF, HALF)] = xb[slot, half]
+            plgpu.commit_smem()  # generic-proxy stores (P', V^T) -> visible to wgmma
+        with jax.named_scope("pv"):
+            new_accs = pv_update(accs, my_p8, v_operands, alpha, pv_max)
+            plgpu.barrier_arrive(consumed_bar.at[slot])
         return (*new_accs, m_new, l_part)
 
     *accs, m, l_part = walk_steps(step, initial_carry(), wg, unmasked_steps, num_steps, consumed_bar)
@@ -687,10 +755,11 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
 
 def grid_params(batch: int, num_splits: int, row_blocks: int, kernel_name: str, interpret: bool) -> dict:
     """``plgpu.kernel`` arguments shared by the Mosaic decode kernels: the grid (batch row,
-    KV split, row block) and two warpgroups."""
+    KV split, row block), two warpgroups, and ``COMPILER_PARAMS`` if set."""
+    extra = {} if COMPILER_PARAMS is None or interpret else {"compiler_params": COMPILER_PARAMS}
     return dict(grid=(batch, num_splits, row_blocks), grid_names=("b", "s", "r"), num_threads=NUM_WGS,
                 thread_name="wg", kernel_name=kernel_name,
-                interpret=plgpu.InterpretGPUParams() if interpret else None)
+                interpret=plgpu.InterpretGPUParams() if interpret else None, **extra)
 
 
 def merge_splits(out: jax.Array, lse: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:

@@ -8,8 +8,9 @@ Each variant replaces one or more of the step helpers of ``mla_decode_mgpu``
 ``v_operands_in_place``, ``pv_update``), or with ``--kernel small`` of
 ``mla_decode_mgpu_small`` (``step_scores_t``, ``softmax_t``, ``v_half_f16``,
 ``pv_update_t``), or a module constant, by a cheaper stand-in or another
-variant with the same shapes and layouts, recompiles, and times it next to the
-unmodified kernel. The results of the stand-ins are wrong by design; only the
+variant with the same shapes and layouts, and compiles it; then all compiled
+variants are timed in turn, ``--rounds`` times round-robin (the median over
+rounds is reported), so that a drift of the GPU's clocks falls on all alike. The results of the stand-ins are wrong by design; only the
 time counts: the difference to "baseline" bounds what that part costs. Other
 variants are candidate changes; their relative L2 difference to the baseline's
 output (when "baseline" runs first) says whether they still compute the same.
@@ -23,6 +24,7 @@ import functools
 import importlib.util
 import json
 import pathlib
+import statistics
 import sys
 
 import jax
@@ -41,7 +43,7 @@ from snapmla_jax.decode import _sm_count, choose_num_splits
 ROOT = pathlib.Path(__file__).resolve().parent
 ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
             ("step_scores", "qk8_promoted", "softmax_half", "v_words", "v_operands_in_place", "pv_update",
-             "WAIT_QK_DONE")}
+             "WAIT_QK_DONE", "ISSUE_BY_WARPS")}
 
 
 def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
@@ -95,6 +97,20 @@ def v_words_constant(chunk_ref, t0, seq_len, *, masked):
 def v_operands_untransposed(kv8_s, kv16_s, slot, wg, t0, seq_len, *, masked, interpret):
     """No V^T: the slot's K bytes are read as V^T (no V loads, packing or transposed stores)."""
     return [kv8_s.at[slot, wg * CHUNKS_PER_WG + i].transpose((1, 0)) for i in range(CHUNKS_PER_WG)]
+
+
+def pv_whole_chunks(accs, p8_ref, v_operands, alpha, pv_max):
+    """P'.V as one 64 x 128 product a chunk, each waited for before the next is issued (the
+    kernel before its pipelined 64-column pieces)."""
+    undo = lax.broadcast_in_dim(pv_max * (1.0 / mgpu_kernel.FP8_E4M3_MAX), (BLOCK_M, CHUNK), [0])
+    alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_M, CHUNK), [0])
+    new_accs = []
+    for acc, v_operand in zip(accs, v_operands):
+        def pv_mma(acc_ref, v_operand=v_operand):
+            plgpu.wgmma(acc_ref, p8_ref, v_operand)
+            return acc_ref[...]
+        new_accs.append(acc * alpha_b + pl.run_scoped(pv_mma, plgpu.ACC((BLOCK_M, CHUNK), jnp.float32)) * undo)
+    return new_accs
 
 
 def pv_none(accs, p8_ref, v_operands, alpha, pv_max):
@@ -155,6 +171,11 @@ VARIANTS = {
     "pv_in_place_one_by_one": {"pv_update": pv_in_place_one_by_one},
     "pv_in_place_no_qk_done": {"pv_update": pv_in_place, "WAIT_QK_DONE": False},
     # The TMA ring, barriers, statistics and P' exchange, P' packing and output alone.
+    # The eighth session's changes, each undone alone, and both (timings in
+    # docs/benchmarks/mgpu.md).
+    "pv_whole_chunks": {"pv_update": pv_whole_chunks},
+    "issue_by_one_thread": {"ISSUE_BY_WARPS": False},
+    "eighth_session_undone": {"pv_update": pv_whole_chunks, "ISSUE_BY_WARPS": False},
     "no_compute": {"step_scores": scores_constant, "softmax_half": softmax_none,
                    "v_operands_in_place": v_operands_untransposed, "pv_update": pv_none},
 }
@@ -194,6 +215,8 @@ SMALL_VARIANTS = {
     "no_pv": {"pv_update_t": small_pv_none},
     "no_compute": {"step_scores_t": small_scores_constant, "softmax_t": small_softmax_none,
                    "pv_update_t": small_pv_none},
+    # The TMA ring's issue (shared ``step_issuer``; a constant of the 64-row kernel's module).
+    "issue_by_one_thread": {"ISSUE_BY_WARPS": False},
 }
 SMALL_ORIGINAL = {name: getattr(small_kernel, name) for name in
                   ("step_scores_t", "softmax_t", "v_half_f16", "pv_update_t", "ISSUER")}
@@ -206,6 +229,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel", choices=("mgpu", "small"), default="mgpu",
                         help="the 64-row kernel (mgpu) or the 16-row one (small)")
     parser.add_argument("--variants", nargs="*", help="default: all of the kernel's")
+    parser.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds over the variants")
     args = parser.parse_args(argv)
     module, original, variants, block_rows = ((small_kernel, SMALL_ORIGINAL, SMALL_VARIANTS, SMALL_ROWS)
                                               if args.kernel == "small" else
@@ -222,28 +246,43 @@ def main(argv=None) -> int:
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     results["rel_l2_to_baseline"] = {}
+    results["rounds"] = args.rounds
     reference = None
+    call_args = (q, q_rope, fp8, block_table, seq_lens)
+    compiled = {}
     for name in args.variants or list(variants):
         for helper, fn in original.items():
             setattr(module, helper, variants[name].get(helper, fn))
+        # ``step_issuer`` is shared: the 16-row kernel's variants may set its constant too.
+        mgpu_kernel.ISSUE_BY_WARPS = variants[name].get("ISSUE_BY_WARPS", ORIGINAL["ISSUE_BY_WARPS"])
         jax.clear_caches()  # the kernel's jit cache would hand back the previous variant
         fn = jax.jit(lambda q, qr, c, bt, n: bench.mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                small=args.kernel == "small", num_splits=splits))
-        call_args = (q, q_rope, fp8, block_table, seq_lens)
         try:
-            out = jax.block_until_ready(fn(*call_args)).astype(jnp.float32)
+            compiled[name] = fn.lower(*call_args).compile()
+            out = jax.block_until_ready(compiled[name](*call_args)).astype(jnp.float32)
             if reference is None and name == "baseline":
                 reference = out
             if reference is not None:
                 results["rel_l2_to_baseline"][name] = float(jnp.linalg.norm(out - reference)
                                                             / jnp.linalg.norm(reference))
-            results["ms"][name] = timing.time_ms(fn, [call_args], warmup=2, iters=10)
         except Exception as err:  # a variant that does not compile is a result
             results["ms"][name] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-        print(name, results["ms"][name], results["rel_l2_to_baseline"].get(name), flush=True)
-        (out_dir / "probe_costs.json").write_text(json.dumps(results, indent=1))
+            print(name, results["ms"][name], flush=True)
     for helper, fn in original.items():
         setattr(module, helper, fn)
+    mgpu_kernel.ISSUE_BY_WARPS = ORIGINAL["ISSUE_BY_WARPS"]
+    # Round-robin over the compiled variants, so that a drift of the GPU's clocks
+    # during the run falls on all of them alike; the median over rounds.
+    samples = {name: [] for name in compiled}
+    for _ in range(args.rounds):
+        for name, executable in compiled.items():
+            samples[name].append(timing.time_ms(executable, [call_args], warmup=2, iters=10))
+    for name, times in samples.items():
+        results["ms"][name] = statistics.median(times)
+        results.setdefault("ms_per_round", {})[name] = times
+        print(name, results["ms"][name], results["rel_l2_to_baseline"].get(name), flush=True)
+    (out_dir / "probe_costs.json").write_text(json.dumps(results, indent=1))
     return 0
 
 

@@ -36,6 +36,41 @@ def _load_script(name: str = "probe_mgpu_transpose"):
     return mod
 
 
+def test_step_profile_summary_times_phases_per_warpgroup():
+    """scripts/profile_mgpu_steps.py's summary of an on-device profiler trace (Chrome events, one
+    trace a warpgroup, ts in SM clocks / 1000): per warpgroup the median over CTAs of each phase's
+    cycles a step, over the steps after the first two and before the last."""
+    profile = _load_script("profile_mgpu_steps")
+    rng = np.random.default_rng(0)
+    phases = {0: {"wait_step": 300.0, "qk": 1700.0, "pv": 2000.0}, 1: {"wait_step": 90.0, "qk": 1800.0, "pv": 2100.0}}
+    traces, num_ctas, num_steps = [], 3, 9
+    for cta in range(num_ctas):
+        for wg in range(2):
+            tid, t = 1 + wg + 2 * cta, 1000.0 * (cta + 1)
+            events = [{"name": "Init", "ph": "B", "ts": t / 1e3, "tid": tid}]
+            for step in range(num_steps):
+                # The first two steps and the last (prologue, epilogue) are slower: not counted.
+                slow = 5.0 if step < 2 or step == num_steps - 1 else 1.0
+                for name, cycles in phases[wg].items():
+                    events.append({"name": name, "ph": "B", "ts": t / 1e3, "tid": tid})
+                    t += cycles * slow * (1 + 0.01 * cta)
+                    events.append({"name": name, "ph": "E", "ts": t / 1e3, "tid": tid})
+                t += 50.0 + rng.uniform(0, 1e-3)  # time outside any phase
+            events.append({"name": "Init", "ph": "E", "ts": t / 1e3, "tid": tid})
+            traces.append(events)
+    # The profiler's dump: each trace's events in order, the traces one after another (in an
+    # order of their own: here shuffled).
+    rng.shuffle(traces)
+    trace = {"traceEvents": [event for events in traces for event in events]}
+    summary = profile.summarize(profile.ranges_per_trace(trace), traces_per_block=2)
+    for wg, expected in phases.items():
+        got = summary[f"wg{wg}"]
+        for name, cycles in expected.items():
+            assert got[name] == pytest.approx(cycles * 1.01, rel=1e-3), (wg, name)  # the median CTA
+        assert got["(sum of phases)"] == pytest.approx(sum(expected.values()) * 1.01, rel=1e-3)
+        assert got["(step period)"] == pytest.approx(sum(expected.values()) * 1.01 + 50.0, rel=1e-3)
+
+
 def test_transpose_probe_lowers_for_cuda():
     probe = _load_script()
     p = jnp.zeros((64, 128), jnp.float8_e4m3fn)
@@ -129,6 +164,8 @@ def test_cost_probe_variants_lower_for_cuda(monkeypatch, kernel):
     for name, swaps in variants.items():
         for helper, value in original.items():
             monkeypatch.setattr(module, helper, swaps.get(helper, value))
+        # The shared TMA issue's constant lives in the 64-row kernel's module.
+        monkeypatch.setattr(mgpu_module, "ISSUE_BY_WARPS", swaps.get("ISSUE_BY_WARPS", probe.ORIGINAL["ISSUE_BY_WARPS"]))
         jax.clear_caches()  # the kernel's jit cache would hand back the previous variant
         jax.jit(lambda *a: _call_kernel(*a, 0.1, kernel=kernel)).trace(*args).lower(lowering_platforms=("cuda",))
     monkeypatch.undo()

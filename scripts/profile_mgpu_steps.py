@@ -1,0 +1,138 @@
+"""Where a step of the Mosaic GPU decode kernel spends its cycles, per warpgroup, from the on-device profiler.
+
+    PYTHONPATH=. python scripts/profile_mgpu_steps.py --out $OUT [--shape 64x2048x128x1]
+
+Runs ``mla_decode_mgpu`` once with Mosaic GPU's profiler on
+(``plgpu.CompilerParams(profile_space=...)`` through the kernel module's
+``COMPILER_PARAMS``): thread 0 of each warpgroup stores an SM clock stamp at the
+start and end of every ``jax.named_scope`` of the step body (``wait_step``,
+``qk``, ``stats``, ``wait_stats``, ``softmax``, ``wait_qk_done``, ``p_store``,
+``v_transpose``, ``wait_p``, ``p_pack``, ``pv``). The stamps live in SMEM next to
+the kernel's 222 KB, which leaves room for ~150 ranges a warpgroup (about 13
+steps; the trace is truncated there): hence short contexts (2048 tokens = 16
+steps a CTA). The per-step behaviour does not depend on the context; the first
+two steps and the last one recorded are left out.
+
+Reports, per warpgroup, the median over CTAs of each phase's cycles per step,
+their sum, and the step period (first to last ``wait_step`` start, over the
+steps counted): a phase's share of the period is what removing it could save,
+and the ``wait_*`` phases are where a warpgroup waits for the other one or for
+the TMA. Writes profile_steps.json (and the raw Chrome trace, viewable in
+Perfetto) under --out. Cycles are SM clocks (``%clock``), not nanoseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import json
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+
+import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import pallas_kernels.mla_decode_mgpu as mgpu_kernel
+from snapmla_jax.bench import timing
+from snapmla_jax.bench.decode import make_caches, make_queries
+from snapmla_jax.decode import _sm_count, choose_num_splits
+
+ROOT = pathlib.Path(__file__).resolve().parent
+STEP_START = "wait_step"  # the first phase of a step
+
+
+def ranges_per_trace(trace: dict) -> dict[int, list[tuple[str, float, float]]]:
+    """Chrome trace events -> {trace id: [(name, begin, end), ...]} in order (one trace a warpgroup
+    of a CTA; times in the dump's units, SM clocks / 1000)."""
+    open_ranges: dict[int, list] = collections.defaultdict(list)
+    ranges: dict[int, list] = collections.defaultdict(list)
+    for event in trace["traceEvents"]:
+        tid = event["tid"]
+        if event["ph"] == "B":
+            open_ranges[tid].append((event["name"], event["ts"]))
+        else:
+            name, begin = open_ranges[tid].pop()
+            ranges[tid].append((name, begin, event["ts"]))
+    for tid in ranges:
+        ranges[tid].sort(key=lambda r: r[1])
+    return ranges
+
+
+def summarize(ranges: dict[int, list], traces_per_block: int, skip_steps: int = 2) -> dict:
+    """Per warpgroup: median over CTAs of cycles per step of each phase (steps after the first
+    ``skip_steps`` and before the last one), the phases' sum, and the step period."""
+    per_wg: dict[int, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for tid, rs in ranges.items():
+        wg = (tid - 1) % traces_per_block
+        starts = [i for i, r in enumerate(rs) if r[0] == STEP_START]
+        if len(starts) < skip_steps + 3:
+            continue
+        first, last = starts[skip_steps], starts[-1]  # the last step is partly the epilogue
+        steps = len(starts) - 1 - skip_steps
+        totals: dict[str, float] = collections.defaultdict(float)
+        for name, begin, end in rs[first:last]:
+            totals[name] += (end - begin) * 1e3
+        for name, total in totals.items():
+            per_wg[wg][name].append(total / steps)
+        per_wg[wg]["(sum of phases)"].append(sum(totals.values()) / steps)
+        per_wg[wg]["(step period)"].append((rs[last][1] - rs[first][1]) * 1e3 / steps)
+    return {f"wg{wg}": {name: round(statistics.median(values), 1) for name, values in phases.items()}
+            for wg, phases in sorted(per_wg.items())}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="/tmp/profile_mgpu_steps")
+    parser.add_argument("--shape", default="64x2048x128x1", help="BxCONTEXTxHxS_Q")
+    parser.add_argument("--set", nargs="*", default=[], metavar="NAME=INT",
+                        help="kernel module constants to profile a variant with (e.g. ISSUE_BY_WARPS=0)")
+    parser.add_argument("--space", type=int, default=150, help="profiler ranges a warpgroup (16 B of SMEM each; a trace past it is truncated)")
+    args = parser.parse_args(argv)
+    if timing.missing_gpu("profile_mgpu_steps"):
+        return 2
+    spec = importlib.util.spec_from_file_location("bench_mgpu", ROOT / "bench_mgpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    batch, context, heads, s_q = map(int, args.shape.split("x"))
+    fp8, _, block_table = make_caches(batch, context)
+    q, q_rope, seq_lens, scale = make_queries(batch, context, heads, s_q)
+    splits = choose_num_splits(batch, -(-s_q * heads // mgpu_kernel.BLOCK_M), context, _sm_count())
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trace_dir = pathlib.Path(tempfile.mkdtemp(prefix="mgpu_profile_"))
+    # The kernel reduces along score rows within warps: no cross-warp reduction
+    # scratch is needed, and its 2 KB go to the profiler.
+    settings = dict(item.split("=") for item in args.set)
+    saved = {name: getattr(mgpu_kernel, name) for name in settings}
+    for name, value in settings.items():
+        setattr(mgpu_kernel, name, type(saved[name])(int(value)))
+    mgpu_kernel.COMPILER_PARAMS = plgpu.CompilerParams(
+        profile_space=args.space, profile_dir=str(trace_dir), profile_bounds_check=True, reduction_scratch_bytes=0)
+    try:
+        jax.clear_caches()
+        out = bench.mgpu_decode(q, q_rope, fp8, block_table, seq_lens, softmax_scale=scale, num_splits=splits)
+        jax.block_until_ready(out)
+        jax.effects_barrier()  # the trace is written by a host callback
+    finally:
+        mgpu_kernel.COMPILER_PARAMS = None
+        for name, value in saved.items():
+            setattr(mgpu_kernel, name, value)
+    traces = sorted(trace_dir.glob("*-trace.json"))
+    if not traces:
+        print(f"profile_mgpu_steps: no trace written to {trace_dir}", file=sys.stderr)
+        return 1
+    shutil.copy(traces[-1], out_dir / "profile_trace.json")
+    summary = summarize(ranges_per_trace(json.loads(traces[-1].read_text())), mgpu_kernel.NUM_WGS)
+    result = {"env": timing.environment(), "shape": args.shape, "num_splits": splits, "set": settings,
+              "units": "SM clock cycles per step, median over CTAs", "phases": summary}
+    (out_dir / "profile_steps.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
