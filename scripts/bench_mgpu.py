@@ -33,7 +33,7 @@ from pallas_kernels.mla_decode_mgpu_small import ROWS as SMALL_ROWS
 from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
 from snapmla_jax.bench import timing
 from snapmla_jax.bench.decode import make_caches, make_queries
-from snapmla_jax.decode import _sm_count, choose_num_splits, mla_decode
+from snapmla_jax.decode import _sm_count, choose_num_splits, min_tokens_per_split, mla_decode
 
 SHAPES = ("64x16384x128x1", "32x16384x128x1", "128x4096x128x1", "8x65536x128x1", "128x16384x16x1",
           "32x4096x128x2")
@@ -83,7 +83,8 @@ def main(argv=None) -> int:
         }
         # The Mosaic kernels split the KV as the Triton kernels do (same rule, their row blocks).
         splits = choose_num_splits(batch, -(-s_q * heads // BLOCK_M), context, _sm_count())
-        small_splits = choose_num_splits(batch, -(-s_q * heads // SMALL_ROWS), context, _sm_count())
+        small_splits = choose_num_splits(batch, -(-s_q * heads // SMALL_ROWS), context, _sm_count(),
+                                         min_tokens_per_split(SMALL_ROWS, mosaic=True))
         small32_splits = choose_num_splits(batch, -(-s_q * heads // 32), context, _sm_count())
         if s_q * heads <= 2 * SMALL_ROWS:
             variants["mosaic_small"] = (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(

@@ -30,6 +30,10 @@ H100_SMS = 132  # SM count assumed when no GPU is visible (interpret mode, plann
 # combine reads back: give each split at least this many tokens (~660 KB of FP8
 # cache) so that the partials stay small next to the cache they summarise.
 MIN_TOKENS_PER_SPLIT = 1024
+# The 16-row Mosaic kernel's partials are a quarter of that (32 KiB a split):
+# shorter splits pay there. (H100, H=16, B=8 x 4k: 8 splits of 512 tokens ran
+# 0.055 ms, 4 of 1024 0.094 ms; scripts/bench_mgpu.py's kernels, one run.)
+MIN_TOKENS_PER_SPLIT_16_ROWS = 512
 MAX_SPLITS = 64  # beyond this the combine's traffic outweighs the extra parallelism
 
 
@@ -40,13 +44,20 @@ def _sm_count() -> int:
     return getattr(device, "core_count", None) or H100_SMS
 
 
-def choose_num_splits(batch: int, row_blocks: int, max_tokens: int, num_sms: int) -> int:
+def choose_num_splits(batch: int, row_blocks: int, max_tokens: int, num_sms: int,
+                      min_tokens: int = MIN_TOKENS_PER_SPLIT) -> int:
     """Split-KV count: enough (batch x row-block x split) programs to fill ``num_sms``
-    SMs once, no split shorter than MIN_TOKENS_PER_SPLIT tokens, at most MAX_SPLITS."""
+    SMs once, no split shorter than ``min_tokens`` tokens, at most MAX_SPLITS."""
     programs = batch * row_blocks
     if programs >= num_sms:
         return 1
-    return max(1, min(num_sms // programs, max_tokens // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(num_sms // programs, max_tokens // min_tokens, MAX_SPLITS))
+
+
+def min_tokens_per_split(block_rows: int, mosaic: bool) -> int:
+    """The shortest split ``choose_num_splits`` makes for a kernel with ``block_rows`` query rows
+    a CTA (``mosaic``: a Mosaic GPU kernel)."""
+    return MIN_TOKENS_PER_SPLIT_16_ROWS if mosaic and block_rows == 16 else MIN_TOKENS_PER_SPLIT
 
 
 def _is_concrete(x) -> bool:
@@ -205,7 +216,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     layer_offset = jnp.clip(layer_offset, 0, (cache.num_layers or 1) * cache.num_slots - cache.num_slots)
     if num_splits is None:
         num_splits = choose_num_splits(batch, padded_rows // block_m, block_table.shape[1] * cache.page_size,
-                                       _sm_count())
+                                       _sm_count(), min_tokens_per_split(block_m, mosaic))
     elif not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected None or a positive int, got {num_splits!r}")
     if mosaic:

@@ -17,7 +17,7 @@ import pytest
 
 from pallas_kernels.mla_decode import DecodeConfig, resolve_pv_mma
 from snapmla_jax.cache import LatentCache
-from snapmla_jax.decode import choose_num_splits, mla_decode
+from snapmla_jax.decode import choose_num_splits, min_tokens_per_split, mla_decode
 from snapmla_jax.quantization import AMAX_FLOOR, FP8_E4M3_EPS, FP8_E4M3_MAX, quantize_per_token
 
 RANK, ROPE = 512, 64
@@ -401,6 +401,11 @@ def test_split_heuristic_fills_the_gpu_only_when_needed():
     assert choose_num_splits(batch=8, row_blocks=2, max_tokens=16384, num_sms=132) == 8
     assert choose_num_splits(batch=1, row_blocks=2, max_tokens=65536, num_sms=132) == 64
     assert choose_num_splits(batch=1, row_blocks=1, max_tokens=1024, num_sms=132) == 1  # too short to split
+    # The 16-row Mosaic kernel splits down to 512 tokens; the other kernels stop at 1024.
+    assert min_tokens_per_split(16, mosaic=True) == 512
+    assert min_tokens_per_split(16, mosaic=False) == min_tokens_per_split(64, mosaic=True) == 1024
+    assert choose_num_splits(batch=8, row_blocks=1, max_tokens=4096, num_sms=132, min_tokens=512) == 8
+    assert choose_num_splits(batch=8, row_blocks=1, max_tokens=4096, num_sms=132) == 4
 
 
 # ---------------------------------------------------------------- bad input
