@@ -10,8 +10,9 @@ Each variant replaces one or more of the step helpers of ``mla_decode_mgpu``
 ``pv_update_t``), or a module constant, by a cheaper stand-in or another
 variant with the same shapes and layouts, and compiles it; then all compiled
 variants are timed in turn, ``--rounds`` times round-robin (the median over
-rounds is reported), so that a drift of the GPU's clocks falls on all alike. The results of the stand-ins are wrong by design; only the
-time counts: the difference to "baseline" bounds what that part costs. Other
+rounds is reported), so that a drift of the GPU's clocks falls on all alike.
+The results of the stand-ins are wrong by design; only the time counts: the
+difference to "baseline" bounds what that part costs. Other
 variants are candidate changes; their relative L2 difference to the baseline's
 output (when "baseline" runs first) says whether they still compute the same.
 Writes probe_costs.json.

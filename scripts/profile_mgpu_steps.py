@@ -90,7 +90,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="64x2048x128x1", help="BxCONTEXTxHxS_Q")
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=INT",
                         help="kernel module constants to profile a variant with (e.g. ISSUE_BY_WARPS=0)")
-    parser.add_argument("--space", type=int, default=150, help="profiler ranges a warpgroup (16 B of SMEM each; a trace past it is truncated)")
+    parser.add_argument("--space", type=int, default=150,
+                        help="profiler ranges a warpgroup (16 B of SMEM each; a trace past it is truncated)")
     args = parser.parse_args(argv)
     if timing.missing_gpu("profile_mgpu_steps"):
         return 2

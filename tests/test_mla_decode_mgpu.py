@@ -165,7 +165,8 @@ def test_cost_probe_variants_lower_for_cuda(monkeypatch, kernel):
         for helper, value in original.items():
             monkeypatch.setattr(module, helper, swaps.get(helper, value))
         # The shared TMA issue's constant lives in the 64-row kernel's module.
-        monkeypatch.setattr(mgpu_module, "ISSUE_BY_WARPS", swaps.get("ISSUE_BY_WARPS", probe.ORIGINAL["ISSUE_BY_WARPS"]))
+        monkeypatch.setattr(mgpu_module, "ISSUE_BY_WARPS",
+                            swaps.get("ISSUE_BY_WARPS", probe.ORIGINAL["ISSUE_BY_WARPS"]))
         jax.clear_caches()  # the kernel's jit cache would hand back the previous variant
         jax.jit(lambda *a: _call_kernel(*a, 0.1, kernel=kernel)).trace(*args).lower(lowering_platforms=("cuda",))
     monkeypatch.undo()
