@@ -57,6 +57,21 @@ def mgpu_decode(q, q_rope, cache, block_table, seq_lens, *, softmax_scale, small
     return out[:, :rows].reshape(q.shape)
 
 
+def mosaic_splits(batch: int, rows: int, context: int, block_rows: int) -> int:
+    """The KV split count ``mla_decode`` gives a Mosaic kernel of ``block_rows`` query rows a CTA,
+    for ``rows`` (s_q x H) query rows a batch row at ``context`` tokens."""
+    return choose_num_splits(batch, -(-rows // block_rows), context, _sm_count(),
+                             min_tokens_per_split(block_rows, mosaic=True))
+
+
+def fp8_problem(shape: str) -> tuple:
+    """A shape "BxCONTEXTxHxS_Q" as the decode bench builds it, for the Mosaic probes: ((B, context,
+    H, s_q), fp8 cache, block_table, q, q_rope, seq_lens, softmax_scale)."""
+    batch, context, heads, s_q = map(int, shape.split("x"))
+    fp8, _, block_table = make_caches(batch, context)
+    return ((batch, context, heads, s_q), fp8, block_table, *make_queries(batch, context, heads, s_q))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="/tmp/bench_mgpu")
@@ -82,10 +97,9 @@ def main(argv=None) -> int:
                                                                              backend="pallas"))),
         }
         # The Mosaic kernels split the KV as the Triton kernels do (same rule, their row blocks).
-        splits = choose_num_splits(batch, -(-s_q * heads // BLOCK_M), context, _sm_count())
-        small_splits = choose_num_splits(batch, -(-s_q * heads // SMALL_ROWS), context, _sm_count(),
-                                         min_tokens_per_split(SMALL_ROWS, mosaic=True))
-        small32_splits = choose_num_splits(batch, -(-s_q * heads // 32), context, _sm_count())
+        splits = mosaic_splits(batch, s_q * heads, context, BLOCK_M)
+        small_splits = mosaic_splits(batch, s_q * heads, context, SMALL_ROWS)
+        small32_splits = mosaic_splits(batch, s_q * heads, context, 32)
         if s_q * heads <= 2 * SMALL_ROWS:
             variants["mosaic_small"] = (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(
                 q, qr, c, bt, n, softmax_scale=scale, small=True, num_splits=small_splits)))

@@ -38,8 +38,6 @@ import pallas_kernels.mla_decode_mgpu as mgpu_kernel
 import pallas_kernels.mla_decode_mgpu_small as small_kernel
 from pallas_kernels.mla_decode_mgpu import BLOCK_M, CHUNK, CHUNKS_PER_WG, HALF, NUM_CHUNKS
 from snapmla_jax.bench import timing
-from snapmla_jax.bench.decode import make_caches, make_queries
-from snapmla_jax.decode import _sm_count, choose_num_splits, min_tokens_per_split
 
 ROOT = pathlib.Path(__file__).resolve().parent
 ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
@@ -238,11 +236,8 @@ def main(argv=None) -> int:
     spec = importlib.util.spec_from_file_location("bench_mgpu", ROOT / "bench_mgpu.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    batch, context, heads, s_q = map(int, args.shape.split("x"))
-    fp8, _, block_table = make_caches(batch, context)
-    q, q_rope, seq_lens, scale = make_queries(batch, context, heads, s_q)
-    splits = choose_num_splits(batch, -(-s_q * heads // block_rows), context, _sm_count(),
-                               min_tokens_per_split(block_rows, mosaic=True))
+    (batch, context, heads, s_q), fp8, block_table, q, q_rope, seq_lens, scale = bench.fp8_problem(args.shape)
+    splits = bench.mosaic_splits(batch, s_q * heads, context, block_rows)
     results = {"env": timing.environment(), "kernel": args.kernel, "shape": args.shape, "num_splits": splits,
                "ms": {}}
     out_dir = pathlib.Path(args.out)

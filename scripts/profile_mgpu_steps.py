@@ -38,8 +38,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kernels.mla_decode_mgpu as mgpu_kernel
 from snapmla_jax.bench import timing
-from snapmla_jax.bench.decode import make_caches, make_queries
-from snapmla_jax.decode import _sm_count, choose_num_splits
 
 ROOT = pathlib.Path(__file__).resolve().parent
 STEP_START = "wait_step"  # the first phase of a step
@@ -98,10 +96,8 @@ def main(argv=None) -> int:
     spec = importlib.util.spec_from_file_location("bench_mgpu", ROOT / "bench_mgpu.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    batch, context, heads, s_q = map(int, args.shape.split("x"))
-    fp8, _, block_table = make_caches(batch, context)
-    q, q_rope, seq_lens, scale = make_queries(batch, context, heads, s_q)
-    splits = choose_num_splits(batch, -(-s_q * heads // mgpu_kernel.BLOCK_M), context, _sm_count())
+    (batch, context, heads, s_q), fp8, block_table, q, q_rope, seq_lens, scale = bench.fp8_problem(args.shape)
+    splits = bench.mosaic_splits(batch, s_q * heads, context, mgpu_kernel.BLOCK_M)
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     trace_dir = pathlib.Path(tempfile.mkdtemp(prefix="mgpu_profile_"))

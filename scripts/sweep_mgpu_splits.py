@@ -20,8 +20,6 @@ import sys
 import jax
 
 from snapmla_jax.bench import timing
-from snapmla_jax.bench.decode import make_caches, make_queries
-from snapmla_jax.decode import _sm_count, choose_num_splits, min_tokens_per_split
 
 ROOT = pathlib.Path(__file__).resolve().parent
 CASES = ("8x16384x16x1:4,8,16", "8x4096x16x1:1,2,4,8", "1x16384x16x1:4,8,16,32", "8x65536x16x1:8,16,32",
@@ -41,13 +39,9 @@ def main(argv=None) -> int:
     results = {"env": timing.environment(), "ms": {}}
     for case in args.cases:
         shape, counts = case.split(":")
-        batch, context, heads, s_q = map(int, shape.split("x"))
-        fp8, _, block_table = make_caches(batch, context)
-        q, q_rope, seq_lens, scale = make_queries(batch, context, heads, s_q)
+        (batch, context, heads, s_q), fp8, block_table, q, q_rope, seq_lens, scale = bench.fp8_problem(shape)
         small = s_q * heads <= bench.SMALL_ROWS
-        block_rows = bench.SMALL_ROWS if small else bench.BLOCK_M
-        chosen = choose_num_splits(batch, -(-s_q * heads // block_rows), context, _sm_count(),
-                                   min_tokens_per_split(block_rows, mosaic=True))
+        chosen = bench.mosaic_splits(batch, s_q * heads, context, bench.SMALL_ROWS if small else bench.BLOCK_M)
         for splits in map(int, counts.split(",")):
             fn = jax.jit(lambda q, qr, c, bt, n, splits=splits: bench.mgpu_decode(
                 q, qr, c, bt, n, softmax_scale=scale, small=small, num_splits=splits))
