@@ -37,8 +37,8 @@ FP8 math (``quantized=True``), per token block:
 The BF16 twin runs the same body with Q and P cast to bf16 and no scales.
 
 Split-KV (flash-decoding): with ``num_splits > 1`` each split writes its fp32
-partial output and log-sum-exp; ``_combine_splits`` merges them (one small XLA
-fusion, reading B x splits x rows x 512 floats).
+partial output and log-sum-exp; ``combine_splits`` merges them (one Pallas launch,
+reading B x splits x rows x 512 floats; pallas_kernels/combine_splits.py).
 
 Backend: Pallas' Triton lowering (deprecated in JAX, but the one that compiles
 this whole pipeline today). Mosaic GPU would give wgmma with explicit warpgroup
@@ -60,6 +60,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_tr
 
+from pallas_kernels.combine_splits import combine_splits
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, quantize_per_token
 
 LOG2E = math.log2(math.e)  # folded into the softmax scale: exp(x) = exp2(x * log2(e))
@@ -276,17 +277,6 @@ def _mla_decode_kernel(seq_lens_ref, block_table_ref, layer_offset_ref, q_ref, q
     lse_ref[...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, -jnp.inf)
 
 
-def _combine_splits(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Merge split partials: out [B, S, rows, R] f32, lse [B, S, rows] -> ([B, rows, R] f32, [B, rows])."""
-    lse_max = jnp.max(lse, axis=1, keepdims=True)
-    lse_max = jnp.where(lse_max == -jnp.inf, 0.0, lse_max)
-    weight = jnp.exp(lse - lse_max)  # 0 for empty splits
-    total = jnp.sum(weight, axis=1)
-    merged = jnp.einsum("bsr,bsrd->brd", weight, out) / jnp.where(total > 0, total, 1.0)[..., None]
-    merged_lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + lse_max[:, 0], -jnp.inf)
-    return merged, merged_lse
-
-
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
                                              "config", "interpret"))
 def mla_decode_pallas(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
@@ -336,8 +326,7 @@ def mla_decode_pallas(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: t
     )(seq_lens, block_table, layer_offset, q_rows, q_rope_rows, *cache_arrays)
     if num_splits == 1:
         return out[:, 0], lse[:, 0]
-    merged, merged_lse = _combine_splits(out, lse)
-    return merged.astype(q_rows.dtype), merged_lse
+    return combine_splits(out, lse, q_rows.dtype, interpret=interpret)
 
 
 def mla_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, scale: jax.Array | None,

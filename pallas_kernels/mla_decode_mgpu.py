@@ -1,4 +1,4 @@
-"""SnapMLA FP8 MLA decode on Mosaic GPU (Hopper wgmma + TMA), two warpgroups per CTA.
+"""SnapMLA FP8 MLA decode on Mosaic GPU (Hopper wgmma + TMA): two consumer warpgroups and a TMA producer per CTA.
 
 Status (2026-11-23): runs on an H100 and matches ``mla_decode_reference``
 there and in the Mosaic GPU interpreter on CPU. The default for compiled FP8
@@ -17,17 +17,17 @@ an FP8 cache and ``page_size == 64``:
   -> out [B, rows, 512] (q_rows' dtype), lse [B, rows] f32 (natural log)
 
 Math (as the Triton FP8 kernel, so ``mla_decode_reference(..., block_n=128)``
-is its reference): Q quantized per row (in the launcher, one XLA fusion, with
-``quantize_per_token``); scores = (Q8.K8^T * q_scale * k_scale + Qr.Kr^T) *
-softmax_scale * log2(e), FP8 and BF16 wgmma with fp32 accumulation; online
-softmax on exp2; P' = P * k_scale per token, scaled per row by 448 / its max
+is its reference): Q quantized per row (``quantize_per_token``, before the kernel
+in one launch with the token scales' gather: pallas_kernels/mgpu_decode_inputs.py);
+scores = (Q8.K8^T * q_scale * k_scale + Qr.Kr^T) * softmax_scale * log2(e), FP8
+and BF16 wgmma with fp32 accumulation; online softmax on exp2; P' = P * k_scale per token, scaled per row by 448 / its max
 over the 128-token step, cast to e4m3, FP8 wgmma with V^T, the factor undone
 in fp32. On the GPU the RoPE wgmma accumulates onto the scaled FP8 scores
 (``step_scores``), so one score tile is live, not two.
 
 Layout of the work (FlashMLA's). Grid (batch row, KV split, block of 64 query
-rows), two warpgroups per CTA: both read each cache tile the TMA brings in
-once. Warpgroup w owns output columns [256 w, 256 w + 256) (two 128-column
+rows), two consumer warpgroups per CTA (and the producer, below): both read
+each cache tile the TMA brings in once. Warpgroup w owns output columns [256 w, 256 w + 256) (two 128-column
 chunks, two fp32 accumulators of 64 x 128: 128 registers a thread) and scores
 only the step's SMEM rows [64 w, 64 w + 64) (its even tokens for w = 0, the
 odd ones for w = 1): half the Q.K product and half the softmax each, on a
@@ -77,19 +77,24 @@ must not see; every step before them runs without masks or their index
 arithmetic (two loops over one step body).
 
 Split-KV: split s takes a contiguous run of whole steps of its row and writes
-float32 partials with their lse, merged by ``_combine_splits`` (the Triton
-kernels' merge). The caller picks the count
+float32 partials with their lse, merged by ``combine_splits`` (one launch, as
+the Triton kernels' partials). The caller picks the count
 (``snapmla_jax.decode.choose_num_splits``).
 
-Pipelining: warpgroup 0 issues the TMA of step j + 1 (latent chunks, RoPE rows
-and token scales, one barrier a slot) at the start of step j, once both
-warpgroups have finished step j - 1's P'.V on that slot (a "consumed" barrier
-with 2 arrivals); each of its four warps issues one (page, parity) box
-(``ISSUE_BY_WARPS``). Each warpgroup's P'.V runs as four pipelined 64-column
-products (``pv_update``). The two warpgroups meet at barriers three times a step
-(statistics, the slot read as K, P' bytes), so they run nearly in lockstep:
-their wgmmas and their elementwise work do not overlap much
-(docs/mosaic_gpu_decode_plan.md has the cost attribution).
+Pipelining (``PRODUCER_WG``, FA3's warp specialization): a third warpgroup,
+the producer, holds 24 registers a thread and only issues TMAs: the query
+tiles and step 0, then step j into ring slot j % 2 once both consumers have
+finished step j - 2's P'.V there (a "consumed" barrier with 2 arrivals;
+``produce_steps``); each step is latent chunks, RoPE rows and token scales on
+one barrier a slot. The two consumer warpgroups (240 registers) only compute.
+Without the producer, consumer 0 issued step j + 1 at the start of step j, each
+of its warps one (page, parity) box (``ISSUE_BY_WARPS``), about 1k SM cycles a
+step that consumer 1 then waited out; with the producer, 0.817 vs 0.861 ms at
+B=64 x 16k x 128 and 0.726 vs 0.838 ms at 32 x 16k x 128, s_q=2 on an H100. Each consumer's P'.V runs as
+four pipelined 64-column products (``pv_update``). The consumers meet at
+barriers three times a step (statistics, the slot read as K, P' bytes), so
+they run nearly in lockstep: their wgmmas and their elementwise work do not
+overlap much (docs/mosaic_gpu_decode_plan.md has the cost attribution).
 
 Layout inference: every dynamic TMA start is marked with ``pl.multiple_of``
 (``_aligned``). Without it, Mosaic GPU cannot prove that a box starts on a
@@ -115,9 +120,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, quantize_per_token
+from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from pallas_kernels.mgpu_bytes import interleave_bytes
-from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX, _combine_splits
+from pallas_kernels.combine_splits import combine_splits
+from pallas_kernels.mgpu_decode_inputs import decode_inputs
+from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX
 
 PAGE = 64  # cache page size this kernel supports
 STEP = 128  # tokens per inner step: two pages (see the module docstring)
@@ -136,8 +143,16 @@ COPIES_STEP = 2 * 2 * (NUM_CHUNKS + 1) + 1
 COPIES_Q = NUM_CHUNKS + 2  # Q8 chunks, Q rope, q scale
 # Features per fp32 promotion of the FP8 Q.K product: Hopper's FP8 wgmma keeps
 # only ~14 significant bits in its accumulator, so a long chain loses precision
-# on large scores (``step_scores``); 512 would be one chain.
-QK_PROMOTION = 128
+# on large scores (``step_scores``); 512 would be one chain. Two 256-feature
+# chains instead of four of 128 (each chain is waited for and summed): 0.688 vs
+# 0.803 ms at B=64 x 16k x 128 (H100, scripts/probe_mgpu_costs.py). Cost: the
+# kernel's error against the e4m3 emulation, max over 36 seeded cases with 300x
+# outlier tokens, 0.030 vs 0.020 (relative L2 4.2e-3 vs 2.5e-3; one 512-feature
+# chain 0.056 / 5.3e-3), against the FP8 cache's own ~2.5e-2 relative error
+# per layer; the demo model's held-out bits per byte, FP8 vs BF16 cache,
+# +0.045% vs +0.036% (paired standard error 0.06%): no measurable change
+# (docs/benchmarks/mgpu.md, tenth session).
+QK_PROMOTION = 256
 # Whether a warpgroup waits on the ``qk_done`` barrier before it overwrites the
 # step's slot (the statistics barrier already orders it; see ``_kernel``).
 WAIT_QK_DONE = True
@@ -147,6 +162,25 @@ WAIT_QK_DONE = True
 # warpgroups, and ran 1.06-1.09x slower at B=64-128 x 16k x 128 (H100); for the
 # 16-row kernel, whose warpgroup 1 issues off the critical path, it is neutral.
 ISSUE_BY_WARPS = True
+# Whether a third warpgroup, the producer, issues the ring's TMAs (query tiles,
+# then each step once both consumers have finished P'.V on its slot) while the two
+# consumer warpgroups only compute (FA3's warp specialization). Without it,
+# consumer 0 issues step j + 1 at the start of step j: ~1k SM cycles a step on
+# its path (scripts/profile_mgpu_steps.py), which consumer 1 then waits out at the
+# statistics exchange. With it: 0.817 vs 0.861 ms at B=64 x 16k x 128, s_q=1 and
+# 0.726 vs 0.838 at 32 x 16k x 128, s_q=2 (H100, scripts/probe_mgpu_costs.py, 5
+# rounds round-robin; docs/benchmarks/probe_producer_*.json).
+PRODUCER_WG = True
+# Registers a thread (``plgpu.set_max_registers``, multiples of 8) with the
+# producer: 65536 a CTA over 384 threads. The producer only computes addresses;
+# the consumers hold the 64 x 256 fp32 output (128 a thread) plus the step's tiles
+# and spill some: 40 / 232 ran 0.857 and 0.744 ms in the same probe.
+PRODUCER_REGISTERS = 24
+CONSUMER_REGISTERS = 240
+# Whether the producer's four warps share a step's TMA issue, as ``ISSUE_BY_WARPS``
+# does for an issuing consumer: in the producer it ran 0.873 and 0.836 ms in the
+# same probe: the issue is off the consumers' path there, and sharing it costs them.
+PRODUCER_ISSUE_BY_WARPS = False
 # Extra ``plgpu.CompilerParams`` for both Mosaic decode kernels (``grid_params``):
 # None in the library; ``scripts/profile_mgpu_steps.py`` sets the on-device
 # profiler's here.
@@ -174,31 +208,6 @@ def _aligned(index, multiple: int):
     solution").
     """
     return index if isinstance(index, int) else pl.multiple_of(index, multiple)
-
-
-def step_token_order(num_tokens: int) -> jax.Array:
-    """Token offset held by each SMEM row of a step, for ``num_tokens`` = k * STEP positions.
-
-    Within a step, rows 0..63 hold the even tokens and rows 64..127 the odd ones
-    (row c < 64: token 2c; row c >= 64: token 2(c - 64) + 1).
-    """
-    c = jnp.arange(num_tokens) % STEP
-    base = jnp.arange(num_tokens) - c
-    return base + jnp.where(c < HALF, 2 * c, 2 * (c - HALF) + 1)
-
-
-def step_scales(scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array) -> jax.Array:
-    """Token scales [B, steps * 128] f32 of each batch row's pages, in step order.
-
-    scale [N] f32 (flat cache rows), block_table [B, max_pages] int32,
-    layer_offset [1] int32. A TMA cannot read every other float, so the
-    launcher gathers them (8 B a token of extra traffic against the cache's
-    644 B); positions past the table read its last page (masked in the kernel).
-    """
-    max_pages = block_table.shape[1]
-    positions = step_token_order(pl.cdiv(max_pages * PAGE, STEP) * STEP)
-    pages = jnp.take(block_table, jnp.minimum(positions // PAGE, max_pages - 1), axis=1)
-    return jnp.take(scale, layer_offset[0] + pages * PAGE + positions % PAGE, mode="clip")
 
 
 def step_visibility(row0, t0, seq_len, half: int, *, s_q: int, num_heads: int) -> jax.Array:
@@ -251,8 +260,9 @@ def qk8_promoted(q8_s, kv_slot, rows) -> jax.Array:
     Hopper's FP8 wgmma keeps only ~14 significant bits in its accumulator, so
     the product is promoted to fp32 every ``QK_PROMOTION`` features: one wgmma
     chain per promotion, summed in registers. (Keeping two chains in flight, the
-    next one issued before the previous one is summed, measured no faster on an
-    H100: 1.002 vs 0.997 ms at B=64 x 16k, H=128.)
+    next one issued before the previous one is summed, measured slower on an
+    H100 with 128-feature chains: 0.838 vs 0.803 ms at B=64 x 16k, H=128, as two
+    more accumulators are live beside the output's.)
     """
     per_chain = QK_PROMOTION // CHUNK
 
@@ -367,13 +377,14 @@ def cta_steps(seq_len, split, *, s_q: int, num_splits: int):
     return first_step, num_steps, unmasked_steps
 
 
-def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar):
+def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar, *,
+                by_warps: bool):
     """``issue(step, slot)``: the TMA of a step into a ring slot, arriving on ``step_bar[slot]``:
     latent chunks and RoPE rows in step order (even tokens to rows 0..63), and token scales.
 
-    With ``ISSUE_BY_WARPS`` each warp of the issuing warpgroup issues the copies of one (page,
-    parity) box, the last one also the token scales: four threads issue in parallel instead of
-    one issuing all 21."""
+    ``by_warps``: each warp of the issuing warpgroup issues the copies of one (page, parity)
+    box, the last one also the token scales (four threads issue in parallel instead of one
+    issuing all 21)."""
     def copy_box(slot, parity, src, dst):
         for ch in range(NUM_CHUNKS):
             plgpu.copy_gmem_to_smem(latp_ref.at[src, parity, pl.ds(ch * CHUNK, CHUNK)],
@@ -387,7 +398,7 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
         # Box starts computed here: ``pl.multiple_of`` does not lower in a warp's code.
         boxes = list(page_boxes(bt_ref, b, step, layer_offset))
         first_token = _aligned(step * STEP, STEP)
-        if not ISSUE_BY_WARPS:
+        if not by_warps:
             for parity, src, dst in boxes:
                 copy_box(slot, parity, src, dst)
             copy_scales(first_token, slot)
@@ -436,10 +447,11 @@ class Cta(NamedTuple):
 
 def begin_cta(seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
               q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, *, s_q: int, num_splits: int,
-              issuer: int = 0) -> Cta:
+              issuer: int = 0, by_warps: bool | None = None) -> Cta:
     """The start of a Mosaic decode CTA (grid b, split, row block of q8_s's rows): its steps
-    (``cta_steps``), the TMA issuer of the ring, then ``start_cta`` (query tiles and first step
-    in flight from warpgroup ``issuer``, the query waited for)."""
+    (``cta_steps``), the TMA issuer of the ring (its copies shared by the issuing warpgroup's
+    warps if ``by_warps``; None: ``ISSUE_BY_WARPS``), then ``start_cta`` (query tiles and first
+    step in flight from warpgroup ``issuer``, the query waited for)."""
     b = lax.axis_index("b")
     split = lax.axis_index("s")
     r = lax.axis_index("r")
@@ -449,7 +461,8 @@ def begin_cta(seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, 
     first_step, num_steps, unmasked_steps = cta_steps(seq_len, split, s_q=s_q, num_splits=num_splits)
     rows = q8_s.shape[1]
     row0 = _aligned(r * rows, rows)
-    issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar)
+    issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar,
+                        by_warps=ISSUE_BY_WARPS if by_warps is None else by_warps)
     start_cta(wg, first_step, num_steps, issue, (q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar,
               issuer=issuer)
     return Cta(b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue)
@@ -457,9 +470,12 @@ def begin_cta(seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, 
 
 def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, *, issuer: int = 0):
     """Wait for step j's slot; warpgroup ``issuer`` issues step j + 1 into the other slot once
-    both warpgroups have finished step j - 1's P'.V on it. Returns the slot."""
+    both warpgroups have finished step j - 1's P'.V on it (``issue`` None: a producer warpgroup
+    issues, ``produce_steps``). Returns the slot."""
     slot = lax.rem(j, NUM_SLOTS)
     plgpu.barrier_wait(step_bar.at[slot])
+    if issue is None:
+        return slot
 
     @pl.when((wg == issuer) & (j + 1 < num_steps))
     def _():
@@ -532,13 +548,35 @@ def initial_carry(acc_shape=(BLOCK_M, CHUNK), rows_axis: int = 0) -> tuple:
                plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), layout)))
 
 
-def walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar, *, issuer: int = 0) -> tuple:
+def walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar, *, issuer: int | None = 0) -> tuple:
     """Run ``step(j, carry, masked=...)`` over a CTA's steps: the unmasked ones, then the masked
-    tail (``cta_steps``); then ``drain_consumed``. Returns the final carry."""
+    tail (``cta_steps``); then ``drain_consumed`` (``issuer`` None: a producer warpgroup drains).
+    Returns the final carry."""
     carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), carry)
     carry = lax.fori_loop(unmasked_steps, num_steps, functools.partial(step, masked=True), carry)
-    drain_consumed(wg, num_steps, consumed_bar, issuer=issuer)
+    if issuer is not None:
+        drain_consumed(wg, num_steps, consumed_bar, issuer=issuer)
     return carry
+
+
+def produce_steps(issue, first_step, num_steps, consumed_bar) -> None:
+    """The producer warpgroup's loop: step j (from 1; ``start_cta`` issued step 0) goes into
+    slot j % 2 once both consumers have finished step j - 2's P'.V there, then the last two
+    steps' consumption is observed (``drain_consumed``)."""
+    def body(j, carry):
+        slot = lax.rem(j, NUM_SLOTS)
+
+        # Named scopes: phases for scripts/profile_mgpu_steps.py, as in the consumers' step.
+        with jax.named_scope("produce_wait"):
+            @pl.when(j >= NUM_SLOTS)
+            def _():
+                plgpu.barrier_wait(consumed_bar.at[slot])
+        with jax.named_scope("produce_issue"):
+            issue(first_step + j, slot)
+        return carry
+
+    lax.fori_loop(1, num_steps, body, 0)
+    drain_consumed(0, num_steps, consumed_bar, issuer=0)
 
 
 def drain_consumed(wg, num_steps, consumed_bar, *, issuer: int = 0) -> None:
@@ -595,7 +633,8 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
             q_union, qr_s, qsc_s, lse_s, kv_union, rope_union, ksc_s, p_union, stats_s, lsum_s,
             step_bar, qk_done_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar,
             *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, interpret: bool):
-    """One CTA: (batch row b, KV split s, row block r), two warpgroups; shapes in the module docstring.
+    """One CTA: (batch row b, KV split s, row block r), two consumer warpgroups and the producer (wg 2,
+    ``PRODUCER_WG``); shapes in the module docstring.
 
     SMEM (shared by both warpgroups): q_union = (q8_s e4m3 [4, 64, 128] | o_s
     [2, 64, 128] bf16 or [2, 64, 64] f32 output staging, one tile per
@@ -613,90 +652,110 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     p16_s, p8_s = p_union
     b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = begin_cta(
         seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
-        q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits)
-    my_rows = _aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
-    q_scale = plgpu.load(qsc_s, layout=ROW)
-    my_p8 = p8_s.at[wg]
+        q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits,
+        issuer=NUM_WGS if PRODUCER_WG else 0, by_warps=PRODUCER_ISSUE_BY_WARPS if PRODUCER_WG else None)
 
-    def step(j, carry, *, masked: bool):
-        accs, m, l_part = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
-        t0 = (first_step + j) * STEP
-        # The named scopes are the phases ``scripts/profile_mgpu_steps.py`` times
-        # on the GPU (the on-device profiler records them when ``COMPILER_PARAMS``
-        # asks for it; otherwise they only name MLIR locations).
-        with jax.named_scope("wait_step"):
-            slot = begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar)
+    def consume():
+        my_rows = _aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
+        q_scale = plgpu.load(qsc_s, layout=ROW)
+        my_p8 = p8_s.at[wg]
 
-        with jax.named_scope("qk"):
-            k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=COL)
-            scores = step_scores(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scale, my_rows,
-                                 interpret=interpret)
+        def step(j, carry, *, masked: bool):
+            accs, m, l_part = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
+            t0 = (first_step + j) * STEP
+            # The named scopes are the phases ``scripts/profile_mgpu_steps.py`` times
+            # on the GPU (the on-device profiler records them when ``COMPILER_PARAMS``
+            # asks for it; otherwise they only name MLIR locations).
+            with jax.named_scope("wait_step"):
+                slot = begin_step(j, wg, first_step, num_steps, None if PRODUCER_WG else issue, step_bar,
+                              consumed_bar)
+
+            with jax.named_scope("qk"):
+                k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=COL)
+                scores = step_scores(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scale, my_rows,
+                                     interpret=interpret)
+                if WAIT_QK_DONE:
+                    plgpu.barrier_arrive(qk_done_bar.at[slot])
+
+            with jax.named_scope("stats"):
+                visible = step_visibility(row0, t0, seq_len, wg, s_q=s_q, num_heads=num_heads) if masked else None
+                scores, row_max, log_pv_max = local_stats(scores, k_scale, scale_log2, visible)
+                stats_s[slot, wg, 0] = row_max
+                stats_s[slot, wg, 1] = log_pv_max
+                plgpu.barrier_arrive(stats_bar.at[slot])
+            with jax.named_scope("wait_stats"):
+                plgpu.barrier_wait(stats_bar.at[slot])
+            with jax.named_scope("softmax"):
+                other = 1 - wg
+                row_max = jnp.maximum(row_max, plgpu.load(stats_s.at[slot, other, 0], layout=ROW))
+                log_pv_max = jnp.maximum(log_pv_max, plgpu.load(stats_s.at[slot, other, 1], layout=ROW))
+                m_new, alpha, l_part, p_scaled, pv_max = softmax_half(scores, k_scale, m, l_part, row_max,
+                                                                      log_pv_max, visible)
+
+            # Both warpgroups are past their QK: the RoPE slot takes the P' bytes, and
+            # my latent chunks become their V^T. (The statistics barrier above implies
+            # this one, as each warpgroup reaches it after its QK wgmmas completed;
+            # dropping qk_done (``WAIT_QK_DONE``) measured mixed on an H100, one run
+            # each: 10% slower at B=64 x 16k x 128, 3% faster at 32 x 16k and 8 x 64k;
+            # side by side later, 0.3% faster at 64 x 16k and 128 x 16k: noise. Kept.)
             if WAIT_QK_DONE:
-                plgpu.barrier_arrive(qk_done_bar.at[slot])
+                with jax.named_scope("wait_qk_done"):
+                    plgpu.barrier_wait(qk_done_bar.at[slot])
+            with jax.named_scope("p_store"):
+                xb[slot, wg] = jnp.minimum(p_scaled, FP8_E4M3_MAX).astype(FP8_DTYPE)
+            with jax.named_scope("v_transpose"):
+                v_operands = v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, masked=masked,
+                                                 interpret=interpret)
+                plgpu.barrier_arrive(pexch_bar.at[slot])
+            with jax.named_scope("wait_p"):
+                plgpu.barrier_wait(pexch_bar.at[slot])
+            with jax.named_scope("p_pack"):
+                if not interpret:
+                    # Word k of a row: tokens 2k (warpgroup 0's column k) and 2k + 1.
+                    p16_s[wg] = interleave_bytes(plgpu.load(xb.at[slot, 0], layout=plgpu.Layout.WGMMA),
+                                                 plgpu.load(xb.at[slot, 1], layout=plgpu.Layout.WGMMA))
+                else:
+                    for half in range(NUM_WGS):
+                        my_p8[:, pl.ds(half * HALF, HALF)] = xb[slot, half]
+                plgpu.commit_smem()  # generic-proxy stores (P', V^T) -> visible to wgmma
+            with jax.named_scope("pv"):
+                new_accs = pv_update(accs, my_p8, v_operands, alpha, pv_max)
+                plgpu.barrier_arrive(consumed_bar.at[slot])
+            return (*new_accs, m_new, l_part)
 
-        with jax.named_scope("stats"):
-            visible = step_visibility(row0, t0, seq_len, wg, s_q=s_q, num_heads=num_heads) if masked else None
-            scores, row_max, log_pv_max = local_stats(scores, k_scale, scale_log2, visible)
-            stats_s[slot, wg, 0] = row_max
-            stats_s[slot, wg, 1] = log_pv_max
-            plgpu.barrier_arrive(stats_bar.at[slot])
-        with jax.named_scope("wait_stats"):
-            plgpu.barrier_wait(stats_bar.at[slot])
-        with jax.named_scope("softmax"):
-            other = 1 - wg
-            row_max = jnp.maximum(row_max, plgpu.load(stats_s.at[slot, other, 0], layout=ROW))
-            log_pv_max = jnp.maximum(log_pv_max, plgpu.load(stats_s.at[slot, other, 1], layout=ROW))
-            m_new, alpha, l_part, p_scaled, pv_max = softmax_half(scores, k_scale, m, l_part, row_max,
-                                                                  log_pv_max, visible)
+        *accs, m, l_part = walk_steps(step, initial_carry(), wg, unmasked_steps, num_steps, consumed_bar,
+                                      issuer=None if PRODUCER_WG else 0)
+        lsum_s[wg] = l_part
+        # Both warpgroups are past their last QK (Q8's bytes become the output
+        # staging) and have published their partial l.
+        plgpu.barrier_arrive(end_bar)
+        plgpu.barrier_wait(end_bar)
+        l = l_part + plgpu.load(lsum_s.at[1 - wg], layout=ROW)
+        write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg)
 
-        # Both warpgroups are past their QK: the RoPE slot takes the P' bytes, and
-        # my latent chunks become their V^T. (The statistics barrier above implies
-        # this one, as each warpgroup reaches it after its QK wgmmas completed;
-        # dropping qk_done (``WAIT_QK_DONE``) measured mixed on an H100, one run
-        # each: 10% slower at B=64 x 16k x 128, 3% faster at 32 x 16k and 8 x 64k;
-        # side by side later, 0.3% faster at 64 x 16k and 128 x 16k: noise. Kept.)
-        if WAIT_QK_DONE:
-            with jax.named_scope("wait_qk_done"):
-                plgpu.barrier_wait(qk_done_bar.at[slot])
-        with jax.named_scope("p_store"):
-            xb[slot, wg] = jnp.minimum(p_scaled, FP8_E4M3_MAX).astype(FP8_DTYPE)
-        with jax.named_scope("v_transpose"):
-            v_operands = v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, masked=masked,
-                                             interpret=interpret)
-            plgpu.barrier_arrive(pexch_bar.at[slot])
-        with jax.named_scope("wait_p"):
-            plgpu.barrier_wait(pexch_bar.at[slot])
-        with jax.named_scope("p_pack"):
-            if not interpret:
-                # Word k of a row: tokens 2k (warpgroup 0's column k) and 2k + 1.
-                p16_s[wg] = interleave_bytes(plgpu.load(xb.at[slot, 0], layout=plgpu.Layout.WGMMA),
-                                             plgpu.load(xb.at[slot, 1], layout=plgpu.Layout.WGMMA))
-            else:
-                for half in range(NUM_WGS):
-                    my_p8[:, pl.ds(half * HALF, HALF)] = xb[slot, half]
-            plgpu.commit_smem()  # generic-proxy stores (P', V^T) -> visible to wgmma
-        with jax.named_scope("pv"):
-            new_accs = pv_update(accs, my_p8, v_operands, alpha, pv_max)
-            plgpu.barrier_arrive(consumed_bar.at[slot])
-        return (*new_accs, m_new, l_part)
+    if not PRODUCER_WG:
+        consume()
+        return
 
-    *accs, m, l_part = walk_steps(step, initial_carry(), wg, unmasked_steps, num_steps, consumed_bar)
-    lsum_s[wg] = l_part
-    # Both warpgroups are past their last QK (Q8's bytes become the output
-    # staging) and have published their partial l.
-    plgpu.barrier_arrive(end_bar)
-    plgpu.barrier_wait(end_bar)
-    write_outputs(accs, m, l_part + plgpu.load(lsum_s.at[1 - wg], layout=ROW), o_s, lse_s, o_ref, lse_ref, b, split,
-                  row0, wg)
+    @pl.when(wg == NUM_WGS)
+    def _():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        produce_steps(issue, first_step, num_steps, consumed_bar)
+
+    @pl.when(wg < NUM_WGS)
+    def _():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        consume()
 
 
 def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, *, page_size: int,
-                   num_splits: int, block_rows: int = BLOCK_M):
+                   num_splits: int, block_rows: int = BLOCK_M, interpret: bool = False):
     """Checks and launcher-side inputs (``block_rows``: the query rows of a CTA).
 
     Returns (q8 e4m3 [B, rows, 512], q_scale f32 [B, rows], latent pairs e4m3
     [N/2, 2, 512], rope pairs bf16 [N/2, 2, 64] (free reshapes), step-ordered
-    token scales f32 [B, steps * 128]).
+    token scales f32 [B, steps * 128]); the quantized rows and the scales in one
+    launch (``decode_inputs``).
     """
     num_rows, rank = q_rows.shape[1:]
     if page_size != PAGE or rank != RANK or q_rope_rows.shape[2] != ROPE or len(cache_arrays) != 3:
@@ -706,18 +765,19 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset,
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
     latent, scale, rope = cache_arrays
-    q8, q_scale = quantize_per_token(q_rows.astype(jnp.float32))
+    q8, q_scale, scales = decode_inputs(q_rows, scale, block_table, layer_offset, interpret=interpret)
     return (q8, q_scale, latent.reshape(latent.shape[0] // 2, 2, RANK),
-            rope.reshape(rope.shape[0] // 2, 2, ROPE), step_scales(scale, block_table, layer_offset))
+            rope.reshape(rope.shape[0] // 2, 2, ROPE), scales)
 
 
 def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, *, softmax_scale: float,
            page_size: int, s_q: int, num_heads: int, num_splits: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """``_kernel`` on its grid (b, split, row block) with two warpgroups, its SMEM and barriers,
+    """``_kernel`` on its grid (b, split, row block) with its warpgroups, its SMEM and barriers,
     and the merge of split-KV partials."""
     batch, num_rows, _ = q_rows.shape
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
-        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits)
+        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
+        interpret=interpret)
     out_dtype = q_rows.dtype if num_splits == 1 else jnp.float32
     stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # the staging tile fits in Q8's 32 KB
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
@@ -746,29 +806,32 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
             plgpu.Barrier(num_arrivals=COPIES_Q),
             plgpu.Barrier(num_arrivals=NUM_WGS),
         ],
-        **grid_params(batch, num_splits, num_rows // BLOCK_M, "snapmla_decode_fp8_mgpu", interpret),
+        **grid_params(batch, num_splits, num_rows // BLOCK_M, "snapmla_decode_fp8_mgpu", interpret,
+                      num_threads=NUM_WGS + int(PRODUCER_WG)),
     )
     out, lse = kernel(seq_lens, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
                       latent_pairs, scales, rope_pairs)
-    return merge_splits(out, lse, q_rows.dtype)
+    return merge_splits(out, lse, q_rows.dtype, interpret=interpret)
 
 
-def grid_params(batch: int, num_splits: int, row_blocks: int, kernel_name: str, interpret: bool) -> dict:
+def grid_params(batch: int, num_splits: int, row_blocks: int, kernel_name: str, interpret: bool,
+                num_threads: int = NUM_WGS) -> dict:
     """``plgpu.kernel`` arguments shared by the Mosaic decode kernels: the grid (batch row,
-    KV split, row block), two warpgroups, and ``COMPILER_PARAMS`` if set."""
+    KV split, row block), ``num_threads`` warpgroups, and ``COMPILER_PARAMS`` if set."""
     extra = {} if COMPILER_PARAMS is None or interpret else {"compiler_params": COMPILER_PARAMS}
-    return dict(grid=(batch, num_splits, row_blocks), grid_names=("b", "s", "r"), num_threads=NUM_WGS,
+    return dict(grid=(batch, num_splits, row_blocks), grid_names=("b", "s", "r"), num_threads=num_threads,
                 thread_name="wg", kernel_name=kernel_name,
                 interpret=plgpu.InterpretGPUParams() if interpret else None, **extra)
 
 
-def merge_splits(out: jax.Array, lse: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """out [B, S, rows, 512], lse [B, S, rows] -> ([B, rows, 512] in ``dtype``, [B, rows]):
-    one split passes through, several are merged with their log-sum-exp."""
+def merge_splits(out: jax.Array, lse: jax.Array, dtype, *, transposed: bool = False,
+                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """out [B, S, rows, 512] ([B, S, 512, rows] if ``transposed``), lse [B, S, rows] ->
+    ([B, rows, 512] in ``dtype``, [B, rows]): one split passes through, several are merged
+    with their log-sum-exp in one launch (``combine_splits``)."""
     if out.shape[1] == 1:
-        return out[:, 0], lse[:, 0]
-    merged, merged_lse = _combine_splits(out, lse)
-    return merged.astype(dtype), merged_lse
+        return (out[:, 0].swapaxes(1, 2) if transposed else out[:, 0]), lse[:, 0]
+    return combine_splits(out, lse, dtype, transposed=transposed, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
@@ -782,7 +845,7 @@ def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tup
     ``layer_offset`` must be a multiple of 64 (it is layer x pages x 64).
     ``num_splits`` > 1 splits each row's steps over that many CTAs (flash
     decoding); their float32 partials are merged with their log-sum-exp, as the
-    Triton kernel's are (``_combine_splits``).
+    Triton kernel's are (``combine_splits``).
     """
     return launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, softmax_scale=softmax_scale,
                   page_size=page_size, s_q=s_q, num_heads=num_heads, num_splits=num_splits, interpret=interpret)

@@ -20,8 +20,8 @@ dimension (R = 16 or 32, legal wgmma Ns) and the tokens or features are M:
 * S^T = K.Q^T, [64 tokens, R] per half step: A = the K tile as the TMA lays it
   (tokens x features, features contiguous: K-major, as FP8 needs), B = Q8's
   chunk through ``.transpose`` (K-major too); the RoPE product likewise in
-  BF16. fp32 promotion every ``QK_PROMOTION`` features, as the big kernel,
-  with all eight chains of a step in flight at once (``step_scores_t``).
+  BF16. fp32 promotion every ``QK_PROMOTION`` (128) features, with all eight chains of a step
+  in flight at once (``step_scores_t``).
 * The online softmax runs per column (query row): maxima and sums reduce along
   the tokens (axis 0, across warps).
 * O^T = V^T.P'^T, [128 features, R] per chunk, in f16 on converted tiles:
@@ -53,7 +53,7 @@ Shared with ``mla_decode_mgpu`` (read its docstring first): the inputs and
 outputs (rows padded to a multiple of 16 instead of 64), the step order (even
 tokens of a 128-token step in SMEM rows 0..63, odd ones in 64..127), the TMA
 ring of whole steps, the token scales gathered in step order, masks only in a
-row's last steps, split-KV with ``_combine_splits``.
+row's last steps, split-KV with ``combine_splits``.
 
 SMEM: ring 2 x 80.5 KB (P'^T, 4 or 8 KB a step, lives in the step's RoPE
 rows once warpgroup 0's QK has read them), Q 10 or 20 KB, the V f16 tiles
@@ -74,11 +74,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from pallas_kernels.mla_decode import LOG2E, MIN_PV_ROW_MAX
 from pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, HALF, NUM_CHUNKS,
-                                            NUM_SLOTS, NUM_WGS, QK_PROMOTION, RANK, ROPE, STEP, begin_cta,
+                                            NUM_SLOTS, NUM_WGS, RANK, ROPE, STEP, begin_cta,
                                             begin_step, grid_params, initial_carry, merge_splits,
                                             prepare_inputs, walk_steps, write_lse_and_wait)
 
 ROWS = 16  # query rows per CTA by default: the wgmma N of every product
+# Features per fp32 promotion of the FP8 S^T product. The 64-row kernel runs 256
+# (``mla_decode_mgpu.QK_PROMOTION``: its chains are waited for one by one, so fewer
+# chains save waits); here all chains are in flight under one wait, and 256 was not
+# measured for speed: 128 stays.
+QK_PROMOTION = 128
 BLOCK_ROWS = (16, 32)  # the row blocks the kernel takes (``block_rows``)
 TOKENS = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per token (axis 0 of a [64, R] tile)
 QROWS = plgpu.Layout.WGMMA.reduce(0)  # an [R] vector with one value per query row (axis 1)
@@ -94,7 +99,7 @@ def step_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpre
     q8_s e4m3 [4, R, 128], kv_slot e4m3 [4, 128, 128], qr_s bf16 [R, 64], rope_slot
     bf16 [128, 64], q_scale [R] (``QROWS``), k_scales: the halves' [64] (``TOKENS``).
 
-    fp32 promotion every ``QK_PROMOTION`` features, as in ``mla_decode_mgpu``, but
+    fp32 promotion every ``QK_PROMOTION`` features, as ``mla_decode_mgpu``, but
     with every chain of both halves in flight at once (one accumulator each, 8
     registers at R = 16) and one wait, instead of a wait per chain; then both
     halves' RoPE wgmmas onto the scaled FP8 products, one wait.
@@ -338,7 +343,7 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
     batch, num_rows, _ = q_rows.shape
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
-        block_rows=rows)
+        block_rows=rows, interpret=interpret)
     # A split's float32 partials, and a float32 output, leave the kernel as [features, rows]
     # (``write_outputs_t``: Mosaic GPU cannot store 32-bit values transposed).
     transposed = num_splits > 1 or jnp.dtype(q_rows.dtype).itemsize == 4
@@ -374,4 +379,4 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
     )
     out, lse = kernel(seq_lens, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
                       latent_pairs, scales, rope_pairs)
-    return merge_splits(out.transpose(0, 1, 3, 2) if transposed else out, lse, q_rows.dtype)
+    return merge_splits(out, lse, q_rows.dtype, transposed=transposed, interpret=interpret)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.mla_decode import FP8_CONFIG
+from pallas_kernels.mla_decode import FP8_CONFIG, MOSAIC_CONFIG
 from pallas_kernels.mla_decode_mgpu import BLOCK_M, mla_decode_mgpu
 from pallas_kernels.mla_decode_mgpu_small import ROWS as SMALL_ROWS
 from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
@@ -61,7 +61,7 @@ def mosaic_splits(batch: int, rows: int, context: int, block_rows: int) -> int:
     """The KV split count ``mla_decode`` gives a Mosaic kernel of ``block_rows`` query rows a CTA,
     for ``rows`` (s_q x H) query rows a batch row at ``context`` tokens."""
     return choose_num_splits(batch, -(-rows // block_rows), context, _sm_count(),
-                             min_tokens_per_split(block_rows, mosaic=True))
+                             min_tokens_per_split(64, MOSAIC_CONFIG))
 
 
 def fp8_problem(shape: str) -> tuple:

@@ -42,7 +42,8 @@ from snapmla_jax.bench import timing
 ROOT = pathlib.Path(__file__).resolve().parent
 ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
             ("step_scores", "qk8_promoted", "softmax_half", "v_words", "v_operands_in_place", "pv_update",
-             "WAIT_QK_DONE", "ISSUE_BY_WARPS")}
+             "WAIT_QK_DONE", "ISSUE_BY_WARPS", "PRODUCER_WG", "PRODUCER_REGISTERS", "CONSUMER_REGISTERS",
+             "PRODUCER_ISSUE_BY_WARPS")}
 
 
 def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
@@ -58,14 +59,36 @@ def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_ro
     return pl.run_scoped(body, plgpu.ACC((BLOCK_M, HALF), jnp.float32))
 
 
-def qk8_promotion_256(q8_s, kv_slot, rows):
-    """fp32 promotion every 256 features instead of 128: two wgmma chains, not four."""
+def qk8_pipelined(q8_s, kv_slot, rows):
+    """fp32 promotion every 128 features, each chain issued before the previous one is waited
+    for and summed (two chains in flight, as ``pv_update``'s pieces)."""
+    firsts = list(range(NUM_CHUNKS))
+
+    def run(k, previous_ref, total):
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, q8_s.at[firsts[k]], kv_slot.at[firsts[k], rows].transpose((1, 0)))
+            if previous_ref is not None:
+                part = plgpu.wgmma_accumulator_load(previous_ref, wait_n=1)
+                total_k = part if total is None else total + part
+            else:
+                total_k = total
+            if k + 1 < len(firsts):
+                return run(k + 1, acc_ref, total_k)
+            last = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
+            return last if total_k is None else total_k + last
+        return pl.run_scoped(body, plgpu.ACC((BLOCK_M, HALF), jnp.float32))
+    return run(0, None, None)
+
+
+def qk8_promotion_128(q8_s, kv_slot, rows):
+    """fp32 promotion every 128 features (four wgmma chains, each waited for and summed), the
+    kernel's choice before the tenth session's 256."""
     def chain(acc_ref, first):
-        for ch in (first, first + 1):
-            plgpu.wgmma(acc_ref, q8_s.at[ch], kv_slot.at[ch, rows].transpose((1, 0)))
+        plgpu.wgmma(acc_ref, q8_s.at[first], kv_slot.at[first, rows].transpose((1, 0)))
         return acc_ref[...]
     return functools.reduce(jnp.add, [pl.run_scoped(functools.partial(chain, first=first),
-                                                    plgpu.ACC((BLOCK_M, HALF), jnp.float32)) for first in (0, 2)])
+                                                    plgpu.ACC((BLOCK_M, HALF), jnp.float32))
+                                      for first in range(NUM_CHUNKS)])
 
 
 def scores_fp8_only(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
@@ -158,7 +181,8 @@ def pv_in_place_one_by_one(accs, p8_ref, v_operands, alpha, pv_max):
 VARIANTS = {
     "baseline": {},
     "rope_first": {"step_scores": scores_rope_first},
-    "promotion_256": {"qk8_promoted": qk8_promotion_256},
+    "promotion_128": {"qk8_promoted": qk8_promotion_128},
+    "qk_pipelined": {"qk8_promoted": qk8_pipelined},
     "no_rope": {"step_scores": scores_fp8_only},
     "no_qk": {"step_scores": scores_constant},
     "no_softmax": {"softmax_half": softmax_none},
@@ -169,12 +193,19 @@ VARIANTS = {
     "pv_in_place": {"pv_update": pv_in_place},
     "pv_in_place_one_by_one": {"pv_update": pv_in_place_one_by_one},
     "pv_in_place_no_qk_done": {"pv_update": pv_in_place, "WAIT_QK_DONE": False},
-    # The TMA ring, barriers, statistics and P' exchange, P' packing and output alone.
     # The eighth session's changes, each undone alone, and both (timings in
     # docs/benchmarks/mgpu.md).
     "pv_whole_chunks": {"pv_update": pv_whole_chunks},
-    "issue_by_one_thread": {"ISSUE_BY_WARPS": False},
-    "eighth_session_undone": {"pv_update": pv_whole_chunks, "ISSUE_BY_WARPS": False},
+    # (With the producer warpgroup, ISSUE_BY_WARPS only matters with "no_producer".)
+    "issue_by_one_thread": {"ISSUE_BY_WARPS": False, "PRODUCER_WG": False},
+    "eighth_session_undone": {"pv_update": pv_whole_chunks, "ISSUE_BY_WARPS": False, "PRODUCER_WG": False},
+    # The ninth session's producer warpgroup: off (consumer 0 issues the ring, its
+    # warps sharing the copies), with 40 / 232 registers instead of 24 / 240, and
+    # with its four warps sharing the issue.
+    "no_producer": {"PRODUCER_WG": False},
+    "producer_40_232": {"PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
+    "producer_by_warps": {"PRODUCER_ISSUE_BY_WARPS": True},
+    # The TMA ring, barriers, statistics and P' exchange, P' packing and output alone.
     "no_compute": {"step_scores": scores_constant, "softmax_half": softmax_none,
                    "v_operands_in_place": v_operands_untransposed, "pv_update": pv_none},
 }

@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     saved = {name: getattr(mgpu_kernel, name) for name in settings}
     for name, value in settings.items():
         setattr(mgpu_kernel, name, type(saved[name])(int(value)))
+    warpgroups = mgpu_kernel.NUM_WGS + int(mgpu_kernel.PRODUCER_WG)  # one trace each
     mgpu_kernel.COMPILER_PARAMS = plgpu.CompilerParams(
         profile_space=args.space, profile_dir=str(trace_dir), profile_bounds_check=True, reduction_scratch_bytes=0)
     try:
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
         print(f"profile_mgpu_steps: no trace written to {trace_dir}", file=sys.stderr)
         return 1
     shutil.copy(traces[-1], out_dir / "profile_trace.json")
-    summary = summarize(ranges_per_trace(json.loads(traces[-1].read_text())), mgpu_kernel.NUM_WGS)
+    summary = summarize(ranges_per_trace(json.loads(traces[-1].read_text())), warpgroups)
     result = {"env": timing.environment(), "shape": args.shape, "num_splits": splits, "set": settings,
               "units": "SM clock cycles per step, median over CTAs", "phases": summary}
     (out_dir / "profile_steps.json").write_text(json.dumps(result, indent=1))

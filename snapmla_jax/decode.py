@@ -26,15 +26,9 @@ from snapmla_jax.backend import resolve_backend
 from snapmla_jax.cache import LatentCache, check_kernel_addressable, check_layer
 
 H100_SMS = 132  # SM count assumed when no GPU is visible (interpret mode, planning)
-# A split writes block_m x 512 fp32 partials (128 KiB at block_m = 64) that the
-# combine reads back: give each split at least this many tokens (~660 KB of FP8
-# cache) so that the partials stay small next to the cache they summarise.
-MIN_TOKENS_PER_SPLIT = 1024
-# The 16-row Mosaic kernel's partials are a quarter of that (32 KiB a split):
-# shorter splits pay there. (H100, H=16, B=8 x 4k: 8 splits of 512 tokens ran
-# 0.055 ms, 4 of 1024 0.094 ms; scripts/bench_mgpu.py's kernels, one run.)
-MIN_TOKENS_PER_SPLIT_16_ROWS = 512
-MAX_SPLITS = 64  # beyond this the combine's traffic outweighs the extra parallelism
+# Past this the merge's float32 partials outweigh the extra parallelism. (H100, H=16,
+# B=1 x 64k: 128 splits 0.047 ms, 64 splits 0.062 ms; scripts/sweep_splits.py.)
+MAX_SPLITS = 128
 
 
 def _sm_count() -> int:
@@ -44,20 +38,56 @@ def _sm_count() -> int:
     return getattr(device, "core_count", None) or H100_SMS
 
 
-def choose_num_splits(batch: int, row_blocks: int, max_tokens: int, num_sms: int,
-                      min_tokens: int = MIN_TOKENS_PER_SPLIT) -> int:
-    """Split-KV count: enough (batch x row-block x split) programs to fill ``num_sms``
-    SMs once, no split shorter than ``min_tokens`` tokens, at most MAX_SPLITS."""
+def choose_num_splits(batch: int, row_blocks: int, max_tokens: int, num_sms: int, min_tokens: int,
+                      waves: int = 1) -> int:
+    """Split-KV count: enough (batch x row-block x split) programs to fill ``num_sms`` SMs
+    ``waves`` times, no split shorter than ``min_tokens`` (the kernel's tokens a step), at most
+    MAX_SPLITS.
+
+    Every program costs a fixed start (query tiles, the first TMA or load round trip) and its
+    float32 partials, which the merge reads back. ``waves`` is what the kernel prefers
+    (``waves_per_split_plan``): measured on an H100 with scripts/sweep_splits.py
+    (docs/benchmarks/mgpu.md, ninth session).
+    """
     programs = batch * row_blocks
-    if programs >= num_sms:
+    target = waves * num_sms
+    if programs >= target:
         return 1
-    return max(1, min(num_sms // programs, max_tokens // min_tokens, MAX_SPLITS))
+    return max(1, min(target // programs, max_tokens // min_tokens, MAX_SPLITS))
 
 
-def min_tokens_per_split(block_rows: int, mosaic: bool) -> int:
-    """The shortest split ``choose_num_splits`` makes for a kernel with ``block_rows`` query rows
-    a CTA (``mosaic``: a Mosaic GPU kernel)."""
-    return MIN_TOKENS_PER_SPLIT_16_ROWS if mosaic and block_rows == 16 else MIN_TOKENS_PER_SPLIT
+def min_tokens_per_split(page_size: int, config: DecodeConfig) -> int:
+    """The shortest split ``choose_num_splits`` makes: one step of the kernel ``config`` runs
+    (128 tokens for the Mosaic kernels, the block's tokens for the Triton ones)."""
+    return MOSAIC_STEP if config.kernel == "mosaic" else tokens_per_block(page_size, config)
+
+
+def waves_per_split_plan(config: DecodeConfig) -> int:
+    """How many times over the split plan fills the SMs for the kernel ``config`` runs.
+
+    The Mosaic kernels keep one CTA an SM busy from its own TMA pipeline: one wave (H100,
+    H=128 x 16k: B=32 2 splits 0.426 ms vs 4 splits 0.444; B=16 4 splits 0.247 vs 8 splits
+    0.268). The Triton kernels hide their load latency across programs instead: two waves
+    (BF16 twin, H=128 x 16k: B=32 2 splits 0.795 ms vs 1 split 0.954; B=16 4 splits 0.404 vs
+    2 splits 0.498; B=64 with 256 programs unsplit 1.29 vs 2 splits 1.75).
+    """
+    return 1 if config.kernel == "mosaic" else 2
+
+
+def planned_num_splits(q_latent: jax.Array, cache: LatentCache, block_table: jax.Array, *, backend: str = "auto",
+                       config: DecodeConfig | None = None) -> int:
+    """The split-KV count ``mla_decode`` uses for these arguments when ``num_splits`` is None
+    (q_latent [B, s_q, H, R], the kernel ``config`` or ``default_config`` picks)."""
+    config = config or default_config(cache, resolve_backend(backend))
+    batch, s_q, heads, _ = q_latent.shape
+    block_m = block_rows(s_q * heads, config)
+    return choose_num_splits(batch, -(-(s_q * heads) // block_m), block_table.shape[1] * cache.page_size,
+                             _sm_count(), min_tokens_per_split(cache.page_size, config), waves_per_split_plan(config))
+
+
+def block_rows(num_rows: int, config: DecodeConfig) -> int:
+    """Query rows a program of the kernel ``config`` runs takes, for ``num_rows`` = s_q x H."""
+    return mosaic_kernel(num_rows)[1] if config.kernel == "mosaic" else rows_per_block(num_rows, config)
 
 
 def _is_concrete(x) -> bool:
@@ -206,8 +236,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
 
     check_kernel_addressable(cache)
     num_rows = s_q * heads
-    mosaic_fn, mosaic_rows = mosaic_kernel(num_rows)
-    block_m = mosaic_rows if mosaic else rows_per_block(num_rows, config)
+    block_m = block_rows(num_rows, config)
     padded_rows = -(-num_rows // block_m) * block_m
     to_rows = lambda q: jnp.pad(q.reshape(batch, num_rows, q.shape[-1]), [(0, 0), (0, padded_rows - num_rows), (0, 0)])
     flat = lambda a: None if a is None else a.reshape(-1, *a.shape[cache.latent.ndim - 1:])
@@ -215,12 +244,11 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     layer_offset = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32) * cache.num_slots, (1,))
     layer_offset = jnp.clip(layer_offset, 0, (cache.num_layers or 1) * cache.num_slots - cache.num_slots)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, padded_rows // block_m, block_table.shape[1] * cache.page_size,
-                                       _sm_count(), min_tokens_per_split(block_m, mosaic))
+        num_splits = planned_num_splits(q_latent, cache, block_table, config=config)
     elif not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected None or a positive int, got {num_splits!r}")
     if mosaic:
-        out, lse = mosaic_fn(
+        out, lse = mosaic_kernel(num_rows)[0](
             to_rows(q_latent), to_rows(q_rope), cache_arrays, block_table, seq_lens, layer_offset,
             softmax_scale=softmax_scale, page_size=cache.page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,
             interpret=backend == "interpret")

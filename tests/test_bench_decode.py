@@ -42,3 +42,50 @@ def test_benchmarks_exit_2_with_one_line_without_a_gpu(capsys):
     assert decode.main(["--quick"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == ["probe: needs a CUDA GPU", "decode benchmark: needs a CUDA GPU"]
+
+
+def test_chain_layers_reads_past_the_l2_and_stays_addressable():
+    """Small problems chain enough layers to read CHAIN_BYTES of fp8 cache; large ones run
+    alone; no chain exceeds the kernels' int32 offsets or MAX_CHAIN."""
+    from snapmla_jax.cache import kernel_addressable
+    assert decode.chain_layers(32, 16384) == 1  # 524k tokens x 644 B > 256 MiB
+    assert decode.chain_layers(1, 1024) == decode.MAX_CHAIN
+    for batch, context in ((1, 4096), (8, 4096), (1, 65536), (8, 16384), (32, 4096)):
+        layers = decode.chain_layers(batch, context)
+        tokens = batch * context
+        assert layers * tokens * decode.FP8_BYTES_PER_TOKEN >= decode.CHAIN_BYTES
+        assert (layers - 1) * tokens * decode.FP8_BYTES_PER_TOKEN < decode.CHAIN_BYTES
+        assert kernel_addressable(layers * tokens, decode.RANK)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_decode_chain_is_the_layers_called_in_turn(backend):
+    """decode_chain(layers=3) over a layered cache = three mla_decode calls, call i over
+    layer i and fed the previous output; the layers of make_caches hold the same contents."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from snapmla_jax.decode import mla_decode
+
+    batch, context, heads, s_q, layers = 3, 128, 16, 1, 3
+    fp8, bf16, block_table = decode.make_caches(batch, context, seed=1, layers=layers)
+    assert fp8.num_layers == bf16.num_layers == layers
+    np.testing.assert_array_equal(np.asarray(bf16.latent[2], np.float32), np.asarray(bf16.latent[0], np.float32))
+    q, q_rope, seq_lens, scale = decode.make_queries(batch, context, heads, s_q)
+    seq_lens = seq_lens.at[1].set(70)  # a partial page too
+    # Different layer contents, so that a chain reading the wrong layer would differ.
+    bf16 = bf16.__class__(latent=bf16.latent * jnp.arange(1, layers + 1, dtype=jnp.bfloat16)[:, None, None, None],
+                          scale=None, rope=bf16.rope)
+    chained = decode.decode_chain(scale, layers, backend)(q, q_rope, bf16, block_table, seq_lens)
+    expected = q
+    for layer in range(layers):
+        expected = mla_decode(expected, q_rope, bf16, block_table, seq_lens, softmax_scale=scale, layer=layer,
+                              backend=backend)
+    assert chained.shape == q.shape and chained.dtype == q.dtype
+    # Same ops on the same inputs in the same order: equal up to XLA's fusion choices
+    # inside the loop body (a bf16 ulp, 2**-8 relative, on the final output).
+    np.testing.assert_allclose(np.asarray(chained, np.float32), np.asarray(expected, np.float32),
+                               rtol=2 ** -7, atol=1e-6)
+    single = decode.decode_chain(scale, 1, backend)(q, q_rope, bf16.layer_arrays(1), block_table, seq_lens)
+    np.testing.assert_array_equal(np.asarray(single), np.asarray(
+        mla_decode(q, q_rope, bf16, block_table, seq_lens, softmax_scale=scale, layer=1, backend=backend)))

@@ -7,6 +7,7 @@ with per-token magnitudes spread over e^N(0,1) and a few 30x outlier tokens.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -15,9 +16,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.mla_decode import DecodeConfig, resolve_pv_mma
+import snapmla_jax.decode as decode_module
+from pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG, DecodeConfig, resolve_pv_mma,
+                                      rows_per_block, tokens_per_block)
 from snapmla_jax.cache import LatentCache
-from snapmla_jax.decode import choose_num_splits, min_tokens_per_split, mla_decode
+from snapmla_jax.decode import (MAX_SPLITS, choose_num_splits, min_tokens_per_split, mla_decode, planned_num_splits,
+                                waves_per_split_plan)
 from snapmla_jax.quantization import AMAX_FLOOR, FP8_E4M3_EPS, FP8_E4M3_MAX, quantize_per_token
 
 RANK, ROPE = 512, 64
@@ -396,16 +400,37 @@ def test_xla_backend_is_the_cpu_default_and_lse_is_optional(paged_setup):
     np.testing.assert_array_equal(auto, xla)
 
 
-def test_split_heuristic_fills_the_gpu_only_when_needed():
-    assert choose_num_splits(batch=128, row_blocks=2, max_tokens=16384, num_sms=132) == 1
-    assert choose_num_splits(batch=8, row_blocks=2, max_tokens=16384, num_sms=132) == 8
-    assert choose_num_splits(batch=1, row_blocks=2, max_tokens=65536, num_sms=132) == 64
-    assert choose_num_splits(batch=1, row_blocks=1, max_tokens=1024, num_sms=132) == 1  # too short to split
-    # The 16-row Mosaic kernel splits down to 512 tokens; the other kernels stop at 1024.
-    assert min_tokens_per_split(16, mosaic=True) == 512
-    assert min_tokens_per_split(16, mosaic=False) == min_tokens_per_split(64, mosaic=True) == 1024
-    assert choose_num_splits(batch=8, row_blocks=1, max_tokens=4096, num_sms=132, min_tokens=512) == 8
-    assert choose_num_splits(batch=8, row_blocks=1, max_tokens=4096, num_sms=132) == 4
+def test_split_heuristic_fills_the_gpu_down_to_one_step_a_split():
+    step = min_tokens_per_split(64, MOSAIC_CONFIG)
+    assert step == 128 and min_tokens_per_split(64, BF16_CONFIG) == 64  # Triton: its 64-token block
+    assert waves_per_split_plan(MOSAIC_CONFIG) == 1 and waves_per_split_plan(BF16_CONFIG) == 2
+    plan = functools.partial(choose_num_splits, num_sms=132, min_tokens=step)
+    assert plan(batch=128, row_blocks=2, max_tokens=16384) == 1
+    assert plan(batch=8, row_blocks=2, max_tokens=16384) == 8
+    assert plan(batch=1, row_blocks=1, max_tokens=65536) == MAX_SPLITS == 128  # the cap
+    assert plan(batch=1, row_blocks=2, max_tokens=4096) == 32  # one step a split
+    assert plan(batch=1, row_blocks=1, max_tokens=100) == 1
+    assert plan(batch=40, row_blocks=2, max_tokens=4096) == 1  # 80 CTAs: a second wave costs more
+    # Two waves (the Triton kernels): 128 programs get 2 splits, 256 none.
+    assert plan(batch=32, row_blocks=4, max_tokens=16384, waves=2) == 2
+    assert plan(batch=64, row_blocks=4, max_tokens=16384, waves=2) == 1
+    assert plan(batch=8, row_blocks=4, max_tokens=16384, waves=2) == 8
+
+
+def test_planned_num_splits_is_what_mla_decode_runs(paged_setup, monkeypatch):
+    latent, rope, block_table, seq_lens, q, q_rope = paged_setup
+    cache = make_cache(latent, rope, "fp8")
+    planned = planned_num_splits(q, cache, block_table, backend="interpret", config=FP8_CONFIG)
+    block_m = rows_per_block(q.shape[1] * q.shape[2], FP8_CONFIG)
+    assert planned == choose_num_splits(q.shape[0], -(-(q.shape[1] * q.shape[2]) // block_m),
+                                        block_table.shape[1] * cache.page_size, 132,
+                                        tokens_per_block(cache.page_size, FP8_CONFIG), waves=2)
+    seen = []
+    real = decode_module.mla_decode_pallas
+    monkeypatch.setattr(decode_module, "mla_decode_pallas",
+                        lambda *a, **kw: seen.append(kw["num_splits"]) or real(*a, **kw))
+    mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=SCALE, backend="interpret", config=FP8_CONFIG)
+    assert seen == [planned]
 
 
 # ---------------------------------------------------------------- bad input

@@ -29,6 +29,15 @@ from pallas_kernels.fp8 import quantize_per_token
 from pallas_kernels.mla_decode import mla_decode_reference
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def lower_for_cuda(fn, *args):
+    """``jax.jit(fn)`` lowered for CUDA without a GPU. The Mosaic launchers also run Pallas
+    Triton kernels (the query quantization and the split merge), whose lowering asks for
+    the GPU's compute capability: an abstract H100 answers it."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 def _load_script(name: str = "probe_mgpu_transpose"):
     spec = importlib.util.spec_from_file_location(name, ROOT / f"scripts/{name}.py")
     mod = importlib.util.module_from_spec(spec)
@@ -147,7 +156,7 @@ def test_kernel_lowers_for_cuda(kernel, s_q, num_splits, dtype):
     q, q_rope, *cache = _inputs(0, batch=2, heads=heads, pages_per_row=3, seq_lens=[100, 0], s_q=s_q)
     args = (q.astype(dtype), q_rope.astype(dtype), *cache)
     call = lambda *a: _call_kernel(*a, 0.1, num_splits=num_splits, kernel=kernel)
-    jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))
+    lower_for_cuda(call, *args)
 
 
 @pytest.mark.parametrize("kernel", ["mgpu", "small"])
@@ -168,7 +177,7 @@ def test_cost_probe_variants_lower_for_cuda(monkeypatch, kernel):
         monkeypatch.setattr(mgpu_module, "ISSUE_BY_WARPS",
                             swaps.get("ISSUE_BY_WARPS", probe.ORIGINAL["ISSUE_BY_WARPS"]))
         jax.clear_caches()  # the kernel's jit cache would hand back the previous variant
-        jax.jit(lambda *a: _call_kernel(*a, 0.1, kernel=kernel)).trace(*args).lower(lowering_platforms=("cuda",))
+        lower_for_cuda(lambda *a: _call_kernel(*a, 0.1, kernel=kernel), *args)
     monkeypatch.undo()
     jax.clear_caches()  # later tests must trace the real helpers again
 
@@ -180,8 +189,7 @@ def _mosaic_module_text(kernel: str) -> str:
     from jax.experimental.mosaic.gpu import dialect as mosaic_gpu_dialect
 
     args = _inputs(0, batch=2, heads=64 if kernel == "mgpu" else 16, pages_per_row=3, seq_lens=[100, 0])
-    lowered = jax.jit(lambda *a: _call_kernel(*a, 0.1, num_splits=2, kernel=kernel)).trace(*args).lower(
-        lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(lambda *a: _call_kernel(*a, 0.1, num_splits=2, kernel=kernel), *args)
     modules = []
 
     def walk(op):
@@ -218,6 +226,8 @@ def test_64_row_kernel_reduces_within_warps():
 # Steps before a row's last one run unmasked (a second loop runs the masked
 # tail): the cases mix whole-step rows, 1-token tails and, with s_q = 4, rows
 # whose last two steps both need the causal mask.
+# The 64-row kernel's bound against the e4m3 emulation on the GPU (test_kernel_matches_reference).
+MGPU_TOL = 4e-2
 CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages,splits", [
     (64, 1, [100, 300, 0], 0, 1),    # ragged, a partial page, seq_len 0; 3 steps: both ring slots reused
     (128, 1, [129, 64, 1], 3, 1),    # a 1-token last step; a second layer (NaN first layer) via layer_offset
@@ -327,12 +337,12 @@ def test_kernel_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages,
 def test_kernel_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
     err, lse_err, lse_scale = _check(heads, s_q, seq_lens, layer_pages, splits, interpret=False)
     # As in the interpreter, plus Hopper's FP8 MMA accumulating Q.K in ~14 bits
-    # (test_mla_decode_gpu.py): scores move by up to ~2**-9 of their magnitude,
-    # which shifts P' roundings more often: 2e-2 of the largest output. The
-    # kernels promote Q.K to fp32 every 128 features (QK_PROMOTION); measured on
-    # an H100: 4.4e-3 at most, as the Triton kernel; one 512-feature chain gave
-    # 0.034 on the 128-head case, which this bound rejects.
-    assert err < 2e-2, err
+    # (test_mla_decode_gpu.py) over 256-feature chains (QK_PROMOTION): scores move
+    # by up to ~2**-8 of their magnitude, which shifts P' roundings more often.
+    # Measured on an H100 over these cases with 6 seeds each (and 128-row cases):
+    # max 0.030 (128-feature chains 0.020, one 512-feature chain 0.056): 4e-2. A
+    # wrong page, scale or mask moves outputs by O(1).
+    assert err < MGPU_TOL, err
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
 
@@ -350,7 +360,10 @@ def test_small_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens
 @SMALL_CASES
 def test_small_kernel_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
     err, lse_err, lse_scale = _check(heads, s_q, seq_lens, layer_pages, splits, interpret=False, kernel=kernel)
-    assert err < 2e-2, err  # as test_kernel_matches_reference (Hopper's FP8 accumulation)
+    # Hopper's FP8 accumulation over 128-feature chains (this kernel's QK_PROMOTION):
+    # the 64-row kernel with such chains measured up to 0.020 against the emulation
+    # over 6 seeds of its cases on an H100: 2e-2.
+    assert err < 2e-2, err
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
 
@@ -386,7 +399,7 @@ def test_small_kernel_interpreted_float32_output():
 @pytest.mark.gpu
 def test_small_kernel_float32_output():
     err, lse_err, lse_scale = _check(16, 1, [100, 300, 0], 0, 1, interpret=False, kernel="small", dtype="float32")
-    assert err < 2e-2, err  # as test_kernel_matches_reference
+    assert err < 2e-2, err  # as test_small_kernel_matches_reference
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
 
@@ -436,7 +449,8 @@ def test_mla_decode_mosaic_config_interpreted_matches_xla(heads, s_q):
 @API_SHAPES
 def test_mla_decode_mosaic_config_compiled_matches_xla(heads, s_q):
     err, lse_err, lse_scale = _api_check(3, backend="pallas", heads=heads, s_q=s_q)
-    assert err < 2e-2, err  # as test_kernel_matches_reference
+    # As test_kernel_matches_reference (64-row kernel) / test_small_kernel_matches_reference.
+    assert err < (MGPU_TOL if heads * s_q > 32 else 2e-2), err
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
 

@@ -5,7 +5,13 @@ For every (batch B, context, heads H, s_q) the same random cache contents are
 stored as fp8 and bf16 LatentCaches (page_size 64, each row's pages in order),
 and each method is timed as the median of a few synchronised calls. Columns:
 
-  ms           median time of one decode step (all B rows, one layer)
+  ms           median time of one decode call (all B rows, one layer)
+  layers       calls a timed sample chains inside one jit (``chain_layers``), each
+               over its own layer of a layered cache and taking the previous
+               call's output as its query, as a model's layers do; ms is the
+               chain's time / layers. Small problems need it: one call from
+               Python costs ~0.06 ms of host dispatch, more than the kernel
+               at B = 1, and one layer's cache would sit in L2 between calls
   GB/s         cache bytes + query/output bytes moved, per second
   TFLOP/s      2 * B * s_q * H * ctx * (576 + 512) per second
   % roof       roofline time / measured time, from ceilings measured in this
@@ -42,6 +48,36 @@ FULL = dict(batches=(1, 8, 32, 64, 128), contexts=(1024, 4096, 16384, 65536), he
 QUICK = dict(batches=(1, 64), contexts=(4096, 16384), heads=(128,), s_qs=(1,))
 # Share of device memory a configuration may plan to use (caches + the XLA path's temporaries).
 MEMORY_FRACTION = 0.7
+# FP8 cache bytes a chain of layers reads at least (``chain_layers``): 5x an H100's or
+# H200's 50 MB L2, so that no layer's pages are still cached when the chain comes back.
+CHAIN_BYTES = 256 << 20
+MAX_CHAIN = 256
+FP8_BYTES_PER_TOKEN = RANK + 4 + 2 * ROPE
+
+
+def chain_layers(batch: int, context: int) -> int:
+    """Layers a timed sample chains for a B x context problem: enough that their fp8 caches
+    hold CHAIN_BYTES (1 from B x context = 400k tokens up), at most MAX_CHAIN and within
+    the kernels' int32 offsets."""
+    tokens = batch * context
+    layers = min(MAX_CHAIN, max(1, -(-CHAIN_BYTES // (tokens * FP8_BYTES_PER_TOKEN))))
+    while layers > 1 and not kernel_addressable(layers * tokens, RANK):
+        layers -= 1
+    return layers
+
+
+def decode_chain(softmax_scale: float, layers: int, backend: str, config=None):
+    """jit of ``layers`` mla_decode calls, call i over layer i of the cache (no layer axis
+    when ``layers`` is 1), each call's output the next call's query:
+    (q, q_rope, cache, block_table, seq_lens) -> out [B, s_q, H, 512]."""
+    def one(q, q_rope, cache, block_table, seq_lens, layer):
+        return mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=softmax_scale, layer=layer,
+                          backend=backend, config=config)
+
+    if layers == 1:
+        return jax.jit(lambda q, *rest: one(q, *rest, None))
+    # A traced layer, as a model scanning its layers passes it: one compiled body.
+    return jax.jit(lambda q, *rest: jax.lax.fori_loop(0, layers, lambda i, x: one(x, *rest, i), q))
 
 
 def _device_memory() -> int:
@@ -49,18 +85,30 @@ def _device_memory() -> int:
     return int(stats.get("bytes_limit", 16 << 30))
 
 
-def make_caches(batch: int, context: int, seed: int = 0) -> tuple[LatentCache, LatentCache, jax.Array]:
-    """fp8 and bf16 caches of the same random contents (per-token magnitudes e^N(0,1)), and the block table."""
+def make_caches(batch: int, context: int, seed: int = 0,
+                layers: int = 1) -> tuple[LatentCache, LatentCache, jax.Array]:
+    """fp8 and bf16 caches of the same random contents (per-token magnitudes e^N(0,1)), and the block table.
+
+    ``layers`` > 1: caches with a layer axis, every layer a copy of the same contents (the
+    timing reads each layer's own bytes; their values need not differ)."""
     pages = batch * context // PAGE
     k = jax.random.split(jax.random.key(seed), 3)
     latent = (jax.random.normal(k[0], (pages, PAGE, RANK), jnp.bfloat16)
               * jnp.exp(jax.random.normal(k[1], (pages, PAGE, 1), jnp.bfloat16)))
     rope = jax.random.normal(k[2], (pages, PAGE, ROPE), jnp.bfloat16)
     latent_fp8, scale = jax.jit(quantize_per_token)(latent)
+    if layers > 1:
+        stack = lambda a: jnp.broadcast_to(a[None], (layers, *a.shape)).copy()
+        latent, latent_fp8, scale, rope = map(stack, (latent, latent_fp8, scale, rope))
     fp8 = LatentCache(latent=latent_fp8, scale=scale, rope=rope)
     bf16 = LatentCache(latent=latent, scale=None, rope=rope)
     block_table = jnp.arange(pages, dtype=jnp.int32).reshape(batch, context // PAGE)
     return fp8, bf16, block_table
+
+
+def first_layer(cache: LatentCache) -> LatentCache:
+    """Layer 0 of a layered cache (the stock kernel takes no layer), else the cache itself."""
+    return cache.layer_arrays(0) if cache.num_layers else cache
 
 
 def stock_mqa(q, q_rope, cache: LatentCache, block_table, seq_lens, softmax_scale):
@@ -105,13 +153,12 @@ def make_queries(batch: int, context: int, heads: int, s_q: int) -> tuple[jax.Ar
 
 def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_reason, memory):
     fp8, bf16, block_table = caches
+    layers = fp8.num_layers or 1
     q, q_rope, seq_lens, scale = make_queries(batch, context, heads, s_q)
     # The cache is an argument of the jitted step (as in a serving loop), not a
     # closed-over constant that XLA would have to embed.
-    run = lambda backend, config=None: jax.jit(
-        lambda q, qr, cache, bt, n: mla_decode(q, qr, cache, bt, n, softmax_scale=scale, backend=backend,
-                                               config=config))
-    row = dict(batch=batch, context=context, heads=heads, s_q=s_q,
+    run = lambda backend, config=None: decode_chain(scale, layers, backend, config)
+    row = dict(batch=batch, context=context, heads=heads, s_q=s_q, layers=layers,
                measured_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
     io_bytes = batch * s_q * heads * (RANK + ROPE + RANK) * 2
     flops = 2 * batch * s_q * heads * context * (RANK + ROPE + RANK)
@@ -133,7 +180,7 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
             continue
         try:
             ms = timing.time_ms(run(backend, config), [(q, q_rope, cache, block_table, seq_lens)], warmup=2,
-                                iters=iters)
+                                iters=iters) / layers
         except Exception as err:  # a failing method is reported, the run goes on
             row[f"{name}_ms"] = None
             row[f"{name}_note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
@@ -144,7 +191,7 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
         row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
         row[f"{name}_roofline"] = roofline_ms(nbytes, f8, f16, ceilings) / ms
     if stock_reason is None:
-        fn, stock_args = stock_mqa(q, q_rope, bf16, block_table, seq_lens, scale)
+        fn, stock_args = stock_mqa(q, q_rope, first_layer(bf16), block_table, seq_lens, scale)
         row["stock_mqa_ms"] = timing.time_ms(fn, [stock_args], warmup=2, iters=iters)
     else:
         row["stock_mqa_ms"] = None
@@ -166,11 +213,12 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
                 merged: bool = False) -> str:
     fmt = lambda v, spec="{:.3g}": "-" if v is None else spec.format(v)
     pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"
-    cols = ["B", "ctx", "H", "s_q", "FP8 ms", "BF16 ms", "XLA bf16 ms", "FP8/BF16", "FP8/XLA",
+    cols = ["B", "ctx", "H", "s_q", "layers", "FP8 ms", "BF16 ms", "XLA bf16 ms", "FP8/BF16", "FP8/XLA",
             "FP8 GB/s", "FP8 TFLOP/s", "FP8 % roof", "BF16 GB/s", "BF16 TFLOP/s", "BF16 % roof", "XLA % roof",
             "Triton FP8 ms", "Triton/BF16", "Triton % roof", "measured (UTC)"]
-    body = [[r["batch"], r["context"], r["heads"], r["s_q"], fmt(r.get("fp8_ms")), fmt(r.get("bf16_ms")),
-             fmt(r.get("xla_bf16_ms")), fmt(r.get("fp8_over_bf16"), "{:.2f}x"), fmt(r.get("fp8_over_xla"), "{:.2f}x"),
+    body = [[r["batch"], r["context"], r["heads"], r["s_q"], r.get("layers", "-"), fmt(r.get("fp8_ms")),
+             fmt(r.get("bf16_ms")), fmt(r.get("xla_bf16_ms")), fmt(r.get("fp8_over_bf16"), "{:.2f}x"),
+             fmt(r.get("fp8_over_xla"), "{:.2f}x"),
              fmt(r.get("fp8_gbps"), "{:.0f}"), fmt(r.get("fp8_tflops"), "{:.0f}"), pct(r.get("fp8_roofline")),
              fmt(r.get("bf16_gbps"), "{:.0f}"), fmt(r.get("bf16_tflops"), "{:.0f}"), pct(r.get("bf16_roofline")),
              pct(r.get("xla_bf16_roofline")), fmt(r.get("fp8_triton_ms")),
@@ -188,14 +236,19 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
            "\"measured\" column) and carry the % roof of their own run's ceilings."]
           if merged else []),
         "",
-        "One decode step over one layer, page_size 64, all rows at the full context; times are medians.",
+        "One decode call over one layer, page_size 64, all rows at the full context; times are medians.",
+        "layers: each timed sample runs that many calls in one jit, each over its own layer of a layered",
+        "cache and taking the last call's output as its query (as a model's layers do), ms = its time /",
+        "layers; enough layers that they read >= 256 MiB of fp8 cache (5x the L2), 1 from B x ctx = 400k",
+        "tokens up. \"-\": measured before this, one call at a time from Python, whose ~0.06 ms of host",
+        "dispatch set the time of the smallest problems.",
         "Shapes whose cache exceeds the kernels' int32 offsets (2**31 - 1 latent elements, e.g. B=128 x 64k)",
         "are not run: one decode call cannot address them (mla_decode raises ValueError).",
         "FP8 = the default SnapMLA FP8 kernel on the fp8 cache (644 B/token): with page_size 64 a",
         "Mosaic GPU kernel (`snapmla_jax.decode.mosaic_kernel`): up to 32 query rows (H=16, s_q<=2)",
         "pallas_kernels/mla_decode_mgpu_small.py (16 or 32 rows on the wgmma N dimension), above that",
-        "pallas_kernels/mla_decode_mgpu.py (64-row blocks; two warpgroups, each scoring half of a step's",
-        "tokens and owning half of the output columns). BF16 = the Triton",
+        "pallas_kernels/mla_decode_mgpu.py (64-row blocks; two consumer warpgroups, each scoring half of a",
+        "step's tokens and owning half of the output columns, and a TMA producer warpgroup). BF16 = the Triton",
         "BF16 twin on the bf16 cache (1152 B/token). XLA bf16 = `mla_decode(..., backend=\"xla\")` on the",
         "bf16 cache (gather + einsum + softmax, what a JAX user writes today). Triton FP8 = the Triton",
         "FP8 kernel (`FP8_CONFIG`), the BF16 twin's sibling; \"-\" where not measured or failed (notes).",
@@ -257,10 +310,10 @@ def main(argv: list[str] | None = None) -> int:
             if cache_bytes > MEMORY_FRACTION * memory:
                 print(f"skip B={batch} ctx={context}: caches need {cache_bytes / 2**30:.1f} GiB", flush=True)
                 continue
-            caches = make_caches(batch, context)
+            caches = make_caches(batch, context, layers=chain_layers(batch, context))
             if not stock_probed:
                 q = jnp.ones((batch, 1, grid["heads"][0], RANK), jnp.bfloat16)
-                stock_reason = _probe_stock(q, q[..., :ROPE], caches[1], caches[2],
+                stock_reason = _probe_stock(q, q[..., :ROPE], first_layer(caches[1]), caches[2],
                                             jnp.full((batch,), context, jnp.int32), 0.04)
                 stock_probed = True
                 print(f"stock mqa: {stock_reason or 'runs'}", flush=True)

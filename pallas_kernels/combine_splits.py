@@ -1,0 +1,186 @@
+"""Merging split-KV partials in one launch, and its jnp reference.
+
+A split-KV decode call (flash decoding) leaves, per batch row, split and query
+row, a normalised partial output and its log-sum-exp:
+
+  out [B, S, rows, R] f32, lse [B, S, rows] f32 (natural log; -inf: the split saw nothing)
+
+and the result is their average weighted by exp(lse):
+
+  merged[b, r] = sum_s exp(lse[b, s, r] - M) out[b, s, r] / sum_s exp(lse[b, s, r] - M)
+  lse[b, r]    = M + log(sum_s exp(lse[b, s, r] - M)),   M = max_s lse[b, s, r]
+
+Why a kernel. Written in jnp (``combine_splits_reference``) XLA runs it as four
+or five fusions (the max, the exponentials and their sum, the weighted sum, the
+division and the cast), each a launch of ~1 us on an H100 whatever its size. At
+short contexts that is a third of a decode call (H100, B=1 x 1k x 16 heads, 8
+splits: 17.6 us a call, the merge's fusions ~5 us of it; docs/benchmarks/mgpu.md).
+Here one program per (batch row, run of values) loads every split's values of
+that run at once (S padded to a power of two, masked), so no loop over splits
+serialises the loads' latency, and writes the merged values in the caller's dtype.
+
+Backend: Pallas' Triton lowering, as the Triton decode kernels (masked
+gathers of arbitrary rows; interpret mode on the CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu_tr
+
+# Partial values one program holds (S padded x its run of a split's slab): 32 fp32
+# registers a thread at 4 warps, so the loads of every split are issued at once.
+MAX_TILE = 4096
+NUM_WARPS = 4
+
+
+def combine_splits_reference(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Merge split partials in jnp: out [B, S, rows, R] f32, lse [B, S, rows] f32 ->
+    (merged [B, rows, R] f32, lse [B, rows] f32). Rows no split saw get 0 and -inf."""
+    lse_max = jnp.max(lse, axis=1, keepdims=True)
+    lse_max = jnp.where(lse_max == -jnp.inf, 0.0, lse_max)
+    weight = jnp.exp(lse - lse_max)  # 0 for empty splits
+    total = jnp.sum(weight, axis=1)
+    merged = jnp.einsum("bsr,bsrd->brd", weight, out) / jnp.where(total > 0, total, 1.0)[..., None]
+    merged_lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + lse_max[:, 0], -jnp.inf)
+    return merged, merged_lse
+
+
+def tile_size(num_splits: int, slab: int) -> int:
+    """Values of each split's slab (its rows x R partials, ``slab`` floats) a program merges:
+    a power of two dividing ``slab``, with S padded to a power of two at most MAX_TILE in all."""
+    size = max(1, MAX_TILE // pl.next_power_of_2(num_splits))
+    while slab % size:
+        size //= 2
+    return size
+
+
+def _split_weights(lse_ref, b, num_splits: int, num_rows: int, rows):
+    """Per split and row: (flat partial index [S'], weight [S', n], lse max [n], total [n]) of
+    batch row ``b``'s query rows ``rows`` [n], S' = S padded to a power of two.
+
+    Padding splits read split 0 (in bounds) and are masked to lse -inf, weight 0; a row no
+    split saw keeps lse max 0 and total 0."""
+    splits = jnp.arange(pl.next_power_of_2(num_splits), dtype=jnp.int32)
+    real = splits < num_splits
+    partial_index = b * num_splits + jnp.where(real, splits, 0)
+    mask = jnp.broadcast_to(real[:, None], (splits.shape[0], rows.shape[0]))
+    lse = plgpu_tr.load(lse_ref.at[partial_index[:, None] * num_rows + rows[None, :]], mask=mask, other=-jnp.inf)
+    lse_max = jnp.max(lse, axis=0)
+    lse_max = jnp.where(lse_max == -jnp.inf, 0.0, lse_max)
+    weight = jnp.exp(lse - lse_max[None, :])  # 0 for empty and padding splits
+    return partial_index, real, weight, lse_max, jnp.sum(weight, axis=0)
+
+
+def _merged_lse(total, lse_max):
+    return jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + lse_max, -jnp.inf)
+
+
+def _combine_kernel(out_ref, lse_ref, o_ref, lse_out_ref, *, num_splits: int, num_rows: int, rank: int,
+                    size: int):
+    """One (batch row, run of ``size`` values of a split's [rows, R] slab) program.
+
+    out_ref [B * S * rows * R] f32 and lse_ref [B * S * rows] f32: the partials, flat;
+    o_ref [B * rows * R] (the caller's dtype) and lse_out_ref [B * rows + size] f32 (a spare
+    tail), flat. All whole arrays. The program reads [S, size] contiguous runs (one per
+    split) and writes one contiguous run; each value's row gives its log-sum-exp.
+    """
+    b, run = pl.program_id(0), pl.program_id(1)
+    position = run * size + jnp.arange(size, dtype=jnp.int32)  # in the slab
+    row, column = position // rank, position % rank
+    partial_index, real, weight, lse_max, total = _split_weights(lse_ref, b, num_splits, num_rows, row)
+    partials = plgpu_tr.load(out_ref.at[partial_index[:, None] * (num_rows * rank) + position[None, :]],
+                             mask=jnp.broadcast_to(real[:, None], weight.shape), other=0.0)
+    merged = jnp.sum(partials * weight, axis=0) / jnp.where(total > 0, total, 1.0)
+    plgpu_tr.store(o_ref.at[b * num_rows * rank + position], merged.astype(o_ref.dtype))
+    # The values of column 0 write their row's log-sum-exp. The others are masked off and
+    # pointed at a spare tail, each at its own place: a masked store still must not name
+    # one address twice (interpret mode stores the old value back where the mask is off).
+    first = column == 0
+    spare = lse_out_ref.shape[0] - size + jnp.arange(size, dtype=jnp.int32)
+    plgpu_tr.store(lse_out_ref.at[jnp.where(first, b * num_rows + row, spare)], _merged_lse(total, lse_max),
+                   mask=first)
+
+
+def _combine_transposed_kernel(out_ref, lse_ref, o_ref, lse_out_ref, *, num_splits: int, num_rows: int,
+                               rank: int, size: int):
+    """One (batch row, block of columns) program, partials [B, S, R, rows].
+
+    The program reads, per split, its columns' [columns, rows] tile (contiguous) and writes the
+    merged [rows, columns] tile through a transpose, so that both its loads and its stores are
+    contiguous runs (with the transposed tile stored as it lies, each lane's store would land
+    in another output row). Triton tiles have power-of-two sides: rows pad to R' =
+    next_power_of_2(rows) (``size`` // R' columns a program); the padding rows read row 0 and
+    store into a spare tail of o_ref, each at its own place (a masked store must not name one
+    address twice: interpret mode stores the old value back where the mask is off). Refs as
+    ``_combine_kernel``'s.
+    """
+    b, run = pl.program_id(0), pl.program_id(1)
+    padded_rows = pl.next_power_of_2(num_rows)
+    num_cols = size // padded_rows
+    lanes = jnp.arange(padded_rows, dtype=jnp.int32)
+    real_row = lanes < num_rows
+    rows = jnp.where(real_row, lanes, 0)
+    columns = run * num_cols + jnp.arange(num_cols, dtype=jnp.int32)
+    partial_index, real, weight, lse_max, total = _split_weights(lse_ref, b, num_splits, num_rows, rows)
+    offsets = (partial_index[:, None, None] * rank + columns[None, :, None]) * num_rows + rows[None, None, :]
+    partials = plgpu_tr.load(out_ref.at[offsets], mask=jnp.broadcast_to(real[:, None, None], offsets.shape),
+                             other=0.0)
+    merged_t = jnp.sum(partials * weight[:, None, :], axis=0) / jnp.where(total > 0, total, 1.0)[None, :]
+    spare = (o_ref.shape[0] - (padded_rows - num_rows) * num_cols
+             + (jnp.maximum(lanes - num_rows, 0) * num_cols)[:, None] + jnp.arange(num_cols, dtype=jnp.int32)[None, :])
+    out_offsets = jnp.where(real_row[:, None], (b * num_rows + rows[:, None]) * rank + columns[None, :], spare)
+    plgpu_tr.store(o_ref.at[out_offsets], merged_t.T.astype(o_ref.dtype),
+                   mask=jnp.broadcast_to(real_row[:, None], out_offsets.shape))
+
+    @pl.when(run == 0)
+    def _():
+        tail = lse_out_ref.shape[0] - size + jnp.maximum(lanes - num_rows, 0)  # the padding rows' places
+        plgpu_tr.store(lse_out_ref.at[jnp.where(real_row, b * num_rows + rows, tail)], _merged_lse(total, lse_max),
+                       mask=real_row)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "transposed", "interpret"))
+def combine_splits(out: jax.Array, lse: jax.Array, dtype=jnp.float32, *, transposed: bool = False,
+                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Merge split partials in one Pallas launch, the math of ``combine_splits_reference``
+    (summed in another order: equal to fp32 rounding).
+
+    out [B, S, rows, R] f32 ([B, S, R, rows] with ``transposed``: as the Mosaic kernel with
+    the query rows on the wgmma N dimension writes it, merged without a transposing copy),
+    lse [B, S, rows] f32 -> (merged [B, rows, R] in ``dtype``, lse [B, rows] f32).
+    """
+    if out.ndim != 4 or lse.ndim != 3:
+        raise ValueError(f"out, lse: expected 4 and 3 dimensions, got {out.shape} and {lse.shape}")
+    batch, num_splits = out.shape[:2]
+    num_rows, rank = (out.shape[3], out.shape[2]) if transposed else out.shape[2:]
+    if lse.shape != (batch, num_splits, num_rows):
+        raise ValueError(f"lse: expected shape {(batch, num_splits, num_rows)} to match out {out.shape}"
+                         f"{' (transposed)' if transposed else ''}, got {lse.shape}")
+    if out.dtype != jnp.float32 or lse.dtype != jnp.float32:
+        raise ValueError(f"out, lse: expected float32 partials, got {out.dtype} and {lse.dtype}")
+    size = tile_size(num_splits, num_rows * rank)
+    spare = 0
+    if transposed:
+        padded_rows = pl.next_power_of_2(num_rows)
+        size = max(size, padded_rows)  # at least one column a program
+        spare = (padded_rows - num_rows) * (size // padded_rows)  # the padding rows' tail
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = _combine_transposed_kernel if transposed else _combine_kernel
+    merged, merged_lse = pl.pallas_call(
+        functools.partial(kernel, num_splits=num_splits, num_rows=num_rows, rank=rank, size=size),
+        grid=(batch, (pl.next_power_of_2(num_rows) if transposed else num_rows) * rank // size),
+        in_specs=[whole, whole],
+        out_specs=[whole, whole],
+        out_shape=[jax.ShapeDtypeStruct((batch * num_rows * rank + spare,), dtype),
+                   jax.ShapeDtypeStruct((batch * num_rows + size,), jnp.float32)],
+        interpret=interpret,
+        compiler_params=plgpu_tr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        name="snapmla_combine_splits",
+    )(out.reshape(-1), lse.reshape(-1))
+    return (merged[:batch * num_rows * rank].reshape(batch, num_rows, rank),
+            merged_lse[:batch * num_rows].reshape(batch, num_rows))

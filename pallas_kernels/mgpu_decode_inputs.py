@@ -1,0 +1,146 @@
+"""The Mosaic GPU decode kernels' launcher-side inputs in one launch, and their jnp reference.
+
+The Mosaic FP8 kernels (mla_decode_mgpu.py, mla_decode_mgpu_small.py) take
+
+  q8      [B, rows, 512] e4m3 and q_scale [B, rows] f32: the query content rows
+          quantized per row (``quantize_per_token``), and
+  scales  [B, steps * 128] f32: each batch row's token scales in step order
+          (``step_token_order``: a TMA cannot read every other float, so they are
+          gathered per batch row before the kernel; 8 B a token against the cache's 644 B).
+
+Why a kernel. In jnp XLA runs these as four launches (the row maxima, the scales,
+the quantized rows, the gather), ~1 us each on an H100 whatever their size: at
+short contexts a fifth of a decode call (B=1 x 1k x 16 heads: 17.6 us a call, ~4.6
+us of it these; docs/benchmarks/mgpu.md). Here one grid does both jobs: its first
+programs quantize 16 query rows each, the others gather up to 1024 scales each.
+
+Backend: Pallas' Triton lowering (masked gathers; interpret mode on the CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu_tr
+
+from pallas_kernels.fp8 import FP8_DTYPE, quantize_per_token
+
+PAGE = 64  # the Mosaic kernels' page size
+STEP = 128  # their tokens a step: two pages, even tokens first, then the odd ones
+Q_ROWS = 16  # query rows a quantizing program takes ([16, 512]: 32 values a thread at 4 warps)
+SCALES = 1024  # token scales a gathering program takes
+NUM_WARPS = 4
+
+
+def step_token_order(num_tokens: int) -> jax.Array:
+    """Token offset held by each SMEM row of a step, for ``num_tokens`` = k * STEP positions.
+
+    Within a step, rows 0..63 hold the even tokens and rows 64..127 the odd ones
+    (row c < 64: token 2c; row c >= 64: token 2(c - 64) + 1).
+    """
+    return _token_at(jnp.arange(num_tokens))
+
+
+def _token_at(position):
+    """The token at step-order ``position`` (any int array): see ``step_token_order``."""
+    c = position % STEP
+    return position - c + jnp.where(c < STEP // 2, 2 * c, 2 * (c - STEP // 2) + 1)
+
+
+def num_step_tokens(max_pages: int) -> int:
+    """Step-ordered positions of a block table with ``max_pages`` pages: whole steps."""
+    return pl.cdiv(max_pages * PAGE, STEP) * STEP
+
+
+def step_scales(scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array) -> jax.Array:
+    """Token scales [B, steps * 128] f32 of each batch row's pages, in step order (jnp).
+
+    scale [N] f32 (flat cache rows), block_table [B, max_pages] int32,
+    layer_offset [1] int32. Positions past the table read its last page (the
+    kernels mask them); cache rows are clipped into [0, N).
+    """
+    max_pages = block_table.shape[1]
+    positions = step_token_order(num_step_tokens(max_pages))
+    pages = jnp.take(block_table, jnp.minimum(positions // PAGE, max_pages - 1), axis=1)
+    return jnp.take(scale, layer_offset[0] + pages * PAGE + positions % PAGE, mode="clip")
+
+
+def decode_inputs_reference(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array,
+                            layer_offset: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q_rows [B, rows, 512] (bf16/f32), scale [N] f32, block_table [B, max_pages] int32,
+    layer_offset [1] int32 -> (q8 [B, rows, 512] e4m3, q_scale [B, rows] f32,
+    scales [B, steps * 128] f32), in jnp."""
+    q8, q_scale = quantize_per_token(q_rows.astype(jnp.float32))
+    return q8, q_scale, step_scales(scale, block_table, layer_offset)
+
+
+def _inputs_kernel(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, *, q_programs: int,
+                   num_tokens: int, scales_block: int):
+    """Program (b, j): j < ``q_programs`` quantizes query rows [16 j, 16 j + 16) of batch row
+    b; j >= it gathers b's step-ordered scales [n i, n i + n), n = ``scales_block``,
+    i = j - q_programs.
+
+    q_ref [B * rows, 512], scale_ref [N], bt_ref [B, max_pages], off_ref [1] (whole);
+    q8_ref [B * rows, 512] e4m3, qsc_ref [B * rows], steps_ref [B * num_tokens] (whole).
+    """
+    b, j = pl.program_id(0), pl.program_id(1)
+    num_rows = q_ref.shape[0] // bt_ref.shape[0]
+    rank = q_ref.shape[1]
+
+    @pl.when(j < q_programs)
+    def _():
+        rows = b * num_rows + j * Q_ROWS + jnp.arange(Q_ROWS, dtype=jnp.int32)
+        columns = jnp.arange(rank, dtype=jnp.int32)
+        q8, q_scale = quantize_per_token(plgpu_tr.load(q_ref.at[rows[:, None], columns[None, :]]).astype(jnp.float32))
+        plgpu_tr.store(q8_ref.at[rows[:, None], columns[None, :]], q8)
+        plgpu_tr.store(qsc_ref.at[rows], q_scale)
+
+    @pl.when(j >= q_programs)
+    def _():
+        position = (j - q_programs) * scales_block + jnp.arange(scales_block, dtype=jnp.int32)
+        token = _token_at(position)
+        max_pages = bt_ref.shape[1]
+        page = plgpu_tr.load(bt_ref.at[b, jnp.minimum(token // PAGE, max_pages - 1)])
+        row = jnp.clip(off_ref[0] + page * PAGE + token % PAGE, 0, scale_ref.shape[0] - 1)
+        plgpu_tr.store(steps_ref.at[b * num_tokens + position], plgpu_tr.load(scale_ref.at[row]))
+
+
+def scales_block(num_tokens: int) -> int:
+    """Scales a gathering program takes: the largest power of two up to SCALES dividing
+    ``num_tokens`` (a multiple of STEP), so that no program runs past the end."""
+    block = SCALES
+    while num_tokens % block:
+        block //= 2
+    return block
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def decode_inputs(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array, *,
+                  interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``decode_inputs_reference`` in one Pallas launch: q_rows [B, rows, 512] (rows a multiple
+    of 16), scale [N] f32, block_table [B, max_pages] int32, layer_offset [1] int32 ->
+    (q8 [B, rows, 512] e4m3, q_scale [B, rows] f32, scales [B, steps * 128] f32)."""
+    batch, num_rows, rank = q_rows.shape
+    if num_rows % Q_ROWS:
+        raise ValueError(f"q_rows: expected rows padded to a multiple of {Q_ROWS}, got {num_rows}")
+    num_tokens = num_step_tokens(block_table.shape[1])
+    q_programs = num_rows // Q_ROWS
+    block = scales_block(num_tokens)
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    q8, q_scale, scales = pl.pallas_call(
+        functools.partial(_inputs_kernel, q_programs=q_programs, num_tokens=num_tokens, scales_block=block),
+        grid=(batch, q_programs + num_tokens // block),
+        in_specs=[whole] * 4,
+        out_specs=[whole] * 3,
+        out_shape=[jax.ShapeDtypeStruct((batch * num_rows, rank), FP8_DTYPE),
+                   jax.ShapeDtypeStruct((batch * num_rows,), jnp.float32),
+                   jax.ShapeDtypeStruct((batch * num_tokens,), jnp.float32)],
+        interpret=interpret,
+        compiler_params=plgpu_tr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        name="snapmla_mgpu_decode_inputs",
+    )(q_rows.reshape(batch * num_rows, rank), scale, block_table, layer_offset)
+    return (q8.reshape(batch, num_rows, rank), q_scale.reshape(batch, num_rows),
+            scales.reshape(batch, num_tokens))

@@ -1,0 +1,95 @@
+"""Where a decode call's time goes, launch by launch: GPU kernel durations from the JAX profiler.
+
+    PYTHONPATH=. python scripts/profile_decode_launches.py --out $OUT [--cases 1x1024x16x1 1x16384x128x1 ...]
+
+For each case (B x ctx x H x s_q) it builds the benchmark's chain of layers
+(``python -m snapmla_jax.bench decode``: the same caches, queries and
+``decode_chain``) for the fp8 cache (the default FP8 kernel) and the bf16 cache
+(the BF16 twin), times it (``timing.time_ms``, per layer), then traces three
+chained calls under ``jax.profiler.trace`` and sums each GPU kernel's duration
+per layer: the decode kernel itself, and every launch around it (input
+preparation, the split merge, the chain's layer arithmetic). At small
+problems a call is a handful of ~1-3 us launches, and this shows which ones.
+Writes launches.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import tempfile
+
+import jax
+from jax.profiler import ProfileData
+
+from snapmla_jax.bench import decode as bench
+from snapmla_jax.bench import timing
+
+DEFAULT_CASES = ("1x1024x16x1", "1x1024x128x1", "1x4096x16x2", "8x1024x16x1", "1x16384x128x1", "1x65536x16x1")
+TRACED_CALLS = 3
+
+
+def parse_case(text: str) -> tuple[int, int, int, int]:
+    """"BxCTXxHxSQ" -> (batch, context, heads, s_q)."""
+    parts = text.split("x")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected a case like 1x1024x16x1 (B x ctx x H x s_q), got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def kernel_durations_us(path: str) -> collections.Counter:
+    """Total duration in us of each GPU kernel (by name) in a profiler trace (.xplane.pb)."""
+    totals = collections.Counter()
+    for plane in ProfileData.from_file(path).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            for event in line.events:
+                totals[event.name] += event.duration_ns / 1e3
+    return totals
+
+
+def profile_case(batch: int, context: int, heads: int, s_q: int) -> dict:
+    layers = bench.chain_layers(batch, context)
+    fp8, bf16, block_table = bench.make_caches(batch, context, layers=layers)
+    q, q_rope, seq_lens, scale = bench.make_queries(batch, context, heads, s_q)
+    result = {}
+    for name, cache in (("fp8", fp8), ("bf16", bf16)):
+        chain = bench.decode_chain(scale, layers, "pallas")
+        args = (q, q_rope, cache, block_table, seq_lens)
+        us = timing.time_ms(chain, [args], warmup=2, iters=20) / layers * 1e3
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with jax.profiler.trace(trace_dir):
+                for _ in range(TRACED_CALLS):
+                    chain(*args).block_until_ready()
+            [path] = pathlib.Path(trace_dir).rglob("*.xplane.pb")
+            totals = kernel_durations_us(str(path))
+        per_layer = {kernel: total / (TRACED_CALLS * layers) for kernel, total in totals.most_common()}
+        result[name] = {"us_per_layer": us, "layers": layers, "kernels_us_per_layer": per_layer}
+        print(f"{batch}x{context}x{heads}x{s_q} {name}: {us:.1f} us a layer", flush=True)
+        for kernel, kernel_us in per_layer.items():
+            if kernel_us >= 0.05:
+                print(f"    {kernel_us:7.2f} us  {kernel[:90]}", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory for launches.json")
+    parser.add_argument("--cases", type=parse_case, nargs="*", default=[parse_case(c) for c in DEFAULT_CASES])
+    args = parser.parse_args(argv)
+    if timing.missing_gpu("launch profile"):
+        return 2
+    results = {"environment": timing.environment()}
+    for case in args.cases:
+        results["x".join(map(str, case))] = profile_case(*case)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "launches.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

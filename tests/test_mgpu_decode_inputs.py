@@ -1,0 +1,111 @@
+"""The Mosaic kernels' launcher inputs in one launch (pallas_kernels/mgpu_decode_inputs.py):
+quantized query rows and step-ordered token scales."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.fp8 import fp8_round_trip_np
+from pallas_kernels.mgpu_decode_inputs import (PAGE, STEP, decode_inputs, decode_inputs_reference, scales_block,
+                                               step_scales)
+
+
+def expected_step_scales(scale: np.ndarray, block_table: np.ndarray, layer_offset: int) -> np.ndarray:
+    """Token scales in step order, one token at a time: within each 128-token step the even
+    tokens first, then the odd ones; positions past the table read its last page."""
+    batch, max_pages = block_table.shape
+    steps = -(-max_pages * PAGE // STEP)
+    out = np.zeros((batch, steps * STEP), np.float32)
+    for b in range(batch):
+        for step in range(steps):
+            order = list(range(0, STEP, 2)) + list(range(1, STEP, 2))
+            for c, offset in enumerate(order):
+                token = step * STEP + offset
+                page = block_table[b, min(token // PAGE, max_pages - 1)]
+                row = min(max(layer_offset + page * PAGE + token % PAGE, 0), scale.shape[0] - 1)
+                out[b, step * STEP + c] = scale[row]
+    return out
+
+
+def random_inputs(seed: int, batch: int, rows: int, max_pages: int, layers: int = 2):
+    """Query rows with an outlier row (1000x) and a tiny one; a layered cache's token scales
+    (all distinct) and a block table of shuffled pages; layer 1 selected."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, rows, 512)).astype(np.float32)
+    q[0, 1] *= 1000.0
+    q[-1, -1] *= 1e-3
+    pages = batch * max_pages + 3
+    scale = rng.uniform(0.5, 2.0, layers * pages * PAGE).astype(np.float32)
+    block_table = rng.permutation(pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    return q, scale, block_table, np.array([pages * PAGE], np.int32)
+
+
+# (batch, rows, max_pages): odd batch; an odd page count (the last step half past the
+# table); a table long enough for several gathering programs.
+SHAPES = [(3, 16, 5), (1, 64, 64), (2, 32, 33)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_inputs_match_their_definitions(shape):
+    q, scale, block_table, offset = random_inputs(sum(shape), *shape)
+    q8, q_scale, scales = decode_inputs(jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table),
+                                        jnp.asarray(offset), interpret=True)
+    q_bf16 = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
+    # The gather moves values: exact.
+    np.testing.assert_array_equal(np.asarray(scales), expected_step_scales(scale, block_table, int(offset[0])))
+    # The scale is the row's amax / 448 (float32 math on bf16 inputs: exact to an ulp).
+    np.testing.assert_allclose(np.asarray(q_scale), np.abs(q_bf16).max(-1) / 448.0, rtol=2e-7)
+    # Q8 rounds q / scale to e4m3: equal to the float64 round trip's value up to float32
+    # ties, and within half an e4m3 ulp of q (2**-4 relative; 2**-10 of the scale absolute
+    # below e4m3's normal range, whose spacing is 2**-9).
+    q_scale64 = np.asarray(q_scale).astype(np.float64)
+    dequantized = np.asarray(q8.astype(jnp.float32)).astype(np.float64) * q_scale64[..., None]
+    want = fp8_round_trip_np(q_bf16, q_scale64)
+    assert np.mean(dequantized == want) > 0.999
+    assert np.all(np.abs(dequantized - q_bf16) <= 2.0 ** -4 * np.abs(q_bf16) + 2.0 ** -10 * q_scale64[..., None])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernel_equals_the_jnp_reference(shape):
+    q, scale, block_table, offset = random_inputs(sum(shape) + 1, *shape)
+    args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
+    for got, want in zip(decode_inputs(*args, interpret=True), decode_inputs_reference(*args)):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
+def test_scales_block_divides_the_steps():
+    for pages in (1, 2, 3, 16, 17, 1024):
+        tokens = -(-pages * PAGE // STEP) * STEP
+        block = scales_block(tokens)
+        assert tokens % block == 0 and block >= STEP
+
+
+def test_step_scales_reference_matches_the_loop():
+    q, scale, block_table, offset = random_inputs(5, 2, 16, 7)
+    np.testing.assert_array_equal(np.asarray(step_scales(jnp.asarray(scale), jnp.asarray(block_table),
+                                                         jnp.asarray(offset))),
+                                  expected_step_scales(scale, block_table, int(offset[0])))
+
+
+def test_rows_must_be_padded():
+    q, scale, block_table, offset = random_inputs(6, 1, 16, 2)
+    with pytest.raises(ValueError, match="q_rows"):
+        decode_inputs(jnp.asarray(q[:, :8]), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset),
+                      interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_compiled_inputs_match_the_reference(shape):
+    q, scale, block_table, offset = random_inputs(sum(shape) + 2, *shape)
+    args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
+    q8, q_scale, scales = jax.jit(decode_inputs)(*args)
+    want_q8, want_scale, want_scales = decode_inputs_reference(*args)
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+    np.testing.assert_allclose(np.asarray(q_scale), np.asarray(want_scale), rtol=2e-7)
+    # The GPU's float32 division may differ from XLA's by an ulp, moving a rare value that
+    # sits on an e4m3 rounding tie by one e4m3 step: allow that, nothing more.
+    got, want = np.asarray(q8.astype(jnp.float32)), np.asarray(want_q8.astype(jnp.float32))
+    assert np.mean(got == want) > 0.999
+    np.testing.assert_allclose(got, want, rtol=2.0 ** -3, atol=2.0 ** -9)
