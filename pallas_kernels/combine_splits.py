@@ -60,8 +60,9 @@ def tile_size(num_splits: int, slab: int) -> int:
 
 
 def _split_weights(lse_ref, b, num_splits: int, num_rows: int, rows):
-    """Per split and row: (flat partial index [S'], weight [S', n], lse max [n], total [n]) of
-    batch row ``b``'s query rows ``rows`` [n], S' = S padded to a power of two.
+    """Per split and row: (flat partial index [S'], real split [S'] bool, weight [S', n],
+    lse max [n], total [n]) of batch row ``b``'s query rows ``rows`` [n], S' = S padded to a
+    power of two.
 
     Padding splits read split 0 (in bounds) and are masked to lse -inf, weight 0; a row no
     split saw keeps lse max 0 and total 0."""
@@ -77,6 +78,7 @@ def _split_weights(lse_ref, b, num_splits: int, num_rows: int, rows):
 
 
 def _merged_lse(total, lse_max):
+    """The merged log-sum-exp of a row from its weights' total and max (-inf: no split saw it)."""
     return jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + lse_max, -jnp.inf)
 
 
