@@ -32,10 +32,25 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_tr
 
-# Partial values one program holds (S padded x its run of a split's slab): 32 fp32
-# registers a thread at 4 warps, so the loads of every split are issued at once.
+# Partial values one program holds (S padded x its run of a split's slab), so that the
+# loads of every split are issued at once. H100, kernel us, 4096 vs 2048 vs 8192 at 4 warps
+# (scripts/tune_combine_splits.py, docs/benchmarks/combine_tune_2026-11-25.json; T: the
+# 16-row kernel's transposed partials): 1 x 128 x 16T 3.56 / 4.39 / 3.51; 1 x 66 x 128
+# 9.76 / 14.10 / 7.98; 64 x 2 x 32T 4.05 / 3.96 / 5.01; 1 x 8 x 128 2.84 / 3.29 / 3.31.
 MAX_TILE = 4096
-NUM_WARPS = 4
+
+
+def num_warps(num_splits: int) -> int:
+    """Warps a merge program runs: 2 from 17 splits (S padded >= 32), else 4.
+
+    H100, kernel us at 4096 values, 2 vs 4 warps (same run): with many splits a program's
+    run is short (<= 128 values of each of >= 32 splits) and fewer, fuller warps ran faster:
+    1 x 17 x 128 4.21 vs 4.48; 1 x 33 x 128 5.09 vs 6.10; 1 x 66 x 128 8.05 vs 9.76;
+    4 x 33 x 128 12.51 vs 16.59; 1 x 128 x 16T 3.49 vs 3.56. With few, 4 warps: 1 x 8 x 128
+    2.84 vs 3.02; 32 x 2 x 128 5.66 vs 5.93; 64 x 2 x 32T 4.05 vs 4.15. (The jnp merge:
+    4.42, 8.15, 10.03, 21.17, 7.13; 3.79, 7.40, 5.18.)
+    """
+    return 2 if pl.next_power_of_2(num_splits) >= 32 else 4
 
 
 def combine_splits_reference(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -181,7 +196,7 @@ def combine_splits(out: jax.Array, lse: jax.Array, dtype=jnp.float32, *, transpo
         out_shape=[jax.ShapeDtypeStruct((batch * num_rows * rank + spare,), dtype),
                    jax.ShapeDtypeStruct((batch * num_rows + size,), jnp.float32)],
         interpret=interpret,
-        compiler_params=plgpu_tr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        compiler_params=plgpu_tr.CompilerParams(num_warps=num_warps(num_splits), num_stages=1),
         name="snapmla_combine_splits",
     )(out.reshape(-1), lse.reshape(-1))
     return (merged[:batch * num_rows * rank].reshape(batch, num_rows, rank),

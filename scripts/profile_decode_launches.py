@@ -16,13 +16,8 @@ Writes launches.json under --out.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import pathlib
-import tempfile
-
-import jax
-from jax.profiler import ProfileData
 
 from snapmla_jax.bench import decode as bench
 from snapmla_jax.bench import timing
@@ -39,18 +34,6 @@ def parse_case(text: str) -> tuple[int, int, int, int]:
     return tuple(int(p) for p in parts)
 
 
-def kernel_durations_us(path: str) -> collections.Counter:
-    """Total duration in us of each GPU kernel (by name) in a profiler trace (.xplane.pb)."""
-    totals = collections.Counter()
-    for plane in ProfileData.from_file(path).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            for event in line.events:
-                totals[event.name] += event.duration_ns / 1e3
-    return totals
-
-
 def profile_case(batch: int, context: int, heads: int, s_q: int) -> dict:
     layers = bench.chain_layers(batch, context)
     fp8, bf16, block_table = bench.make_caches(batch, context, layers=layers)
@@ -60,13 +43,8 @@ def profile_case(batch: int, context: int, heads: int, s_q: int) -> dict:
         chain = bench.decode_chain(scale, layers, "pallas")
         args = (q, q_rope, cache, block_table, seq_lens)
         us = timing.time_ms(chain, [args], warmup=2, iters=20) / layers * 1e3
-        with tempfile.TemporaryDirectory() as trace_dir:
-            with jax.profiler.trace(trace_dir):
-                for _ in range(TRACED_CALLS):
-                    chain(*args).block_until_ready()
-            [path] = pathlib.Path(trace_dir).rglob("*.xplane.pb")
-            totals = kernel_durations_us(str(path))
-        per_layer = {kernel: total / (TRACED_CALLS * layers) for kernel, total in totals.most_common()}
+        per_layer = {kernel: total / layers
+                     for kernel, total in timing.kernel_times_us(chain, args, calls=TRACED_CALLS).items()}
         result[name] = {"us_per_layer": us, "layers": layers, "kernels_us_per_layer": per_layer}
         print(f"{batch}x{context}x{heads}x{s_q} {name}: {us:.1f} us a layer", flush=True)
         for kernel, kernel_us in per_layer.items():

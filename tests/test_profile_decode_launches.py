@@ -1,4 +1,5 @@
-"""scripts/profile_decode_launches.py: its case parsing, and a clean exit without a GPU."""
+"""scripts/profile_decode_launches.py and scripts/tune_combine_splits.py: their case parsing,
+a clean exit without a GPU, and the profiler helper they share (timing.kernel_times_us)."""
 
 import argparse
 import importlib.util
@@ -9,8 +10,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("profile_decode_launches", ROOT / "scripts/profile_decode_launches.py")
+def _script(name: str = "profile_decode_launches"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"scripts/{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -28,3 +29,22 @@ def test_without_a_gpu_it_exits_2(tmp_path):
     # CI has no GPU: the script says so and writes nothing.
     assert _script().main(["--out", str(tmp_path)]) == 2
     assert not (tmp_path / "launches.json").exists()
+
+
+def test_kernel_times_read_a_trace():
+    # The profiler's trace is written and read back; a CPU run has no GPU plane, so no kernels.
+    import jax
+    import jax.numpy as jnp
+
+    from snapmla_jax.bench import timing
+
+    assert timing.kernel_times_us(jax.jit(lambda x: x + 1), (jnp.ones(3),), calls=2) == {}
+
+
+def test_merge_tuning_cases_parse_and_exit_without_a_gpu(tmp_path):
+    script = _script("tune_combine_splits")
+    assert script.parse_case("1x66x128") == (1, 66, 128, False)
+    assert script.parse_case("64x2x32T") == (64, 2, 32, True)
+    with pytest.raises(argparse.ArgumentTypeError, match="B x splits x rows"):
+        script.parse_case("1x66")
+    assert script.main(["--out", str(tmp_path)]) == 2

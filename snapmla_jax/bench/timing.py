@@ -18,6 +18,7 @@ import pathlib
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Sequence
 
@@ -51,6 +52,31 @@ class Ceilings:
     copy_gbps: float  # device-to-device copy, bytes read + written per second / 1e9
     bf16_tflops: float  # XLA bf16 GEMM
     fp8_tflops: float  # XLA e4m3 GEMM (bf16 out)
+
+
+
+def kernel_times_us(fn: Callable[..., Any], args: tuple, *, calls: int = 3) -> dict[str, float]:
+    """GPU time in us of each kernel (by name) one ``fn(*args)`` call launches, from the JAX
+    profiler: ``calls`` warm calls traced, each kernel's durations summed and divided by
+    ``calls``; largest first. For launches of 1-10 us, where a wall-clock median would
+    measure the host's dispatch."""
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(fn(*args))  # compiled and warm before the trace
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(calls):
+                result = fn(*args)
+            jax.block_until_ready(result)
+        [path] = pathlib.Path(trace_dir).rglob("*.xplane.pb")
+        planes = ProfileData.from_file(str(path)).planes
+    totals: dict[str, float] = {}
+    for plane in planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                for event in line.events:
+                    totals[event.name] = totals.get(event.name, 0.0) + event.duration_ns / 1e3 / calls
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
 def measure_copy_gbps(nbytes: int = 2 << 30) -> float:
