@@ -22,3 +22,19 @@ def resolve_backend(backend: str) -> str:
     if backend == "pallas" and jax.default_backend() != "gpu":
         raise ValueError('backend: "pallas" compiles for a CUDA GPU and none is present; use "interpret" or "xla" on CPU')
     return backend
+
+
+# The GPU an AOT lowering without a GPU targets (``lower_for_cuda``).
+ABSTRACT_GPU_KIND = "NVIDIA H100 80GB HBM3"
+
+
+def lower_for_cuda(fn, *args):
+    """``jax.jit(fn)`` traced on ``args`` and lowered for CUDA, on a machine without a GPU.
+
+    Mosaic GPU kernels lower without a device; Pallas Triton kernels ask for the GPU's
+    compute capability, which an abstract H100 (``ABSTRACT_GPU_KIND``) answers. Used to
+    check layout inference, SMEM allocation and lowering on CPU (tests, probe scripts).
+    """
+    device = jax.sharding.AbstractDevice(device_kind=ABSTRACT_GPU_KIND, num_cores=None, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))

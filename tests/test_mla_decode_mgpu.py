@@ -12,7 +12,6 @@ checked on the GPU only (``pytest -m gpu``), by the same cases compiled.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import pathlib
@@ -27,22 +26,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import quantize_per_token
 from pallas_kernels.mla_decode import mla_decode_reference
+from script_loader import load_script
+from snapmla_jax.backend import lower_for_cuda
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def lower_for_cuda(fn, *args):
-    """``jax.jit(fn)`` lowered for CUDA without a GPU. The Mosaic launchers also run Pallas
-    Triton kernels (the query quantization and the split merge), whose lowering asks for
-    the GPU's compute capability: an abstract H100 answers it."""
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="cuda")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 def _load_script(name: str = "probe_mgpu_transpose"):
-    spec = importlib.util.spec_from_file_location(name, ROOT / f"scripts/{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(name)
 
 
 def test_step_profile_summary_times_phases_per_warpgroup():

@@ -2,19 +2,13 @@
 a clean exit without a GPU, and the profiler helper they share (timing.kernel_times_us)."""
 
 import argparse
-import importlib.util
-import pathlib
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from script_loader import load_script
 
 
 def _script(name: str = "profile_decode_launches"):
-    spec = importlib.util.spec_from_file_location(name, ROOT / f"scripts/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(name)
 
 
 def test_cases_parse_and_bad_ones_name_the_form():

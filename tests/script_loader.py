@@ -1,0 +1,14 @@
+"""Loading the repository's scripts/ as modules in tests (they are not a package)."""
+
+import importlib.util
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """scripts/``name``.py, imported as a module named ``name``."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"scripts/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
