@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ import orbax.checkpoint as ocp
 from flax import nnx, traverse_util
 
 from models.config import MLAConfig
+from models.sharding import ParamSharding, param_path, resolve_sharding
 from models.transformer import MLAModel
 
 CHECKPOINT_FORMAT = "snapmla-jax/mla-model/1"
@@ -38,7 +38,7 @@ class CheckpointError(ValueError):
 
 def _flat_pure(state: nnx.State) -> dict[str, jax.Array]:
     """State -> {"layers/0/self_attn/w_uk": array, ...} (string keys: orbax wants them)."""
-    return {"/".join(str(k) for k in path): var.get_value() for path, var in nnx.to_flat_state(state)}
+    return {param_path(path): var.get_value() for path, var in nnx.to_flat_state(state)}
 
 
 def save_checkpoint(model: MLAModel, ckpt_dir: str | os.PathLike, *, overwrite: bool = False) -> None:
@@ -95,9 +95,7 @@ def _read_record(ckpt_dir: str) -> dict:
     return record
 
 
-def load_checkpoint(ckpt_dir: str | os.PathLike, *, dtype=None,
-                    sharding: jax.sharding.Sharding | Callable[[str, jax.ShapeDtypeStruct], jax.sharding.Sharding]
-                    | None = None) -> MLAModel:
+def load_checkpoint(ckpt_dir: str | os.PathLike, *, dtype=None, sharding: ParamSharding = None) -> MLAModel:
     """Restore a model saved by ``save_checkpoint``.
 
     Args:
@@ -106,7 +104,8 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, *, dtype=None,
         router's correction bias stays float32.
       sharding: where the arrays go: None (default device), one
         ``jax.sharding.Sharding`` for every array, or a function
-        ``(path "layers/0/mlp/w_gate", ShapeDtypeStruct) -> Sharding``.
+        ``(path "layers/0/mlp/w_gate", ShapeDtypeStruct) -> Sharding``
+        (``models.sharding``).
 
     Raises CheckpointError (a ValueError) naming the directory and the
     problem for a missing directory, config.json or state/, an unfinished
@@ -127,16 +126,12 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, *, dtype=None,
         raise CheckpointError(f"ckpt_dir: {ckpt_dir}: the saved state does not fit its config: "
                               f"missing {missing[:8]}, mis-shaped {misshaped[:8]}")
 
-    # Always name a target sharding: without one orbax restores onto the saved
-    # topology and refuses a checkpoint written on another platform (GPU -> CPU).
-    default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-
-    def target(path: str, leaf) -> jax.ShapeDtypeStruct:
-        plain = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-        chosen = sharding(path, plain) if callable(sharding) else sharding
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=chosen or default_sharding)
-
-    targets = {path: target(path, leaf) for path, leaf in wanted.items()}
+    # Always name a target sharding (resolve_sharding's default is one device): without
+    # one orbax restores onto the saved topology and refuses a checkpoint written on
+    # another platform (GPU -> CPU).
+    targets = {path: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                          sharding=resolve_sharding(sharding, path, leaf.shape, leaf.dtype))
+               for path, leaf in wanted.items()}
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             restored = checkpointer.restore(os.path.join(ckpt_dir, STATE_DIR), targets)

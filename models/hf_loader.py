@@ -14,10 +14,11 @@ DeepSeek's FP8 releases store linear weights as float8_e4m3fn with a float32
 ``<name>_scale_inv`` [ceil(out/128), ceil(in/128)]: each 128x128 block of the
 weight is multiplied by its scale (edge blocks cropped) and cast to the
 compute dtype. Multi-token-prediction layers (indices >= num_hidden_layers)
-are skipped. Every name, shape and scale is checked from the safetensors
-headers before any data is read, and tensors are then read one at a time from
-memory-mapped files, so host memory stays near one copy of the model (plus
-one stacked expert weight).
+are skipped. Every name, shape and scale (and the requested placement) is
+checked from the safetensors headers before any data is read. Tensors are then
+read one at a time from memory-mapped files, converted, and placed on the
+devices at once (``sharding=``: each device receives only its shards), so the
+host holds one tensor at a time plus the stacked expert weights being filled.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from flax import nnx, traverse_util
 from tqdm.auto import tqdm
 
 from models.config import MLAConfig, read_hf_config
+from models.sharding import ParamSharding, param_path, resolve_sharding
 from models.transformer import MLAModel
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -238,7 +240,8 @@ def _check_and_plan(hf_dir: str, cfg: MLAConfig, expected: dict[tuple, tuple], n
     return plan
 
 
-def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progress: bool = True) -> MLAModel:
+def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progress: bool = True,
+                       sharding: ParamSharding = None) -> MLAModel:
     """Read a Hugging Face DeepSeek-V2/V2-Lite/V3 checkpoint directory into an ``MLAModel``.
 
     Args:
@@ -248,11 +251,17 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         FP8 block-quantized weights are dequantized to it; the V3 router's
         correction bias stays float32.
       progress: show a tqdm bar over the tensors.
+      sharding: where the arrays go, as for ``load_checkpoint``: None (default
+        device), one ``jax.sharding.Sharding``, or a function
+        ``(path "layers/0/mlp/w_gate", ShapeDtypeStruct) -> Sharding``
+        (``models.sharding``). Each array is placed as soon as it is converted,
+        so a model larger than one device loads straight onto a mesh.
 
     Raises ValueError naming the tensors that are missing, unexpected or
     mis-shaped (checked from the headers before any data is read), an FP8
     weight without its scale or with a mis-shaped one, a shard the index
-    names but that is absent, or an unsupported config.
+    names but that is absent, an unsupported config, or (naming ``sharding``)
+    a placement that does not fit an array, also before any data is read.
     """
     hf_dir = os.fspath(hf_dir)
     if not os.path.isdir(hf_dir):
@@ -269,6 +278,8 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         if name not in files[path].entries:
             raise ValueError(f"hf_dir: the index places tensor {name} in {path}, which does not hold it")
     plan = _check_and_plan(hf_dir, cfg, expected, int(hf_config.get("num_nextn_predict_layers") or 0), index, files)
+    placements = {path: resolve_sharding(sharding, param_path(path), var.shape, var.dtype)
+                  for path, var in targets.items()}
 
     arrays: dict[tuple, jax.Array] = {}
     stacks: dict[tuple, tuple[np.ndarray, int]] = {}  # expert weights being filled: (buffer, rows filled)
@@ -281,12 +292,13 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         for p in plan[name]:
             value = np.asarray(p.transform(weight)).astype(targets[p.path].dtype)
             if p.expert is None:
-                arrays[p.path] = jnp.asarray(value)
+                arrays[p.path] = jax.device_put(value, placements[p.path])
                 continue
             buffer, filled = stacks.pop(p.path, None) or (np.empty(expected[p.path], value.dtype), 0)
             buffer[p.expert] = value
             if filled + 1 == expected[p.path][0]:
-                arrays[p.path] = jnp.asarray(buffer)  # stack complete: hand it to JAX, drop the host copy
+                # Stack complete: onto the devices, and the host copy is dropped.
+                arrays[p.path] = jax.device_put(buffer, placements[p.path])
             else:
                 stacks[p.path] = (buffer, filled + 1)
     nnx.replace_by_pure_dict(abstract_state, traverse_util.unflatten_dict(arrays))

@@ -72,6 +72,15 @@ def test_restore_onto_a_given_single_device_sharding(saved):
     assert all(leaf.sharding == sharding for leaf in jax.tree.leaves(nnx.state(restored)))
 
 
+def test_a_placement_that_does_not_fit_is_named_before_orbax_reads(saved):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    too_long = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("model",)), P(None, None, None, None))
+    with pytest.raises(ValueError, match=r"sharding: .* does not fit .* of shape") as raised:
+        load_checkpoint(saved, sharding=too_long)
+    assert not isinstance(raised.value, CheckpointError)  # the argument is wrong, not the checkpoint
+
+
 SHARDED_RESTORE = """
 import sys, jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -144,6 +145,67 @@ def test_decode_path_matches_full_forward_within_cache_rounding(hf_reference, va
     # rms 4-15%, max 10-35%. An rms bound of 25% still fails on a broken
     # scale or layout (errors ~100% or NaN).
     assert fp8_rms <= 0.25
+
+
+# ---- placement onto devices ----
+SHARDED_HF_LOAD = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from models import load_checkpoint, load_hf_checkpoint, save_checkpoint
+variant = sys.argv[1]
+mesh = Mesh(np.array(jax.devices()), ("model",))
+def by_path(path, leaf):
+    # Expert stacks [E, ...] split by expert, 2-D kernels by output column, the rest replicated.
+    if path.split("/")[-1] in ("w_gate", "w_up", "w_down"):
+        return NamedSharding(mesh, P("model"))
+    if len(leaf.shape) == 2 and leaf.shape[1] % 2 == 0:
+        return NamedSharding(mesh, P(None, "model"))
+    return NamedSharding(mesh, P())
+model = load_hf_checkpoint(variant, dtype=jnp.float32, progress=False, sharding=by_path)
+w_gate = model.layers[1].mlp.w_gate[...]
+assert len(jax.devices()) == 2 and w_gate.sharding.spec == P("model"), w_gate.sharding
+assert [s.data.shape[0] for s in w_gate.addressable_shards] == [w_gate.shape[0] // 2] * 2
+assert model.layers[0].self_attn.o_proj.kernel[...].sharding.spec == P(None, "model")
+logits = model(jnp.asarray(np.load(variant + "/input_ids.npy")))
+# orbax writes each device's shards; the restore puts them back where by_path says.
+save_checkpoint(model, sys.argv[4])
+restored = load_checkpoint(sys.argv[4], sharding=by_path).layers[1].mlp.w_gate[...]
+assert restored.sharding.spec == P("model"), restored.sharding
+assert all((a.data == b.data).all() for a, b in zip(restored.addressable_shards, w_gate.addressable_shards))
+np.save(sys.argv[2], np.asarray(w_gate))
+np.save(sys.argv[3], np.asarray(logits))
+"""
+
+
+def test_hf_checkpoint_loads_onto_a_two_device_mesh_runs_and_saves_from_it(hf_reference, tmp_path):
+    # An FP8 MoE checkpoint (scales dequantized on the way), its expert stacks split over two
+    # CPU devices (which exist only in a fresh process: the flag is read at JAX start-up), then
+    # saved from the mesh and restored onto it: the path for a model larger than one host's
+    # memory, which `convert` (one process, one device) cannot take.
+    variant = hf_reference / "v3_fp8"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))
+    w_gate_file, logits_file = tmp_path / "w_gate.npy", tmp_path / "logits.npy"
+    result = subprocess.run([sys.executable, "-c", SHARDED_HF_LOAD, str(variant), str(w_gate_file), str(logits_file),
+                             str(tmp_path / "saved")], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    direct = load_hf_checkpoint(variant, dtype=jnp.float32, progress=False)
+    np.testing.assert_array_equal(np.load(w_gate_file), np.asarray(direct.layers[1].mlp.w_gate[...]))
+    # The sharded model's forward is the same float32 math split over devices (partial sums
+    # added in another order): the float32 parity bound of the unsharded tests.
+    assert relative_error(np.load(logits_file), np.load(variant / "logits.npy")) <= 1e-4
+
+
+def test_hf_loader_rejects_a_placement_that_does_not_fit_before_reading(hf_reference, monkeypatch):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import models.hf_loader
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
+    too_long = NamedSharding(mesh, P(None, None, None, None))  # more axes than any weight has
+    monkeypatch.setattr(models.hf_loader.SafetensorsFile, "read", lambda *_: pytest.fail("data read before the check"))
+    with pytest.raises(ValueError, match=r"sharding: .* does not fit .* of shape"):
+        load_hf_checkpoint(hf_reference / "v2_lite", dtype=jnp.float32, progress=False, sharding=too_long)
 
 
 # ---- loader errors ----

@@ -1,0 +1,52 @@
+"""models.sharding: how ``sharding=`` resolves to a placement per model array, and its errors.
+(Loading onto a two-device mesh is tested with the loaders: test_model_checkpoint.py and
+test_model_hf.py.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models.sharding import param_path, resolve_sharding
+
+MESH = Mesh(np.array(jax.devices()[:1]), ("model",))
+
+
+def test_param_path_joins_names_and_layer_indices():
+    assert param_path(("layers", 0, "mlp", "w_gate")) == "layers/0/mlp/w_gate"
+
+
+def test_none_places_on_the_default_device():
+    assert resolve_sharding(None, "embed_tokens/embedding", (8, 4), jnp.float32) == \
+        jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def test_one_sharding_serves_every_array():
+    sharding = NamedSharding(MESH, P())
+    assert resolve_sharding(sharding, "a", (3,), jnp.float32) is sharding
+    assert resolve_sharding(sharding, "b", (2, 5), jnp.bfloat16) is sharding
+
+
+def test_a_function_sees_each_path_with_its_shape_and_dtype():
+    seen = []
+    split = NamedSharding(MESH, P("model"))
+
+    def by_path(path, leaf):
+        seen.append((path, leaf.shape, leaf.dtype))
+        return split if path.endswith("w_gate") else None  # None: the default device
+
+    assert resolve_sharding(by_path, "layers/1/mlp/w_gate", (8, 4, 6), jnp.bfloat16) is split
+    assert resolve_sharding(by_path, "norm/scale", (4,), jnp.float32) == \
+        jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    assert seen == [("layers/1/mlp/w_gate", (8, 4, 6), jnp.bfloat16), ("norm/scale", (4,), jnp.float32)]
+
+
+@pytest.mark.parametrize("sharding, message", [
+    ("cuda:0", r"sharding: expected None, a jax.sharding.Sharding or a function .* got str"),
+    (lambda path, leaf: jax.devices()[0], r"sharding: the function returned \w*Device for layers/0/x"),
+    (NamedSharding(MESH, P(None, None, None)), r"sharding: .* does not fit layers/0/x of shape \[4, 4\]"),
+])
+def test_bad_placements_are_named(sharding, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_sharding(sharding, "layers/0/x", (4, 4), jnp.float32)
