@@ -1,8 +1,11 @@
-"""The decode benchmark's table (the timings need a GPU; its markdown does not)."""
+"""The decode benchmark's table and ceilings (the timings need a GPU; its markdown and the
+ceiling programs' math do not)."""
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from snapmla_jax.bench import decode
+from snapmla_jax.bench import decode, timing
 
 ENV = {"device": "test device", "jax": "0", "python": "3", "date": "2026-11-23"}
 CEILINGS = {"copy_gbps": 1000.0, "bf16_tflops": 500.0, "fp8_tflops": 900.0}
@@ -36,7 +39,6 @@ def test_decode_table_without_merged_rows_has_no_merge_note():
 
 def test_benchmarks_exit_2_with_one_line_without_a_gpu(capsys):
     """On a CPU the GPU benchmarks print one line naming themselves and exit with status 2."""
-    from snapmla_jax.bench import timing
     if not timing.missing_gpu("probe"):
         pytest.skip("a GPU is present")
     assert decode.main(["--quick"]) == 2
@@ -63,8 +65,6 @@ def test_decode_chain_is_the_layers_called_in_turn(backend):
     """decode_chain(layers=3) over a layered cache = three mla_decode calls, call i over
     layer i and fed the previous output; the layers of make_caches hold the same contents."""
     import jax
-    import jax.numpy as jnp
-    import numpy as np
     from snapmla_jax.decode import mla_decode
 
     batch, context, heads, s_q, layers = 3, 128, 16, 1, 3
@@ -89,3 +89,22 @@ def test_decode_chain_is_the_layers_called_in_turn(backend):
     single = decode.decode_chain(scale, 1, backend)(q, q_rope, bf16.layer_arrays(1), block_table, seq_lens)
     np.testing.assert_array_equal(np.asarray(single), np.asarray(
         mla_decode(q, q_rope, bf16, block_table, seq_lens, softmax_scale=scale, layer=1, backend=backend)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_ceiling_gemm_layouts_all_compute_the_same_product(dtype):
+    programs = timing.gemm_programs(dtype, 64)
+    assert set(programs) == set(timing.GEMM_LAYOUTS)
+    a, b = (np.asarray(x, np.float64) for x in programs["b_kn"][1])
+    want = a @ b
+    for name, (fn, args) in programs.items():
+        got = np.asarray(fn(*args), np.float64)
+        # e4m3/bf16 operands are exact in the f32 accumulator; only the bf16 result is rounded
+        # (2**-9 relative to each element's magnitude, which is at most the row norms' product).
+        assert np.abs(got - want).max() <= 2**-8 * np.abs(a).sum(1).max() * np.abs(b).max(), name
+
+
+def test_gemm_ceiling_is_the_fastest_layout(monkeypatch):
+    times = iter([2.0, 0.5])  # ms, in GEMM_LAYOUTS order
+    monkeypatch.setattr(timing, "time_ms", lambda *args, **kwargs: next(times))
+    assert timing.measure_gemm_tflops(jnp.bfloat16, 64) == pytest.approx(2 * 64**3 / 0.5e-3 / 1e12)
