@@ -12,13 +12,23 @@ Routing (``MLAConfig.topk_method``):
 Scores are softmax or sigmoid of the router logits (``scoring_func``),
 optionally renormalized over the chosen k, then times ``routed_scaling_factor``.
 
-The experts are dropless: every (token, expert) assignment is computed. The
-T*k assignments are sorted by expert so each expert's tokens are contiguous,
-and ``jax.lax.ragged_dot`` multiplies each contiguous group by its expert's
-weights: work is proportional to T*k, not T*n_experts.
+The experts are dropless: every (token, expert) assignment is computed, in one
+of two ways (``MoE.__call__`` picks by the token count T, a static shape):
+
+* ragged (the default): the T*k assignments are sorted by expert so each
+  expert's tokens are contiguous, and ``jax.lax.ragged_dot`` multiplies each
+  contiguous group by its expert's weights: work proportional to T*k.
+* dense (T in ``DENSE_TOKEN_RANGE``): every expert runs on every token and
+  the unchosen (token, expert) pairs get gate weight 0. E/k times the
+  arithmetic, but plain batched matrix products that read each expert weight
+  once: for a decode step's few tokens the layer's time is its weight read,
+  and T <= (matrix rate / memory bandwidth) tokens (~230 in bf16 on an H100)
+  keep it there.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +36,30 @@ from flax import nnx
 
 from models.config import MLAConfig
 from models.layers import MLP
+
+# Token counts T (tokens in one call: batch x sequence) for which the routed experts run
+# dense (module docstring), as an inclusive (low, high) range; None: always ragged. Dense
+# reads every expert, ragged only the chosen ones, so dense pays only once T tokens x k
+# choices cover most experts; it stops paying once the arithmetic outgrows the weight
+# read. Where that window lies on a given GPU is measured by scripts/bench_moe.py; until
+# it has been, ragged stays the only default.
+DENSE_TOKEN_RANGE: tuple[int, int] | None = None
+
+
+@contextlib.contextmanager
+def dense_token_range(token_range: tuple[int, int] | None):
+    """Within the block, MoE calls traced use ``token_range`` as ``DENSE_TOKEN_RANGE`` (restored after)."""
+    global DENSE_TOKEN_RANGE
+    saved, DENSE_TOKEN_RANGE = DENSE_TOKEN_RANGE, token_range
+    try:
+        yield
+    finally:
+        DENSE_TOKEN_RANGE = saved
+
+
+def runs_dense(num_tokens: int) -> bool:
+    """Whether a MoE call on ``num_tokens`` tokens runs its routed experts dense (``DENSE_TOKEN_RANGE``)."""
+    return DENSE_TOKEN_RANGE is not None and DENSE_TOKEN_RANGE[0] <= num_tokens <= DENSE_TOKEN_RANGE[1]
 
 
 class RouterBias(nnx.Variable):
@@ -105,20 +139,43 @@ class MoE(nnx.Module):
                                if cfg.n_shared_experts else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        cfg = self.cfg
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
-        k = cfg.num_experts_per_tok
+        routed = (self._dense_experts if runs_dense(flat.shape[0]) else self._ragged_experts)(flat, weights, ids)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(flat)
+        return routed.reshape(x.shape)
+
+    def _ragged_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+        """The chosen experts only: flat [T, hidden], gate weights [T, k] f32, expert ids [T, k]
+        -> [T, hidden] in flat's dtype (one grouped product per weight over the T*k assignments
+        sorted by expert)."""
+        k = self.cfg.num_experts_per_tok
         expert_of = ids.reshape(-1)                        # [T*k], assignment a = token * k + slot
         order = jnp.argsort(expert_of, stable=True)        # assignments grouped by expert
         rows = flat[order // k]                            # [T*k, hidden], sorted by expert
-        group_sizes = jnp.bincount(expert_of, length=cfg.n_routed_experts).astype(jnp.int32)
+        group_sizes = jnp.bincount(expert_of, length=self.cfg.n_routed_experts).astype(jnp.int32)
         hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, self.w_gate[...], group_sizes))
                   * jax.lax.ragged_dot(rows, self.w_up[...], group_sizes))
         out_sorted = jax.lax.ragged_dot(hidden, self.w_down[...], group_sizes)
         per_assignment = jnp.zeros_like(out_sorted).at[order].set(out_sorted)   # back to token-major order
         per_token = per_assignment.reshape(flat.shape[0], k, -1).astype(jnp.float32)
-        routed = jnp.einsum("tkd,tk->td", per_token, weights).astype(x.dtype)
-        if self.shared_experts is not None:
-            routed = routed + self.shared_experts(flat)
-        return routed.reshape(x.shape)
+        return jnp.einsum("tkd,tk->td", per_token, weights).astype(flat.dtype)
+
+    def _dense_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+        """Every expert on every token, the same arguments and result as ``_ragged_experts``.
+
+        Gate and up are batched products over the experts ([E, T, I]); each expert's
+        activations are scaled by its gate weight per token (0 where not chosen) before the
+        down projection, which is then one product contracting experts and features together
+        ([T, E*I] x [E*I, hidden]): no [E, T, hidden] intermediate, and the weights are read in
+        their stored layout.
+        """
+        num_tokens, num_experts = flat.shape[0], self.cfg.n_routed_experts
+        gate_of = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
+            jnp.arange(num_tokens)[:, None], ids].add(weights)                 # [T, E]
+        tokens = jnp.broadcast_to(flat, (num_experts, *flat.shape))            # [E, T, hidden]
+        hidden = (jax.nn.silu(jnp.einsum("eth,ehi->eti", tokens, self.w_gate[...]))
+                  * jnp.einsum("eth,ehi->eti", tokens, self.w_up[...]))
+        scaled = (hidden.astype(jnp.float32) * gate_of.T[:, :, None]).astype(hidden.dtype)
+        return jnp.einsum("eti,eid->td", scaled, self.w_down[...]).astype(flat.dtype)

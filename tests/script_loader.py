@@ -2,6 +2,7 @@
 
 import importlib.util
 import pathlib
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -10,5 +11,6 @@ def load_script(name: str):
     """scripts/``name``.py, imported as a module named ``name``."""
     spec = importlib.util.spec_from_file_location(name, ROOT / f"scripts/{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module

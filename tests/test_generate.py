@@ -252,11 +252,17 @@ def test_pallas_kernels_in_the_loop_match_the_xla_path(model, prompts, greedy_bf
     assert min(len(set(row)) for row in generated) >= 3
 
 
-def test_e2e_bench_runs_tiny(tmp_path):
+@pytest.mark.parametrize("dense_moe", [None, (1, 64)])
+def test_e2e_bench_runs_tiny(tmp_path, dense_moe):
+    import models.moe
     from snapmla_jax.bench import e2e
 
+    extra = [] if dense_moe is None else ["--dense-moe", *map(str, dense_moe)]
     assert e2e.main(["--tiny", "--batches", "2", "--contexts", "64", "--steps", "2", "--iters", "1",
-                     "--out", str(tmp_path)]) == 0
+                     "--out", str(tmp_path), *extra]) == 0
+    assert models.moe.DENSE_TOKEN_RANGE is None  # the option does not outlive the run
+    env = json.loads((tmp_path / "e2e.json").read_text())["environment"]
+    assert env["dense_moe_tokens"] == (None if dense_moe is None else list(dense_moe))
     rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
     assert {(r["kv_cache"], r["status"]) for r in rows} == {("fp8", "ok"), ("bf16", "ok")}
     assert all(r["tokens_per_s"] > 0 and 0 < r["attention_share"] for r in rows)

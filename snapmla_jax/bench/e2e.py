@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import models.moe
 from models import MLAConfig, MLAModel
 from snapmla_jax.bench import timing
 from snapmla_jax.cache import LatentCache, kernel_addressable
@@ -189,7 +190,8 @@ def feed_forward_stack(params, x, *, graphdef):
 def weight_bytes_touched(cfg: MLAConfig, params, batch: int) -> tuple[int, int]:
     """(all weight bytes, bytes a step of ``batch`` tokens reads): the embedding counts
     ``batch`` rows; routed experts count by the expected share any token picks,
-    1 - (1 - k/E)^batch (uniform routing)."""
+    1 - (1 - k/E)^batch (uniform routing), or whole where the MoE runs dense for
+    ``batch`` tokens (``models.moe.runs_dense``)."""
     total = expert = unread = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         nbytes = leaf.size * leaf.dtype.itemsize
@@ -199,7 +201,9 @@ def weight_bytes_touched(cfg: MLAConfig, params, batch: int) -> tuple[int, int]:
             expert += nbytes
         if "embed_tokens" in names:
             unread += nbytes - min(nbytes, batch * nbytes // leaf.shape[0])
-    share = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch if cfg.n_routed_experts else 1.0
+    share = 1.0
+    if cfg.n_routed_experts and not models.moe.runs_dense(batch):
+        share = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch
     return total, int(total - unread - (1 - share) * expert)
 
 
@@ -374,12 +378,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=8, help="parallel compilations (default 8)")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting new runs after this long")
     parser.add_argument("--out", default="docs/benchmarks", help="directory for e2e.json / e2e.md")
+    parser.add_argument("--dense-moe", type=int, nargs=2, metavar=("LOW", "HIGH"), default=None,
+                        help="run the routed experts dense for LOW..HIGH tokens a call "
+                             "(models.moe.DENSE_TOKEN_RANGE; default: the library's)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.iters < 1:
         parser.error("--steps and --iters: expected ints >= 1")
     if not args.tiny and timing.missing_gpu("e2e benchmark",
                                             "the V2-Lite-sized model needs a CUDA GPU (use --tiny elsewhere)"):
         return 2
+    dense_moe = models.moe.DENSE_TOKEN_RANGE if args.dense_moe is None else tuple(args.dense_moe)
+    with models.moe.dense_token_range(dense_moe):  # read when the programs are traced
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The benchmark for ``main``'s parsed arguments; returns the exit code."""
     start = time.perf_counter()
     cfg = TINY if args.tiny else V2_LITE
     grid = dict(TINY_GRID if args.tiny else FULL_GRID)
@@ -388,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             grid[key] = tuple(getattr(args, key))
     env = timing.environment()
     env["copy_gbps"] = timing.measure_copy_gbps((64 << 20) if args.tiny else (2 << 30))
+    env["dense_moe_tokens"] = models.moe.DENSE_TOKEN_RANGE
     model = random_model(cfg, jnp.bfloat16)
     runner = Runner(cfg, model, steps=args.steps, iters=args.iters, backend=args.backend, threads=args.threads)
     weights_total = weight_bytes_touched(cfg, runner.params, 1)[0]

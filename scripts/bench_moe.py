@@ -1,0 +1,153 @@
+"""Time one DeepSeek MoE layer with its routed experts ragged vs dense (models/moe.py) at
+decode-sized token counts, against the weight-read floor: the measurement that sets
+``models.moe.DENSE_TOKEN_RANGE``.
+
+    PYTHONPATH=. python scripts/bench_moe.py --out /tmp/bench_moe [--shapes v2_lite v3] [--tokens 1 8 64 ...]
+
+One layer (router, routed experts, shared experts) with random bf16 weights and random
+tokens, each dispatch compiled ahead of time and timed with warm-up and a median
+(snapmla_jax/bench/timing.py), side by side in one run. The floor is the bytes of the
+weights the dispatch must read (ragged: the experts the router chose for these tokens;
+dense: every expert; both: router and shared experts) over the copy bandwidth measured in
+the run. A random router spreads tokens evenly over the experts, as a trained,
+load-balanced one does. Writes bench_moe.json and bench_moe.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import models.moe
+from models.config import MLAConfig
+from models.moe import MoE
+from snapmla_jax.bench import timing
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEShape:
+    hidden: int
+    inner: int  # moe_intermediate_size
+    experts: int
+    top_k: int
+    shared: int  # shared experts
+
+
+# One MoE layer of each family (the models' config.json values).
+SHAPES = {
+    "v2_lite": MoEShape(hidden=2048, inner=1408, experts=64, top_k=6, shared=2),
+    "v3": MoEShape(hidden=7168, inner=2048, experts=256, top_k=8, shared=1),
+}
+TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
+DISPATCHES = {"ragged": None, "dense": (1, 1 << 30)}  # DENSE_TOKEN_RANGE for each
+WEIGHT_STD = 0.02
+
+
+def moe_config(shape: MoEShape) -> MLAConfig:
+    """An MLAConfig whose MoE layer has ``shape``: greedy top-k of sigmoid scores (the dispatch's cost
+    does not depend on the routing rule); the attention fields are unused."""
+    return MLAConfig(vocab_size=16, hidden_size=shape.hidden, intermediate_size=shape.inner, num_hidden_layers=1,
+                     num_attention_heads=1, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                     n_routed_experts=shape.experts, num_experts_per_tok=shape.top_k, n_shared_experts=shape.shared,
+                     moe_intermediate_size=shape.inner, topk_method="greedy", scoring_func="sigmoid",
+                     norm_topk_prob=True, routed_scaling_factor=2.5)
+
+
+def random_layer(shape: MoEShape, dtype=jnp.bfloat16, seed: int = 0) -> MoE:
+    """The layer with normal(0, WEIGHT_STD) weights drawn on the device in ``dtype`` (no float32
+    copy of V3's 22 GB of experts)."""
+    layer = nnx.eval_shape(lambda: MoE(moe_config(shape), dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(layer)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    filled = [jax.random.normal(key, leaf.shape, leaf.dtype) * jnp.asarray(WEIGHT_STD, leaf.dtype)
+              for key, leaf in zip(keys, leaves)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, filled))
+
+
+def floor_bytes(layer: MoE, x: jax.Array) -> dict[str, int]:
+    """Weight bytes each dispatch must read for tokens x [T, hidden]: the router and shared
+    experts, plus the chosen experts (ragged) or all of them (dense)."""
+    _, ids = layer.gate(x)
+    chosen = len(np.unique(np.asarray(ids)))
+    per_expert = sum(getattr(layer, w)[...].nbytes for w in ("w_gate", "w_up", "w_down")) // layer.cfg.n_routed_experts
+    shared = jax.tree.leaves(nnx.state(layer.shared_experts)) if layer.shared_experts is not None else []
+    always = layer.gate.kernel[...].nbytes + sum(leaf.nbytes for leaf in shared)
+    return {"ragged": always + chosen * per_expert, "dense": always + layer.cfg.n_routed_experts * per_expert,
+            "chosen_experts": chosen}
+
+
+def compiled_dispatches(layer: MoE, x: jax.Array) -> dict:
+    """Per ``DISPATCHES`` entry, the layer's call on x compiled ahead of time with that
+    ``DENSE_TOKEN_RANGE`` (read when tracing): ``(compiled, args)``."""
+    graphdef, state = nnx.split(layer)
+    call = lambda state, x: nnx.merge(graphdef, state)(x)
+    programs = {}
+    for name, token_range in DISPATCHES.items():
+        with models.moe.dense_token_range(token_range):
+            programs[name] = (jax.jit(call).lower(state, x).compile(), (state, x))
+    return programs
+
+
+def measure(shape_name: str, tokens: int, layer: MoE, copy_gbps: float, iters: int) -> dict:
+    x = jax.random.normal(jax.random.key(tokens), (tokens, layer.cfg.hidden_size), jnp.bfloat16)
+    floors = floor_bytes(layer, x)
+    programs = compiled_dispatches(layer, x)
+    outs = {name: np.asarray(fn(*args), np.float64) for name, (fn, args) in programs.items()}
+    row = {"shape": shape_name, "tokens": tokens, "chosen_experts": floors["chosen_experts"],
+           "dense_vs_ragged_rel_l2": float(np.linalg.norm(outs["dense"] - outs["ragged"])
+                                           / np.linalg.norm(outs["ragged"]))}
+    for name, (fn, args) in programs.items():
+        ms = timing.time_ms(fn, [args], warmup=3, iters=iters)
+        row[f"{name}_ms"] = ms
+        row[f"{name}_floor_ms"] = floors[name] / (copy_gbps * 1e9) * 1e3
+        row[f"{name}_of_floor"] = row[f"{name}_floor_ms"] / ms
+    row["dense_speedup"] = row["ragged_ms"] / row["dense_ms"]
+    return row
+
+
+def table(env: dict, rows: list[dict]) -> str:
+    header = (f"# MoE layer: ragged vs dense routed experts\n\nDevice: {env['device']}, jax {env['jax']}, "
+              f"date {env['date']}; copy {env['copy_gbps']:.0f} GB/s. One layer (router, routed and shared "
+              "experts), bf16, times are medians; floor = weight bytes the dispatch must read / copy "
+              "bandwidth (ragged: the chosen experts; dense: all). `scripts/bench_moe.py`.\n\n")
+    columns = ["shape", "T", "experts chosen", "ragged ms", "dense ms", "dense speed-up", "ragged % floor",
+               "dense % floor", "dense vs ragged rel. L2"]
+    body = [[r["shape"], r["tokens"], r["chosen_experts"], r["ragged_ms"], r["dense_ms"],
+             f"{r['dense_speedup']:.2f}x", f"{r['ragged_of_floor']:.0%}", f"{r['dense_of_floor']:.0%}",
+             f"{r['dense_vs_ragged_rel_l2']:.1e}"] for r in rows]
+    return header + timing.markdown_table(columns, body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory for bench_moe.json / .md")
+    parser.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), default=sorted(SHAPES))
+    parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args(argv)
+    if timing.missing_gpu("MoE benchmark"):
+        return 2
+    env = dict(timing.environment(), copy_gbps=timing.measure_copy_gbps())
+    rows = []
+    for shape_name in args.shapes:
+        layer = random_layer(SHAPES[shape_name])
+        for tokens in args.tokens:
+            rows.append(measure(shape_name, tokens, layer, env["copy_gbps"], args.iters))
+            r = rows[-1]
+            print(f"{shape_name} T={tokens}: ragged {r['ragged_ms']:.3f} ms, dense {r['dense_ms']:.3f} ms "
+                  f"({r['dense_speedup']:.2f}x), {r['chosen_experts']} experts chosen", flush=True)
+            timing.write_results(args.out, "bench_moe", env, rows, table(env, rows))
+        del layer
+    print(table(env, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

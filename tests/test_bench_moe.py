@@ -1,0 +1,40 @@
+"""scripts/bench_moe.py on the CPU: its two programs compute the same layer, its floor counts
+the right weights, and without a GPU it exits 2 (the timings need one)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from script_loader import load_script
+
+bench_moe = load_script("bench_moe")
+TINY = bench_moe.MoEShape(hidden=32, inner=16, experts=8, top_k=2, shared=1)
+
+
+def test_ragged_and_dense_programs_compute_the_same_layer():
+    layer = bench_moe.random_layer(TINY, dtype=jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (5, TINY.hidden), jnp.float32)
+    programs = bench_moe.compiled_dispatches(layer, x)
+    assert set(programs) == {"ragged", "dense"}
+    ragged, dense = (np.asarray(fn(*args), np.float64) for fn, args in programs.values())
+    # float32 sums of <= 32 products, in another order: ~1e-7 relative.
+    assert np.abs(dense - ragged).max() <= 1e-5 * np.abs(ragged).max()
+    assert np.abs(ragged).max() > 0
+
+
+def test_floor_counts_router_shared_and_the_experts_each_dispatch_reads():
+    layer = bench_moe.random_layer(TINY, dtype=jnp.bfloat16)
+    per_expert = 3 * TINY.hidden * TINY.inner * 2  # gate, up, down in bf16
+    always = TINY.hidden * TINY.experts * 2 + TINY.shared * per_expert  # router + one shared expert
+    one_token = bench_moe.floor_bytes(layer, jnp.ones((1, TINY.hidden), jnp.bfloat16))
+    assert one_token == {"ragged": always + TINY.top_k * per_expert, "dense": always + TINY.experts * per_expert,
+                         "chosen_experts": TINY.top_k}
+    no_shared = bench_moe.random_layer(dataclasses.replace(TINY, shared=0), dtype=jnp.bfloat16)
+    assert bench_moe.floor_bytes(no_shared, jnp.ones((1, TINY.hidden), jnp.bfloat16))["dense"] == \
+        TINY.hidden * TINY.experts * 2 + TINY.experts * per_expert
+
+
+def test_without_a_gpu_it_exits_2(tmp_path):
+    assert bench_moe.main(["--out", str(tmp_path)]) == 2
+    assert not (tmp_path / "bench_moe.json").exists()
