@@ -113,13 +113,15 @@ _COMPILED: collections.OrderedDict = collections.OrderedDict()
 
 
 def _signature(tree) -> tuple:
+    """What a compiled program is specialised to: the tree's structure and each leaf's shape,
+    dtype and sharding (a program compiled for arrays on one device refuses them on a mesh)."""
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves)
+    return treedef, tuple((leaf.shape, str(leaf.dtype), getattr(leaf, "sharding", None)) for leaf in leaves)
 
 
 def _compiled(fn, static: dict, args: tuple):
     """``fn`` compiled ahead of time for ``args`` and the ``static`` keyword arguments
-    (reused for equal shapes and static values); returns (callable taking
+    (reused for equal ``_signature`` and static values); returns (callable taking
     ``args``, seconds spent compiling)."""
     key = (fn, tuple(sorted(static.items())), _signature(args))
     if key in _COMPILED:
