@@ -26,7 +26,22 @@ from flax import nnx
 from models.config import MLAConfig
 from models.layers import RMSNorm, RotaryEmbedding, linear
 
-QUERY_CHUNK = 1024  # queries per block of the full form's attention (bounds its score matrix)
+# The full form's attention runs in query blocks whose float32 scores [B, H, C, S] stay
+# under SCORE_BLOCK_BYTES: the compiled program holds about three such temporaries (scores,
+# their exponentials, the weights in the value dtype). One 16k-token prompt with V3's 128
+# heads: 3.5 GiB of temporaries (mostly the per-head keys and values) instead of 26.8 GiB
+# with 1024-query blocks (XLA's memory analysis of the compiled attention, on the CPU).
+SCORE_BLOCK_BYTES = 256 << 20
+MAX_QUERY_CHUNK = 1024  # queries per block at most: beyond it the products gain nothing
+
+
+def query_chunk(batch: int, heads: int, seq: int) -> int:
+    """Queries per block of the full form for [batch, seq] tokens and ``heads`` heads: the
+    largest power of two <= MAX_QUERY_CHUNK whose float32 scores [batch, heads, C, seq] fit
+    SCORE_BLOCK_BYTES, and 1 when not even one query's do (memory then grows as batch x heads
+    x seq)."""
+    fit = SCORE_BLOCK_BYTES // (batch * heads * seq * 4)
+    return 1 if fit < 1 else min(MAX_QUERY_CHUNK, 1 << (fit.bit_length() - 1))
 
 
 class MLAAttention(nnx.Module):
@@ -76,27 +91,28 @@ class MLAAttention(nnx.Module):
 
         Returns (out [B, S, hidden], c_kv [B, S, R], k_pe [B, S, rope]); the
         latents are returned so prefill can write them into the cache.
-        Scores and softmax run in float32, QUERY_CHUNK queries at a time.
+        Scores and softmax run in float32, ``query_chunk`` queries at a time.
         """
         q_nope, q_pe = self.queries(x, positions)
         c_kv, k_pe = self.latents(x, positions)
         k_nope = jnp.einsum("bkr,rhn->bkhn", c_kv, self.w_uk[...])
         values = jnp.einsum("bkr,rhv->bkhv", c_kv, self.w_uv[...])
         batch, seq = x.shape[:2]
-        if seq <= QUERY_CHUNK:
+        chunk = query_chunk(batch, self.cfg.num_attention_heads, seq)
+        if seq <= chunk:
             out = self._attend(q_nope, q_pe, k_nope, k_pe, values, 0)
         else:
-            # Query blocks in sequence: scores [B, H, QUERY_CHUNK, S] live one
-            # block at a time instead of [B, H, S, S] (4 GiB in float32 for one
-            # 8k-token prompt with 16 heads). Rows are independent, so the
-            # result is the same as in one block.
-            chunks = -(-seq // QUERY_CHUNK)
-            pad = ((0, 0), (0, chunks * QUERY_CHUNK - seq), (0, 0), (0, 0))
-            blocked = lambda q: jnp.pad(q, pad).reshape(batch, chunks, QUERY_CHUNK, *q.shape[2:]).swapaxes(0, 1)
+            # Query blocks in sequence: scores [B, H, chunk, S] live one block at a
+            # time instead of [B, H, S, S] (4 GiB in float32 for one 8k-token prompt
+            # with 16 heads). Rows are independent, so the result is the same as in
+            # one block.
+            chunks = -(-seq // chunk)
+            pad = ((0, 0), (0, chunks * chunk - seq), (0, 0), (0, 0))
+            blocked = lambda q: jnp.pad(q, pad).reshape(batch, chunks, chunk, *q.shape[2:]).swapaxes(0, 1)
             out = jax.lax.map(
                 lambda args: self._attend(args[0], args[1], k_nope, k_pe, values, args[2]),
-                (blocked(q_nope), blocked(q_pe), jnp.arange(chunks) * QUERY_CHUNK))
-            out = out.swapaxes(0, 1).reshape(batch, chunks * QUERY_CHUNK, *out.shape[3:])[:, :seq]
+                (blocked(q_nope), blocked(q_pe), jnp.arange(chunks) * chunk))
+            out = out.swapaxes(0, 1).reshape(batch, chunks * chunk, *out.shape[3:])[:, :seq]
         return self.o_proj(out.reshape(batch, seq, -1)), c_kv, k_pe
 
     def _attend(self, q_nope, q_pe, k_nope, k_pe, values, first_query):
