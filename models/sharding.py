@@ -10,8 +10,8 @@ A placement is given as ``sharding=``:
   ``"layers/0/mlp/w_gate"`` (the names ``save_checkpoint`` writes).
 
 A function may split, say, the stacked expert weights [E, ...] over a mesh axis
-and replicate the rest, so that a model larger than one device's memory loads
-straight onto a mesh, each device receiving only its shards.
+and replicate the rest (``expert_sharding``), so that a model larger than one
+device's memory loads straight onto a mesh, each device receiving only its shards.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from __future__ import annotations
 from typing import Callable, Union
 
 import jax
+import numpy as np
+
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # the MoE's stacked [E, ...] expert weights
 
 ParamSharding = Union[jax.sharding.Sharding, Callable[[str, jax.ShapeDtypeStruct], jax.sharding.Sharding], None]
 
@@ -65,3 +68,19 @@ def _fitting(target: jax.sharding.Sharding, path: str, shape: tuple[int, ...]) -
         raise ValueError(f"sharding: {target} does not fit {path} of shape {list(shape)}: {err}") from err
     return target
 
+
+
+def expert_sharding(mesh: jax.sharding.Mesh | None = None, axis: str = "expert"
+                    ) -> Callable[[str, jax.ShapeDtypeStruct], jax.sharding.Sharding]:
+    """A ``sharding=`` function that splits every stacked expert weight [E, ...] by expert over
+    ``mesh``'s ``axis`` and replicates every other array on the mesh (expert parallelism: the
+    experts hold most of a DeepSeek MoE's weights). ``mesh`` None: a 1-D mesh named ``axis``
+    over all of ``jax.devices()``. The number of experts must be a multiple of the axis size
+    (else the loaders raise ValueError naming ``sharding``)."""
+    if mesh is None:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), (axis,))
+    if axis not in mesh.axis_names:
+        raise ValueError(f"axis: {axis!r} is not an axis of the mesh {mesh.axis_names}")
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return lambda path, leaf: split if path.rsplit("/", 1)[-1] in EXPERT_WEIGHTS else replicated

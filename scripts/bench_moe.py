@@ -27,6 +27,7 @@ from flax import nnx
 import models.moe
 from models.config import MLAConfig
 from models.moe import MoE
+from models.sharding import EXPERT_WEIGHTS
 from snapmla_jax.bench import timing
 
 
@@ -76,7 +77,7 @@ def floor_bytes(layer: MoE, x: jax.Array) -> dict[str, int]:
     experts, plus the chosen experts (ragged) or all of them (dense)."""
     _, ids = layer.gate(x)
     chosen = len(np.unique(np.asarray(ids)))
-    per_expert = sum(getattr(layer, w)[...].nbytes for w in ("w_gate", "w_up", "w_down")) // layer.cfg.n_routed_experts
+    per_expert = sum(getattr(layer, w)[...].nbytes for w in EXPERT_WEIGHTS) // layer.cfg.n_routed_experts
     shared = jax.tree.leaves(nnx.state(layer.shared_experts)) if layer.shared_experts is not None else []
     always = layer.gate.kernel[...].nbytes + sum(leaf.nbytes for leaf in shared)
     return {"ragged": always + chosen * per_expert, "dense": always + layer.cfg.n_routed_experts * per_expert,

@@ -365,6 +365,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="parameter dtype (default: the checkpoint's; bfloat16 for Hugging Face weights)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="kernel backend for write_kv/mla_decode (default auto)")
+    parser.add_argument("--shard-experts", action="store_true",
+                        help="split the MoE expert weights over all devices, replicate the rest "
+                             "(for models larger than one device; the expert count must divide evenly)")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
                         help=f"decode steps between streamed outputs (default {DEFAULT_CHUNK_SIZE})")
     parser.add_argument("--no-stream", action="store_true", help="print the text once generation has finished")
@@ -403,16 +406,24 @@ def _model_dir(args) -> pathlib.Path:
     return path
 
 
-def _load_model(model_dir: pathlib.Path, dtype_name: str | None):
+def _load_model(model_dir: pathlib.Path, dtype_name: str | None, shard_experts: bool = False):
     """An orbax checkpoint (``<dir>/state`` beside config.json) or a Hugging Face
-    directory (config.json + safetensors)."""
+    directory (config.json + safetensors); ``shard_experts``: the expert weights split
+    over all devices, the rest replicated (``models.sharding.expert_sharding``)."""
     from models import load_checkpoint, load_hf_checkpoint
+    from models.sharding import expert_sharding
 
     dtype = PARAM_DTYPES[dtype_name] if dtype_name else None
-    if (model_dir / "state").is_dir():
-        return load_checkpoint(model_dir, dtype=dtype)
-    if any(model_dir.glob("*.safetensors")):
-        return load_hf_checkpoint(model_dir, dtype=dtype or jnp.bfloat16, progress=False)
+    sharding = expert_sharding() if shard_experts else None
+    try:
+        if (model_dir / "state").is_dir():
+            return load_checkpoint(model_dir, dtype=dtype, sharding=sharding)
+        if any(model_dir.glob("*.safetensors")):
+            return load_hf_checkpoint(model_dir, dtype=dtype or jnp.bfloat16, progress=False, sharding=sharding)
+    except ValueError as err:
+        if shard_experts and str(err).startswith("sharding:"):  # the placement, not the checkpoint
+            raise _UsageError(f"--shard-experts: {jax.device_count()} devices: {err}") from err
+        raise
     raise _UsageError(f"--model: {model_dir} is neither an orbax checkpoint (no state/) nor a Hugging Face "
                       "directory (no *.safetensors)")
 
@@ -470,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = _model_dir(args)
         tokenizer = load_tokenizer(args.tokenizer or model_dir)
         prompts = [tokenizer.encode(text) for text in texts]
-        model = _load_model(model_dir, args.dtype)
+        model = _load_model(model_dir, args.dtype, args.shard_experts)
         context = model.cfg.max_position_embeddings
         for number, ids in enumerate(prompts, 1):
             if not ids:
@@ -497,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         stats = result.stats
         print(json.dumps({
             "model": str(model_dir), "kv_cache": args.kv_cache, "eos_id": eos_id,
+            "devices": len({device for leaf in jax.tree.leaves(nnx.state(model)) for device in leaf.sharding.device_set}),
             "sampling": dataclasses.asdict(sampling), "seed": args.seed,
             "completions": [{"prompt": text, "prompt_tokens": len(ids), "text": completion, "tokens": tokens,
                              "finish_reason": "eos" if done else "length"}

@@ -169,3 +169,31 @@ def test_missing_model_or_tokenizer_exits_2(checkpoint, tmp_path, capsys, monkey
 def test_help_exits_0(capsys):
     code, out, _ = _run(capsys, "--help")
     assert code == 0 and "--kv-cache" in out and "--batch-file" in out
+
+
+def _cli_on_cpu_devices(count: int, *argv) -> subprocess.CompletedProcess:
+    """The CLI in a fresh process that sees ``count`` CPU devices (read at JAX start-up)."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={count}", JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "snapmla_jax.generate", *map(str, argv)], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_shard_experts_runs_the_demo_model_over_two_devices_with_the_same_tokens(capsys):
+    # The bundled demo model has 8 experts a MoE layer: 4 on each device, the rest replicated.
+    argv = ["--prompt", "def ", "--max-new-tokens", "8", "--json", "--dtype", "float32"]
+    code, out, _ = _run(capsys, *argv)
+    assert code == 0
+    sharded = _cli_on_cpu_devices(2, *argv, "--shard-experts")
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    one, two = json.loads(out), json.loads(sharded.stdout)
+    assert (one["devices"], two["devices"]) == (1, 2)
+    # Greedy tokens of the same model run in float32: the split only reorders the experts' sums
+    # (float32 rounding, far below the margins between the top logits).
+    assert two["completions"][0]["tokens"] == one["completions"][0]["tokens"]
+
+
+def test_shard_experts_that_do_not_divide_over_the_devices_exit_2_naming_the_flag():
+    result = _cli_on_cpu_devices(3, "--prompt", "def ", "--shard-experts")  # 8 experts, 3 devices
+    assert result.returncode == 2
+    assert result.stderr.startswith("snapmla_jax.generate: error: --shard-experts: 3 devices: sharding:")
+    assert result.stderr.count("\n") == 1

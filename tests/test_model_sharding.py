@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models.sharding import param_path, resolve_sharding
+from models.sharding import expert_sharding, param_path, resolve_sharding
 
 MESH = Mesh(np.array(jax.devices()[:1]), ("model",))
 
@@ -50,3 +50,19 @@ def test_a_function_sees_each_path_with_its_shape_and_dtype():
 def test_bad_placements_are_named(sharding, message):
     with pytest.raises(ValueError, match=message):
         resolve_sharding(sharding, "layers/0/x", (4, 4), jnp.float32)
+
+
+def test_expert_sharding_splits_the_expert_stacks_and_replicates_the_rest():
+    by_path = expert_sharding(MESH, "model")
+    leaf = jax.ShapeDtypeStruct((8, 4, 6), jnp.bfloat16)
+    for name in ("w_gate", "w_up", "w_down"):
+        assert by_path(f"layers/1/mlp/{name}", leaf) == NamedSharding(MESH, P("model"))
+    for path in ("layers/1/mlp/gate/kernel", "layers/0/self_attn/w_uk", "embed_tokens/embedding"):
+        assert by_path(path, leaf) == NamedSharding(MESH, P())
+
+
+def test_expert_sharding_defaults_to_every_device_and_names_a_missing_axis():
+    by_path = expert_sharding()
+    assert by_path("layers/1/mlp/w_up", None).mesh.devices.tolist() == jax.devices()
+    with pytest.raises(ValueError, match=r"axis: 'tp' is not an axis of the mesh \('model',\)"):
+        expert_sharding(MESH, "tp")
