@@ -6,6 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from script_loader import load_script
 
 bench_moe = load_script("bench_moe")
@@ -38,3 +39,16 @@ def test_floor_counts_router_shared_and_the_experts_each_dispatch_reads():
 def test_without_a_gpu_it_exits_2(tmp_path):
     assert bench_moe.main(["--out", str(tmp_path)]) == 2
     assert not (tmp_path / "bench_moe.json").exists()
+
+
+def test_a_measured_row_and_its_table(monkeypatch):
+    # The timing itself is the GPU's; here a stand-in clock checks the row and table around it.
+    monkeypatch.setattr(bench_moe.timing, "time_ms", lambda fn, arg_sets, **kwargs: 2.0)
+    layer = bench_moe.random_layer(TINY, dtype=jnp.float32)
+    row = bench_moe.measure("tiny", 4, layer, copy_gbps=100.0, iters=1)
+    floors = bench_moe.floor_bytes(layer, jax.random.normal(jax.random.key(4), (4, TINY.hidden), jnp.bfloat16))
+    assert row["ragged_floor_ms"] == pytest.approx(floors["ragged"] / 100e9 * 1e3)
+    assert row["dense_of_floor"] == pytest.approx(row["dense_floor_ms"] / 2.0) and row["dense_speedup"] == 1.0
+    assert row["dense_vs_ragged_rel_l2"] <= 1e-5  # float32: the two dispatches agree to rounding
+    env = {"device": "cpu", "jax": "0", "date": "2026-11-25", "copy_gbps": 100.0}
+    assert "| tiny | 4 |" in bench_moe.table(env, [row])
