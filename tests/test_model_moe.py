@@ -1,5 +1,7 @@
 """The dropless MoE layer against a float64 per-token reference, for each routing method."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,3 +163,50 @@ def test_moe_in_bfloat16_stays_within_bfloat16_rounding(dispatch, monkeypatch):
     # relative. 2e-2 still fails on a dropped or doubled expert or a lost gate weight (O(1)).
     rms = float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2)))
     assert rms <= 2e-2, f"{dispatch}: rms relative error {rms:.2e}"
+
+
+EXPERT_PARALLEL_HLO = """
+import json, re, jax, jax.numpy as jnp, numpy as np
+from flax import nnx, traverse_util
+import models.moe
+from models.config import MLAConfig
+from models.moe import MoE
+from models.sharding import expert_sharding, param_path
+cfg = MLAConfig(vocab_size=16, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8,
+                num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128)
+graphdef, state = nnx.split(MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+by_path = expert_sharding()
+placed = {path: jax.device_put(var.get_value(), by_path(param_path(path), var))
+          for path, var in nnx.to_flat_state(state)}
+nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(placed))
+x = jax.random.normal(jax.random.key(0), (8, 64), jnp.float32)
+out = {}
+for name, token_range in (("ragged", None), ("dense", (1, 1 << 30))):
+    with models.moe.dense_token_range(token_range):
+        hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, x).compile().as_text()
+    shapes = re.findall(r"= \\w+\\[([\\d,]*)\\]\\S* (?:all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)", hlo)
+    out[name] = [int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes]
+print(json.dumps(out))
+"""
+
+
+def test_expert_parallel_moe_never_gathers_expert_weights():
+    # Experts split over two CPU devices (expert_sharding), tokens replicated: XLA's partitioner
+    # must keep each device on its own experts and exchange only activations, in both
+    # dispatches. A gathered expert stack would be a collective of >= one expert matrix.
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+    result = subprocess.run([sys.executable, "-c", EXPERT_PARALLEL_HLO], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sizes = json.loads(result.stdout.strip().splitlines()[-1])
+    one_expert_matrix = 64 * 128
+    for name in ("ragged", "dense"):
+        assert sizes[name], f"{name}: no collective at all: the experts were not split"
+        assert max(sizes[name]) < one_expert_matrix, (name, sizes[name])
