@@ -26,6 +26,10 @@ EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # the MoE's stacked [E, ...] expe
 ParamSharding = Union[jax.sharding.Sharding, Callable[[str, jax.ShapeDtypeStruct], jax.sharding.Sharding], None]
 
 
+class PlacementError(ValueError):
+    """A ``sharding=`` that is not a placement, or that does not fit one of the model's arrays."""
+
+
 def param_path(path: tuple) -> str:
     """A state path as a string: ("layers", 0, "mlp", "w_gate") -> "layers/0/mlp/w_gate"."""
     return "/".join(str(k) for k in path)
@@ -35,29 +39,29 @@ def resolve_sharding(sharding: ParamSharding, path: str, shape: tuple[int, ...],
     """The ``jax.sharding.Sharding`` the array at ``path`` (``shape``, ``dtype``) goes to under
     ``sharding`` (see the module docstring).
 
-    Raises ValueError naming ``sharding`` when it is neither None, a Sharding nor a callable,
-    when the callable returns something other than a Sharding or None for ``path``, or when
-    the placement does not fit the array (a split axis that the mesh does not divide, a spec
-    longer than the array's rank).
+    Raises PlacementError (a ValueError) naming ``sharding`` when it is neither None, a
+    Sharding nor a callable, when the callable returns something other than a Sharding or
+    None for ``path``, or when the placement does not fit the array (a split axis that the
+    mesh does not divide, a spec longer than the array's rank).
     """
     if sharding is None:
         return jax.sharding.SingleDeviceSharding(jax.devices()[0])
     if isinstance(sharding, jax.sharding.Sharding):
         return _fitting(sharding, path, shape)
     if not callable(sharding):
-        raise ValueError(f"sharding: expected None, a jax.sharding.Sharding or a function "
+        raise PlacementError(f"sharding: expected None, a jax.sharding.Sharding or a function "
                          f"(path, ShapeDtypeStruct) -> Sharding, got {type(sharding).__name__}")
     chosen = sharding(path, jax.ShapeDtypeStruct(tuple(shape), dtype))
     if chosen is None:
         return resolve_sharding(None, path, shape, dtype)
     if not isinstance(chosen, jax.sharding.Sharding):
-        raise ValueError(f"sharding: the function returned {type(chosen).__name__} for {path}, "
+        raise PlacementError(f"sharding: the function returned {type(chosen).__name__} for {path}, "
                          f"expected a jax.sharding.Sharding or None")
     return _fitting(chosen, path, shape)
 
 
 def _fitting(target: jax.sharding.Sharding, path: str, shape: tuple[int, ...]) -> jax.sharding.Sharding:
-    """``target``, after checking that it can hold an array of ``shape`` (a ValueError naming
+    """``target``, after checking that it can hold an array of ``shape`` (a PlacementError naming
     ``sharding`` and ``path`` before any data moves, rather than deep inside a transfer)."""
     try:
         check_rank = getattr(target, "check_compatible_aval", None)  # JAX's shardings have it
@@ -65,7 +69,7 @@ def _fitting(target: jax.sharding.Sharding, path: str, shape: tuple[int, ...]) -
             check_rank(tuple(shape))  # a spec longer than the array's rank
         target.shard_shape(tuple(shape))  # a split axis that the mesh does not divide
     except (ValueError, IndexError) as err:
-        raise ValueError(f"sharding: {target} does not fit {path} of shape {list(shape)}: {err}") from err
+        raise PlacementError(f"sharding: {target} does not fit {path} of shape {list(shape)}: {err}") from err
     return target
 
 
@@ -76,7 +80,7 @@ def expert_sharding(mesh: jax.sharding.Mesh | None = None, axis: str = "expert"
     ``mesh``'s ``axis`` and replicates every other array on the mesh (expert parallelism: the
     experts hold most of a DeepSeek MoE's weights). ``mesh`` None: a 1-D mesh named ``axis``
     over all of ``jax.devices()``. The number of experts must be a multiple of the axis size
-    (else the loaders raise ValueError naming ``sharding``)."""
+    (else the loaders raise PlacementError naming ``sharding``)."""
     if mesh is None:
         mesh = jax.sharding.Mesh(np.array(jax.devices()), (axis,))
     if axis not in mesh.axis_names:

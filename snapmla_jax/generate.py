@@ -411,6 +411,7 @@ def _load_model(model_dir: pathlib.Path, dtype_name: str | None, shard_experts: 
     directory (config.json + safetensors); ``shard_experts``: the expert weights split
     over all devices, the rest replicated (``expert_sharding``)."""
     from models import expert_sharding, load_checkpoint, load_hf_checkpoint
+    from models.sharding import PlacementError
 
     dtype = PARAM_DTYPES[dtype_name] if dtype_name else None
     sharding = expert_sharding() if shard_experts else None
@@ -419,10 +420,8 @@ def _load_model(model_dir: pathlib.Path, dtype_name: str | None, shard_experts: 
             return load_checkpoint(model_dir, dtype=dtype, sharding=sharding)
         if any(model_dir.glob("*.safetensors")):
             return load_hf_checkpoint(model_dir, dtype=dtype or jnp.bfloat16, progress=False, sharding=sharding)
-    except ValueError as err:
-        if shard_experts and str(err).startswith("sharding:"):  # the placement, not the checkpoint
-            raise _UsageError(f"--shard-experts: {jax.device_count()} devices: {err}") from err
-        raise
+    except PlacementError as err:  # the placement --shard-experts asked for, not the checkpoint
+        raise _UsageError(f"--shard-experts: {jax.device_count()} devices: {err}") from err
     raise _UsageError(f"--model: {model_dir} is neither an orbax checkpoint (no state/) nor a Hugging Face "
                       "directory (no *.safetensors)")
 

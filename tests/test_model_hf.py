@@ -256,6 +256,26 @@ def test_convert_cli_writes_a_checkpoint_that_reloads_bit_exactly(hf_reference, 
     np.testing.assert_array_equal(forward(reloaded, variant), forward(direct, variant))
 
 
+def test_convert_cli_with_experts_split_over_two_devices_writes_the_same_checkpoint(hf_reference, tmp_path):
+    variant = hf_reference / "v3_fp8"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))
+    out = tmp_path / "sharded"
+    result = subprocess.run([sys.executable, "-m", "snapmla_jax.convert", "--hf-dir", str(variant), "--out", str(out),
+                             "--dtype", "float32", "--quiet", "--shard-experts"], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    direct = load_hf_checkpoint(variant, dtype=jnp.float32, progress=False)
+    np.testing.assert_array_equal(forward(load_checkpoint(out), variant), forward(direct, variant))
+    # Three devices do not divide the 8 experts: exit 2 naming the flag, one line.
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"
+    bad = subprocess.run([sys.executable, "-m", "snapmla_jax.convert", "--hf-dir", str(variant), "--out",
+                          str(tmp_path / "bad"), "--quiet", "--shard-experts"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.startswith("snapmla_jax.convert: error: --shard-experts: 3 devices: ")
+    assert bad.stderr.count("\n") == 1
+
+
 def test_convert_cli_copies_the_tokenizer_so_the_output_generates(hf_reference, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
