@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import pathlib
 
 import jax
 import jax.numpy as jnp

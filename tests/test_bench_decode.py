@@ -64,7 +64,6 @@ def test_chain_layers_reads_past_the_l2_and_stays_addressable():
 def test_decode_chain_is_the_layers_called_in_turn(backend):
     """decode_chain(layers=3) over a layered cache = three mla_decode calls, call i over
     layer i and fed the previous output; the layers of make_caches hold the same contents."""
-    import jax
     from snapmla_jax.decode import mla_decode
 
     batch, context, heads, s_q, layers = 3, 128, 16, 1, 3

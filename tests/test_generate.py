@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from cpu_devices import run_with_cpu_devices
 from models.config import MLAConfig
 from models.transformer import MLAModel
 from snapmla_jax.cache import dequantize
@@ -300,15 +301,7 @@ def test_generate_runs_on_a_model_sharded_over_two_devices():
     # Two CPU devices exist only in a fresh process. The second generate reuses the first's
     # shapes, so it also checks that a program compiled for one device is not handed the
     # mesh-placed arrays (generate's compiled-program cache keys on shardings).
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
-    result = subprocess.run([sys.executable, "-c", SHARDED_GENERATE], env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = run_with_cpu_devices(2, ["-c", SHARDED_GENERATE])
     assert result.returncode == 0, result.stderr[-3000:]
     tokens = json.loads(result.stdout.strip().splitlines()[-1])
     # The same float32 model and greedy sampling: the partitioned program adds the experts'

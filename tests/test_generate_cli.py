@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from cpu_devices import run_with_cpu_devices
 from models import MLAConfig, MLAModel, load_checkpoint, save_checkpoint
 from snapmla_jax.generate import generate, main
 from snapmla_jax.tokenizer import load_tokenizer
@@ -172,10 +173,7 @@ def test_help_exits_0(capsys):
 
 
 def _cli_on_cpu_devices(count: int, *argv) -> subprocess.CompletedProcess:
-    """The CLI in a fresh process that sees ``count`` CPU devices (read at JAX start-up)."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={count}", JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "snapmla_jax.generate", *map(str, argv)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    return run_with_cpu_devices(count, ["-m", "snapmla_jax.generate", *argv])
 
 
 def test_shard_experts_runs_the_demo_model_over_two_devices_with_the_same_tokens(capsys):

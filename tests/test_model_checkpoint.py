@@ -6,7 +6,6 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from cpu_devices import run_with_cpu_devices
 from models import MLAConfig, MLAModel, load_checkpoint, save_checkpoint
 from models.checkpoint import CheckpointError
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 CFG = MLAConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, q_lora_rank=24,
                 n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
@@ -100,12 +99,8 @@ np.save(sys.argv[2], np.asarray(kernel))
 
 
 def test_restore_onto_a_two_device_named_sharding(model, saved, tmp_path):
-    # Two CPU devices exist only in a fresh process (the flag is read at JAX start-up).
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
     out = tmp_path / "kernel.npy"
-    result = subprocess.run([sys.executable, "-c", SHARDED_RESTORE, str(saved), str(out)], env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = run_with_cpu_devices(2, ["-c", SHARDED_RESTORE, saved, out])  # two devices need a fresh process
     assert result.returncode == 0, result.stderr[-3000:]
     np.testing.assert_array_equal(np.load(out), np.asarray(model.layers[0].self_attn.q_a_proj.kernel[...]))
 

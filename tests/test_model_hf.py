@@ -23,6 +23,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
+from cpu_devices import run_with_cpu_devices
 from models import MLAConfig, load_checkpoint, load_hf_checkpoint
 from models.hf_loader import INDEX_FILE, SafetensorsFile
 from snapmla_jax.convert import main as convert_main
@@ -183,11 +184,8 @@ def test_hf_checkpoint_loads_onto_a_two_device_mesh_runs_and_saves_from_it(hf_re
     # saved from the mesh and restored onto it: the path for a model larger than one host's
     # memory, which `convert` (one process, one device) cannot take.
     variant = hf_reference / "v3_fp8"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
     w_gate_file, logits_file = tmp_path / "w_gate.npy", tmp_path / "logits.npy"
-    result = subprocess.run([sys.executable, "-c", SHARDED_HF_LOAD, str(variant), str(w_gate_file), str(logits_file),
-                             str(tmp_path / "saved")], env=env, capture_output=True, text=True, timeout=300)
+    result = run_with_cpu_devices(2, ["-c", SHARDED_HF_LOAD, variant, w_gate_file, logits_file, tmp_path / "saved"])
     assert result.returncode == 0, result.stderr[-3000:]
     direct = load_hf_checkpoint(variant, dtype=jnp.float32, progress=False)
     np.testing.assert_array_equal(np.load(w_gate_file), np.asarray(direct.layers[1].mlp.w_gate[...]))
@@ -258,20 +256,14 @@ def test_convert_cli_writes_a_checkpoint_that_reloads_bit_exactly(hf_reference, 
 
 def test_convert_cli_with_experts_split_over_two_devices_writes_the_same_checkpoint(hf_reference, tmp_path):
     variant = hf_reference / "v3_fp8"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
     out = tmp_path / "sharded"
-    result = subprocess.run([sys.executable, "-m", "snapmla_jax.convert", "--hf-dir", str(variant), "--out", str(out),
-                             "--dtype", "float32", "--quiet", "--shard-experts"], env=env, capture_output=True,
-                            text=True, timeout=300)
+    convert = ["-m", "snapmla_jax.convert", "--hf-dir", variant, "--quiet", "--shard-experts"]
+    result = run_with_cpu_devices(2, [*convert, "--out", out, "--dtype", "float32"])
     assert result.returncode == 0, result.stderr[-3000:]
     direct = load_hf_checkpoint(variant, dtype=jnp.float32, progress=False)
     np.testing.assert_array_equal(forward(load_checkpoint(out), variant), forward(direct, variant))
     # Three devices do not divide the 8 experts: exit 2 naming the flag, one line.
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"
-    bad = subprocess.run([sys.executable, "-m", "snapmla_jax.convert", "--hf-dir", str(variant), "--out",
-                          str(tmp_path / "bad"), "--quiet", "--shard-experts"], env=env, capture_output=True,
-                         text=True, timeout=300)
+    bad = run_with_cpu_devices(3, [*convert, "--out", tmp_path / "bad"])
     assert bad.returncode == 2 and bad.stderr.startswith("snapmla_jax.convert: error: --shard-experts: 3 devices: ")
     assert bad.stderr.count("\n") == 1
 

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import models.moe
+from cpu_devices import run_with_cpu_devices
 from models.config import MLAConfig
 from models.moe import MoE
 
@@ -195,15 +196,7 @@ def test_expert_parallel_moe_never_gathers_expert_weights():
     # Experts split over two CPU devices (expert_sharding), tokens replicated: XLA's partitioner
     # must keep each device on its own experts and exchange only activations, in both
     # dispatches. A gathered expert stack would be a collective of >= one expert matrix.
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
-    result = subprocess.run([sys.executable, "-c", EXPERT_PARALLEL_HLO], env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = run_with_cpu_devices(2, ["-c", EXPERT_PARALLEL_HLO])
     assert result.returncode == 0, result.stderr[-3000:]
     sizes = json.loads(result.stdout.strip().splitlines()[-1])
     one_expert_matrix = 64 * 128
