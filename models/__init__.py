@@ -4,7 +4,8 @@ conversion and orbax checkpoints. Users import these names from snapmla_jax."""
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.config import MLAConfig
 from models.hf_loader import load_hf_checkpoint
-from models.sharding import expert_sharding
+from models.sharding import expert_sharding, shard_model
 from models.transformer import MLAModel
 
-__all__ = ["MLAConfig", "MLAModel", "load_hf_checkpoint", "save_checkpoint", "load_checkpoint", "expert_sharding"]
+__all__ = ["MLAConfig", "MLAModel", "load_hf_checkpoint", "save_checkpoint", "load_checkpoint", "expert_sharding",
+           "shard_model"]

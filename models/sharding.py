@@ -12,6 +12,7 @@ A placement is given as ``sharding=``:
 A function may split, say, the stacked expert weights [E, ...] over a mesh axis
 and replicate the rest (``expert_sharding``), so that a model larger than one
 device's memory loads straight onto a mesh, each device receiving only its shards.
+``shard_model`` places a model already in memory the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Callable, Union
 
 import jax
 import numpy as np
+from flax import nnx, traverse_util
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # the MoE's stacked [E, ...] expert weights
 
@@ -88,3 +90,15 @@ def expert_sharding(mesh: jax.sharding.Mesh | None = None, axis: str = "expert"
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return lambda path, leaf: split if path.rsplit("/", 1)[-1] in EXPERT_WEIGHTS else replicated
+
+
+def shard_model(model: nnx.Module, sharding: ParamSharding) -> nnx.Module:
+    """A copy of ``model`` with every array placed where ``sharding`` puts it (the loaders'
+    ``sharding=``, e.g. ``expert_sharding()``), for a model already in memory; ``model`` itself
+    is left as it was. Raises PlacementError as ``resolve_sharding``, before anything moves."""
+    graphdef, state = nnx.split(model)
+    flat = list(nnx.to_flat_state(state))
+    targets = [resolve_sharding(sharding, param_path(path), var.shape, var.dtype) for path, var in flat]
+    placed = {path: jax.device_put(var.get_value(), target) for (path, var), target in zip(flat, targets)}
+    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(placed))
+    return nnx.merge(graphdef, state)

@@ -2,15 +2,16 @@
 
 Public API (see DESIGN.md): LatentCache, dequantize, write_kv, mla_decode,
 quant_error_report, the model (MLAConfig, MLAModel, load_hf_checkpoint,
-save_checkpoint, load_checkpoint, and expert_sharding for their ``sharding=``) and
-generate.
+save_checkpoint, load_checkpoint; expert_sharding for their ``sharding=``, shard_model)
+and generate.
 """
 
 from snapmla_jax.cache import LatentCache, dequantize
 from snapmla_jax.quant_report import quant_error_report
 from snapmla_jax.write import write_kv
 from snapmla_jax.decode import mla_decode
-from models import MLAConfig, MLAModel, expert_sharding, load_hf_checkpoint, save_checkpoint, load_checkpoint
+from models import (MLAConfig, MLAModel, expert_sharding, load_checkpoint, load_hf_checkpoint, save_checkpoint,
+                    shard_model)
 
 import warnings
 

@@ -271,11 +271,10 @@ def test_e2e_bench_runs_tiny(tmp_path, dense_moe):
 
 
 SHARDED_GENERATE = """
-import json, sys, jax, jax.numpy as jnp, numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from flax import nnx, traverse_util
-from models import MLAConfig, MLAModel
-from snapmla_jax.generate import generate
+import json, jax, jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from flax import nnx
+from snapmla_jax import MLAConfig, MLAModel, expert_sharding, generate, shard_model
 cfg = MLAConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, q_lora_rank=24,
                 n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
@@ -285,13 +284,7 @@ prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]
 run = lambda: generate(model, prompts, max_new_tokens=6, kv_cache="fp8", backend="interpret")
 one_device = run()
 # The same model on a two-device mesh: expert stacks split by expert, the rest replicated.
-mesh = Mesh(np.array(jax.devices()), ("expert",))
-graphdef, state = nnx.split(model)
-placed = {path: jax.device_put(var.get_value(), NamedSharding(
-              mesh, P("expert") if path[-1] in ("w_gate", "w_up", "w_down") else P()))
-          for path, var in nnx.to_flat_state(state)}
-nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(placed))
-model = nnx.merge(graphdef, state)
+model = shard_model(model, expert_sharding())
 assert model.layers[1].mlp.w_gate[...].sharding.spec == P("expert")
 print(json.dumps({"one_device": one_device, "mesh": run()}))
 """

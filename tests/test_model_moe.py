@@ -168,19 +168,15 @@ def test_moe_in_bfloat16_stays_within_bfloat16_rounding(dispatch, monkeypatch):
 
 EXPERT_PARALLEL_HLO = """
 import json, re, jax, jax.numpy as jnp, numpy as np
-from flax import nnx, traverse_util
+from flax import nnx
 import models.moe
 from models.config import MLAConfig
 from models.moe import MoE
-from models.sharding import expert_sharding, param_path
+from models.sharding import expert_sharding, shard_model
 cfg = MLAConfig(vocab_size=16, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8,
                 num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128)
-graphdef, state = nnx.split(MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
-by_path = expert_sharding()
-placed = {path: jax.device_put(var.get_value(), by_path(param_path(path), var))
-          for path, var in nnx.to_flat_state(state)}
-nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(placed))
+graphdef, state = nnx.split(shard_model(MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), expert_sharding()))
 x = jax.random.normal(jax.random.key(0), (8, 64), jnp.float32)
 out = {}
 for name, token_range in (("ragged", None), ("dense", (1, 1 << 30))):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models.sharding import expert_sharding, param_path, resolve_sharding
+from models.sharding import PlacementError, expert_sharding, param_path, resolve_sharding, shard_model
 
 MESH = Mesh(np.array(jax.devices()[:1]), ("model",))
 
@@ -66,3 +66,17 @@ def test_expert_sharding_defaults_to_every_device_and_names_a_missing_axis():
     assert by_path("layers/1/mlp/w_up", None).mesh.devices.tolist() == jax.devices()
     with pytest.raises(ValueError, match=r"axis: 'tp' is not an axis of the mesh \('model',\)"):
         expert_sharding(MESH, "tp")
+
+
+def test_shard_model_places_a_copy_and_leaves_the_model_as_it_was():
+    from flax import nnx
+
+    model = nnx.Linear(4, 6, rngs=nnx.Rngs(0))
+    replicated = NamedSharding(MESH, P())
+    placed = shard_model(model, lambda path, leaf: replicated if path == "kernel" else None)
+    assert placed.kernel[...].sharding == replicated
+    assert placed.bias[...].sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    np.testing.assert_array_equal(np.asarray(placed.kernel[...]), np.asarray(model.kernel[...]))
+    assert placed is not model and placed.kernel is not model.kernel
+    with pytest.raises(PlacementError, match=r"sharding: .* does not fit (bias|kernel) of shape"):
+        shard_model(model, NamedSharding(MESH, P(None, None, None)))
