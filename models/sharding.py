@@ -52,13 +52,13 @@ def resolve_sharding(sharding: ParamSharding, path: str, shape: tuple[int, ...],
         return _fitting(sharding, path, shape)
     if not callable(sharding):
         raise PlacementError(f"sharding: expected None, a jax.sharding.Sharding or a function "
-                         f"(path, ShapeDtypeStruct) -> Sharding, got {type(sharding).__name__}")
+                             f"(path, ShapeDtypeStruct) -> Sharding, got {type(sharding).__name__}")
     chosen = sharding(path, jax.ShapeDtypeStruct(tuple(shape), dtype))
     if chosen is None:
         return resolve_sharding(None, path, shape, dtype)
     if not isinstance(chosen, jax.sharding.Sharding):
         raise PlacementError(f"sharding: the function returned {type(chosen).__name__} for {path}, "
-                         f"expected a jax.sharding.Sharding or None")
+                             f"expected a jax.sharding.Sharding or None")
     return _fitting(chosen, path, shape)
 
 
@@ -73,7 +73,6 @@ def _fitting(target: jax.sharding.Sharding, path: str, shape: tuple[int, ...]) -
     except (ValueError, IndexError) as err:
         raise PlacementError(f"sharding: {target} does not fit {path} of shape {list(shape)}: {err}") from err
     return target
-
 
 
 def expert_sharding(mesh: jax.sharding.Mesh | None = None, axis: str = "expert"
