@@ -18,17 +18,21 @@ of two ways (``MoE.__call__`` picks by the token count T, a static shape):
 * ragged (the default): the T*k assignments are sorted by expert so each
   expert's tokens are contiguous, and ``jax.lax.ragged_dot`` multiplies each
   contiguous group by its expert's weights: work proportional to T*k.
-* dense (T in ``DENSE_TOKEN_RANGE``): every expert runs on every token and
+* dense (T in the layer's ``dense_token_range``): every expert runs on every token and
   the unchosen (token, expert) pairs get gate weight 0. E/k times the
   arithmetic, but plain batched matrix products that read each expert weight
   once: for a decode step's few tokens the layer's time is its weight read,
   and T <= (matrix rate / memory bandwidth) tokens (~230 in bf16 on an H100)
   keep it there.
+
+The choice is a static attribute of each layer, ``MoE.dense_token_range``
+(``set_dense_token_range`` sets it on every layer of a model), so it is part
+of the layer's graph definition: a jit keyed on ``nnx.split``'s graphdef, or
+``nnx.jit``, compiles a new program when it changes. (A module-level switch
+read while tracing was not: a jit cache hit kept the old dispatch.)
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -37,29 +41,43 @@ from flax import nnx
 from models.config import MLAConfig
 from models.layers import MLP
 
-# Token counts T (tokens in one call: batch x sequence) for which the routed experts run
-# dense (module docstring), as an inclusive (low, high) range; None: always ragged. Dense
-# reads every expert, ragged only the chosen ones, so dense pays only once T tokens x k
-# choices cover most experts; it stops paying once the arithmetic outgrows the weight
-# read. Where that window lies on a given GPU is measured by scripts/bench_moe.py; until
-# it has been, ragged stays the only default.
-DENSE_TOKEN_RANGE: tuple[int, int] | None = None
+# The default ``MoE.dense_token_range`` of new layers: token counts T (tokens in one call:
+# batch x sequence) for which the routed experts run dense (module docstring), as an
+# inclusive (low, high) range; None: always ragged. By arithmetic, dense reads every expert
+# and ragged only the chosen ones; measured, XLA's ragged_dot on Hopper reads every expert's
+# weights at any T and runs far below the matrix rate (11 TFLOP/s at T = 512), so dense wins
+# nearly everywhere (scripts/bench_moe.py, docs/benchmarks/moe_h200.md, H200, one layer, bf16):
+# V2-Lite shapes 1.14x at T = 4 to 4.5x at T = 512, but 0.72x at T = 1; V3 shapes 1.02x at
+# T = 1 to 2.8x at T = 64. End to end (V2-Lite shapes, B = 64 x 16k on an H100,
+# docs/benchmarks/e2e_b64_16k_moe_*.md): 3100 vs 2270 generated tokens/s with the FP8 cache.
+# The top, 512, is the largest T measured; the [E, T, inner] activations of dense grow with T
+# (1 GB at V3 shapes and T = 512), so prefill-sized calls stay ragged.
+DENSE_TOKEN_RANGE: tuple[int, int] | None = (4, 512)
 
 
-@contextlib.contextmanager
-def dense_token_range(token_range: tuple[int, int] | None):
-    """Within the block, MoE calls traced use ``token_range`` as ``DENSE_TOKEN_RANGE`` (restored after)."""
-    global DENSE_TOKEN_RANGE
-    saved, DENSE_TOKEN_RANGE = DENSE_TOKEN_RANGE, token_range
+def check_token_range(token_range) -> tuple[int, int] | None:
+    """``token_range`` as a (low, high) tuple of ints with 1 <= low <= high, or None; ValueError
+    naming ``dense_token_range`` otherwise."""
+    if token_range is None:
+        return None
     try:
-        yield
-    finally:
-        DENSE_TOKEN_RANGE = saved
+        low, high = (int(v) for v in token_range)
+    except (TypeError, ValueError):
+        raise ValueError(f"dense_token_range: expected None or (low, high) ints, got {token_range!r}") from None
+    if not 1 <= low <= high:
+        raise ValueError(f"dense_token_range: expected 1 <= low <= high, got {token_range!r}")
+    return low, high
 
 
-def runs_dense(num_tokens: int) -> bool:
-    """Whether a MoE call on ``num_tokens`` tokens runs its routed experts dense (``DENSE_TOKEN_RANGE``)."""
-    return DENSE_TOKEN_RANGE is not None and DENSE_TOKEN_RANGE[0] <= num_tokens <= DENSE_TOKEN_RANGE[1]
+def set_dense_token_range(model: nnx.Module, token_range: tuple[int, int] | None) -> int:
+    """Set ``dense_token_range`` on every ``MoE`` layer inside ``model`` (itself included);
+    returns how many layers there were. Programs compiled before keep their dispatch;
+    programs keyed on the model's graphdef compile anew."""
+    token_range = check_token_range(token_range)
+    layers = [module for _, module in nnx.iter_graph(model) if isinstance(module, MoE)]
+    for layer in layers:
+        layer.dense_token_range = token_range
+    return len(layers)
 
 
 class RouterBias(nnx.Variable):
@@ -137,11 +155,18 @@ class MoE(nnx.Module):
         self.w_down = _expert_init(rngs, (num, inner, hidden), dtype)
         self.shared_experts = (MLP(hidden, inner * cfg.n_shared_experts, dtype=dtype, rngs=rngs)
                                if cfg.n_shared_experts else None)
+        # Static (part of the graphdef): which token counts run dense (module docstring).
+        self.dense_token_range = check_token_range(DENSE_TOKEN_RANGE)
+
+    def runs_dense(self, num_tokens: int) -> bool:
+        """Whether a call on ``num_tokens`` tokens runs the routed experts dense."""
+        token_range = self.dense_token_range
+        return token_range is not None and token_range[0] <= num_tokens <= token_range[1]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
-        routed = (self._dense_experts if runs_dense(flat.shape[0]) else self._ragged_experts)(flat, weights, ids)
+        routed = (self._dense_experts if self.runs_dense(flat.shape[0]) else self._ragged_experts)(flat, weights, ids)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(flat)
         return routed.reshape(x.shape)

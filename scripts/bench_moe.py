@@ -1,6 +1,6 @@
 """Time one DeepSeek MoE layer with its routed experts ragged vs dense (models/moe.py) at
 decode-sized token counts, against the weight-read floor: the measurement that sets
-``models.moe.DENSE_TOKEN_RANGE``.
+``models.moe.DENSE_TOKEN_RANGE`` (the default ``MoE.dense_token_range``).
 
     PYTHONPATH=. python scripts/bench_moe.py --out /tmp/bench_moe [--shapes v2_lite v3] [--tokens 1 8 64 ...]
 
@@ -45,7 +45,7 @@ SHAPES = {
     "v3": MoEShape(hidden=7168, inner=2048, experts=256, top_k=8, shared=1),
 }
 TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
-DISPATCHES = {"ragged": None, "dense": (1, 1 << 30)}  # DENSE_TOKEN_RANGE for each
+DISPATCHES = {"ragged": None, "dense": (1, 1 << 30)}  # MoE.dense_token_range for each
 WEIGHT_STD = 0.02
 
 
@@ -85,13 +85,21 @@ def floor_bytes(layer: MoE, x: jax.Array) -> dict[str, int]:
 
 def compiled_dispatches(layer: MoE, x: jax.Array) -> dict:
     """Per ``DISPATCHES`` entry, the layer's call on x compiled ahead of time with that
-    ``DENSE_TOKEN_RANGE`` (read when tracing): ``(compiled, args)``."""
-    graphdef, state = nnx.split(layer)
-    call = lambda state, x: nnx.merge(graphdef, state)(x)
+    ``dense_token_range`` (the layer's own is restored after): ``(compiled, args)``.
+
+    The range is part of the graphdef, a static argument here, so each entry compiles its
+    own program. (A closure over one graphdef, with the range a global read while tracing,
+    once compiled the ragged program twice: jit's trace cache keys on the function.)"""
+    call = jax.jit(lambda state, x, graphdef: nnx.merge(graphdef, state)(x), static_argnames="graphdef")
+    saved = layer.dense_token_range
     programs = {}
-    for name, token_range in DISPATCHES.items():
-        with models.moe.dense_token_range(token_range):
-            programs[name] = (jax.jit(call).lower(state, x).compile(), (state, x))
+    try:
+        for name, token_range in DISPATCHES.items():
+            models.moe.set_dense_token_range(layer, token_range)
+            graphdef, state = nnx.split(layer)
+            programs[name] = (call.lower(state, x, graphdef=graphdef).compile(), (state, x))
+    finally:
+        models.moe.set_dense_token_range(layer, saved)
     return programs
 
 

@@ -18,6 +18,13 @@ def test_ragged_and_dense_programs_compute_the_same_layer():
     x = jax.random.normal(jax.random.key(1), (5, TINY.hidden), jnp.float32)
     programs = bench_moe.compiled_dispatches(layer, x)
     assert set(programs) == {"ragged", "dense"}
+    # Two programs, one per dispatch (the GPU run that first used this compiled the ragged
+    # one twice: a jit cache hit), and the layer's own dispatch left as it was.
+    # Dense multiplies every expert by every token: [E, T, inner] products only it has.
+    texts = {name: fn.as_text() for name, (fn, _) in programs.items()}
+    every_expert = f"f32[{TINY.experts},5,{TINY.inner}]"
+    assert every_expert in texts["dense"] and every_expert not in texts["ragged"]
+    assert layer.dense_token_range == bench_moe.models.moe.DENSE_TOKEN_RANGE
     ragged, dense = (np.asarray(fn(*args), np.float64) for fn, args in programs.values())
     # float32 sums of <= 32 products, in another order: ~1e-7 relative.
     assert np.abs(dense - ragged).max() <= 1e-5 * np.abs(ragged).max()

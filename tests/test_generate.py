@@ -253,17 +253,18 @@ def test_pallas_kernels_in_the_loop_match_the_xla_path(model, prompts, greedy_bf
     assert min(len(set(row)) for row in generated) >= 3
 
 
-@pytest.mark.parametrize("dense_moe", [None, (1, 64)])
-def test_e2e_bench_runs_tiny(tmp_path, dense_moe):
+@pytest.mark.parametrize("moe_flags, dense_moe", [([], "default"), (["--dense-moe", "1", "64"], [1, 64]),
+                                                  (["--ragged-moe"], None)])
+def test_e2e_bench_runs_tiny(tmp_path, moe_flags, dense_moe):
     import models.moe
     from snapmla_jax.bench import e2e
 
-    extra = [] if dense_moe is None else ["--dense-moe", *map(str, dense_moe)]
     assert e2e.main(["--tiny", "--batches", "2", "--contexts", "64", "--steps", "2", "--iters", "1",
-                     "--out", str(tmp_path), *extra]) == 0
-    assert models.moe.DENSE_TOKEN_RANGE is None  # the option does not outlive the run
+                     "--out", str(tmp_path), *moe_flags]) == 0
     env = json.loads((tmp_path / "e2e.json").read_text())["environment"]
-    assert env["dense_moe_tokens"] == (None if dense_moe is None else list(dense_moe))
+    want = list(models.moe.DENSE_TOKEN_RANGE) if dense_moe == "default" else dense_moe
+    assert env["dense_moe_tokens"] == want
+    assert ("ragged (`jax.lax.ragged_dot`) at every token count" in (tmp_path / "e2e.md").read_text()) == (want is None)
     rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
     assert {(r["kv_cache"], r["status"]) for r in rows} == {("fp8", "ok"), ("bf16", "ok")}
     assert all(r["tokens_per_s"] > 0 and 0 < r["attention_share"] for r in rows)

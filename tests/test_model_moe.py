@@ -96,16 +96,16 @@ ROUTINGS = {
 }
 
 
-# models.moe.DENSE_TOKEN_RANGE per dispatch: every token count ragged, or every one dense.
+# MoE.dense_token_range per dispatch: every token count ragged, or every one dense.
 DISPATCHES = {"ragged": None, "dense": (1, 1 << 30)}
 
 
 @pytest.mark.parametrize("dispatch", sorted(DISPATCHES))
 @pytest.mark.parametrize("routing", sorted(ROUTINGS))
-def test_moe_matches_float64_per_token_reference(routing, dispatch, monkeypatch):
-    monkeypatch.setattr(models.moe, "DENSE_TOKEN_RANGE", DISPATCHES[dispatch])
+def test_moe_matches_float64_per_token_reference(routing, dispatch):
     cfg = make_cfg(**ROUTINGS[routing])
     moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    assert models.moe.set_dense_token_range(moe, DISPATCHES[dispatch]) == 1
     rng = np.random.default_rng(len(routing))
     weights = randomize(moe, rng)
     x = rng.standard_normal((2, TOKENS // 2, HIDDEN)).astype(np.float32)
@@ -120,15 +120,17 @@ def test_moe_matches_float64_per_token_reference(routing, dispatch, monkeypatch)
     assert err <= 1e-5, f"relative error {err:.2e}"
 
 
-def moe_jaxpr(num_tokens: int) -> str:
+def moe_jaxpr(num_tokens: int, token_range=None) -> str:
     cfg = make_cfg(**ROUTINGS["v3_noaux_tc_sigmoid"])
     moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    models.moe.set_dense_token_range(moe, token_range)
     return str(jax.make_jaxpr(lambda v: moe(v))(jnp.ones((1, num_tokens, HIDDEN), jnp.float32)))
 
 
-def test_moe_dispatch_is_ragged_by_default():
-    assert models.moe.DENSE_TOKEN_RANGE is None
-    jaxpr = moe_jaxpr(TOKENS)
+def test_new_layers_take_the_library_default_and_none_is_ragged():
+    cfg = make_cfg(**ROUTINGS["v3_noaux_tc_sigmoid"])
+    assert MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)).dense_token_range == models.moe.DENSE_TOKEN_RANGE
+    jaxpr = moe_jaxpr(TOKENS, None)
     # gate, up and down each one grouped product over the T*k sorted assignments
     # (80 rows = 40 tokens x top-2), never an all-experts product.
     assert jaxpr.count("= ragged_dot_general[") == 3
@@ -136,19 +138,43 @@ def test_moe_dispatch_is_ragged_by_default():
 
 
 @pytest.mark.parametrize("num_tokens, dense", [(7, False), (8, True), (16, True), (17, False)])
-def test_moe_runs_dense_inside_the_token_range_only(num_tokens, dense, monkeypatch):
-    monkeypatch.setattr(models.moe, "DENSE_TOKEN_RANGE", (8, 16))  # inclusive at both ends
-    jaxpr = moe_jaxpr(num_tokens)
+def test_moe_runs_dense_inside_the_token_range_only(num_tokens, dense):
+    jaxpr = moe_jaxpr(num_tokens, (8, 16))  # inclusive at both ends
     assert ("ragged_dot_general" not in jaxpr) == dense
     # Dense: gate and up as products of every expert on every token, [E, T, I] each.
     assert jaxpr.count(f"f32[{EXPERTS},{num_tokens},{INNER}] = dot_general[") == (2 if dense else 0)
 
 
-@pytest.mark.parametrize("dispatch", sorted(DISPATCHES))
-def test_moe_in_bfloat16_stays_within_bfloat16_rounding(dispatch, monkeypatch):
-    monkeypatch.setattr(models.moe, "DENSE_TOKEN_RANGE", DISPATCHES[dispatch])
+def test_a_changed_token_range_compiles_a_new_program():
+    # The dispatch is part of the graphdef, so a jit with the graphdef static (as generate
+    # and the benchmarks call the model) traces again when it changes; a switch read at trace
+    # time instead once handed the second program the first one's dispatch.
     cfg = make_cfg(**ROUTINGS["v3_noaux_tc_sigmoid"])
     moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    call = jax.jit(lambda state, x, graphdef: nnx.merge(graphdef, state)(x), static_argnames="graphdef")
+    x = jnp.ones((TOKENS, HIDDEN), jnp.float32)
+    texts = {}
+    for name, token_range in (("ragged", None), ("dense", (1, 1 << 30)), ("ragged_again", None)):
+        models.moe.set_dense_token_range(moe, token_range)
+        graphdef, state = nnx.split(moe)
+        texts[name] = str(call.trace(state, x, graphdef=graphdef).jaxpr)
+    assert "ragged_dot_general" in texts["ragged"] and "ragged_dot_general" not in texts["dense"]
+    assert texts["ragged_again"] == texts["ragged"]
+
+
+@pytest.mark.parametrize("token_range", [(0, 4), (5, 4), (1,), "dense", (1.5, "x")])
+def test_a_bad_token_range_is_refused(token_range):
+    moe = MoE(make_cfg(**ROUTINGS["greedy_no_shared"]), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="dense_token_range"):
+        models.moe.set_dense_token_range(moe, token_range)
+    assert moe.dense_token_range == models.moe.DENSE_TOKEN_RANGE  # unchanged
+
+
+@pytest.mark.parametrize("dispatch", sorted(DISPATCHES))
+def test_moe_in_bfloat16_stays_within_bfloat16_rounding(dispatch):
+    cfg = make_cfg(**ROUTINGS["v3_noaux_tc_sigmoid"])
+    moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    models.moe.set_dense_token_range(moe, DISPATCHES[dispatch])
     rng = np.random.default_rng(11)
     weights = randomize(moe, rng)
     x = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
@@ -176,12 +202,13 @@ from models.sharding import expert_sharding, shard_model
 cfg = MLAConfig(vocab_size=16, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8,
                 num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128)
-graphdef, state = nnx.split(shard_model(MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), expert_sharding()))
+layer = shard_model(MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), expert_sharding())
 x = jax.random.normal(jax.random.key(0), (8, 64), jnp.float32)
 out = {}
 for name, token_range in (("ragged", None), ("dense", (1, 1 << 30))):
-    with models.moe.dense_token_range(token_range):
-        hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, x).compile().as_text()
+    models.moe.set_dense_token_range(layer, token_range)
+    graphdef, state = nnx.split(layer)
+    hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, x).compile().as_text()
     shapes = re.findall(r"= \\w+\\[([\\d,]*)\\]\\S* (?:all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)", hlo)
     out[name] = [int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes]
 print(json.dumps(out))

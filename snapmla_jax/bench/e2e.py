@@ -187,11 +187,12 @@ def feed_forward_stack(params, x, *, graphdef):
     return x
 
 
-def weight_bytes_touched(cfg: MLAConfig, params, batch: int) -> tuple[int, int]:
+def weight_bytes_touched(cfg: MLAConfig, params, batch: int, dense_token_range=None) -> tuple[int, int]:
     """(all weight bytes, bytes a step of ``batch`` tokens reads): the embedding counts
     ``batch`` rows; routed experts count by the expected share any token picks,
     1 - (1 - k/E)^batch (uniform routing), or whole where the MoE runs dense for
-    ``batch`` tokens (``models.moe.runs_dense``)."""
+    ``batch`` tokens (``batch`` inside ``dense_token_range``, the model's
+    ``MoE.dense_token_range``)."""
     total = expert = unread = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         nbytes = leaf.size * leaf.dtype.itemsize
@@ -202,9 +203,27 @@ def weight_bytes_touched(cfg: MLAConfig, params, batch: int) -> tuple[int, int]:
         if "embed_tokens" in names:
             unread += nbytes - min(nbytes, batch * nbytes // leaf.shape[0])
     share = 1.0
-    if cfg.n_routed_experts and not models.moe.runs_dense(batch):
+    dense = dense_token_range is not None and dense_token_range[0] <= batch <= dense_token_range[1]
+    if cfg.n_routed_experts and not dense:
         share = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch
     return total, int(total - unread - (1 - share) * expert)
+
+
+def moe_dispatch_text(token_range) -> str:
+    """How the table's MoE layers ran their routed experts, for its header."""
+    if token_range is None:
+        return "ragged (`jax.lax.ragged_dot`) at every token count"
+    low, high = token_range
+    return f"dense for {low}..{high} tokens a call, ragged otherwise (`MoE.dense_token_range`)"
+
+
+def dense_moe_tokens(model) -> tuple[int, int] | None:
+    """The ``dense_token_range`` the model's MoE layers share (None: ragged at every token
+    count, or no MoE layer); ValueError if they differ (this benchmark sets one for all)."""
+    ranges = {module.dense_token_range for _, module in nnx.iter_graph(model) if isinstance(module, models.moe.MoE)}
+    if len(ranges) > 1:
+        raise ValueError(f"model: MoE layers with different dense_token_range values {sorted(map(str, ranges))}")
+    return ranges.pop() if ranges else None
 
 
 def _timed_calls(call, iters: int) -> float:
@@ -332,7 +351,7 @@ def markdown(env: dict, rows: list[dict], batches, contexts) -> str:
         f"{env['weights_gib']:.1f} GiB). Greedy decoding in the compiled `lax.while_loop` of "
         f"`snapmla_jax.generate` ({env['steps']} steps per call, median of {env['iters']} calls), every row "
         f"holding `context` cached tokens; backend `{env['backend']}`. Copy bandwidth measured in this run: "
-        f"{env['copy_gbps']:.0f} GB/s.\n",
+        f"{env['copy_gbps']:.0f} GB/s. MoE routed experts: {moe_dispatch_text(env.get('dense_moe_tokens'))}.\n",
         f"Columns: generated tokens/s (= batch / step time); attention = {env['layers']} x (write_kv + "
         f"mla_decode) timed alone, as a share of the step; FFN = the {env['layers']} feed-forward blocks "
         f"(dense MLP / MoE) timed alone; floor = (weight bytes the step reads + cache bytes) / copy bandwidth.\n",
@@ -378,18 +397,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=8, help="parallel compilations (default 8)")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting new runs after this long")
     parser.add_argument("--out", default="docs/benchmarks", help="directory for e2e.json / e2e.md")
-    parser.add_argument("--dense-moe", type=int, nargs=2, metavar=("LOW", "HIGH"), default=None,
-                        help="run the routed experts dense for LOW..HIGH tokens a call "
-                             "(models.moe.DENSE_TOKEN_RANGE; default: the library's)")
+    moe = parser.add_mutually_exclusive_group()
+    moe.add_argument("--dense-moe", type=int, nargs=2, metavar=("LOW", "HIGH"), default=None,
+                     help="run the routed experts dense for LOW..HIGH tokens a call "
+                          "(MoE.dense_token_range; default: the library's, models.moe.DENSE_TOKEN_RANGE)")
+    moe.add_argument("--ragged-moe", action="store_true",
+                     help="run the routed experts ragged at every token count (MoE.dense_token_range None)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.iters < 1:
         parser.error("--steps and --iters: expected ints >= 1")
     if not args.tiny and timing.missing_gpu("e2e benchmark",
                                             "the V2-Lite-sized model needs a CUDA GPU (use --tiny elsewhere)"):
         return 2
-    dense_moe = models.moe.DENSE_TOKEN_RANGE if args.dense_moe is None else tuple(args.dense_moe)
-    with models.moe.dense_token_range(dense_moe):  # read when the programs are traced
-        return run(args)
+    if args.dense_moe is not None:
+        try:
+            models.moe.check_token_range(args.dense_moe)
+        except ValueError as err:
+            parser.error(f"--dense-moe: {err}")
+    return run(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -402,8 +427,10 @@ def run(args: argparse.Namespace) -> int:
             grid[key] = tuple(getattr(args, key))
     env = timing.environment()
     env["copy_gbps"] = timing.measure_copy_gbps((64 << 20) if args.tiny else (2 << 30))
-    env["dense_moe_tokens"] = models.moe.DENSE_TOKEN_RANGE
     model = random_model(cfg, jnp.bfloat16)
+    if args.dense_moe is not None or args.ragged_moe:
+        models.moe.set_dense_token_range(model, None if args.ragged_moe else tuple(args.dense_moe))
+    env["dense_moe_tokens"] = dense_moe_tokens(model)
     runner = Runner(cfg, model, steps=args.steps, iters=args.iters, backend=args.backend, threads=args.threads)
     weights_total = weight_bytes_touched(cfg, runner.params, 1)[0]
     env.update(model="tiny (2 layers)" if args.tiny else "DeepSeek-V2-Lite shapes",
@@ -441,7 +468,7 @@ def run(args: argparse.Namespace) -> int:
                      for c in plan.contexts]
         for row in rows:
             if row["status"] == "ok" and "floor_ms" not in row:
-                touched = weight_bytes_touched(cfg, runner.params, row["batch"])[1]
+                touched = weight_bytes_touched(cfg, runner.params, row["batch"], env["dense_moe_tokens"])[1]
                 cache = row["batch"] * row["context"] * cache_bytes_per_token(cfg, row["kv_cache"])
                 row["floor_ms"] = (touched + cache) / (env["copy_gbps"] * 1e9) * 1e3
         timing.write_results(args.out, "e2e", env, rows, markdown(env, rows, grid["batches"], grid["contexts"]))
