@@ -107,3 +107,22 @@ def test_gemm_ceiling_is_the_fastest_layout(monkeypatch):
     times = iter([2.0, 0.5])  # ms, in GEMM_LAYOUTS order
     monkeypatch.setattr(timing, "time_ms", lambda *args, **kwargs: next(times))
     assert timing.measure_gemm_tflops(jnp.bfloat16, 64) == pytest.approx(2 * 64**3 / 0.5e-3 / 1e12)
+
+
+def test_kept_rows_are_restated_with_this_runs_ceilings():
+    # B=64 x 16k x 128, s_q=1: 64*16384 tokens x 644 B + bf16 queries/outputs; FP8 FLOPs
+    # 2*64*128*16384*(512+512), bf16 2*64*128*16384*64.
+    row = dict(_row(64), context=16384, fp8_roofline=0.99, xla_bf16_roofline=0.99)
+    nbytes, f8, f16 = decode.method_work("fp8", 64, 16384, 128, 1)
+    assert nbytes == 64 * 16384 * 644 + 64 * 128 * 1088 * 2
+    assert (f8, f16) == (2 * 64 * 128 * 16384 * 1024, 2 * 64 * 128 * 16384 * 64)
+    assert decode.method_work("bf16", 64, 16384, 128, 1) == (64 * 16384 * 1152 + 64 * 128 * 1088 * 2, 0, f8 + f16)
+    slow = timing.Ceilings(copy_gbps=3000.0, bf16_tflops=700.0, fp8_tflops=900.0)
+    fast = timing.Ceilings(copy_gbps=3000.0, bf16_tflops=700.0, fp8_tflops=1400.0)
+    restated = decode.restate_roofline(row, fast)
+    assert restated["fp8_ms"] == row["fp8_ms"] and row["fp8_roofline"] == 0.99  # times kept, input untouched
+    assert restated["fp8_roofline"] == pytest.approx(decode.roofline_ms(nbytes, f8, f16, fast) / 0.5)
+    # A faster FP8 ceiling lowers the FP8 fraction and leaves the bf16-only XLA path's alone.
+    assert restated["fp8_roofline"] < decode.restate_roofline(row, slow)["fp8_roofline"]
+    assert restated["xla_bf16_roofline"] == decode.restate_roofline(row, slow)["xla_bf16_roofline"]
+    assert "bf16_roofline" in restated and "fp8_triton_roofline" not in restated  # no time, no fraction

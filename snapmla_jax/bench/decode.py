@@ -142,6 +142,35 @@ def roofline_ms(nbytes: float, flops_fp8: float, flops_bf16: float, ceilings: ti
     return max(memory, compute) * 1e3
 
 
+BF16_BYTES_PER_TOKEN = 2 * (RANK + ROPE)
+# The measured methods: the cache each reads (bytes a token) and whether its QK content
+# and PV products run in FP8 (the RoPE product is bf16 in all).
+METHODS = {"fp8": (FP8_BYTES_PER_TOKEN, True), "fp8_triton": (FP8_BYTES_PER_TOKEN, True),
+           "bf16": (BF16_BYTES_PER_TOKEN, False), "xla_bf16": (BF16_BYTES_PER_TOKEN, False)}
+
+
+def method_work(method: str, batch: int, context: int, heads: int, s_q: int) -> tuple[int, int, int]:
+    """(bytes, FP8 FLOPs, BF16 FLOPs) of one decode call of ``method`` (``METHODS``): the cache
+    read plus the queries and outputs in bf16; Q.K over 512 + 64 features and P.V over 512."""
+    per_token, fp8 = METHODS[method]
+    nbytes = batch * context * per_token + batch * s_q * heads * (RANK + ROPE + RANK) * 2
+    flops = 2 * batch * s_q * heads * context * (RANK + ROPE + RANK)
+    flops_rope = 2 * batch * s_q * heads * context * ROPE
+    return (nbytes, flops - flops_rope, flops_rope) if fp8 else (nbytes, 0, flops)
+
+
+def restate_roofline(row: dict, ceilings: timing.Ceilings) -> dict:
+    """``row`` with each method's % of the roofline recomputed from ``ceilings`` (its times
+    unchanged): rows kept from an earlier run (``--merge``) then share this run's ceilings."""
+    row = dict(row)
+    for method in METHODS:
+        ms = row.get(f"{method}_ms")
+        if ms:
+            work = method_work(method, row["batch"], row["context"], row["heads"], row["s_q"])
+            row[f"{method}_roofline"] = roofline_ms(*work, ceilings) / ms
+    return row
+
+
 def make_queries(batch: int, context: int, heads: int, s_q: int) -> tuple[jax.Array, jax.Array, jax.Array, float]:
     """Random bf16 queries (q [B, s_q, H, 512], q_rope [B, s_q, H, 64]), seq_lens at the full
     context, and the softmax scale 1/sqrt(576)."""
@@ -160,20 +189,18 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
     run = lambda backend, config=None: decode_chain(scale, layers, backend, config)
     row = dict(batch=batch, context=context, heads=heads, s_q=s_q, layers=layers,
                measured_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
-    io_bytes = batch * s_q * heads * (RANK + ROPE + RANK) * 2
     flops = 2 * batch * s_q * heads * context * (RANK + ROPE + RANK)
-    flops_rope = 2 * batch * s_q * heads * context * ROPE
     plans = {
         # The default FP8 kernel (page 64: the Mosaic GPU kernel) and the Triton FP8 kernel, same math.
-        "fp8": (fp8, "pallas", None, (flops - flops_rope, flops_rope)),
-        "fp8_triton": (fp8, "pallas", FP8_CONFIG, (flops - flops_rope, flops_rope)),
-        "bf16": (bf16, "pallas", None, (0, flops)),
-        "xla_bf16": (bf16, "xla", None, (0, flops)),
+        "fp8": (fp8, "pallas", None),
+        "fp8_triton": (fp8, "pallas", FP8_CONFIG),
+        "bf16": (bf16, "pallas", None),
+        "xla_bf16": (bf16, "xla", None),
     }
     # The XLA path gathers the pages (a bf16 copy) and keeps fp32 scores and weights.
     xla_bytes = batch * context * bf16.nbytes_per_token + 3 * batch * s_q * heads * context * 4
-    for name, (cache, backend, config, (f8, f16)) in plans.items():
-        per_token = cache.nbytes_per_token
+    for name, (cache, backend, config) in plans.items():
+        assert cache.nbytes_per_token == METHODS[name][0], (name, cache.nbytes_per_token)
         if name == "xla_bf16" and xla_bytes > MEMORY_FRACTION * memory / 2:
             row[f"{name}_ms"] = None
             row[f"{name}_note"] = "skipped: does not fit memory"
@@ -185,7 +212,7 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
             row[f"{name}_ms"] = None
             row[f"{name}_note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
             continue
-        nbytes = batch * context * per_token + io_bytes
+        nbytes, f8, f16 = method_work(name, batch, context, heads, s_q)
         row[f"{name}_ms"] = ms
         row[f"{name}_gbps"] = nbytes / (ms * 1e-3) / 1e9
         row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
@@ -233,7 +260,7 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         f"Ceilings measured in this run: copy {ceilings['copy_gbps']:.0f} GB/s, "
         f"BF16 GEMM {ceilings['bf16_tflops']:.0f} TFLOP/s, FP8 GEMM {ceilings['fp8_tflops']:.0f} TFLOP/s.",
         *(["Rows kept from earlier invocations (--merge) were measured with the kernels of their time (the",
-           "\"measured\" column) and carry the % roof of their own run's ceilings."]
+           "\"measured\" column); their % roof is restated with this run's ceilings."]
           if merged else []),
         "",
         "One decode call over one layer, page_size 64, all rows at the full context; times are medians.",
@@ -291,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(measured: list[dict]) -> str:
         done = {shape_key(r) for r in measured}
-        kept = [r for r in earlier if shape_key(r) not in done]
+        kept = [restate_roofline(r, ceilings) for r in earlier if shape_key(r) not in done]
         merged = sorted(kept + measured, key=lambda r: (r["heads"], r["s_q"], r["batch"], r["context"]))
         ceil = dataclasses.asdict(ceilings)
         markdown = to_markdown(env, ceil, merged, stock_reason, merged=bool(kept))
