@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from flax import nnx, traverse_util
 
 from models.config import MLAConfig
-from models.sharding import ParamSharding, param_path, resolve_sharding
+from models.sharding import ParamSharding, merge_placed, param_path, resolve_sharding
 from models.transformer import MLAModel
 
 CHECKPOINT_FORMAT = "snapmla-jax/mla-model/1"
@@ -143,4 +143,4 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, *, dtype=None, sharding: ParamS
     pure = traverse_util.unflatten_dict({tuple(int(k) if k.isdigit() else k for k in path.split("/")): value
                                          for path, value in restored.items()})
     nnx.replace_by_pure_dict(abstract_state, pure)
-    return nnx.merge(graphdef, abstract_state)
+    return merge_placed(graphdef, abstract_state)

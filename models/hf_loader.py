@@ -37,7 +37,7 @@ from flax import nnx, traverse_util
 from tqdm.auto import tqdm
 
 from models.config import MLAConfig, read_hf_config
-from models.sharding import ParamSharding, param_path, resolve_sharding
+from models.sharding import ParamSharding, merge_placed, param_path, resolve_sharding
 from models.transformer import MLAModel
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -302,4 +302,4 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
             else:
                 stacks[p.path] = (buffer, filled + 1)
     nnx.replace_by_pure_dict(abstract_state, traverse_util.unflatten_dict(arrays))
-    return nnx.merge(graphdef, abstract_state)
+    return merge_placed(graphdef, abstract_state)

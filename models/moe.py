@@ -13,7 +13,7 @@ Scores are softmax or sigmoid of the router logits (``scoring_func``),
 optionally renormalized over the chosen k, then times ``routed_scaling_factor``.
 
 The experts are dropless: every (token, expert) assignment is computed, in one
-of two ways (``MoE.__call__`` picks by the token count T, a static shape):
+of three ways (``MoE.__call__`` picks by the token count T, a static shape):
 
 * ragged (the default): the T*k assignments are sorted by expert so each
   expert's tokens are contiguous, and ``jax.lax.ragged_dot`` multiplies each
@@ -24,9 +24,17 @@ of two ways (``MoE.__call__`` picks by the token count T, a static shape):
   once: for a decode step's few tokens the layer's time is its weight read,
   and T <= (matrix rate / memory bandwidth) tokens (~230 in bf16 on an H100)
   keep it there.
+* gathered (T <= the layer's ``gather_max_tokens``, checked first): the
+  chosen experts' weights are gathered per assignment ([T*k, hidden, inner])
+  and each assignment is one vector-matrix product: a one-token decode step
+  reads k experts, not all E (``ragged_dot`` on Hopper reads all E at any T).
+  With the experts split over devices the gather would move expert weights
+  between devices, so the placements (``models.sharding``, the loaders'
+  ``sharding=``) turn it off there (``match_dispatch_to_placement``).
 
-The choice is a static attribute of each layer, ``MoE.dense_token_range``
-(``set_dense_token_range`` sets it on every layer of a model), so it is part
+The choice is two static attributes of each layer, ``MoE.dense_token_range`` and
+``MoE.gather_max_tokens`` (``set_dense_token_range`` and ``set_gather_max_tokens`` set
+them on every layer of a model), so it is part
 of the layer's graph definition: a jit keyed on ``nnx.split``'s graphdef, or
 ``nnx.jit``, compiles a new program when it changes. (A module-level switch
 read while tracing was not: a jit cache hit kept the old dispatch.)
@@ -69,12 +77,53 @@ def check_token_range(token_range) -> tuple[int, int] | None:
     return low, high
 
 
+# The default ``MoE.gather_max_tokens`` of new layers: calls of at most this many tokens run
+# the gathered dispatch (module docstring); 0: never. Measured (scripts/bench_moe.py,
+# docs/benchmarks/moe_gathered_h100.md, H100, one layer, bf16): gathered vs the better of
+# ragged and dense, V2-Lite shapes: 3.2x at T = 1 (0.156 vs 0.493 ms), 2.3x at T = 4, 1.24x
+# at T = 8, 0.74x at T = 16; V3 shapes: 9.5x at T = 1 (0.79 vs 7.4 ms), 2.5x at T = 4, 1.3x
+# at T = 8. End to end at B = 1 x 4k (V2-Lite shapes, gathered up to 3 tokens):
+# 99 vs 66 generated tokens/s (docs/benchmarks/e2e_b1_b16_4k_moe_*.md).
+GATHER_MAX_TOKENS = 8
+
+
+def moe_layers(model: nnx.Module) -> list["MoE"]:
+    """Every ``MoE`` layer inside ``model`` (itself included)."""
+    return [module for _, module in nnx.iter_graph(model) if isinstance(module, MoE)]
+
+
+def set_gather_max_tokens(model: nnx.Module, max_tokens: int) -> int:
+    """Set ``gather_max_tokens`` (an int >= 0; 0: never gathered) on every ``MoE`` layer inside
+    ``model``; returns how many layers there were. As ``set_dense_token_range``."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise ValueError(f"gather_max_tokens: expected an int >= 0, got {max_tokens!r}")
+    layers = moe_layers(model)
+    for layer in layers:
+        layer.gather_max_tokens = max_tokens
+    return len(layers)
+
+
+def match_dispatch_to_placement(model: nnx.Module) -> int:
+    """Turn the gathered dispatch off (``gather_max_tokens`` 0) in every ``MoE`` layer whose
+    expert weights are split over devices: there, gathering the chosen experts would copy
+    expert weights between devices (ragged and dense keep each device on its own experts).
+    Called by the placements (``models.sharding.shard_model``, the loaders' ``sharding=``);
+    returns how many layers it turned off."""
+    turned_off = 0
+    for layer in moe_layers(model):
+        sharding = getattr(layer.w_gate[...], "sharding", None)
+        if sharding is not None and not sharding.is_fully_replicated and layer.gather_max_tokens:
+            layer.gather_max_tokens = 0
+            turned_off += 1
+    return turned_off
+
+
 def set_dense_token_range(model: nnx.Module, token_range: tuple[int, int] | None) -> int:
     """Set ``dense_token_range`` on every ``MoE`` layer inside ``model`` (itself included);
     returns how many layers there were. Programs compiled before keep their dispatch;
     programs keyed on the model's graphdef compile anew."""
     token_range = check_token_range(token_range)
-    layers = [module for _, module in nnx.iter_graph(model) if isinstance(module, MoE)]
+    layers = moe_layers(model)
     for layer in layers:
         layer.dense_token_range = token_range
     return len(layers)
@@ -157,6 +206,7 @@ class MoE(nnx.Module):
                                if cfg.n_shared_experts else None)
         # Static (part of the graphdef): which token counts run dense (module docstring).
         self.dense_token_range = check_token_range(DENSE_TOKEN_RANGE)
+        self.gather_max_tokens = GATHER_MAX_TOKENS
 
     def runs_dense(self, num_tokens: int) -> bool:
         """Whether a call on ``num_tokens`` tokens runs the routed experts dense."""
@@ -166,7 +216,14 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
-        routed = (self._dense_experts if self.runs_dense(flat.shape[0]) else self._ragged_experts)(flat, weights, ids)
+        num_tokens = flat.shape[0]
+        if num_tokens <= self.gather_max_tokens:
+            dispatch = self._gathered_experts
+        elif self.runs_dense(num_tokens):
+            dispatch = self._dense_experts
+        else:
+            dispatch = self._ragged_experts
+        routed = dispatch(flat, weights, ids)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(flat)
         return routed.reshape(x.shape)
@@ -185,6 +242,20 @@ class MoE(nnx.Module):
         out_sorted = jax.lax.ragged_dot(hidden, self.w_down[...], group_sizes)
         per_assignment = jnp.zeros_like(out_sorted).at[order].set(out_sorted)   # back to token-major order
         per_token = per_assignment.reshape(flat.shape[0], k, -1).astype(jnp.float32)
+        return jnp.einsum("tkd,tk->td", per_token, weights).astype(flat.dtype)
+
+    def _gathered_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+        """The chosen experts' weights gathered per assignment, the same arguments and result as
+        ``_ragged_experts``: A = T*k assignments, each one token times its expert's
+        [hidden, inner] and [inner, hidden] matrices ([A, hidden, inner] gathered copies: for
+        the few tokens this runs on, k experts' bytes a token instead of all E)."""
+        k = self.cfg.num_experts_per_tok
+        expert_of = ids.reshape(-1)                                            # [A]
+        rows = jnp.repeat(flat, k, axis=0)                                     # [A, hidden]
+        hidden = (jax.nn.silu(jnp.einsum("ah,ahi->ai", rows, self.w_gate[...][expert_of]))
+                  * jnp.einsum("ah,ahi->ai", rows, self.w_up[...][expert_of]))
+        out = jnp.einsum("ai,aid->ad", hidden, self.w_down[...][expert_of])    # [A, hidden]
+        per_token = out.reshape(flat.shape[0], k, -1).astype(jnp.float32)
         return jnp.einsum("tkd,tk->td", per_token, weights).astype(flat.dtype)
 
     def _dense_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:

@@ -23,6 +23,8 @@ import jax
 import numpy as np
 from flax import nnx, traverse_util
 
+from models.moe import match_dispatch_to_placement
+
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # the MoE's stacked [E, ...] expert weights
 
 ParamSharding = Union[jax.sharding.Sharding, Callable[[str, jax.ShapeDtypeStruct], jax.sharding.Sharding], None]
@@ -100,4 +102,12 @@ def shard_model(model: nnx.Module, sharding: ParamSharding) -> nnx.Module:
     targets = [resolve_sharding(sharding, param_path(path), var.shape, var.dtype) for path, var in flat]
     placed = {path: jax.device_put(var.get_value(), target) for (path, var), target in zip(flat, targets)}
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(placed))
-    return nnx.merge(graphdef, state)
+    return merge_placed(graphdef, state)
+
+
+def merge_placed(graphdef, state) -> nnx.Module:
+    """``nnx.merge`` of a model whose arrays a placement has put on their devices, with each MoE
+    layer's dispatch fitted to where its experts went (``models.moe.match_dispatch_to_placement``)."""
+    model = nnx.merge(graphdef, state)
+    match_dispatch_to_placement(model)
+    return model

@@ -1,6 +1,7 @@
-"""Time one DeepSeek MoE layer with its routed experts ragged vs dense (models/moe.py) at
+"""Time one DeepSeek MoE layer with its routed experts ragged vs dense vs gathered (models/moe.py) at
 decode-sized token counts, against the weight-read floor: the measurement that sets
-``models.moe.DENSE_TOKEN_RANGE`` (the default ``MoE.dense_token_range``).
+``models.moe.DENSE_TOKEN_RANGE`` and ``GATHER_MAX_TOKENS`` (the defaults of ``MoE.dense_token_range``
+and ``MoE.gather_max_tokens``); gathered runs up to ``GATHER_BENCH_MAX`` tokens.
 
     PYTHONPATH=. python scripts/bench_moe.py --out /tmp/bench_moe [--shapes v2_lite v3] [--tokens 1 8 64 ...]
 
@@ -45,7 +46,10 @@ SHAPES = {
     "v3": MoEShape(hidden=7168, inner=2048, experts=256, top_k=8, shared=1),
 }
 TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
-DISPATCHES = {"ragged": None, "dense": (1, 1 << 30)}  # MoE.dense_token_range for each
+# (MoE.dense_token_range, MoE.gather_max_tokens) of each dispatch.
+DISPATCHES = {"ragged": (None, 0), "dense": ((1, 1 << 30), 0), "gathered": (None, 1 << 30)}
+# Gathered copies T*k expert matrices a call: timed only for the few tokens it is meant for.
+GATHER_BENCH_MAX = 16
 WEIGHT_STD = 0.02
 
 
@@ -84,52 +88,64 @@ def floor_bytes(layer: MoE, x: jax.Array) -> dict[str, int]:
 
 
 def compiled_dispatches(layer: MoE, x: jax.Array) -> dict:
-    """Per ``DISPATCHES`` entry, the layer's call on x compiled ahead of time with that
-    ``dense_token_range`` (the layer's own is restored after): ``(compiled, args)``.
+    """Per ``DISPATCHES`` entry (gathered only up to ``GATHER_BENCH_MAX`` tokens), the layer's
+    call on x compiled ahead of time with that ``dense_token_range`` and ``gather_max_tokens``
+    (the layer's own are restored after): ``(compiled, args)``.
 
-    The range is part of the graphdef, a static argument here, so each entry compiles its
+    The dispatch is part of the graphdef, a static argument here, so each entry compiles its
     own program. (A closure over one graphdef, with the range a global read while tracing,
     once compiled the ragged program twice: jit's trace cache keys on the function.)"""
     call = jax.jit(lambda state, x, graphdef: nnx.merge(graphdef, state)(x), static_argnames="graphdef")
-    saved = layer.dense_token_range
+    saved = layer.dense_token_range, layer.gather_max_tokens
     programs = {}
     try:
-        for name, token_range in DISPATCHES.items():
+        for name, (token_range, gather_max) in DISPATCHES.items():
+            if name == "gathered" and x.shape[0] > GATHER_BENCH_MAX:
+                continue
             models.moe.set_dense_token_range(layer, token_range)
+            models.moe.set_gather_max_tokens(layer, gather_max)
             graphdef, state = nnx.split(layer)
             programs[name] = (call.lower(state, x, graphdef=graphdef).compile(), (state, x))
     finally:
-        models.moe.set_dense_token_range(layer, saved)
+        models.moe.set_dense_token_range(layer, saved[0])
+        models.moe.set_gather_max_tokens(layer, saved[1])
     return programs
 
 
 def measure(shape_name: str, tokens: int, layer: MoE, copy_gbps: float, iters: int) -> dict:
     x = jax.random.normal(jax.random.key(tokens), (tokens, layer.cfg.hidden_size), jnp.bfloat16)
     floors = floor_bytes(layer, x)
+    floors["gathered"] = floors["ragged"]  # the chosen experts (each assignment's copy read again aside)
     programs = compiled_dispatches(layer, x)
     outs = {name: np.asarray(fn(*args), np.float64) for name, (fn, args) in programs.items()}
-    row = {"shape": shape_name, "tokens": tokens, "chosen_experts": floors["chosen_experts"],
-           "dense_vs_ragged_rel_l2": float(np.linalg.norm(outs["dense"] - outs["ragged"])
-                                           / np.linalg.norm(outs["ragged"]))}
+    row = {"shape": shape_name, "tokens": tokens, "chosen_experts": floors["chosen_experts"]}
+    for name in programs:
+        if name != "ragged":
+            row[f"{name}_vs_ragged_rel_l2"] = float(np.linalg.norm(outs[name] - outs["ragged"])
+                                                    / np.linalg.norm(outs["ragged"]))
     for name, (fn, args) in programs.items():
         ms = timing.time_ms(fn, [args], warmup=3, iters=iters)
         row[f"{name}_ms"] = ms
         row[f"{name}_floor_ms"] = floors[name] / (copy_gbps * 1e9) * 1e3
         row[f"{name}_of_floor"] = row[f"{name}_floor_ms"] / ms
-    row["dense_speedup"] = row["ragged_ms"] / row["dense_ms"]
+        if name != "ragged":
+            row[f"{name}_speedup"] = row["ragged_ms"] / ms
     return row
 
 
 def table(env: dict, rows: list[dict]) -> str:
-    header = (f"# MoE layer: ragged vs dense routed experts\n\nDevice: {env['device']}, jax {env['jax']}, "
-              f"date {env['date']}; copy {env['copy_gbps']:.0f} GB/s. One layer (router, routed and shared "
-              "experts), bf16, times are medians; floor = weight bytes the dispatch must read / copy "
-              "bandwidth (ragged: the chosen experts; dense: all). `scripts/bench_moe.py`.\n\n")
-    columns = ["shape", "T", "experts chosen", "ragged ms", "dense ms", "dense speed-up", "ragged % floor",
-               "dense % floor", "dense vs ragged rel. L2"]
+    header = (f"# MoE layer: ragged vs dense vs gathered routed experts\n\nDevice: {env['device']}, jax "
+              f"{env['jax']}, date {env['date']}; copy {env['copy_gbps']:.0f} GB/s. One layer (router, routed and "
+              "shared experts), bf16, times are medians; floor = weight bytes the dispatch must read / copy "
+              "bandwidth (ragged and gathered: the chosen experts; dense: all); speed-ups are over ragged; "
+              f"gathered is run up to T = {GATHER_BENCH_MAX}. `scripts/bench_moe.py`.\n\n")
+    columns = ["shape", "T", "experts chosen", "ragged ms", "dense ms", "gathered ms", "dense speed-up",
+               "gathered speed-up", "ragged % floor", "dense % floor", "gathered % floor", "max rel. L2 to ragged"]
+    opt = lambda r, key, spec: "-" if key not in r else spec.format(r[key])
     body = [[r["shape"], r["tokens"], r["chosen_experts"], r["ragged_ms"], r["dense_ms"],
-             f"{r['dense_speedup']:.2f}x", f"{r['ragged_of_floor']:.0%}", f"{r['dense_of_floor']:.0%}",
-             f"{r['dense_vs_ragged_rel_l2']:.1e}"] for r in rows]
+             opt(r, "gathered_ms", "{:.3g}"), f"{r['dense_speedup']:.2f}x", opt(r, "gathered_speedup", "{:.2f}x"),
+             f"{r['ragged_of_floor']:.0%}", f"{r['dense_of_floor']:.0%}", opt(r, "gathered_of_floor", "{:.0%}"),
+             f"{max(v for k, v in r.items() if k.endswith('_vs_ragged_rel_l2')):.1e}"] for r in rows]
     return header + timing.markdown_table(columns, body)
 
 
@@ -149,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in args.tokens:
             rows.append(measure(shape_name, tokens, layer, env["copy_gbps"], args.iters))
             r = rows[-1]
+            gathered = f", gathered {r['gathered_ms']:.3f} ms" if "gathered_ms" in r else ""
             print(f"{shape_name} T={tokens}: ragged {r['ragged_ms']:.3f} ms, dense {r['dense_ms']:.3f} ms "
-                  f"({r['dense_speedup']:.2f}x), {r['chosen_experts']} experts chosen", flush=True)
+                  f"({r['dense_speedup']:.2f}x){gathered}, {r['chosen_experts']} experts chosen", flush=True)
             timing.write_results(args.out, "bench_moe", env, rows, table(env, rows))
         del layer
     print(table(env, rows))

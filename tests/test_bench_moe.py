@@ -13,22 +13,28 @@ bench_moe = load_script("bench_moe")
 TINY = bench_moe.MoEShape(hidden=32, inner=16, experts=8, top_k=2, shared=1)
 
 
-def test_ragged_and_dense_programs_compute_the_same_layer():
+@pytest.mark.parametrize("tokens, names", [(5, {"ragged", "dense", "gathered"}),
+                                           (bench_moe.GATHER_BENCH_MAX + 1, {"ragged", "dense"})])
+def test_the_dispatch_programs_compute_the_same_layer(tokens, names):
     layer = bench_moe.random_layer(TINY, dtype=jnp.float32)
-    x = jax.random.normal(jax.random.key(1), (5, TINY.hidden), jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (tokens, TINY.hidden), jnp.float32)
     programs = bench_moe.compiled_dispatches(layer, x)
-    assert set(programs) == {"ragged", "dense"}
-    # Two programs, one per dispatch (the GPU run that first used this compiled the ragged
-    # one twice: a jit cache hit), and the layer's own dispatch left as it was.
-    # Dense multiplies every expert by every token: [E, T, inner] products only it has.
+    assert set(programs) == names
+    # One program per dispatch (the GPU run that first used this compiled the ragged one
+    # twice: a jit cache hit), and the layer's own dispatch left as it was.
     texts = {name: fn.as_text() for name, (fn, _) in programs.items()}
-    every_expert = f"f32[{TINY.experts},5,{TINY.inner}]"
+    every_expert = f"f32[{TINY.experts},{tokens},{TINY.inner}]"  # dense: every expert x every token
     assert every_expert in texts["dense"] and every_expert not in texts["ragged"]
-    assert layer.dense_token_range == bench_moe.models.moe.DENSE_TOKEN_RANGE
-    ragged, dense = (np.asarray(fn(*args), np.float64) for fn, args in programs.values())
+    if "gathered" in texts:
+        chosen_copies = f"f32[{tokens * TINY.top_k},{TINY.hidden},{TINY.inner}]"  # gathered: per assignment
+        assert chosen_copies in texts["gathered"] and chosen_copies not in texts["ragged"]
+    assert (layer.dense_token_range, layer.gather_max_tokens) == (bench_moe.models.moe.DENSE_TOKEN_RANGE,
+                                                                  bench_moe.models.moe.GATHER_MAX_TOKENS)
+    outs = {name: np.asarray(fn(*args), np.float64) for name, (fn, args) in programs.items()}
     # float32 sums of <= 32 products, in another order: ~1e-7 relative.
-    assert np.abs(dense - ragged).max() <= 1e-5 * np.abs(ragged).max()
-    assert np.abs(ragged).max() > 0
+    for name in names - {"ragged"}:
+        assert np.abs(outs[name] - outs["ragged"]).max() <= 1e-5 * np.abs(outs["ragged"]).max(), name
+    assert np.abs(outs["ragged"]).max() > 0
 
 
 def test_floor_counts_router_shared_and_the_experts_each_dispatch_reads():
@@ -56,6 +62,13 @@ def test_a_measured_row_and_its_table(monkeypatch):
     floors = bench_moe.floor_bytes(layer, jax.random.normal(jax.random.key(4), (4, TINY.hidden), jnp.bfloat16))
     assert row["ragged_floor_ms"] == pytest.approx(floors["ragged"] / 100e9 * 1e3)
     assert row["dense_of_floor"] == pytest.approx(row["dense_floor_ms"] / 2.0) and row["dense_speedup"] == 1.0
-    assert row["dense_vs_ragged_rel_l2"] <= 1e-5  # float32: the two dispatches agree to rounding
+    assert row["gathered_floor_ms"] == row["ragged_floor_ms"] and row["gathered_speedup"] == 1.0
+    # float32: the dispatches agree to rounding
+    assert row["dense_vs_ragged_rel_l2"] <= 1e-5 and row["gathered_vs_ragged_rel_l2"] <= 1e-5
     env = {"device": "cpu", "jax": "0", "date": "2026-11-25", "copy_gbps": 100.0}
     assert "| tiny | 4 |" in bench_moe.table(env, [row])
+    # Above GATHER_BENCH_MAX the row has no gathered column values; the table shows "-".
+    big = bench_moe.measure("tiny", bench_moe.GATHER_BENCH_MAX + 1, layer, copy_gbps=100.0, iters=1)
+    assert "gathered_ms" not in big
+    line = next(l for l in bench_moe.table(env, [row, big]).splitlines() if l.startswith("| tiny | 17 |"))
+    assert line.split("|")[6].strip() == "-"  # the gathered ms column

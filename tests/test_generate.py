@@ -253,18 +253,23 @@ def test_pallas_kernels_in_the_loop_match_the_xla_path(model, prompts, greedy_bf
     assert min(len(set(row)) for row in generated) >= 3
 
 
-@pytest.mark.parametrize("moe_flags, dense_moe", [([], "default"), (["--dense-moe", "1", "64"], [1, 64]),
-                                                  (["--ragged-moe"], None)])
-def test_e2e_bench_runs_tiny(tmp_path, moe_flags, dense_moe):
+@pytest.mark.parametrize("moe_flags, dispatch", [([], "default"), (["--dense-moe", "1", "64"], ([1, 64], "default")),
+                                                (["--gather-moe", "2", "--dense-moe", "3", "9"], ([3, 9], 2)),
+                                                (["--ragged-moe"], (None, 0))])
+def test_e2e_bench_runs_tiny(tmp_path, moe_flags, dispatch):
     import models.moe
     from snapmla_jax.bench import e2e
 
     assert e2e.main(["--tiny", "--batches", "2", "--contexts", "64", "--steps", "2", "--iters", "1",
                      "--out", str(tmp_path), *moe_flags]) == 0
     env = json.loads((tmp_path / "e2e.json").read_text())["environment"]
-    want = list(models.moe.DENSE_TOKEN_RANGE) if dense_moe == "default" else dense_moe
-    assert env["dense_moe_tokens"] == want
-    assert ("ragged (`jax.lax.ragged_dot`) at every token count" in (tmp_path / "e2e.md").read_text()) == (want is None)
+    default = (list(models.moe.DENSE_TOKEN_RANGE), models.moe.GATHER_MAX_TOKENS)
+    want = default if dispatch == "default" else tuple(d if d != "default" else default[i]
+                                                         for i, d in enumerate(dispatch))
+    assert (env["dense_moe_tokens"], env["gather_moe_tokens"]) == want
+    header = (tmp_path / "e2e.md").read_text()
+    assert ("ragged (`jax.lax.ragged_dot`) at every token count" in header) == (want == (None, 0))
+    assert ("gathered up to 2 tokens" in header) == (want[1] == 2)
     rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
     assert {(r["kv_cache"], r["status"]) for r in rows} == {("fp8", "ok"), ("bf16", "ok")}
     assert all(r["tokens_per_s"] > 0 and 0 < r["attention_share"] for r in rows)

@@ -96,8 +96,15 @@ ROUTINGS = {
 }
 
 
-# MoE.dense_token_range per dispatch: every token count ragged, or every one dense.
-DISPATCHES = {"ragged": None, "dense": (1, 1 << 30)}
+# (MoE.dense_token_range, MoE.gather_max_tokens) per dispatch: every token count ragged,
+# dense, or gathered.
+DISPATCHES = {"ragged": (None, 0), "dense": ((1, 1 << 30), 0), "gathered": (None, 1 << 30)}
+
+
+def set_dispatch(model, dispatch: str) -> int:
+    token_range, gather_max = DISPATCHES[dispatch]
+    models.moe.set_gather_max_tokens(model, gather_max)
+    return models.moe.set_dense_token_range(model, token_range)
 
 
 @pytest.mark.parametrize("dispatch", sorted(DISPATCHES))
@@ -105,7 +112,7 @@ DISPATCHES = {"ragged": None, "dense": (1, 1 << 30)}
 def test_moe_matches_float64_per_token_reference(routing, dispatch):
     cfg = make_cfg(**ROUTINGS[routing])
     moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    assert models.moe.set_dense_token_range(moe, DISPATCHES[dispatch]) == 1
+    assert set_dispatch(moe, dispatch) == 1
     rng = np.random.default_rng(len(routing))
     weights = randomize(moe, rng)
     x = rng.standard_normal((2, TOKENS // 2, HIDDEN)).astype(np.float32)
@@ -120,16 +127,19 @@ def test_moe_matches_float64_per_token_reference(routing, dispatch):
     assert err <= 1e-5, f"relative error {err:.2e}"
 
 
-def moe_jaxpr(num_tokens: int, token_range=None) -> str:
+def moe_jaxpr(num_tokens: int, token_range=None, gather_max: int = 0) -> str:
     cfg = make_cfg(**ROUTINGS["v3_noaux_tc_sigmoid"])
     moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
     models.moe.set_dense_token_range(moe, token_range)
+    models.moe.set_gather_max_tokens(moe, gather_max)
     return str(jax.make_jaxpr(lambda v: moe(v))(jnp.ones((1, num_tokens, HIDDEN), jnp.float32)))
 
 
 def test_new_layers_take_the_library_default_and_none_is_ragged():
     cfg = make_cfg(**ROUTINGS["v3_noaux_tc_sigmoid"])
-    assert MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)).dense_token_range == models.moe.DENSE_TOKEN_RANGE
+    layer = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    assert layer.dense_token_range == models.moe.DENSE_TOKEN_RANGE
+    assert layer.gather_max_tokens == models.moe.GATHER_MAX_TOKENS
     jaxpr = moe_jaxpr(TOKENS, None)
     # gate, up and down each one grouped product over the T*k sorted assignments
     # (80 rows = 40 tokens x top-2), never an all-experts product.
@@ -143,6 +153,25 @@ def test_moe_runs_dense_inside_the_token_range_only(num_tokens, dense):
     assert ("ragged_dot_general" not in jaxpr) == dense
     # Dense: gate and up as products of every expert on every token, [E, T, I] each.
     assert jaxpr.count(f"f32[{EXPERTS},{num_tokens},{INNER}] = dot_general[") == (2 if dense else 0)
+
+
+@pytest.mark.parametrize("num_tokens, gathered", [(2, True), (3, True), (4, False)])
+def test_moe_gathers_the_chosen_experts_up_to_gather_max_tokens(num_tokens, gathered):
+    # Checked before the dense range: with both covering T, gathered wins.
+    jaxpr = moe_jaxpr(num_tokens, (1, 1 << 30), gather_max=3)
+    # Gathered: each of gate, up, down a [T*k, ...] copy of the chosen experts' matrices.
+    copies = jaxpr.count(f"f32[{num_tokens * 2},{HIDDEN},{INNER}] = gather[")
+    assert copies == (2 if gathered else 0)
+    assert jaxpr.count(f"f32[{num_tokens * 2},{INNER},{HIDDEN}] = gather[") == (1 if gathered else 0)
+    assert (f"f32[{EXPERTS},{num_tokens},{INNER}] = dot_general[" in jaxpr) == (not gathered)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_a_bad_gather_max_tokens_is_refused(bad):
+    moe = MoE(make_cfg(**ROUTINGS["greedy_no_shared"]), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="gather_max_tokens"):
+        models.moe.set_gather_max_tokens(moe, bad)
+    assert moe.gather_max_tokens == models.moe.GATHER_MAX_TOKENS
 
 
 def test_a_changed_token_range_compiles_a_new_program():
@@ -174,7 +203,7 @@ def test_a_bad_token_range_is_refused(token_range):
 def test_moe_in_bfloat16_stays_within_bfloat16_rounding(dispatch):
     cfg = make_cfg(**ROUTINGS["v3_noaux_tc_sigmoid"])
     moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    models.moe.set_dense_token_range(moe, DISPATCHES[dispatch])
+    set_dispatch(moe, dispatch)
     rng = np.random.default_rng(11)
     weights = randomize(moe, rng)
     x = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
@@ -202,9 +231,13 @@ from models.sharding import expert_sharding, shard_model
 cfg = MLAConfig(vocab_size=16, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8,
                 num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128)
-layer = shard_model(MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), expert_sharding())
+fresh = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+models.moe.set_gather_max_tokens(fresh, 16)
+layer = shard_model(fresh, expert_sharding())
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+replicated = shard_model(fresh, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 x = jax.random.normal(jax.random.key(0), (8, 64), jnp.float32)
-out = {}
+out = {"gather_max": [fresh.gather_max_tokens, layer.gather_max_tokens, replicated.gather_max_tokens]}
 for name, token_range in (("ragged", None), ("dense", (1, 1 << 30))):
     models.moe.set_dense_token_range(layer, token_range)
     graphdef, state = nnx.split(layer)
@@ -222,6 +255,9 @@ def test_expert_parallel_moe_never_gathers_expert_weights():
     result = run_with_cpu_devices(2, ["-c", EXPERT_PARALLEL_HLO])
     assert result.returncode == 0, result.stderr[-3000:]
     sizes = json.loads(result.stdout.strip().splitlines()[-1])
+    # The placement turned the gathered dispatch off where the experts were split (it would
+    # copy expert weights between devices), not where they were replicated, nor in the original.
+    assert sizes.pop("gather_max") == [16, 0, 16]
     one_expert_matrix = 64 * 128
     for name in ("ragged", "dense"):
         assert sizes[name], f"{name}: no collective at all: the experts were not split"

@@ -187,7 +187,8 @@ def feed_forward_stack(params, x, *, graphdef):
     return x
 
 
-def weight_bytes_touched(cfg: MLAConfig, params, batch: int, dense_token_range=None) -> tuple[int, int]:
+def weight_bytes_touched(cfg: MLAConfig, params, batch: int, dense_token_range=None,
+                         gather_max: int = 0) -> tuple[int, int]:
     """(all weight bytes, bytes a step of ``batch`` tokens reads): the embedding counts
     ``batch`` rows; routed experts count by the expected share any token picks,
     1 - (1 - k/E)^batch (uniform routing), or whole where the MoE runs dense for
@@ -203,27 +204,32 @@ def weight_bytes_touched(cfg: MLAConfig, params, batch: int, dense_token_range=N
         if "embed_tokens" in names:
             unread += nbytes - min(nbytes, batch * nbytes // leaf.shape[0])
     share = 1.0
-    dense = dense_token_range is not None and dense_token_range[0] <= batch <= dense_token_range[1]
+    dense = (batch > gather_max and dense_token_range is not None
+             and dense_token_range[0] <= batch <= dense_token_range[1])
     if cfg.n_routed_experts and not dense:
         share = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch
     return total, int(total - unread - (1 - share) * expert)
 
 
-def moe_dispatch_text(token_range) -> str:
+def moe_dispatch_text(token_range, gather_max: int = 0) -> str:
     """How the table's MoE layers ran their routed experts, for its header."""
-    if token_range is None:
+    parts = [f"gathered up to {gather_max} tokens a call"] if gather_max else []
+    if token_range is not None:
+        parts.append(f"dense for {token_range[0]}..{token_range[1]} tokens")
+    if not parts:
         return "ragged (`jax.lax.ragged_dot`) at every token count"
-    low, high = token_range
-    return f"dense for {low}..{high} tokens a call, ragged otherwise (`MoE.dense_token_range`)"
+    return ", ".join(parts) + ", ragged otherwise (`MoE.gather_max_tokens`, `MoE.dense_token_range`)"
 
 
-def dense_moe_tokens(model) -> tuple[int, int] | None:
-    """The ``dense_token_range`` the model's MoE layers share (None: ragged at every token
-    count, or no MoE layer); ValueError if they differ (this benchmark sets one for all)."""
-    ranges = {module.dense_token_range for _, module in nnx.iter_graph(model) if isinstance(module, models.moe.MoE)}
-    if len(ranges) > 1:
-        raise ValueError(f"model: MoE layers with different dense_token_range values {sorted(map(str, ranges))}")
-    return ranges.pop() if ranges else None
+def moe_dispatch(model) -> dict:
+    """The dispatch the model's MoE layers share: ``dense_moe_tokens`` (their
+    ``dense_token_range``) and ``gather_moe_tokens`` (their ``gather_max_tokens``); None and 0
+    without MoE layers. ValueError if the layers differ (this benchmark sets one for all)."""
+    found = {(module.dense_token_range, module.gather_max_tokens) for module in models.moe.moe_layers(model)}
+    if len(found) > 1:
+        raise ValueError(f"model: MoE layers with different dispatches {sorted(map(str, found))}")
+    token_range, gather_max = found.pop() if found else (None, 0)
+    return {"dense_moe_tokens": token_range, "gather_moe_tokens": gather_max}
 
 
 def _timed_calls(call, iters: int) -> float:
@@ -351,7 +357,7 @@ def markdown(env: dict, rows: list[dict], batches, contexts) -> str:
         f"{env['weights_gib']:.1f} GiB). Greedy decoding in the compiled `lax.while_loop` of "
         f"`snapmla_jax.generate` ({env['steps']} steps per call, median of {env['iters']} calls), every row "
         f"holding `context` cached tokens; backend `{env['backend']}`. Copy bandwidth measured in this run: "
-        f"{env['copy_gbps']:.0f} GB/s. MoE routed experts: {moe_dispatch_text(env.get('dense_moe_tokens'))}.\n",
+        f"{env['copy_gbps']:.0f} GB/s. MoE routed experts: {moe_dispatch_text(env.get('dense_moe_tokens'), env.get('gather_moe_tokens', 0))}.\n",
         f"Columns: generated tokens/s (= batch / step time); attention = {env['layers']} x (write_kv + "
         f"mla_decode) timed alone, as a share of the step; FFN = the {env['layers']} feed-forward blocks "
         f"(dense MLP / MoE) timed alone; floor = (weight bytes the step reads + cache bytes) / copy bandwidth.\n",
@@ -402,7 +408,11 @@ def main(argv: list[str] | None = None) -> int:
                      help="run the routed experts dense for LOW..HIGH tokens a call "
                           "(MoE.dense_token_range; default: the library's, models.moe.DENSE_TOKEN_RANGE)")
     moe.add_argument("--ragged-moe", action="store_true",
-                     help="run the routed experts ragged at every token count (MoE.dense_token_range None)")
+                     help="run the routed experts ragged at every token count (MoE.dense_token_range None, "
+                          "MoE.gather_max_tokens 0)")
+    parser.add_argument("--gather-moe", type=int, metavar="MAX", default=None,
+                        help="gather the chosen experts for calls of at most MAX tokens (MoE.gather_max_tokens; "
+                             "0: never; default: the library's, models.moe.GATHER_MAX_TOKENS)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.iters < 1:
         parser.error("--steps and --iters: expected ints >= 1")
@@ -414,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             models.moe.check_token_range(args.dense_moe)
         except ValueError as err:
             parser.error(f"--dense-moe: {err}")
+    if args.gather_moe is not None and (args.gather_moe < 0 or args.ragged_moe):
+        parser.error("--gather-moe: expected an int >= 0, and not with --ragged-moe")
     return run(args)
 
 
@@ -430,7 +442,9 @@ def run(args: argparse.Namespace) -> int:
     model = random_model(cfg, jnp.bfloat16)
     if args.dense_moe is not None or args.ragged_moe:
         models.moe.set_dense_token_range(model, None if args.ragged_moe else tuple(args.dense_moe))
-    env["dense_moe_tokens"] = dense_moe_tokens(model)
+    if args.gather_moe is not None or args.ragged_moe:
+        models.moe.set_gather_max_tokens(model, 0 if args.ragged_moe else args.gather_moe)
+    env.update(moe_dispatch(model))
     runner = Runner(cfg, model, steps=args.steps, iters=args.iters, backend=args.backend, threads=args.threads)
     weights_total = weight_bytes_touched(cfg, runner.params, 1)[0]
     env.update(model="tiny (2 layers)" if args.tiny else "DeepSeek-V2-Lite shapes",
@@ -468,7 +482,8 @@ def run(args: argparse.Namespace) -> int:
                      for c in plan.contexts]
         for row in rows:
             if row["status"] == "ok" and "floor_ms" not in row:
-                touched = weight_bytes_touched(cfg, runner.params, row["batch"], env["dense_moe_tokens"])[1]
+                touched = weight_bytes_touched(cfg, runner.params, row["batch"], env["dense_moe_tokens"],
+                                               env["gather_moe_tokens"])[1]
                 cache = row["batch"] * row["context"] * cache_bytes_per_token(cfg, row["kv_cache"])
                 row["floor_ms"] = (touched + cache) / (env["copy_gbps"] * 1e9) * 1e3
         timing.write_results(args.out, "e2e", env, rows, markdown(env, rows, grid["batches"], grid["contexts"]))
