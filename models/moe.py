@@ -78,13 +78,15 @@ def check_token_range(token_range) -> tuple[int, int] | None:
 
 
 # The default ``MoE.gather_max_tokens`` of new layers: calls of at most this many tokens run
-# the gathered dispatch (module docstring); 0: never. Measured (scripts/bench_moe.py,
-# docs/benchmarks/moe_gathered_h100.md, H100, one layer, bf16): gathered vs the better of
-# ragged and dense, V2-Lite shapes: 3.2x at T = 1 (0.156 vs 0.493 ms), 2.3x at T = 4, 1.24x
-# at T = 8, 0.74x at T = 16; V3 shapes: 9.5x at T = 1 (0.79 vs 7.4 ms), 2.5x at T = 4, 1.3x
-# at T = 8. End to end at B = 1 x 4k (V2-Lite shapes, gathered up to 3 tokens):
-# 99 vs 66 generated tokens/s (docs/benchmarks/e2e_b1_b16_4k_moe_*.md).
-GATHER_MAX_TOKENS = 8
+# the gathered dispatch (module docstring); 0: never. Measured on an H100: one layer alone
+# (scripts/bench_moe.py, docs/benchmarks/moe_gathered_h100.md) gathered beats the better of
+# ragged and dense up to T = 8 (V2-Lite shapes 3.2x at T = 1, V3 shapes 9.5x); but in the
+# 27-layer feed-forward stack of V2-Lite shapes (docs/benchmarks/moe_gathered_in_model_h100.md)
+# XLA compiles the gathered products into reduce fusions whose time grows with T: 8.1 vs
+# 13.0 ms at T = 1, 12.4 vs 11.9 at T = 2, 43 vs 11.3 at T = 8. Hence 1: the single-stream
+# decode step (B = 1 x 4k end to end: 99 vs 66 generated tokens/s). A grouped kernel that
+# reads each chosen expert by id (not XLA's gather) is the way past T = 1.
+GATHER_MAX_TOKENS = 1
 
 
 def moe_layers(model: nnx.Module) -> list["MoE"]:
