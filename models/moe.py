@@ -15,7 +15,7 @@ optionally renormalized over the chosen k, then times ``routed_scaling_factor``.
 The experts are dropless: every (token, expert) assignment is computed, in one
 of three ways (``MoE.__call__`` picks by the token count T, a static shape):
 
-* ragged (the default): the T*k assignments are sorted by expert so each
+* ragged (any T the two below leave): the T*k assignments are sorted by expert so each
   expert's tokens are contiguous, and ``jax.lax.ragged_dot`` multiplies each
   contiguous group by its expert's weights: work proportional to T*k.
 * dense (T in the layer's ``dense_token_range``): every expert runs on every token and
@@ -34,9 +34,8 @@ of three ways (``MoE.__call__`` picks by the token count T, a static shape):
 
 The choice is two static attributes of each layer, ``MoE.dense_token_range`` and
 ``MoE.gather_max_tokens`` (``set_dense_token_range`` and ``set_gather_max_tokens`` set
-them on every layer of a model), so it is part
-of the layer's graph definition: a jit keyed on ``nnx.split``'s graphdef, or
-``nnx.jit``, compiles a new program when it changes. (A module-level switch
+them on every layer of a model), so it is part of the layer's graph definition: a jit
+keyed on ``nnx.split``'s graphdef, or ``nnx.jit``, compiles a new program when it changes. (A module-level switch
 read while tracing was not: a jit cache hit kept the old dispatch.)
 """
 
