@@ -88,6 +88,16 @@ def check_token_range(token_range) -> tuple[int, int] | None:
 GATHER_MAX_TOKENS = 1
 
 
+def choose_dispatch(num_tokens: int, dense_token_range: tuple[int, int] | None, gather_max_tokens: int) -> str:
+    """"gathered", "dense" or "ragged": how a layer with these settings runs a call of
+    ``num_tokens`` tokens (module docstring; gathered is checked first)."""
+    if num_tokens <= gather_max_tokens:
+        return "gathered"
+    if dense_token_range is not None and dense_token_range[0] <= num_tokens <= dense_token_range[1]:
+        return "dense"
+    return "ragged"
+
+
 def moe_layers(model: nnx.Module) -> list["MoE"]:
     """Every ``MoE`` layer inside ``model`` (itself included)."""
     return [module for _, module in nnx.iter_graph(model) if isinstance(module, MoE)]
@@ -209,21 +219,12 @@ class MoE(nnx.Module):
         self.dense_token_range = check_token_range(DENSE_TOKEN_RANGE)
         self.gather_max_tokens = GATHER_MAX_TOKENS
 
-    def runs_dense(self, num_tokens: int) -> bool:
-        """Whether a call on ``num_tokens`` tokens runs the routed experts dense."""
-        token_range = self.dense_token_range
-        return token_range is not None and token_range[0] <= num_tokens <= token_range[1]
-
     def __call__(self, x: jax.Array) -> jax.Array:
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
-        num_tokens = flat.shape[0]
-        if num_tokens <= self.gather_max_tokens:
-            dispatch = self._gathered_experts
-        elif self.runs_dense(num_tokens):
-            dispatch = self._dense_experts
-        else:
-            dispatch = self._ragged_experts
+        dispatch = {"gathered": self._gathered_experts, "dense": self._dense_experts,
+                    "ragged": self._ragged_experts}[
+            choose_dispatch(flat.shape[0], self.dense_token_range, self.gather_max_tokens)]
         routed = dispatch(flat, weights, ids)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(flat)

@@ -17,7 +17,6 @@ import json
 import pathlib
 import sys
 
-import jax
 import jax.numpy as jnp
 
 from snapmla_jax.bench import timing

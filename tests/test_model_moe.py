@@ -262,3 +262,11 @@ def test_expert_parallel_moe_never_gathers_expert_weights():
     for name in ("ragged", "dense"):
         assert sizes[name], f"{name}: no collective at all: the experts were not split"
         assert max(sizes[name]) < one_expert_matrix, (name, sizes[name])
+
+
+@pytest.mark.parametrize("num_tokens, want", [(1, "gathered"), (2, "gathered"), (3, "ragged"), (4, "dense"),
+                                              (9, "dense"), (10, "ragged")])
+def test_choose_dispatch_checks_gathered_first_then_the_inclusive_dense_range(num_tokens, want):
+    # The one rule MoE.__call__ and the e2e benchmark's weight-byte count both use.
+    assert models.moe.choose_dispatch(num_tokens, (4, 9), 2) == want
+    assert models.moe.choose_dispatch(num_tokens, None, 0) == "ragged"

@@ -192,8 +192,8 @@ def weight_bytes_touched(cfg: MLAConfig, params, batch: int, dense_token_range=N
     """(all weight bytes, bytes a step of ``batch`` tokens reads): the embedding counts
     ``batch`` rows; routed experts count by the expected share any token picks,
     1 - (1 - k/E)^batch (uniform routing), or whole where the MoE runs dense for
-    ``batch`` tokens (``batch`` inside ``dense_token_range``, the model's
-    ``MoE.dense_token_range``)."""
+    ``batch`` tokens (``models.moe.choose_dispatch`` with the model's
+    ``MoE.dense_token_range`` and ``MoE.gather_max_tokens``)."""
     total = expert = unread = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         nbytes = leaf.size * leaf.dtype.itemsize
@@ -204,8 +204,7 @@ def weight_bytes_touched(cfg: MLAConfig, params, batch: int, dense_token_range=N
         if "embed_tokens" in names:
             unread += nbytes - min(nbytes, batch * nbytes // leaf.shape[0])
     share = 1.0
-    dense = (batch > gather_max and dense_token_range is not None
-             and dense_token_range[0] <= batch <= dense_token_range[1])
+    dense = models.moe.choose_dispatch(batch, dense_token_range, gather_max) == "dense"
     if cfg.n_routed_experts and not dense:
         share = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch
     return total, int(total - unread - (1 - share) * expert)
