@@ -172,7 +172,10 @@ ISSUE_BY_WARPS = True
 # rounds round-robin; docs/benchmarks/probe_producer_*.json).
 PRODUCER_WG = True
 # Registers a thread (``plgpu.set_max_registers``, multiples of 8) with the
-# producer: 65536 a CTA over 384 threads. The producer only computes addresses;
+# producer. The kernel starts with 168 a thread (65536 over 384 threads, rounded down
+# to a multiple of 8), and the consumers' increase waits until the producer's decrease
+# has freed enough: producer + 2 x consumer must stay <= 3 x 168 = 504, or the
+# consumers wait forever (48 / 232 hung an H100; ``check_registers``). The producer only computes addresses;
 # the consumers hold the 64 x 256 fp32 output (128 a thread) plus the step's tiles
 # and spill some: 40 / 232 ran 0.857 and 0.744 ms in the same probe.
 PRODUCER_REGISTERS = 24
@@ -748,6 +751,18 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         consume()
 
 
+def check_registers(producer: int, consumer: int) -> None:
+    """ValueError unless a producer / consumer split of registers a thread can run: multiples of 8
+    whose sum over the three warpgroups stays within the kernel's 168 a thread (above it, the
+    consumers' ``set_max_registers`` waits forever for registers the producer never frees)."""
+    if not PRODUCER_WG:
+        return
+    budget = (NUM_WGS + 1) * (65536 // (128 * (NUM_WGS + 1)) // 8 * 8)
+    if producer % 8 or consumer % 8 or producer + NUM_WGS * consumer > budget:
+        raise ValueError(f"PRODUCER_REGISTERS / CONSUMER_REGISTERS: expected multiples of 8 with producer + "
+                         f"{NUM_WGS} x consumer <= {budget}, got {producer} / {consumer}")
+
+
 def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, *, page_size: int,
                    num_splits: int, block_rows: int = BLOCK_M, interpret: bool = False):
     """Checks and launcher-side inputs (``block_rows``: the query rows of a CTA).
@@ -775,6 +790,7 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
     """``_kernel`` on its grid (b, split, row block) with its warpgroups, its SMEM and barriers,
     and the merge of split-KV partials."""
     batch, num_rows, _ = q_rows.shape
+    check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
         interpret=interpret)

@@ -150,6 +150,26 @@ def test_kernel_lowers_for_cuda(kernel, s_q, num_splits, dtype):
     lower_for_cuda(call, *args)
 
 
+def test_register_split_must_fit_the_kernels_registers(monkeypatch):
+    """The consumers' ``set_max_registers`` increase waits for registers the producer's decrease
+    frees: a split above 3 x 168 a thread hung an H100 (48 / 232), so it is refused, and the
+    shipped split and the probe's 40 / 232 are within it."""
+    import pallas_kernels.mla_decode_mgpu as mgpu_module
+    mgpu_module.check_registers(mgpu_module.PRODUCER_REGISTERS, mgpu_module.CONSUMER_REGISTERS)
+    mgpu_module.check_registers(40, 232)
+    for producer, consumer in [(48, 232), (24, 248), (28, 240)]:
+        with pytest.raises(ValueError, match="PRODUCER_REGISTERS"):
+            mgpu_module.check_registers(producer, consumer)
+    monkeypatch.setattr(mgpu_module, "PRODUCER_REGISTERS", 48)
+    monkeypatch.setattr(mgpu_module, "CONSUMER_REGISTERS", 232)
+    jax.clear_caches()
+    q, q_rope, *cache = _inputs(0, batch=2, heads=64, pages_per_row=3, seq_lens=[100, 0])
+    with pytest.raises(ValueError, match="48 / 232"):
+        lower_for_cuda(lambda *a: _call_kernel(*a, 0.1, kernel="mgpu"), q, q_rope, *cache)
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("kernel", ["mgpu", "small"])
 def test_cost_probe_variants_lower_for_cuda(monkeypatch, kernel):
     """scripts/probe_mgpu_costs.py swaps a kernel's step helpers (or module constants) for
