@@ -55,30 +55,33 @@ def num_step_tokens(max_pages: int) -> int:
     return pl.cdiv(max_pages * PAGE, STEP) * STEP
 
 
-def step_scales(scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array) -> jax.Array:
+def step_scales(scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array,
+                num_pages: int | None = None) -> jax.Array:
     """Token scales [B, steps * 128] f32 of each batch row's pages, in step order (jnp).
 
     scale [N] f32 (flat cache rows), block_table [B, max_pages] int32,
-    layer_offset [1] int32. Positions past the table read its last page (the
-    kernels mask them); cache rows are clipped into [0, N).
+    layer_offset [1] int32, num_pages: pages in one layer (None: N / 64). Positions
+    past the table read its last page (the kernels mask them); page ids are clipped
+    into [0, num_pages) and cache rows into [0, N).
     """
     max_pages = block_table.shape[1]
+    num_pages = scale.shape[0] // PAGE if num_pages is None else num_pages
     positions = step_token_order(num_step_tokens(max_pages))
-    pages = jnp.take(block_table, jnp.minimum(positions // PAGE, max_pages - 1), axis=1)
+    pages = jnp.clip(jnp.take(block_table, jnp.minimum(positions // PAGE, max_pages - 1), axis=1), 0, num_pages - 1)
     return jnp.take(scale, layer_offset[0] + pages * PAGE + positions % PAGE, mode="clip")
 
 
 def decode_inputs_reference(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array,
-                            layer_offset: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                            layer_offset: jax.Array, num_pages: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q_rows [B, rows, 512] (bf16/f32), scale [N] f32, block_table [B, max_pages] int32,
-    layer_offset [1] int32 -> (q8 [B, rows, 512] e4m3, q_scale [B, rows] f32,
-    scales [B, steps * 128] f32), in jnp."""
+    layer_offset [1] int32, num_pages (``step_scales``) -> (q8 [B, rows, 512] e4m3,
+    q_scale [B, rows] f32, scales [B, steps * 128] f32), in jnp."""
     q8, q_scale = quantize_per_token(q_rows.astype(jnp.float32))
-    return q8, q_scale, step_scales(scale, block_table, layer_offset)
+    return q8, q_scale, step_scales(scale, block_table, layer_offset, num_pages)
 
 
 def _inputs_kernel(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, *, q_programs: int,
-                   num_tokens: int, scales_block: int):
+                   num_tokens: int, scales_block: int, num_pages: int):
     """Program (b, j): j < ``q_programs`` quantizes query rows [16 j, 16 j + 16) of batch row
     b; j >= it gathers b's step-ordered scales [n i, n i + n), n = ``scales_block``,
     i = j - q_programs.
@@ -103,7 +106,7 @@ def _inputs_kernel(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref
         position = (j - q_programs) * scales_block + jnp.arange(scales_block, dtype=jnp.int32)
         token = _token_at(position)
         max_pages = bt_ref.shape[1]
-        page = plgpu_tr.load(bt_ref.at[b, jnp.minimum(token // PAGE, max_pages - 1)])
+        page = jnp.clip(plgpu_tr.load(bt_ref.at[b, jnp.minimum(token // PAGE, max_pages - 1)]), 0, num_pages - 1)
         row = jnp.clip(off_ref[0] + page * PAGE + token % PAGE, 0, scale_ref.shape[0] - 1)
         plgpu_tr.store(steps_ref.at[b * num_tokens + position], plgpu_tr.load(scale_ref.at[row]))
 
@@ -117,13 +120,15 @@ def scales_block(num_tokens: int) -> int:
     return block
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+@functools.partial(jax.jit, static_argnames=("num_pages", "interpret"))
 def decode_inputs(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array, *,
-                  interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  num_pages: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``decode_inputs_reference`` in one Pallas launch: q_rows [B, rows, 512] (rows a multiple
-    of 16), scale [N] f32, block_table [B, max_pages] int32, layer_offset [1] int32 ->
-    (q8 [B, rows, 512] e4m3, q_scale [B, rows] f32, scales [B, steps * 128] f32)."""
+    of 16), scale [N] f32, block_table [B, max_pages] int32, layer_offset [1] int32,
+    num_pages: pages in one layer (None: N / 64) -> (q8 [B, rows, 512] e4m3, q_scale [B, rows]
+    f32, scales [B, steps * 128] f32)."""
     batch, num_rows, rank = q_rows.shape
+    num_pages = scale.shape[0] // PAGE if num_pages is None else num_pages
     if num_rows % Q_ROWS:
         raise ValueError(f"q_rows: expected rows padded to a multiple of {Q_ROWS}, got {num_rows}")
     num_tokens = num_step_tokens(block_table.shape[1])
@@ -131,7 +136,8 @@ def decode_inputs(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, l
     block = scales_block(num_tokens)
     whole = pl.BlockSpec(memory_space=pl.ANY)
     q8, q_scale, scales = pl.pallas_call(
-        functools.partial(_inputs_kernel, q_programs=q_programs, num_tokens=num_tokens, scales_block=block),
+        functools.partial(_inputs_kernel, q_programs=q_programs, num_tokens=num_tokens, scales_block=block,
+                          num_pages=num_pages),
         grid=(batch, q_programs + num_tokens // block),
         in_specs=[whole] * 4,
         out_specs=[whole] * 3,

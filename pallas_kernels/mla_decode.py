@@ -175,8 +175,13 @@ def _dot_nn(a, b):
 
 def _mla_decode_kernel(seq_lens_ref, block_table_ref, layer_offset_ref, q_ref, q_rope_ref, latent_ref, *refs,
                        quantized: bool, block_n: int, page_size: int, num_splits: int, num_heads: int,
-                       s_q: int, scale_log2: float, pv_mma: str = "fp8"):
+                       s_q: int, scale_log2: float, num_pages: int, pv_mma: str = "fp8"):
     """One (batch row, split, row block) program.
+
+    Traced inputs are not validated (``snapmla_jax.decode.mla_decode`` checks concrete ones),
+    so every read stays inside the arrays whatever they hold: seq_len is clipped into
+    [0, max_pages * page_size] and page ids into [0, num_pages), as the XLA reference's
+    gather clips them.
 
     seq_lens_ref     [B] int32            tokens in the cache per batch row (incl. the s_q new ones)
     block_table_ref  [B, max_pages] int32 pages of each batch row
@@ -196,7 +201,7 @@ def _mla_decode_kernel(seq_lens_ref, block_table_ref, layer_offset_ref, q_ref, q
     block_m, rank = q_ref.shape
     max_pages = block_table_ref.shape[1]
 
-    seq_len = plgpu_tr.load(seq_lens_ref.at[b])
+    seq_len = jnp.clip(plgpu_tr.load(seq_lens_ref.at[b]), 0, max_pages * page_size)
     # Splits take equal ranges, rounded to whole token blocks so that block
     # boundaries sit at multiples of block_n whatever the split count (the
     # reference's per-block P' factors rely on that).
@@ -225,7 +230,7 @@ def _mla_decode_kernel(seq_lens_ref, block_table_ref, layer_offset_ref, q_ref, q
         in_range = t < end
         if page_size % block_n == 0:
             # The block is one run of rows inside one page: plain 2-D tile loads.
-            page = plgpu_tr.load(block_table_ref.at[b, first // page_size])
+            page = jnp.clip(plgpu_tr.load(block_table_ref.at[b, first // page_size]), 0, num_pages - 1)
             first_row = layer_offset + page * page_size + first % page_size
             cache_row = first_row + jnp.arange(block_n, dtype=jnp.int32)
             tile = lambda ref: plgpu_tr.load(ref.at[pl.ds(first_row, block_n), :],
@@ -235,6 +240,7 @@ def _mla_decode_kernel(seq_lens_ref, block_table_ref, layer_offset_ref, q_ref, q
             page_index = jnp.where(in_range, t // page_size, 0)
             page = plgpu_tr.load(block_table_ref.at[b, page_index], mask=in_range & (page_index < max_pages),
                                  other=0)
+            page = jnp.clip(page, 0, num_pages - 1)
             cache_row = layer_offset + page * page_size + t % page_size
             tile = lambda ref: plgpu_tr.load(
                 ref.at[cache_row[:, None], jnp.arange(ref.shape[1], dtype=jnp.int32)[None, :]],
@@ -277,12 +283,22 @@ def _mla_decode_kernel(seq_lens_ref, block_table_ref, layer_offset_ref, q_ref, q
     lse_ref[...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, -jnp.inf)
 
 
+def resolve_num_pages(num_pages: int | None, num_rows: int, page_size: int) -> int:
+    """Pages in one layer of a cache of ``num_rows`` flat rows: ``num_pages``, or all of them (None)."""
+    if num_pages is None:
+        return num_rows // page_size
+    if not isinstance(num_pages, int) or not 0 < num_pages * page_size <= num_rows:
+        raise ValueError(f"num_pages: expected None or a positive int with num_pages x page_size <= {num_rows} "
+                         f"cache rows, got {num_pages!r}")
+    return num_pages
+
+
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
-                                             "config", "interpret"))
+                                             "config", "num_pages", "interpret"))
 def mla_decode_pallas(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                       seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
                       s_q: int, num_heads: int, num_splits: int, config: DecodeConfig = DecodeConfig(),
-                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                      num_pages: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Run the decode kernel on flattened query rows.
 
     q_rows        [B, rows, R] bf16/f32, rows = s_q * num_heads padded to a multiple
@@ -291,9 +307,13 @@ def mla_decode_pallas(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: t
     cache_arrays  (latent [N, R] e4m3, scale [N] f32, rope [N, Dr] bf16) or
                   (latent [N, R] bf16, rope [N, Dr] bf16): the cache as flat rows.
     block_table   [B, max_pages] int32; seq_lens [B] int32; layer_offset [1] int32.
+    num_pages     pages in one layer of the cache (None: N / page_size, a cache of one layer);
+                  traced page ids are clipped into [0, num_pages), seq_lens into the table's
+                  capacity, so that no read leaves the cache.
     Returns out [B, rows, R] in q_rows' dtype and lse [B, rows] float32 (natural log).
     """
     batch, num_rows, rank = q_rows.shape
+    num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
     rope_dim = q_rope_rows.shape[2]
     block_m = rows_per_block(s_q * num_heads, config)
     if num_rows % block_m:
@@ -303,7 +323,7 @@ def mla_decode_pallas(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: t
     kernel = functools.partial(
         _mla_decode_kernel, quantized=quantized, block_n=tokens_per_block(page_size, config), page_size=page_size,
         num_splits=num_splits, num_heads=num_heads, s_q=s_q, scale_log2=softmax_scale * LOG2E,
-        pv_mma=resolve_pv_mma(config, block_m))
+        num_pages=num_pages, pv_mma=resolve_pv_mma(config, block_m))
     whole = pl.BlockSpec(memory_space=pl.ANY)
     out, lse = pl.pallas_call(
         kernel,

@@ -124,7 +124,7 @@ from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from pallas_kernels.mgpu_bytes import interleave_bytes
 from pallas_kernels.combine_splits import combine_splits
 from pallas_kernels.mgpu_decode_inputs import decode_inputs
-from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX
+from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
 
 PAGE = 64  # cache page size this kernel supports
 STEP = 128  # tokens per inner step: two pages (see the module docstring)
@@ -229,17 +229,18 @@ def step_visibility(row0, t0, seq_len, half: int, *, s_q: int, num_heads: int) -
     return tokens < visible_len
 
 
-def page_boxes(bt_ref, b, step, layer_offset):
+def page_boxes(bt_ref, b, step, layer_offset, num_pages: int):
     """TMA boxes of a step, yielding (parity, source token pairs, destination rows):
     per page of the step and token parity, the pairs ``pl.ds`` in the [N/2, 2, ...]
     pair views and the 32 step-order rows (even tokens to rows 0..63) they fill.
 
     Pages past the table's end (only in a partial last step) are clamped; their
-    tokens are masked.
+    tokens are masked. Page ids are clipped into [0, num_pages) (a traced block
+    table is not validated), as the XLA reference's gather clips them.
     """
     max_pages = bt_ref.shape[1]
     for half in range(2):
-        page = bt_ref[b, jnp.minimum(step * 2 + half, max_pages - 1)]
+        page = jnp.clip(bt_ref[b, jnp.minimum(step * 2 + half, max_pages - 1)], 0, num_pages - 1)
         # layer_offset is a multiple of PAGE: the TMA boxes start on whole pages.
         first_pair = _aligned((layer_offset + page * PAGE) // 2, PAGE // 2)
         for parity in range(2):
@@ -381,7 +382,7 @@ def cta_steps(seq_len, split, *, s_q: int, num_splits: int):
 
 
 def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar, *,
-                by_warps: bool):
+                by_warps: bool, num_pages: int):
     """``issue(step, slot)``: the TMA of a step into a ring slot, arriving on ``step_bar[slot]``:
     latent chunks and RoPE rows in step order (even tokens to rows 0..63), and token scales.
 
@@ -399,7 +400,7 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
 
     def issue(step, slot):
         # Box starts computed here: ``pl.multiple_of`` does not lower in a warp's code.
-        boxes = list(page_boxes(bt_ref, b, step, layer_offset))
+        boxes = list(page_boxes(bt_ref, b, step, layer_offset, num_pages))
         first_token = _aligned(step * STEP, STEP)
         if not by_warps:
             for parity, src, dst in boxes:
@@ -450,7 +451,7 @@ class Cta(NamedTuple):
 
 def begin_cta(seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
               q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, *, s_q: int, num_splits: int,
-              issuer: int = 0, by_warps: bool | None = None) -> Cta:
+              num_pages: int, issuer: int = 0, by_warps: bool | None = None) -> Cta:
     """The start of a Mosaic decode CTA (grid b, split, row block of q8_s's rows): its steps
     (``cta_steps``), the TMA issuer of the ring (its copies shared by the issuing warpgroup's
     warps if ``by_warps``; None: ``ISSUE_BY_WARPS``), then ``start_cta`` (query tiles and first
@@ -459,13 +460,15 @@ def begin_cta(seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, 
     split = lax.axis_index("s")
     r = lax.axis_index("r")
     wg = lax.axis_index("wg")
-    seq_len = seq_lens_ref[b]
+    # A traced seq_len is not validated: past the table's capacity it would walk steps of
+    # clamped pages (the XLA reference clips it there too).
+    seq_len = jnp.clip(seq_lens_ref[b], 0, bt_ref.shape[1] * PAGE)
     layer_offset = off_ref[0]
     first_step, num_steps, unmasked_steps = cta_steps(seq_len, split, s_q=s_q, num_splits=num_splits)
     rows = q8_s.shape[1]
     row0 = _aligned(r * rows, rows)
     issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar,
-                        by_warps=ISSUE_BY_WARPS if by_warps is None else by_warps)
+                        by_warps=ISSUE_BY_WARPS if by_warps is None else by_warps, num_pages=num_pages)
     start_cta(wg, first_step, num_steps, issue, (q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar,
               issuer=issuer)
     return Cta(b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue)
@@ -635,7 +638,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
             o_ref, lse_ref,
             q_union, qr_s, qsc_s, lse_s, kv_union, rope_union, ksc_s, p_union, stats_s, lsum_s,
             step_bar, qk_done_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar,
-            *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, interpret: bool):
+            *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, num_pages: int, interpret: bool):
     """One CTA: (batch row b, KV split s, row block r), two consumer warpgroups and the producer (wg 2,
     ``PRODUCER_WG``); shapes in the module docstring.
 
@@ -656,7 +659,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = begin_cta(
         seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits,
-        issuer=NUM_WGS if PRODUCER_WG else 0, by_warps=PRODUCER_ISSUE_BY_WARPS if PRODUCER_WG else None)
+        num_pages=num_pages, issuer=NUM_WGS if PRODUCER_WG else 0, by_warps=PRODUCER_ISSUE_BY_WARPS if PRODUCER_WG else None)
 
     def consume():
         my_rows = _aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
@@ -764,8 +767,9 @@ def check_registers(producer: int, consumer: int) -> None:
 
 
 def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, *, page_size: int,
-                   num_splits: int, block_rows: int = BLOCK_M, interpret: bool = False):
-    """Checks and launcher-side inputs (``block_rows``: the query rows of a CTA).
+                   num_splits: int, num_pages: int, block_rows: int = BLOCK_M, interpret: bool = False):
+    """Checks and launcher-side inputs (``block_rows``: the query rows of a CTA; ``num_pages``:
+    pages in one layer, resolved by ``resolve_num_pages``).
 
     Returns (q8 e4m3 [B, rows, 512], q_scale f32 [B, rows], latent pairs e4m3
     [N/2, 2, 512], rope pairs bf16 [N/2, 2, 64] (free reshapes), step-ordered
@@ -780,26 +784,29 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset,
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
     latent, scale, rope = cache_arrays
-    q8, q_scale, scales = decode_inputs(q_rows, scale, block_table, layer_offset, interpret=interpret)
+    q8, q_scale, scales = decode_inputs(q_rows, scale, block_table, layer_offset, num_pages=num_pages,
+                                        interpret=interpret)
     return (q8, q_scale, latent.reshape(latent.shape[0] // 2, 2, RANK),
             rope.reshape(rope.shape[0] // 2, 2, ROPE), scales)
 
 
 def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, *, softmax_scale: float,
-           page_size: int, s_q: int, num_heads: int, num_splits: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
+           page_size: int, s_q: int, num_heads: int, num_splits: int, num_pages: int | None,
+           interpret: bool) -> tuple[jax.Array, jax.Array]:
     """``_kernel`` on its grid (b, split, row block) with its warpgroups, its SMEM and barriers,
     and the merge of split-KV partials."""
     batch, num_rows, _ = q_rows.shape
     check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
+    num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
-        interpret=interpret)
+        num_pages=num_pages, interpret=interpret)
     out_dtype = q_rows.dtype if num_splits == 1 else jnp.float32
     stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # the staging tile fits in Q8's 32 KB
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          num_splits=num_splits, interpret=interpret),
+                          num_splits=num_splits, num_pages=num_pages, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((batch, num_splits, num_rows, RANK), out_dtype),
                   jax.ShapeDtypeStruct((batch, num_splits, num_rows), jnp.float32)),
         scratch_types=[
@@ -851,17 +858,20 @@ def merge_splits(out: jax.Array, lse: jax.Array, dtype, *, transposed: bool = Fa
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
-                                             "interpret"))
+                                             "num_pages", "interpret"))
 def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                     seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
-                    s_q: int, num_heads: int, num_splits: int = 1,
+                    s_q: int, num_heads: int, num_splits: int = 1, num_pages: int | None = None,
                     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """FP8 decode on Mosaic GPU; arguments and results in the module docstring.
 
     ``layer_offset`` must be a multiple of 64 (it is layer x pages x 64).
     ``num_splits`` > 1 splits each row's steps over that many CTAs (flash
     decoding); their float32 partials are merged with their log-sum-exp, as the
-    Triton kernel's are (``combine_splits``).
+    Triton kernel's are (``combine_splits``). ``num_pages``: pages in one layer of the
+    cache (None: all of the arrays' rows); traced page ids are clipped into [0, num_pages)
+    and seq_lens into the table's capacity, so that no read leaves the cache.
     """
     return launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, softmax_scale=softmax_scale,
-                  page_size=page_size, s_q=s_q, num_heads=num_heads, num_splits=num_splits, interpret=interpret)
+                  page_size=page_size, s_q=s_q, num_heads=num_heads, num_splits=num_splits, num_pages=num_pages,
+                  interpret=interpret)

@@ -72,7 +72,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
-from pallas_kernels.mla_decode import LOG2E, MIN_PV_ROW_MAX
+from pallas_kernels.mla_decode import LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
 from pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, HALF, NUM_CHUNKS,
                                             NUM_SLOTS, NUM_WGS, RANK, ROPE, STEP, begin_cta,
                                             begin_step, grid_params, initial_carry, merge_splits,
@@ -247,7 +247,8 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
             o_ref, lse_ref,
             q8_s, qr_s, qsc_s, lse_s, kv8_s, rope_union, ksc_s, stats_s, ml_s, v_union,
             step_bar, p_ready_bar, consumed_bar, q_bar, end_bar,
-            *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, transposed: bool, interpret: bool):
+            *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, transposed: bool, num_pages: int,
+            interpret: bool):
     """One CTA: (batch row b, KV split s, block of R query rows), two warpgroups; ``transposed``:
     the output leaves as [features, rows] float32 (``write_outputs_t``).
 
@@ -273,7 +274,8 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     v16_s, o_s = v_union
     b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = begin_cta(
         seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
-        q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits, issuer=ISSUER)
+        q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits,
+        num_pages=num_pages, issuer=ISSUER)
     *_, m0, l0 = initial_carry((CHUNK, rows), rows_axis=1)
 
     @pl.when(wg == 0)
@@ -330,20 +332,22 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
-                                             "block_rows", "interpret"))
+                                             "block_rows", "num_pages", "interpret"))
 def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                           seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
                           s_q: int, num_heads: int, num_splits: int = 1, block_rows: int = ROWS,
-                          interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                          num_pages: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """FP8 decode for blocks of ``block_rows`` (16 or 32) query rows; arguments and results as
-    ``mla_decode_mgpu``'s, with q_rows [B, rows, 512] padded to a multiple of ``block_rows``."""
+    ``mla_decode_mgpu``'s (``num_pages`` included), with q_rows [B, rows, 512] padded to a
+    multiple of ``block_rows``."""
     if block_rows not in BLOCK_ROWS:
         raise ValueError(f"block_rows: expected one of {BLOCK_ROWS}, got {block_rows!r}")
     rows = block_rows
     batch, num_rows, _ = q_rows.shape
+    num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
-        block_rows=rows, interpret=interpret)
+        num_pages=num_pages, block_rows=rows, interpret=interpret)
     # A split's float32 partials, and a float32 output, leave the kernel as [features, rows]
     # (``write_outputs_t``: Mosaic GPU cannot store 32-bit values transposed).
     transposed = num_splits > 1 or jnp.dtype(q_rows.dtype).itemsize == 4
@@ -352,7 +356,7 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
                                          ((batch, 1, num_rows, RANK), (NUM_WGS, rows, CHUNK), q_rows.dtype))
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          num_splits=num_splits, transposed=transposed, interpret=interpret),
+                          num_splits=num_splits, transposed=transposed, num_pages=num_pages, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype),
                   jax.ShapeDtypeStruct((batch, num_splits, num_rows), jnp.float32)),
         scratch_types=[

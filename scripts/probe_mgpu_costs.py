@@ -43,7 +43,7 @@ ROOT = pathlib.Path(__file__).resolve().parent
 ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
             ("step_scores", "qk8_promoted", "softmax_half", "v_words", "v_operands_in_place", "pv_update",
              "WAIT_QK_DONE", "ISSUE_BY_WARPS", "PRODUCER_WG", "PRODUCER_REGISTERS", "CONSUMER_REGISTERS",
-             "PRODUCER_ISSUE_BY_WARPS")}
+             "PRODUCER_ISSUE_BY_WARPS", "page_boxes")}
 
 
 def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
@@ -178,6 +178,18 @@ def pv_in_place_one_by_one(accs, p8_ref, v_operands, alpha, pv_max):
     return outs
 
 
+def page_boxes_unclipped(bt_ref, b, step, layer_offset, num_pages):
+    """The TMA boxes without the page ids' clip into [0, num_pages) (the kernels before the
+    fourteenth session): what the clip costs."""
+    max_pages = bt_ref.shape[1]
+    for half in range(2):
+        page = bt_ref[b, jnp.minimum(step * 2 + half, max_pages - 1)]
+        first_pair = mgpu_kernel._aligned((layer_offset + page * mgpu_kernel.PAGE) // 2, mgpu_kernel.PAGE // 2)
+        for parity in range(2):
+            yield (parity, pl.ds(first_pair, mgpu_kernel.PAGE // 2),
+                   pl.ds(parity * HALF + half * (mgpu_kernel.PAGE // 2), mgpu_kernel.PAGE // 2))
+
+
 VARIANTS = {
     "baseline": {},
     "rope_first": {"step_scores": scores_rope_first},
@@ -205,6 +217,7 @@ VARIANTS = {
     "no_producer": {"PRODUCER_WG": False},
     "producer_40_232": {"PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
     "producer_by_warps": {"PRODUCER_ISSUE_BY_WARPS": True},
+    "pages_unclipped": {"page_boxes": page_boxes_unclipped},
     # The TMA ring, barriers, statistics and P' exchange, P' packing and output alone.
     "no_compute": {"step_scores": scores_constant, "softmax_half": softmax_none,
                    "v_operands_in_place": v_operands_untransposed, "pv_update": pv_none},

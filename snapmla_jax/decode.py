@@ -214,6 +214,9 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     also lse [B, s_q, H] float32 (natural log of the softmax denominator).
     Raises ValueError naming the argument on a shape/dtype mismatch, and when
     concrete, on seq_lens outside the block table's capacity or page ids out of range.
+    Traced (under jit) they cannot be checked: every backend then clips seq_lens into
+    [0, max_pages * page_size] and page ids into [0, num_pages), so no read leaves the
+    cache and all backends agree; such a row's output is that of the clipped input.
     """
     _validate(q_latent, q_rope, cache, block_table, seq_lens, softmax_scale, layer)
     backend = resolve_backend(backend)
@@ -228,6 +231,8 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
         # Documented behaviour for a traced out-of-range layer: nothing visible.
         seq_lens = jnp.where((layer >= 0) & (layer < cache.num_layers), seq_lens, 0)
     if backend == "xla":
+        # As the kernels do for traced inputs (validated above when concrete).
+        seq_lens = jnp.clip(seq_lens, 0, block_table.shape[1] * cache.page_size)
         one = cache.layer_arrays(layer)
         out, lse = mla_decode_reference(q_latent, q_rope, one.latent, one.scale, one.rope, block_table, seq_lens,
                                         softmax_scale=softmax_scale,
@@ -251,12 +256,12 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
         out, lse = mosaic_kernel(num_rows)[0](
             to_rows(q_latent), to_rows(q_rope), cache_arrays, block_table, seq_lens, layer_offset,
             softmax_scale=softmax_scale, page_size=cache.page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,
-            interpret=backend == "interpret")
+            num_pages=cache.num_pages, interpret=backend == "interpret")
     else:
         out, lse = mla_decode_pallas(
             to_rows(q_latent), to_rows(q_rope), cache_arrays, block_table, seq_lens, layer_offset,
             softmax_scale=softmax_scale, page_size=cache.page_size, s_q=s_q, num_heads=heads,
-            num_splits=num_splits, config=config, interpret=backend == "interpret")
+            num_splits=num_splits, config=config, num_pages=cache.num_pages, interpret=backend == "interpret")
     out = out[:, :num_rows].reshape(batch, s_q, heads, rank)
     lse = lse[:, :num_rows].reshape(batch, s_q, heads)
     return (out, lse) if return_lse else out

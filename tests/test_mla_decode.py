@@ -392,6 +392,46 @@ def test_layered_cache_selects_layer_by_offset():
     assert np.all(np.asarray(out) == 0) and np.all(np.asarray(lse) == -np.inf)
 
 
+def out_of_range_inputs(rng, page_size, *, num_pages=10, heads=16, s_q=2):
+    """A 2-layer fp8/bf16-agnostic problem whose block table and seq_lens are out of range
+    (pages num_pages + 3, -5 and 10**6; a seq_len 40 past the table's capacity), and the
+    same inputs clipped as the backends clip traced ones. Returns (latents, ropes, bad
+    (block_table, seq_lens), clipped (block_table, seq_lens), q, q_rope)."""
+    layers = [make_latent(rng, num_pages, page_size) for _ in range(2)]
+    block_table = np.array(scrambled_block_table(rng, 3, 3, num_pages))
+    block_table[0, 1], block_table[1, 0], block_table[2, 2] = num_pages + 3, -5, 10**6
+    capacity = 3 * page_size
+    seq_lens = np.asarray([capacity - 5, 2 * page_size, capacity + 40], np.int32)
+    clipped = (jnp.asarray(np.clip(block_table, 0, num_pages - 1)), jnp.asarray(np.clip(seq_lens, 0, capacity)))
+    q, q_rope = make_queries(rng, 3, s_q, heads)
+    return layers, (jnp.asarray(block_table), jnp.asarray(seq_lens)), clipped, q, q_rope
+
+
+@pytest.mark.parametrize("backend,dtype,config", [
+    ("xla", "fp8", None),
+    ("interpret", "bf16", None),
+    ("interpret", "fp8", FP8_CONFIG),
+])
+@pytest.mark.parametrize("page_size", [64, 24])  # contiguous tiles, and the per-token gather
+def test_traced_out_of_range_pages_and_lengths_read_what_clipped_ones_read(backend, dtype, config, page_size):
+    """Under jit a block table and seq_lens cannot be validated. Every backend then clips page ids
+    into [0, num_pages) of the selected layer and seq_lens into the table's capacity, so no read
+    leaves the cache and a bad row gets the output of its clipped input (bit for bit). Layer 0 of
+    two, so that an unclipped page past the end would read layer 1 (or, in the interpreter,
+    whatever its clamped slice start holds) and differ."""
+    rng = np.random.default_rng(page_size + 1)
+    layers, bad, clipped, q, q_rope = out_of_range_inputs(rng, page_size)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *[make_cache(lat, rope, dtype) for lat, rope in layers])
+    traced = jax.jit(lambda bt, lens: run(q, q_rope, stacked, bt, lens, backend=backend, config=config, layer=0))
+    got, got_lse = traced(*bad)
+    want, want_lse = traced(*clipped)  # one program for both (XLA may sum differently in another)
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_lse, want_lse)
+    with pytest.raises(ValueError, match="block_table"):  # concrete inputs are refused instead
+        run(q, q_rope, stacked, bad[0], clipped[1], backend=backend, config=config, layer=0)
+
+
 def test_xla_backend_is_the_cpu_default_and_lse_is_optional(paged_setup):
     latent, rope, block_table, seq_lens, q, q_rope = paged_setup
     cache = make_cache(latent, rope, "fp8")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG
-from test_mla_decode import (make_cache, make_latent, make_queries, rel_err, run,
+from test_mla_decode import (make_cache, make_latent, make_queries, out_of_range_inputs, rel_err, run,
                              scrambled_block_table)
 
 pytestmark = pytest.mark.gpu
@@ -88,3 +88,19 @@ def test_compiled_fp8_config_variants_match_interpret(config):
     finite = np.isfinite(np.asarray(interp_lse))
     lse_atol = 2**-9 * float(np.max(np.abs(np.asarray(interp_lse)[finite])))
     np.testing.assert_allclose(lse, interp_lse, atol=lse_atol)
+
+
+@pytest.mark.parametrize("dtype,config", [("bf16", BF16_CONFIG), ("fp8", FP8_CONFIG)])
+@pytest.mark.parametrize("page_size", [64, 24])
+def test_compiled_kernels_clip_traced_pages_and_lengths(dtype, config, page_size):
+    """As test_mla_decode.py's interpreter test, compiled: unclipped, the page id 10**6 would
+    address ~10**6 pages past the cache (an illegal address, or another buffer's bytes)."""
+    rng = np.random.default_rng(page_size + 1)
+    layers, bad, clipped, q, q_rope = out_of_range_inputs(rng, page_size)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *[make_cache(lat, rope, dtype) for lat, rope in layers])
+    traced = jax.jit(lambda bt, lens: run(q, q_rope, stacked, bt, lens, backend="pallas", config=config, layer=0))
+    got, got_lse = traced(*bad)
+    want, want_lse = traced(*clipped)
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_lse, want_lse)

@@ -465,6 +465,53 @@ def test_mla_decode_mosaic_config_compiled_matches_xla(heads, s_q):
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
 
+def _clip_check(seed: int, backend: str = "interpret", heads: int = 64, s_q: int = 1) -> list:
+    """``mla_decode(config=DecodeConfig(kernel="mosaic"))`` under jit on a traced block table with
+    pages past the layer's end, negative and 10**6, and a seq_len past the table's capacity,
+    against the same program on the inputs clipped as documented (pages into [0, num_pages),
+    seq_lens into the capacity). A 2-layer cache read at layer 0: an unclipped page past the
+    end reads layer 1, or nothing. Returns [max |difference| of outputs, of lse
+    values, whether all outputs are finite]."""
+    from pallas_kernels.mla_decode import DecodeConfig
+    from snapmla_jax.cache import LatentCache
+    from snapmla_jax.decode import mla_decode
+
+    rng = np.random.default_rng(seed)
+    layers, pages, batch = 2, 10, 3
+    x = rng.standard_normal((layers, pages, 64, 512)).astype(np.float32)
+    x[rng.random((layers, pages, 64)) < 0.02] *= 300.0  # outlier tokens
+    latent, scale = quantize_per_token(jnp.asarray(x))
+    cache = LatentCache(latent=latent, scale=scale,
+                        rope=jnp.asarray(rng.standard_normal((layers, pages, 64, 64)), jnp.bfloat16))
+    table = rng.permutation(pages)[:batch * 3].reshape(batch, 3).astype(np.int32)
+    table[0, 1], table[1, 0], table[2, 2] = pages + 3, -5, 10**6
+    lens = np.asarray([3 * 64 - 5, 2 * 64, 3 * 64 + 40], np.int32)
+    q = jnp.asarray(rng.standard_normal((batch, s_q, heads, 512)) * 0.3, jnp.bfloat16)
+    q_rope = jnp.asarray(rng.standard_normal((batch, s_q, heads, 64)) * 0.3, jnp.bfloat16)
+    run = jax.jit(lambda bt, sl: mla_decode(q, q_rope, cache, bt, sl, softmax_scale=576 ** -0.5, layer=0,
+                                            backend=backend, return_lse=True, config=DecodeConfig(kernel="mosaic")))
+    out, lse = (np.asarray(a, np.float64) for a in run(jnp.asarray(table), jnp.asarray(lens)))
+    want, want_lse = (np.asarray(a, np.float64) for a in run(jnp.asarray(np.clip(table, 0, pages - 1)),
+                                                              jnp.asarray(np.clip(lens, 0, 3 * 64))))
+    return [float(np.max(np.abs(out - want))), float(np.max(np.abs(lse - want_lse))), bool(np.isfinite(out).all())]
+
+
+@pytest.mark.parametrize("heads,s_q", [(64, 1), (16, 1)])  # the 64-row kernel and the 16-row one
+def test_mosaic_kernels_clip_traced_pages_and_lengths(heads, s_q):
+    """Both Mosaic kernels (and their scale gather) read what the clipped inputs read, bit for bit,
+    as the Triton kernels and the XLA path do (test_mla_decode.py)."""
+    out_diff, lse_diff, finite = _in_subprocess(f"_clip_check(4, heads={heads}, s_q={s_q})")
+    assert finite and out_diff == 0 and lse_diff == 0, (out_diff, lse_diff, finite)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,s_q", [(64, 1), (16, 1)])
+def test_mosaic_kernels_clip_traced_pages_and_lengths_compiled(heads, s_q):
+    """On the GPU an unclipped page id of 10**6 would address far outside the cache."""
+    out_diff, lse_diff, finite = _clip_check(4, backend="pallas", heads=heads, s_q=s_q)
+    assert finite and out_diff == 0 and lse_diff == 0, (out_diff, lse_diff, finite)
+
+
 def test_mla_decode_mosaic_config_refuses_what_it_cannot_run():
     from pallas_kernels.mla_decode import DecodeConfig
     from snapmla_jax.cache import LatentCache
