@@ -16,6 +16,15 @@ from models.moe import MoE
 HIDDEN, INNER, EXPERTS, TOKENS = 48, 24, 8, 40
 
 
+@pytest.fixture(autouse=True)
+def float32_matmuls():
+    """The float32 thresholds below assume float32 products. On a GPU, JAX's default float32
+    matmul is TF32 (10 mantissa bits: 1e-4 to 5e-4 relative errors, which failed these tests
+    on an H100); on the CPU this changes nothing."""
+    with jax.default_matmul_precision("float32"):
+        yield
+
+
 def make_cfg(topk_method: str, scoring_func: str, **extra) -> MLAConfig:
     return MLAConfig(vocab_size=16, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
