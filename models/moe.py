@@ -24,13 +24,16 @@ of three ways (``MoE.__call__`` picks by the token count T, a static shape):
   once: for a decode step's few tokens the layer's time is its weight read,
   and T <= (matrix rate / memory bandwidth) tokens (~230 in bf16 on an H100)
   keep it there.
-* gathered (T <= the layer's ``gather_max_tokens``, checked first): the
-  chosen experts' weights are gathered per assignment ([T*k, hidden, inner])
-  and each assignment is one vector-matrix product: a one-token decode step
-  reads k experts, not all E (``ragged_dot`` on Hopper reads all E at any T).
-  With the experts split over devices the gather would move expert weights
-  between devices, so the placements (``models.sharding``, the loaders'
-  ``sharding=``) turn it off there (``match_dispatch_to_placement``).
+* gathered (T <= the layer's ``gather_max_tokens``, checked first): each
+  assignment is one vector-matrix product with its expert's weights: a
+  one-token decode step reads k experts, not all E (``ragged_dot`` on Hopper
+  reads all E at any T). With ``backend`` "pallas" (a decode step on a GPU) two
+  Pallas launches read the chosen experts' matrices where they lie
+  (pallas_kernels/grouped_experts.py); with "xla" (the default) jnp gathers
+  them per assignment ([T*k, hidden, inner] copies). With the experts split
+  over devices either would move expert weights between devices, so the
+  placements (``models.sharding``, the loaders' ``sharding=``) turn it off
+  there (``match_dispatch_to_placement``).
 
 The choice is two static attributes of each layer, ``MoE.dense_token_range`` and
 ``MoE.gather_max_tokens`` (``set_dense_token_range`` and ``set_gather_max_tokens`` set
@@ -47,6 +50,7 @@ from flax import nnx
 
 from models.config import MLAConfig
 from models.layers import MLP
+from pallas_kernels.grouped_experts import grouped_experts, grouped_experts_reference
 
 # The default ``MoE.dense_token_range`` of new layers: token counts T (tokens in one call:
 # batch x sequence) for which the routed experts run dense (module docstring), as an
@@ -77,15 +81,16 @@ def check_token_range(token_range) -> tuple[int, int] | None:
 
 
 # The default ``MoE.gather_max_tokens`` of new layers: calls of at most this many tokens run
-# the gathered dispatch (module docstring); 0: never. Measured on an H100: one layer alone
-# (scripts/bench_moe.py, docs/benchmarks/moe_gathered_h100.md) gathered beats the better of
-# ragged and dense up to T = 8 (V2-Lite shapes 3.2x at T = 1, V3 shapes 9.5x); but in the
-# 27-layer feed-forward stack of V2-Lite shapes (docs/benchmarks/moe_gathered_in_model_h100.md)
-# XLA compiles the gathered products into reduce fusions whose time grows with T: 8.1 vs
-# 13.0 ms at T = 1, 12.4 vs 11.9 at T = 2, 43 vs 11.3 at T = 8. Hence 1: the single-stream
-# decode step (B = 1 x 4k end to end: 99 vs 66 generated tokens/s). A grouped kernel that
-# reads each chosen expert by id (not XLA's gather) is the way past T = 1.
-GATHER_MAX_TOKENS = 1
+# the gathered dispatch (module docstring); 0: never. Set for a decode step on a GPU, where it
+# runs as the grouped-experts kernel (backend "pallas"): in the 27-layer feed-forward stack of
+# V2-Lite shapes on an H100 (scripts/bench_ffn_stack.py, docs/benchmarks/ffn_stack_grouped_h100.md)
+# the kernel took 4.89 / 3.79 / 4.84 / 7.43 ms at T = 1 / 2 / 4 / 8 against the jnp gathered
+# dispatch's 7.71 / 11.7 / 22.2 / 42.8 (XLA compiles its gathers into slow reduce fusions there)
+# and ragged / dense's 12.5 / 11.6 / 10.8 / 10.8: 1.45x the best other at T = 8. (One layer
+# alone the jnp gather ran as fast: docs/benchmarks/moe_grouped_h100.md.) With backend "xla"
+# (a CPU, or a caller's choice) the same range runs the jnp gather, slower than ragged/dense
+# from T = 2 on a GPU; the CPU's speed is not a target.
+GATHER_MAX_TOKENS = 8
 
 
 def choose_dispatch(num_tokens: int, dense_token_range: tuple[int, int] | None, gather_max_tokens: int) -> str:
@@ -219,13 +224,19 @@ class MoE(nnx.Module):
         self.dense_token_range = check_token_range(DENSE_TOKEN_RANGE)
         self.gather_max_tokens = GATHER_MAX_TOKENS
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, backend: str = "xla") -> jax.Array:
+        """x [..., hidden] -> same; ``backend`` (snapmla_jax.backend) runs the gathered dispatch:
+        "xla" in jnp (differentiable), "pallas" / "interpret" as the grouped-experts kernel."""
+        from snapmla_jax.backend import resolve_backend  # not at module level: snapmla_jax re-exports models
+
+        backend = resolve_backend(backend)
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
-        dispatch = {"gathered": self._gathered_experts, "dense": self._dense_experts,
-                    "ragged": self._ragged_experts}[
-            choose_dispatch(flat.shape[0], self.dense_token_range, self.gather_max_tokens)]
-        routed = dispatch(flat, weights, ids)
+        name = choose_dispatch(flat.shape[0], self.dense_token_range, self.gather_max_tokens)
+        if name == "gathered":
+            routed = self._gathered_experts(flat, weights, ids, backend=backend)
+        else:
+            routed = {"dense": self._dense_experts, "ragged": self._ragged_experts}[name](flat, weights, ids)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(flat)
         return routed.reshape(x.shape)
@@ -246,19 +257,17 @@ class MoE(nnx.Module):
         per_token = per_assignment.reshape(flat.shape[0], k, -1).astype(jnp.float32)
         return jnp.einsum("tkd,tk->td", per_token, weights).astype(flat.dtype)
 
-    def _gathered_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
-        """The chosen experts' weights gathered per assignment, the same arguments and result as
-        ``_ragged_experts``: A = T*k assignments, each one token times its expert's
-        [hidden, inner] and [inner, hidden] matrices ([A, hidden, inner] gathered copies: for
-        the few tokens this runs on, k experts' bytes a token instead of all E)."""
-        k = self.cfg.num_experts_per_tok
-        expert_of = ids.reshape(-1)                                            # [A]
-        rows = jnp.repeat(flat, k, axis=0)                                     # [A, hidden]
-        hidden = (jax.nn.silu(jnp.einsum("ah,ahi->ai", rows, self.w_gate[...][expert_of]))
-                  * jnp.einsum("ah,ahi->ai", rows, self.w_up[...][expert_of]))
-        out = jnp.einsum("ai,aid->ad", hidden, self.w_down[...][expert_of])    # [A, hidden]
-        per_token = out.reshape(flat.shape[0], k, -1).astype(jnp.float32)
-        return jnp.einsum("tkd,tk->td", per_token, weights).astype(flat.dtype)
+    def _gathered_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array, *,
+                          backend: str = "xla") -> jax.Array:
+        """Each assignment's vector-matrix products with its expert's weights, the same arguments
+        and result as ``_ragged_experts``: for the few tokens this runs on, k experts' bytes a
+        token instead of all E. ``backend`` "pallas" / "interpret": the grouped-experts kernel
+        (each chosen matrix read where it lies); "xla": jnp, with [T*k, hidden, inner]
+        gathered copies."""
+        experts = (flat, weights, ids, self.w_gate[...], self.w_up[...], self.w_down[...])
+        if backend == "xla":
+            return grouped_experts_reference(*experts)
+        return grouped_experts(*experts, interpret=backend == "interpret")
 
     def _dense_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
         """Every expert on every token, the same arguments and result as ``_ragged_experts``.

@@ -30,11 +30,13 @@ class DecoderLayer(nnx.Module):
         self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs) if cfg.is_moe_layer(layer)
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
 
-    def _feed_forward(self, x: jax.Array) -> jax.Array:
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def feed_forward(self, x: jax.Array, backend: str = "xla") -> jax.Array:
+        """x + the feed-forward of x; ``backend`` reaches a MoE's gathered dispatch (``MoE.__call__``)."""
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, backend=backend) if isinstance(self.mlp, MoE) else self.mlp(h))
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        return self._feed_forward(x + self.self_attn(self.input_layernorm(x), positions))
+        return self.feed_forward(x + self.self_attn(self.input_layernorm(x), positions))
 
     def prefill(self, x, positions, cache, slots, *, backend: str):
         """Full attention over the prompt, writing its latents into ``cache`` at ``slots`` [B*S]."""
@@ -43,13 +45,13 @@ class DecoderLayer(nnx.Module):
         attn, c_kv, k_pe = self.self_attn.full_attention(self.input_layernorm(x), positions)
         cache = write_kv(cache, c_kv.reshape(-1, c_kv.shape[-1]), k_pe.reshape(-1, k_pe.shape[-1]), slots,
                          backend=backend)
-        return self._feed_forward(x + attn), cache
+        return self.feed_forward(x + attn, backend), cache
 
     def decode(self, x, positions, cache, block_table, seq_lens, slots, *, backend: str):
         """Absorbed-form step; returns (x, cache, latent attention output [B, s_q, H, R])."""
         attn, cache, latent_out = self.self_attn.absorbed_decode(
             self.input_layernorm(x), positions, cache, block_table, seq_lens, slots, backend=backend)
-        return self._feed_forward(x + attn), cache, latent_out
+        return self.feed_forward(x + attn, backend), cache, latent_out
 
 
 def slot_mapping(block_table: jax.Array, positions: jax.Array, valid: jax.Array, page_size: int) -> jax.Array:

@@ -1,7 +1,10 @@
 """Time one DeepSeek MoE layer with its routed experts ragged vs dense vs gathered (models/moe.py) at
 decode-sized token counts, against the weight-read floor: the measurement that sets
 ``models.moe.DENSE_TOKEN_RANGE`` and ``GATHER_MAX_TOKENS`` (the defaults of ``MoE.dense_token_range``
-and ``MoE.gather_max_tokens``); gathered runs up to ``GATHER_BENCH_MAX`` tokens.
+and ``MoE.gather_max_tokens``). The gathered dispatch runs twice, up to ``GATHER_BENCH_MAX``
+tokens: "gathered" in jnp (backend "xla": XLA's gather copies the chosen experts) and "grouped"
+as the grouped-experts kernel (backend "pallas", the model's decode path on a GPU:
+pallas_kernels/grouped_experts.py; interpreted on a CPU, for the tests).
 
     PYTHONPATH=. python scripts/bench_moe.py --out /tmp/bench_moe [--shapes v2_lite v3] [--tokens 1 8 64 ...]
 
@@ -46,10 +49,14 @@ SHAPES = {
     "v3": MoEShape(hidden=7168, inner=2048, experts=256, top_k=8, shared=1),
 }
 TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
-# (MoE.dense_token_range, MoE.gather_max_tokens) of each dispatch.
-DISPATCHES = {"ragged": (None, 0), "dense": ((1, 1 << 30), 0), "gathered": (None, 1 << 30)}
-# Gathered copies T*k expert matrices a call: timed only for the few tokens it is meant for.
+# (MoE.dense_token_range, MoE.gather_max_tokens, backend of MoE.__call__) of each dispatch;
+# "kernel": "pallas" on a GPU, "interpret" on a CPU.
+DISPATCHES = {"ragged": (None, 0, "xla"), "dense": ((1, 1 << 30), 0, "xla"), "gathered": (None, 1 << 30, "xla"),
+              "grouped": (None, 1 << 30, "kernel")}
+# The gathered dispatches run one vector-matrix product an assignment (and in jnp copy T*k
+# expert matrices a call): timed only for the few tokens they are meant for.
 GATHER_BENCH_MAX = 16
+GATHERED = ("gathered", "grouped")
 WEIGHT_STD = 0.02
 
 
@@ -95,17 +102,20 @@ def compiled_dispatches(layer: MoE, x: jax.Array) -> dict:
     The dispatch is part of the graphdef, a static argument here, so each entry compiles its
     own program. (A closure over one graphdef, with the range a global read while tracing,
     once compiled the ragged program twice: jit's trace cache keys on the function.)"""
-    call = jax.jit(lambda state, x, graphdef: nnx.merge(graphdef, state)(x), static_argnames="graphdef")
+    call = jax.jit(lambda state, x, graphdef, backend: nnx.merge(graphdef, state)(x, backend=backend),
+                   static_argnames=("graphdef", "backend"))
+    kernel = "pallas" if jax.default_backend() == "gpu" else "interpret"
     saved = layer.dense_token_range, layer.gather_max_tokens
     programs = {}
     try:
-        for name, (token_range, gather_max) in DISPATCHES.items():
-            if name == "gathered" and x.shape[0] > GATHER_BENCH_MAX:
+        for name, (token_range, gather_max, backend) in DISPATCHES.items():
+            if name in GATHERED and x.shape[0] > GATHER_BENCH_MAX:
                 continue
             models.moe.set_dense_token_range(layer, token_range)
             models.moe.set_gather_max_tokens(layer, gather_max)
             graphdef, state = nnx.split(layer)
-            programs[name] = (call.lower(state, x, graphdef=graphdef).compile(), (state, x))
+            backend = kernel if backend == "kernel" else backend
+            programs[name] = (call.lower(state, x, graphdef=graphdef, backend=backend).compile(), (state, x))
     finally:
         models.moe.set_dense_token_range(layer, saved[0])
         models.moe.set_gather_max_tokens(layer, saved[1])
@@ -115,7 +125,7 @@ def compiled_dispatches(layer: MoE, x: jax.Array) -> dict:
 def measure(shape_name: str, tokens: int, layer: MoE, copy_gbps: float, iters: int) -> dict:
     x = jax.random.normal(jax.random.key(tokens), (tokens, layer.cfg.hidden_size), jnp.bfloat16)
     floors = floor_bytes(layer, x)
-    floors["gathered"] = floors["ragged"]  # the chosen experts (each assignment's copy read again aside)
+    floors["gathered"] = floors["grouped"] = floors["ragged"]  # the chosen experts (jnp's copies aside)
     programs = compiled_dispatches(layer, x)
     outs = {name: np.asarray(fn(*args), np.float64) for name, (fn, args) in programs.items()}
     row = {"shape": shape_name, "tokens": tokens, "chosen_experts": floors["chosen_experts"]}
@@ -138,13 +148,18 @@ def table(env: dict, rows: list[dict]) -> str:
               f"{env['jax']}, date {env['date']}; copy {env['copy_gbps']:.0f} GB/s. One layer (router, routed and "
               "shared experts), bf16, times are medians; floor = weight bytes the dispatch must read / copy "
               "bandwidth (ragged and gathered: the chosen experts; dense: all); speed-ups are over ragged; "
-              f"gathered is run up to T = {GATHER_BENCH_MAX}. `scripts/bench_moe.py`.\n\n")
-    columns = ["shape", "T", "experts chosen", "ragged ms", "dense ms", "gathered ms", "dense speed-up",
-               "gathered speed-up", "ragged % floor", "dense % floor", "gathered % floor", "max rel. L2 to ragged"]
+              "gathered = the gathered dispatch in jnp (XLA copies the chosen experts), grouped = the same "
+              f"dispatch as the grouped-experts kernel; both are run up to T = {GATHER_BENCH_MAX}. "
+              "`scripts/bench_moe.py`.\n\n")
+    columns = ["shape", "T", "experts chosen", "ragged ms", "dense ms", "gathered ms", "grouped ms",
+               "dense speed-up", "gathered speed-up", "grouped speed-up", "ragged % floor", "dense % floor",
+               "gathered % floor", "grouped % floor", "max rel. L2 to ragged"]
     opt = lambda r, key, spec: "-" if key not in r else spec.format(r[key])
     body = [[r["shape"], r["tokens"], r["chosen_experts"], r["ragged_ms"], r["dense_ms"],
-             opt(r, "gathered_ms", "{:.3g}"), f"{r['dense_speedup']:.2f}x", opt(r, "gathered_speedup", "{:.2f}x"),
+             opt(r, "gathered_ms", "{:.3g}"), opt(r, "grouped_ms", "{:.3g}"), f"{r['dense_speedup']:.2f}x",
+             opt(r, "gathered_speedup", "{:.2f}x"), opt(r, "grouped_speedup", "{:.2f}x"),
              f"{r['ragged_of_floor']:.0%}", f"{r['dense_of_floor']:.0%}", opt(r, "gathered_of_floor", "{:.0%}"),
+             opt(r, "grouped_of_floor", "{:.0%}"),
              f"{max(v for k, v in r.items() if k.endswith('_vs_ragged_rel_l2')):.1e}"] for r in rows]
     return header + timing.markdown_table(columns, body)
 
@@ -165,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in args.tokens:
             rows.append(measure(shape_name, tokens, layer, env["copy_gbps"], args.iters))
             r = rows[-1]
-            gathered = f", gathered {r['gathered_ms']:.3f} ms" if "gathered_ms" in r else ""
+            gathered = "".join(f", {name} {r[name + '_ms']:.3f} ms" for name in GATHERED if name + "_ms" in r)
             print(f"{shape_name} T={tokens}: ragged {r['ragged_ms']:.3f} ms, dense {r['dense_ms']:.3f} ms "
                   f"({r['dense_speedup']:.2f}x){gathered}, {r['chosen_experts']} experts chosen", flush=True)
             timing.write_results(args.out, "bench_moe", env, rows, table(env, rows))

@@ -13,7 +13,7 @@ bench_moe = load_script("bench_moe")
 TINY = bench_moe.MoEShape(hidden=32, inner=16, experts=8, top_k=2, shared=1)
 
 
-@pytest.mark.parametrize("tokens, names", [(5, {"ragged", "dense", "gathered"}),
+@pytest.mark.parametrize("tokens, names", [(5, {"ragged", "dense", "gathered", "grouped"}),
                                            (bench_moe.GATHER_BENCH_MAX + 1, {"ragged", "dense"})])
 def test_the_dispatch_programs_compute_the_same_layer(tokens, names):
     layer = bench_moe.random_layer(TINY, dtype=jnp.float32)
@@ -28,6 +28,8 @@ def test_the_dispatch_programs_compute_the_same_layer(tokens, names):
     if "gathered" in texts:
         chosen_copies = f"f32[{tokens * TINY.top_k},{TINY.hidden},{TINY.inner}]"  # gathered: per assignment
         assert chosen_copies in texts["gathered"] and chosen_copies not in texts["ragged"]
+        # grouped: the same dispatch as the kernel, which reads the experts where they lie
+        assert chosen_copies not in texts["grouped"] and "snapmla_experts_gate_up" in texts["grouped"]
     assert (layer.dense_token_range, layer.gather_max_tokens) == (bench_moe.models.moe.DENSE_TOKEN_RANGE,
                                                                   bench_moe.models.moe.GATHER_MAX_TOKENS)
     outs = {name: np.asarray(fn(*args), np.float64) for name, (fn, args) in programs.items()}
@@ -63,12 +65,14 @@ def test_a_measured_row_and_its_table(monkeypatch):
     assert row["ragged_floor_ms"] == pytest.approx(floors["ragged"] / 100e9 * 1e3)
     assert row["dense_of_floor"] == pytest.approx(row["dense_floor_ms"] / 2.0) and row["dense_speedup"] == 1.0
     assert row["gathered_floor_ms"] == row["ragged_floor_ms"] and row["gathered_speedup"] == 1.0
+    assert row["grouped_floor_ms"] == row["ragged_floor_ms"] and row["grouped_speedup"] == 1.0
     # float32: the dispatches agree to rounding
     assert row["dense_vs_ragged_rel_l2"] <= 1e-5 and row["gathered_vs_ragged_rel_l2"] <= 1e-5
+    assert row["grouped_vs_ragged_rel_l2"] <= 1e-5
     env = {"device": "cpu", "jax": "0", "date": "2026-11-25", "copy_gbps": 100.0}
     assert "| tiny | 4 |" in bench_moe.table(env, [row])
     # Above GATHER_BENCH_MAX the row has no gathered column values; the table shows "-".
     big = bench_moe.measure("tiny", bench_moe.GATHER_BENCH_MAX + 1, layer, copy_gbps=100.0, iters=1)
-    assert "gathered_ms" not in big
+    assert "gathered_ms" not in big and "grouped_ms" not in big
     line = next(l for l in bench_moe.table(env, [row, big]).splitlines() if l.startswith("| tiny | 17 |"))
     assert line.split("|")[6].strip() == "-"  # the gathered ms column

@@ -178,12 +178,13 @@ def attention_layers(caches, latent, k_rope, slots, q_latent, q_rope, block_tabl
     return tuple(new), jnp.stack(outs)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def feed_forward_stack(params, x, *, graphdef):
-    """A decode step's feed-forward alone: every layer's norm + dense MLP / MoE on x [B, 1, hidden]."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "backend"))
+def feed_forward_stack(params, x, *, graphdef, backend: str = "xla"):
+    """A decode step's feed-forward alone: every layer's norm + dense MLP / MoE on x [B, 1, hidden]
+    (``backend``: as the decode step passes it to the MoE's gathered dispatch)."""
     model = nnx.merge(graphdef, params)
     for layer in model.layers:
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = layer.feed_forward(x, backend)
     return x
 
 
@@ -294,7 +295,8 @@ class Runner:
 
     def submit_ffn(self, batch: int):
         x = jax.ShapeDtypeStruct((batch, 1, self.cfg.hidden_size), self.model.dtype)
-        return self._submit(f"ffn B={batch}", feed_forward_stack.lower(self.params, x, graphdef=self.graphdef))
+        return self._submit(f"ffn B={batch}", feed_forward_stack.lower(self.params, x, graphdef=self.graphdef,
+                                                                        backend=self.backend))
 
     def run(self, plan: Plan, programs: dict, ffn) -> list[dict]:
         """Time decode and attention for every context of ``plan`` (one cache allocation)."""
@@ -410,8 +412,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="run the routed experts ragged at every token count (MoE.dense_token_range None, "
                           "MoE.gather_max_tokens 0)")
     parser.add_argument("--gather-moe", type=int, metavar="MAX", default=None,
-                        help="gather the chosen experts for calls of at most MAX tokens (MoE.gather_max_tokens; "
-                             "0: never; default: the library's, models.moe.GATHER_MAX_TOKENS)")
+                        help="run the gathered dispatch (on a GPU the grouped-experts kernel) for calls of at "
+                             "most MAX tokens (MoE.gather_max_tokens; 0: never; default: the library's, "
+                             "models.moe.GATHER_MAX_TOKENS)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.iters < 1:
         parser.error("--steps and --iters: expected ints >= 1")

@@ -1,0 +1,178 @@
+"""The routed experts of a few tokens, each expert's weights read by id where they lie, and the jnp reference.
+
+For a decode step of T tokens (T x k expert assignments, k experts a token), the
+MoE's routed experts are k matrix-vector products a token per weight. The jnp
+"gathered" dispatch (``models.moe``) indexes the stacked expert weights with the
+chosen ids, which XLA runs as a copy of T*k experts' matrices and then products
+over the copy: each chosen byte read twice and written once, and inside a whole
+feed-forward stack XLA compiles it into slow reduce fusions. Here two Pallas launches
+read every chosen expert's matrices in place, once an assignment. The 27-layer
+feed-forward stack of V2-Lite shapes on an H100 (scripts/bench_ffn_stack.py,
+docs/benchmarks/ffn_stack_grouped_h100.md): 4.89 ms at T = 1 (jnp gather 7.71, weight-read
+floor 1.29), 3.79 at T = 2 (11.7), 7.43 at T = 8 (42.8; dense 10.8). The launches:
+
+1. ``hidden[a, i] = silu(x[t] . w_gate[e, :, i]) * (x[t] . w_up[e, :, i])`` for
+   assignment a = t * k + s of token t to expert e = ids[t, s]; grid (assignment,
+   block of ``inner``), each program looping over ``hidden_size``.
+2. ``per_assignment[a, d] = hidden[a] . w_down[e, :, d]``; grid (assignment, block of
+   ``hidden_size``), each program looping over ``inner``.
+
+and the gate weights combine the k assignments of a token in XLA (``sum_s weights[t,
+s] * per_assignment[t * k + s]``, a [T, k, hidden] fusion). The products are
+multiply-and-sum over register tiles, not MMAs: one token per weight is a
+matrix-vector product, bound by the weight read, and a tensor-core tile would be
+padded from 1 to 16 rows. Accumulation in float32; ``hidden`` is rounded between the
+launches to the dtype of the jnp path's products (bf16 for a bf16 model).
+
+Backend: Pallas' Triton lowering (loads at traced offsets of whole arrays, as the
+Triton decode kernels), interpret mode on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu_tr
+
+# Output columns a program computes (a power of two dividing the dimension, at most this)
+# and the contraction run it loads a step: [RUN, COLUMNS] weight tiles, 32 values a thread
+# of 4 warps per tile.
+COLUMNS = 64
+RUN = 64
+NUM_WARPS = 4
+# Loads in flight per program (Triton's software pipelining of the contraction loop): one
+# program a column block reads a whole [hidden, 64] slab, so latency, not bandwidth, would
+# bound it with one load at a time.
+NUM_STAGES = 4
+
+
+def grouped_experts_reference(flat: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
+                              w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """The routed experts in jnp, gathering the chosen experts' weights per assignment.
+
+    flat [T, hidden] (bf16/f32), weights [T, k] f32 gate weights, ids [T, k] int32 expert
+    ids, w_gate / w_up [E, hidden, inner], w_down [E, inner, hidden] -> [T, hidden] in
+    flat's dtype.
+    """
+    k = ids.shape[1]
+    expert_of = ids.reshape(-1)                                            # [A]
+    rows = jnp.repeat(flat, k, axis=0)                                     # [A, hidden]
+    hidden = (jax.nn.silu(jnp.einsum("ah,ahi->ai", rows, w_gate[expert_of]))
+              * jnp.einsum("ah,ahi->ai", rows, w_up[expert_of]))
+    out = jnp.einsum("ai,aid->ad", hidden, w_down[expert_of])              # [A, hidden]
+    return combine_assignments(out, weights).astype(flat.dtype)
+
+
+def combine_assignments(per_assignment: jax.Array, weights: jax.Array) -> jax.Array:
+    """[T*k, hidden] assignment outputs (a = t * k + s) and gate weights [T, k] -> float32
+    [T, hidden], each token's assignments weighted and summed."""
+    num_tokens, k = weights.shape
+    per_token = per_assignment.reshape(num_tokens, k, -1).astype(jnp.float32)
+    return jnp.einsum("tkd,tk->td", per_token, weights)
+
+
+def block(dim: int, cap: int) -> int:
+    """The largest power of two dividing ``dim``, at most ``cap``."""
+    return min(dim & -dim, cap)
+
+
+def _gate_up_kernel(ids_ref, x_ref, w_gate_ref, w_up_ref, hidden_ref, *, k: int, run: int, columns: int):
+    """Program (a, j): hidden[a, j*columns : (j+1)*columns] (module docstring, launch 1).
+
+    ids_ref [A] int32, x_ref [T, hidden], w_gate_ref / w_up_ref [E, hidden, inner] (whole);
+    hidden_ref [A, inner] (whole).
+    """
+    a, j = pl.program_id(0), pl.program_id(1)
+    expert = plgpu_tr.load(ids_ref.at[a])
+    token = a // k
+    cols = pl.ds(j * columns, columns)
+
+    def step(i, carry):
+        gate, up = carry
+        rows = pl.ds(i * run, run)
+        x = plgpu_tr.load(x_ref.at[token, rows]).astype(jnp.float32)[:, None]
+        gate = gate + jnp.sum(x * plgpu_tr.load(w_gate_ref.at[expert, rows, cols]).astype(jnp.float32), axis=0)
+        up = up + jnp.sum(x * plgpu_tr.load(w_up_ref.at[expert, rows, cols]).astype(jnp.float32), axis=0)
+        return gate, up
+
+    zeros = jnp.zeros((columns,), jnp.float32)
+    gate, up = jax.lax.fori_loop(0, x_ref.shape[1] // run, step, (zeros, zeros))
+    plgpu_tr.store(hidden_ref.at[a, cols], (jax.nn.silu(gate) * up).astype(hidden_ref.dtype))
+
+
+def _down_kernel(ids_ref, hidden_ref, w_down_ref, out_ref, *, run: int, columns: int):
+    """Program (a, j): per_assignment[a, j*columns : (j+1)*columns] (launch 2), float32.
+
+    ids_ref [A] int32, hidden_ref [A, inner], w_down_ref [E, inner, hidden] (whole);
+    out_ref [A, hidden] f32 (whole).
+    """
+    a, j = pl.program_id(0), pl.program_id(1)
+    expert = plgpu_tr.load(ids_ref.at[a])
+    cols = pl.ds(j * columns, columns)
+
+    def step(i, acc):
+        rows = pl.ds(i * run, run)
+        h = plgpu_tr.load(hidden_ref.at[a, rows]).astype(jnp.float32)[:, None]
+        return acc + jnp.sum(h * plgpu_tr.load(w_down_ref.at[expert, rows, cols]).astype(jnp.float32), axis=0)
+
+    acc = jax.lax.fori_loop(0, hidden_ref.shape[1] // run, step, jnp.zeros((columns,), jnp.float32))
+    plgpu_tr.store(out_ref.at[a, cols], acc)
+
+
+def _check(flat, weights, ids, w_gate, w_up, w_down) -> None:
+    num_tokens, hidden = flat.shape
+    num_experts, _, inner = w_gate.shape
+    if weights.ndim != 2 or weights.shape[0] != num_tokens or ids.shape != weights.shape:
+        raise ValueError(f"weights / ids: expected two [{num_tokens}, k] arrays, got {list(weights.shape)} and "
+                         f"{list(ids.shape)}")
+    if ids.dtype != jnp.int32:
+        raise ValueError(f"ids: expected int32, got {ids.dtype}")
+    if w_up.shape != w_gate.shape or w_down.shape != (num_experts, inner, hidden) or w_gate.shape[1] != hidden:
+        raise ValueError(f"w_gate / w_up / w_down: expected [E, {hidden}, I], [E, {hidden}, I], [E, I, {hidden}], "
+                         f"got {list(w_gate.shape)}, {list(w_up.shape)}, {list(w_down.shape)}")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def grouped_experts(flat: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                    w_down: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """``grouped_experts_reference``'s arguments and result, in two Pallas launches that read
+    each chosen expert's matrices where they lie (module docstring).
+
+    Ids outside [0, E) are clipped into it (a traced id cannot be checked; the router only
+    makes ids in range), so no read leaves the weights.
+    """
+    _check(flat, weights, ids, w_gate, w_up, w_down)
+    num_tokens, hidden = flat.shape
+    num_experts, _, inner = w_gate.shape
+    k = ids.shape[1]
+    assignments = num_tokens * k
+    expert_of = jnp.clip(ids.reshape(-1), 0, num_experts - 1)
+    params = plgpu_tr.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    inner_cols, hidden_run = block(inner, COLUMNS), block(hidden, RUN)
+    hidden_acts = pl.pallas_call(
+        functools.partial(_gate_up_kernel, k=k, run=hidden_run, columns=inner_cols),
+        grid=(assignments, inner // inner_cols),
+        in_specs=[whole] * 4,
+        out_specs=whole,
+        # hidden in the dtype of the jnp path's products (bf16 for a bf16 model)
+        out_shape=jax.ShapeDtypeStruct((assignments, inner), jnp.result_type(flat.dtype, w_gate.dtype)),
+        interpret=interpret,
+        compiler_params=params,
+        name="snapmla_experts_gate_up",
+    )(expert_of, flat, w_gate, w_up)
+    hidden_cols, inner_run = block(hidden, COLUMNS), block(inner, RUN)
+    per_assignment = pl.pallas_call(
+        functools.partial(_down_kernel, run=inner_run, columns=hidden_cols),
+        grid=(assignments, hidden // hidden_cols),
+        in_specs=[whole] * 3,
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((assignments, hidden), jnp.float32),
+        interpret=interpret,
+        compiler_params=params,
+        name="snapmla_experts_down",
+    )(expert_of, hidden_acts, w_down)
+    return combine_assignments(per_assignment, weights).astype(flat.dtype)

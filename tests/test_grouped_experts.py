@@ -1,0 +1,151 @@
+"""The grouped-experts kernel (pallas_kernels/grouped_experts.py) against float64, interpreted on the CPU and
+compiled under ``pytest -m gpu``, and the MoE's gathered dispatch through it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+import models.moe
+from pallas_kernels.grouped_experts import grouped_experts, grouped_experts_reference
+from snapmla_jax.backend import lower_for_cuda
+
+
+def _problem(seed, *, tokens, k, experts=8, hidden=96, inner=80, dtype=jnp.bfloat16):
+    """Random bf16-representable weights and tokens (one token 30x the others), distinct experts a
+    token but shared between tokens, positive gate weights. hidden 96 and inner 80 are not powers
+    of two: the kernels' column blocks (32, 16) and runs are what divides them."""
+    rng = np.random.default_rng(seed)
+    bf = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    w_gate, w_up = (bf(rng.standard_normal((experts, hidden, inner)) / np.sqrt(hidden)) for _ in range(2))
+    w_down = bf(rng.standard_normal((experts, inner, hidden)) / np.sqrt(inner))
+    x = rng.standard_normal((tokens, hidden))
+    x[0] *= 30.0  # an outlier token
+    ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    weights = rng.random((tokens, k)).astype(np.float32) + 0.1
+    arrays = [jnp.asarray(a, dtype) for a in (bf(x),)] + [jnp.asarray(weights), jnp.asarray(ids)]
+    return arrays + [jnp.asarray(w, dtype) for w in (w_gate, w_up, w_down)]
+
+
+def _float64(x, weights, ids, w_gate, w_up, w_down, *, round_hidden=None):
+    """The routed experts in float64 per assignment; ``round_hidden``: the activations' dtype the
+    kernel rounds ``hidden`` to between its launches (None: no rounding)."""
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    x, weights, w_gate, w_up, w_down = map(f64, (x, weights, w_gate, w_up, w_down))
+    ids = np.asarray(ids)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for s, e in enumerate(ids[t]):
+            gate, up = x[t] @ w_gate[e], x[t] @ w_up[e]
+            hidden = gate / (1.0 + np.exp(-gate)) * up
+            if round_hidden is not None:
+                hidden = np.asarray(jnp.asarray(hidden, jnp.float32).astype(round_hidden).astype(jnp.float32),
+                                    np.float64)
+            out[t] += weights[t, s] * (hidden @ w_down[e])
+    return out
+
+
+def _rel(out, ref):
+    return float(np.max(np.abs(np.asarray(jnp.asarray(out, jnp.float32), np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.mark.parametrize("tokens,k", [(1, 6), (3, 2), (2, 4)])
+def test_interpreted_kernel_matches_float64(tokens, k):
+    problem = _problem(tokens, tokens=tokens, k=k)
+    out = grouped_experts(*problem, interpret=True)
+    assert out.shape == problem[0].shape and out.dtype == jnp.bfloat16
+    # With hidden rounded to bf16 as the kernel rounds it, what is left is float32 sums of
+    # <= 96 products (~1e-6 relative) and the bf16 output (2**-9 = 2e-3 of the largest
+    # output, relative to the max): 4e-3.
+    assert _rel(out, _float64(*problem, round_hidden=jnp.bfloat16)) < 4e-3
+    # Against unrounded float64: plus hidden's bf16 rounding (2**-9 relative a value, summed
+    # over 80 features with mixed signs), as the jnp path pays it too: 1e-2.
+    assert _rel(out, _float64(*problem)) < 1e-2
+    assert _rel(grouped_experts_reference(*problem), _float64(*problem)) < 1e-2
+
+
+def test_interpreted_kernel_in_float32_is_float32_exact():
+    """float32 activations and weights: hidden stays float32, so only summation order differs
+    from float64 (sums of <= 96 float32 products: ~1e-6 relative): 1e-5."""
+    problem = _problem(7, tokens=2, k=3, dtype=jnp.float32)
+    with jax.default_matmul_precision("float32"):
+        assert _rel(grouped_experts(*problem, interpret=True), _float64(*problem)) < 1e-5
+
+
+def test_out_of_range_ids_are_clipped_not_read_past_the_weights():
+    """A traced id cannot be checked: ids outside [0, E) read expert 0 or E - 1, as clipped ids do."""
+    x, weights, ids, *experts = _problem(3, tokens=2, k=3)
+    bad = ids.at[0, 1].set(8 + 5).at[1, 2].set(-3)
+    run = jax.jit(lambda ids: grouped_experts(x, weights, ids, *experts, interpret=True))
+    np.testing.assert_array_equal(run(bad), run(jnp.clip(bad, 0, 7)))
+
+
+@pytest.mark.parametrize("change,name", [
+    (lambda p: p.__setitem__(2, p[2].astype(jnp.int16)), "ids"),
+    (lambda p: p.__setitem__(1, p[1][:, :1]), "weights / ids"),
+    (lambda p: p.__setitem__(5, p[5][:, :, :8]), "w_gate / w_up / w_down"),
+])
+def test_bad_input_raises_value_error_naming_the_argument(change, name):
+    problem = _problem(0, tokens=2, k=2)
+    change(problem)
+    with pytest.raises(ValueError, match=name):
+        grouped_experts(*problem, interpret=True)
+
+
+def test_kernels_lower_for_cuda_at_model_shapes():
+    """Both launches lower through Pallas' Triton backend at V2-Lite's and V3's expert shapes
+    (T = 1, 4), without a GPU."""
+    for experts, hidden, inner, k in [(64, 2048, 1408, 6), (256, 7168, 2048, 8)]:
+        for tokens in (1, 4):
+            args = (jnp.zeros((tokens, hidden), jnp.bfloat16), jnp.ones((tokens, k), jnp.float32),
+                    jnp.zeros((tokens, k), jnp.int32),
+                    jax.ShapeDtypeStruct((experts, hidden, inner), jnp.bfloat16),
+                    jax.ShapeDtypeStruct((experts, hidden, inner), jnp.bfloat16),
+                    jax.ShapeDtypeStruct((experts, inner, hidden), jnp.bfloat16))
+            lower_for_cuda(lambda *a: grouped_experts(*a), *args)
+
+
+def _moe_layer(dtype):
+    from models.config import MLAConfig
+    cfg = MLAConfig(vocab_size=16, hidden_size=96, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8,
+                    moe_intermediate_size=80, num_experts_per_tok=3, n_shared_experts=1, topk_method="greedy",
+                    scoring_func="softmax")
+    layer = models.moe.MoE(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+    models.moe.set_gather_max_tokens(layer, 4)
+    return layer
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_moe_gathered_dispatch_through_the_kernel_matches_jnp(tokens):
+    """``MoE(x, backend="interpret")`` runs its gathered dispatch as the kernel; in float32 it
+    matches the jnp dispatch (backend "xla") to float32 summation order (<= 96-term sums, and the
+    router's identical choice): 1e-5 of the output scale."""
+    layer = _moe_layer(jnp.float32)
+    x = jax.random.normal(jax.random.key(tokens), (1, tokens, 96), jnp.float32)
+    with jax.default_matmul_precision("float32"):
+        want = layer(x, backend="xla")
+        got = layer(x, backend="interpret")
+    assert _rel(got, np.asarray(want, np.float64)) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_compiled_kernel_matches_float64_at_v2_lite_shapes(tokens):
+    """Compiled, at V2-Lite's expert shapes (2048-term sums: float32 order ~1e-6), against float64
+    with hidden rounded as the kernel rounds it (bounds as in the interpreter test), and against
+    the jnp path (which rounds each assignment's output to bf16 too: 1e-2)."""
+    rng = np.random.default_rng(tokens)
+    experts, hidden, inner, k = 64, 2048, 1408, 6
+    w = lambda *shape: jnp.asarray(rng.standard_normal(shape) * 0.02, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]), jnp.int32)
+    weights = jnp.asarray(rng.random((tokens, k)) + 0.1, jnp.float32)
+    problem = (x, weights, ids, w(experts, hidden, inner), w(experts, hidden, inner), w(experts, inner, hidden))
+    compiled = grouped_experts(*problem)
+    assert _rel(compiled, _float64(*problem, round_hidden=jnp.bfloat16)) < 4e-3  # as the interpreter test
+    assert _rel(compiled, np.asarray(jnp.asarray(grouped_experts_reference(*problem), jnp.float32), np.float64)) < 1e-2
