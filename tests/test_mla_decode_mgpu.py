@@ -414,6 +414,17 @@ def test_small_kernel_float32_output():
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
 
+def _layered_fp8_cache(rng, pages: int, layers: int = 2):
+    """A random fp8 LatentCache [layers, pages, 64, ...] with outlier tokens (300x, 2%)."""
+    from snapmla_jax.cache import LatentCache
+
+    x = rng.standard_normal((layers, pages, 64, 512)).astype(np.float32)
+    x[rng.random((layers, pages, 64)) < 0.02] *= 300.0  # outlier tokens
+    latent, scale = quantize_per_token(jnp.asarray(x))
+    return LatentCache(latent=latent, scale=scale,
+                       rope=jnp.asarray(rng.standard_normal((layers, pages, 64, 64)), jnp.bfloat16))
+
+
 def _api_check(seed: int, backend: str = "interpret", heads: int = 24, s_q: int = 2) -> tuple[float, float, float]:
     """``mla_decode(config=DecodeConfig(kernel="mosaic"))``, ``backend`` vs xla, through the public API.
 
@@ -422,16 +433,11 @@ def _api_check(seed: int, backend: str = "interpret", heads: int = 24, s_q: int 
     max lse error, max |lse|).
     """
     from pallas_kernels.mla_decode import DecodeConfig
-    from snapmla_jax.cache import LatentCache
     from snapmla_jax.decode import mla_decode
 
     rng = np.random.default_rng(seed)
-    layers, pages, batch = 2, 12, 3
-    x = rng.standard_normal((layers, pages, 64, 512)).astype(np.float32)
-    x[rng.random((layers, pages, 64)) < 0.02] *= 300.0  # outlier tokens
-    latent, scale = quantize_per_token(jnp.asarray(x))
-    cache = LatentCache(latent=latent, scale=scale,
-                        rope=jnp.asarray(rng.standard_normal((layers, pages, 64, 64)), jnp.bfloat16))
+    pages, batch = 12, 3
+    cache = _layered_fp8_cache(rng, pages)
     block_table = jnp.asarray(rng.permutation(pages)[:batch * 4].reshape(batch, 4), jnp.int32)
     seq_lens = jnp.asarray([250, 0, 131], jnp.int32)
     q = jnp.asarray(rng.standard_normal((batch, s_q, heads, 512)) * 0.3, jnp.bfloat16)
@@ -473,16 +479,11 @@ def _clip_check(seed: int, backend: str = "interpret", heads: int = 64, s_q: int
     end reads layer 1, or nothing. Returns [max |difference| of outputs, of lse
     values, whether all outputs are finite]."""
     from pallas_kernels.mla_decode import DecodeConfig
-    from snapmla_jax.cache import LatentCache
     from snapmla_jax.decode import mla_decode
 
     rng = np.random.default_rng(seed)
-    layers, pages, batch = 2, 10, 3
-    x = rng.standard_normal((layers, pages, 64, 512)).astype(np.float32)
-    x[rng.random((layers, pages, 64)) < 0.02] *= 300.0  # outlier tokens
-    latent, scale = quantize_per_token(jnp.asarray(x))
-    cache = LatentCache(latent=latent, scale=scale,
-                        rope=jnp.asarray(rng.standard_normal((layers, pages, 64, 64)), jnp.bfloat16))
+    pages, batch = 10, 3
+    cache = _layered_fp8_cache(rng, pages)
     table = rng.permutation(pages)[:batch * 3].reshape(batch, 3).astype(np.int32)
     table[0, 1], table[1, 0], table[2, 2] = pages + 3, -5, 10**6
     lens = np.asarray([3 * 64 - 5, 2 * 64, 3 * 64 + 40], np.int32)
