@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_tr
 
 from pallas_kernels.fp8 import FP8_DTYPE, quantize_per_token
+from pallas_kernels.mla_decode import resolve_num_pages
 
 PAGE = 64  # the Mosaic kernels' page size
 STEP = 128  # their tokens a step: two pages, even tokens first, then the odd ones
@@ -65,7 +66,7 @@ def step_scales(scale: jax.Array, block_table: jax.Array, layer_offset: jax.Arra
     into [0, num_pages) and cache rows into [0, N).
     """
     max_pages = block_table.shape[1]
-    num_pages = scale.shape[0] // PAGE if num_pages is None else num_pages
+    num_pages = resolve_num_pages(num_pages, scale.shape[0], PAGE)
     positions = step_token_order(num_step_tokens(max_pages))
     pages = jnp.clip(jnp.take(block_table, jnp.minimum(positions // PAGE, max_pages - 1), axis=1), 0, num_pages - 1)
     return jnp.take(scale, layer_offset[0] + pages * PAGE + positions % PAGE, mode="clip")
@@ -128,7 +129,7 @@ def decode_inputs(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, l
     num_pages: pages in one layer (None: N / 64) -> (q8 [B, rows, 512] e4m3, q_scale [B, rows]
     f32, scales [B, steps * 128] f32)."""
     batch, num_rows, rank = q_rows.shape
-    num_pages = scale.shape[0] // PAGE if num_pages is None else num_pages
+    num_pages = resolve_num_pages(num_pages, scale.shape[0], PAGE)
     if num_rows % Q_ROWS:
         raise ValueError(f"q_rows: expected rows padded to a multiple of {Q_ROWS}, got {num_rows}")
     num_tokens = num_step_tokens(block_table.shape[1])
