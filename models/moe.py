@@ -50,7 +50,7 @@ from flax import nnx
 
 from models.config import MLAConfig
 from models.layers import MLP
-from pallas_kernels.grouped_experts import grouped_experts, grouped_experts_reference
+from pallas_kernels.grouped_experts import combine_assignments, grouped_experts, grouped_experts_reference
 
 # The default ``MoE.dense_token_range`` of new layers: token counts T (tokens in one call:
 # batch x sequence) for which the routed experts run dense (module docstring), as an
@@ -254,8 +254,7 @@ class MoE(nnx.Module):
                   * jax.lax.ragged_dot(rows, self.w_up[...], group_sizes))
         out_sorted = jax.lax.ragged_dot(hidden, self.w_down[...], group_sizes)
         per_assignment = jnp.zeros_like(out_sorted).at[order].set(out_sorted)   # back to token-major order
-        per_token = per_assignment.reshape(flat.shape[0], k, -1).astype(jnp.float32)
-        return jnp.einsum("tkd,tk->td", per_token, weights).astype(flat.dtype)
+        return combine_assignments(per_assignment, weights).astype(flat.dtype)
 
     def _gathered_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array, *,
                           backend: str = "xla") -> jax.Array:
