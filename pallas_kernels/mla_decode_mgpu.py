@@ -110,6 +110,7 @@ barriers and ring included, is the hardware code.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import NamedTuple
@@ -188,6 +189,15 @@ PRODUCER_ISSUE_BY_WARPS = False
 # None in the library; ``scripts/profile_mgpu_steps.py`` sets the on-device
 # profiler's here.
 COMPILER_PARAMS: plgpu.CompilerParams | None = None
+# Whether both Mosaic decode kernels compile exp2 and log2 to the GPU's one-instruction
+# approximations (``ex2.approx.ftz`` / ``lg2.approx.ftz``; ``CompilerParams.approx_math``).
+# Without it, the log2 of a step's token scales (``local_stats``) compiled to a polynomial of
+# ~28 instructions a value: 480 of the unmasked step body's 1901 PTX instructions a thread
+# (the kernel's PTX, MOSAIC_GPU_DUMP_PTX; exp2 was an approximation already). The log only
+# picks P''s scaling factor, which is undone exactly, and lg2.approx's ~2^-22 relative error
+# is far below e4m3's 2^-4 rounding of P'; flushing subnormal P or scales to zero changes no
+# sum at fp32 (its smallest normal is 2^-126).
+APPROX_MATH = True
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
@@ -840,8 +850,10 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
 def grid_params(batch: int, num_splits: int, row_blocks: int, kernel_name: str, interpret: bool,
                 num_threads: int = NUM_WGS) -> dict:
     """``plgpu.kernel`` arguments shared by the Mosaic decode kernels: the grid (batch row,
-    KV split, row block), ``num_threads`` warpgroups, and ``COMPILER_PARAMS`` if set."""
-    extra = {} if COMPILER_PARAMS is None or interpret else {"compiler_params": COMPILER_PARAMS}
+    KV split, row block), ``num_threads`` warpgroups, and ``COMPILER_PARAMS`` (if set) with
+    ``APPROX_MATH``."""
+    params = dataclasses.replace(COMPILER_PARAMS or plgpu.CompilerParams(), approx_math=APPROX_MATH)
+    extra = {} if interpret else {"compiler_params": params}
     return dict(grid=(batch, num_splits, row_blocks), grid_names=("b", "s", "r"), num_threads=num_threads,
                 thread_name="wg", kernel_name=kernel_name,
                 interpret=plgpu.InterpretGPUParams() if interpret else None, **extra)

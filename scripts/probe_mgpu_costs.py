@@ -15,6 +15,9 @@ The results of the stand-ins are wrong by design; only the time counts: the
 difference to "baseline" bounds what that part costs. Other
 variants are candidate changes; their relative L2 difference to the baseline's
 output (when "baseline" runs first) says whether they still compute the same.
+``--compare-file PATH`` also times the 64-row kernel of another copy of
+mla_decode_mgpu.py (e.g. the last commit's, for a change no helper swap can
+express) as variant "file:<stem>", compiled and timed with the rest.
 Writes probe_costs.json.
 """
 
@@ -43,7 +46,7 @@ ROOT = pathlib.Path(__file__).resolve().parent
 ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
             ("step_scores", "qk8_promoted", "softmax_half", "v_words", "v_operands_in_place", "pv_update",
              "WAIT_QK_DONE", "ISSUE_BY_WARPS", "PRODUCER_WG", "PRODUCER_REGISTERS", "CONSUMER_REGISTERS",
-             "PRODUCER_ISSUE_BY_WARPS", "page_boxes")}
+             "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH")}
 
 
 def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
@@ -218,6 +221,7 @@ VARIANTS = {
     "producer_40_232": {"PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
     "producer_by_warps": {"PRODUCER_ISSUE_BY_WARPS": True},
     "pages_unclipped": {"page_boxes": page_boxes_unclipped},
+    "precise_math": {"APPROX_MATH": False},
     # The TMA ring, barriers, statistics and P' exchange, P' packing and output alone.
     "no_compute": {"step_scores": scores_constant, "softmax_half": softmax_none,
                    "v_operands_in_place": v_operands_untransposed, "pv_update": pv_none},
@@ -260,9 +264,19 @@ SMALL_VARIANTS = {
                    "pv_update_t": small_pv_none},
     # The TMA ring's issue (shared ``step_issuer``; a constant of the 64-row kernel's module).
     "issue_by_one_thread": {"ISSUE_BY_WARPS": False},
+    "precise_math": {"APPROX_MATH": False},
 }
 SMALL_ORIGINAL = {name: getattr(small_kernel, name) for name in
                   ("step_scores_t", "softmax_t", "v_half_f16", "pv_update_t", "ISSUER")}
+
+
+def load_kernel_file(path: str):
+    """``mla_decode_mgpu`` of another copy of pallas_kernels/mla_decode_mgpu.py (a module of
+    its own; it imports the rest of pallas_kernels as the library's copy does)."""
+    spec = importlib.util.spec_from_file_location(f"compare_{pathlib.Path(path).stem}", path)
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    return other.mla_decode_mgpu
 
 
 def main(argv=None) -> int:
@@ -273,6 +287,8 @@ def main(argv=None) -> int:
                         help="the 64-row kernel (mgpu) or the 16-row one (small)")
     parser.add_argument("--variants", nargs="*", help="default: all of the kernel's")
     parser.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds over the variants")
+    parser.add_argument("--compare-file", action="append", default=[],
+                        help="another mla_decode_mgpu.py whose kernel is timed as variant file:<stem>")
     args = parser.parse_args(argv)
     module, original, variants, block_rows = ((small_kernel, SMALL_ORIGINAL, SMALL_VARIANTS, SMALL_ROWS)
                                               if args.kernel == "small" else
@@ -291,11 +307,14 @@ def main(argv=None) -> int:
     reference = None
     call_args = (q, q_rope, fp8, block_table, seq_lens)
     compiled = {}
-    for name in args.variants or list(variants):
+    other_kernels = {f"file:{pathlib.Path(path).stem}": load_kernel_file(path) for path in args.compare_file}
+    for name in (args.variants or list(variants)) + list(other_kernels):
         for helper, fn in original.items():
-            setattr(module, helper, variants[name].get(helper, fn))
+            setattr(module, helper, variants.get(name, {}).get(helper, fn))
         # ``step_issuer`` is shared: the 16-row kernel's variants may set its constant too.
-        mgpu_kernel.ISSUE_BY_WARPS = variants[name].get("ISSUE_BY_WARPS", ORIGINAL["ISSUE_BY_WARPS"])
+        for shared in ("ISSUE_BY_WARPS", "APPROX_MATH"):  # the 64-row module's, read by both kernels
+            setattr(mgpu_kernel, shared, variants.get(name, {}).get(shared, ORIGINAL[shared]))
+        bench.mla_decode_mgpu = other_kernels.get(name, mgpu_kernel.mla_decode_mgpu)
         jax.clear_caches()  # the kernel's jit cache would hand back the previous variant
         fn = jax.jit(lambda q, qr, c, bt, n: bench.mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                small=args.kernel == "small", num_splits=splits))
@@ -312,7 +331,9 @@ def main(argv=None) -> int:
             print(name, results["ms"][name], flush=True)
     for helper, fn in original.items():
         setattr(module, helper, fn)
-    mgpu_kernel.ISSUE_BY_WARPS = ORIGINAL["ISSUE_BY_WARPS"]
+    for shared in ("ISSUE_BY_WARPS", "APPROX_MATH"):
+        setattr(mgpu_kernel, shared, ORIGINAL[shared])
+    bench.mla_decode_mgpu = mgpu_kernel.mla_decode_mgpu
     # Round-robin over the compiled variants, so that a drift of the GPU's clocks
     # during the run falls on all of them alike; the median over rounds.
     samples = {name: [] for name in compiled}

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import pallas_kernels.mla_decode_mgpu as mgpu_kernel
 from pallas_kernels.fp8 import quantize_per_token
 from pallas_kernels.mla_decode import mla_decode_reference
 from script_loader import load_script
@@ -154,14 +155,13 @@ def test_register_split_must_fit_the_kernels_registers(monkeypatch):
     """The consumers' ``set_max_registers`` increase waits for registers the producer's decrease
     frees: a split above 3 x 168 a thread hung an H100 (48 / 232), so it is refused, and the
     shipped split and the probe's 40 / 232 are within it."""
-    import pallas_kernels.mla_decode_mgpu as mgpu_module
-    mgpu_module.check_registers(mgpu_module.PRODUCER_REGISTERS, mgpu_module.CONSUMER_REGISTERS)
-    mgpu_module.check_registers(40, 232)
+    mgpu_kernel.check_registers(mgpu_kernel.PRODUCER_REGISTERS, mgpu_kernel.CONSUMER_REGISTERS)
+    mgpu_kernel.check_registers(40, 232)
     for producer, consumer in [(48, 232), (24, 248), (28, 240)]:
         with pytest.raises(ValueError, match="PRODUCER_REGISTERS"):
-            mgpu_module.check_registers(producer, consumer)
-    monkeypatch.setattr(mgpu_module, "PRODUCER_REGISTERS", 48)
-    monkeypatch.setattr(mgpu_module, "CONSUMER_REGISTERS", 232)
+            mgpu_kernel.check_registers(producer, consumer)
+    monkeypatch.setattr(mgpu_kernel, "PRODUCER_REGISTERS", 48)
+    monkeypatch.setattr(mgpu_kernel, "CONSUMER_REGISTERS", 232)
     jax.clear_caches()
     q, q_rope, *cache = _inputs(0, batch=2, heads=64, pages_per_row=3, seq_lens=[100, 0])
     with pytest.raises(ValueError, match="48 / 232"):
@@ -232,6 +232,18 @@ def test_64_row_kernel_reduces_within_warps():
     scratch_view = f"memref<{plgpu.CompilerParams().reduction_scratch_bytes // 4}xf32"
     assert scratch_view not in _mosaic_module_text("mgpu")
     assert scratch_view in _mosaic_module_text("small")
+
+
+@pytest.mark.parametrize("approx", [True, False])
+def test_64_row_kernel_takes_one_instruction_log2(monkeypatch, approx):
+    """``APPROX_MATH``: the log2 of a step's token scales is one ``lg2.approx`` a value; without
+    it, it compiled to a ~28-instruction polynomial, a quarter of the step's instructions on the
+    H100. The lowered module names the instruction only when the flag is on."""
+    monkeypatch.setattr(mgpu_kernel, "APPROX_MATH", approx)
+    jax.clear_caches()
+    assert ("lg2.approx.ftz.f32" in _mosaic_module_text("mgpu")) == approx
+    monkeypatch.undo()
+    jax.clear_caches()  # later tests lower the shipped kernel, not a cached variant
 
 
 # Steps before a row's last one run unmasked (a second loop runs the masked
