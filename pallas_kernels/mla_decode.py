@@ -179,9 +179,9 @@ def _mla_decode_kernel(seq_lens_ref, block_table_ref, layer_offset_ref, q_ref, q
     """One (batch row, split, row block) program.
 
     Traced inputs are not validated (``snapmla_jax.decode.mla_decode`` checks concrete ones),
-    so every read stays inside the arrays whatever they hold: seq_len is clipped into
-    [0, max_pages * page_size] and page ids into [0, num_pages), as the XLA reference's
-    gather clips them.
+    so every read stays inside the arrays whatever they hold: page ids are clipped into
+    [0, num_pages) here, and seq_lens into [0, max_pages * page_size] by the launcher
+    (``mla_decode_pallas``), as the XLA reference's gather clips them.
 
     seq_lens_ref     [B] int32            tokens in the cache per batch row (incl. the s_q new ones)
     block_table_ref  [B, max_pages] int32 pages of each batch row
@@ -201,7 +201,7 @@ def _mla_decode_kernel(seq_lens_ref, block_table_ref, layer_offset_ref, q_ref, q
     block_m, rank = q_ref.shape
     max_pages = block_table_ref.shape[1]
 
-    seq_len = jnp.clip(plgpu_tr.load(seq_lens_ref.at[b]), 0, max_pages * page_size)
+    seq_len = plgpu_tr.load(seq_lens_ref.at[b])  # clipped by the launcher
     # Splits take equal ranges, rounded to whole token blocks so that block
     # boundaries sit at multiples of block_n whatever the split count (the
     # reference's per-block P' factors rely on that).
@@ -320,6 +320,11 @@ def mla_decode_pallas(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: t
         raise ValueError(f"q_rows: expected rows padded to a multiple of {block_m}, got {num_rows}")
     quantized = len(cache_arrays) == 3
     out_dtype = q_rows.dtype if num_splits == 1 else jnp.float32
+    # seq_lens are clipped here, not in the kernel: the same clip of the loaded seq_len inside
+    # the kernel (as jnp.clip, min/max or where) made the BF16 twin 1.24-1.27x slower at
+    # B = 64 x 4k-16k x 128 heads on an H100 (1.58 vs 1.27 ms; outputs identical), and this
+    # XLA clip costs 1% there (1.28 ms; docs/benchmarks/mgpu.md, fifteenth session).
+    seq_lens = jnp.clip(seq_lens, 0, block_table.shape[1] * page_size)
     kernel = functools.partial(
         _mla_decode_kernel, quantized=quantized, block_n=tokens_per_block(page_size, config), page_size=page_size,
         num_splits=num_splits, num_heads=num_heads, s_q=s_q, scale_log2=softmax_scale * LOG2E,
