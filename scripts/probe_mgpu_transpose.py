@@ -16,7 +16,6 @@ products in its reduced-precision accumulator, ~2^-13 relative each add).
 """
 import json, os, sys, time
 import jax, jax.numpy as jnp, numpy as np, ml_dtypes
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 

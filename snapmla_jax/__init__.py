@@ -20,3 +20,6 @@ import warnings
 # about it is silenced, for this module only.
 warnings.filterwarnings("ignore", message=r"'snapmla_jax\.generate' found in sys\.modules", category=RuntimeWarning)
 from snapmla_jax.generate import generate  # noqa: E402
+
+__all__ = ["LatentCache", "dequantize", "quant_error_report", "write_kv", "mla_decode", "MLAConfig", "MLAModel",
+           "expert_sharding", "load_checkpoint", "load_hf_checkpoint", "save_checkpoint", "shard_model", "generate"]

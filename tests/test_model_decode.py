@@ -2,7 +2,6 @@
 absorbed-form decode (write_kv + mla_decode, backend="xla"), against the
 model's own full causal forward on the whole sequence."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

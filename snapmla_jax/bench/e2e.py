@@ -337,7 +337,7 @@ class Runner:
             print(f"  B={batch} ctx={context} {plan.kv_cache}: {step_ms:.2f} ms/step, "
                   f"{rows[-1]['tokens_per_s']:.0f} tok/s, attention {attention_ms:.2f} ms, ffn {ffn_ms:.2f} ms",
                   flush=True)
-        del holder
+        holder.clear()  # the caches go before the next plan allocates its own
         gc.collect()
         return rows
 
@@ -387,7 +387,7 @@ def markdown(env: dict, rows: list[dict], batches, contexts) -> str:
                      f"{span([r['step_ms'] / r['floor_ms'] for r in ok], '.1f')}.\n")
     compiled = env.get("compile_seconds", {})
     if compiled:
-        lines.append(f"Compile times (s, parallel threads): "
+        lines.append("Compile times (s, parallel threads): "
                      + ", ".join(f"{k} {v:.0f}" for k, v in sorted(compiled.items())) + "\n")
     return "\n".join(lines)
 
