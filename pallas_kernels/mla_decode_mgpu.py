@@ -192,7 +192,7 @@ COMPILER_PARAMS: plgpu.CompilerParams | None = None
 # Whether both Mosaic decode kernels compile exp2 and log2 to the GPU's one-instruction
 # approximations (``ex2.approx.ftz`` / ``lg2.approx.ftz``; ``CompilerParams.approx_math``).
 # Without it, the log2 of a step's token scales (``local_stats``) compiled to a polynomial of
-# ~28 instructions a value: 480 of the unmasked step body's 1901 PTX instructions a thread
+# ~28 instructions a value: 480 of the unmasked step body's 1897 PTX instructions a thread
 # (the kernel's PTX, MOSAIC_GPU_DUMP_PTX; exp2 was an approximation already). The log only
 # picks P''s scaling factor, which is undone exactly, and lg2.approx's ~2^-22 relative error
 # is far below e4m3's 2^-4 rounding of P'; flushing subnormal P or scales to zero changes no

@@ -290,6 +290,8 @@ def main(argv=None) -> int:
     parser.add_argument("--compare-file", action="append", default=[],
                         help="another mla_decode_mgpu.py whose kernel is timed as variant file:<stem>")
     args = parser.parse_args(argv)
+    if args.compare_file and args.kernel == "small":
+        parser.error("--compare-file: the 64-row kernel's module only (--kernel mgpu)")
     module, original, variants, block_rows = ((small_kernel, SMALL_ORIGINAL, SMALL_VARIANTS, SMALL_ROWS)
                                               if args.kernel == "small" else
                                               (mgpu_kernel, ORIGINAL, VARIANTS, BLOCK_M))

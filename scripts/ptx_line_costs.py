@@ -16,7 +16,7 @@ instructions, or ``--block LABEL``'s, are counted per ``.loc`` source line and p
 the line's text is shown from the file as it is here, so run it on the source the PTX was
 compiled from. A PTX instruction is not a
 SASS one, but the counts find what to look at: in the fifteenth session they showed the
-token scales' log2 compiled to a ~28-instruction polynomial, 480 of the step's 1901
+token scales' log2 compiled to a ~28-instruction polynomial, 480 of the step's 1897
 instructions a thread (``mla_decode_mgpu.APPROX_MATH``).
 """
 
