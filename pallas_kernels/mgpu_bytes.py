@@ -12,14 +12,23 @@ byte by byte. Here each 32-bit register is built by one instruction:
 (f32 -> e4m3 needs no helper: Mosaic GPU's ``astype`` already converts two
 values per ``cvt.rn.satfinite.e4m3x2.f32``. A helper that also paired two
 tiles' roundings into words served the kernel while each warpgroup held a
-whole P' tile; since the warpgroups split the score tile, P' crosses between
-them as bytes and is interleaved here.)
+whole P' tile; P' now crosses between the warpgroups through
+``store_byte_lane``.)
 
 It takes and returns arrays in the WGMMA layout (register i of every array
 holds the same two elements), runs in a warpgroup context, and exists on the
 GPU only: the interpreter has no inline PTX, so the kernel's interpreter path
 keeps P' unpacked and V token-major instead. Reference semantics, for tests:
 ``word = lo | hi << 8`` on the bytes.
+
+``store_byte_lane``: each warpgroup's P' bytes straight into their places in
+the one P' tile both warpgroups multiply (every other byte of a row; the
+kernel's "V transpose and P' packing"), one byte store a value at addresses
+computed here with the tile's 128-byte swizzle, instead of a byte tile each, a
+barrier, and both tiles loaded back and interleaved (``interleave_bytes``, as
+V's words still are). Same output bit for bit; 0.582 vs 0.585 ms at B=64 x 16k
+x 128 and 0.562 vs 0.573 at 32 x 16k x 128 x 2 on an H100 (docs/benchmarks/
+mgpu.md, sixteenth session).
 """
 
 from __future__ import annotations
@@ -32,6 +41,12 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
+
+# The SMEM layout ``store_byte_lane`` writes: the one the FP8 wgmma reads an 8-bit
+# operand tile in (rows of 128 bytes in 8-row groups, each row's 16-byte chunks
+# XOR-swizzled by the row's index in its group).
+SWIZZLE = 128
+BYTE_TILE_TRANSFORMS = (plgpu.TilingTransform((8, SWIZZLE)), plgpu.SwizzleTransform(SWIZZLE))
 
 
 def _words_result(shape) -> plgpu.ShapeDtypeStruct:
@@ -64,3 +79,53 @@ def interleave_bytes(lo: jax.Array, hi: jax.Array) -> jax.Array:
         return mgpu.FragmentedArray(_registers=out, _layout=lo_fa.layout, _is_signed=False)
 
     return interleave(lo, hi)
+
+
+def store_byte_lane(values: jax.Array, dst_ref, lane: int | None) -> None:
+    """Store e4m3 [64, N] (WGMMA layout) into every other byte of an e4m3 [64, 2N] SMEM tile:
+    ``dst[r, 2c + lane] = values[r, c]`` (lane 0 or 1; None: the calling warpgroup's index
+    mod 2, computed on the GPU: no branch on a warpgroup id around the call, which made
+    ptxas spill three times the registers in the decode kernel); the other lane's bytes are
+    untouched.
+
+    ``dst_ref``: a [64, 128] tile in the FP8 wgmma's layout (``BYTE_TILE_TRANSFORMS``).
+    One ``st.shared.u8`` a value: two warpgroups fill the two lanes of one tile with no
+    exchange (they must not store the same lane concurrently; make the stores visible to
+    wgmma with ``plgpu.commit_smem`` and a barrier, as for any SMEM store).
+    """
+    rows, cols = values.shape
+    if values.dtype != jnp.float8_e4m3fn or rows != 64 or 2 * cols != SWIZZLE:
+        raise ValueError(f"store_byte_lane: values: expected e4m3 [64, {SWIZZLE // 2}], got {values.shape} "
+                         f"{values.dtype}")
+    if tuple(dst_ref.shape) != (64, SWIZZLE) or dst_ref.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"store_byte_lane: dst_ref: expected e4m3 [64, {SWIZZLE}], got {dst_ref.shape} "
+                         f"{dst_ref.dtype}")
+    if lane not in (0, 1, None):
+        raise ValueError(f"store_byte_lane: lane: expected 0, 1 or None, got {lane!r}")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(BYTE_TILE_TRANSFORMS)))
+    def store(ctx, values_fa, dst):
+        del ctx
+        i8 = ir.IntegerType.get_signless(8)
+        i16 = ir.IntegerType.get_signless(16)
+        i32 = ir.IntegerType.get_signless(32)
+        c32 = lambda v: mgpu_utils.c(v, i32)
+        base = mgpu_utils.memref_ptr(dst)
+        lane_value = (arith.andi(mgpu_utils.warpgroup_idx(), c32(1)) if lane is None else c32(lane))
+        shape = tuple(values_fa.shape)
+        for (row, col), reg in zip(values_fa.layout.thread_idxs(shape), values_fa.registers.flat):
+            row = arith.index_cast(i32, row)
+            col = arith.index_cast(i32, col)
+            pair = mgpu_utils.bitcast(reg, i16)  # columns col, col + 1: low byte, high byte
+            for k in range(2):
+                byte_col = arith.addi(arith.muli(arith.addi(col, c32(k)), c32(2)), lane_value)
+                # Row r is 128 contiguous bytes (a [64, 128] tile's (8, 128) tiles follow one
+                # another); its 16-byte chunk j sits at chunk j ^ (r % 8).
+                chunk = arith.xori(arith.shrui(byte_col, c32(4)), arith.andi(row, c32(7)))
+                offset = arith.addi(arith.addi(arith.muli(row, c32(SWIZZLE)), arith.shli(chunk, c32(4))),
+                                    arith.andi(byte_col, c32(15)))
+                byte = arith.trunci(i8, arith.shrui(pair, mgpu_utils.c(8 * k, i16)) if k else pair)
+                llvm.store(byte, mgpu_utils.getelementptr(base, [offset], i8))
+
+    store(values, dst_ref)
+

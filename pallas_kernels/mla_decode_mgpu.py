@@ -40,10 +40,10 @@ through SMEM:
    largest P * k_scale over all 128 tokens, so m, alpha and the P' factor are
    the same in both, as their two column halves of one output require. The
    running l stays per warpgroup and is summed once, after the loop.
-2. P' bytes (``xb``, aliasing the first half of the step's RoPE slot, free
-   once both warpgroups have passed the step's ``qk_done`` barrier): each
-   stores its 64 columns as e4m3, then each interleaves both halves into its
-   own P' word tile (below).
+2. P' bytes (``p8_s``, one e4m3 [64, 128] tile a ring slot, the A operand of
+   both warpgroups' P'.V): each stores its 64 columns straight into their
+   byte positions in V^T's token order (``store_p_bytes``, below), and both
+   multiply once the ``pexch`` barrier says both halves are in.
 
 (Before this, both warpgroups computed the whole 64 x 128 score tile and no
 statistic crossed: 1.5x the MMA work, twice the softmax, and 64 score
@@ -67,10 +67,10 @@ are stored through the transposed view of a uint16 [128, 64] tile whose
 have read a step's slot as K (a barrier with 2 arrivals), each one writes the
 V^T of its own two chunks over the same bytes, so no V^T buffer is needed and
 a 2-slot ring of whole steps (128 KB) fits next to Q (40 KB), RoPE keys
-(2 x 16 KB) and P' (2 x 8 KB). P' is packed the same way: word k of a row
-interleaves warpgroup 0's column k (token 2k) and warpgroup 1's (token
-2k + 1), stored as a uint16 [64, 64] tile whose e4m3 [64, 128] view is P' in
-token order, each warpgroup's own copy of the wgmma's A operand.
+(2 x 16 KB) and P' (2 x 8 KB). P' follows the same token order: byte 2k of a
+row is warpgroup 0's column k (token 2k), byte 2k + 1 warpgroup 1's; each
+warpgroup writes its bytes with one byte store a value (``store_byte_lane``,
+inline PTX at swizzled addresses), into a tile a slot that both read.
 
 Masking. Only a row's last step or two (s_q > 1) can hold tokens a query row
 must not see; every step before them runs without masks or their index
@@ -122,7 +122,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
-from pallas_kernels.mgpu_bytes import interleave_bytes
+from pallas_kernels.mgpu_bytes import BYTE_TILE_TRANSFORMS, interleave_bytes, store_byte_lane
 from pallas_kernels.combine_splits import combine_splits
 from pallas_kernels.mgpu_decode_inputs import decode_inputs
 from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
@@ -202,14 +202,6 @@ APPROX_MATH = True
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
 COL = plgpu.Layout.WGMMA.reduce(0)  # a [64] vector with one value per score column
-# P' bytes cross between the warpgroups through the step's RoPE slot (``_kernel``).
-# Every member of a ``RefUnion`` starts at the union's first byte, so xb[slot]
-# lies inside rope_s[slot] only if both have the same slot stride (16 KB): xb has
-# 4 tiles of 64 x 64 bytes a slot, of which the warpgroups use the first 2. (With
-# 2 tiles a slot, xb[1] was the second half of rope_s[0] and overwrote the RoPE
-# keys the TMA had brought for the next step: wrong from a row's third step on,
-# on the H100; the interpreter does not alias union members.)
-XB_TILES_PER_SLOT = STEP * ROPE * 2 // (BLOCK_M * HALF)
 
 
 def _aligned(index, multiple: int):
@@ -523,6 +515,21 @@ def v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, *, masked: bool, i
     return v_operands
 
 
+def store_p_bytes(p8, p8_ref, wg, *, interpret: bool) -> None:
+    """This warpgroup's P' (e4m3 [64, 64], its half of the step's tokens in step order) into the
+    slot's shared P' tile p8_ref e4m3 [64, 128], in V^T's token order: column k of warpgroup w
+    (token 2k + w) to byte column 2k + w (``store_byte_lane``). The interpreter, whose V stays
+    in step order, takes it unpacked at columns [64 w, 64 w + 64).
+
+    (Before, each warpgroup stored its bytes to a tile of its own, and after a barrier both
+    loaded both tiles back and interleaved them into a P' tile each: ``interleave_bytes``.)
+    """
+    if interpret:
+        p8_ref[:, pl.ds(_aligned(wg * HALF, HALF), HALF)] = p8
+    else:
+        store_byte_lane(p8, p8_ref, None)  # the lane is the warpgroup's index (0, 1)
+
+
 def pv_update(accs, p8_ref, v_operands, alpha, pv_max) -> list:
     """acc * alpha + (P'.V) * pv_max / 448 for each of this warpgroup's accumulators [64, 128].
 
@@ -646,7 +653,7 @@ def write_lse_and_wait(wg, m, l_safe, seen, lse_s, lse_ref, b, split, row0) -> N
 
 def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
             o_ref, lse_ref,
-            q_union, qr_s, qsc_s, lse_s, kv_union, rope_union, ksc_s, p_union, stats_s, lsum_s,
+            q_union, qr_s, qsc_s, lse_s, kv_union, rope_s, ksc_s, p8_s, stats_s, lsum_s,
             step_bar, qk_done_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar,
             *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, num_pages: int, interpret: bool):
     """One CTA: (batch row b, KV split s, row block r), two consumer warpgroups and the producer (wg 2,
@@ -656,16 +663,13 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     [2, 64, 128] bf16 or [2, 64, 64] f32 output staging, one tile per
     warpgroup), qr_s bf16 [64, 64], qsc_s f32 [64], lse_s f32 [64], kv_union =
     (kv8_s e4m3 [2, 4, 128, 128] | kv16_s uint16 [2, 4, 128, 64]) (slot, chunk,
-    step row, feature: K, then V^T in place), rope_union = (rope_s bf16 [2, 128,
-    64] | xb e4m3 [2, 4, 64, 64]: the P' byte halves at [slot, wg]), ksc_s f32
-    [2, 128], p_union = (p16_s uint16 [2, 64, 64] | p8_s e4m3 [2, 64, 128]) (one
-    P' per warpgroup), stats_s f32 [2 slots, 2 warpgroups, 2, 64] (row max, log
+    step row, feature: K, then V^T in place), rope_s bf16 [2, 128, 64], ksc_s f32
+    [2, 128], p8_s e4m3 [2, 64, 128] (a slot's P', both warpgroups' bytes, the A
+    operand of both), stats_s f32 [2 slots, 2 warpgroups, 2, 64] (row max, log
     pv max), lsum_s f32 [2, 64] (each warpgroup's partial l, after the loop).
     """
     q8_s, o_s = q_union
     kv8_s, kv16_s = kv_union
-    rope_s, xb = rope_union
-    p16_s, p8_s = p_union
     b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = begin_cta(
         seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits,
@@ -674,7 +678,6 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     def consume():
         my_rows = _aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
         q_scale = plgpu.load(qsc_s, layout=ROW)
-        my_p8 = p8_s.at[wg]
 
         def step(j, carry, *, masked: bool):
             accs, m, l_part = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
@@ -708,34 +711,27 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                 m_new, alpha, l_part, p_scaled, pv_max = softmax_half(scores, k_scale, m, l_part, row_max,
                                                                       log_pv_max, visible)
 
-            # Both warpgroups are past their QK: the RoPE slot takes the P' bytes, and
-            # my latent chunks become their V^T. (The statistics barrier above implies
-            # this one, as each warpgroup reaches it after its QK wgmmas completed;
-            # dropping qk_done (``WAIT_QK_DONE``) measured mixed on an H100, one run
-            # each: 10% slower at B=64 x 16k x 128, 3% faster at 32 x 16k and 8 x 64k;
-            # side by side later, 0.3% faster at 64 x 16k and 128 x 16k: noise. Kept.)
+            with jax.named_scope("p_store"):
+                store_p_bytes(jnp.minimum(p_scaled, FP8_E4M3_MAX).astype(FP8_DTYPE), p8_s.at[slot], wg,
+                              interpret=interpret)
+            # Both warpgroups are past their QK: my latent chunks become their V^T. (The
+            # statistics barrier above implies this one, as each warpgroup reaches it after
+            # its QK wgmmas completed; dropping qk_done (``WAIT_QK_DONE``) measured mixed on
+            # an H100, one run each: 10% slower at B=64 x 16k x 128, 3% faster at 32 x 16k
+            # and 8 x 64k; side by side later, 0.3% faster at 64 x 16k and 128 x 16k: noise.
+            # Kept.)
             if WAIT_QK_DONE:
                 with jax.named_scope("wait_qk_done"):
                     plgpu.barrier_wait(qk_done_bar.at[slot])
-            with jax.named_scope("p_store"):
-                xb[slot, wg] = jnp.minimum(p_scaled, FP8_E4M3_MAX).astype(FP8_DTYPE)
             with jax.named_scope("v_transpose"):
                 v_operands = v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, masked=masked,
                                                  interpret=interpret)
+                plgpu.commit_smem()  # generic-proxy stores (P', V^T) -> visible to wgmma
                 plgpu.barrier_arrive(pexch_bar.at[slot])
             with jax.named_scope("wait_p"):
-                plgpu.barrier_wait(pexch_bar.at[slot])
-            with jax.named_scope("p_pack"):
-                if not interpret:
-                    # Word k of a row: tokens 2k (warpgroup 0's column k) and 2k + 1.
-                    p16_s[wg] = interleave_bytes(plgpu.load(xb.at[slot, 0], layout=plgpu.Layout.WGMMA),
-                                                 plgpu.load(xb.at[slot, 1], layout=plgpu.Layout.WGMMA))
-                else:
-                    for half in range(NUM_WGS):
-                        my_p8[:, pl.ds(half * HALF, HALF)] = xb[slot, half]
-                plgpu.commit_smem()  # generic-proxy stores (P', V^T) -> visible to wgmma
+                plgpu.barrier_wait(pexch_bar.at[slot])  # the other warpgroup's P' bytes
             with jax.named_scope("pv"):
-                new_accs = pv_update(accs, my_p8, v_operands, alpha, pv_max)
+                new_accs = pv_update(accs, p8_s.at[slot], v_operands, alpha, pv_max)
                 plgpu.barrier_arrive(consumed_bar.at[slot])
             return (*new_accs, m_new, l_part)
 
@@ -827,11 +823,9 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
             plgpu.SMEM((BLOCK_M,), jnp.float32),
             plgpu.RefUnion(plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
                            plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK // 2), jnp.uint16)),
-            plgpu.RefUnion(plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
-                           plgpu.SMEM((NUM_SLOTS, XB_TILES_PER_SLOT, BLOCK_M, HALF), FP8_DTYPE)),
+            plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
             plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
-            plgpu.RefUnion(plgpu.SMEM((NUM_WGS, BLOCK_M, HALF), jnp.uint16),
-                           plgpu.SMEM((NUM_WGS, BLOCK_M, STEP), FP8_DTYPE)),
+            plgpu.SMEM((NUM_SLOTS, BLOCK_M, STEP), FP8_DTYPE, **({} if interpret else {"transforms": BYTE_TILE_TRANSFORMS})),
             plgpu.SMEM((NUM_SLOTS, NUM_WGS, 2, BLOCK_M), jnp.float32),
             plgpu.SMEM((NUM_WGS, BLOCK_M), jnp.float32),
             plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),

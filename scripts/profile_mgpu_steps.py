@@ -7,9 +7,10 @@ Runs ``mla_decode_mgpu`` once with Mosaic GPU's profiler on
 ``COMPILER_PARAMS``): thread 0 of each warpgroup stores an SM clock stamp at the
 start and end of every ``jax.named_scope`` of the step body (``wait_step``,
 ``qk``, ``stats``, ``wait_stats``, ``softmax``, ``wait_qk_done``, ``p_store``,
-``v_transpose``, ``wait_p``, ``p_pack``, ``pv``). The stamps live in SMEM next to
-the kernel's 222 KB, which leaves room for ~150 ranges a warpgroup (about 13
-steps; the trace is truncated there): hence short contexts (2048 tokens = 16
+``v_transpose``, ``wait_p``, ``pv``). The stamps live in SMEM next to the
+kernel's 224 KB, which leaves room for ~90 ranges a warpgroup (about 8 steps;
+the trace is truncated there; 150 no longer fit once the producer warpgroup
+came): hence short contexts (2048 tokens = 16
 steps a CTA). The per-step behaviour does not depend on the context; the first
 two steps and the last one recorded are left out.
 
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="64x2048x128x1", help="BxCONTEXTxHxS_Q")
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=INT",
                         help="kernel module constants to profile a variant with (e.g. ISSUE_BY_WARPS=0)")
-    parser.add_argument("--space", type=int, default=150,
+    parser.add_argument("--space", type=int, default=90,
                         help="profiler ranges a warpgroup (16 B of SMEM each; a trace past it is truncated)")
     args = parser.parse_args(argv)
     if timing.missing_gpu("profile_mgpu_steps"):

@@ -1,19 +1,25 @@
 """Inline-PTX byte packing of the Mosaic GPU decode kernel (pallas_kernels/mgpu_bytes.py).
 
-CPU: a kernel using ``interleave_bytes`` lowers for CUDA. GPU: its words match
-the bytes numpy computes (``lo | hi << 8``), bit for bit, on random bytes
-(every value an e4m3 byte can hold, NaN patterns included: bits, not values).
+CPU: kernels using ``interleave_bytes`` and ``store_byte_lane`` lower for CUDA.
+GPU: ``interleave_bytes``'s words match the bytes numpy computes (``lo | hi <<
+8``), bit for bit, on random bytes (every value an e4m3 byte can hold, NaN
+patterns included: bits, not values); ``store_byte_lane`` puts two tiles'
+bytes in alternate bytes of one tile, read back through a wgmma-layout TMA.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_bytes import interleave_bytes
+from pallas_kernels.mgpu_bytes import BYTE_TILE_TRANSFORMS, interleave_bytes, store_byte_lane
 
 SHAPE = (64, 128)
 
@@ -59,3 +65,73 @@ def test_byte_helper_matches_numpy(seed):
     b, lo, hi = _inputs(seed)
     want = b[0].astype(np.uint16) | (b[1].astype(np.uint16) << 8)
     np.testing.assert_array_equal(np.asarray(_run(lo, hi)), want)
+
+
+def _lanes_kernel(even_ref, odd_ref, out_ref, bytes_s, out_s, bar, done, *, by_warpgroup):
+    """``by_warpgroup``: warpgroup w stores tile w with lane None; else warpgroup 0 stores both."""
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 0)
+    def _():
+        for src, dst in ((even_ref, bytes_s.at[0]), (odd_ref, bytes_s.at[1])):
+            plgpu.copy_gmem_to_smem(src, dst, bar)
+
+    plgpu.barrier_wait(bar)
+    if by_warpgroup:
+        store_byte_lane(plgpu.load(bytes_s.at[wg], layout=plgpu.Layout.WGMMA), out_s, None)
+    else:
+        @pl.when(wg == 0)
+        def _():
+            for lane in range(2):
+                store_byte_lane(plgpu.load(bytes_s.at[lane], layout=plgpu.Layout.WGMMA), out_s, lane)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(done)
+    plgpu.barrier_wait(done)
+
+    @pl.when(wg == 0)
+    def _():
+        plgpu.copy_smem_to_gmem(out_s, out_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _run_lanes(even, odd, by_warpgroup=False):
+    """Two e4m3 [64, 64] tiles -> e4m3 [64, 128], even's bytes at even columns (two warpgroups)."""
+    return plgpu.kernel(
+        functools.partial(_lanes_kernel, by_warpgroup=by_warpgroup),
+        out_type=jax.ShapeDtypeStruct((64, 128), jnp.float8_e4m3fn), kernel_name="test_byte_lanes",
+        num_threads=2, thread_name="wg",
+        scratch_types=[plgpu.SMEM((2, 64, 64), jnp.float8_e4m3fn),
+                       plgpu.SMEM((64, 128), jnp.float8_e4m3fn, transforms=BYTE_TILE_TRANSFORMS),
+                       plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2)])(even, odd)
+
+
+def _lane_inputs(seed):
+    b = np.random.default_rng(seed).integers(0, 256, (2, 64, 64), dtype=np.uint8)
+    return b, jnp.asarray(b[0]).view(jnp.float8_e4m3fn), jnp.asarray(b[1]).view(jnp.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("by_warpgroup", [False, True])
+def test_byte_lane_store_lowers_for_cuda(by_warpgroup):
+    _, even, odd = _lane_inputs(0)
+    jax.jit(functools.partial(_run_lanes, by_warpgroup=by_warpgroup)).trace(even, odd).lower(
+        lowering_platforms=("cuda",))
+
+
+def test_byte_lane_store_rejects_bad_arguments():
+    tile = jnp.zeros((64, 64), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="store_byte_lane: values: expected e4m3"):
+        store_byte_lane(tile.astype(jnp.float32), None, 0)
+    with pytest.raises(ValueError, match="store_byte_lane: dst_ref: expected e4m3"):
+        store_byte_lane(tile, jnp.zeros((64, 64), jnp.float8_e4m3fn), 0)
+    with pytest.raises(ValueError, match="store_byte_lane: lane: expected 0, 1 or None"):
+        store_byte_lane(tile, jnp.zeros((64, 128), jnp.float8_e4m3fn), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed, by_warpgroup", [(1, False), (2, True)])
+def test_byte_lane_store_matches_numpy(seed, by_warpgroup):
+    b, even, odd = _lane_inputs(seed)
+    want = np.stack([b[0], b[1]], axis=-1).reshape(64, 128)
+    got = np.asarray(_run_lanes(even, odd, by_warpgroup)).view(np.uint8)
+    np.testing.assert_array_equal(got, want)
+
