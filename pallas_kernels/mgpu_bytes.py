@@ -129,3 +129,106 @@ def store_byte_lane(values: jax.Array, dst_ref, lane: int | None) -> None:
 
     store(values, dst_ref)
 
+
+# Feature offsets within a 16-byte group that lane q (= lane % 4) loads 4 bytes at: a warp's
+# 8 rows x 4 lanes then read 8 whole 16-byte chunks, one per row, on 8 different chunk
+# positions (the swizzle XORs by row): the 32 banks once.
+_LANE_FEATURES = (0, 8, 4, 12)
+# prmt selectors building a word pair from 4 bytes of low tokens L and 4 of high tokens H:
+# (L0, H0, L1, H1) and (L2, H2, L3, H3).
+_FIRST_PAIR, _SECOND_PAIR = 0x5140, 0x7362
+
+
+def transpose_token_pairs(chunk_ref) -> None:
+    """In place, one warpgroup: a step's V chunk -> V^T in token order, on the GPU.
+
+    chunk_ref: e4m3 [128, 128] SMEM tile in the FP8 wgmma's layout (``BYTE_TILE_TRANSFORMS``):
+    row r < 64 is token 2r of the step, row 64 + r token 2r + 1, columns are features. After
+    the call its bytes are V^T: row f, byte 2r + p = token 2r + p's feature f (as
+    ``interleave_bytes`` words stored through a transposed uint16 view; the kernel's FP8
+    P'.V reads them through the e4m3 view ``chunk_ref.transpose((1, 0))``).
+
+    Each thread loads 4 bytes of low and high tokens at a time (``_LANE_FEATURES``), builds two
+    words per load pair with ``prmt``, and after a warpgroup barrier (every load of the tile
+    before any store over it) stores them with ``stmatrix.x4.trans``: 8 x 8 blocks of words,
+    each block's rows (one feature, 8 token pairs: 16 bytes) at addresses this function
+    computes. Which word a lane puts in which block is chosen per lane (odd lanes swap their
+    two words, by the prmt selector) so that a block's 8 rows are 8 features with distinct
+    ``f % 8``, i.e. 8 different swizzled chunk positions: no bank conflict either way.
+    """
+    if tuple(chunk_ref.shape) != (128, SWIZZLE) or chunk_ref.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"transpose_token_pairs: chunk_ref: expected e4m3 [128, {SWIZZLE}], got "
+                         f"{chunk_ref.shape} {chunk_ref.dtype}")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(BYTE_TILE_TRANSFORMS),))
+    def transpose(ctx, ref):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        i64 = ir.IntegerType.get_signless(64)
+        c32 = lambda v: mgpu_utils.c(v, i32)
+        add, band, shr, shl, xor = arith.addi, arith.andi, arith.shrui, arith.shli, arith.xori
+        # 32-bit shared-window addresses: (a lane constant + the tile's address, which changes
+        # every step) XOR a constant, + immediates in the instructions, so that nothing
+        # loop-invariant is left to hoist out of the kernel's step loop and hold in registers
+        # across it. The tile starts on a 1024-byte boundary (swizzled SMEM): XOR on bits 4-6
+        # commutes with adding its address.
+        tile_address = arith.trunci(i32, llvm.ptrtoint(i64, mgpu_utils.memref_ptr(ref)))
+        # The thread index read by an instruction LLVM may not hoist (the lane constants are
+        # recomputed every step rather than held across the step loop).
+        tid = band(llvm.inline_asm(i32, [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True), c32(127))
+        lane = band(tid, c32(31))
+        warp = shr(tid, c32(5))
+        q = band(lane, c32(3))
+        odd_q = band(q, c32(1))
+        odd_lane = arith.cmpi(arith.CmpIPredicate.ne, odd_q, c32(0))
+        first_sel = arith.select(odd_lane, c32(_SECOND_PAIR), c32(_FIRST_PAIR))
+        second_sel = arith.select(odd_lane, c32(_FIRST_PAIR), c32(_SECOND_PAIR))
+        # Loads: lane 4i + q of warp w reads token pair 16 w + 8 pb + i (its row; i = row % 8),
+        # features 16 group + _LANE_FEATURES[q]: the row's 16-byte chunk `group` sits at chunk
+        # group ^ i, i.e. offset (128 row + 16 i + feature in chunk) ^ (16 group), + 1024 pb.
+        i = shr(lane, c32(2))
+        lane_feature = add(shl(odd_q, c32(3)), shl(shr(q, c32(1)), c32(2)))  # 8 (q & 1) + 4 (q >> 1)
+        load_base = add(add(shl(add(shl(warp, c32(4)), i), c32(7)), shl(i, c32(4))), lane_feature)
+        # Stores: lane l gives row j = l % 8 of block M = l // 8 of an x4 store: feature
+        # f = 32 fb + 16 a + _LANE_FEATURES[j // 2] + 2 ((j // 2 & 1) ^ h) + (j & 1) with M = 2 a + h,
+        # word columns 8 (2 w + pb) ..: offset 128 f + 16 ((2 w + pb) ^ (f % 8)); f % 8 does not
+        # depend on fb, and pb flips bit 4.
+        st_block = shr(lane, c32(3))
+        st_row = band(lane, c32(7))
+        st_q = shr(st_row, c32(1))
+        st_odd_q = band(st_q, c32(1))
+        st_feature = add(add(add(shl(shr(st_block, c32(1)), c32(4)),
+                                 add(shl(st_odd_q, c32(3)), shl(shr(st_q, c32(1)), c32(2)))),
+                             shl(xor(st_odd_q, band(st_block, c32(1))), c32(1))),
+                         band(st_row, c32(1)))
+        store_base = add(shl(st_feature, c32(7)), shl(xor(shl(warp, c32(1)), band(st_feature, c32(7))), c32(4)))
+        load_address = add(tile_address, load_base)
+        store_address = add(tile_address, store_base)
+
+        def load(address, imm):
+            return llvm.inline_asm(i32, [address], f"ld.shared.b32 $0, [$1+{imm}];", "=r,r", has_side_effects=True)
+
+        def prmt(lo, hi, sel):
+            return llvm.inline_asm(i32, [lo, hi, sel], "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
+
+        # Units: 8 token pairs x 32 features; warp w takes pair blocks 2w, 2w + 1, all 4
+        # feature blocks (the warpgroup covers 64 pairs x 128 features).
+        units = [(pb, fb) for pb in range(2) for fb in range(4)]
+        loaded = []
+        for pb, fb in units:
+            regs = []
+            for a in range(2):
+                group_address = xor(load_address, c32((2 * fb + a) << 4))
+                # The high token's row, 64 + r, has the same row % 8: + 8192.
+                regs.append((load(group_address, 1024 * pb), load(group_address, 1024 * pb + 64 * SWIZZLE)))
+            loaded.append(regs)
+        mgpu_utils.warpgroup_barrier()  # every load of the tile is done before any store
+        for (pb, fb), regs in zip(units, loaded):
+            words = []
+            for lo, hi in regs:
+                words += [prmt(lo, hi, first_sel), prmt(lo, hi, second_sel)]
+            llvm.inline_asm(ir.Type.parse("!llvm.void"), [xor(store_address, c32(16 * pb)), *words],
+                            f"stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0+{32 * fb * SWIZZLE}], "
+                            "{$1, $2, $3, $4};", "r,r,r,r,r", has_side_effects=True)
+
+    transpose(chunk_ref)
