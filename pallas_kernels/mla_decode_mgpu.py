@@ -122,7 +122,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
-from pallas_kernels.mgpu_bytes import BYTE_TILE_TRANSFORMS, interleave_bytes, store_byte_lane, transpose_token_pairs
+from pallas_kernels.mgpu_bytes import BYTE_TILE_TRANSFORMS, interleave_bytes, store_byte_lane
 from pallas_kernels.combine_splits import combine_splits
 from pallas_kernels.mgpu_decode_inputs import decode_inputs
 from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
@@ -198,9 +198,6 @@ COMPILER_PARAMS: plgpu.CompilerParams | None = None
 # is far below e4m3's 2^-4 rounding of P'; flushing subnormal P or scales to zero changes no
 # sum at fp32 (its smallest normal is 2^-126).
 APPROX_MATH = True
-# Candidate (sixteenth session, measured slower: 0.79 vs 0.585 ms at 64 x 16k x 128; mgpu.md):
-# an unmasked step's V^T by ``transpose_token_pairs``.
-VT_BY_TOKEN_PAIRS = True
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
@@ -508,10 +505,7 @@ def v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, *, masked: bool, i
     v_operands = []
     for i in range(CHUNKS_PER_WG):
         ch = wg * CHUNKS_PER_WG + i
-        if not interpret and VT_BY_TOKEN_PAIRS and not masked:
-            transpose_token_pairs(kv8_s.at[slot, ch])
-            v_operands.append(kv8_s.at[slot, ch].transpose((1, 0)))
-        elif not interpret:
+        if not interpret:
             word = v_words(kv8_s.at[slot, ch], t0, seq_len, masked=masked)
             kv16_s.at[slot, ch].transpose((1, 0))[...] = plgpu.layout_cast(word, plgpu.Layout.WGMMA)
             v_operands.append(kv8_s.at[slot, ch].transpose((1, 0)))

@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_bytes import BYTE_TILE_TRANSFORMS, interleave_bytes, store_byte_lane, transpose_token_pairs
+from pallas_kernels.mgpu_bytes import BYTE_TILE_TRANSFORMS, interleave_bytes, store_byte_lane
 
 SHAPE = (64, 128)
 
@@ -135,41 +135,3 @@ def test_byte_lane_store_matches_numpy(seed, by_warpgroup):
     got = np.asarray(_run_lanes(even, odd, by_warpgroup)).view(np.uint8)
     np.testing.assert_array_equal(got, want)
 
-
-
-def _transpose_kernel(src_ref, out_ref, tile_s, bar):
-    plgpu.copy_gmem_to_smem(src_ref, tile_s, bar)
-    plgpu.barrier_wait(bar)
-    transpose_token_pairs(tile_s)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(tile_s, out_ref)
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _run_transpose(tile):
-    return plgpu.kernel(
-        _transpose_kernel, out_type=jax.ShapeDtypeStruct((128, 128), jnp.float8_e4m3fn),
-        kernel_name="test_token_pairs",
-        scratch_types=[plgpu.SMEM((128, 128), jnp.float8_e4m3fn, transforms=BYTE_TILE_TRANSFORMS),
-                       plgpu.Barrier(num_arrivals=1)])(tile)
-
-
-def _pairs_input(seed):
-    b = np.random.default_rng(seed).integers(0, 256, (128, 128), dtype=np.uint8)
-    return b, jnp.asarray(b).view(jnp.float8_e4m3fn)
-
-
-def test_token_pair_transpose_lowers_for_cuda():
-    _, tile = _pairs_input(0)
-    jax.jit(_run_transpose).trace(tile).lower(lowering_platforms=("cuda",))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("seed", [1, 2])
-def test_token_pair_transpose_matches_numpy(seed):
-    """Row r < 64 of the tile is token 2r, row 64 + r token 2r + 1: out[f, 2r + p] = in[64 p + r, f]."""
-    b, tile = _pairs_input(seed)
-    tokens = np.empty_like(b)
-    tokens[0::2], tokens[1::2] = b[:64], b[64:]
-    got = np.asarray(_run_transpose(tile)).view(np.uint8)
-    np.testing.assert_array_equal(got, tokens.T)
