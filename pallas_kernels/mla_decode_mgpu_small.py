@@ -267,7 +267,10 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     step j's stats_s slot after ``begin_step`` of step j - 1 waited for both
     warpgroups to consume step j - 2. (Every member of a ``RefUnion`` starts at
     its first byte: pt_s has the RoPE slot's stride, 16 KB, so pt_s[slot] lies
-    in rope_s[slot]; see ``mla_decode_mgpu.XB_TILES_PER_SLOT``.)
+    in rope_s[slot]. With a shorter stride pt_s[1] would lie in the second half
+    of rope_s[0], over the RoPE keys of the next step: the 64-row kernel once
+    did that with its P' bytes, wrong on the H100 and right in the interpreter,
+    which does not alias union members.)
     """
     rope_s, pt_s = rope_union
     rows = q8_s.shape[1]
