@@ -825,7 +825,8 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
                            plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK // 2), jnp.uint16)),
             plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
             plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
-            plgpu.SMEM((NUM_SLOTS, BLOCK_M, STEP), FP8_DTYPE, **({} if interpret else {"transforms": BYTE_TILE_TRANSFORMS})),
+            # P' (``store_p_bytes``): its byte stores compute addresses for this layout.
+            plgpu.SMEM((NUM_SLOTS, BLOCK_M, STEP), FP8_DTYPE, transforms=BYTE_TILE_TRANSFORMS),
             plgpu.SMEM((NUM_SLOTS, NUM_WGS, 2, BLOCK_M), jnp.float32),
             plgpu.SMEM((NUM_WGS, BLOCK_M), jnp.float32),
             plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
