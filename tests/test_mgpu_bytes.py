@@ -41,9 +41,9 @@ def _run(lo, hi):
                                        plgpu.Barrier(num_arrivals=2)])(lo, hi)
 
 
-def _inputs(seed):
-    """Two random byte tiles, as e4m3 (the kernel's V bytes: any bit pattern, NaN included)."""
-    b = np.random.default_rng(seed).integers(0, 256, (2, *SHAPE), dtype=np.uint8)
+def _inputs(seed, shape=SHAPE):
+    """Two random byte tiles, as e4m3 (the kernel's V or P' bytes: any bit pattern, NaN included)."""
+    b = np.random.default_rng(seed).integers(0, 256, (2, *shape), dtype=np.uint8)
     return b, jnp.asarray(b[0]).view(jnp.float8_e4m3fn), jnp.asarray(b[1]).view(jnp.float8_e4m3fn)
 
 
@@ -105,14 +105,9 @@ def _run_lanes(even, odd, by_warpgroup=False):
                        plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2)])(even, odd)
 
 
-def _lane_inputs(seed):
-    b = np.random.default_rng(seed).integers(0, 256, (2, 64, 64), dtype=np.uint8)
-    return b, jnp.asarray(b[0]).view(jnp.float8_e4m3fn), jnp.asarray(b[1]).view(jnp.float8_e4m3fn)
-
-
 @pytest.mark.parametrize("by_warpgroup", [False, True])
 def test_byte_lane_store_lowers_for_cuda(by_warpgroup):
-    _, even, odd = _lane_inputs(0)
+    _, even, odd = _inputs(0, (64, 64))
     jax.jit(functools.partial(_run_lanes, by_warpgroup=by_warpgroup)).trace(even, odd).lower(
         lowering_platforms=("cuda",))
 
@@ -130,7 +125,7 @@ def test_byte_lane_store_rejects_bad_arguments():
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed, by_warpgroup", [(1, False), (2, True)])
 def test_byte_lane_store_matches_numpy(seed, by_warpgroup):
-    b, even, odd = _lane_inputs(seed)
+    b, even, odd = _inputs(seed, (64, 64))
     want = np.stack([b[0], b[1]], axis=-1).reshape(64, 128)
     got = np.asarray(_run_lanes(even, odd, by_warpgroup)).view(np.uint8)
     np.testing.assert_array_equal(got, want)
