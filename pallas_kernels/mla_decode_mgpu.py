@@ -368,18 +368,19 @@ def v_masked_token_major(chunk_ref, t0, seq_len) -> jax.Array:
     return jnp.where(v_tokens < seq_len, chunk_ref[...].astype(jnp.float32), 0.0).astype(FP8_DTYPE)
 
 
-def cta_steps(seq_len, split, *, s_q: int, num_splits: int):
-    """The steps of a row one CTA takes: (first_step, num_steps, unmasked_steps).
+def cta_steps(seq_len, split, *, s_q: int, num_splits: int, step_tokens: int = STEP):
+    """The steps of ``step_tokens`` tokens of a row one CTA takes: (first_step, num_steps,
+    unmasked_steps).
 
     Split-KV: split s takes steps [first_step, first_step + num_steps) of the
     row. The first ``unmasked_steps`` of them every query row sees whole (the
     shortest real row sees seq_len - s_q + 1 tokens), so they run without masks.
     """
-    total_steps = (seq_len + (STEP - 1)) // STEP
+    total_steps = (seq_len + (step_tokens - 1)) // step_tokens
     steps_per_split = (total_steps + (num_splits - 1)) // num_splits
     first_step = split * steps_per_split
     num_steps = jnp.maximum(jnp.minimum(total_steps - first_step, steps_per_split), 0)
-    unmasked_steps = jnp.clip((seq_len - s_q + 1) // STEP - first_step, 0, num_steps)
+    unmasked_steps = jnp.clip((seq_len - s_q + 1) // step_tokens - first_step, 0, num_steps)
     return first_step, num_steps, unmasked_steps
 
 
@@ -424,12 +425,12 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
     return issue
 
 
-def start_cta(wg, first_step, num_steps, issue, query_refs, q_bar, *, issuer: int = 0) -> None:
-    """Warpgroup ``issuer`` issues the query tiles (``issue_query``'s arguments but the barrier)
-    and the first step; both warpgroups wait for the query."""
+def start_cta(wg, first_step, num_steps, issue, issue_q, q_bar, *, issuer: int = 0) -> None:
+    """Warpgroup ``issuer`` issues the query tiles (``issue_q(q_bar)``) and the first step; every
+    warpgroup waits for the query."""
     @pl.when(wg == issuer)
     def _():
-        issue_query(*query_refs, q_bar)
+        issue_q(q_bar)
 
         @pl.when(num_steps > 0)
         def _():
@@ -471,8 +472,8 @@ def begin_cta(seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, 
     row0 = _aligned(r * rows, rows)
     issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar,
                         by_warps=ISSUE_BY_WARPS if by_warps is None else by_warps, num_pages=num_pages)
-    start_cta(wg, first_step, num_steps, issue, (q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar,
-              issuer=issuer)
+    start_cta(wg, first_step, num_steps, issue,
+              functools.partial(issue_query, q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar, issuer=issuer)
     return Cta(b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue)
 
 

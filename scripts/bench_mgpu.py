@@ -8,8 +8,9 @@ row at the full context), each variant timed with warm-up and a median
 kernel ("mosaic", pallas_kernels/mla_decode_mgpu.py, the default), where
 s_q x H <= 32 the 16-row kernel ("mosaic_small", mla_decode_mgpu_small.py, the
 default up to 16 rows), where 16 < s_q x H <= 32 the same kernel in 32-row blocks
-("mosaic_small32"), all with KV splits from ``choose_num_splits``, the
-Triton FP8 kernel and the BF16 twin. Each Mosaic output is compared with the
+("mosaic_small32"; the 64-row kernel is the default there), all with KV splits from ``choose_num_splits``, the
+Triton FP8 kernel and the two BF16 twins (Triton, "triton_bf16"; Mosaic GPU,
+"mosaic_bf16", pallas_kernels/mla_decode_mgpu_bf16.py, compared with the Triton one). Each Mosaic output is compared with the
 Triton FP8 kernel's (relative L2 difference: both round Q and P' to e4m3, with
 P' factors per 64 vs 128 tokens). Writes bench_mgpu.json under --out.
 """
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.mla_decode import FP8_CONFIG, MOSAIC_CONFIG
+from pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG
 from pallas_kernels.mla_decode_mgpu import BLOCK_M, mla_decode_mgpu
 from pallas_kernels.mla_decode_mgpu_small import ROWS as SMALL_ROWS
 from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
@@ -94,7 +95,10 @@ def main(argv=None) -> int:
             "triton_fp8": (fp8, jax.jit(lambda q, qr, c, bt, n: mla_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                            backend="pallas", config=FP8_CONFIG))),
             "triton_bf16": (bf16, jax.jit(lambda q, qr, c, bt, n: mla_decode(q, qr, c, bt, n, softmax_scale=scale,
-                                                                             backend="pallas"))),
+                                                                             backend="pallas", config=BF16_CONFIG))),
+            # The BF16 twin on Mosaic GPU (mla_decode_mgpu_bf16.py), with mla_decode's split plan.
+            "mosaic_bf16": (bf16, jax.jit(lambda q, qr, c, bt, n: mla_decode(q, qr, c, bt, n, softmax_scale=scale,
+                                                                             backend="pallas", config=MOSAIC_CONFIG))),
         }
         # The Mosaic kernels split the KV as the Triton kernels do (same rule, their row blocks).
         splits = mosaic_splits(batch, s_q * heads, context, BLOCK_M)
@@ -122,13 +126,18 @@ def main(argv=None) -> int:
                 continue
             row[name] = {"ms": ms, "first_call_s": compile_s}
             print(shape, name, json.dumps(row[name]), flush=True)
+        if "mosaic_bf16" in outs and "triton_bf16" in outs:
+            a, b = outs["mosaic_bf16"], outs["triton_bf16"]
+            row["rel_l2_mosaic_bf16_vs_triton_bf16"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+            row["mosaic_bf16_finite"] = bool(np.isfinite(a).all())
+            print(shape, "mosaic_bf16 rel_l2", row["rel_l2_mosaic_bf16_vs_triton_bf16"], flush=True)
         for mosaic in ("mosaic", "mosaic_small", "mosaic_small32"):
             if mosaic in outs and "triton_fp8" in outs:
                 a, b = outs[mosaic], outs["triton_fp8"]
                 row[f"rel_l2_{mosaic}_vs_triton_fp8"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
                 row[f"{mosaic}_finite"] = bool(np.isfinite(a).all())
                 print(shape, mosaic, "rel_l2", row[f"rel_l2_{mosaic}_vs_triton_fp8"], flush=True)
-            for name in ("triton_fp8", "triton_bf16"):
+            for name in ("triton_fp8", "triton_bf16", "mosaic_bf16"):
                 if isinstance(row.get(mosaic), dict) and isinstance(row.get(name), dict):
                     row[f"{mosaic}_speedup_vs_{name}"] = row[name]["ms"] / row[mosaic]["ms"]
         results["rows"].append(row)

@@ -20,12 +20,18 @@ from pallas_kernels.mla_decode_mgpu import BLOCK_M as MOSAIC_BLOCK_M
 from pallas_kernels.mla_decode_mgpu import PAGE as MOSAIC_PAGE
 from pallas_kernels.mla_decode_mgpu import STEP as MOSAIC_STEP
 from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
-from pallas_kernels.mla_decode_mgpu_small import BLOCK_ROWS as MOSAIC_SMALL_BLOCKS
+from pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
+from pallas_kernels.mla_decode_mgpu_small import ROWS as MOSAIC_SMALL_MAX_ROWS
 from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
 from snapmla_jax.backend import resolve_backend
 from snapmla_jax.cache import LatentCache, check_kernel_addressable, check_layer
 
 H100_SMS = 132  # SM count assumed when no GPU is visible (interpret mode, planning)
+# Query rows (s_q x H) a batch row up to which a compiled bf16 cache keeps the Triton BF16
+# twin: with fewer rows than its 64-row block the Mosaic BF16 twin pads them (H200, H=16,
+# B=128 x 16k: Triton 0.58 ms vs Mosaic 0.70); from 64 rows up the Mosaic one is 1.8x faster
+# (0.69 vs 1.26 ms at B=64 x 16k x 128; docs/benchmarks/mgpu.md, seventeenth session).
+TRITON_BF16_MAX_ROWS = 16
 # Past this the merge's float32 partials outweigh the extra parallelism. (H100, H=16,
 # B=1 x 64k: 128 splits 0.047 ms, 64 splits 0.062 ms; scripts/sweep_splits.py.)
 MAX_SPLITS = 128
@@ -78,16 +84,19 @@ def planned_num_splits(q_latent: jax.Array, cache: LatentCache, block_table: jax
                        config: DecodeConfig | None = None) -> int:
     """The split-KV count ``mla_decode`` uses for these arguments when ``num_splits`` is None
     (q_latent [B, s_q, H, R], the kernel ``config`` or ``default_config`` picks)."""
-    config = config or default_config(cache, resolve_backend(backend))
     batch, s_q, heads, _ = q_latent.shape
-    block_m = block_rows(s_q * heads, config)
+    config = config or default_config(cache, resolve_backend(backend), s_q * heads)
+    block_m = block_rows(s_q * heads, config, cache.dtype)
     return choose_num_splits(batch, -(-(s_q * heads) // block_m), block_table.shape[1] * cache.page_size,
                              _sm_count(), min_tokens_per_split(cache.page_size, config), waves_per_split_plan(config))
 
 
-def block_rows(num_rows: int, config: DecodeConfig) -> int:
-    """Query rows a program of the kernel ``config`` runs takes, for ``num_rows`` = s_q x H."""
-    return mosaic_kernel(num_rows)[1] if config.kernel == "mosaic" else rows_per_block(num_rows, config)
+def block_rows(num_rows: int, config: DecodeConfig, cache_dtype: str = "fp8") -> int:
+    """Query rows a program of the kernel ``config`` runs over a ``cache_dtype`` cache takes, for
+    ``num_rows`` = s_q x H."""
+    if config.kernel == "mosaic":
+        return mosaic_kernel(num_rows, cache_dtype)[1]
+    return rows_per_block(num_rows, config)
 
 
 def _is_concrete(x) -> bool:
@@ -144,13 +153,16 @@ def _on_hopper() -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
-def default_config(cache: LatentCache, backend: str) -> DecodeConfig:
-    """The kernel and knobs ``mla_decode`` uses when ``config`` is None.
+def default_config(cache: LatentCache, backend: str, num_rows: int | None = None) -> DecodeConfig:
+    """The kernel and knobs ``mla_decode`` uses when ``config`` is None, for ``num_rows`` query
+    rows (s_q x H) a batch row (None: unknown).
 
     Compiled (backend "pallas") on a Hopper GPU over an fp8 cache with
     page_size 64: the Mosaic GPU kernels (``mosaic_kernel`` picks one by the
     query rows), faster than the Triton FP8 kernel at every shape measured on
-    an H100 (docs/benchmarks/decode.md, scripts/bench_mgpu.py). Elsewhere the
+    an H100 (docs/benchmarks/decode.md, scripts/bench_mgpu.py). Over a bf16
+    cache there, the Mosaic BF16 twin above ``TRITON_BF16_MAX_ROWS`` rows (known
+    ``num_rows`` only). Elsewhere the
     Triton kernels (FP8_CONFIG / BF16_CONFIG): the Mosaic kernels need 64-token
     pages, and in the interpreter they run their two warpgroups as host
     threads (slow, and they can stall on small CPUs), so "interpret" and the
@@ -159,30 +171,33 @@ def default_config(cache: LatentCache, backend: str) -> DecodeConfig:
     (Triton) or 128 (Mosaic), so their outputs differ by e4m3 rounding noise
     only (relative L2 ~1e-3 on the bench).
     """
+    mosaic = backend == "pallas" and cache.page_size == MOSAIC_PAGE and _on_hopper()
     if cache.dtype != "fp8":
-        return BF16_CONFIG
-    if backend == "pallas" and cache.page_size == MOSAIC_PAGE and _on_hopper():
-        return MOSAIC_CONFIG
-    return FP8_CONFIG
+        return MOSAIC_CONFIG if mosaic and (num_rows or 0) > TRITON_BF16_MAX_ROWS else BF16_CONFIG
+    return MOSAIC_CONFIG if mosaic else FP8_CONFIG
 
 
-def mosaic_kernel(num_rows: int):
-    """The Mosaic GPU kernel for ``num_rows`` query rows (s_q x heads) a batch row, and its
-    rows per CTA: (kernel function, block rows).
+def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8"):
+    """The Mosaic GPU kernel for ``num_rows`` query rows (s_q x heads) a batch row over a
+    ``cache_dtype`` cache, and its rows per CTA: (kernel function, block rows).
 
-    Up to 16 rows (H = 16 at s_q = 1: DeepSeek-V2-Lite, V3 over 8 GPUs by heads),
-    ``mla_decode_mgpu_small``, the query rows on the wgmma N dimension; up to 32
-    (H = 16 at s_q = 2, multi-token prediction; H = 32) the same kernel in
-    32-row blocks; above, the 64-row ``mla_decode_mgpu``. Measured on an H100
-    (docs/benchmarks/mgpu.md, decode.md; 16k-64k contexts): at 16 rows the small
-    kernel ran 1.43-1.56x the BF16 twin where the 64-row one, 48 of its rows
-    padding, ran 0.74-0.79x; at 32 rows its 32-row blocks ran 1.07-1.15x the
-    64-row kernel and 1.04-1.13x the twin, 16-row blocks (the cache read twice)
-    0.99-1.04x the 64-row kernel. All compute the same math.
+    A bf16 cache: the BF16 twin ``mla_decode_mgpu_bf16`` in 64-row blocks. An fp8 cache: up to
+    ``MOSAIC_SMALL_MAX_ROWS`` rows (H = 16 at s_q = 1: DeepSeek-V2-Lite, V3 over 8 GPUs by heads),
+    ``mla_decode_mgpu_small``, the query rows on the wgmma N dimension; above, the 64-row
+    ``mla_decode_mgpu``, its rows padded. All compute the same math. Measured on an H100
+    (docs/benchmarks/mgpu.md, decode.md; 16k-64k contexts): at 16 rows the small kernel ran
+    1.43-1.56x the BF16 twin where the 64-row one, 48 of its rows padding, ran 0.74-0.79x
+    (seventh session; H200, seventeenth: 0.549 vs 0.575 ms at B = 128 x 16k). At 32 rows (H = 16
+    at s_q = 2, multi-token prediction; H = 32) the small kernel's 32-row blocks
+    (``block_rows=32``) ran 1.07-1.15x the 64-row kernel in the seventh session, which routed
+    them there; since then the 64-row kernel got 1.7x faster and the small one did not: 0.589 vs
+    0.901 ms at B = 128 x 16k x 16 x 2, 0.321 vs 0.501 at 64 x 16k x 32 x 1 (H100, seventeenth
+    session), so 17-32 rows now take the 64-row kernel too.
     """
-    for block_rows in MOSAIC_SMALL_BLOCKS:
-        if num_rows <= block_rows:
-            return functools.partial(mla_decode_mgpu_small, block_rows=block_rows), block_rows
+    if cache_dtype == "bf16":
+        return mla_decode_mgpu_bf16, MOSAIC_BLOCK_M
+    if num_rows <= MOSAIC_SMALL_MAX_ROWS:
+        return functools.partial(mla_decode_mgpu_small, block_rows=MOSAIC_SMALL_MAX_ROWS), MOSAIC_SMALL_MAX_ROWS
     return mla_decode_mgpu, MOSAIC_BLOCK_M
 
 
@@ -206,9 +221,10 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     num_splits  split-KV count for the Pallas kernels; None picks it from the
                 shapes and the GPU's SM count.
     config      DecodeConfig tuning knobs (None: ``default_config``, measured on an H100).
-                ``DecodeConfig(kernel="mosaic")`` runs a Mosaic GPU FP8 kernel
-                (``mosaic_kernel``; fp8 cache, page_size 64), and with backend="xla" its math (P'
-                factors per 128 tokens); ``FP8_CONFIG`` the Triton FP8 kernel.
+                ``DecodeConfig(kernel="mosaic")`` runs a Mosaic GPU kernel
+                (``mosaic_kernel``; page_size 64: FP8 over an fp8 cache, the BF16 twin over a
+                bf16 one), and with backend="xla" its math (P' factors per 128 tokens);
+                ``FP8_CONFIG`` the Triton FP8 kernel, ``BF16_CONFIG`` the Triton BF16 twin.
 
     Returns out [B, s_q, H, R] in q_latent's dtype, and with ``return_lse``
     also lse [B, s_q, H] float32 (natural log of the softmax denominator).
@@ -220,12 +236,12 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     """
     _validate(q_latent, q_rope, cache, block_table, seq_lens, softmax_scale, layer)
     backend = resolve_backend(backend)
-    config = config or default_config(cache, backend)
     batch, s_q, heads, rank = q_latent.shape
+    config = config or default_config(cache, backend, s_q * heads)
     softmax_scale = float(softmax_scale)
     mosaic = config.kernel == "mosaic"
-    if mosaic and (cache.dtype != "fp8" or cache.page_size != MOSAIC_PAGE):
-        raise ValueError(f"config: kernel='mosaic' needs an fp8 cache with page_size {MOSAIC_PAGE}, got a "
+    if mosaic and cache.page_size != MOSAIC_PAGE:
+        raise ValueError(f"config: kernel='mosaic' needs a cache with page_size {MOSAIC_PAGE}, got a "
                          f"{cache.dtype} cache with page_size {cache.page_size}")
     if layer is not None and not _is_concrete(layer):
         # Documented behaviour for a traced out-of-range layer: nothing visible.
@@ -241,7 +257,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
 
     check_kernel_addressable(cache)
     num_rows = s_q * heads
-    block_m = block_rows(num_rows, config)
+    block_m = block_rows(num_rows, config, cache.dtype)
     padded_rows = -(-num_rows // block_m) * block_m
     to_rows = lambda q: jnp.pad(q.reshape(batch, num_rows, q.shape[-1]), [(0, 0), (0, padded_rows - num_rows), (0, 0)])
     flat = lambda a: None if a is None else a.reshape(-1, *a.shape[cache.latent.ndim - 1:])
@@ -253,7 +269,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     elif not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected None or a positive int, got {num_splits!r}")
     if mosaic:
-        out, lse = mosaic_kernel(num_rows)[0](
+        out, lse = mosaic_kernel(num_rows, cache.dtype)[0](
             to_rows(q_latent), to_rows(q_rope), cache_arrays, block_table, seq_lens, layer_offset,
             softmax_scale=softmax_scale, page_size=cache.page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,
             num_pages=cache.num_pages, interpret=backend == "interpret")

@@ -1,0 +1,271 @@
+"""The BF16 twin on Mosaic GPU: MLA decode over the bf16 latent cache, two consumer warpgroups and a TMA producer.
+
+The baseline the FP8 kernels are measured against should be as good a kernel as
+they are: the Triton BF16 twin (``pallas_kernels.mla_decode``) runs the H = 128
+shapes at about a third of its own roofline, one 64 x 512 fp32 output per
+program in Triton's registers. This kernel is built like the FP8 Mosaic kernel
+(``mla_decode_mgpu``: grid, producer warpgroup, split-KV, outputs) with what
+16-bit operands allow, and nothing the FP8 kernel needs for 8-bit ones:
+
+  q_rows       [B, rows, 512] bf16/f32, rows = s_q * H padded to a multiple of 64
+  q_rope_rows  [B, rows, 64]
+  cache_arrays (latent [N, 512] bf16, rope [N, 64] bf16), flat rows
+  block_table  [B, max_pages] int32, seq_lens [B] int32,
+  layer_offset [1] int32, a multiple of 64 (layer x pages x 64)
+  -> out [B, rows, 512] (q_rows' dtype), lse [B, rows] f32 (natural log)
+
+Math: ``mla_decode_reference`` over a bf16 cache: scores = (Q.K^T + Qr.Kr^T) *
+softmax_scale * log2(e), BF16 wgmma with fp32 accumulation; online softmax on
+exp2 in fp32; P rounded to bf16 for the P.V wgmma, fp32 accumulation.
+
+Layout of the work. Grid (batch row, KV split, block of 64 query rows). A step
+is one 64-token page: its latent (four [64, 128] bf16 chunks, 64 KB) and RoPE
+rows (8 KB) arrive by TMA in a two-slot ring, which with the bf16 query (72 KB)
+is what an H100's 227 KB of SMEM holds (a 128-token step would need 144 KB a
+slot). Warpgroup w owns output columns [256 w, 256 w + 256) (two fp32
+accumulators of 64 x 128, 128 registers a thread) and computes the whole 64 x 64
+score tile of the step itself, so the two warpgroups never exchange anything:
+each has the same m, l and P, P stays in registers as the A operand of its P.V
+wgmmas (16-bit A may come from registers; V [tokens, 128] is the B operand as
+stored, 16-bit B may be N-major), and the output accumulates in place (a BF16
+wgmma's fp32 accumulator keeps full precision, unlike an FP8 one). The price is
+the Q.K product twice (64 x 64 x 576 a warpgroup a step, 1.5x the tensor work of
+one Q.K and one P.V); what it buys is two warpgroups that drift freely, so one's
+softmax overlaps the other's wgmmas.
+
+Masking: only a row's last step or two (s_q > 1) hold tokens some query row
+must not see; they run a second loop with masks. Slots past seq_len may hold any
+bytes: their scores are replaced by -inf, and the warpgroup zeroes its V chunks'
+rows there before P.V (0 x NaN would poison the sum).
+
+Split-KV and the merge, the producer and its ring, the output staging through
+the query's SMEM: as ``mla_decode_mgpu`` (whose helpers this module calls).
+
+Interpreter (``interpret=True``): it takes no wgmma operand from registers and
+has no pre-initialised accumulators, so there P goes through an SMEM tile of
+the warpgroup's own (16 KB the GPU could not spare) and each step's P.V lands in
+a fresh accumulator, added to the rescaled output in registers. Everything else
+is the hardware code.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mla_decode import LOG2E, resolve_num_pages
+from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, CHUNKS_PER_WG, NUM_CHUNKS, NUM_SLOTS, NUM_WGS, PAGE,
+                                            RANK, ROPE, _aligned, check_registers, cta_steps,
+                                            grid_params, initial_carry, merge_splits, produce_steps, start_cta,
+                                            walk_steps, write_outputs)
+
+STEP = PAGE  # tokens a step: one page (see the module docstring)
+COPIES_STEP = NUM_CHUNKS + 1  # TMA copies arriving on a slot's barrier: latent chunks, RoPE rows
+COPIES_Q = NUM_CHUNKS + 1  # query chunks, query RoPE part
+# Registers a thread for the producer (it only computes TMA addresses) and the two
+# consumers (output 128, score tile 32, P 16); within ``check_registers``' budget.
+PRODUCER_REGISTERS = 24
+CONSUMER_REGISTERS = 240
+
+
+def step_visibility(row0, t0, seq_len, *, s_q: int, num_heads: int) -> jax.Array:
+    """bool [64, 64]: which of a step's tokens (t0 ...) each query row of the block may see.
+
+    Row i * H + h is query position i: it sees tokens below seq_len - s_q + i + 1
+    (padding rows past s_q * H are capped at seq_len).
+    """
+    tokens = t0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, STEP), 1, layout=plgpu.Layout.WGMMA)
+    if s_q == 1:
+        return tokens < seq_len
+    row_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, STEP), 0, layout=plgpu.Layout.WGMMA)
+    visible_len = jnp.minimum(seq_len - s_q + lax.div(row0 + row_ids, jnp.int32(num_heads)) + 1, seq_len)
+    return tokens < visible_len
+
+
+def issue_query(q_ref, qr_ref, b, row0, q_s, qr_s, bar) -> None:
+    """TMA of a row block's query: 4 bf16 chunks [64, 128] and the RoPE part [64, 64]."""
+    for ch in range(NUM_CHUNKS):
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_M), pl.ds(ch * CHUNK, CHUNK)], q_s.at[ch], bar)
+    plgpu.copy_gmem_to_smem(qr_ref.at[b, pl.ds(row0, BLOCK_M)], qr_s, bar)
+
+
+def step_issuer(bt_ref, lat_ref, rope_ref, b, layer_offset, kv_s, rope_s, step_bar, *, num_pages: int):
+    """``issue(step, slot)``: the TMA of step ``step`` (page ``step`` of row b) into a ring slot,
+    arriving on ``step_bar[slot]``. Page ids are clipped into [0, num_pages) (a traced block
+    table is not validated), as the XLA reference's gather clips them."""
+    max_pages = bt_ref.shape[1]
+
+    def issue(step, slot):
+        page = jnp.clip(bt_ref[b, jnp.minimum(step, max_pages - 1)], 0, num_pages - 1)
+        rows = pl.ds(_aligned(layer_offset + page * PAGE, PAGE), PAGE)
+        for ch in range(NUM_CHUNKS):
+            plgpu.copy_gmem_to_smem(lat_ref.at[rows, pl.ds(ch * CHUNK, CHUNK)], kv_s.at[slot, ch], step_bar.at[slot])
+        plgpu.copy_gmem_to_smem(rope_ref.at[rows], rope_s.at[slot], step_bar.at[slot])
+    return issue
+
+
+def step_scores(q_s, qr_s, kv_slot, rope_slot) -> jax.Array:
+    """Q.K^T + Qr.Kr^T of a step, f32 [64, 64]: q_s bf16 [4, 64, 128], qr_s [64, 64], kv_slot
+    [4, 64, 128], rope_slot [64, 64]; one wgmma chain (bf16 products accumulate in fp32)."""
+    def chain(acc_ref):
+        for ch in range(NUM_CHUNKS):
+            plgpu.wgmma(acc_ref, q_s.at[ch], kv_slot.at[ch].transpose((1, 0)))
+        plgpu.wgmma(acc_ref, qr_s, rope_slot.transpose((1, 0)))
+        return acc_ref[...]
+    return pl.run_scoped(chain, plgpu.ACC((BLOCK_M, STEP), jnp.float32))
+
+
+def zero_past_seq_len(chunk_ref, t0, seq_len) -> None:
+    """Rows of a V chunk (SMEM bf16 [64, 128], tokens t0 ...) at or past seq_len set to 0."""
+    rows = plgpu.broadcasted_iota(jnp.int32, (STEP, CHUNK), 0, layout=plgpu.Layout.WGMMA)
+    v = plgpu.load(chunk_ref, layout=plgpu.Layout.WGMMA)
+    chunk_ref[...] = jnp.where(t0 + rows < seq_len, v, jnp.zeros_like(v))
+
+
+def pv_update(accs, p16, v_chunks, alpha, p_ref=None) -> list:
+    """acc * alpha + P.V for each of this warpgroup's accumulators [64, 128] (p16 bf16 [64, 64]
+    in registers, v_chunks SMEM bf16 [64, 128]): on the GPU the products accumulate onto the
+    rescaled outputs in place. ``p_ref`` (the interpreter's; SMEM bf16 [64, 64]): P goes
+    through it and the products into fresh accumulators."""
+    alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_M, CHUNK), [0])
+    scaled = [acc * alpha_b for acc in accs]
+
+    if p_ref is not None:
+        p_ref[...] = p16
+
+        def product(v_chunk, acc_ref):
+            plgpu.wgmma(acc_ref, p_ref, v_chunk)
+            return acc_ref[...]
+        return [acc + pl.run_scoped(functools.partial(product, v), plgpu.ACC((BLOCK_M, CHUNK), jnp.float32))
+                for acc, v in zip(scaled, v_chunks)]
+
+    def products(acc_refs):
+        for acc_ref, v_chunk in zip(acc_refs, v_chunks):
+            plgpu.wgmma(acc_ref, p16, v_chunk)
+    return list(pl.run_state(products)(tuple(plgpu.ACC.init(acc) for acc in scaled)))
+
+
+def _kernel(seq_lens_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, rope_ref, o_ref, lse_ref,
+            q_union, qr_s, lse_s, kv_s, rope_s, step_bar, consumed_bar, q_bar, end_bar, *interpreter_p,
+            s_q: int, num_heads: int, scale_log2: float, num_splits: int, num_pages: int, interpret: bool):
+    """One CTA: (batch row b, KV split s, row block r), consumer warpgroups 0 and 1 and the
+    producer (wg 2).
+
+    SMEM: q_union = (q_s bf16 [4, 64, 128] | o_s [2, 64, 128] bf16 or [2, 64, 64]
+    f32 output staging, one tile per warpgroup), qr_s bf16 [64, 64], lse_s f32
+    [64], kv_s bf16 [2 slots, 4 chunks, 64 tokens, 128], rope_s bf16 [2, 64, 64]; in the
+    interpreter only, interpreter_p = (P tiles bf16 [2, 64, 64], one a warpgroup,).
+    """
+    q_s, o_s = q_union
+    b, split, r, wg = (lax.axis_index(name) for name in ("b", "s", "r", "wg"))
+    # A traced seq_len is not validated: clipped to the table's capacity, as the XLA path does.
+    seq_len = jnp.clip(seq_lens_ref[b], 0, bt_ref.shape[1] * PAGE)
+    first_step, num_steps, unmasked_steps = cta_steps(seq_len, split, s_q=s_q, num_splits=num_splits,
+                                                      step_tokens=STEP)
+    row0 = _aligned(r * BLOCK_M, BLOCK_M)
+    issue = step_issuer(bt_ref, lat_ref, rope_ref, b, off_ref[0], kv_s, rope_s, step_bar, num_pages=num_pages)
+    start_cta(wg, first_step, num_steps, issue, functools.partial(issue_query, q_ref, qr_ref, b, row0, q_s, qr_s),
+              q_bar, issuer=NUM_WGS)
+
+    def consume():
+        def step(j, carry, *, masked: bool):
+            accs, m, l = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
+            t0 = (first_step + j) * STEP
+            slot = lax.rem(j, NUM_SLOTS)
+            with jax.named_scope("wait_step"):
+                plgpu.barrier_wait(step_bar.at[slot])
+            with jax.named_scope("qk"):
+                scores = step_scores(q_s, qr_s, kv_s.at[slot], rope_s.at[slot]) * scale_log2
+            with jax.named_scope("softmax"):
+                if masked:  # masked slots may hold any bytes, NaN included
+                    visible = step_visibility(row0, t0, seq_len, s_q=s_q, num_heads=num_heads)
+                    scores = jnp.where(visible, scores, -jnp.inf)
+                m_new = jnp.maximum(m, scores.max(axis=1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m - m_safe)
+                p = jnp.exp2(scores - lax.broadcast_in_dim(m_safe, scores.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+            v_chunks = [kv_s.at[slot, wg * CHUNKS_PER_WG + i] for i in range(CHUNKS_PER_WG)]
+            if masked:
+                with jax.named_scope("v_mask"):
+                    for v_chunk in v_chunks:
+                        zero_past_seq_len(v_chunk, t0, seq_len)
+                    plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma
+            with jax.named_scope("pv"):
+                p_ref = interpreter_p[0].at[wg] if interpret else None
+                new_accs = pv_update(accs, p.astype(jnp.bfloat16), v_chunks, alpha, p_ref)
+                plgpu.barrier_arrive(consumed_bar.at[slot])
+            return (*new_accs, m_new, l)
+
+        *accs, m, l = walk_steps(step, initial_carry(), wg, unmasked_steps, num_steps, consumed_bar, issuer=None)
+        # Both warpgroups are past their last Q.K: the query's bytes become the output staging.
+        plgpu.barrier_arrive(end_bar)
+        plgpu.barrier_wait(end_bar)
+        write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg)
+
+    @pl.when(wg == NUM_WGS)
+    def _():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        produce_steps(issue, first_step, num_steps, consumed_bar)
+
+    @pl.when(wg < NUM_WGS)
+    def _():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        consume()
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
+                                             "num_pages", "interpret"))
+def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
+                         seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
+                         s_q: int, num_heads: int, num_splits: int = 1, num_pages: int | None = None,
+                         interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """BF16 decode on Mosaic GPU; arguments and results in the module docstring.
+
+    ``num_splits`` > 1 splits each row's steps over that many CTAs, their float32 partials
+    merged with their log-sum-exp (``combine_splits``). ``num_pages``: pages in one layer of
+    the cache (None: all of the arrays' rows); traced page ids are clipped into [0, num_pages)
+    and seq_lens into the table's capacity, so that no read leaves the cache. ValueError for
+    a cache or row count this kernel does not take.
+    """
+    batch, num_rows, rank = q_rows.shape
+    if page_size != PAGE or rank != RANK or q_rope_rows.shape[2] != ROPE or len(cache_arrays) != 2:
+        raise ValueError(f"mla_decode_mgpu_bf16: bf16 cache, page_size {PAGE}, rank {RANK}, rope {ROPE} only")
+    if num_rows % BLOCK_M:
+        raise ValueError(f"q_rows: expected rows padded to a multiple of {BLOCK_M}, got {num_rows}")
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
+    check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
+    latent, rope = cache_arrays
+    num_pages = resolve_num_pages(num_pages, latent.shape[0], page_size)
+    out_dtype = q_rows.dtype if num_splits == 1 else jnp.float32
+    stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # a warpgroup's staging tile: 16 KB
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
+                          num_splits=num_splits, num_pages=num_pages, interpret=interpret),
+        out_type=(jax.ShapeDtypeStruct((batch, num_splits, num_rows, RANK), out_dtype),
+                  jax.ShapeDtypeStruct((batch, num_splits, num_rows), jnp.float32)),
+        scratch_types=[
+            plgpu.RefUnion(plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), jnp.bfloat16),
+                           plgpu.SMEM((NUM_WGS, BLOCK_M, stage_cols), out_dtype)),
+            plgpu.SMEM((BLOCK_M, ROPE), jnp.bfloat16),
+            plgpu.SMEM((BLOCK_M,), jnp.float32),
+            plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), jnp.bfloat16),
+            plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
+            plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
+            plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),  # consumed
+            plgpu.Barrier(num_arrivals=COPIES_Q),
+            plgpu.Barrier(num_arrivals=NUM_WGS),  # end of the step loop
+            *([plgpu.SMEM((NUM_WGS, BLOCK_M, STEP), jnp.bfloat16)] if interpret else []),
+        ],
+        **grid_params(batch, num_splits, num_rows // BLOCK_M, "snapmla_decode_bf16_mgpu", interpret,
+                      num_threads=NUM_WGS + 1),
+    )
+    out, lse = kernel(seq_lens, block_table, layer_offset, q_rows.astype(jnp.bfloat16),
+                      q_rope_rows.astype(jnp.bfloat16), latent, rope)
+    return merge_splits(out, lse, q_rows.dtype, interpret=interpret)

@@ -1,0 +1,129 @@
+"""The BF16 twin on Mosaic GPU (pallas_kernels/mla_decode_mgpu_bf16.py), through ``mla_decode``.
+
+CPU: the kernel lowers for CUDA (layout inference, SMEM within an H100's 227 KB), and the
+interpreter runs it against float64 attention over the bf16 cache. The interpreter takes no
+wgmma operand from registers and has no pre-initialised accumulators, so there P goes
+through SMEM and each step's P.V into a fresh accumulator; the GPU tests (``-m gpu``) run the
+same cases compiled, with P in registers and P.V accumulated in place.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mla_decode import MOSAIC_CONFIG
+from pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
+from snapmla_jax.backend import lower_for_cuda
+from snapmla_jax.cache import LatentCache
+from snapmla_jax.decode import mla_decode, mosaic_kernel
+from test_mla_decode import SCALE, attention_f64, make_latent, make_queries, rel_err, scrambled_block_table
+from test_mla_decode_mgpu import _in_subprocess
+
+PAGE = 64
+
+# (heads, s_q, seq_lens, layer, splits, query dtype): every case has a row of length 0 and
+# partial pages; masked steps hold NaN past seq_len.
+CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer,splits,dtype", [
+    (64, 1, [100, 300, 0], None, 1, "float32"),   # ragged; 5 steps: both ring slots reused
+    (128, 1, [129, 64, 1], 1, 1, "float32"),      # two row blocks, a 1-token last step, layer 1 of 2
+    (64, 1, [320, 257, 0], None, 3, "float32"),   # split-KV: splits of 2 steps, a 1-token one, empty ones
+    (24, 2, [200, 2, 0], None, 1, "float32"),     # s_q = 2 (causal rule), 48 rows padded to 64
+    (16, 4, [129, 4, 0], 1, 2, "bfloat16"),       # s_q = 4: masked steps in a row; bf16 queries and output
+])
+
+
+def _layered_bf16_cache(rng, pages: int, layers: int | None, seq_lens, block_table):
+    """A bf16 LatentCache of ``pages`` pages of 64 (a layer axis if ``layers``), random latent with
+    outlier tokens, NaN in every slot of a row's pages past its seq_len (never-written or
+    recycled pages may hold anything: a kernel must mask them, not multiply them by 0)."""
+    count = layers or 1
+    latent, rope = (np.stack(parts) for parts in zip(*(make_latent(rng, pages, PAGE) for _ in range(count))))
+    for row, length in enumerate(seq_lens):
+        for slot, page in enumerate(np.asarray(block_table)[row]):
+            past = np.arange(PAGE) + slot * PAGE >= length
+            latent[:, page, past] = np.nan
+            rope[:, page, past] = np.nan
+    if layers is None:
+        latent, rope = latent[0], rope[0]
+    return LatentCache(latent=jnp.asarray(latent, jnp.bfloat16), scale=None, rope=jnp.asarray(rope, jnp.bfloat16))
+
+
+def _check(heads, s_q, seq_lens, layer, splits, dtype, backend="interpret", seed=0) -> list:
+    """``mla_decode(config=MOSAIC_CONFIG)`` over a bf16 cache vs float64 attention on the same
+    cache contents. Returns [max error / max |ref| over rows that see a token, max lse error,
+    whether rows that see none give out 0 and lse -inf]."""
+    rng = np.random.default_rng(seed)
+    batch, pages_per_row = len(seq_lens), 6
+    pages = batch * pages_per_row + 2
+    block_table = scrambled_block_table(rng, batch, pages_per_row, pages)
+    cache = _layered_bf16_cache(rng, pages, None if layer is None else 2, seq_lens, block_table)
+    q, q_rope = make_queries(rng, batch, s_q, heads)
+    q, q_rope = q.astype(dtype), q_rope.astype(dtype)
+    lens = jnp.asarray(seq_lens, jnp.int32)
+    out, lse = mla_decode(q, q_rope, cache, block_table, lens, softmax_scale=SCALE, layer=layer, backend=backend,
+                          return_lse=True, num_splits=splits, config=MOSAIC_CONFIG)
+    one = cache.layer_arrays(layer)
+    contents = [np.asarray(a.astype(jnp.float32), np.float64) for a in (one.latent, one.rope)]
+    ref, ref_lse, _ = attention_f64(np.asarray(q, np.float32), np.asarray(q_rope, np.float32), *contents,
+                                    block_table, seq_lens)
+    seen = np.isfinite(ref_lse)
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    empty_ok = bool(np.all(out[~seen] == 0) and np.all(np.isneginf(lse[~seen])))
+    return [rel_err(out[seen], ref[seen]), float(np.max(np.abs(lse[seen] - ref_lse[seen]))), empty_ok]
+
+
+def _assert_close(err, lse_err, empty_ok, dtype):
+    # P is rounded to bf16 (2**-9 relative a weight) before the P.V product, against float64
+    # exact attention: a few 1e-4 of the output scale measured with float32 queries; a bf16
+    # output adds its own 2**-9. 2e-3 / 6e-3 leave ~3x margin; the issue's bound is 1e-2, and
+    # a wrong page, mask or rescale moves outputs by O(1).
+    assert err < (2e-3 if dtype == "float32" else 6e-3), err
+    assert lse_err < 1e-4, lse_err  # fp32 scores of size ~10, an fp32 log-sum-exp (measured ~3e-6)
+    assert empty_ok
+
+
+@pytest.mark.parametrize("s_q,splits,dtype", [(1, 1, "bfloat16"), (2, 3, "bfloat16"), (1, 1, "float32"),
+                                              (1, 2, "float32")])
+def test_bf16_kernel_lowers_for_cuda(s_q, splits, dtype):
+    """Layout inference, SMEM allocation within an H100's 227 KB, lowering to MLIR, without a GPU."""
+    rows, batch = 64, 2
+    q = jnp.ones((batch, rows, 512), dtype)
+    cache = (jnp.ones((6 * PAGE, 512), jnp.bfloat16), jnp.ones((6 * PAGE, 64), jnp.bfloat16))
+    call = lambda q, qr, lat, rope, bt, n: mla_decode_mgpu_bf16(
+        q, qr, (lat, rope), bt, n, jnp.zeros((1,), jnp.int32), softmax_scale=0.1, page_size=PAGE, s_q=s_q,
+        num_heads=rows // s_q, num_splits=splits)
+    lower_for_cuda(call, q, jnp.ones((batch, rows, 64), dtype), *cache, jnp.zeros((batch, 3), jnp.int32),
+                   jnp.asarray([100, 0], jnp.int32))
+
+
+@CASES
+def test_bf16_kernel_interpreted_matches_float64(heads, s_q, seq_lens, layer, splits, dtype):
+    """Paging, the unmasked and masked loops with NaN past seq_len, s_q > 1, a layer offset,
+    split-KV and its merge, the producer's ring and both warpgroups on the same rows."""
+    _assert_close(*_in_subprocess(f"_check({heads}, {s_q}, {seq_lens!r}, {layer!r}, {splits}, {dtype!r})",
+                                  module="test_mla_decode_mgpu_bf16"), dtype)
+
+
+@pytest.mark.gpu
+@CASES
+def test_bf16_kernel_matches_float64(heads, s_q, seq_lens, layer, splits, dtype):
+    _assert_close(*_check(heads, s_q, seq_lens, layer, splits, dtype, backend="pallas"), dtype)
+
+
+def test_bf16_cache_routes_to_the_bf16_twin():
+    assert mosaic_kernel(16, "bf16") == mosaic_kernel(256, "bf16") == (mla_decode_mgpu_bf16, 64)
+
+
+def test_bf16_kernel_refuses_what_it_cannot_run():
+    q, cache = jnp.ones((1, 64, 512), jnp.bfloat16), (jnp.ones((64, 512), jnp.bfloat16),
+                                                       jnp.ones((64, 64), jnp.bfloat16))
+    args = (jnp.zeros((1, 1), jnp.int32), jnp.asarray([10], jnp.int32), jnp.zeros((1,), jnp.int32))
+    kw = dict(softmax_scale=0.1, s_q=1, num_heads=64)
+    with pytest.raises(ValueError, match="page_size 64"):
+        mla_decode_mgpu_bf16(q, q[..., :64], cache, *args, page_size=32, **kw)
+    with pytest.raises(ValueError, match="q_rows: expected rows padded to a multiple of 64"):
+        mla_decode_mgpu_bf16(q[:, :48], q[:, :48, :64], cache, *args, page_size=64, **kw)
+    with pytest.raises(ValueError, match="num_splits"):
+        mla_decode_mgpu_bf16(q, q[..., :64], cache, *args, page_size=64, num_splits=0, **kw)
