@@ -750,14 +750,23 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         consume()
         return
 
+    specialize_warpgroups(wg, functools.partial(produce_steps, issue, first_step, num_steps, consumed_bar), consume,
+                          PRODUCER_REGISTERS, CONSUMER_REGISTERS)
+
+
+def specialize_warpgroups(wg, produce: Callable[[], None], consume: Callable[[], None], producer_registers: int,
+                          consumer_registers: int) -> None:
+    """The producer warpgroup (index ``NUM_WGS``) gives up registers to ``producer_registers`` a
+    thread and runs ``produce``; the consumers take ``consumer_registers`` and run ``consume``
+    (``check_registers`` says which splits can run)."""
     @pl.when(wg == NUM_WGS)
     def _():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        produce_steps(issue, first_step, num_steps, consumed_bar)
+        plgpu.set_max_registers(producer_registers, action="decrease")
+        produce()
 
     @pl.when(wg < NUM_WGS)
     def _():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(consumer_registers, action="increase")
         consume()
 
 

@@ -61,8 +61,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.mla_decode import LOG2E, resolve_num_pages
 from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, CHUNKS_PER_WG, NUM_CHUNKS, NUM_SLOTS, NUM_WGS, PAGE,
                                             RANK, ROPE, _aligned, check_registers, cta_steps,
-                                            grid_params, initial_carry, merge_splits, produce_steps, start_cta,
-                                            walk_steps, write_outputs)
+                                            grid_params, initial_carry, merge_splits, produce_steps,
+                                            specialize_warpgroups, start_cta, walk_steps, write_outputs)
 
 STEP = PAGE  # tokens a step: one page (see the module docstring)
 COPIES_STEP = NUM_CHUNKS + 1  # TMA copies arriving on a slot's barrier: latent chunks, RoPE rows
@@ -208,15 +208,8 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, rope_ref, o_r
         plgpu.barrier_wait(end_bar)
         write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg)
 
-    @pl.when(wg == NUM_WGS)
-    def _():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        produce_steps(issue, first_step, num_steps, consumed_bar)
-
-    @pl.when(wg < NUM_WGS)
-    def _():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        consume()
+    specialize_warpgroups(wg, functools.partial(produce_steps, issue, first_step, num_steps, consumed_bar), consume,
+                          PRODUCER_REGISTERS, CONSUMER_REGISTERS)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
