@@ -1,6 +1,6 @@
 """Where a step of the Mosaic GPU decode kernel spends its cycles, per warpgroup, from the on-device profiler.
 
-    PYTHONPATH=. python scripts/profile_mgpu_steps.py --out $OUT [--shape 64x2048x128x1]
+    PYTHONPATH=. python scripts/profile_mgpu_steps.py --out $OUT [--shape 64x2048x128x1] [--kernel bf16]
 
 Runs ``mla_decode_mgpu`` once with Mosaic GPU's profiler on
 (``plgpu.CompilerParams(profile_space=...)`` through the kernel module's
@@ -12,7 +12,11 @@ kernel's 224 KB, which leaves room for ~90 ranges a warpgroup (about 8 steps;
 the trace is truncated there; 150 no longer fit once the producer warpgroup
 came): hence short contexts (2048 tokens = 16
 steps a CTA). The per-step behaviour does not depend on the context; the first
-two steps and the last one recorded are left out.
+two steps and the last one recorded are left out. ``--kernel bf16`` profiles the
+BF16 twin (``mla_decode_mgpu_bf16``: phases ``wait_step``, ``qk``, ``softmax``,
+``v_mask``, ``pv`` of a 64-token step) on the bf16 cache instead (written in the
+seventeenth session without device time left: not yet run on a GPU; the
+profiler's host callback keeps it from lowering on the CPU machine).
 
 Reports, per warpgroup, the median over CTAs of each phase's cycles per step,
 their sum, and the step period (first to last ``wait_step`` start, over the
@@ -38,7 +42,9 @@ import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kernels.mla_decode_mgpu as mgpu_kernel
+from pallas_kernels.mla_decode import MOSAIC_CONFIG
 from snapmla_jax.bench import timing
+from snapmla_jax.decode import mla_decode
 
 ROOT = pathlib.Path(__file__).resolve().parent
 STEP_START = "wait_step"  # the first phase of a step
@@ -87,6 +93,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="/tmp/profile_mgpu_steps")
     parser.add_argument("--shape", default="64x2048x128x1", help="BxCONTEXTxHxS_Q")
+    parser.add_argument("--kernel", choices=("fp8", "bf16"), default="fp8",
+                        help="the FP8 64-row kernel or the BF16 twin (same grid, producer and helpers)")
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=INT",
                         help="kernel module constants to profile a variant with (e.g. ISSUE_BY_WARPS=0)")
     parser.add_argument("--space", type=int, default=90,
@@ -97,13 +105,23 @@ def main(argv=None) -> int:
     spec = importlib.util.spec_from_file_location("bench_mgpu", ROOT / "bench_mgpu.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    (batch, context, heads, s_q), fp8, block_table, q, q_rope, seq_lens, scale = bench.fp8_problem(args.shape)
-    splits = bench.mosaic_splits(batch, s_q * heads, context, mgpu_kernel.BLOCK_M)
+    if args.kernel == "bf16":
+        batch, context, heads, s_q = map(int, args.shape.split("x"))
+        _, bf16, block_table = bench.make_caches(batch, context)
+        q, q_rope, seq_lens, scale = bench.make_queries(batch, context, heads, s_q)
+        run = lambda: mla_decode(q, q_rope, bf16, block_table, seq_lens, softmax_scale=scale, backend="pallas",
+                                 num_splits=splits, config=MOSAIC_CONFIG)
+    else:
+        (batch, context, heads, s_q), fp8, block_table, q, q_rope, seq_lens, scale = bench.fp8_problem(args.shape)
+        run = lambda: bench.mgpu_decode(q, q_rope, fp8, block_table, seq_lens, softmax_scale=scale,
+                                        num_splits=splits)
+    splits = bench.mosaic_splits(batch, s_q * heads, context, mgpu_kernel.BLOCK_M)  # both kernels: 64-row blocks
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     trace_dir = pathlib.Path(tempfile.mkdtemp(prefix="mgpu_profile_"))
-    # The kernel reduces along score rows within warps: no cross-warp reduction
-    # scratch is needed, and its 2 KB go to the profiler.
+    # Both kernels reduce along score rows within warps: no cross-warp reduction
+    # scratch is needed, and its 2 KB go to the profiler (the twin's kernel reads
+    # COMPILER_PARAMS from the same module, through ``grid_params``).
     settings = dict(item.split("=") for item in args.set)
     saved = {name: getattr(mgpu_kernel, name) for name in settings}
     for name, value in settings.items():
@@ -113,8 +131,7 @@ def main(argv=None) -> int:
         profile_space=args.space, profile_dir=str(trace_dir), profile_bounds_check=True, reduction_scratch_bytes=0)
     try:
         jax.clear_caches()
-        out = bench.mgpu_decode(q, q_rope, fp8, block_table, seq_lens, softmax_scale=scale, num_splits=splits)
-        jax.block_until_ready(out)
+        jax.block_until_ready(run())
         jax.effects_barrier()  # the trace is written by a host callback
     finally:
         mgpu_kernel.COMPILER_PARAMS = None
@@ -126,7 +143,8 @@ def main(argv=None) -> int:
         return 1
     shutil.copy(traces[-1], out_dir / "profile_trace.json")
     summary = summarize(ranges_per_trace(json.loads(traces[-1].read_text())), warpgroups)
-    result = {"env": timing.environment(), "shape": args.shape, "num_splits": splits, "set": settings,
+    result = {"env": timing.environment(), "kernel": args.kernel, "shape": args.shape, "num_splits": splits,
+              "set": settings,
               "units": "SM clock cycles per step, median over CTAs", "phases": summary}
     (out_dir / "profile_steps.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
