@@ -192,6 +192,9 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, rope_ref, o_r
                 l = l * alpha + p.sum(axis=1)
             v_chunks = [kv_s.at[slot, wg * CHUNKS_PER_WG + i] for i in range(CHUNKS_PER_WG)]
             if masked:
+                # The other warpgroup may still be reading these chunks as K: it sees either
+                # the old bytes or zeros past seq_len, where its scores are -inf either way,
+                # and the same bytes below seq_len (rewritten unchanged).
                 with jax.named_scope("v_mask"):
                     for v_chunk in v_chunks:
                         zero_past_seq_len(v_chunk, t0, seq_len)

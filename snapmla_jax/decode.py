@@ -63,8 +63,9 @@ def choose_num_splits(batch: int, row_blocks: int, max_tokens: int, num_sms: int
 
 
 def min_tokens_per_split(page_size: int, config: DecodeConfig) -> int:
-    """The shortest split ``choose_num_splits`` makes: one step of the kernel ``config`` runs
-    (128 tokens for the Mosaic kernels, the block's tokens for the Triton ones)."""
+    """The shortest split ``choose_num_splits`` makes for the kernel ``config`` runs: 128 tokens
+    for the Mosaic kernels (one step of the FP8 ones, two of the BF16 twin), the block's tokens
+    for the Triton ones (one step)."""
     return MOSAIC_STEP if config.kernel == "mosaic" else tokens_per_block(page_size, config)
 
 
