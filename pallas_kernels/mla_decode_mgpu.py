@@ -782,6 +782,20 @@ def check_registers(producer: int, consumer: int) -> None:
                          f"{NUM_WGS} x consumer <= {budget}, got {producer} / {consumer}")
 
 
+def check_launch(kernel: str, q_rows, q_rope_rows, cache_arrays: tuple, *, page_size: int, num_arrays: int,
+                 block_rows: int, num_splits) -> None:
+    """ValueError unless a Mosaic decode kernel (``kernel``: its name and cache, for the message)
+    takes these: page_size ``PAGE``, rank ``RANK``, rope ``ROPE``, ``num_arrays`` cache arrays,
+    query rows padded to ``block_rows``, a positive int ``num_splits``."""
+    num_rows, rank = q_rows.shape[1:]
+    if page_size != PAGE or rank != RANK or q_rope_rows.shape[2] != ROPE or len(cache_arrays) != num_arrays:
+        raise ValueError(f"{kernel}, page_size {PAGE}, rank {RANK}, rope {ROPE} only")
+    if num_rows % block_rows:
+        raise ValueError(f"q_rows: expected rows padded to a multiple of {block_rows}, got {num_rows}")
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
+
+
 def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, *, page_size: int,
                    num_splits: int, num_pages: int, block_rows: int = BLOCK_M, interpret: bool = False):
     """Checks and launcher-side inputs (``block_rows``: the query rows of a CTA; ``num_pages``:
@@ -792,13 +806,8 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset,
     token scales f32 [B, steps * 128]); the quantized rows and the scales in one
     launch (``decode_inputs``).
     """
-    num_rows, rank = q_rows.shape[1:]
-    if page_size != PAGE or rank != RANK or q_rope_rows.shape[2] != ROPE or len(cache_arrays) != 3:
-        raise ValueError(f"mla_decode_mgpu: FP8 cache, page_size {PAGE}, rank {RANK}, rope {ROPE} only")
-    if num_rows % block_rows:
-        raise ValueError(f"q_rows: expected rows padded to a multiple of {block_rows}, got {num_rows}")
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
+    check_launch("mla_decode_mgpu: FP8 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
+                 num_arrays=3, block_rows=block_rows, num_splits=num_splits)
     latent, scale, rope = cache_arrays
     q8, q_scale, scales = decode_inputs(q_rows, scale, block_table, layer_offset, num_pages=num_pages,
                                         interpret=interpret)

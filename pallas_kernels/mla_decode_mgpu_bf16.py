@@ -60,7 +60,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode import LOG2E, resolve_num_pages
 from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, CHUNKS_PER_WG, NUM_CHUNKS, NUM_SLOTS, NUM_WGS, PAGE,
-                                            RANK, ROPE, _aligned, check_registers, cta_steps,
+                                            RANK, ROPE, _aligned, check_launch, check_registers, cta_steps,
                                             grid_params, initial_carry, merge_splits, produce_steps,
                                             specialize_warpgroups, start_cta, walk_steps, write_outputs)
 
@@ -229,13 +229,9 @@ def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays
     and seq_lens into the table's capacity, so that no read leaves the cache. ValueError for
     a cache or row count this kernel does not take.
     """
-    batch, num_rows, rank = q_rows.shape
-    if page_size != PAGE or rank != RANK or q_rope_rows.shape[2] != ROPE or len(cache_arrays) != 2:
-        raise ValueError(f"mla_decode_mgpu_bf16: bf16 cache, page_size {PAGE}, rank {RANK}, rope {ROPE} only")
-    if num_rows % BLOCK_M:
-        raise ValueError(f"q_rows: expected rows padded to a multiple of {BLOCK_M}, got {num_rows}")
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
+    batch, num_rows, _ = q_rows.shape
+    check_launch("mla_decode_mgpu_bf16: bf16 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
+                 num_arrays=2, block_rows=BLOCK_M, num_splits=num_splits)
     check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
     latent, rope = cache_arrays
     num_pages = resolve_num_pages(num_pages, latent.shape[0], page_size)
