@@ -215,15 +215,16 @@ def _aligned(index, multiple: int):
     return index if isinstance(index, int) else pl.multiple_of(index, multiple)
 
 
-def step_visibility(row0, t0, seq_len, half: int, *, s_q: int, num_heads: int) -> jax.Array:
-    """bool [64, 64]: which score columns of a step's half (``half`` 0: its even tokens, 1: its
-    odd ones; first token t0) each query row may see.
+def step_visibility(row0, t0, seq_len, half: int, *, s_q: int, num_heads: int, token_stride: int = 2) -> jax.Array:
+    """bool [64, 64]: which of 64 score columns each query row may see, column k holding token
+    t0 + token_stride * k + half (this kernel: a step's half, ``half`` 0 its even tokens, 1 its
+    odd ones; ``token_stride`` 1, ``half`` 0: 64 consecutive tokens, the BF16 twin's step).
 
     Row i * H + h is query position i: it sees tokens below seq_len - s_q + i + 1
     (padding rows past s_q * H are capped at seq_len).
     """
     col_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, HALF), 1, layout=plgpu.Layout.WGMMA)
-    tokens = t0 + 2 * col_ids + half
+    tokens = t0 + token_stride * col_ids + half
     if s_q == 1:
         return tokens < seq_len  # padding rows see all tokens too; the caller slices them off
     row_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, HALF), 0, layout=plgpu.Layout.WGMMA)
@@ -250,13 +251,15 @@ def page_boxes(bt_ref, b, step, layer_offset, num_pages: int):
 
 
 def issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, bar) -> None:
-    """TMA of a row block's query tiles (as many rows as q8_s [4, rows, 128] holds): 4 FP8
-    chunks, the RoPE part and the per-row scale."""
+    """TMA of a row block's query tiles (as many rows as q8_s [4, rows, 128] holds): 4 chunks
+    (FP8, or bf16 for the BF16 twin), the RoPE part and, unless qsc_ref is None (the twin), the
+    per-row scale."""
     rows = q8_s.shape[1]
     for ch in range(NUM_CHUNKS):
         plgpu.copy_gmem_to_smem(q8_ref.at[b, pl.ds(row0, rows), pl.ds(ch * CHUNK, CHUNK)], q8_s.at[ch], bar)
     plgpu.copy_gmem_to_smem(qr_ref.at[b, pl.ds(row0, rows)], qr_s, bar)
-    plgpu.copy_gmem_to_smem(qsc_ref.at[b, pl.ds(row0, rows)], qsc_s, bar)
+    if qsc_ref is not None:
+        plgpu.copy_gmem_to_smem(qsc_ref.at[b, pl.ds(row0, rows)], qsc_s, bar)
 
 
 def qk8_promoted(q8_s, kv_slot, rows) -> jax.Array:
@@ -455,26 +458,30 @@ class Cta(NamedTuple):
 def begin_cta(seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
               q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, *, s_q: int, num_splits: int,
               num_pages: int, issuer: int = 0, by_warps: bool | None = None) -> Cta:
-    """The start of a Mosaic decode CTA (grid b, split, row block of q8_s's rows): its steps
-    (``cta_steps``), the TMA issuer of the ring (its copies shared by the issuing warpgroup's
+    """The start of a Mosaic decode CTA (grid b, split, row block of q8_s's rows): where it is
+    (``locate_cta``), the TMA issuer of the ring (its copies shared by the issuing warpgroup's
     warps if ``by_warps``; None: ``ISSUE_BY_WARPS``), then ``start_cta`` (query tiles and first
     step in flight from warpgroup ``issuer``, the query waited for)."""
-    b = lax.axis_index("b")
-    split = lax.axis_index("s")
-    r = lax.axis_index("r")
-    wg = lax.axis_index("wg")
-    # A traced seq_len is not validated: past the table's capacity it would walk steps of
-    # clamped pages (the XLA reference clips it there too).
-    seq_len = jnp.clip(seq_lens_ref[b], 0, bt_ref.shape[1] * PAGE)
-    layer_offset = off_ref[0]
-    first_step, num_steps, unmasked_steps = cta_steps(seq_len, split, s_q=s_q, num_splits=num_splits)
-    rows = q8_s.shape[1]
-    row0 = _aligned(r * rows, rows)
-    issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar,
+    where = locate_cta(seq_lens_ref, bt_ref, q8_s.shape[1], s_q=s_q, num_splits=num_splits)
+    b, _, wg, _, row0, first_step, num_steps, _ = where
+    issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, off_ref[0], kv8_s, rope_s, ksc_s, step_bar,
                         by_warps=ISSUE_BY_WARPS if by_warps is None else by_warps, num_pages=num_pages)
     start_cta(wg, first_step, num_steps, issue,
               functools.partial(issue_query, q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar, issuer=issuer)
-    return Cta(b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue)
+    return Cta(*where, issue)
+
+
+def locate_cta(seq_lens_ref, bt_ref, rows: int, *, s_q: int, num_splits: int, step_tokens: int = STEP) -> tuple:
+    """Where a Mosaic decode CTA (grid b, split, row block of ``rows`` rows) is, for warpgroup wg:
+    (b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps), its steps of
+    ``step_tokens`` tokens from ``cta_steps``."""
+    b, split, r, wg = (lax.axis_index(name) for name in ("b", "s", "r", "wg"))
+    # A traced seq_len is not validated: past the table's capacity it would walk steps of
+    # clamped pages (the XLA reference clips it there too).
+    seq_len = jnp.clip(seq_lens_ref[b], 0, bt_ref.shape[1] * PAGE)
+    first_step, num_steps, unmasked_steps = cta_steps(seq_len, split, s_q=s_q, num_splits=num_splits,
+                                                      step_tokens=step_tokens)
+    return b, split, wg, seq_len, _aligned(r * rows, rows), first_step, num_steps, unmasked_steps
 
 
 def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, *, issuer: int = 0):

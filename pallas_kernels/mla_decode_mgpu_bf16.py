@@ -60,9 +60,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode import LOG2E, resolve_num_pages
 from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, CHUNKS_PER_WG, NUM_CHUNKS, NUM_SLOTS, NUM_WGS, PAGE,
-                                            RANK, ROPE, _aligned, check_launch, check_registers, cta_steps,
-                                            grid_params, initial_carry, merge_splits, produce_steps,
-                                            specialize_warpgroups, start_cta, walk_steps, write_outputs)
+                                            RANK, ROPE, _aligned, check_launch, check_registers, grid_params,
+                                            initial_carry, issue_query, locate_cta, merge_splits, produce_steps,
+                                            specialize_warpgroups, start_cta, step_visibility, walk_steps,
+                                            write_outputs)
 
 STEP = PAGE  # tokens a step: one page (see the module docstring)
 COPIES_STEP = NUM_CHUNKS + 1  # TMA copies arriving on a slot's barrier: latent chunks, RoPE rows
@@ -71,27 +72,6 @@ COPIES_Q = NUM_CHUNKS + 1  # query chunks, query RoPE part
 # consumers (output 128, score tile 32, P 16); within ``check_registers``' budget.
 PRODUCER_REGISTERS = 24
 CONSUMER_REGISTERS = 240
-
-
-def step_visibility(row0, t0, seq_len, *, s_q: int, num_heads: int) -> jax.Array:
-    """bool [64, 64]: which of a step's tokens (t0 ...) each query row of the block may see.
-
-    Row i * H + h is query position i: it sees tokens below seq_len - s_q + i + 1
-    (padding rows past s_q * H are capped at seq_len).
-    """
-    tokens = t0 + plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, STEP), 1, layout=plgpu.Layout.WGMMA)
-    if s_q == 1:
-        return tokens < seq_len
-    row_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_M, STEP), 0, layout=plgpu.Layout.WGMMA)
-    visible_len = jnp.minimum(seq_len - s_q + lax.div(row0 + row_ids, jnp.int32(num_heads)) + 1, seq_len)
-    return tokens < visible_len
-
-
-def issue_query(q_ref, qr_ref, b, row0, q_s, qr_s, bar) -> None:
-    """TMA of a row block's query: 4 bf16 chunks [64, 128] and the RoPE part [64, 64]."""
-    for ch in range(NUM_CHUNKS):
-        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, BLOCK_M), pl.ds(ch * CHUNK, CHUNK)], q_s.at[ch], bar)
-    plgpu.copy_gmem_to_smem(qr_ref.at[b, pl.ds(row0, BLOCK_M)], qr_s, bar)
 
 
 def step_issuer(bt_ref, lat_ref, rope_ref, b, layer_offset, kv_s, rope_s, step_bar, *, num_pages: int):
@@ -162,15 +142,11 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, rope_ref, o_r
     interpreter only, interpreter_p = (P tiles bf16 [2, 64, 64], one a warpgroup,).
     """
     q_s, o_s = q_union
-    b, split, r, wg = (lax.axis_index(name) for name in ("b", "s", "r", "wg"))
-    # A traced seq_len is not validated: clipped to the table's capacity, as the XLA path does.
-    seq_len = jnp.clip(seq_lens_ref[b], 0, bt_ref.shape[1] * PAGE)
-    first_step, num_steps, unmasked_steps = cta_steps(seq_len, split, s_q=s_q, num_splits=num_splits,
-                                                      step_tokens=STEP)
-    row0 = _aligned(r * BLOCK_M, BLOCK_M)
+    b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps = locate_cta(
+        seq_lens_ref, bt_ref, BLOCK_M, s_q=s_q, num_splits=num_splits, step_tokens=STEP)
     issue = step_issuer(bt_ref, lat_ref, rope_ref, b, off_ref[0], kv_s, rope_s, step_bar, num_pages=num_pages)
-    start_cta(wg, first_step, num_steps, issue, functools.partial(issue_query, q_ref, qr_ref, b, row0, q_s, qr_s),
-              q_bar, issuer=NUM_WGS)
+    start_cta(wg, first_step, num_steps, issue,
+              functools.partial(issue_query, q_ref, qr_ref, None, b, row0, q_s, qr_s, None), q_bar, issuer=NUM_WGS)
 
     def consume():
         def step(j, carry, *, masked: bool):
@@ -183,7 +159,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, rope_ref, o_r
                 scores = step_scores(q_s, qr_s, kv_s.at[slot], rope_s.at[slot]) * scale_log2
             with jax.named_scope("softmax"):
                 if masked:  # masked slots may hold any bytes, NaN included
-                    visible = step_visibility(row0, t0, seq_len, s_q=s_q, num_heads=num_heads)
+                    visible = step_visibility(row0, t0, seq_len, 0, s_q=s_q, num_heads=num_heads, token_stride=1)
                     scores = jnp.where(visible, scores, -jnp.inf)
                 m_new = jnp.maximum(m, scores.max(axis=1))
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
