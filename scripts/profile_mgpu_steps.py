@@ -105,17 +105,16 @@ def main(argv=None) -> int:
     spec = importlib.util.spec_from_file_location("bench_mgpu", ROOT / "bench_mgpu.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    batch, context, heads, s_q = map(int, args.shape.split("x"))
+    fp8, bf16, block_table = bench.make_caches(batch, context)
+    q, q_rope, seq_lens, scale = bench.make_queries(batch, context, heads, s_q)
+    splits = bench.mosaic_splits(batch, s_q * heads, context, mgpu_kernel.BLOCK_M)  # both kernels: 64-row blocks
     if args.kernel == "bf16":
-        batch, context, heads, s_q = map(int, args.shape.split("x"))
-        _, bf16, block_table = bench.make_caches(batch, context)
-        q, q_rope, seq_lens, scale = bench.make_queries(batch, context, heads, s_q)
         run = lambda: mla_decode(q, q_rope, bf16, block_table, seq_lens, softmax_scale=scale, backend="pallas",
                                  num_splits=splits, config=MOSAIC_CONFIG)
     else:
-        (batch, context, heads, s_q), fp8, block_table, q, q_rope, seq_lens, scale = bench.fp8_problem(args.shape)
         run = lambda: bench.mgpu_decode(q, q_rope, fp8, block_table, seq_lens, softmax_scale=scale,
                                         num_splits=splits)
-    splits = bench.mosaic_splits(batch, s_q * heads, context, mgpu_kernel.BLOCK_M)  # both kernels: 64-row blocks
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     trace_dir = pathlib.Path(tempfile.mkdtemp(prefix="mgpu_profile_"))

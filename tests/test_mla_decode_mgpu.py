@@ -277,17 +277,17 @@ SMALL_CASES = pytest.mark.parametrize("kernel,heads,s_q,seq_lens,layer_pages,spl
 
 
 def _nan_past_seq_lens(latent, scale, rope, block_table, seq_lens):
-    """The cache with NaN in every slot of a row's pages past its seq_len (latent, scale and
-    RoPE part), as never-written or recycled pages may hold: a kernel must mask them, not
-    multiply them by 0."""
-    latent, scale, rope = np.array(latent), np.array(scale), np.array(rope)
+    """The cache with NaN in every slot of a row's pages past its seq_len (latent, scale if not
+    None, and RoPE part; [..., pages, 64, ...]: in every layer of a layered cache), as
+    never-written or recycled pages may hold: a kernel must mask them, not multiply them by 0."""
+    arrays = [None if a is None else np.array(a, np.float32) for a in (latent, scale, rope)]
     for row, length in enumerate(seq_lens):
         for slot, page in enumerate(np.asarray(block_table)[row]):
             past = np.arange(64) + slot * 64 >= length
-            latent[page, past] = np.nan
-            scale[page, past] = np.nan
-            rope[page, past] = np.nan
-    return jnp.asarray(latent), jnp.asarray(scale), jnp.asarray(rope)
+            for a, trailing in zip(arrays, (1, 0, 1)):
+                if a is not None:
+                    a[(Ellipsis, page, past) + (slice(None),) * trailing] = np.nan
+    return tuple(None if a is None else jnp.asarray(a, b.dtype) for a, b in zip(arrays, (latent, scale, rope)))
 
 
 def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu", dtype="bfloat16"):

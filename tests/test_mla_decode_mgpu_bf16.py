@@ -19,7 +19,7 @@ from snapmla_jax.backend import lower_for_cuda
 from snapmla_jax.cache import LatentCache
 from snapmla_jax.decode import mla_decode, mosaic_kernel
 from test_mla_decode import SCALE, attention_f64, make_latent, make_queries, rel_err, scrambled_block_table
-from test_mla_decode_mgpu import _in_subprocess
+from test_mla_decode_mgpu import _in_subprocess, _nan_past_seq_lens
 
 PAGE = 64
 
@@ -36,18 +36,13 @@ CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer,splits,dtype", [
 
 def _layered_bf16_cache(rng, pages: int, layers: int | None, seq_lens, block_table):
     """A bf16 LatentCache of ``pages`` pages of 64 (a layer axis if ``layers``), random latent with
-    outlier tokens, NaN in every slot of a row's pages past its seq_len (never-written or
-    recycled pages may hold anything: a kernel must mask them, not multiply them by 0)."""
-    count = layers or 1
-    latent, rope = (np.stack(parts) for parts in zip(*(make_latent(rng, pages, PAGE) for _ in range(count))))
-    for row, length in enumerate(seq_lens):
-        for slot, page in enumerate(np.asarray(block_table)[row]):
-            past = np.arange(PAGE) + slot * PAGE >= length
-            latent[:, page, past] = np.nan
-            rope[:, page, past] = np.nan
+    outlier tokens, NaN in every slot of a row's pages past its seq_len (``_nan_past_seq_lens``)."""
+    latent, rope = (np.stack(parts) for parts in zip(*(make_latent(rng, pages, PAGE) for _ in range(layers or 1))))
     if layers is None:
         latent, rope = latent[0], rope[0]
-    return LatentCache(latent=jnp.asarray(latent, jnp.bfloat16), scale=None, rope=jnp.asarray(rope, jnp.bfloat16))
+    latent, _, rope = _nan_past_seq_lens(jnp.asarray(latent, jnp.bfloat16), None, jnp.asarray(rope, jnp.bfloat16),
+                                         block_table, seq_lens)
+    return LatentCache(latent=latent, scale=None, rope=rope)
 
 
 def _check(heads, s_q, seq_lens, layer, splits, dtype, backend="interpret", seed=0) -> list:
