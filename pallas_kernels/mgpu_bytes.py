@@ -129,3 +129,44 @@ def store_byte_lane(values: jax.Array, dst_ref, lane: int | None) -> None:
 
     store(values, dst_ref)
 
+
+
+def interleave_columns(lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """e4m3 [64, N] x 2 (WGMMA layout) -> e4m3 [64, 2N] in the 8-bit WGMMA layout, the A operand
+    of an FP8 wgmma from registers: ``out[:, 2k] = lo[:, k]``, ``out[:, 2k + 1] = hi[:, k]``.
+
+    No value crosses threads. In the WGMMA layout a thread holds columns 8j + 2q and
+    8j + 2q + 1 of a row (q: its lane mod 4); in the 8-bit one, columns 16j + 4q .. 16j + 4q + 3,
+    which are exactly lo's and hi's columns 8j + 2q, 8j + 2q + 1 interleaved. So each 32-bit
+    register of the result is one ``prmt`` of a register of lo and the same register of hi
+    (both layouts have the same register grid for these shapes). The interleaved order is the
+    token order of the decode kernel's V^T (``mla_decode_mgpu``: byte 2k of a V^T row is step
+    row k, byte 2k + 1 step row 64 + k), so a P' tile split as the step's rows are gives the
+    operand that V^T expects.
+    """
+    _check_pair(lo, hi, (jnp.float8_e4m3fn,), "interleave_columns")
+    rows, cols = lo.shape
+    if rows != 64 or cols % 8:
+        raise ValueError(f"interleave_columns: expected [64, N] tiles with N a multiple of 8, got {lo.shape}")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
+                       return_type=plgpu.ShapeDtypeStruct((rows, 2 * cols), jnp.float8_e4m3fn,
+                                                          layout=plgpu.Layout.WGMMA_8BIT))
+    def interleave(ctx, lo_fa, hi_fa):
+        del ctx
+        i16 = ir.IntegerType.get_signless(16)
+        i32 = ir.IntegerType.get_signless(32)
+        out_layout = mgpu.WGMMA_LAYOUT_8BIT
+        if out_layout.registers_shape((rows, 2 * cols)) != lo_fa.registers.shape:
+            raise NotImplementedError("interleave_columns: the two layouts' register grids differ")
+        quad_ty = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
+        out = np.empty_like(lo_fa.registers)
+        for idx, lo_reg in np.ndenumerate(lo_fa.registers):
+            widen = lambda reg: arith.extui(i32, mgpu_utils.bitcast(reg, i16))
+            # Result bytes (lo0, hi0, lo1, hi1): bytes 0, 4, 1, 5 of {hi, lo}.
+            quad = llvm.inline_asm(i32, [widen(lo_reg), widen(hi_fa.registers[idx])],
+                                   "prmt.b32 $0, $1, $2, 0x5140;", "=r,r,r")
+            out[idx] = mgpu_utils.bitcast(quad, quad_ty)
+        return mgpu.FragmentedArray(_registers=out, _layout=out_layout, _is_signed=None)
+
+    return interleave(lo, hi)
