@@ -198,11 +198,6 @@ COMPILER_PARAMS: plgpu.CompilerParams | None = None
 # is far below e4m3's 2^-4 rounding of P'; flushing subnormal P or scales to zero changes no
 # sum at fp32 (its smallest normal is 2^-126).
 APPROX_MATH = True
-# Whether each warpgroup loads the step's P' tile into registers once (the 8-bit WGMMA
-# layout, 16 registers a thread) and multiplies it from there, instead of every P'.V piece
-# reading it from SMEM as its A operand (four 64-column pieces: 32 KB of SMEM reads a
-# warpgroup a step instead of 8 KB). Candidate (eighteenth session).
-P_FROM_REGISTERS = True
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
@@ -744,10 +739,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
             with jax.named_scope("wait_p"):
                 plgpu.barrier_wait(pexch_bar.at[slot])  # the other warpgroup's P' bytes
             with jax.named_scope("pv"):
-                p_operand = p8_s.at[slot]
-                if P_FROM_REGISTERS and not interpret:
-                    p_operand = plgpu.load(p_operand, layout=plgpu.Layout.WGMMA_8BIT)
-                new_accs = pv_update(accs, p_operand, v_operands, alpha, pv_max)
+                new_accs = pv_update(accs, p8_s.at[slot], v_operands, alpha, pv_max)
                 plgpu.barrier_arrive(consumed_bar.at[slot])
             return (*new_accs, m_new, l_part)
 

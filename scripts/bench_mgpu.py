@@ -12,8 +12,7 @@ default up to 16 rows), where 16 < s_q x H <= 32 the same kernel in 32-row block
 Triton FP8 kernel and the two BF16 twins (Triton, "triton_bf16"; Mosaic GPU,
 "mosaic_bf16", pallas_kernels/mla_decode_mgpu_bf16.py, compared with the Triton one). Each Mosaic output is compared with the
 Triton FP8 kernel's (relative L2 difference: both round Q and P' to e4m3, with
-P' factors per 64 vs 128 tokens). "mosaic_whole": mla_decode_mgpu_whole.py, each
-warpgroup scoring whole steps, P' a register operand. Writes bench_mgpu.json under --out.
+P' factors per 64 vs 128 tokens). Writes bench_mgpu.json under --out.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG
 from pallas_kernels.mla_decode_mgpu import BLOCK_M, mla_decode_mgpu
 from pallas_kernels.mla_decode_mgpu_small import ROWS as SMALL_ROWS
 from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
-from pallas_kernels.mla_decode_mgpu_whole import mla_decode_mgpu_whole
 from snapmla_jax.bench import timing
 from snapmla_jax.bench.decode import make_caches, make_queries
 from snapmla_jax.decode import _sm_count, choose_num_splits, min_tokens_per_split, mla_decode
@@ -43,14 +41,11 @@ SHAPES = ("64x16384x128x1", "32x16384x128x1", "128x4096x128x1", "8x65536x128x1",
 
 
 def mgpu_decode(q, q_rope, cache, block_table, seq_lens, *, softmax_scale, small=False, small_rows=SMALL_ROWS,
-                whole=False, **kwargs):
+                **kwargs):
     """A Mosaic kernel on the API's shapes (page 64, layer 0): ``mla_decode_mgpu``, or with
-    ``small`` ``mla_decode_mgpu_small`` in blocks of ``small_rows`` (16 or 32), or with ``whole``
-    ``mla_decode_mgpu_whole``; kwargs: num_splits."""
+    ``small`` ``mla_decode_mgpu_small`` in blocks of ``small_rows`` (16 or 32); kwargs: num_splits."""
     if small:
         kernel, block_rows = functools.partial(mla_decode_mgpu_small, block_rows=small_rows), small_rows
-    elif whole:
-        kernel, block_rows = mla_decode_mgpu_whole, BLOCK_M
     else:
         kernel, block_rows = mla_decode_mgpu, BLOCK_M
     batch, s_q, heads, rank = q.shape
@@ -97,9 +92,6 @@ def main(argv=None) -> int:
         variants = {
             "mosaic": (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                         num_splits=splits))),
-            # Each warpgroup scoring whole steps, P' a register operand (mla_decode_mgpu_whole.py).
-            "mosaic_whole": (fp8, jax.jit(lambda q, qr, c, bt, n: mgpu_decode(
-                q, qr, c, bt, n, softmax_scale=scale, whole=True, num_splits=splits))),
             # Pinned: compiled fp8 decoding with 64-token pages defaults to the Mosaic kernel.
             "triton_fp8": (fp8, jax.jit(lambda q, qr, c, bt, n: mla_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                            backend="pallas", config=FP8_CONFIG))),
@@ -142,18 +134,14 @@ def main(argv=None) -> int:
             row["rel_l2_mosaic_bf16_vs_triton_bf16"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
             row["mosaic_bf16_finite"] = bool(np.isfinite(a).all())
             print(shape, "mosaic_bf16 rel_l2", row["rel_l2_mosaic_bf16_vs_triton_bf16"], flush=True)
-        if "mosaic_whole" in outs and "mosaic" in outs:
-            a, b = outs["mosaic_whole"], outs["mosaic"]
-            row["rel_l2_mosaic_whole_vs_mosaic"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
-            print(shape, "mosaic_whole rel_l2 vs mosaic", row["rel_l2_mosaic_whole_vs_mosaic"], flush=True)
-        for mosaic in ("mosaic", "mosaic_whole", "mosaic_small", "mosaic_small32"):
+        for mosaic in ("mosaic", "mosaic_small", "mosaic_small32"):
             if mosaic in outs and "triton_fp8" in outs:
                 a, b = outs[mosaic], outs["triton_fp8"]
                 row[f"rel_l2_{mosaic}_vs_triton_fp8"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
                 row[f"{mosaic}_finite"] = bool(np.isfinite(a).all())
                 print(shape, mosaic, "rel_l2", row[f"rel_l2_{mosaic}_vs_triton_fp8"], flush=True)
-            for name in ("triton_fp8", "triton_bf16", "mosaic_bf16", "mosaic"):
-                if name != mosaic and isinstance(row.get(mosaic), dict) and isinstance(row.get(name), dict):
+            for name in ("triton_fp8", "triton_bf16", "mosaic_bf16"):
+                if isinstance(row.get(mosaic), dict) and isinstance(row.get(name), dict):
                     row[f"{mosaic}_speedup_vs_{name}"] = row[name]["ms"] / row[mosaic]["ms"]
         results["rows"].append(row)
         del fp8, bf16, outs

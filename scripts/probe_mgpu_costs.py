@@ -15,8 +15,7 @@ The results of the stand-ins are wrong by design; only the time counts: the
 difference to "baseline" bounds what that part costs. Other
 variants are candidate changes; their relative L2 difference to the baseline's
 output (when "baseline" runs first) says whether they still compute the same.
-``--kernel whole`` times mla_decode_mgpu_whole.py's variants (``WHOLE_VARIANTS``) with
-the 64-row kernel beside them. ``--compare-file PATH`` also times the 64-row kernel of another copy of
+``--compare-file PATH`` also times the 64-row kernel of another copy of
 mla_decode_mgpu.py (e.g. the last commit's, for a change no helper swap can
 express) as variant "file:<stem>", compiled and timed with the rest.
 Writes probe_costs.json.
@@ -40,7 +39,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kernels.mla_decode_mgpu as mgpu_kernel
 import pallas_kernels.mla_decode_mgpu_small as small_kernel
-import pallas_kernels.mla_decode_mgpu_whole as whole_kernel
 from pallas_kernels.mla_decode_mgpu import BLOCK_M, CHUNK, CHUNKS_PER_WG, HALF, NUM_CHUNKS
 from snapmla_jax.bench import timing
 
@@ -48,9 +46,7 @@ ROOT = pathlib.Path(__file__).resolve().parent
 ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
             ("step_scores", "qk8_promoted", "softmax_half", "v_words", "v_operands_in_place", "pv_update",
              "WAIT_QK_DONE", "ISSUE_BY_WARPS", "PRODUCER_WG", "PRODUCER_REGISTERS", "CONSUMER_REGISTERS",
-             "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH", "QK_PROMOTION", "P_FROM_REGISTERS")}
-# Constants of the 64-row module that the other kernels read too (``step_issuer``, ``qk8_promoted``).
-SHARED = ("ISSUE_BY_WARPS", "APPROX_MATH", "QK_PROMOTION")
+             "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH")}
 
 
 def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
@@ -226,8 +222,6 @@ VARIANTS = {
     "producer_by_warps": {"PRODUCER_ISSUE_BY_WARPS": True},
     "pages_unclipped": {"page_boxes": page_boxes_unclipped},
     "precise_math": {"APPROX_MATH": False},
-    # The eighteenth session's P' operand: read from SMEM by every P'.V piece, as before.
-    "p_from_smem": {"P_FROM_REGISTERS": False},
     # The TMA ring, barriers, statistics and P' exchange, P' packing and output alone.
     "no_compute": {"step_scores": scores_constant, "softmax_half": softmax_none,
                    "v_operands_in_place": v_operands_untransposed, "pv_update": pv_none},
@@ -271,23 +265,9 @@ SMALL_VARIANTS = {
     # The TMA ring's issue (shared ``step_issuer``; a constant of the 64-row kernel's module).
     "issue_by_one_thread": {"ISSUE_BY_WARPS": False},
     "precise_math": {"APPROX_MATH": False},
-    # The eighteenth session's P' operand: read from SMEM by every P'.V piece, as before.
-    "p_from_smem": {"P_FROM_REGISTERS": False},
 }
 SMALL_ORIGINAL = {name: getattr(small_kernel, name) for name in
                   ("step_scores_t", "softmax_t", "v_half_f16", "pv_update_t", "ISSUER")}
-
-# ``--kernel whole``: mla_decode_mgpu_whole.py (each warpgroup scoring whole steps), its
-# turns at the Q.K products on and off, one 512-feature Q.K chain (fewer live registers),
-# and the 64-row kernel itself ("64row") timed beside it.
-WHOLE_VARIANTS = {
-    "baseline": {},
-    "no_turns": {"QK_TURNS": False},
-    "promotion_512": {"QK_PROMOTION": 512},
-    "no_turns_promotion_512": {"QK_TURNS": False, "QK_PROMOTION": 512},
-    "64row": {},
-}
-WHOLE_ORIGINAL = {"QK_TURNS": whole_kernel.QK_TURNS}
 
 
 def load_kernel_file(path: str):
@@ -303,8 +283,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="/tmp/probe_mgpu_costs")
     parser.add_argument("--shape", default="64x16384x128x1")
-    parser.add_argument("--kernel", choices=("mgpu", "small", "whole"), default="mgpu",
-                        help="the 64-row kernel (mgpu), the 16-row one (small) or the whole-step one (whole)")
+    parser.add_argument("--kernel", choices=("mgpu", "small"), default="mgpu",
+                        help="the 64-row kernel (mgpu) or the 16-row one (small)")
     parser.add_argument("--variants", nargs="*", help="default: all of the kernel's")
     parser.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds over the variants")
     parser.add_argument("--compare-file", action="append", default=[],
@@ -312,10 +292,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.compare_file and args.kernel == "small":
         parser.error("--compare-file: the 64-row kernel's module only (--kernel mgpu)")
-    module, original, variants, block_rows = {
-        "small": (small_kernel, SMALL_ORIGINAL, SMALL_VARIANTS, SMALL_ROWS),
-        "whole": (whole_kernel, WHOLE_ORIGINAL, WHOLE_VARIANTS, BLOCK_M),
-    }.get(args.kernel, (mgpu_kernel, ORIGINAL, VARIANTS, BLOCK_M))
+    module, original, variants, block_rows = ((small_kernel, SMALL_ORIGINAL, SMALL_VARIANTS, SMALL_ROWS)
+                                              if args.kernel == "small" else
+                                              (mgpu_kernel, ORIGINAL, VARIANTS, BLOCK_M))
     spec = importlib.util.spec_from_file_location("bench_mgpu", ROOT / "bench_mgpu.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -334,13 +313,12 @@ def main(argv=None) -> int:
     for name in (args.variants or list(variants)) + list(other_kernels):
         for helper, fn in original.items():
             setattr(module, helper, variants.get(name, {}).get(helper, fn))
-        # The other kernels' variants may set the 64-row module's shared constants too.
-        for shared in SHARED:
+        # ``step_issuer`` is shared: the 16-row kernel's variants may set its constant too.
+        for shared in ("ISSUE_BY_WARPS", "APPROX_MATH"):  # the 64-row module's, read by both kernels
             setattr(mgpu_kernel, shared, variants.get(name, {}).get(shared, ORIGINAL[shared]))
         bench.mla_decode_mgpu = other_kernels.get(name, mgpu_kernel.mla_decode_mgpu)
         jax.clear_caches()  # the kernel's jit cache would hand back the previous variant
-        whole = args.kernel == "whole" and name != "64row"
-        fn = jax.jit(lambda q, qr, c, bt, n: bench.mgpu_decode(q, qr, c, bt, n, softmax_scale=scale, whole=whole,
+        fn = jax.jit(lambda q, qr, c, bt, n: bench.mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                small=args.kernel == "small", num_splits=splits))
         try:
             compiled[name] = fn.lower(*call_args).compile()
@@ -355,7 +333,7 @@ def main(argv=None) -> int:
             print(name, results["ms"][name], flush=True)
     for helper, fn in original.items():
         setattr(module, helper, fn)
-    for shared in SHARED:
+    for shared in ("ISSUE_BY_WARPS", "APPROX_MATH"):
         setattr(mgpu_kernel, shared, ORIGINAL[shared])
     bench.mla_decode_mgpu = mgpu_kernel.mla_decode_mgpu
     # Round-robin over the compiled variants, so that a drift of the GPU's clocks

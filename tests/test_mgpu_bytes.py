@@ -4,9 +4,7 @@ CPU: kernels using ``interleave_bytes`` and ``store_byte_lane`` lower for CUDA.
 GPU: ``interleave_bytes``'s words match the bytes numpy computes (``lo | hi <<
 8``), bit for bit, on random bytes (every value an e4m3 byte can hold, NaN
 patterns included: bits, not values); ``store_byte_lane`` puts two tiles'
-bytes in alternate bytes of one tile, read back through a wgmma-layout TMA;
-``interleave_columns``' register operand multiplies as numpy's interleaved tile does,
-exactly (small values whose products and sums fp32 holds exactly).
+bytes in alternate bytes of one tile, read back through a wgmma-layout TMA.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_bytes import BYTE_TILE_TRANSFORMS, interleave_bytes, interleave_columns, store_byte_lane
+from pallas_kernels.mgpu_bytes import BYTE_TILE_TRANSFORMS, interleave_bytes, store_byte_lane
 
 SHAPE = (64, 128)
 
@@ -132,58 +130,3 @@ def test_byte_lane_store_matches_numpy(seed, by_warpgroup):
     got = np.asarray(_run_lanes(even, odd, by_warpgroup)).view(np.uint8)
     np.testing.assert_array_equal(got, want)
 
-
-
-def _operand_kernel(lo_ref, hi_ref, b_ref, out_ref, halves_s, b_s, out_s, bar):
-    """out = interleave_columns(lo, hi) @ b^T by an FP8 wgmma, the A operand from registers."""
-    for src, dst in ((lo_ref, halves_s.at[0]), (hi_ref, halves_s.at[1]), (b_ref, b_s)):
-        plgpu.copy_gmem_to_smem(src, dst, bar)
-    plgpu.barrier_wait(bar)
-    load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA)
-    a = interleave_columns(load(halves_s.at[0]), load(halves_s.at[1]))
-
-    def product(acc_ref):
-        plgpu.wgmma(acc_ref, a, b_s.transpose((1, 0)))  # b_s [N, K] bytes: the K-major B an FP8 wgmma needs
-        return acc_ref[...]
-    out_s[...] = pl.run_scoped(product, plgpu.ACC((64, 64), jnp.float32))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_s, out_ref)
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _run_operand(lo, hi, b):
-    """lo, hi e4m3 [64, 64], b e4m3 [64, 128] -> f32 [64, 64]."""
-    return plgpu.kernel(_operand_kernel, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
-                        kernel_name="test_interleave_columns",
-                        scratch_types=[plgpu.SMEM((2, 64, 64), jnp.float8_e4m3fn),
-                                       plgpu.SMEM((64, 128), jnp.float8_e4m3fn, transforms=BYTE_TILE_TRANSFORMS),
-                                       plgpu.SMEM((64, 64), jnp.float32), plgpu.Barrier(num_arrivals=3)])(lo, hi, b)
-
-
-def _operand_inputs(seed):
-    """lo, hi from {0, +-0.5, +-1, +-2} and b from {0, +-1, +-2} (e4m3 holds them exactly): each
-    output is a sum of 128 products, a multiple of 0.5 below 512, exact even in the FP8 wgmma's
-    ~14-bit accumulation, so any misplaced column shows."""
-    rng = np.random.default_rng(seed)
-    lo, hi = rng.choice([0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -2.0], (2, 64, 64))
-    b = rng.choice([0.0, 1.0, -1.0, 2.0, -2.0], (64, 128))
-    return [jnp.asarray(x, jnp.float8_e4m3fn) for x in (lo, hi, b)]
-
-
-def test_interleave_columns_lowers_for_cuda():
-    jax.jit(_run_operand).trace(*_operand_inputs(0)).lower(lowering_platforms=("cuda",))
-
-
-def test_interleave_columns_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="interleave_columns: expected two arrays"):
-        interleave_columns(jnp.zeros((64, 64), jnp.uint8), jnp.zeros((64, 64), jnp.uint8))
-    with pytest.raises(ValueError, match=r"interleave_columns: expected \[64, N\] tiles"):
-        interleave_columns(jnp.zeros((32, 64), jnp.float8_e4m3fn), jnp.zeros((32, 64), jnp.float8_e4m3fn))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("seed", [1, 2])
-def test_interleave_columns_multiplies_as_interleaved_tile(seed):
-    lo, hi, b = _operand_inputs(seed)
-    a = np.stack([np.asarray(lo, np.float64), np.asarray(hi, np.float64)], axis=-1).reshape(64, 128)
-    np.testing.assert_array_equal(np.asarray(_run_operand(lo, hi, b), np.float64), a @ np.asarray(b, np.float64).T)

@@ -106,12 +106,10 @@ def _inputs(seed, *, batch, heads, pages_per_row, seq_lens, s_q=1):
 def _kernel_and_rows(kernel: str):
     """"mgpu": pallas_kernels/mla_decode_mgpu.py (64-row blocks); "small":
     pallas_kernels/mla_decode_mgpu_small.py (16-row blocks, transposed products); "small32":
-    the same kernel in 32-row blocks; "whole": pallas_kernels/mla_decode_mgpu_whole.py (64-row
-    blocks, each warpgroup scoring whole steps)."""
-    from pallas_kernels import mla_decode_mgpu, mla_decode_mgpu_small, mla_decode_mgpu_whole
+    the same kernel in 32-row blocks."""
+    from pallas_kernels import mla_decode_mgpu, mla_decode_mgpu_small
     small = mla_decode_mgpu_small.mla_decode_mgpu_small
     return {"mgpu": (mla_decode_mgpu.mla_decode_mgpu, mla_decode_mgpu.BLOCK_M),
-            "whole": (mla_decode_mgpu_whole.mla_decode_mgpu_whole, mla_decode_mgpu.BLOCK_M),
             "small": (small, mla_decode_mgpu_small.ROWS),
             "small32": (functools.partial(small, block_rows=32), 32)}[kernel]
 
@@ -139,14 +137,14 @@ def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_
     return out[:, :rows].reshape(q.shape), lse[:, :rows].reshape(batch, s_q, heads)
 
 
-@pytest.mark.parametrize("kernel", ["mgpu", "whole", "small", "small32"])
+@pytest.mark.parametrize("kernel", ["mgpu", "small", "small32"])
 @pytest.mark.parametrize("s_q,num_splits,dtype", [(1, 1, "bfloat16"), (2, 1, "bfloat16"), (1, 4, "bfloat16"),
                                                   (1, 1, "float32"), (1, 2, "float32")])
 def test_kernel_lowers_for_cuda(kernel, s_q, num_splits, dtype):
     """Layout inference, SMEM allocation (fits in an H100's 227 KB) and lowering to MLIR, without a
     GPU. float32 queries (a float32 model) give a float32 output: the 16-row kernel stores it
     transposed, as its split partials (a 32-bit transposed store does not lower)."""
-    heads = 64 if kernel in ("mgpu", "whole") else 16
+    heads = 64 if kernel == "mgpu" else 16
     q, q_rope, *cache = _inputs(0, batch=2, heads=heads, pages_per_row=3, seq_lens=[100, 0], s_q=s_q)
     args = (q.astype(dtype), q_rope.astype(dtype), *cache)
     call = lambda *a: _call_kernel(*a, 0.1, num_splits=num_splits, kernel=kernel)
@@ -172,28 +170,25 @@ def test_register_split_must_fit_the_kernels_registers(monkeypatch):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("kernel", ["mgpu", "small", "whole"])
+@pytest.mark.parametrize("kernel", ["mgpu", "small"])
 def test_cost_probe_variants_lower_for_cuda(monkeypatch, kernel):
     """scripts/probe_mgpu_costs.py swaps a kernel's step helpers (or module constants) for
     stand-ins: each variant still matches the helpers' signatures and lowers (the probe
     itself needs a GPU)."""
     import pallas_kernels.mla_decode_mgpu as mgpu_module
     import pallas_kernels.mla_decode_mgpu_small as small_module
-    import pallas_kernels.mla_decode_mgpu_whole as whole_module
     probe = _load_script("probe_mgpu_costs")
-    module, original, variants = {"mgpu": (mgpu_module, probe.ORIGINAL, probe.VARIANTS),
-                                  "small": (small_module, probe.SMALL_ORIGINAL, probe.SMALL_VARIANTS),
-                                  "whole": (whole_module, probe.WHOLE_ORIGINAL, probe.WHOLE_VARIANTS)}[kernel]
-    args = _inputs(0, batch=2, heads=16 if kernel == "small" else 64, pages_per_row=3, seq_lens=[100, 0])
+    module, original, variants = ((mgpu_module, probe.ORIGINAL, probe.VARIANTS) if kernel == "mgpu" else
+                                  (small_module, probe.SMALL_ORIGINAL, probe.SMALL_VARIANTS))
+    args = _inputs(0, batch=2, heads=64 if kernel == "mgpu" else 16, pages_per_row=3, seq_lens=[100, 0])
     for name, swaps in variants.items():
         for helper, value in original.items():
             monkeypatch.setattr(module, helper, swaps.get(helper, value))
-        # The shared constants (TMA issue, Q.K promotion) live in the 64-row kernel's module.
-        for shared in probe.SHARED:
-            monkeypatch.setattr(mgpu_module, shared, swaps.get(shared, probe.ORIGINAL[shared]))
+        # The shared TMA issue's constant lives in the 64-row kernel's module.
+        monkeypatch.setattr(mgpu_module, "ISSUE_BY_WARPS",
+                            swaps.get("ISSUE_BY_WARPS", probe.ORIGINAL["ISSUE_BY_WARPS"]))
         jax.clear_caches()  # the kernel's jit cache would hand back the previous variant
-        lowered_kernel = "mgpu" if name == "64row" else kernel
-        lower_for_cuda(lambda *a: _call_kernel(*a, 0.1, kernel=lowered_kernel), *args)
+        lower_for_cuda(lambda *a: _call_kernel(*a, 0.1, kernel=kernel), *args)
     monkeypatch.undo()
     jax.clear_caches()  # later tests must trace the real helpers again
 
@@ -343,18 +338,16 @@ def _in_subprocess(call: str, module: str = "test_mla_decode_mgpu"):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kernel", ["mgpu", "whole"])
 @CASES
-def test_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
-    """On CPU, the 64-row kernel and its whole-step variant: paging through the token-pair
-    views, step order, the unmasked and masked loops, s_q, layer offset, split-KV, the
-    barriers between the two warpgroups and the ring's reuse.
+def test_kernel_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
+    """On CPU: paging through the token-pair views, step order, the unmasked and masked
+    loops, s_q, layer offset, split-KV, the barriers between the two warpgroups and the
+    ring's reuse.
 
-    Not covered here: the V transpose, the byte packing (P' as a register operand for
-    "whole") and the RoPE product accumulated onto the FP8 scores; the GPU test below
-    covers them.
+    Not covered here: the V transpose, the byte packing and the RoPE product
+    accumulated onto the FP8 scores; the GPU test below covers them.
     """
-    err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel=kernel)
+    err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits)
     # Same roundings in fp32 on both sides: what differs is summation order, which
     # can move a P' value across an e4m3 rounding boundary (one ulp, 2**-3
     # relative, on one weight of >= 100), plus the bf16 output (2**-9): 4e-3.
@@ -363,10 +356,9 @@ def test_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens, laye
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["mgpu", "whole"])
 @CASES
-def test_kernel_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
-    err, lse_err, lse_scale = _check(heads, s_q, seq_lens, layer_pages, splits, interpret=False, kernel=kernel)
+def test_kernel_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
+    err, lse_err, lse_scale = _check(heads, s_q, seq_lens, layer_pages, splits, interpret=False)
     # As in the interpreter, plus Hopper's FP8 MMA accumulating Q.K in ~14 bits
     # (test_mla_decode_gpu.py) over 256-feature chains (QK_PROMOTION): scores move
     # by up to ~2**-8 of their magnitude, which shifts P' roundings more often.
