@@ -129,3 +129,84 @@ def store_byte_lane(values: jax.Array, dst_ref, lane: int | None) -> None:
 
     store(values, dst_ref)
 
+
+
+# prmt selectors turning 4 bytes of low tokens L and 4 of high tokens H into two word pairs:
+# (L0, H0, L1, H1) and (L2, H2, L3, H3).
+_FIRST_WORDS, _SECOND_WORDS = 0x5140, 0x7362
+
+
+def quad_column(logical: int) -> int:
+    """The column of an 8-bit tile whose words ``interleave_quads`` puts at column ``logical``:
+    within each 16 columns, logical 2q + e holds column 4q + e and logical 8 + 2q + e holds
+    column 4q + 2 + e (q < 4, e < 2)."""
+    group, offset = divmod(logical, 16)
+    half, rest = divmod(offset, 8)
+    return 16 * group + 4 * (rest // 2) + 2 * half + rest % 2
+
+
+def interleave_quads(lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """8-bit [64, N] x 2 in the 8-bit WGMMA layout (4 bytes a register) -> uint16 [64, N] words
+    ``lo | hi << 8`` in the WGMMA layout, columns relabelled: column l of the result holds the
+    words of column ``quad_column(l)``.
+
+    Loading 8-bit tiles in the 8-bit layout moves 4 bytes a thread, a whole 128-byte wavefront a
+    warp instruction, where the WGMMA layout's 2 bytes fill half of one. In the 8-bit layout a
+    thread holds columns 16j + 4q .. 16j + 4q + 3 of a row; in the WGMMA layout it holds 8j' +
+    2q and 8j' + 2q + 1. Two ``prmt`` a register pair build the four words, and placing them at
+    j' = 2j and 2j + 1 moves nothing between threads; the price is the relabelling, which a
+    consumer of the words undoes (``quads_in_order``).
+    """
+    _check_pair(lo, hi, (jnp.float8_e4m3fn, jnp.uint8), "interleave_quads")
+    rows, cols = lo.shape
+    if rows != 64 or cols % 16:
+        raise ValueError(f"interleave_quads: expected [64, N] tiles with N a multiple of 16, got {lo.shape}")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT, plgpu.Layout.WGMMA_8BIT),
+                       return_type=_words_result(lo.shape))
+    def interleave(ctx, lo_fa, hi_fa):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        words_ty = ir.VectorType.get((2,), ir.IntegerType.get_signless(16))
+        out_layout = mgpu.WGMMA_LAYOUT
+        out = np.empty(out_layout.registers_shape((rows, cols)), dtype=object)
+        for idx, lo_reg in np.ndenumerate(lo_fa.registers):
+            lo32 = mgpu_utils.bitcast(lo_reg, i32)
+            hi32 = mgpu_utils.bitcast(hi_fa.registers[idx], i32)
+            for half, selector in enumerate((_FIRST_WORDS, _SECOND_WORDS)):
+                pair = llvm.inline_asm(i32, [lo32, hi32], f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r")
+                out[(idx[0], 2 * idx[1] + half, *idx[2:])] = mgpu_utils.bitcast(pair, words_ty)
+        assert all(reg is not None for reg in out.flat)
+        return mgpu.FragmentedArray(_registers=out, _layout=out_layout, _is_signed=False)
+
+    return interleave(lo, hi)
+
+
+def quads_in_order(values: jax.Array) -> jax.Array:
+    """f32 [64, N] in the WGMMA layout whose column l holds column ``quad_column(l)`` of a
+    result (a product with ``interleave_quads``' words as its rows) -> the same values with each
+    column in its place, in the 8-bit WGMMA layout's assignment of columns to threads.
+
+    No value moves: a thread's registers at j' = 2j and 2j + 1 hold columns 16j + 4q ..
+    16j + 4q + 3, four consecutive ones, which is how the 8-bit layout (a layout of any element
+    type) assigns columns. Mosaic stores such an array as any other.
+    """
+    rows, cols = values.shape
+    if values.dtype != jnp.float32 or rows != 64 or cols % 16:
+        raise ValueError(f"quads_in_order: values: expected f32 [64, N] with N a multiple of 16, got "
+                         f"{values.shape} {values.dtype}")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct((rows, cols), jnp.float32,
+                                                          layout=plgpu.Layout.WGMMA_8BIT))
+    def relabel(ctx, values_fa):
+        del ctx
+        out_layout = mgpu.WGMMA_LAYOUT_8BIT
+        out = np.empty(out_layout.registers_shape((rows, cols)), dtype=object)
+        regs = values_fa.registers
+        for idx in np.ndindex(out.shape):
+            pair = [regs[(idx[0], 2 * idx[1] + half, *idx[2:])] for half in range(2)]
+            out[idx] = mgpu_utils.vector_concat(pair)
+        return mgpu.FragmentedArray(_registers=out, _layout=out_layout, _is_signed=None)
+
+    return relabel(values)

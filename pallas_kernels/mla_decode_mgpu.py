@@ -122,7 +122,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
-from pallas_kernels.mgpu_bytes import BYTE_TILE_TRANSFORMS, interleave_bytes, store_byte_lane
+from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, interleave_bytes, interleave_quads, quads_in_order,
+                                       store_byte_lane)
 from pallas_kernels.combine_splits import combine_splits
 from pallas_kernels.mgpu_decode_inputs import decode_inputs
 from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
@@ -178,9 +179,13 @@ PRODUCER_WG = True
 # has freed enough: producer + 2 x consumer must stay <= 3 x 168 = 504, or the
 # consumers wait forever (48 / 232 hung an H100; ``check_registers``). The producer only computes addresses;
 # the consumers hold the 64 x 256 fp32 output (128 a thread) plus the step's tiles
-# and spill some: 40 / 232 ran 0.857 and 0.744 ms in the same probe.
-PRODUCER_REGISTERS = 24
-CONSUMER_REGISTERS = 240
+# and spill some. Which split spills least inside the step loop is ptxas's call, not a
+# count: the ninth session measured 40 / 232 slower than 24 / 240 (0.857 vs 0.817 ms);
+# with ``V_QUAD_LOADS`` (eighteenth session, the device's ptxas 13.0) 24 / 240 kept ~13
+# registers in local memory across each step's P'.V at s_q = 1 (0.63 ms at 64 x 16k x
+# 128) and 40 / 232 one or two (0.52 ms; 0.57 before both changes).
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
 # Whether the producer's four warps share a step's TMA issue, as ``ISSUE_BY_WARPS``
 # does for an issuing consumer: in the producer it ran 0.873 and 0.836 ms in the
 # same probe: the issue is off the consumers' path there, and sharing it costs them.
@@ -198,6 +203,16 @@ COMPILER_PARAMS: plgpu.CompilerParams | None = None
 # is far below e4m3's 2^-4 rounding of P'; flushing subnormal P or scales to zero changes no
 # sum at fp32 (its smallest normal is 2^-126).
 APPROX_MATH = True
+# Whether V^T's loads move 4 bytes a thread (``plgpu.load`` in the 8-bit WGMMA layout, whole
+# 128-byte wavefronts) instead of 2 (the WGMMA layout, half a wavefront each). The words they
+# make (``mgpu_bytes.interleave_quads``) relabel the features within each group of 16, so V^T's
+# rows, and with them the P'.V product's output columns, come in ``quad_column`` order;
+# ``write_outputs`` puts each column back in its place (``quads_in_order``: no value moves
+# between threads, the store takes the 8-bit layout's column assignment). The loads compile
+# to ``ldmatrix`` (16 a step instead of ~130 2-byte loads a thread). With 40 / 232
+# registers (``PRODUCER_REGISTERS``): 0.52 vs 0.57 ms at 64 x 16k x 128 and 32 x 16k x 128
+# x 2 on an H100 (eighteenth session, docs/benchmarks/mgpu.md).
+V_QUAD_LOADS = True
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
@@ -350,11 +365,17 @@ def softmax_half(scores, k_scale, m, l_part, row_max, log_pv_max, visible=None):
 
 def v_words(chunk_ref, t0, seq_len, *, masked: bool) -> jax.Array:
     """A step's V chunk (SMEM e4m3 [128, 128] in step order) as uint16 [64, 128] token-pair
-    words (word k: token 2k in the low byte, 2k + 1 in the high one). ``masked``: tokens
-    past seq_len are zeroed (0 * NaN would poison the P'.V sum)."""
-    lo = plgpu.load(chunk_ref.at[pl.ds(0, HALF)], layout=plgpu.Layout.WGMMA)
-    hi = plgpu.load(chunk_ref.at[pl.ds(HALF, HALF)], layout=plgpu.Layout.WGMMA)
-    words = interleave_bytes(lo, hi)
+    words (word k: token 2k in the low byte, 2k + 1 in the high one); with ``V_QUAD_LOADS``
+    column l holds feature ``quad_column(l)`` of the chunk. ``masked``: tokens past seq_len are
+    zeroed (0 * NaN would poison the P'.V sum)."""
+    if V_QUAD_LOADS:
+        lo = plgpu.load(chunk_ref.at[pl.ds(0, HALF)], layout=plgpu.Layout.WGMMA_8BIT)
+        hi = plgpu.load(chunk_ref.at[pl.ds(HALF, HALF)], layout=plgpu.Layout.WGMMA_8BIT)
+        words = interleave_quads(lo, hi)
+    else:
+        lo = plgpu.load(chunk_ref.at[pl.ds(0, HALF)], layout=plgpu.Layout.WGMMA)
+        hi = plgpu.load(chunk_ref.at[pl.ds(HALF, HALF)], layout=plgpu.Layout.WGMMA)
+        words = interleave_bytes(lo, hi)
     if not masked:
         return words
     word_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 0, layout=plgpu.Layout.WGMMA)
@@ -622,12 +643,15 @@ def drain_consumed(wg, num_steps, consumed_bar, *, issuer: int = 0) -> None:
                 plgpu.barrier_wait(consumed_bar.at[lax.rem(num_steps - back, NUM_SLOTS)])
 
 
-def write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg) -> None:
+def write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg,
+                  in_order: Callable[[jax.Array], jax.Array] | None = None) -> None:
     """This warpgroup's columns of out[b, split, row0:row0 + 64] (accs / l) and, from
     warpgroup 0, the rows' lse; call once both warpgroups are past their last QK.
 
     o_s: the staging tiles (Q8's bytes), [2, 64, 128] for a 2-byte output or
     [2, 64, 64] for the float32 partials of a split (Q8's 32 KB either way).
+    ``in_order``: applied to each normalised f32 piece before it is stored, e.g.
+    ``quads_in_order`` for accumulators whose columns ``V_QUAD_LOADS`` relabelled.
     """
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
@@ -639,7 +663,10 @@ def write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg) ->
     for k, (col, piece) in enumerate(pieces):
         if k:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous piece has left the staging tile
-        my_o[...] = (piece * inv_l[:, :cols]).astype(my_o.dtype)
+        normalised = piece * inv_l[:, :cols]
+        if in_order is not None:
+            normalised = in_order(normalised)
+        my_o[...] = normalised.astype(my_o.dtype)
         plgpu.commit_smem()
         col0 = wg * CHUNKS_PER_WG * CHUNK + col
         plgpu.copy_smem_to_gmem(my_o, o_ref.at[b, split, pl.ds(row0, BLOCK_M), pl.ds(col0, cols)])
@@ -751,7 +778,8 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         plgpu.barrier_arrive(end_bar)
         plgpu.barrier_wait(end_bar)
         l = l_part + plgpu.load(lsum_s.at[1 - wg], layout=ROW)
-        write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg)
+        write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg,
+                      in_order=quads_in_order if V_QUAD_LOADS and not interpret else None)
 
     if not PRODUCER_WG:
         consume()

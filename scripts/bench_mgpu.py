@@ -65,12 +65,13 @@ def mosaic_splits(batch: int, rows: int, context: int, block_rows: int) -> int:
                              min_tokens_per_split(64, MOSAIC_CONFIG))
 
 
-def fp8_problem(shape: str) -> tuple:
+def fp8_problem(shape: str, bf16: bool = False) -> tuple:
     """A shape "BxCONTEXTxHxS_Q" as the decode bench builds it, for the Mosaic probes: ((B, context,
-    H, s_q), fp8 cache, block_table, q, q_rope, seq_lens, softmax_scale)."""
+    H, s_q), fp8 cache (with ``bf16`` the bf16 one), block_table, q, q_rope, seq_lens, softmax_scale)."""
     batch, context, heads, s_q = map(int, shape.split("x"))
-    fp8, _, block_table = make_caches(batch, context)
-    return ((batch, context, heads, s_q), fp8, block_table, *make_queries(batch, context, heads, s_q))
+    fp8, bf16_cache, block_table = make_caches(batch, context)
+    return ((batch, context, heads, s_q), bf16_cache if bf16 else fp8, block_table,
+            *make_queries(batch, context, heads, s_q))
 
 
 def main(argv=None) -> int:

@@ -3,7 +3,8 @@
     PYTHONPATH=. python scripts/probe_mgpu_costs.py --out $OUT [--shape 64x16384x128x1]
     PYTHONPATH=. python scripts/probe_mgpu_costs.py --kernel small --shape 128x16384x16x1 --out $OUT
 
-Each variant replaces one or more of the step helpers of ``mla_decode_mgpu``
+``--kernel bf16`` times the Mosaic BF16 twin's register splits (``BF16_VARIANTS``; the cache
+is then the bf16 one). Each variant replaces one or more of the step helpers of ``mla_decode_mgpu``
 (``step_scores``, ``qk8_promoted``, ``softmax_half``, ``v_words``,
 ``v_operands_in_place``, ``pv_update``), or with ``--kernel small`` of
 ``mla_decode_mgpu_small`` (``step_scores_t``, ``softmax_t``, ``v_half_f16``,
@@ -38,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kernels.mla_decode_mgpu as mgpu_kernel
+import pallas_kernels.mla_decode_mgpu_bf16 as bf16_kernel
 import pallas_kernels.mla_decode_mgpu_small as small_kernel
 from pallas_kernels.mla_decode_mgpu import BLOCK_M, CHUNK, CHUNKS_PER_WG, HALF, NUM_CHUNKS
 from snapmla_jax.bench import timing
@@ -46,7 +48,7 @@ ROOT = pathlib.Path(__file__).resolve().parent
 ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
             ("step_scores", "qk8_promoted", "softmax_half", "v_words", "v_operands_in_place", "pv_update",
              "WAIT_QK_DONE", "ISSUE_BY_WARPS", "PRODUCER_WG", "PRODUCER_REGISTERS", "CONSUMER_REGISTERS",
-             "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH")}
+             "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH", "V_QUAD_LOADS")}
 
 
 def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
@@ -215,13 +217,17 @@ VARIANTS = {
     "issue_by_one_thread": {"ISSUE_BY_WARPS": False, "PRODUCER_WG": False},
     "eighth_session_undone": {"pv_update": pv_whole_chunks, "ISSUE_BY_WARPS": False, "PRODUCER_WG": False},
     # The ninth session's producer warpgroup: off (consumer 0 issues the ring, its
-    # warps sharing the copies), with 40 / 232 registers instead of 24 / 240, and
-    # with its four warps sharing the issue.
+    # warps sharing the copies), with 24 / 240 registers instead of 40 / 232 (the
+    # split before the eighteenth session), and with its four warps sharing the issue.
     "no_producer": {"PRODUCER_WG": False},
-    "producer_40_232": {"PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
+    "registers_24_240": {"PRODUCER_REGISTERS": 24, "CONSUMER_REGISTERS": 240},
     "producer_by_warps": {"PRODUCER_ISSUE_BY_WARPS": True},
     "pages_unclipped": {"page_boxes": page_boxes_unclipped},
     "precise_math": {"APPROX_MATH": False},
+    # The eighteenth session's changes undone: V^T loads of 2 bytes a thread (the WGMMA
+    # layout), the 24 / 240 register split, both (the kernel before that session).
+    "v_pair_loads": {"V_QUAD_LOADS": False},
+    "v_pair_loads_24_240": {"V_QUAD_LOADS": False, "PRODUCER_REGISTERS": 24, "CONSUMER_REGISTERS": 240},
     # The TMA ring, barriers, statistics and P' exchange, P' packing and output alone.
     "no_compute": {"step_scores": scores_constant, "softmax_half": softmax_none,
                    "v_operands_in_place": v_operands_untransposed, "pv_update": pv_none},
@@ -269,6 +275,15 @@ SMALL_VARIANTS = {
 SMALL_ORIGINAL = {name: getattr(small_kernel, name) for name in
                   ("step_scores_t", "softmax_t", "v_half_f16", "pv_update_t", "ISSUER")}
 
+# ``--kernel bf16``: the Mosaic BF16 twin (mla_decode_mgpu_bf16.py, through ``mla_decode`` on
+# the bf16 cache), with the other register split: the baseline should get what the FP8
+# kernel gets.
+BF16_VARIANTS = {
+    "baseline": {},
+    "registers_40_232": {"PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
+}
+BF16_ORIGINAL = {name: getattr(bf16_kernel, name) for name in ("PRODUCER_REGISTERS", "CONSUMER_REGISTERS")}
+
 
 def load_kernel_file(path: str):
     """``mla_decode_mgpu`` of another copy of pallas_kernels/mla_decode_mgpu.py (a module of
@@ -283,22 +298,24 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="/tmp/probe_mgpu_costs")
     parser.add_argument("--shape", default="64x16384x128x1")
-    parser.add_argument("--kernel", choices=("mgpu", "small"), default="mgpu",
-                        help="the 64-row kernel (mgpu) or the 16-row one (small)")
+    parser.add_argument("--kernel", choices=("mgpu", "small", "bf16"), default="mgpu",
+                        help="the 64-row kernel (mgpu), the 16-row one (small) or the Mosaic BF16 twin (bf16)")
     parser.add_argument("--variants", nargs="*", help="default: all of the kernel's")
     parser.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds over the variants")
     parser.add_argument("--compare-file", action="append", default=[],
                         help="another mla_decode_mgpu.py whose kernel is timed as variant file:<stem>")
     args = parser.parse_args(argv)
-    if args.compare_file and args.kernel == "small":
+    if args.compare_file and args.kernel != "mgpu":
         parser.error("--compare-file: the 64-row kernel's module only (--kernel mgpu)")
-    module, original, variants, block_rows = ((small_kernel, SMALL_ORIGINAL, SMALL_VARIANTS, SMALL_ROWS)
-                                              if args.kernel == "small" else
-                                              (mgpu_kernel, ORIGINAL, VARIANTS, BLOCK_M))
+    module, original, variants, block_rows = {
+        "small": (small_kernel, SMALL_ORIGINAL, SMALL_VARIANTS, SMALL_ROWS),
+        "bf16": (bf16_kernel, BF16_ORIGINAL, BF16_VARIANTS, BLOCK_M),
+    }.get(args.kernel, (mgpu_kernel, ORIGINAL, VARIANTS, BLOCK_M))
     spec = importlib.util.spec_from_file_location("bench_mgpu", ROOT / "bench_mgpu.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    (batch, context, heads, s_q), fp8, block_table, q, q_rope, seq_lens, scale = bench.fp8_problem(args.shape)
+    (batch, context, heads, s_q), fp8, block_table, q, q_rope, seq_lens, scale = bench.fp8_problem(
+        args.shape, bf16=args.kernel == "bf16")
     splits = bench.mosaic_splits(batch, s_q * heads, context, block_rows)
     results = {"env": timing.environment(), "kernel": args.kernel, "shape": args.shape, "num_splits": splits,
                "ms": {}}
@@ -318,8 +335,12 @@ def main(argv=None) -> int:
             setattr(mgpu_kernel, shared, variants.get(name, {}).get(shared, ORIGINAL[shared]))
         bench.mla_decode_mgpu = other_kernels.get(name, mgpu_kernel.mla_decode_mgpu)
         jax.clear_caches()  # the kernel's jit cache would hand back the previous variant
-        fn = jax.jit(lambda q, qr, c, bt, n: bench.mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
-                                                               small=args.kernel == "small", num_splits=splits))
+        if args.kernel == "bf16":  # the twin through the API, with its split plan
+            fn = jax.jit(lambda q, qr, c, bt, n: bench.mla_decode(q, qr, c, bt, n, softmax_scale=scale,
+                                                                  backend="pallas", config=bench.MOSAIC_CONFIG))
+        else:
+            fn = jax.jit(lambda q, qr, c, bt, n: bench.mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
+                                                                   small=args.kernel == "small", num_splits=splits))
         try:
             compiled[name] = fn.lower(*call_args).compile()
             out = jax.block_until_ready(compiled[name](*call_args)).astype(jnp.float32)

@@ -4,7 +4,10 @@ CPU: kernels using ``interleave_bytes`` and ``store_byte_lane`` lower for CUDA.
 GPU: ``interleave_bytes``'s words match the bytes numpy computes (``lo | hi <<
 8``), bit for bit, on random bytes (every value an e4m3 byte can hold, NaN
 patterns included: bits, not values); ``store_byte_lane`` puts two tiles'
-bytes in alternate bytes of one tile, read back through a wgmma-layout TMA.
+bytes in alternate bytes of one tile, read back through a wgmma-layout TMA;
+``interleave_quads``' words (4-byte loads) match numpy's at their relabelled columns
+(``quad_column``), and ``quads_in_order`` puts every value of a relabelled f32 tile back at
+its column, exactly.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_bytes import BYTE_TILE_TRANSFORMS, interleave_bytes, store_byte_lane
+from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, interleave_bytes, interleave_quads, quad_column,
+                                       quads_in_order, store_byte_lane)
 
 SHAPE = (64, 128)
 
@@ -130,3 +134,78 @@ def test_byte_lane_store_matches_numpy(seed, by_warpgroup):
     got = np.asarray(_run_lanes(even, odd, by_warpgroup)).view(np.uint8)
     np.testing.assert_array_equal(got, want)
 
+
+
+def _quads_kernel(lo_ref, hi_ref, words_ref, bytes_s, words_s, bar):
+    for src, dst in ((lo_ref, bytes_s.at[0]), (hi_ref, bytes_s.at[1])):
+        plgpu.copy_gmem_to_smem(src, dst, bar)
+    plgpu.barrier_wait(bar)
+    load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA_8BIT)  # 4 bytes a thread
+    words_s[...] = interleave_quads(load(bytes_s.at[0]), load(bytes_s.at[1]))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(words_s, words_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _run_quads(lo, hi):
+    """Two e4m3 [64, 128] tiles (the decode kernel's V chunk halves, in its SMEM layout) -> uint16
+    [64, 128] words at relabelled columns."""
+    return plgpu.kernel(_quads_kernel, out_type=jax.ShapeDtypeStruct(SHAPE, jnp.uint16), kernel_name="test_quads",
+                        scratch_types=[plgpu.SMEM((2, *SHAPE), jnp.float8_e4m3fn, transforms=BYTE_TILE_TRANSFORMS),
+                                       plgpu.SMEM(SHAPE, jnp.uint16), plgpu.Barrier(num_arrivals=2)])(lo, hi)
+
+
+def _in_order_kernel(x_ref, out_ref, x_s, out_s, bar):
+    plgpu.copy_gmem_to_smem(x_ref, x_s, bar)
+    plgpu.barrier_wait(bar)
+    out_s[...] = quads_in_order(plgpu.load(x_s, layout=plgpu.Layout.WGMMA))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_s, out_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _run_in_order(x):
+    """f32 [64, 64] -> the same values, column l moved to column quad_column(l)."""
+    return plgpu.kernel(_in_order_kernel, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+                        kernel_name="test_quads_in_order",
+                        scratch_types=[plgpu.SMEM((64, 64), jnp.float32), plgpu.SMEM((64, 64), jnp.float32),
+                                       plgpu.Barrier(num_arrivals=1)])(x)
+
+
+def test_quad_column_is_a_permutation_within_groups_of_16():
+    columns = [quad_column(l) for l in range(128)]
+    assert sorted(columns) == list(range(128))
+    assert all(c // 16 == l // 16 for l, c in enumerate(columns))
+    assert columns[:16] == [0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15]
+
+
+def test_quad_helpers_lower_for_cuda():
+    _, lo, hi = _inputs(0)
+    jax.jit(_run_quads).trace(lo, hi).lower(lowering_platforms=("cuda",))
+    jax.jit(_run_in_order).trace(jnp.zeros((64, 64), jnp.float32)).lower(lowering_platforms=("cuda",))
+
+
+def test_quad_helpers_reject_bad_arguments():
+    with pytest.raises(ValueError, match="interleave_quads: expected two arrays"):
+        interleave_quads(jnp.zeros((64, 64), jnp.float32), jnp.zeros((64, 64), jnp.float32))
+    with pytest.raises(ValueError, match=r"interleave_quads: expected \[64, N\]"):
+        interleave_quads(jnp.zeros((64, 8), jnp.uint8), jnp.zeros((64, 8), jnp.uint8))
+    with pytest.raises(ValueError, match="quads_in_order: values: expected f32"):
+        quads_in_order(jnp.zeros((64, 64), jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [1, 2])
+def test_interleave_quads_matches_numpy(seed):
+    b, lo, hi = _inputs(seed)
+    columns = [quad_column(l) for l in range(SHAPE[1])]
+    want = (b[0].astype(np.uint16) | (b[1].astype(np.uint16) << 8))[:, columns]
+    np.testing.assert_array_equal(np.asarray(_run_quads(lo, hi)), want)
+
+
+@pytest.mark.gpu
+def test_quads_in_order_puts_columns_back():
+    x = np.random.default_rng(3).standard_normal((64, 64)).astype(np.float32)
+    want = np.empty_like(x)
+    want[:, [quad_column(l) for l in range(64)]] = x
+    np.testing.assert_array_equal(np.asarray(_run_in_order(jnp.asarray(x))), want)

@@ -154,9 +154,9 @@ def test_kernel_lowers_for_cuda(kernel, s_q, num_splits, dtype):
 def test_register_split_must_fit_the_kernels_registers(monkeypatch):
     """The consumers' ``set_max_registers`` increase waits for registers the producer's decrease
     frees: a split above 3 x 168 a thread hung an H100 (48 / 232), so it is refused, and the
-    shipped split and the probe's 40 / 232 are within it."""
+    shipped split and the probe's 24 / 240 are within it."""
     mgpu_kernel.check_registers(mgpu_kernel.PRODUCER_REGISTERS, mgpu_kernel.CONSUMER_REGISTERS)
-    mgpu_kernel.check_registers(40, 232)
+    mgpu_kernel.check_registers(24, 240)
     for producer, consumer in [(48, 232), (24, 248), (28, 240)]:
         with pytest.raises(ValueError, match="PRODUCER_REGISTERS"):
             mgpu_kernel.check_registers(producer, consumer)
