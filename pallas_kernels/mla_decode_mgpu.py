@@ -61,9 +61,11 @@ other float; 8 B a token against the cache's 644 B).
 V transpose and P' packing. An FP8 wgmma needs its B operand K-major (tokens
 contiguous for P'.V), and Mosaic GPU has no 8-bit transpose. Rows k and 64 + k
 of the step's V chunk are tokens 2k and 2k + 1: loaded as two [64, 128] tiles
-and interleaved into uint16 words (low byte = token 2k; ``mgpu_bytes``), they
-are stored through the transposed view of a uint16 [128, 64] tile whose
-``RefUnion`` e4m3 [128, 128] view is V^T in token order. After both warpgroups
+(in the 8-bit WGMMA layout, 4 bytes a thread: ``V_QUAD_LOADS``) and interleaved
+into uint16 words (low byte = token 2k; ``mgpu_bytes``), they are stored through
+the transposed view of a uint16 [128, 64] tile whose ``RefUnion`` e4m3 [128, 128]
+view is V^T in token order, its rows (features) relabelled within groups of 16,
+which the output store undoes (``quads_in_order``). After both warpgroups
 have read a step's slot as K (a barrier with 2 arrivals), each one writes the
 V^T of its own two chunks over the same bytes, so no V^T buffer is needed and
 a 2-slot ring of whole steps (128 KB) fits next to Q (40 KB), RoPE keys
