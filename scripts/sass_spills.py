@@ -3,9 +3,8 @@
 The device has no ``nvdisasm``, but the package registry has the CUDA 13 tools as wheels, and
 they run on a CPU machine (sixteenth session). Take the device's ptxas version: register
 allocation, and so the spills, differ between versions (the device has CUDA 13.0; the
-eighteenth session's V_QUAD_LOADS kernel with the 24 / 240 split spilled 556 bytes under 13.0.88, as on
-the device, and 312 under
-13.4-13.5):
+eighteenth session's V_QUAD_LOADS kernel with the 24 / 240 split spilled 556 bytes under
+13.0.88, as on the device, and 312 under 13.4-13.5):
 
     pip download --no-deps nvidia-cuda-nvcc==13.0.88 nvidia-cuda-nvdisasm -d /tmp/cuda_wheels
     unzip -j /tmp/cuda_wheels/nvidia_cuda_nvcc-*.whl 'nvidia/cu13/bin/ptxas' -d /tmp/cuda_bin
