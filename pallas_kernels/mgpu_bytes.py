@@ -7,7 +7,10 @@ jnp ops, that packing widens every byte to 16 bits, shifts and ORs: on an H100
 it cost a third of the kernel's time (scripts/probe_mgpu_costs.py,
 2026-11-23), because LLVM handles the 2 x 8-bit registers of the WGMMA layout
 byte by byte. Here each 32-bit register is built by one instruction:
-``interleave_bytes``, two 8-bit tiles -> uint16 words (``prmt.b32``).
+``interleave_bytes``, two 8-bit tiles -> uint16 words (``prmt.b32``), and
+``interleave_quads``, the same from tiles loaded 4 bytes a thread, its columns
+relabelled within groups of 16 (``quad_column``; ``quads_in_order`` puts a product's
+columns back).
 
 (f32 -> e4m3 needs no helper: Mosaic GPU's ``astype`` already converts two
 values per ``cvt.rn.satfinite.e4m3x2.f32``. A helper that also paired two
@@ -49,6 +52,11 @@ SWIZZLE = 128
 BYTE_TILE_TRANSFORMS = (plgpu.TilingTransform((8, SWIZZLE)), plgpu.SwizzleTransform(SWIZZLE))
 
 
+# prmt selectors turning 4 bytes of low tokens L and 4 of high tokens H into two word pairs:
+# (L0, H0, L1, H1) and (L2, H2, L3, H3).
+_FIRST_WORDS, _SECOND_WORDS = 0x5140, 0x7362
+
+
 def _words_result(shape) -> plgpu.ShapeDtypeStruct:
     return plgpu.ShapeDtypeStruct(tuple(shape), jnp.uint16, layout=plgpu.Layout.WGMMA)
 
@@ -74,7 +82,7 @@ def interleave_bytes(lo: jax.Array, hi: jax.Array) -> jax.Array:
             widen = lambda reg: arith.extui(i32, mgpu_utils.bitcast(reg, i16))
             # prmt picks result bytes (lo0, hi0, lo1, hi1) from {hi, lo}'s bytes 0, 4, 1, 5.
             word_pair = llvm.inline_asm(i32, [widen(lo_reg), widen(hi_fa.registers[idx])],
-                                        "prmt.b32 $0, $1, $2, 0x5140;", "=r,r,r")
+                                        f"prmt.b32 $0, $1, $2, {_FIRST_WORDS:#x};", "=r,r,r")
             out[idx] = mgpu_utils.bitcast(word_pair, words_ty)
         return mgpu.FragmentedArray(_registers=out, _layout=lo_fa.layout, _is_signed=False)
 
@@ -128,12 +136,6 @@ def store_byte_lane(values: jax.Array, dst_ref, lane: int | None) -> None:
                 llvm.store(byte, mgpu_utils.getelementptr(base, [offset], i8))
 
     store(values, dst_ref)
-
-
-
-# prmt selectors turning 4 bytes of low tokens L and 4 of high tokens H into two word pairs:
-# (L0, H0, L1, H1) and (L2, H2, L3, H3).
-_FIRST_WORDS, _SECOND_WORDS = 0x5140, 0x7362
 
 
 def quad_column(logical: int) -> int:
