@@ -221,6 +221,7 @@ VARIANTS = {
     # split before the eighteenth session), and with its four warps sharing the issue.
     "no_producer": {"PRODUCER_WG": False},
     "registers_24_240": {"PRODUCER_REGISTERS": 24, "CONSUMER_REGISTERS": 240},
+    "registers_56_224": {"PRODUCER_REGISTERS": 56, "CONSUMER_REGISTERS": 224},
     "producer_by_warps": {"PRODUCER_ISSUE_BY_WARPS": True},
     "pages_unclipped": {"page_boxes": page_boxes_unclipped},
     "precise_math": {"APPROX_MATH": False},
