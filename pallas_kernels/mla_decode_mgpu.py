@@ -215,12 +215,6 @@ APPROX_MATH = True
 # registers (``PRODUCER_REGISTERS``): 0.52 vs 0.57 ms at 64 x 16k x 128 and 32 x 16k x 128
 # x 2 on an H100 (eighteenth session, docs/benchmarks/mgpu.md).
 V_QUAD_LOADS = True
-# Whether the producer warpgroup writes each step's V^T in place (``produce_steps_with_v``)
-# instead of the consumers (``v_operands_in_place``): once both consumers have read the slot as
-# K (``qk_done``), it transposes the four chunks and signals each consumer when its two are in
-# place (``vt_ready``), while the consumers exchange statistics, run the softmax and store P'.
-# The transposition leaves the consumers' path.
-V_BY_PRODUCER = True
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
@@ -552,55 +546,6 @@ def v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, *, masked: bool, i
     return v_operands
 
 
-def produce_v(kv8_s, kv16_s, slot, t0, seq_len, vt_bar, *, masked: bool, interpret: bool) -> None:
-    """The producer's V^T of a slot whose chunks both consumers have read as K, each chunk in
-    place as ``v_operands_in_place`` writes it; ``vt_bar[slot * NUM_WGS + w]`` then tells
-    consumer w that its two chunks are ready."""
-    for ch in range(NUM_CHUNKS):
-        if interpret:
-            kv8_s[slot, ch] = v_masked_token_major(kv8_s.at[slot, ch], t0, seq_len)
-        else:
-            word = v_words(kv8_s.at[slot, ch], t0, seq_len, masked=masked)
-            kv16_s.at[slot, ch].transpose((1, 0))[...] = plgpu.layout_cast(word, plgpu.Layout.WGMMA)
-        if ch % CHUNKS_PER_WG == CHUNKS_PER_WG - 1:
-            plgpu.commit_smem()  # generic-proxy stores -> visible to the consumers' wgmma
-            plgpu.barrier_arrive(vt_bar.at[slot * NUM_WGS + ch // CHUNKS_PER_WG])
-
-
-def v_operands(kv8_s, slot, wg, *, interpret: bool) -> list:
-    """The P'.V wgmma's B operands of this warpgroup's chunks of a slot, V^T (token-major in the
-    interpreter), once written (``produce_v``)."""
-    chunks = [kv8_s.at[slot, wg * CHUNKS_PER_WG + i] for i in range(CHUNKS_PER_WG)]
-    return chunks if interpret else [chunk.transpose((1, 0)) for chunk in chunks]
-
-
-def produce_steps_with_v(issue, first_step, num_steps, unmasked_steps, consumed_bar, step_bar, qk_done_bar,
-                         produce_v_slot) -> None:
-    """The producer's loop with ``V_BY_PRODUCER``: at step j it issues step j + 1 (once both
-    consumers have finished step j - 1's P'.V in that slot), then, once both have read step j
-    as keys, writes its V^T (``produce_v_slot(slot, t0, masked=)``); then the last two steps'
-    consumption is observed (``drain_consumed``)."""
-    def body(j, carry, *, masked: bool):
-        slot = lax.rem(j, NUM_SLOTS)
-        with jax.named_scope("produce_issue"):
-            @pl.when(j + 1 < num_steps)
-            def _():
-                @pl.when(j >= 1)
-                def _():
-                    plgpu.barrier_wait(consumed_bar.at[1 - slot])
-                issue(first_step + j + 1, 1 - slot)
-        with jax.named_scope("produce_wait"):
-            plgpu.barrier_wait(step_bar.at[slot])
-            plgpu.barrier_wait(qk_done_bar.at[slot])
-        with jax.named_scope("produce_v"):
-            produce_v_slot(slot, (first_step + j) * STEP, masked=masked)
-        return carry
-
-    lax.fori_loop(0, unmasked_steps, functools.partial(body, masked=False), 0)
-    lax.fori_loop(unmasked_steps, num_steps, functools.partial(body, masked=True), 0)
-    drain_consumed(0, num_steps, consumed_bar, issuer=0)
-
-
 def store_p_bytes(p8, p8_ref, wg, *, interpret: bool) -> None:
     """This warpgroup's P' (e4m3 [64, 64], its half of the step's tokens in step order) into the
     slot's shared P' tile p8_ref e4m3 [64, 128], in V^T's token order: column k of warpgroup w
@@ -746,7 +691,7 @@ def write_lse_and_wait(wg, m, l_safe, seen, lse_s, lse_ref, b, split, row0) -> N
 def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
             o_ref, lse_ref,
             q_union, qr_s, qsc_s, lse_s, kv_union, rope_s, ksc_s, p8_s, stats_s, lsum_s,
-            step_bar, qk_done_bar, stats_bar, pexch_bar, consumed_bar, vt_bar, q_bar, end_bar,
+            step_bar, qk_done_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar,
             *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, num_pages: int, interpret: bool):
     """One CTA: (batch row b, KV split s, row block r), two consumer warpgroups and the producer (wg 2,
     ``PRODUCER_WG``); shapes in the module docstring.
@@ -762,7 +707,6 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     """
     q8_s, o_s = q_union
     kv8_s, kv16_s = kv_union
-    v_by_producer = V_BY_PRODUCER and PRODUCER_WG
     b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = begin_cta(
         seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits,
@@ -786,7 +730,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                 k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=COL)
                 scores = step_scores(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scale, my_rows,
                                      interpret=interpret)
-                if WAIT_QK_DONE or v_by_producer:
+                if WAIT_QK_DONE:
                     plgpu.barrier_arrive(qk_done_bar.at[slot])
 
             with jax.named_scope("stats"):
@@ -813,23 +757,18 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
             # an H100, one run each: 10% slower at B=64 x 16k x 128, 3% faster at 32 x 16k
             # and 8 x 64k; side by side later, 0.3% faster at 64 x 16k and 128 x 16k: noise.
             # Kept.)
-            if WAIT_QK_DONE and not v_by_producer:
+            if WAIT_QK_DONE:
                 with jax.named_scope("wait_qk_done"):
                     plgpu.barrier_wait(qk_done_bar.at[slot])
             with jax.named_scope("v_transpose"):
-                if v_by_producer:
-                    v_ops = v_operands(kv8_s, slot, wg, interpret=interpret)
-                else:
-                    v_ops = v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, masked=masked,
-                                                interpret=interpret)
+                v_operands = v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, masked=masked,
+                                                 interpret=interpret)
                 plgpu.commit_smem()  # generic-proxy stores (P', V^T) -> visible to wgmma
                 plgpu.barrier_arrive(pexch_bar.at[slot])
             with jax.named_scope("wait_p"):
                 plgpu.barrier_wait(pexch_bar.at[slot])  # the other warpgroup's P' bytes
-                if v_by_producer:
-                    plgpu.barrier_wait(vt_bar.at[slot * NUM_WGS + wg])  # my chunks' V^T, from the producer
             with jax.named_scope("pv"):
-                new_accs = pv_update(accs, p8_s.at[slot], v_ops, alpha, pv_max)
+                new_accs = pv_update(accs, p8_s.at[slot], v_operands, alpha, pv_max)
                 plgpu.barrier_arrive(consumed_bar.at[slot])
             return (*new_accs, m_new, l_part)
 
@@ -848,14 +787,8 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         consume()
         return
 
-    if v_by_producer:
-        produce = functools.partial(
-            produce_steps_with_v, issue, first_step, num_steps, unmasked_steps, consumed_bar, step_bar, qk_done_bar,
-            lambda slot, t0, masked: produce_v(kv8_s, kv16_s, slot, t0, seq_len, vt_bar, masked=masked,
-                                               interpret=interpret))
-    else:
-        produce = functools.partial(produce_steps, issue, first_step, num_steps, consumed_bar)
-    specialize_warpgroups(wg, produce, consume, PRODUCER_REGISTERS, CONSUMER_REGISTERS)
+    specialize_warpgroups(wg, functools.partial(produce_steps, issue, first_step, num_steps, consumed_bar), consume,
+                          PRODUCER_REGISTERS, CONSUMER_REGISTERS)
 
 
 def specialize_warpgroups(wg, produce: Callable[[], None], consume: Callable[[], None], producer_registers: int,
@@ -954,7 +887,6 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
             plgpu.SMEM((NUM_WGS, BLOCK_M), jnp.float32),
             plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
             *(slot_barrier() for _ in range(4)),  # qk_done, stats, pexch, consumed
-            plgpu.Barrier(num_arrivals=1, num_barriers=NUM_SLOTS * NUM_WGS),  # vt_ready (``V_BY_PRODUCER``)
             plgpu.Barrier(num_arrivals=COPIES_Q),
             plgpu.Barrier(num_arrivals=NUM_WGS),
         ],

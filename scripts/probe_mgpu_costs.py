@@ -48,7 +48,7 @@ ROOT = pathlib.Path(__file__).resolve().parent
 ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
             ("step_scores", "qk8_promoted", "softmax_half", "v_words", "v_operands_in_place", "pv_update",
              "WAIT_QK_DONE", "ISSUE_BY_WARPS", "PRODUCER_WG", "PRODUCER_REGISTERS", "CONSUMER_REGISTERS",
-             "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH", "V_QUAD_LOADS", "V_BY_PRODUCER")}
+             "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH", "V_QUAD_LOADS")}
 
 
 def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
@@ -204,7 +204,7 @@ VARIANTS = {
     "no_qk": {"step_scores": scores_constant},
     "no_softmax": {"softmax_half": softmax_none},
     "v_constant": {"v_words": v_words_constant},
-    "no_v_transpose": {"v_operands_in_place": v_operands_untransposed, "V_BY_PRODUCER": False},
+    "no_v_transpose": {"v_operands_in_place": v_operands_untransposed},
     "no_pv": {"pv_update": pv_none},
     "no_qk_done": {"WAIT_QK_DONE": False},
     "pv_in_place": {"pv_update": pv_in_place},
@@ -229,14 +229,9 @@ VARIANTS = {
     # layout), the 24 / 240 register split, both (the kernel before that session).
     "v_pair_loads": {"V_QUAD_LOADS": False},
     "v_pair_loads_24_240": {"V_QUAD_LOADS": False, "PRODUCER_REGISTERS": 24, "CONSUMER_REGISTERS": 240},
-    # The nineteenth session's V^T by the producer warpgroup: undone (each consumer transposes
-    # its own chunks), and with the other register splits (the producer now holds V's words).
-    "v_by_consumers": {"V_BY_PRODUCER": False},
-    "v_by_producer_24_240": {"PRODUCER_REGISTERS": 24, "CONSUMER_REGISTERS": 240},
-    "v_by_producer_56_224": {"PRODUCER_REGISTERS": 56, "CONSUMER_REGISTERS": 224},
     # The TMA ring, barriers, statistics and P' exchange, P' packing and output alone.
     "no_compute": {"step_scores": scores_constant, "softmax_half": softmax_none,
-                   "v_operands_in_place": v_operands_untransposed, "pv_update": pv_none, "V_BY_PRODUCER": False},
+                   "v_operands_in_place": v_operands_untransposed, "pv_update": pv_none},
 }
 
 
