@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,7 @@ def parse_case(text: str, shapes: dict) -> tuple[str, int]:
 def main(argv: list[str] | None = None) -> int:
     spec = importlib.util.spec_from_file_location("bench_moe", ROOT / "bench_moe.py")
     bench_moe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench_moe  # before running it: its dataclasses look their module up there
     spec.loader.exec_module(bench_moe)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for grouped_experts_tune.json")
