@@ -8,12 +8,14 @@ over the copy: each chosen byte read twice and written once, and inside a whole
 feed-forward stack XLA compiles it into slow reduce fusions. Here two Pallas launches
 read every chosen expert's matrices in place, once an assignment. The 27-layer
 feed-forward stack of V2-Lite shapes on an H100 (scripts/bench_ffn_stack.py,
-docs/benchmarks/ffn_stack_grouped_h100.md): 4.89 ms at T = 1 (jnp gather 7.71, weight-read
-floor 1.29), 3.79 at T = 2 (11.7), 7.43 at T = 8 (42.8; dense 10.8). The launches:
+docs/benchmarks/ffn_stack_grouped_h100.md, 2026-11-26): 3.46 ms at T = 1 (jnp gather 7.46,
+weight-read floor 1.25), 3.07 at T = 2 (11.6), 7.37 at T = 8 (42.7; dense 10.6). The launches:
 
 1. ``hidden[a, i] = silu(x[t] . w_gate[e, :, i]) * (x[t] . w_up[e, :, i])`` for
    assignment a = t * k + s of token t to expert e = ids[t, s]; grid (assignment,
-   block of ``inner``), each program looping over ``hidden_size``.
+   block of ``inner``, contraction split), each program looping over ``hidden_size``
+   or, for a grid too small to fill the GPU (``contraction_splits``), over a part of it,
+   writing float32 partial sums that XLA adds before the activation.
 2. ``per_assignment[a, d] = hidden[a] . w_down[e, :, d]``; grid (assignment, block of
    ``hidden_size``), each program looping over ``inner``.
 
@@ -47,6 +49,25 @@ NUM_WARPS = 4
 # program a column block reads a whole [hidden, 64] slab, so latency, not bandwidth, would
 # bound it with one load at a time.
 NUM_STAGES = 4
+# The setting (COLUMNS, RUN, NUM_WARPS, NUM_STAGES) for calls of at most FEW_ASSIGNMENTS
+# assignments (T x k: a decode step of one or two tokens). There the grid has 132-256
+# programs, and a program's latency-bound walk along the contraction sets the time: longer
+# runs and 8 warps keep more bytes in flight. On an H100 (scripts/tune_grouped_experts.py,
+# docs/benchmarks/grouped_experts_tune_h100.json), one call at V2-Lite shapes: T = 1 0.076 vs
+# 0.112 ms (46% vs 31% of its weight-read floor), T = 2 0.092 vs 0.120; V3 shapes T = 1 0.332 vs
+# 0.370. From 24 assignments up the setting above is as fast or faster (T = 8: 0.263 vs 0.279).
+FEW_ASSIGNMENTS = 16
+FEW_SETTING = (64, 128, 8, 3)
+# Launch 1 splits its contraction (``contraction_splits``) while its grid has fewer programs than
+# SPLIT_PROGRAMS: each split writes float32 partial gate and up sums, and XLA adds them and
+# applies the activation. At one token (6 assignments x 22 column blocks at V2-Lite shapes: one
+# program an SM) each program walks a 2048-long contraction; split, four programs share it.
+# On an H100 (scripts/tune_grouped_experts.py --split-programs 0 512 1024 2048,
+# docs/benchmarks/grouped_experts_split_tune_h100.json), with ``FEW_SETTING``: V2-Lite T = 1
+# 0.062 ms vs 0.075 unsplit (57% vs 47% of the weight-read floor), T = 2 0.089 vs 0.097; V3
+# T = 1 0.293 vs 0.294 (512 ran 0.328 there); 2048 no faster than 1024.
+SPLIT_PROGRAMS = 1024
+MAX_SPLITS = 8
 
 
 def grouped_experts_reference(flat: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
@@ -79,28 +100,46 @@ def block(dim: int, cap: int) -> int:
     return min(dim & -dim, cap)
 
 
-def _gate_up_kernel(ids_ref, x_ref, w_gate_ref, w_up_ref, hidden_ref, *, k: int, run: int, columns: int):
-    """Program (a, j): hidden[a, j*columns : (j+1)*columns] (module docstring, launch 1).
+def _gate_up_kernel(ids_ref, x_ref, w_gate_ref, w_up_ref, *out_refs, k: int, run: int, columns: int, splits: int):
+    """Program (a, j, s): hidden[a, j*columns : (j+1)*columns] (module docstring, launch 1), or
+    with ``splits`` > 1 its gate and up sums over split s of the contraction.
 
     ids_ref [A] int32, x_ref [T, hidden], w_gate_ref / w_up_ref [E, hidden, inner] (whole);
-    hidden_ref [A, inner] (whole).
+    out_refs: hidden_ref [A, inner], or gate_ref and up_ref f32 [splits, A, inner] (whole).
     """
-    a, j = pl.program_id(0), pl.program_id(1)
+    a, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert = plgpu_tr.load(ids_ref.at[a])
     token = a // k
     cols = pl.ds(j * columns, columns)
+    runs = x_ref.shape[1] // run // splits
 
     def step(i, carry):
         gate, up = carry
-        rows = pl.ds(i * run, run)
+        rows = pl.ds((split * runs + i) * run, run)
         x = plgpu_tr.load(x_ref.at[token, rows]).astype(jnp.float32)[:, None]
         gate = gate + jnp.sum(x * plgpu_tr.load(w_gate_ref.at[expert, rows, cols]).astype(jnp.float32), axis=0)
         up = up + jnp.sum(x * plgpu_tr.load(w_up_ref.at[expert, rows, cols]).astype(jnp.float32), axis=0)
         return gate, up
 
     zeros = jnp.zeros((columns,), jnp.float32)
-    gate, up = jax.lax.fori_loop(0, x_ref.shape[1] // run, step, (zeros, zeros))
-    plgpu_tr.store(hidden_ref.at[a, cols], (jax.nn.silu(gate) * up).astype(hidden_ref.dtype))
+    gate, up = jax.lax.fori_loop(0, runs, step, (zeros, zeros))
+    if splits == 1:
+        hidden_ref, = out_refs
+        plgpu_tr.store(hidden_ref.at[a, cols], (jax.nn.silu(gate) * up).astype(hidden_ref.dtype))
+    else:
+        gate_ref, up_ref = out_refs
+        plgpu_tr.store(gate_ref.at[split, a, cols], gate)
+        plgpu_tr.store(up_ref.at[split, a, cols], up)
+
+
+def contraction_splits(programs: int, runs: int) -> int:
+    """Splits of launch 1's contraction: the largest power of two dividing its ``runs`` (run-long
+    loads a program) that keeps ``programs`` x splits within ``SPLIT_PROGRAMS``, at most
+    ``MAX_SPLITS``; 1 when the grid is that large already."""
+    splits = 1
+    while (2 * splits <= MAX_SPLITS and programs * 2 * splits <= SPLIT_PROGRAMS and runs % (2 * splits) == 0):
+        splits *= 2
+    return splits
 
 
 def _down_kernel(ids_ref, hidden_ref, w_down_ref, out_ref, *, run: int, columns: int):
@@ -120,6 +159,14 @@ def _down_kernel(ids_ref, hidden_ref, w_down_ref, out_ref, *, run: int, columns:
 
     acc = jax.lax.fori_loop(0, hidden_ref.shape[1] // run, step, jnp.zeros((columns,), jnp.float32))
     plgpu_tr.store(out_ref.at[a, cols], acc)
+
+
+def launch_setting(assignments: int) -> tuple[int, int, int, int]:
+    """(columns, run, num_warps, num_stages) for a call of ``assignments`` (T x k) assignments:
+    ``FEW_SETTING`` up to ``FEW_ASSIGNMENTS``, the module's COLUMNS, RUN, NUM_WARPS, NUM_STAGES above."""
+    if assignments <= FEW_ASSIGNMENTS:
+        return FEW_SETTING
+    return COLUMNS, RUN, NUM_WARPS, NUM_STAGES
 
 
 def _check(flat, weights, ids, w_gate, w_up, w_down) -> None:
@@ -150,21 +197,33 @@ def grouped_experts(flat: jax.Array, weights: jax.Array, ids: jax.Array, w_gate:
     k = ids.shape[1]
     assignments = num_tokens * k
     expert_of = jnp.clip(ids.reshape(-1), 0, num_experts - 1)
-    params = plgpu_tr.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    columns, run, num_warps, num_stages = launch_setting(assignments)
+    params = plgpu_tr.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    inner_cols, hidden_run = block(inner, COLUMNS), block(hidden, RUN)
-    hidden_acts = pl.pallas_call(
-        functools.partial(_gate_up_kernel, k=k, run=hidden_run, columns=inner_cols),
-        grid=(assignments, inner // inner_cols),
+    inner_cols, hidden_run = block(inner, columns), block(hidden, run)
+    # hidden in the dtype of the jnp path's products (bf16 for a bf16 model)
+    hidden_dtype = jnp.result_type(flat.dtype, w_gate.dtype)
+    splits = contraction_splits(assignments * (inner // inner_cols), hidden // hidden_run)
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((assignments, inner), hidden_dtype)
+    else:
+        out_shape = [jax.ShapeDtypeStruct((splits, assignments, inner), jnp.float32)] * 2
+    gate_up = pl.pallas_call(
+        functools.partial(_gate_up_kernel, k=k, run=hidden_run, columns=inner_cols, splits=splits),
+        grid=(assignments, inner // inner_cols, splits),
         in_specs=[whole] * 4,
-        out_specs=whole,
-        # hidden in the dtype of the jnp path's products (bf16 for a bf16 model)
-        out_shape=jax.ShapeDtypeStruct((assignments, inner), jnp.result_type(flat.dtype, w_gate.dtype)),
+        out_specs=whole if splits == 1 else [whole] * 2,
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=params,
         name="snapmla_experts_gate_up",
     )(expert_of, flat, w_gate, w_up)
-    hidden_cols, inner_run = block(hidden, COLUMNS), block(inner, RUN)
+    if splits == 1:
+        hidden_acts = gate_up
+    else:
+        gate, up = (part.sum(axis=0) for part in gate_up)
+        hidden_acts = (jax.nn.silu(gate) * up).astype(hidden_dtype)
+    hidden_cols, inner_run = block(hidden, columns), block(inner, run)
     per_assignment = pl.pallas_call(
         functools.partial(_down_kernel, run=inner_run, columns=hidden_cols),
         grid=(assignments, hidden // hidden_cols),

@@ -1,15 +1,19 @@
 """The grouped-experts kernel's block sizes, warps and pipeline depth (pallas_kernels/grouped_experts.py), side by side.
 
     PYTHONPATH=. python scripts/tune_grouped_experts.py --out $OUT [--cases v2_lite:1 v3:8 ...]
+        [--settings 64/128/8/3 ...] [--split-programs 0 512 1024]
 
 A case is an expert shape of scripts/bench_moe.py and a token count T. For each setting
-(COLUMNS, RUN, NUM_WARPS, NUM_STAGES of the kernel module) one call of ``grouped_experts`` on
-random bf16 experts and distinct random experts a token is timed (``timing.time_ms``
-median), with its fraction of the floor: the chosen experts' matrix bytes over the copy
-bandwidth measured in the run. The first setting is the module's. At T = 1 with V2-Lite
-shapes the kernel ran at 26% of that floor inside the feed-forward stack
-(docs/benchmarks/ffn_stack_grouped_h100.md): 6 assignments x 22 column blocks are 132
-programs, each walking a 2048-long contraction. Writes grouped_experts_tune.json under --out.
+(COLUMNS, RUN, NUM_WARPS, NUM_STAGES of the kernel module; the module's two first) and each
+``--split-programs`` value (``SPLIT_PROGRAMS``: launch 1's contraction split) one call of
+``grouped_experts`` on random bf16 experts and distinct random experts a token is timed
+(``timing.time_ms`` median), with its fraction of the floor: the chosen experts' matrix bytes
+over the copy bandwidth measured in the run. Every call takes the swept setting
+(``FEW_ASSIGNMENTS`` is set to 0 meanwhile). The nineteenth session's sweeps chose
+``FEW_SETTING`` and ``SPLIT_PROGRAMS`` (docs/benchmarks/grouped_experts_tune_h100.json,
+grouped_experts_split_tune_h100.json): at T = 1 with V2-Lite shapes 6 assignments x 22 column
+blocks are 132 programs, each walking a 2048-long contraction, 31% of that floor; now 57%.
+Writes grouped_experts_tune.json under --out.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ from snapmla_jax.bench import timing
 
 ROOT = pathlib.Path(__file__).resolve().parent
 DEFAULT_CASES = ("v2_lite:1", "v2_lite:2", "v2_lite:4", "v2_lite:8", "v3:1", "v3:4")
-# (COLUMNS, RUN, NUM_WARPS, NUM_STAGES); the module's own first.
-SETTINGS = ((kernel.COLUMNS, kernel.RUN, kernel.NUM_WARPS, kernel.NUM_STAGES),
-            (32, 64, 4, 4), (16, 128, 4, 4), (32, 128, 4, 3), (64, 128, 8, 3), (32, 256, 8, 2), (64, 64, 4, 6),
-            (128, 32, 4, 4))
+# (COLUMNS, RUN, NUM_WARPS, NUM_STAGES); the module's two own first (above and up to
+# ``FEW_ASSIGNMENTS`` assignments), each case timed with every one.
+SETTINGS = tuple(dict.fromkeys((
+    (kernel.COLUMNS, kernel.RUN, kernel.NUM_WARPS, kernel.NUM_STAGES), kernel.FEW_SETTING,
+    (32, 64, 4, 4), (16, 128, 4, 4), (32, 128, 4, 3), (64, 128, 8, 3), (32, 256, 8, 2), (64, 64, 4, 6),
+    (128, 32, 4, 4))))
 
 
 def parse_case(text: str, shapes: dict) -> tuple[str, int]:
@@ -41,6 +47,14 @@ def parse_case(text: str, shapes: dict) -> tuple[str, int]:
     if name not in shapes or not tokens.isdigit() or int(tokens) < 1:
         raise argparse.ArgumentTypeError(f"expected SHAPE:T with SHAPE in {sorted(shapes)}, got {text!r}")
     return name, int(tokens)
+
+
+def parse_setting(text: str) -> tuple[int, int, int, int]:
+    """"COLUMNS/RUN/NUM_WARPS/NUM_STAGES" -> a setting tuple."""
+    parts = text.split("/")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected COLUMNS/RUN/NUM_WARPS/NUM_STAGES, got {text!r}")
+    return tuple(int(p) for p in parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,12 +67,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", type=lambda t: parse_case(t, bench_moe.SHAPES), nargs="*",
                         default=[parse_case(c, bench_moe.SHAPES) for c in DEFAULT_CASES])
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--settings", type=parse_setting, nargs="*", default=list(SETTINGS),
+                        help="COLUMNS/RUN/NUM_WARPS/NUM_STAGES settings to sweep (default: SETTINGS)")
+    parser.add_argument("--split-programs", type=int, nargs="*", default=[kernel.SPLIT_PROGRAMS],
+                        help="values of SPLIT_PROGRAMS (launch 1's contraction split) to sweep with each setting")
     args = parser.parse_args(argv)
     if timing.missing_gpu("grouped-experts tuning"):
         return 2
-    saved = (kernel.COLUMNS, kernel.RUN, kernel.NUM_WARPS, kernel.NUM_STAGES)
+    saved = (kernel.COLUMNS, kernel.RUN, kernel.NUM_WARPS, kernel.NUM_STAGES, kernel.FEW_ASSIGNMENTS,
+             kernel.SPLIT_PROGRAMS)
+    kernel.FEW_ASSIGNMENTS = 0  # every call takes the swept setting
     env = dict(timing.environment(), copy_gbps=timing.measure_copy_gbps())
-    results = {"environment": env, "setting": "COLUMNS/RUN/NUM_WARPS/NUM_STAGES", "cases": {}}
+    results = {"environment": env, "setting": "COLUMNS/RUN/NUM_WARPS/NUM_STAGES[ split SPLIT_PROGRAMS]",
+               "cases": {}}
     rng = np.random.default_rng(0)
     try:
         for shape_name in dict.fromkeys(name for name, _ in args.cases):
@@ -77,19 +98,25 @@ def main(argv: list[str] | None = None) -> int:
                 chosen = len(np.unique(np.asarray(ids)))
                 floor_ms = chosen * 3 * shape.hidden * shape.inner * 2 / (env["copy_gbps"] * 1e9) * 1e3
                 line = {}
-                for setting in SETTINGS:
-                    kernel.COLUMNS, kernel.RUN, kernel.NUM_WARPS, kernel.NUM_STAGES = setting
-                    jax.clear_caches()  # grouped_experts' jit cache would hand back the previous setting
-                    call = jax.jit(lambda *a: kernel.grouped_experts(*a))
-                    ms = timing.time_ms(call, [(x, weights, ids, *experts)], warmup=3, iters=args.iters)
-                    line["/".join(map(str, setting))] = {"ms": ms, "of_floor": floor_ms / ms}
+                for setting in args.settings:
+                    for split_programs in args.split_programs:
+                        kernel.COLUMNS, kernel.RUN, kernel.NUM_WARPS, kernel.NUM_STAGES = setting
+                        kernel.SPLIT_PROGRAMS = split_programs
+                        jax.clear_caches()  # grouped_experts' jit cache would hand back the previous setting
+                        call = jax.jit(lambda *a: kernel.grouped_experts(*a))
+                        ms = timing.time_ms(call, [(x, weights, ids, *experts)], warmup=3, iters=args.iters)
+                        label = "/".join(map(str, setting))
+                        if len(args.split_programs) > 1:
+                            label += f" split {split_programs}"
+                        line[label] = {"ms": ms, "of_floor": floor_ms / ms}
                 key = f"{name}:{tokens}"
                 results["cases"][key] = line
                 print(key, "  ".join(f"{s}: {v['ms']:.3f} ms ({v['of_floor']:.0%})" for s, v in line.items()),
                       flush=True)
             del experts
     finally:
-        kernel.COLUMNS, kernel.RUN, kernel.NUM_WARPS, kernel.NUM_STAGES = saved
+        (kernel.COLUMNS, kernel.RUN, kernel.NUM_WARPS, kernel.NUM_STAGES, kernel.FEW_ASSIGNMENTS,
+         kernel.SPLIT_PROGRAMS) = saved
         jax.clear_caches()
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,10 @@ import pytest
 from flax import nnx
 
 import models.moe
-from pallas_kernels.grouped_experts import grouped_experts, grouped_experts_reference
+import pallas_kernels.grouped_experts as grouped_experts_module
+from pallas_kernels.grouped_experts import (COLUMNS, FEW_ASSIGNMENTS, FEW_SETTING, NUM_STAGES, NUM_WARPS, RUN,
+                                            SPLIT_PROGRAMS, contraction_splits, grouped_experts,
+                                            grouped_experts_reference, launch_setting)
 from snapmla_jax.backend import lower_for_cuda
 
 
@@ -53,7 +56,9 @@ def _rel(out, ref):
     return float(np.max(np.abs(np.asarray(jnp.asarray(out, jnp.float32), np.float64) - ref)) / np.max(np.abs(ref)))
 
 
-@pytest.mark.parametrize("tokens,k", [(1, 6), (3, 2), (2, 4)])
+# Up to FEW_ASSIGNMENTS (16) assignments the kernel takes FEW_SETTING, above it the module's
+# COLUMNS / RUN (5 x 4 = 20): both settings' block arithmetic runs.
+@pytest.mark.parametrize("tokens,k", [(1, 6), (3, 2), (2, 4), (5, 4)])
 def test_interpreted_kernel_matches_float64(tokens, k):
     problem = _problem(tokens, tokens=tokens, k=k)
     out = grouped_experts(*problem, interpret=True)
@@ -66,6 +71,33 @@ def test_interpreted_kernel_matches_float64(tokens, k):
     # over 80 features with mixed signs), as the jnp path pays it too: 1e-2.
     assert _rel(out, _float64(*problem)) < 1e-2
     assert _rel(grouped_experts_reference(*problem), _float64(*problem)) < 1e-2
+
+
+def test_contraction_splits_fill_the_grid_up_to_its_bound():
+    assert contraction_splits(132, 16) == 4  # V2-Lite, one token: 6 x 22 programs, 16 runs of 128
+    assert contraction_splits(30, 4) == 4  # the test below: all four runs
+    assert contraction_splits(30, 3) == 1  # an odd run count does not split
+    assert contraction_splits(SPLIT_PROGRAMS, 16) == 1
+
+
+@pytest.mark.parametrize("split_programs", [SPLIT_PROGRAMS, 0])
+def test_split_contraction_matches_float64(monkeypatch, split_programs):
+    """A 512-long contraction (4 runs of 128) over 30 programs: launch 1 splits it in 4 float32
+    partials that XLA sums (``SPLIT_PROGRAMS`` 0: unsplit, the activation in the kernel). Bounds
+    as in ``test_interpreted_kernel_matches_float64`` (512-term float32 sums still ~1e-6)."""
+    monkeypatch.setattr(grouped_experts_module, "SPLIT_PROGRAMS", split_programs)
+    jax.clear_caches()
+    problem = _problem(11, tokens=1, k=6, hidden=512)
+    out = grouped_experts(*problem, interpret=True)
+    assert _rel(out, _float64(*problem, round_hidden=jnp.bfloat16)) < 4e-3
+    assert _rel(out, _float64(*problem)) < 1e-2
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def test_launch_setting_switches_above_few_assignments():
+    assert launch_setting(1) == launch_setting(FEW_ASSIGNMENTS) == FEW_SETTING
+    assert launch_setting(FEW_ASSIGNMENTS + 1) == (COLUMNS, RUN, NUM_WARPS, NUM_STAGES) != FEW_SETTING
 
 
 def test_interpreted_kernel_in_float32_is_float32_exact():

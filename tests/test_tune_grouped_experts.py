@@ -17,6 +17,7 @@ bench_moe = load_script("bench_moe")
 
 
 def test_every_setting_lowers_at_v2_lite_and_v3_shapes(monkeypatch):
+    monkeypatch.setattr(kernel, "FEW_ASSIGNMENTS", 0)  # as in the sweep: the patched setting, at any T
     for setting in tune.SETTINGS:
         for name in ("v2_lite", "v3"):
             shape = bench_moe.SHAPES[name]
@@ -38,6 +39,13 @@ def test_cases_parse_and_bad_ones_are_refused():
     for bad in ("v4:1", "v3", "v3:0", "v3:x"):
         with pytest.raises(argparse.ArgumentTypeError):
             tune.parse_case(bad, bench_moe.SHAPES)
+
+
+def test_settings_parse_and_bad_ones_are_refused():
+    assert tune.parse_setting("64/128/8/3") == (64, 128, 8, 3)
+    for bad in ("64/128/8", "64/128/8/x", "0/128/8/3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            tune.parse_setting(bad)
 
 
 def test_without_a_gpu_it_exits_2(tmp_path, monkeypatch):
