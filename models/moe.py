@@ -84,9 +84,9 @@ def check_token_range(token_range) -> tuple[int, int] | None:
 # the gathered dispatch (module docstring); 0: never. Set for a decode step on a GPU, where it
 # runs as the grouped-experts kernel (backend "pallas"): in the 27-layer feed-forward stack of
 # V2-Lite shapes on an H100 (scripts/bench_ffn_stack.py, docs/benchmarks/ffn_stack_grouped_h100.md)
-# the kernel took 3.46 / 3.07 / 4.64 / 7.37 ms at T = 1 / 2 / 4 / 8 against the jnp gathered
-# dispatch's 7.46 / 11.6 / 22.0 / 42.7 (XLA compiles its gathers into slow reduce fusions there)
-# and ragged / dense's 12.3 / 11.3 / 10.6 / 10.6: 1.44x the best other at T = 8 (2026-11-26).
+# the kernel took 2.36 / 3.11 / 4.69 / 7.31 ms at T = 1 / 2 / 4 / 8 against the jnp gathered
+# dispatch's 6.70 / 11.7 / 22.0 / 42.7 (XLA compiles its gathers into slow reduce fusions there)
+# and ragged / dense's 11.4 / 11.4 / 10.6 / 10.8: 1.47x the best other at T = 8 (2026-11-26).
 # (One layer alone the jnp gather ran as fast: docs/benchmarks/moe_grouped_h100.md.) With backend "xla"
 # (a CPU, or a caller's choice) the same range runs the jnp gather, slower than ragged/dense
 # from T = 2 on a GPU; the CPU's speed is not a target.

@@ -8,8 +8,8 @@ over the copy: each chosen byte read twice and written once, and inside a whole
 feed-forward stack XLA compiles it into slow reduce fusions. Here two Pallas launches
 read every chosen expert's matrices in place, once an assignment. The 27-layer
 feed-forward stack of V2-Lite shapes on an H100 (scripts/bench_ffn_stack.py,
-docs/benchmarks/ffn_stack_grouped_h100.md, 2026-11-26): 3.46 ms at T = 1 (jnp gather 7.46,
-weight-read floor 1.25), 3.07 at T = 2 (11.6), 7.37 at T = 8 (42.7; dense 10.6). The launches:
+docs/benchmarks/ffn_stack_grouped_h100.md, 2026-11-26): 2.36 ms at T = 1 (jnp gather 6.70,
+weight-read floor 1.27), 3.11 at T = 2 (11.7), 7.31 at T = 8 (42.7; dense 10.8). The launches:
 
 1. ``hidden[a, i] = silu(x[t] . w_gate[e, :, i]) * (x[t] . w_up[e, :, i])`` for
    assignment a = t * k + s of token t to expert e = ids[t, s]; grid (assignment,

@@ -14,7 +14,8 @@ layers, random bf16 weights) runs on x [T, 1, 2048], one jit each, side by side:
 
 Times are ``timing.time_ms`` medians; the floor is the weight bytes a dispatch must read (all
 but the unchosen experts', or all for dense) over the copy bandwidth measured in the run.
-Writes bench_ffn_stack.json / .md under --out.
+``--profile`` adds the grouped variant's GPU time per launch (``timing.kernel_times_us``) to
+the JSON. Writes bench_ffn_stack.json / .md under --out.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import models.moe
 from snapmla_jax.bench import timing
 from snapmla_jax.bench.e2e import V2_LITE, feed_forward_stack, random_model, weight_bytes_touched
 
+PROFILE_TOP = 15  # launches kept per row with --profile
 # name -> (gather_max_tokens of T tokens, backend)
 VARIANTS = {"ragged/dense": (lambda tokens: 0, "xla"), "gathered": (lambda tokens: tokens, "xla"),
             "grouped": (lambda tokens: tokens, "pallas")}
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--profile", action="store_true",
+                        help="also record the grouped variant's GPU time per launch (JAX profiler), largest first")
     args = parser.parse_args(argv)
     if timing.missing_gpu("feed-forward stack benchmark"):
         return 2
@@ -64,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{name}_ms"] = timing.time_ms(compiled, [(params, x)], warmup=3, iters=args.iters)
             floor_bytes = feed_forward_bytes(model, tokens, gather_max(tokens))
             row[f"{name}_of_floor"] = floor_bytes / (env["copy_gbps"] * 1e9) * 1e3 / row[f"{name}_ms"]
+            if args.profile and name == "grouped":
+                launches = timing.kernel_times_us(compiled, (params, x))
+                row["grouped_launch_us"] = dict(list(launches.items())[:PROFILE_TOP])
+                row["grouped_launch_us_total"] = sum(launches.values())
             if name != "ragged/dense":
                 row[f"{name}_rel_l2"] = float(np.linalg.norm(outs[name] - outs["ragged/dense"])
                                               / np.linalg.norm(outs["ragged/dense"]))

@@ -463,6 +463,11 @@ def run(args: argparse.Namespace) -> int:
             programs[id(plan)] = runner.submit(plan)
             if plan.batch not in ffns:
                 ffns[plan.batch] = runner.submit_ffn(plan.batch)
+    # Every program compiled before anything is timed: XLA autotunes on the GPU while it
+    # compiles, and a timing beside other programs' compilations ran up to 3x slow (H100,
+    # 2026-11-26: B=16 x 16k BF16 51.7 ms a step in one such run, 15-17 ms alone).
+    concurrent.futures.wait([future for futures in programs.values() for future in futures.values()]
+                            + list(ffns.values()))
     rows = []
     for plan in plans:
         need = lambda c: plan.batch * c * cache_bytes_per_token(cfg, plan.kv_cache) / GIB
