@@ -24,6 +24,9 @@ cache and block table are sized for the largest context that fits, and the
 kernels stop at each row's seq_len. Programs are compiled in parallel threads
 before the runs; results are written after every run, so a run cut short
 still leaves its table. ``--tiny`` runs a 2-layer model on any backend (CPU test).
+``--profile`` adds each row's GPU time per launch and decode step (``timing.kernel_times_us``)
+to the JSON; XLA runs the decode loop's body as a CUDA graph, which the profiler does not see
+into, so profile with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ TINY = MLAConfig(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
     kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16, max_position_embeddings=4096,
     n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1)
+PROFILE_TOP = 20  # launches kept per row with --profile
+PROFILE_CALLS = 3  # traced decode calls per row with --profile
 FULL_GRID = dict(batches=(16, 64, 128), contexts=(4096, 16384, 32768))
 TINY_GRID = dict(batches=(2, 3), contexts=(64, 200))
 
@@ -246,12 +251,16 @@ def _timed_calls(call, iters: int) -> float:
 class Runner:
     """Compiles the programs of every plan (in parallel threads) and runs them one plan at a time."""
 
-    def __init__(self, cfg: MLAConfig, model: MLAModel, *, steps: int, iters: int, backend: str, threads: int):
+    def __init__(self, cfg: MLAConfig, model: MLAModel, *, steps: int, iters: int, backend: str, threads: int,
+                 profile: bool = False):
         self.cfg, self.steps, self.iters, self.backend = cfg, steps, iters, backend
         self.graphdef, self.params = nnx.split(model)
         self.model = model
-        self.total_steps = 1 + (iters + 1) * steps
+        # The decode state holds every step the timed calls run: a warm-up and ``iters`` calls,
+        # and with ``profile`` a warm-up and PROFILE_CALLS traced calls more.
+        self.total_steps = 1 + (iters + 1 + (1 + PROFILE_CALLS if profile else 0)) * steps
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads)
+        self.profile = profile
         self.compile_seconds: dict[str, float] = {}
 
     def _submit(self, name: str, lowered):
@@ -318,6 +327,7 @@ class Runner:
                 int(state["s"].step)
 
             step_ms = _timed_calls(decode_call, self.iters) / self.steps * 1e3
+            launches = timing.kernel_times_us(decode_call, (), calls=PROFILE_CALLS) if self.profile else {}
             holder["caches"] = state.pop("s").caches
             positions = np.full(batch, context)
             slots = jnp.asarray(pages.block_table[np.arange(batch), positions // PAGE_SIZE] * PAGE_SIZE
@@ -334,6 +344,10 @@ class Runner:
                              tokens_per_s=batch / step_ms * 1e3, attention_ms=attention_ms,
                              attention_share=attention_ms / step_ms, ffn_ms=ffn_ms, ffn_share=ffn_ms / step_ms,
                              cache_gib=batch * context * cache_bytes_per_token(self.cfg, plan.kv_cache) / GIB))
+            if launches:  # per decode step, largest first
+                rows[-1]["step_launch_us"] = {name: us / self.steps
+                                              for name, us in list(launches.items())[:PROFILE_TOP]}
+                rows[-1]["step_launch_us_total"] = sum(launches.values()) / self.steps
             print(f"  B={batch} ctx={context} {plan.kv_cache}: {step_ms:.2f} ms/step, "
                   f"{rows[-1]['tokens_per_s']:.0f} tok/s, attention {attention_ms:.2f} ms, ffn {ffn_ms:.2f} ms",
                   flush=True)
@@ -402,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=3, help="timed calls per measurement (default 3)")
     parser.add_argument("--backend", default="auto", help="write_kv/mla_decode backend (default auto)")
     parser.add_argument("--threads", type=int, default=8, help="parallel compilations (default 8)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record each row's GPU time per launch and decode step (JAX profiler) in the JSON")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting new runs after this long")
     parser.add_argument("--out", default="docs/benchmarks", help="directory for e2e.json / e2e.md")
     moe = parser.add_mutually_exclusive_group()
@@ -447,7 +463,8 @@ def run(args: argparse.Namespace) -> int:
     if args.gather_moe is not None or args.ragged_moe:
         models.moe.set_gather_max_tokens(model, 0 if args.ragged_moe else args.gather_moe)
     env.update(moe_dispatch(model))
-    runner = Runner(cfg, model, steps=args.steps, iters=args.iters, backend=args.backend, threads=args.threads)
+    runner = Runner(cfg, model, steps=args.steps, iters=args.iters, backend=args.backend, threads=args.threads,
+                    profile=args.profile)
     weights_total = weight_bytes_touched(cfg, runner.params, 1)[0]
     env.update(model="tiny (2 layers)" if args.tiny else "DeepSeek-V2-Lite shapes",
                params_b=sum(x.size for x in jax.tree.leaves(runner.params)) / 1e9, weights_gib=weights_total / GIB,
