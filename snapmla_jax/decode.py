@@ -32,6 +32,17 @@ H100_SMS = 132  # SM count assumed when no GPU is visible (interpret mode, plann
 # B=128 x 16k: Triton 0.58 ms vs Mosaic 0.70); from 64 rows up the Mosaic one is 1.8x faster
 # (0.69 vs 1.26 ms at B=64 x 16k x 128; docs/benchmarks/mgpu.md, seventeenth session).
 TRITON_BF16_MAX_ROWS = 16
+# Small fp8 problems keep the Triton FP8 kernel: up to TRITON_FP8_MAX_ROWS query rows a batch
+# row and TRITON_FP8_MAX_TOKENS tokens of block-table capacity over the batch (B x max_pages x
+# page_size: the static bound on what a call reads). There the Mosaic kernels' fixed costs (the
+# launch of their query inputs, the prologue of their 128-token steps) outweigh their speed.
+# H100, H = 16, side by side in one run (docs/benchmarks/decode.md): s_q = 1 at 1 x 1k / 4k /
+# 16k and 8 x 1k 12.9 / 13.8 / 21.4 / 15.2 us vs the small Mosaic kernel's 15.1 / 16.3 / 21.9 /
+# 17.6; s_q = 2 17.1 / 19.5 / 31.1 / 22.0 vs 23.9 / 26.4 / 39.0 / 29.0. From 32k tokens (8 x
+# 4k, 32 x 1k) the Mosaic kernels win (26.5 vs 36.8 us at 8 x 4k, s_q = 1). At H = 128 (128
+# rows) they win from the smallest problem (19.4 vs 24.4 us at 1 x 1k).
+TRITON_FP8_MAX_ROWS = 32
+TRITON_FP8_MAX_TOKENS = 16384
 # Past this the merge's float32 partials outweigh the extra parallelism. (H100, H=16,
 # B=1 x 64k: 128 splits 0.047 ms, 64 splits 0.062 ms; scripts/sweep_splits.py.)
 MAX_SPLITS = 128
@@ -86,7 +97,8 @@ def planned_num_splits(q_latent: jax.Array, cache: LatentCache, block_table: jax
     """The split-KV count ``mla_decode`` uses for these arguments when ``num_splits`` is None
     (q_latent [B, s_q, H, R], the kernel ``config`` or ``default_config`` picks)."""
     batch, s_q, heads, _ = q_latent.shape
-    config = config or default_config(cache, resolve_backend(backend), s_q * heads)
+    config = config or default_config(cache, resolve_backend(backend), s_q * heads,
+                                      batch * block_table.shape[1] * cache.page_size)
     block_m = block_rows(s_q * heads, config, cache.dtype)
     return choose_num_splits(batch, -(-(s_q * heads) // block_m), block_table.shape[1] * cache.page_size,
                              _sm_count(), min_tokens_per_split(cache.page_size, config), waves_per_split_plan(config))
@@ -154,14 +166,18 @@ def _on_hopper() -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
-def default_config(cache: LatentCache, backend: str, num_rows: int | None = None) -> DecodeConfig:
+def default_config(cache: LatentCache, backend: str, num_rows: int | None = None,
+                   capacity_tokens: int | None = None) -> DecodeConfig:
     """The kernel and knobs ``mla_decode`` uses when ``config`` is None, for ``num_rows`` query
-    rows (s_q x H) a batch row (None: unknown).
+    rows (s_q x H) a batch row and ``capacity_tokens`` tokens of block-table capacity over the
+    batch (B x max_pages x page_size); None: unknown.
 
     Compiled (backend "pallas") on a Hopper GPU over an fp8 cache with
     page_size 64: the Mosaic GPU kernels (``mosaic_kernel`` picks one by the
     query rows), faster than the Triton FP8 kernel at every shape measured on
-    an H100 (docs/benchmarks/decode.md, scripts/bench_mgpu.py). Over a bf16
+    an H100 (docs/benchmarks/decode.md, scripts/bench_mgpu.py) but the small
+    ones: up to ``TRITON_FP8_MAX_ROWS`` rows and ``TRITON_FP8_MAX_TOKENS`` tokens
+    of capacity the Triton FP8 kernel stays (both known only). Over a bf16
     cache there, the Mosaic BF16 twin above ``TRITON_BF16_MAX_ROWS`` rows (known
     ``num_rows`` only). Elsewhere the
     Triton kernels (FP8_CONFIG / BF16_CONFIG): the Mosaic kernels need 64-token
@@ -175,7 +191,9 @@ def default_config(cache: LatentCache, backend: str, num_rows: int | None = None
     mosaic = backend == "pallas" and cache.page_size == MOSAIC_PAGE and _on_hopper()
     if cache.dtype != "fp8":
         return MOSAIC_CONFIG if mosaic and (num_rows or 0) > TRITON_BF16_MAX_ROWS else BF16_CONFIG
-    return MOSAIC_CONFIG if mosaic else FP8_CONFIG
+    small = (num_rows is not None and capacity_tokens is not None and num_rows <= TRITON_FP8_MAX_ROWS
+             and capacity_tokens <= TRITON_FP8_MAX_TOKENS)
+    return MOSAIC_CONFIG if mosaic and not small else FP8_CONFIG
 
 
 def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8"):
@@ -238,7 +256,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     _validate(q_latent, q_rope, cache, block_table, seq_lens, softmax_scale, layer)
     backend = resolve_backend(backend)
     batch, s_q, heads, rank = q_latent.shape
-    config = config or default_config(cache, backend, s_q * heads)
+    config = config or default_config(cache, backend, s_q * heads, batch * block_table.shape[1] * cache.page_size)
     softmax_scale = float(softmax_scale)
     mosaic = config.kernel == "mosaic"
     if mosaic and cache.page_size != MOSAIC_PAGE:

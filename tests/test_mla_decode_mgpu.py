@@ -560,6 +560,31 @@ def test_default_config_picks_mosaic_for_compiled_decoding_with_64_token_pages(m
     assert default_config(bf16_64, "pallas", 17) == default_config(bf16_64, "pallas", 256) == MOSAIC_CONFIG
     assert default_config(bf16_64, "interpret", 256) == BF16_CONFIG
     assert default_config(LatentCache.create(4, page_size=32, dtype="bf16"), "pallas", 256) == BF16_CONFIG
+    # Small fp8 problems keep the Triton FP8 kernel: up to 32 rows and 16k tokens of capacity.
+    assert default_config(fp8_64, "pallas", 16, 16384) == default_config(fp8_64, "pallas", 32, 1024) == FP8_CONFIG
+    assert default_config(fp8_64, "pallas", 16, 16385) == default_config(fp8_64, "pallas", 33, 1024) == MOSAIC_CONFIG
+    assert default_config(fp8_64, "pallas", 16) == default_config(fp8_64, "pallas", None, 1024) == MOSAIC_CONFIG
+
+
+def test_mla_decode_routes_small_fp8_problems_to_the_triton_kernel(monkeypatch):
+    """``mla_decode``'s default routing passes the batch's block-table capacity: B=1 x 4k at H=16
+    takes the Triton FP8 kernel, B=8 x 4k the small Mosaic one (what each lowers to, without a GPU)."""
+    import snapmla_jax.decode as decode
+    from snapmla_jax.cache import LatentCache
+
+    monkeypatch.setattr(decode, "_on_hopper", lambda: True)
+    monkeypatch.setattr(decode, "resolve_backend", lambda backend: "pallas")  # lowered for CUDA here
+    cache = LatentCache.create(8 * 64 + 2, page_size=64)
+    kernels = {}
+    for batch in (1, 8):
+        q = jnp.zeros((batch, 1, 16, 512), jnp.bfloat16)
+        q_rope = jnp.zeros((batch, 1, 16, 64), jnp.bfloat16)
+        table = jnp.zeros((batch, 64), jnp.int32)  # 4096 tokens of capacity a row
+        call = lambda q, qr, t: decode.mla_decode(q, qr, cache, t, jnp.full((t.shape[0],), 100, jnp.int32),
+                                                  softmax_scale=0.1, backend="pallas")
+        text = lower_for_cuda(call, q, q_rope, table).as_text()
+        kernels[batch] = ("mosaic_gpu" in text, "triton" in text.lower())
+    assert kernels[1] == (False, True) and kernels[8][0]
 
 
 def test_small_kernel_refuses_other_row_blocks():
