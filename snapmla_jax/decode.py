@@ -97,8 +97,7 @@ def planned_num_splits(q_latent: jax.Array, cache: LatentCache, block_table: jax
     """The split-KV count ``mla_decode`` uses for these arguments when ``num_splits`` is None
     (q_latent [B, s_q, H, R], the kernel ``config`` or ``default_config`` picks)."""
     batch, s_q, heads, _ = q_latent.shape
-    config = config or default_config(cache, resolve_backend(backend), s_q * heads,
-                                      batch * block_table.shape[1] * cache.page_size)
+    config = config_for(config, cache, resolve_backend(backend), q_latent, block_table)
     block_m = block_rows(s_q * heads, config, cache.dtype)
     return choose_num_splits(batch, -(-(s_q * heads) // block_m), block_table.shape[1] * cache.page_size,
                              _sm_count(), min_tokens_per_split(cache.page_size, config), waves_per_split_plan(config))
@@ -196,6 +195,14 @@ def default_config(cache: LatentCache, backend: str, num_rows: int | None = None
     return MOSAIC_CONFIG if mosaic and not small else FP8_CONFIG
 
 
+def config_for(config: DecodeConfig | None, cache: LatentCache, backend: str, q_latent: jax.Array,
+               block_table: jax.Array) -> DecodeConfig:
+    """``config``, or ``default_config``'s pick for q_latent [B, s_q, H, R] and block_table
+    [B, max_pages] (its query rows and block-table capacity)."""
+    batch, s_q, heads, _ = q_latent.shape
+    return config or default_config(cache, backend, s_q * heads, batch * block_table.shape[1] * cache.page_size)
+
+
 def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8"):
     """The Mosaic GPU kernel for ``num_rows`` query rows (s_q x heads) a batch row over a
     ``cache_dtype`` cache, and its rows per CTA: (kernel function, block rows).
@@ -256,7 +263,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     _validate(q_latent, q_rope, cache, block_table, seq_lens, softmax_scale, layer)
     backend = resolve_backend(backend)
     batch, s_q, heads, rank = q_latent.shape
-    config = config or default_config(cache, backend, s_q * heads, batch * block_table.shape[1] * cache.page_size)
+    config = config_for(config, cache, backend, q_latent, block_table)
     softmax_scale = float(softmax_scale)
     mosaic = config.kernel == "mosaic"
     if mosaic and cache.page_size != MOSAIC_PAGE:
