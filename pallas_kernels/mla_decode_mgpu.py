@@ -58,8 +58,23 @@ RoPE rows and token scales all follow that order; the token scales are
 gathered per batch row in step order by the launcher (a TMA cannot read every
 other float; 8 B a token against the cache's 644 B).
 
-V transpose and P' packing. An FP8 wgmma needs its B operand K-major (tokens
-contiguous for P'.V), and Mosaic GPU has no 8-bit transpose. Rows k and 64 + k
+P'.V, transposed (``PV_TRANSPOSED``, the default since the twentieth session). An FP8 wgmma
+needs both SMEM operands K-major (tokens contiguous for P'.V), and the ring holds V token-major.
+Its A operand may come from registers, so each warpgroup computes O^T = V^T.P'^T instead: four
+[64 features, 64 rows] tiles, V^T the register A operand built straight from the token-major
+slot (``mgpu_bytes.load_vt_quads``: ``ldmatrix.trans`` and ``prmt``, features and tokens
+relabelled within groups of 16), P' the SMEM B operand as stored ([64 rows, 128 tokens],
+tokens contiguous; each warpgroup stores its 64 columns as 4-byte words in the same relabelled
+token order, ``store_quads``). Nothing is written back over the slot, so the ``qk_done``
+barrier goes. The price is the layout of the output: a thread holds 16 query rows' columns,
+so a per-row factor is 16 registers; hence one factor a step (``PV_FRAME``,
+``softmax_half_t``), the products waited for one at a time (``pv_update_t``), 24 / 240
+registers, and an output store that puts features and rows back in place
+(``store_feature_pairs``). Side by side on an H100, 4-8% faster than the path below at
+B=8-128 x 16-64k x 128 heads and 64 x 16k x 16 heads x s_q=2 (docs/benchmarks/mgpu.md).
+
+V transpose and P' packing (``PV_TRANSPOSED`` False: the kernel before, kept for comparison).
+Rows k and 64 + k
 of the step's V chunk are tokens 2k and 2k + 1: loaded as two [64, 128] tiles
 (in the 8-bit WGMMA layout, 4 bytes a thread: ``V_QUAD_LOADS``) and interleaved
 into uint16 words (low byte = token 2k; ``mgpu_bytes``), they are stored through
@@ -93,9 +108,9 @@ Without the producer, consumer 0 issued step j + 1 at the start of step j, each
 of its warps one (page, parity) box (``ISSUE_BY_WARPS``), about 1k SM cycles a
 step that consumer 1 then waited out; with the producer, 0.817 vs 0.861 ms at
 B=64 x 16k x 128 and 0.726 vs 0.838 ms at 32 x 16k x 128, s_q=2 on an H100. Each consumer's P'.V runs as
-four pipelined 64-column products (``pv_update``). The consumers meet at
-barriers three times a step (statistics, the slot read as K, P' bytes), so
-they run nearly in lockstep: their wgmmas and their elementwise work do not
+four products waited for one at a time (``pv_update_t``; untransposed, four pipelined 64-column
+products, ``pv_update``). The consumers meet at barriers twice a step (statistics, P'; untransposed
+also the slot read as K), so they run nearly in lockstep: their wgmmas and their elementwise work do not
 overlap much (docs/mosaic_gpu_decode_plan.md has the cost attribution).
 
 Layout inference: every dynamic TMA start is marked with ``pl.multiple_of``
@@ -105,9 +120,11 @@ failed to find a solution").
 
 Interpreter (``interpret=True``): it neither aliases ``RefUnion`` views nor
 runs inline PTX or pre-initialised accumulators, so there V stays token-major
-in step order (its FP8 wgmma accepts that B operand; hardware does not), P' is
-stored unpacked and the RoPE product is added in registers. Everything else,
-barriers and ring included, is the hardware code.
+in step order (its FP8 wgmma accepts that B operand, and with ``PV_TRANSPOSED`` the
+transposed slot as an SMEM A operand; hardware does neither), masked in place, P' is
+stored unpacked in step order, the RoPE product is added in registers and the O^T
+tiles leave through a transpose. Everything else, barriers and ring included, is the
+hardware code.
 """
 
 from __future__ import annotations
@@ -124,8 +141,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
-from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, interleave_bytes, interleave_quads, quads_in_order,
-                                       store_byte_lane)
+from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, interleave_bytes, interleave_quads, load_vt_quads,
+                                       output_transforms, quads_in_order, store_byte_lane, store_feature_pairs,
+                                       store_quads)
 from pallas_kernels.combine_splits import combine_splits
 from pallas_kernels.mgpu_decode_inputs import decode_inputs
 from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
@@ -186,8 +204,8 @@ PRODUCER_WG = True
 # with ``V_QUAD_LOADS`` (eighteenth session, the device's ptxas 13.0) 24 / 240 kept ~13
 # registers in local memory across each step's P'.V at s_q = 1 (0.63 ms at 64 x 16k x
 # 128) and 40 / 232 one or two (0.52 ms; 0.57 before both changes).
-PRODUCER_REGISTERS = 40
-CONSUMER_REGISTERS = 232
+PRODUCER_REGISTERS = 24
+CONSUMER_REGISTERS = 240
 # Whether the producer's four warps share a step's TMA issue, as ``ISSUE_BY_WARPS``
 # does for an issuing consumer: in the producer it ran 0.873 and 0.836 ms in the
 # same probe: the issue is off the consumers' path there, and sharing it costs them.
@@ -215,6 +233,22 @@ APPROX_MATH = True
 # registers (``PRODUCER_REGISTERS``): 0.52 vs 0.57 ms at 64 x 16k x 128 and 32 x 16k x 128
 # x 2 on an H100 (eighteenth session, docs/benchmarks/mgpu.md).
 V_QUAD_LOADS = True
+# Whether P'.V runs transposed, O^T = V^T.P'^T, with V^T the register A operand of the FP8 wgmma
+# (``pv_update_t``, ``mgpu_bytes.load_vt_quads``: ``ldmatrix.trans`` and ``prmt`` straight from the
+# token-major V in the ring) and P' the SMEM B operand: no V^T is written to SMEM and read back,
+# and P' is stored as 4-byte words (``store_quads``). The output accumulators become four
+# [64 features, 64 rows] O^T tiles a warpgroup, rescaled per column (the factors cross from the row
+# layout to the column layout through SMEM, ``fac_s``), and leave the kernel through
+# ``store_feature_pairs``. False: V^T written in place over the slot (``v_operands_in_place``) and
+# P'.V as [64 rows, 128 features] products (``pv_update``).
+PV_TRANSPOSED = True
+# Whether ``pv_update_t`` folds with one factor a column (O' = O' * ratio + V^T.P'^T in the row's
+# frame, ``softmax_half_t``) instead of two (acc * alpha + V^T.P'^T * undo). In the transposed
+# layout a thread holds 16 query rows' columns, so each factor costs 16 registers beside the
+# 128 of the output.
+PV_FRAME = True
+# How far (base 2) a row's frame may sit below its running max (``softmax_half_t``).
+FRAME_DROP = 64.0
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
@@ -345,13 +379,9 @@ def local_stats(scores, k_scale, scale_log2: float, visible=None):
     return scores, scores.max(axis=1), log_scaled.max(axis=1)
 
 
-def softmax_half(scores, k_scale, m, l_part, row_max, log_pv_max, visible=None):
-    """Online softmax of a warpgroup's 64 columns given the step's row statistics over all 128.
-
-    scores [64, 64] base 2 (``local_stats``), k_scale [64], running m and this
-    warpgroup's partial l [64], row_max and log_pv_max [64] over both halves.
-    Returns (m_new, alpha, l_part_new, P' * 448 / pv_max f32 [64, 64], pv_max [64]).
-    """
+def online_rows(scores, k_scale, m, l_part, row_max, visible=None):
+    """The online-softmax update both softmax helpers share: (m_new, m_safe (0 where no token was
+    seen), alpha = 2^(m - m_new), l_part_new, P * k_scale f32 [64, 64] (0 where not ``visible``))."""
     m_new = jnp.maximum(m, row_max)
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_safe)
@@ -360,9 +390,45 @@ def softmax_half(scores, k_scale, m, l_part, row_max, log_pv_max, visible=None):
     pv = p * lax.broadcast_in_dim(k_scale, scores.shape, [1])
     if visible is not None:
         pv = jnp.where(visible, pv, 0.0)  # 0 * a garbage scale could be NaN
+    return m_new, m_safe, alpha, l_part, pv
+
+
+def softmax_half(scores, k_scale, m, l_part, row_max, log_pv_max, visible=None):
+    """Online softmax of a warpgroup's 64 columns given the step's row statistics over all 128.
+
+    scores [64, 64] base 2 (``local_stats``), k_scale [64], running m and this
+    warpgroup's partial l [64], row_max and log_pv_max [64] over both halves.
+    Returns (m_new, alpha, l_part_new, P' * 448 / pv_max f32 [64, 64], pv_max [64]).
+    """
+    m_new, m_safe, alpha, l_part, pv = online_rows(scores, k_scale, m, l_part, row_max, visible)
     pv_max = jnp.exp2(log_pv_max - m_safe)
     factor = FP8_E4M3_MAX / jnp.maximum(pv_max, MIN_PV_ROW_MAX)
     return m_new, alpha, l_part, pv * lax.broadcast_in_dim(factor, pv.shape, [0]), pv_max
+
+
+def softmax_half_t(scores, k_scale, m, l_part, frame, row_max, log_pv_max, visible=None):
+    """``softmax_half`` for ``pv_update_t``'s one-factor fold (``PV_FRAME``): P' is scaled by
+    448 / 2^(frame - m) instead of 448 / pv_max, where the row's frame (base 2, like m) is the log
+    of the step's largest P * k_scale before the max is subtracted, log_pv_max, but never more
+    than ``FRAME_DROP`` below the running max m. Then the output accumulates as O' = O' * 2^(frame
+    - frame_new) + V^T.P'^T, one factor a column instead of two (alpha and the undo), and O =
+    O' * 2^(frame - m) / 448 at the end.
+
+    P' is the same as ``softmax_half``'s wherever log_pv_max >= m - FRAME_DROP (a step whose
+    every P * k_scale is 2^-64 below the running max's token loses them in e4m3, as fp32 would
+    lose them beside that token); the clamp bounds O' by 2^64 x 448^2 x tokens x the largest
+    k_scale, so that it cannot overflow.
+
+    Returns (m_new, l_part_new, frame_new, P' * factor f32 [64, 64], ratio = 2^(frame - frame_new)
+    [64]).
+    """
+    m_new, m_safe, _, l_part, pv = online_rows(scores, k_scale, m, l_part, row_max, visible)
+    frame_new = jnp.maximum(log_pv_max, m_new - FRAME_DROP)
+    frame_safe = jnp.where(frame_new == -jnp.inf, 0.0, frame_new)  # no token seen yet: P' is 0
+    # As ``softmax_half`` computes it from pv_max = 2^(log_pv_max - m): the same P' bits where the
+    # frame is log_pv_max (the reference's rounding).
+    factor = FP8_E4M3_MAX / jnp.maximum(jnp.exp2(frame_safe - m_safe), MIN_PV_ROW_MAX)
+    return m_new, l_part, frame_new, pv * lax.broadcast_in_dim(factor, pv.shape, [0]), jnp.exp2(frame - frame_safe)
 
 
 def v_words(chunk_ref, t0, seq_len, *, masked: bool) -> jax.Array:
@@ -591,13 +657,52 @@ def pv_update(accs, p8_ref, v_operands, alpha, pv_max) -> list:
     return [jnp.concatenate(halves[2 * i:2 * i + 2], axis=1) for i in range(len(accs))]
 
 
-def initial_carry(acc_shape=(BLOCK_M, CHUNK), rows_axis: int = 0) -> tuple:
-    """The step loop's carry: ``CHUNKS_PER_WG`` zero f32 accumulators of ``acc_shape``, and
+def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool) -> list:
+    """Fold this step's V^T.P'^T into each of this warpgroup's four O^T tiles [64 features, 64 rows]
+    (``PV_TRANSPOSED``; tile 2 i + t holds features 64 t .. 64 t + 63 of its chunk i): with
+    ``PV_FRAME`` acc * ratio + V^T.P'^T (``softmax_half_t``), else acc * alpha + V^T.P'^T * pv_max / 448.
+
+    fac_ref f32 [2, 64]: the factors per query row (the tiles' columns), (ratio, unused) or (alpha,
+    pv_max / 448), read once in the ``COL`` layout: a thread holds 16 query rows' columns, so each
+    factor is 16 registers (``PV_FRAME`` exists to need one). p8_ref e4m3 [64 rows, 128]: P' in
+    ``vt_step_row`` order, the K-major B operand as it is. ``visible``: None (every token of the
+    step is below seq_len) or int32 [64] (``ROW``) the number that is (``load_vt_quads``).
+
+    On the GPU each tile's V^T is the register A operand (``load_vt_quads``); the interpreter,
+    which has no inline PTX, reads the slot's V chunk transposed as an SMEM A operand (masked in
+    place by the caller) and P' in step-row order. Each tile's product is waited for and folded in
+    before the next one is issued: the 128 output registers leave no room for a second 32-register
+    product in flight. Measured on an H100 at 64 x 16k x 128 (twentieth session; consumers at 232
+    registers): tiles pipelined as ``pv_update``'s pieces 0.750 ms, in halves of 32 query rows
+    0.690, one at a time 0.562 (0.512 with 240 registers, ``CONSUMER_REGISTERS``); two factors
+    instead of ``PV_FRAME``'s one, one at a time, 0.600.
+    """
+    num_factors = 1 if PV_FRAME else 2
+    factors = [lax.broadcast_in_dim(plgpu.load(fac_ref.at[f], layout=COL), (BLOCK_M, HALF), [1])
+               for f in range(num_factors)]
+    new_accs = []
+    for k, acc in enumerate(accs):
+        i, t = divmod(k, 2)
+        chunk = kv_slot.at[wg * CHUNKS_PER_WG + i]
+        a_operand = (chunk.at[:, pl.ds(t * HALF, HALF)].transpose((1, 0)) if interpret
+                     else load_vt_quads(chunk, t, visible))
+
+        def product(acc_ref, a_operand=a_operand):
+            plgpu.wgmma(acc_ref, a_operand, p8_ref.transpose((1, 0)))
+            return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
+
+        fresh = pl.run_scoped(product, plgpu.ACC((BLOCK_M, HALF), jnp.float32))
+        new_accs.append(acc * factors[0] + (fresh if PV_FRAME else fresh * factors[1]))
+    return new_accs
+
+
+def initial_carry(acc_shape=(BLOCK_M, CHUNK), rows_axis: int = 0, num_accs: int = CHUNKS_PER_WG) -> tuple:
+    """The step loop's carry: ``num_accs`` zero f32 accumulators of ``acc_shape``, and
     m = -inf, l = 0 per query row, the accumulators' axis ``rows_axis`` (0 here; 1 for the
     transposed accumulators of ``mla_decode_mgpu_small``)."""
     zeros = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
     rows, layout = acc_shape[rows_axis], plgpu.Layout.WGMMA.reduce(1 - rows_axis)
-    return ((zeros,) * CHUNKS_PER_WG
+    return ((zeros,) * num_accs
             + (plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), layout),
                plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), layout)))
 
@@ -675,6 +780,31 @@ def write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg,
     write_lse_and_wait(wg, m, l_safe, seen, lse_s, lse_ref, b, split, row0)
 
 
+def write_outputs_t(accs, m, l, scale_col, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg, *,
+                    interpret: bool) -> None:
+    """``write_outputs`` for ``pv_update_t``'s O^T tiles [64 features, 64 rows]: each tile * scale goes
+    out as out[b, split, row0:row0 + 64, its 64 features] through this warpgroup's staging tile
+    o_s[wg] ([64, 64], ``output_transforms``), put back into row-major order and its features into
+    their places by ``store_feature_pairs`` (the interpreter: a transpose). m, l [64] in the ``ROW``
+    layout (for the lse), scale_col [64] per row in ``COL``."""
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    inv_l = lax.broadcast_in_dim(scale_col, accs[0].shape, [1])
+    my_o = o_s.at[wg]
+    for k, acc in enumerate(accs):
+        if k:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile has left the staging tile
+        normalised = acc * inv_l
+        if interpret:
+            my_o[...] = normalised.T.astype(my_o.dtype)
+        else:
+            store_feature_pairs(normalised, my_o)
+        plgpu.commit_smem()
+        col0 = wg * CHUNKS_PER_WG * CHUNK + k * HALF
+        plgpu.copy_smem_to_gmem(my_o, o_ref.at[b, split, pl.ds(row0, BLOCK_M), pl.ds(col0, HALF)])
+    write_lse_and_wait(wg, m, l_safe, seen, lse_s, lse_ref, b, split, row0)
+
+
 def write_lse_and_wait(wg, m, l_safe, seen, lse_s, lse_ref, b, split, row0) -> None:
     """From warpgroup 0, the block's lse (natural log; -inf for rows that saw no token) to
     lse_ref[b, split, row0:row0 + rows] through lse_s f32 [rows]; then every copy out of SMEM
@@ -690,7 +820,7 @@ def write_lse_and_wait(wg, m, l_safe, seen, lse_s, lse_ref, b, split, row0) -> N
 
 def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
             o_ref, lse_ref,
-            q_union, qr_s, qsc_s, lse_s, kv_union, rope_s, ksc_s, p8_s, stats_s, lsum_s,
+            q_union, qr_s, qsc_s, lse_s, kv_union, rope_s, ksc_s, p8_s, stats_s, lsum_s, fac_s,
             step_bar, qk_done_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar,
             *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, num_pages: int, interpret: bool):
     """One CTA: (batch row b, KV split s, row block r), two consumer warpgroups and the producer (wg 2,
@@ -703,7 +833,10 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     step row, feature: K, then V^T in place), rope_s bf16 [2, 128, 64], ksc_s f32
     [2, 128], p8_s e4m3 [2, 64, 128] (a slot's P', both warpgroups' bytes, the A
     operand of both), stats_s f32 [2 slots, 2 warpgroups, 2, 64] (row max, log
-    pv max), lsum_s f32 [2, 64] (each warpgroup's partial l, after the loop).
+    pv max), lsum_s f32 [2, 64] (each warpgroup's partial l, after the loop), fac_s f32 [2, 2, 64]
+    (``PV_TRANSPOSED``: each warpgroup's per-row factors, read back one per column). With
+    ``PV_TRANSPOSED`` the output staging o_s is [2, 64, 64] (``output_transforms``) and the slot
+    stays K (no kv16_s view is written).
     """
     q8_s, o_s = q_union
     kv8_s, kv16_s = kv_union
@@ -712,12 +845,53 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits,
         num_pages=num_pages, issuer=NUM_WGS if PRODUCER_WG else 0, by_warps=PRODUCER_ISSUE_BY_WARPS if PRODUCER_WG else None)
 
+    # The slot is read as K by both warpgroups before V^T overwrites it in place; the transposed
+    # P'.V (``PV_TRANSPOSED``) writes nothing there on the GPU (the interpreter masks V in place).
+    wait_qk_done = WAIT_QK_DONE and (interpret or not PV_TRANSPOSED)
+    num_accs = 2 * CHUNKS_PER_WG if PV_TRANSPOSED else CHUNKS_PER_WG
+
     def consume():
         my_rows = _aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
         q_scale = plgpu.load(qsc_s, layout=ROW)
 
+        def step_tail_t(slot, accs, row_state, factors, p_scaled, t0, *, masked: bool):
+            """``PV_TRANSPOSED``: P' to SMEM in ``vt_step_row`` order, the fold's factors (per row) to
+            the column layout, then O^T += V^T.P'^T (``pv_update_t``); returns the carry (the
+            accumulators, then ``row_state``)."""
+            with jax.named_scope("p_store"):
+                p8 = jnp.minimum(p_scaled, FP8_E4M3_MAX).astype(FP8_DTYPE)
+                if interpret:
+                    p8_s[slot, :, pl.ds(_aligned(wg * HALF, HALF), HALF)] = p8
+                else:
+                    store_quads(p8, p8_s.at[slot], None)  # the lane is the warpgroup's index
+                # Both warpgroups hold the same factors; each turns its own copy into columns.
+                for f, factor in enumerate(factors):
+                    fac_s[wg, f] = factor
+            visible = None
+            if interpret:
+                # V is masked in place once both warpgroups are past their QK.
+                plgpu.barrier_wait(qk_done_bar.at[slot])
+                if masked:
+                    for i in range(CHUNKS_PER_WG):
+                        ch = wg * CHUNKS_PER_WG + i
+                        kv8_s[slot, ch] = v_masked_token_major(kv8_s.at[slot, ch], t0, seq_len)
+            elif masked:
+                visible = plgpu.layout_cast(jnp.full((BLOCK_M,), seq_len - t0, jnp.int32), ROW)
+            plgpu.commit_smem()  # generic-proxy stores (P') -> visible to wgmma
+            plgpu.barrier_arrive(pexch_bar.at[slot])
+            with jax.named_scope("wait_p"):
+                plgpu.barrier_wait(pexch_bar.at[slot])  # the other warpgroup's P'
+            with jax.named_scope("pv"):
+                new_accs = pv_update_t(accs, p8_s.at[slot], kv8_s.at[slot], wg, fac_s.at[wg], visible,
+                                       interpret=interpret)
+                # (Arriving once the last tile's V^T is in registers, before its product, measured
+                # the same on an H100: 0.601 vs 0.598 ms at 128 x 16k x 16 x 2, 0.473 vs 0.478 at
+                # 32 x 16k x 128 x 2.)
+                plgpu.barrier_arrive(consumed_bar.at[slot])
+            return (*new_accs, *row_state)
+
         def step(j, carry, *, masked: bool):
-            accs, m, l_part = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
+            accs, m, l_part = carry[:num_accs], carry[num_accs], carry[num_accs + 1]
             t0 = (first_step + j) * STEP
             # The named scopes are the phases ``scripts/profile_mgpu_steps.py`` times
             # on the GPU (the on-device profiler records them when ``COMPILER_PARAMS``
@@ -730,7 +904,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                 k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=COL)
                 scores = step_scores(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scale, my_rows,
                                      interpret=interpret)
-                if WAIT_QK_DONE:
+                if wait_qk_done:
                     plgpu.barrier_arrive(qk_done_bar.at[slot])
 
             with jax.named_scope("stats"):
@@ -745,9 +919,16 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                 other = 1 - wg
                 row_max = jnp.maximum(row_max, plgpu.load(stats_s.at[slot, other, 0], layout=ROW))
                 log_pv_max = jnp.maximum(log_pv_max, plgpu.load(stats_s.at[slot, other, 1], layout=ROW))
+                if PV_TRANSPOSED and PV_FRAME:
+                    m_new, l_part, frame, p_scaled, ratio = softmax_half_t(
+                        scores, k_scale, m, l_part, carry[-1], row_max, log_pv_max, visible)
+                    return step_tail_t(slot, accs, (m_new, l_part, frame), (ratio,), p_scaled, t0, masked=masked)
                 m_new, alpha, l_part, p_scaled, pv_max = softmax_half(scores, k_scale, m, l_part, row_max,
                                                                       log_pv_max, visible)
 
+            if PV_TRANSPOSED:
+                return step_tail_t(slot, accs, (m_new, l_part), (alpha, pv_max * (1.0 / FP8_E4M3_MAX)), p_scaled,
+                                   t0, masked=masked)
             with jax.named_scope("p_store"):
                 store_p_bytes(jnp.minimum(p_scaled, FP8_E4M3_MAX).astype(FP8_DTYPE), p8_s.at[slot], wg,
                               interpret=interpret)
@@ -757,7 +938,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
             # an H100, one run each: 10% slower at B=64 x 16k x 128, 3% faster at 32 x 16k
             # and 8 x 64k; side by side later, 0.3% faster at 64 x 16k and 128 x 16k: noise.
             # Kept.)
-            if WAIT_QK_DONE:
+            if wait_qk_done:
                 with jax.named_scope("wait_qk_done"):
                     plgpu.barrier_wait(qk_done_bar.at[slot])
             with jax.named_scope("v_transpose"):
@@ -772,14 +953,29 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                 plgpu.barrier_arrive(consumed_bar.at[slot])
             return (*new_accs, m_new, l_part)
 
-        *accs, m, l_part = walk_steps(step, initial_carry(), wg, unmasked_steps, num_steps, consumed_bar,
-                                      issuer=None if PRODUCER_WG else 0)
+        carry = (initial_carry((BLOCK_M, HALF), num_accs=num_accs) if PV_TRANSPOSED else initial_carry())
+        if PV_TRANSPOSED and PV_FRAME:
+            carry = carry + (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), ROW),)  # frame
+        carry = walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar,
+                           issuer=None if PRODUCER_WG else 0)
+        accs, m, l_part = carry[:num_accs], carry[num_accs], carry[num_accs + 1]
         lsum_s[wg] = l_part
         # Both warpgroups are past their last QK (Q8's bytes become the output
         # staging) and have published their partial l.
         plgpu.barrier_arrive(end_bar)
         plgpu.barrier_wait(end_bar)
         l = l_part + plgpu.load(lsum_s.at[1 - wg], layout=ROW)
+        if PV_TRANSPOSED:
+            # Per row, what the accumulators are multiplied by: 1 / l, and with ``PV_FRAME`` the
+            # frame's 2^(frame - m) / 448 (0 for rows that saw no token).
+            seen = l > 0
+            scale = 1.0 / jnp.where(seen, l, 1.0)
+            if PV_FRAME:
+                scale = jnp.where(seen, scale * jnp.exp2(carry[-1] - m) * (1.0 / FP8_E4M3_MAX), 0.0)
+            fac_s[wg, 0] = scale
+            write_outputs_t(accs, m, l, plgpu.load(fac_s.at[wg, 0], layout=COL), o_s, lse_s, o_ref, lse_ref, b,
+                            split, row0, wg, interpret=interpret)
+            return
         write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg,
                       in_order=quads_in_order if V_QUAD_LOADS and not interpret else None)
 
@@ -873,7 +1069,9 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
                   jax.ShapeDtypeStruct((batch, num_splits, num_rows), jnp.float32)),
         scratch_types=[
             plgpu.RefUnion(plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), FP8_DTYPE),
-                           plgpu.SMEM((NUM_WGS, BLOCK_M, stage_cols), out_dtype)),
+                           plgpu.SMEM((NUM_WGS, BLOCK_M, HALF), out_dtype,
+                                      transforms=() if interpret else output_transforms(out_dtype))
+                           if PV_TRANSPOSED else plgpu.SMEM((NUM_WGS, BLOCK_M, stage_cols), out_dtype)),
             plgpu.SMEM((BLOCK_M, ROPE), jnp.bfloat16),
             plgpu.SMEM((BLOCK_M,), jnp.float32),
             plgpu.SMEM((BLOCK_M,), jnp.float32),
@@ -885,6 +1083,7 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
             plgpu.SMEM((NUM_SLOTS, BLOCK_M, STEP), FP8_DTYPE, transforms=BYTE_TILE_TRANSFORMS),
             plgpu.SMEM((NUM_SLOTS, NUM_WGS, 2, BLOCK_M), jnp.float32),
             plgpu.SMEM((NUM_WGS, BLOCK_M), jnp.float32),
+            plgpu.SMEM((NUM_WGS, 2, BLOCK_M), jnp.float32),  # fac_s: (alpha, undo) per warpgroup
             plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
             *(slot_barrier() for _ in range(4)),  # qk_done, stats, pexch, consumed
             plgpu.Barrier(num_arrivals=COPIES_Q),

@@ -48,7 +48,7 @@ ROOT = pathlib.Path(__file__).resolve().parent
 ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
             ("step_scores", "qk8_promoted", "softmax_half", "v_words", "v_operands_in_place", "pv_update",
              "WAIT_QK_DONE", "ISSUE_BY_WARPS", "PRODUCER_WG", "PRODUCER_REGISTERS", "CONSUMER_REGISTERS",
-             "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH", "V_QUAD_LOADS")}
+             "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH", "V_QUAD_LOADS", "PV_TRANSPOSED", "PV_FRAME")}
 
 
 def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
@@ -229,10 +229,26 @@ VARIANTS = {
     # layout), the 24 / 240 register split, both (the kernel before that session).
     "v_pair_loads": {"V_QUAD_LOADS": False},
     "v_pair_loads_24_240": {"V_QUAD_LOADS": False, "PRODUCER_REGISTERS": 24, "CONSUMER_REGISTERS": 240},
+    # The twentieth session's transposed P'.V (V^T as the register A operand) undone: V^T
+    # written over the slot and read back as the B operand, with that kernel's 40 / 232
+    # registers; and its two-factor fold instead of ``PV_FRAME``'s one. (The V^T and P'.V
+    # stand-ins above swap helpers of the untransposed path: with ``PV_TRANSPOSED`` they
+    # change nothing unless combined with "pv_vt_in_smem".)
+    "pv_vt_in_smem": {"PV_TRANSPOSED": False, "PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
+    "pv_t_two_factors": {"PV_FRAME": False},
+    "registers_40_232": {"PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
     # The TMA ring, barriers, statistics and P' exchange, P' packing and output alone.
     "no_compute": {"step_scores": scores_constant, "softmax_half": softmax_none,
                    "v_operands_in_place": v_operands_untransposed, "pv_update": pv_none},
 }
+
+# The stand-ins and candidates of the untransposed P'.V (its V^T and P'.V helpers, V^T's loads) run
+# on that path, with its register split.
+for _swaps in VARIANTS.values():
+    if {"v_words", "v_operands_in_place", "pv_update", "V_QUAD_LOADS"} & set(_swaps):
+        _swaps.setdefault("PV_TRANSPOSED", False)
+        _swaps.setdefault("PRODUCER_REGISTERS", 40)
+        _swaps.setdefault("CONSUMER_REGISTERS", 232)
 
 
 SMALL_ROWS = small_kernel.ROWS

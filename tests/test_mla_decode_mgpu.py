@@ -348,10 +348,13 @@ def test_kernel_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages,
     accumulated onto the FP8 scores; the GPU test below covers them.
     """
     err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits)
-    # Same roundings in fp32 on both sides: what differs is summation order, which
-    # can move a P' value across an e4m3 rounding boundary (one ulp, 2**-3
-    # relative, on one weight of >= 100), plus the bf16 output (2**-9): 4e-3.
-    assert err < 4e-3, err
+    # Same roundings in fp32 on both sides: what differs is summation order (and, with
+    # ``PV_FRAME``, where the per-step factor is applied), which can move a value across a
+    # rounding boundary. The bf16 output's boundary is the larger: one ulp there is 2**-7 of a
+    # value at the bottom of its binade, so up to 2**-7 = 7.8e-3 of max |ref| (one flip measured
+    # 4.4e-3: 696 vs 692 beside a largest output of 916). A wrong mask, permutation or factor
+    # errs by O(1): 1e-2.
+    assert err < 1e-2, err
     assert lse_err < 1e-4, lse_err  # fp32 log-sum-exp of O(10) values, different order
 
 
