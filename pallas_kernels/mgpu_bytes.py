@@ -43,7 +43,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm
+from jaxlib.mlir.dialects import arith, llvm, nvvm, vector
 
 # The SMEM layout ``store_byte_lane`` writes: the one the FP8 wgmma reads an 8-bit
 # operand tile in (rows of 128 bytes in 8-row groups, each row's 16-byte chunks
@@ -283,8 +283,6 @@ def load_vt_quads(chunk_ref, tile: int, visible=None) -> jax.Array:
                          f"{chunk_ref.dtype}")
     if tile not in (0, 1):
         raise ValueError(f"load_vt_quads: tile: expected 0 or 1, got {tile!r}")
-    from jaxlib.mlir.dialects import nvvm, vector
-
     arg_types = (plgpu.RefType(BYTE_TILE_TRANSFORMS),) + ((plgpu.Layout.WGMMA.reduce(1),) if visible is not None
                                                           else ())
     result = plgpu.ShapeDtypeStruct((64, 128), jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA_8BIT)
@@ -404,8 +402,6 @@ def store_feature_pairs(values: jax.Array, dst_ref) -> None:
         raise ValueError(f"store_feature_pairs: dst_ref: expected bf16 or f32 [64, 64], got {dst_ref.shape} "
                          f"{dst_ref.dtype}")
     out_dtype = jnp.dtype(dst_ref.dtype)
-    from jaxlib.mlir.dialects import vector
-
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(output_transforms(out_dtype))))
     def store(ctx, values_fa, dst):
         del ctx
