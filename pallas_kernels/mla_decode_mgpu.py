@@ -922,13 +922,14 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                 if PV_TRANSPOSED and PV_FRAME:
                     m_new, l_part, frame, p_scaled, ratio = softmax_half_t(
                         scores, k_scale, m, l_part, carry[-1], row_max, log_pv_max, visible)
-                    return step_tail_t(slot, accs, (m_new, l_part, frame), (ratio,), p_scaled, t0, masked=masked)
-                m_new, alpha, l_part, p_scaled, pv_max = softmax_half(scores, k_scale, m, l_part, row_max,
-                                                                      log_pv_max, visible)
+                    row_state, factors = (m_new, l_part, frame), (ratio,)
+                else:
+                    m_new, alpha, l_part, p_scaled, pv_max = softmax_half(scores, k_scale, m, l_part, row_max,
+                                                                          log_pv_max, visible)
+                    row_state, factors = (m_new, l_part), (alpha, pv_max * (1.0 / FP8_E4M3_MAX))
 
             if PV_TRANSPOSED:
-                return step_tail_t(slot, accs, (m_new, l_part), (alpha, pv_max * (1.0 / FP8_E4M3_MAX)), p_scaled,
-                                   t0, masked=masked)
+                return step_tail_t(slot, accs, row_state, factors, p_scaled, t0, masked=masked)
             with jax.named_scope("p_store"):
                 store_p_bytes(jnp.minimum(p_scaled, FP8_E4M3_MAX).astype(FP8_DTYPE), p8_s.at[slot], wg,
                               interpret=interpret)
