@@ -597,3 +597,65 @@ def test_small_kernel_refuses_other_row_blocks():
         mla_decode_mgpu_small(q[:, 0], q_rope[:, 0], (latent.reshape(-1, 512), scale.reshape(-1), rope.reshape(-1, 64)),
                               block_table, lens, jnp.zeros((1,), jnp.int32), softmax_scale=0.1, page_size=64, s_q=1,
                               num_heads=16, block_rows=24)
+
+
+def _fold_steps(steps, *, frame: bool):
+    """The 64-row kernel's per-step fold over ``steps`` [(scores base 2 [R, T], k_scale [T], v [T, D])]
+    in float32 jnp, without e4m3 rounding: with ``frame`` ``softmax_half_t``'s one-factor fold
+    (O' = O' * ratio + P'.V, O = O' * 2^(frame - m) / 448 at the end), else ``softmax_half``'s
+    (O = O * alpha + P'.V * pv_max / 448). Returns (O / l, 0 for rows that saw nothing, as the
+    kernel writes them; P' of every step; the accumulator before the end's scaling)."""
+    rows = steps[0][0].shape[0]
+    m = jnp.full((rows,), -jnp.inf, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    f = jnp.full((rows,), -jnp.inf, jnp.float32)
+    o = jnp.zeros((rows, steps[0][2].shape[1]), jnp.float32)
+    p_all = []
+    for scores, k_scale, v in steps:
+        row_max = scores.max(axis=1)
+        log_pv_max = (scores + jnp.log2(k_scale)[None]).max(axis=1)
+        if frame:
+            m, l, f, p, ratio = mgpu_kernel.softmax_half_t(scores, k_scale, m, l, f, row_max, log_pv_max)
+            o = o * ratio[:, None] + p @ v
+        else:
+            m, alpha, l, p, pv_max = mgpu_kernel.softmax_half(scores, k_scale, m, l, row_max, log_pv_max)
+            o = o * alpha[:, None] + (p @ v) * (pv_max / 448.0)[:, None]
+        p_all.append(p)
+    accumulated = o
+    seen = (l > 0)[:, None]
+    if frame:
+        o = o * (jnp.exp2(f - m) / 448.0)[:, None]
+    return jnp.where(seen, o / jnp.where(seen, l[:, None], 1.0), 0.0), p_all, accumulated
+
+
+def test_one_factor_fold_matches_the_two_factor_fold():
+    """``softmax_half_t`` (``PV_FRAME``): P' is the same bits as ``softmax_half``'s while a step's
+    largest P * k_scale is within ``FRAME_DROP`` of the running max, and the fold gives the same
+    output (float32 rounding apart: 1e-5 relative); a step 100 (base 2) below the running max
+    (frame clamped, its P' then underflows as fp32 would beside the max token) neither overflows
+    nor changes the output beyond that; a first step whose rows see nothing stays 0, not NaN."""
+    rng = np.random.default_rng(7)
+    rows, tokens, dim = 8, 64, 16
+
+    def step(offset):
+        scores = jnp.asarray(rng.standard_normal((rows, tokens)) * 4 + offset, jnp.float32)
+        k_scale = jnp.asarray(np.exp(rng.standard_normal(tokens) * 2), jnp.float32)  # scales ~50x apart
+        return scores, k_scale, jnp.asarray(rng.standard_normal((tokens, dim)), jnp.float32)
+
+    steps = [step(0.0), step(6.0), step(-3.0)]
+    (two, p_two, _), (one, p_one, _) = _fold_steps(steps, frame=False), _fold_steps(steps, frame=True)
+    for a, b in zip(p_two, p_one):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(one), np.asarray(two), rtol=1e-5, atol=1e-6)
+
+    far = steps + [step(-100.0)]  # every P * k_scale ~2^-100 of the max token's: the frame clamps
+    one_far, _, accumulated = _fold_steps(far, frame=True)
+    assert np.all(np.isfinite(np.asarray(accumulated)))
+    np.testing.assert_allclose(np.asarray(one_far), np.asarray(one), rtol=1e-5, atol=1e-6)
+
+    # Rows that see nothing in their first step, then a real one: nothing NaN accumulates.
+    unseen = (jnp.full((rows, tokens), -jnp.inf, jnp.float32), steps[0][1], steps[0][2])
+    o_unseen, _, accumulated = _fold_steps([unseen], frame=True)
+    assert np.all(np.asarray(accumulated) == 0) and np.all(np.asarray(o_unseen) == 0)
+    late, _, _ = _fold_steps([unseen] + steps, frame=True)
+    np.testing.assert_allclose(np.asarray(late), np.asarray(one), rtol=1e-5, atol=1e-6)
