@@ -248,7 +248,7 @@ def vt_step_row(column: int) -> int:
     return 16 * group + 8 * (e // 2) + 2 * q + e % 2
 
 
-def _swizzled_offset(row, byte_col, *, row_bytes: int = SWIZZLE, tile_rows: int = 8, tiles_per_row: int = 1):
+def _swizzled_offset(row, byte_col, *, tiles_per_row: int = 1):
     """Byte offset of (row, byte_col) in a tile tiled (8, 128 bytes) with the 128-byte swizzle:
     tiles of 8 rows x 128 bytes, ``tiles_per_row`` of them side by side, each row's 16-byte chunks
     XOR-swizzled by its index in the tile (i32 values or python ints in, i32 value out)."""
@@ -257,10 +257,10 @@ def _swizzled_offset(row, byte_col, *, row_bytes: int = SWIZZLE, tile_rows: int 
     row, byte_col = c32(row), c32(byte_col)
     tile = arith.addi(arith.muli(arith.shrui(row, c32(3)), c32(tiles_per_row)),
                       arith.shrui(byte_col, c32(7)))
-    in_row = arith.andi(byte_col, c32(row_bytes - 1))
-    chunk = arith.xori(arith.shrui(in_row, c32(4)), arith.andi(row, c32(tile_rows - 1)))
-    return arith.addi(arith.addi(arith.muli(tile, c32(tile_rows * row_bytes)),
-                                 arith.muli(arith.andi(row, c32(tile_rows - 1)), c32(row_bytes))),
+    in_row = arith.andi(byte_col, c32(SWIZZLE - 1))
+    row_in_tile = arith.andi(row, c32(7))
+    chunk = arith.xori(arith.shrui(in_row, c32(4)), row_in_tile)
+    return arith.addi(arith.addi(arith.muli(tile, c32(8 * SWIZZLE)), arith.muli(row_in_tile, c32(SWIZZLE))),
                       arith.addi(arith.shli(chunk, c32(4)), arith.andi(in_row, c32(15))))
 
 
@@ -402,6 +402,7 @@ def store_feature_pairs(values: jax.Array, dst_ref) -> None:
         raise ValueError(f"store_feature_pairs: dst_ref: expected bf16 or f32 [64, 64], got {dst_ref.shape} "
                          f"{dst_ref.dtype}")
     out_dtype = jnp.dtype(dst_ref.dtype)
+
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(output_transforms(out_dtype))))
     def store(ctx, values_fa, dst):
         del ctx
