@@ -23,7 +23,8 @@ scores = (Q8.K8^T * q_scale * k_scale + Qr.Kr^T) * softmax_scale * log2(e), FP8
 and BF16 wgmma with fp32 accumulation; online softmax on exp2; P' = P * k_scale per token, scaled per row by 448 / its max
 over the 128-token step, cast to e4m3, FP8 wgmma with V^T, the factor undone
 in fp32. On the GPU the RoPE wgmma accumulates onto the scaled FP8 scores
-(``step_scores``), so one score tile is live, not two.
+(``step_scores``), so one score tile is live, not two; the FP8 product is one
+512-feature wgmma chain (``QK_PROMOTION``).
 
 Layout of the work (FlashMLA's). Grid (batch row, KV split, block of 64 query
 rows), two consumer warpgroups per CTA (and the producer, below): both read
@@ -44,6 +45,10 @@ through SMEM:
    both warpgroups' P'.V): each stores its 64 columns straight into their
    byte positions in V^T's token order (``store_p_bytes``, below), and both
    multiply once the ``pexch`` barrier says both halves are in.
+
+On the GPU both exchanges meet at hardware named barriers of the 256 consumer
+threads (``NAMED_SYNC``, ``consumers_sync``: one ``bar.sync`` each) rather than
+the ``stats`` and ``pexch`` mbarriers, which the interpreter keeps.
 
 (Before this, both warpgroups computed the whole 64 x 128 score tile and no
 statistic crossed: 1.5x the MMA work, twice the softmax, and 64 score
@@ -138,6 +143,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
@@ -165,16 +171,20 @@ COPIES_STEP = 2 * 2 * (NUM_CHUNKS + 1) + 1
 COPIES_Q = NUM_CHUNKS + 2  # Q8 chunks, Q rope, q scale
 # Features per fp32 promotion of the FP8 Q.K product: Hopper's FP8 wgmma keeps
 # only ~14 significant bits in its accumulator, so a long chain loses precision
-# on large scores (``step_scores``); 512 would be one chain. Two 256-feature
-# chains instead of four of 128 (each chain is waited for and summed): 0.688 vs
-# 0.803 ms at B=64 x 16k x 128 (H100, scripts/probe_mgpu_costs.py). Cost: the
-# kernel's error against the e4m3 emulation, max over 36 seeded cases with 300x
-# outlier tokens, 0.030 vs 0.020 (relative L2 4.2e-3 vs 2.5e-3; one 512-feature
-# chain 0.056 / 5.3e-3), against the FP8 cache's own ~2.5e-2 relative error
-# per layer; the demo model's held-out bits per byte, FP8 vs BF16 cache,
-# +0.045% vs +0.036% (paired standard error 0.06%): no measurable change
-# (docs/benchmarks/mgpu.md, tenth session).
-QK_PROMOTION = 256
+# on large scores (``step_scores``); 512 is one chain. Each chain is waited for and
+# summed in registers, so each promotion costs a wgmma round trip and a second live
+# accumulator. 256 (two chains) against 128: 0.688 vs 0.803 ms at B=64 x 16k x 128
+# (H100, tenth session). 512 against 256 (twenty-first session,
+# scripts/probe_mgpu_costs.py, H100): 0.467 vs 0.508 ms at 64 x 16k x 128 and 0.456
+# vs 0.492 at 32 x 16k x 128 x 2, 7-8% faster (an H200 the same); it holds 32 registers fewer
+# across the chain (two chains issued together, one round trip but both accumulators
+# live, gained nothing). What it costs in accuracy (scripts/probe_qk_precision.py,
+# H200, 16 cases up to 4k tokens): against the e4m3 emulation, relative L2 4.1e-3
+# vs 2.6e-3 mean, max error 0.048 vs 0.028 with 300x outlier tokens; against exact
+# attention, which the e4m3 roundings of Q and P dominate, relative L2 2.066% vs
+# 2.067% without outliers and 17.17% vs 17.13% with them (the tenth session found
+# 256 vs 128 unmeasurable in the demo model's held-out bits per byte too).
+QK_PROMOTION = 512
 # Whether a warpgroup waits on the ``qk_done`` barrier before it overwrites the
 # step's slot (the statistics barrier already orders it; see ``_kernel``).
 WAIT_QK_DONE = True
@@ -249,6 +259,13 @@ PV_TRANSPOSED = True
 PV_FRAME = True
 # How far (base 2) a row's frame may sit below its running max (``softmax_half_t``).
 FRAME_DROP = 64.0
+# Whether the two consumer warpgroups exchange a step's row statistics and P' (transposed P'.V)
+# through hardware named barriers (``consumers_sync``: one ``bar.sync`` of their 256 threads)
+# instead of an mbarrier each (every thread's ``mbarrier.arrive``, then a ``try_wait`` loop). GPU
+# only; the interpreter keeps the mbarriers. Barrier ids 0 (the CTA) and 1..3 (one per warpgroup)
+# are Mosaic GPU's.
+NAMED_SYNC = True
+STATS_SYNC_ID, P_SYNC_ID = 8, 9
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
@@ -322,7 +339,8 @@ def qk8_promoted(q8_s, kv_slot, rows) -> jax.Array:
     chain per promotion, summed in registers. (Keeping two chains in flight, the
     next one issued before the previous one is summed, measured slower on an
     H100 with 128-feature chains: 0.838 vs 0.803 ms at B=64 x 16k, H=128, as two
-    more accumulators are live beside the output's.)
+    more accumulators are live beside the output's; with 256-feature chains, the
+    same as one after the other.)
     """
     per_chain = QK_PROMOTION // CHUNK
 
@@ -377,6 +395,39 @@ def local_stats(scores, k_scale, scale_log2: float, visible=None):
     if visible is not None:
         log_scaled = jnp.where(visible, log_scaled, -jnp.inf)  # a garbage scale's log could be NaN
     return scores, scores.max(axis=1), log_scaled.max(axis=1)
+
+
+def consumers_sync(barrier_id: int) -> None:
+    """Both consumer warpgroups (256 threads) meet at hardware named barrier ``barrier_id``
+    (``bar.sync``): the shared-memory stores of either before it are visible to the loads of
+    both after it. GPU only (inline PTX)."""
+    @plgpu.inline_mgpu()
+    def sync(ctx):
+        del ctx
+        mgpu_utils.inline_ptx(f"bar.sync {barrier_id}, {NUM_WGS * 128};", has_side_effects=True)
+    sync()
+
+
+def publish_stats(mine_ref, bar, row_max, log_pv_max) -> None:
+    """A warpgroup's half of the step's row statistics to SMEM (mine_ref f32 [2, 64]: row max, log
+    pv max), then its arrival on the step's statistics barrier ``bar`` (None: the named barrier
+    ``gather_stats`` meets at, ``NAMED_SYNC``)."""
+    mine_ref[0] = row_max
+    mine_ref[1] = log_pv_max
+    if bar is not None:
+        plgpu.barrier_arrive(bar)
+
+
+def gather_stats(other_ref, bar, row_max, log_pv_max):
+    """Once both warpgroups have published (``bar``, or with None the named barrier
+    ``STATS_SYNC_ID``), the step's row statistics over both halves: (row max, log pv max) [64]
+    (``ROW``), the other warpgroup's read from other_ref f32 [2, 64]."""
+    if bar is None:
+        consumers_sync(STATS_SYNC_ID)
+    else:
+        plgpu.barrier_wait(bar)
+    return (jnp.maximum(row_max, plgpu.load(other_ref.at[0], layout=ROW)),
+            jnp.maximum(log_pv_max, plgpu.load(other_ref.at[1], layout=ROW)))
 
 
 def online_rows(scores, k_scale, m, l_part, row_max, visible=None):
@@ -848,6 +899,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     # The slot is read as K by both warpgroups before V^T overwrites it in place; the transposed
     # P'.V (``PV_TRANSPOSED``) writes nothing there on the GPU (the interpreter masks V in place).
     wait_qk_done = WAIT_QK_DONE and (interpret or not PV_TRANSPOSED)
+    named_sync = NAMED_SYNC and PV_TRANSPOSED and not interpret
     num_accs = 2 * CHUNKS_PER_WG if PV_TRANSPOSED else CHUNKS_PER_WG
 
     def consume():
@@ -878,9 +930,13 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
             elif masked:
                 visible = plgpu.layout_cast(jnp.full((BLOCK_M,), seq_len - t0, jnp.int32), ROW)
             plgpu.commit_smem()  # generic-proxy stores (P') -> visible to wgmma
-            plgpu.barrier_arrive(pexch_bar.at[slot])
+            if not named_sync:
+                plgpu.barrier_arrive(pexch_bar.at[slot])
             with jax.named_scope("wait_p"):
-                plgpu.barrier_wait(pexch_bar.at[slot])  # the other warpgroup's P'
+                if named_sync:
+                    consumers_sync(P_SYNC_ID)
+                else:
+                    plgpu.barrier_wait(pexch_bar.at[slot])  # the other warpgroup's P'
             with jax.named_scope("pv"):
                 new_accs = pv_update_t(accs, p8_s.at[slot], kv8_s.at[slot], wg, fac_s.at[wg], visible,
                                        interpret=interpret)
@@ -910,15 +966,11 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
             with jax.named_scope("stats"):
                 visible = step_visibility(row0, t0, seq_len, wg, s_q=s_q, num_heads=num_heads) if masked else None
                 scores, row_max, log_pv_max = local_stats(scores, k_scale, scale_log2, visible)
-                stats_s[slot, wg, 0] = row_max
-                stats_s[slot, wg, 1] = log_pv_max
-                plgpu.barrier_arrive(stats_bar.at[slot])
+                publish_stats(stats_s.at[slot, wg], None if named_sync else stats_bar.at[slot], row_max, log_pv_max)
             with jax.named_scope("wait_stats"):
-                plgpu.barrier_wait(stats_bar.at[slot])
+                row_max, log_pv_max = gather_stats(stats_s.at[slot, 1 - wg], None if named_sync else stats_bar.at[slot],
+                                                   row_max, log_pv_max)
             with jax.named_scope("softmax"):
-                other = 1 - wg
-                row_max = jnp.maximum(row_max, plgpu.load(stats_s.at[slot, other, 0], layout=ROW))
-                log_pv_max = jnp.maximum(log_pv_max, plgpu.load(stats_s.at[slot, other, 1], layout=ROW))
                 if PV_TRANSPOSED and PV_FRAME:
                     m_new, l_part, frame, p_scaled, ratio = softmax_half_t(
                         scores, k_scale, m, l_part, carry[-1], row_max, log_pv_max, visible)

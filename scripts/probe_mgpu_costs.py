@@ -5,8 +5,9 @@
 
 ``--kernel bf16`` times the Mosaic BF16 twin's register splits (``BF16_VARIANTS``; the cache
 is then the bf16 one). Each variant replaces one or more of the step helpers of ``mla_decode_mgpu``
-(``step_scores``, ``qk8_promoted``, ``softmax_half``, ``v_words``,
-``v_operands_in_place``, ``pv_update``), or with ``--kernel small`` of
+(``step_scores``, ``qk8_promoted``, ``softmax_half_t``, ``pv_update_t``,
+``publish_stats``, ``gather_stats``; on the untransposed path ``softmax_half``,
+``v_words``, ``v_operands_in_place``, ``pv_update``), or with ``--kernel small`` of
 ``mla_decode_mgpu_small`` (``step_scores_t``, ``softmax_t``, ``v_half_f16``,
 ``pv_update_t``), or a module constant, by a cheaper stand-in or another
 variant with the same shapes and layouts, and compiles it; then all compiled
@@ -48,7 +49,8 @@ ROOT = pathlib.Path(__file__).resolve().parent
 ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
             ("step_scores", "qk8_promoted", "softmax_half", "v_words", "v_operands_in_place", "pv_update",
              "WAIT_QK_DONE", "ISSUE_BY_WARPS", "PRODUCER_WG", "PRODUCER_REGISTERS", "CONSUMER_REGISTERS",
-             "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH", "V_QUAD_LOADS", "PV_TRANSPOSED", "PV_FRAME")}
+             "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH", "V_QUAD_LOADS", "PV_TRANSPOSED", "PV_FRAME",
+             "softmax_half_t", "pv_update_t", "publish_stats", "gather_stats", "QK_PROMOTION", "NAMED_SYNC")}
 
 
 def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
@@ -83,6 +85,53 @@ def qk8_pipelined(q8_s, kv_slot, rows):
             return last if total_k is None else total_k + last
         return pl.run_scoped(body, plgpu.ACC((BLOCK_M, HALF), jnp.float32))
     return run(0, None, None)
+
+
+def scores_rope_beside(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
+    """The RoPE wgmma and the first FP8 chain (``QK_PROMOTION`` features) issued together into two
+    accumulators and waited for once; each later chain waited for and added, scaled, in registers:
+    one wgmma round trip a step fewer than RoPE onto the scaled product afterwards, with the RoPE
+    accumulator live across the first chain."""
+    rows = pl.ds(first_row, HALF)
+    per_chain = mgpu_kernel.QK_PROMOTION // CHUNK
+    shape = (BLOCK_M, HALF)
+
+    def scaled(s8):
+        return (s8 * lax.broadcast_in_dim(q_scale, shape, [0])) * lax.broadcast_in_dim(k_scale, shape, [1])
+
+    def chain(acc_ref, first):
+        for ch in range(first, first + per_chain):
+            plgpu.wgmma(acc_ref, q8_s.at[ch], kv_slot.at[ch, rows].transpose((1, 0)))
+
+    def first_chain_and_rope(rope_ref, acc_ref):
+        plgpu.wgmma(rope_ref, qr_s, rope_slot.at[rows].transpose((1, 0)))
+        chain(acc_ref, 0)
+        return scaled(acc_ref[...]) + rope_ref[...]
+
+    def later_chain(acc_ref, first):
+        chain(acc_ref, first)
+        return acc_ref[...]
+
+    scores = pl.run_scoped(first_chain_and_rope, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+    for first in range(per_chain, NUM_CHUNKS, per_chain):
+        scores = scores + scaled(pl.run_scoped(functools.partial(later_chain, first=first),
+                                               plgpu.ACC(shape, jnp.float32)))
+    return scores
+
+
+def qk8_chains_in_flight(q8_s, kv_slot, rows):
+    """Every ``QK_PROMOTION``-feature chain issued into its own accumulator before any is waited
+    for (one round trip for the FP8 part; with two chains, the two live accumulators that
+    waiting for the first while the second runs also holds)."""
+    per_chain = mgpu_kernel.QK_PROMOTION // CHUNK
+    firsts = range(0, NUM_CHUNKS, per_chain)
+
+    def chains(*acc_refs):
+        for first, acc_ref in zip(firsts, acc_refs):
+            for ch in range(first, first + per_chain):
+                plgpu.wgmma(acc_ref, q8_s.at[ch], kv_slot.at[ch, rows].transpose((1, 0)))
+        return functools.reduce(jnp.add, [acc_ref[...] for acc_ref in acc_refs])
+    return pl.run_scoped(chains, *[plgpu.ACC((BLOCK_M, HALF), jnp.float32) for _ in firsts])
 
 
 def qk8_promotion_128(q8_s, kv_slot, rows):
@@ -183,6 +232,29 @@ def pv_in_place_one_by_one(accs, p8_ref, v_operands, alpha, pv_max):
     return outs
 
 
+def softmax_t_none(scores, k_scale, m, l_part, frame, row_max, log_pv_max, visible=None):
+    """No softmax (transposed P'.V): P' is the scores (still rounded, stored and multiplied), the
+    fold's ratio 1."""
+    one = l_part * 0.0 + 1.0
+    return m, l_part, frame, scores, one
+
+
+def pv_t_none(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret):
+    """No V^T loads and no V^T.P'^T wgmma (transposed P'.V): the O^T tiles are only rescaled by
+    their factor (read in the column layout, as ``pv_update_t`` does)."""
+    factor = lax.broadcast_in_dim(plgpu.load(fac_ref.at[0], layout=mgpu_kernel.COL), (BLOCK_M, HALF), [1])
+    return [acc * factor for acc in accs]
+
+
+def publish_stats_none(mine_ref, bar, row_max, log_pv_max):
+    """No statistics exchange: nothing published (``gather_stats_local`` waits for nothing)."""
+
+
+def gather_stats_local(other_ref, bar, row_max, log_pv_max):
+    """No statistics exchange: each warpgroup's own half's statistics (wrong by design)."""
+    return row_max, log_pv_max
+
+
 def page_boxes_unclipped(bt_ref, b, step, layer_offset, num_pages):
     """The TMA boxes without the page ids' clip into [0, num_pages) (the kernels before the
     fourteenth session): what the clip costs."""
@@ -237,6 +309,21 @@ VARIANTS = {
     "pv_vt_in_smem": {"PV_TRANSPOSED": False, "PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
     "pv_t_two_factors": {"PV_FRAME": False},
     "registers_40_232": {"PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
+    # Stand-ins of the transposed P'.V's step (the shipped path): what each part costs.
+    "no_softmax_t": {"softmax_half_t": softmax_t_none},
+    "no_pv_t": {"pv_update_t": pv_t_none},
+    "no_stats_exchange": {"publish_stats": publish_stats_none, "gather_stats": gather_stats_local},
+    "no_compute_t": {"step_scores": scores_constant, "softmax_half_t": softmax_t_none, "pv_update_t": pv_t_none},
+    # The twenty-first session's changes undone: Q.K in two 256-feature chains, the statistics
+    # and P' exchanges through mbarriers; each alone.
+    "twentieth_session": {"QK_PROMOTION": 256, "NAMED_SYNC": False},
+    "promotion_256": {"QK_PROMOTION": 256},
+    "mbarrier_sync": {"NAMED_SYNC": False},
+    # Candidates for Q.K's wgmma round trips: RoPE beside the (first) chain; at 256, both chains
+    # in flight.
+    "rope_beside": {"step_scores": scores_rope_beside},
+    "rope_beside_256": {"step_scores": scores_rope_beside, "QK_PROMOTION": 256},
+    "chains_in_flight_256": {"qk8_promoted": qk8_chains_in_flight, "QK_PROMOTION": 256},
     # The TMA ring, barriers, statistics and P' exchange, P' packing and output alone.
     "no_compute": {"step_scores": scores_constant, "softmax_half": softmax_none,
                    "v_operands_in_place": v_operands_untransposed, "pv_update": pv_none},
@@ -245,7 +332,7 @@ VARIANTS = {
 # The stand-ins and candidates of the untransposed P'.V (its V^T and P'.V helpers, V^T's loads) run
 # on that path, with its register split.
 for _swaps in VARIANTS.values():
-    if {"v_words", "v_operands_in_place", "pv_update", "V_QUAD_LOADS"} & set(_swaps):
+    if {"v_words", "v_operands_in_place", "pv_update", "V_QUAD_LOADS", "softmax_half"} & set(_swaps):
         _swaps.setdefault("PV_TRANSPOSED", False)
         _swaps.setdefault("PRODUCER_REGISTERS", 40)
         _swaps.setdefault("CONSUMER_REGISTERS", 232)
