@@ -41,10 +41,10 @@ through SMEM:
    largest P * k_scale over all 128 tokens, so m, alpha and the P' factor are
    the same in both, as their two column halves of one output require. The
    running l stays per warpgroup and is summed once, after the loop.
-2. P' bytes (``p8_s``, one e4m3 [64, 128] tile a ring slot, the A operand of
-   both warpgroups' P'.V): each stores its 64 columns straight into their
-   byte positions in V^T's token order (``store_p_bytes``, below), and both
-   multiply once the ``pexch`` barrier says both halves are in.
+2. P' (``p8_s``, one e4m3 [64, 128] tile a ring slot, the B operand of both
+   warpgroups' P'.V): each stores its 64 columns as 4-byte words in the token
+   order of V^T's registers (``store_quads``, below), and both multiply once
+   the ``pexch`` barrier says both halves are in.
 
 On the GPU both exchanges meet at hardware named barriers of the 256 consumer
 threads (``NAMED_SYNC``, ``consumers_sync``: one ``bar.sync`` each) rather than
@@ -54,8 +54,9 @@ the ``stats`` and ``pexch`` mbarriers, which the interpreter keeps.
 statistic crossed: 1.5x the MMA work, twice the softmax, and 64 score
 registers; this layout measured 2-12% faster on an H100.)
 
-Step order. A step covers 128 tokens = two 64-token pages (the 16-bit WGMMA
-layout of the transposed store needs 64 rows of token pairs). The TMA brings
+Step order. A step covers 128 tokens = two 64-token pages (an order made for
+V^T's former in-place store, whose 16-bit layout needed 64 rows of token pairs;
+``load_vt_quads`` and ``store_quads`` build on it). The TMA brings
 the even tokens of the step to SMEM rows 0..63 and the odd ones to rows
 64..127 (strided boxes from a free [N/2, 2, 512] reshape of the cache), so
 row c holds token 2c (c < 64) or 2(c - 64) + 1 (``step_token_order``). Scores,
@@ -63,36 +64,21 @@ RoPE rows and token scales all follow that order; the token scales are
 gathered per batch row in step order by the launcher (a TMA cannot read every
 other float; 8 B a token against the cache's 644 B).
 
-P'.V, transposed (``PV_TRANSPOSED``, the default since the twentieth session). An FP8 wgmma
-needs both SMEM operands K-major (tokens contiguous for P'.V), and the ring holds V token-major.
-Its A operand may come from registers, so each warpgroup computes O^T = V^T.P'^T instead: four
-[64 features, 64 rows] tiles, V^T the register A operand built straight from the token-major
-slot (``mgpu_bytes.load_vt_quads``: ``ldmatrix.trans`` and ``prmt``, features and tokens
-relabelled within groups of 16), P' the SMEM B operand as stored ([64 rows, 128 tokens],
-tokens contiguous; each warpgroup stores its 64 columns as 4-byte words in the same relabelled
-token order, ``store_quads``). Nothing is written back over the slot, so the ``qk_done``
-barrier goes. The price is the layout of the output: a thread holds 16 query rows' columns,
-so a per-row factor is 16 registers; hence one factor a step (``PV_FRAME``,
-``softmax_half_t``), the products waited for one at a time (``pv_update_t``), 24 / 240
-registers, and an output store that puts features and rows back in place
-(``store_feature_pairs``). Side by side on an H100, 4-8% faster than the path below at
-B=8-128 x 16-64k x 128 heads and 64 x 16k x 16 heads x s_q=2 (docs/benchmarks/mgpu.md).
-
-V transpose and P' packing (``PV_TRANSPOSED`` False: the kernel before, kept for comparison).
-Rows k and 64 + k
-of the step's V chunk are tokens 2k and 2k + 1: loaded as two [64, 128] tiles
-(in the 8-bit WGMMA layout, 4 bytes a thread: ``V_QUAD_LOADS``) and interleaved
-into uint16 words (low byte = token 2k; ``mgpu_bytes``), they are stored through
-the transposed view of a uint16 [128, 64] tile whose ``RefUnion`` e4m3 [128, 128]
-view is V^T in token order, its rows (features) relabelled within groups of 16,
-which the output store undoes (``quads_in_order``). After both warpgroups
-have read a step's slot as K (a barrier with 2 arrivals), each one writes the
-V^T of its own two chunks over the same bytes, so no V^T buffer is needed and
-a 2-slot ring of whole steps (128 KB) fits next to Q (40 KB), RoPE keys
-(2 x 16 KB) and P' (2 x 8 KB). P' follows the same token order: byte 2k of a
-row is warpgroup 0's column k (token 2k), byte 2k + 1 warpgroup 1's; each
-warpgroup writes its bytes with one byte store a value (``store_byte_lane``,
-inline PTX at swizzled addresses), into a tile a slot that both read.
+P'.V, transposed. An FP8 wgmma needs both SMEM operands K-major (tokens contiguous for P'.V),
+and the ring holds V token-major. Its A operand may come from registers, so each warpgroup
+computes O^T = V^T.P'^T instead: four [64 features, 64 rows] tiles, V^T the register A operand
+built straight from the token-major slot (``mgpu_bytes.load_vt_quads``: ``ldmatrix.trans`` and
+``prmt``, features and tokens relabelled within groups of 16), P' the SMEM B operand as stored
+([64 rows, 128 tokens], tokens contiguous; each warpgroup stores its 64 columns as 4-byte words
+in the same relabelled token order, ``store_quads``). Nothing is written over the slot, so a
+2-slot ring of whole steps (128 KB) fits next to Q (40 KB), RoPE keys (2 x 16 KB) and P'
+(2 x 8 KB). The price is the layout of the output: a thread holds 16 query rows' columns, so a
+per-row factor is 16 registers; hence one factor a step (``PV_FRAME``, ``softmax_half_t``), the
+products waited for one at a time (``pv_update_t``), 24 / 240 registers, and an output store
+that puts features and rows back in place (``store_feature_pairs``). (Until the twentieth
+session each warpgroup wrote its chunks' V^T over the slot, in place, once both had read it as
+K, and P'.V read it back as an SMEM operand: 4-8% slower side by side on an H100,
+docs/benchmarks/mgpu.md. That path left the code in the twenty-first session.)
 
 Masking. Only a row's last step or two (s_q > 1) can hold tokens a query row
 must not see; every step before them runs without masks or their index
@@ -113,9 +99,8 @@ Without the producer, consumer 0 issued step j + 1 at the start of step j, each
 of its warps one (page, parity) box (``ISSUE_BY_WARPS``), about 1k SM cycles a
 step that consumer 1 then waited out; with the producer, 0.817 vs 0.861 ms at
 B=64 x 16k x 128 and 0.726 vs 0.838 ms at 32 x 16k x 128, s_q=2 on an H100. Each consumer's P'.V runs as
-four products waited for one at a time (``pv_update_t``; untransposed, four pipelined 64-column
-products, ``pv_update``). The consumers meet at barriers twice a step (statistics, P'; untransposed
-also the slot read as K), so they run nearly in lockstep: their wgmmas and their elementwise work do not
+four products waited for one at a time (``pv_update_t``). The consumers meet twice a step
+(statistics, P'), so they run nearly in lockstep: their wgmmas and their elementwise work do not
 overlap much (docs/mosaic_gpu_decode_plan.md has the cost attribution).
 
 Layout inference: every dynamic TMA start is marked with ``pl.multiple_of``
@@ -123,12 +108,11 @@ Layout inference: every dynamic TMA start is marked with ``pl.multiple_of``
 whole SMEM tile and its layout search runs out of fuel ("Layout inference
 failed to find a solution").
 
-Interpreter (``interpret=True``): it neither aliases ``RefUnion`` views nor
-runs inline PTX or pre-initialised accumulators, so there V stays token-major
-in step order (its FP8 wgmma accepts that B operand, and with ``PV_TRANSPOSED`` the
-transposed slot as an SMEM A operand; hardware does neither), masked in place, P' is
-stored unpacked in step order, the RoPE product is added in registers and the O^T
-tiles leave through a transpose. Everything else, barriers and ring included, is the
+Interpreter (``interpret=True``): it runs no inline PTX and no pre-initialised
+accumulators, so there the slot's V chunks are read transposed as an SMEM A operand
+(its FP8 wgmma accepts that; hardware does not), masked in place once both warpgroups
+have read the slot as K (the ``qk_done`` barrier), P' is stored unpacked in step order,
+the RoPE product is added in registers and the O^T tiles leave through a transpose. Everything else, barriers and ring included, is the
 hardware code.
 """
 
@@ -147,8 +131,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
-from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, interleave_bytes, interleave_quads, load_vt_quads,
-                                       output_transforms, quads_in_order, store_byte_lane, store_feature_pairs,
+from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms, store_feature_pairs,
                                        store_quads)
 from pallas_kernels.combine_splits import combine_splits
 from pallas_kernels.mgpu_decode_inputs import decode_inputs
@@ -185,9 +168,6 @@ COPIES_Q = NUM_CHUNKS + 2  # Q8 chunks, Q rope, q scale
 # 2.067% without outliers and 17.17% vs 17.13% with them (the tenth session found
 # 256 vs 128 unmeasurable in the demo model's held-out bits per byte too).
 QK_PROMOTION = 512
-# Whether a warpgroup waits on the ``qk_done`` barrier before it overwrites the
-# step's slot (the statistics barrier already orders it; see ``_kernel``).
-WAIT_QK_DONE = True
 # Whether the four warps of the issuing warpgroup share a step's TMA issue
 # (``step_issuer``). One thread issuing all 21 copies took ~2000 SM cycles of a
 # ~14000-cycle step (scripts/profile_mgpu_steps.py), on the path of both
@@ -211,9 +191,8 @@ PRODUCER_WG = True
 # the consumers hold the 64 x 256 fp32 output (128 a thread) plus the step's tiles
 # and spill some. Which split spills least inside the step loop is ptxas's call, not a
 # count: the ninth session measured 40 / 232 slower than 24 / 240 (0.857 vs 0.817 ms);
-# with ``V_QUAD_LOADS`` (eighteenth session, the device's ptxas 13.0) 24 / 240 kept ~13
-# registers in local memory across each step's P'.V at s_q = 1 (0.63 ms at 64 x 16k x
-# 128) and 40 / 232 one or two (0.52 ms; 0.57 before both changes).
+# the eighteenth session's untransposed P'.V the other way round (0.52 vs 0.63 ms at
+# 64 x 16k x 128); the transposed one 24 / 240 again (0.512 vs 0.562 ms, twentieth session).
 PRODUCER_REGISTERS = 24
 CONSUMER_REGISTERS = 240
 # Whether the producer's four warps share a step's TMA issue, as ``ISSUE_BY_WARPS``
@@ -233,25 +212,6 @@ COMPILER_PARAMS: plgpu.CompilerParams | None = None
 # is far below e4m3's 2^-4 rounding of P'; flushing subnormal P or scales to zero changes no
 # sum at fp32 (its smallest normal is 2^-126).
 APPROX_MATH = True
-# Whether V^T's loads move 4 bytes a thread (``plgpu.load`` in the 8-bit WGMMA layout, whole
-# 128-byte wavefronts) instead of 2 (the WGMMA layout, half a wavefront each). The words they
-# make (``mgpu_bytes.interleave_quads``) relabel the features within each group of 16, so V^T's
-# rows, and with them the P'.V product's output columns, come in ``quad_column`` order;
-# ``write_outputs`` puts each column back in its place (``quads_in_order``: no value moves
-# between threads, the store takes the 8-bit layout's column assignment). The loads compile
-# to ``ldmatrix`` (16 a step instead of ~130 2-byte loads a thread). With 40 / 232
-# registers (``PRODUCER_REGISTERS``): 0.52 vs 0.57 ms at 64 x 16k x 128 and 32 x 16k x 128
-# x 2 on an H100 (eighteenth session, docs/benchmarks/mgpu.md).
-V_QUAD_LOADS = True
-# Whether P'.V runs transposed, O^T = V^T.P'^T, with V^T the register A operand of the FP8 wgmma
-# (``pv_update_t``, ``mgpu_bytes.load_vt_quads``: ``ldmatrix.trans`` and ``prmt`` straight from the
-# token-major V in the ring) and P' the SMEM B operand: no V^T is written to SMEM and read back,
-# and P' is stored as 4-byte words (``store_quads``). The output accumulators become four
-# [64 features, 64 rows] O^T tiles a warpgroup, rescaled per column (the factors cross from the row
-# layout to the column layout through SMEM, ``fac_s``), and leave the kernel through
-# ``store_feature_pairs``. False: V^T written in place over the slot (``v_operands_in_place``) and
-# P'.V as [64 rows, 128 features] products (``pv_update``).
-PV_TRANSPOSED = True
 # Whether ``pv_update_t`` folds with one factor a column (O' = O' * ratio + V^T.P'^T in the row's
 # frame, ``softmax_half_t``) instead of two (acc * alpha + V^T.P'^T * undo). In the transposed
 # layout a thread holds 16 query rows' columns, so each factor costs 16 registers beside the
@@ -482,27 +442,6 @@ def softmax_half_t(scores, k_scale, m, l_part, frame, row_max, log_pv_max, visib
     return m_new, l_part, frame_new, pv * lax.broadcast_in_dim(factor, pv.shape, [0]), jnp.exp2(frame - frame_safe)
 
 
-def v_words(chunk_ref, t0, seq_len, *, masked: bool) -> jax.Array:
-    """A step's V chunk (SMEM e4m3 [128, 128] in step order) as uint16 [64, 128] token-pair
-    words (word k: token 2k in the low byte, 2k + 1 in the high one); with ``V_QUAD_LOADS``
-    column l holds feature ``quad_column(l)`` of the chunk. ``masked``: tokens past seq_len are
-    zeroed (0 * NaN would poison the P'.V sum)."""
-    if V_QUAD_LOADS:
-        lo = plgpu.load(chunk_ref.at[pl.ds(0, HALF)], layout=plgpu.Layout.WGMMA_8BIT)
-        hi = plgpu.load(chunk_ref.at[pl.ds(HALF, HALF)], layout=plgpu.Layout.WGMMA_8BIT)
-        words = interleave_quads(lo, hi)
-    else:
-        lo = plgpu.load(chunk_ref.at[pl.ds(0, HALF)], layout=plgpu.Layout.WGMMA)
-        hi = plgpu.load(chunk_ref.at[pl.ds(HALF, HALF)], layout=plgpu.Layout.WGMMA)
-        words = interleave_bytes(lo, hi)
-    if not masked:
-        return words
-    word_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 0, layout=plgpu.Layout.WGMMA)
-    even = (t0 + 2 * word_ids) < seq_len
-    odd = (t0 + 2 * word_ids + 1) < seq_len
-    return jnp.where(odd, words, jnp.where(even, words & jnp.uint16(0x00FF), jnp.uint16(0)))
-
-
 def v_masked_token_major(chunk_ref, t0, seq_len) -> jax.Array:
     """Interpreter path: the V chunk e4m3 [128, 128] in step order with tokens past
     seq_len zeroed (the interpreter's FP8 wgmma accepts a token-major B operand)."""
@@ -643,74 +582,9 @@ def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, *, i
     return slot
 
 
-def v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, *, masked: bool, interpret: bool) -> list:
-    """Overwrite this warpgroup's latent chunks of a slot with their V^T (both warpgroups must
-    have read the slot as K) and return the P'.V wgmma's B operands, one per chunk.
-
-    The interpreter, which does not alias ``RefUnion`` views, keeps V token-major in
-    step order instead, masked in place.
-    """
-    v_operands = []
-    for i in range(CHUNKS_PER_WG):
-        ch = wg * CHUNKS_PER_WG + i
-        if not interpret:
-            word = v_words(kv8_s.at[slot, ch], t0, seq_len, masked=masked)
-            kv16_s.at[slot, ch].transpose((1, 0))[...] = plgpu.layout_cast(word, plgpu.Layout.WGMMA)
-            v_operands.append(kv8_s.at[slot, ch].transpose((1, 0)))
-        else:
-            kv8_s[slot, ch] = v_masked_token_major(kv8_s.at[slot, ch], t0, seq_len)
-            v_operands.append(kv8_s.at[slot, ch])
-    return v_operands
-
-
-def store_p_bytes(p8, p8_ref, wg, *, interpret: bool) -> None:
-    """This warpgroup's P' (e4m3 [64, 64], its half of the step's tokens in step order) into the
-    slot's shared P' tile p8_ref e4m3 [64, 128], in V^T's token order: column k of warpgroup w
-    (token 2k + w) to byte column 2k + w (``store_byte_lane``). The interpreter, whose V stays
-    in step order, takes it unpacked at columns [64 w, 64 w + 64).
-
-    (Before, each warpgroup stored its bytes to a tile of its own, and after a barrier both
-    loaded both tiles back and interleaved them into a P' tile each: ``interleave_bytes``.)
-    """
-    if interpret:
-        p8_ref[:, pl.ds(_aligned(wg * HALF, HALF), HALF)] = p8
-    else:
-        store_byte_lane(p8, p8_ref, None)  # the lane is the warpgroup's index (0, 1)
-
-
-def pv_update(accs, p8_ref, v_operands, alpha, pv_max) -> list:
-    """acc * alpha + (P'.V) * pv_max / 448 for each of this warpgroup's accumulators [64, 128].
-
-    The products run as 64-column pieces (two a chunk), each issued before the previous one is
-    waited for and folded in: the tensor cores have the next piece while the registers fold the
-    last, and two 32-register products are live. (One 64 x 128 product a chunk, each waited for
-    before the next was issued, ran 1.15-1.17x slower at B=64-128 x 16k x 128 on an H100, with
-    twice the register spills: ``scripts/probe_mgpu_costs.py`` variant "pv_whole_chunks".)"""
-    cols = CHUNK // 2
-    undo = lax.broadcast_in_dim(pv_max * (1.0 / FP8_E4M3_MAX), (BLOCK_M, cols), [0])
-    alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_M, cols), [0])
-    pieces = [(acc[:, h * cols:(h + 1) * cols], v_operand.at[:, pl.ds(h * cols, cols)])
-              for acc, v_operand in zip(accs, v_operands) for h in range(2)]
-
-    def fold(k, acc_ref, wait_n):
-        return pieces[k][0] * alpha_b + plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n) * undo
-
-    def run(k, previous_ref):
-        def body(acc_ref):
-            plgpu.wgmma(acc_ref, p8_ref, pieces[k][1])
-            folded = [] if previous_ref is None else [fold(k - 1, previous_ref, 1)]
-            if k + 1 < len(pieces):
-                return folded + run(k + 1, acc_ref)
-            return folded + [fold(k, acc_ref, 0)]
-        return pl.run_scoped(body, plgpu.ACC((BLOCK_M, cols), jnp.float32))
-
-    halves = run(0, None)
-    return [jnp.concatenate(halves[2 * i:2 * i + 2], axis=1) for i in range(len(accs))]
-
-
 def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool) -> list:
     """Fold this step's V^T.P'^T into each of this warpgroup's four O^T tiles [64 features, 64 rows]
-    (``PV_TRANSPOSED``; tile 2 i + t holds features 64 t .. 64 t + 63 of its chunk i): with
+    (tile 2 i + t holds features 64 t .. 64 t + 63 of its chunk i): with
     ``PV_FRAME`` acc * ratio + V^T.P'^T (``softmax_half_t``), else acc * alpha + V^T.P'^T * pv_max / 448.
 
     fac_ref f32 [2, 64]: the factors per query row (the tiles' columns), (ratio, unused) or (alpha,
@@ -724,7 +598,7 @@ def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool)
     place by the caller) and P' in step-row order. Each tile's product is waited for and folded in
     before the next one is issued: the 128 output registers leave no room for a second 32-register
     product in flight. Measured on an H100 at 64 x 16k x 128 (twentieth session; consumers at 232
-    registers): tiles pipelined as ``pv_update``'s pieces 0.750 ms, in halves of 32 query rows
+    registers): tiles pipelined (two products in flight) 0.750 ms, in halves of 32 query rows
     0.690, one at a time 0.562 (0.512 with 240 registers, ``CONSUMER_REGISTERS``); two factors
     instead of ``PV_FRAME``'s one, one at a time, 0.600.
     """
@@ -801,15 +675,13 @@ def drain_consumed(wg, num_steps, consumed_bar, *, issuer: int = 0) -> None:
                 plgpu.barrier_wait(consumed_bar.at[lax.rem(num_steps - back, NUM_SLOTS)])
 
 
-def write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg,
-                  in_order: Callable[[jax.Array], jax.Array] | None = None) -> None:
-    """This warpgroup's columns of out[b, split, row0:row0 + 64] (accs / l) and, from
-    warpgroup 0, the rows' lse; call once both warpgroups are past their last QK.
+def write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg) -> None:
+    """This warpgroup's columns of out[b, split, row0:row0 + 64] (accs [64, 128] / l) and, from
+    warpgroup 0, the rows' lse; call once both warpgroups are past their last QK. (The BF16
+    twin's output; this kernel's O^T tiles leave through ``write_outputs_t``.)
 
-    o_s: the staging tiles (Q8's bytes), [2, 64, 128] for a 2-byte output or
-    [2, 64, 64] for the float32 partials of a split (Q8's 32 KB either way).
-    ``in_order``: applied to each normalised f32 piece before it is stored, e.g.
-    ``quads_in_order`` for accumulators whose columns ``V_QUAD_LOADS`` relabelled.
+    o_s: the staging tiles (the query's bytes), [2, 64, 128] for a 2-byte output or
+    [2, 64, 64] for the float32 partials of a split.
     """
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
@@ -822,8 +694,6 @@ def write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg,
         if k:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous piece has left the staging tile
         normalised = piece * inv_l[:, :cols]
-        if in_order is not None:
-            normalised = in_order(normalised)
         my_o[...] = normalised.astype(my_o.dtype)
         plgpu.commit_smem()
         col0 = wg * CHUNKS_PER_WG * CHUNK + col
@@ -871,45 +741,41 @@ def write_lse_and_wait(wg, m, l_safe, seen, lse_s, lse_ref, b, split, row0) -> N
 
 def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
             o_ref, lse_ref,
-            q_union, qr_s, qsc_s, lse_s, kv_union, rope_s, ksc_s, p8_s, stats_s, lsum_s, fac_s,
+            q_union, qr_s, qsc_s, lse_s, kv8_s, rope_s, ksc_s, p8_s, stats_s, lsum_s, fac_s,
             step_bar, qk_done_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar,
             *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, num_pages: int, interpret: bool):
     """One CTA: (batch row b, KV split s, row block r), two consumer warpgroups and the producer (wg 2,
     ``PRODUCER_WG``); shapes in the module docstring.
 
     SMEM (shared by both warpgroups): q_union = (q8_s e4m3 [4, 64, 128] | o_s
-    [2, 64, 128] bf16 or [2, 64, 64] f32 output staging, one tile per
-    warpgroup), qr_s bf16 [64, 64], qsc_s f32 [64], lse_s f32 [64], kv_union =
-    (kv8_s e4m3 [2, 4, 128, 128] | kv16_s uint16 [2, 4, 128, 64]) (slot, chunk,
-    step row, feature: K, then V^T in place), rope_s bf16 [2, 128, 64], ksc_s f32
-    [2, 128], p8_s e4m3 [2, 64, 128] (a slot's P', both warpgroups' bytes, the A
-    operand of both), stats_s f32 [2 slots, 2 warpgroups, 2, 64] (row max, log
-    pv max), lsum_s f32 [2, 64] (each warpgroup's partial l, after the loop), fac_s f32 [2, 2, 64]
-    (``PV_TRANSPOSED``: each warpgroup's per-row factors, read back one per column). With
-    ``PV_TRANSPOSED`` the output staging o_s is [2, 64, 64] (``output_transforms``) and the slot
-    stays K (no kv16_s view is written).
+    [2, 64, 64] output staging, one tile per warpgroup, ``output_transforms``), qr_s
+    bf16 [64, 64], qsc_s f32 [64], lse_s f32 [64], kv8_s e4m3 [2, 4, 128, 128]
+    (slot, chunk, step row, feature: K, and V as it is), rope_s bf16 [2, 128, 64],
+    ksc_s f32 [2, 128], p8_s e4m3 [2, 64, 128] (a slot's P', both warpgroups'
+    columns, the B operand of both), stats_s f32 [2 slots, 2 warpgroups, 2, 64]
+    (row max, log pv max), lsum_s f32 [2, 64] (each warpgroup's partial l, after the
+    loop), fac_s f32 [2, 2, 64] (each warpgroup's per-row factors, read back one per
+    column).
     """
     q8_s, o_s = q_union
-    kv8_s, kv16_s = kv_union
     b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = begin_cta(
         seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits,
         num_pages=num_pages, issuer=NUM_WGS if PRODUCER_WG else 0, by_warps=PRODUCER_ISSUE_BY_WARPS if PRODUCER_WG else None)
 
-    # The slot is read as K by both warpgroups before V^T overwrites it in place; the transposed
-    # P'.V (``PV_TRANSPOSED``) writes nothing there on the GPU (the interpreter masks V in place).
-    wait_qk_done = WAIT_QK_DONE and (interpret or not PV_TRANSPOSED)
-    named_sync = NAMED_SYNC and PV_TRANSPOSED and not interpret
-    num_accs = 2 * CHUNKS_PER_WG if PV_TRANSPOSED else CHUNKS_PER_WG
+    # Nothing is written over a slot on the GPU; the interpreter masks V in place once both
+    # warpgroups have read the slot as K (``qk_done``).
+    named_sync = NAMED_SYNC and not interpret
+    num_accs = 2 * CHUNKS_PER_WG  # O^T tiles [64 features, 64 rows]
 
     def consume():
         my_rows = _aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
         q_scale = plgpu.load(qsc_s, layout=ROW)
 
         def step_tail_t(slot, accs, row_state, factors, p_scaled, t0, *, masked: bool):
-            """``PV_TRANSPOSED``: P' to SMEM in ``vt_step_row`` order, the fold's factors (per row) to
-            the column layout, then O^T += V^T.P'^T (``pv_update_t``); returns the carry (the
-            accumulators, then ``row_state``)."""
+            """P' to SMEM in ``vt_step_row`` order, the fold's factors (per row) to the column layout,
+            then O^T += V^T.P'^T (``pv_update_t``); returns the carry (the accumulators, then
+            ``row_state``)."""
             with jax.named_scope("p_store"):
                 p8 = jnp.minimum(p_scaled, FP8_E4M3_MAX).astype(FP8_DTYPE)
                 if interpret:
@@ -960,7 +826,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                 k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=COL)
                 scores = step_scores(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scale, my_rows,
                                      interpret=interpret)
-                if wait_qk_done:
+                if interpret:
                     plgpu.barrier_arrive(qk_done_bar.at[slot])
 
             with jax.named_scope("stats"):
@@ -971,7 +837,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                 row_max, log_pv_max = gather_stats(stats_s.at[slot, 1 - wg], None if named_sync else stats_bar.at[slot],
                                                    row_max, log_pv_max)
             with jax.named_scope("softmax"):
-                if PV_TRANSPOSED and PV_FRAME:
+                if PV_FRAME:
                     m_new, l_part, frame, p_scaled, ratio = softmax_half_t(
                         scores, k_scale, m, l_part, carry[-1], row_max, log_pv_max, visible)
                     row_state, factors = (m_new, l_part, frame), (ratio,)
@@ -980,34 +846,10 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                                                                           log_pv_max, visible)
                     row_state, factors = (m_new, l_part), (alpha, pv_max * (1.0 / FP8_E4M3_MAX))
 
-            if PV_TRANSPOSED:
-                return step_tail_t(slot, accs, row_state, factors, p_scaled, t0, masked=masked)
-            with jax.named_scope("p_store"):
-                store_p_bytes(jnp.minimum(p_scaled, FP8_E4M3_MAX).astype(FP8_DTYPE), p8_s.at[slot], wg,
-                              interpret=interpret)
-            # Both warpgroups are past their QK: my latent chunks become their V^T. (The
-            # statistics barrier above implies this one, as each warpgroup reaches it after
-            # its QK wgmmas completed; dropping qk_done (``WAIT_QK_DONE``) measured mixed on
-            # an H100, one run each: 10% slower at B=64 x 16k x 128, 3% faster at 32 x 16k
-            # and 8 x 64k; side by side later, 0.3% faster at 64 x 16k and 128 x 16k: noise.
-            # Kept.)
-            if wait_qk_done:
-                with jax.named_scope("wait_qk_done"):
-                    plgpu.barrier_wait(qk_done_bar.at[slot])
-            with jax.named_scope("v_transpose"):
-                v_operands = v_operands_in_place(kv8_s, kv16_s, slot, wg, t0, seq_len, masked=masked,
-                                                 interpret=interpret)
-                plgpu.commit_smem()  # generic-proxy stores (P', V^T) -> visible to wgmma
-                plgpu.barrier_arrive(pexch_bar.at[slot])
-            with jax.named_scope("wait_p"):
-                plgpu.barrier_wait(pexch_bar.at[slot])  # the other warpgroup's P' bytes
-            with jax.named_scope("pv"):
-                new_accs = pv_update(accs, p8_s.at[slot], v_operands, alpha, pv_max)
-                plgpu.barrier_arrive(consumed_bar.at[slot])
-            return (*new_accs, m_new, l_part)
+            return step_tail_t(slot, accs, row_state, factors, p_scaled, t0, masked=masked)
 
-        carry = (initial_carry((BLOCK_M, HALF), num_accs=num_accs) if PV_TRANSPOSED else initial_carry())
-        if PV_TRANSPOSED and PV_FRAME:
+        carry = initial_carry((BLOCK_M, HALF), num_accs=num_accs)
+        if PV_FRAME:
             carry = carry + (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), ROW),)  # frame
         carry = walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar,
                            issuer=None if PRODUCER_WG else 0)
@@ -1018,19 +860,15 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         plgpu.barrier_arrive(end_bar)
         plgpu.barrier_wait(end_bar)
         l = l_part + plgpu.load(lsum_s.at[1 - wg], layout=ROW)
-        if PV_TRANSPOSED:
-            # Per row, what the accumulators are multiplied by: 1 / l, and with ``PV_FRAME`` the
-            # frame's 2^(frame - m) / 448 (0 for rows that saw no token).
-            seen = l > 0
-            scale = 1.0 / jnp.where(seen, l, 1.0)
-            if PV_FRAME:
-                scale = jnp.where(seen, scale * jnp.exp2(carry[-1] - m) * (1.0 / FP8_E4M3_MAX), 0.0)
-            fac_s[wg, 0] = scale
-            write_outputs_t(accs, m, l, plgpu.load(fac_s.at[wg, 0], layout=COL), o_s, lse_s, o_ref, lse_ref, b,
-                            split, row0, wg, interpret=interpret)
-            return
-        write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg,
-                      in_order=quads_in_order if V_QUAD_LOADS and not interpret else None)
+        # Per row, what the accumulators are multiplied by: 1 / l, and with ``PV_FRAME`` the
+        # frame's 2^(frame - m) / 448 (0 for rows that saw no token).
+        seen = l > 0
+        scale = 1.0 / jnp.where(seen, l, 1.0)
+        if PV_FRAME:
+            scale = jnp.where(seen, scale * jnp.exp2(carry[-1] - m) * (1.0 / FP8_E4M3_MAX), 0.0)
+        fac_s[wg, 0] = scale
+        write_outputs_t(accs, m, l, plgpu.load(fac_s.at[wg, 0], layout=COL), o_s, lse_s, o_ref, lse_ref, b,
+                        split, row0, wg, interpret=interpret)
 
     if not PRODUCER_WG:
         consume()
@@ -1113,7 +951,6 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
         num_pages=num_pages, interpret=interpret)
     out_dtype = q_rows.dtype if num_splits == 1 else jnp.float32
-    stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # the staging tile fits in Q8's 32 KB
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
@@ -1123,22 +960,20 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
         scratch_types=[
             plgpu.RefUnion(plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), FP8_DTYPE),
                            plgpu.SMEM((NUM_WGS, BLOCK_M, HALF), out_dtype,
-                                      transforms=() if interpret else output_transforms(out_dtype))
-                           if PV_TRANSPOSED else plgpu.SMEM((NUM_WGS, BLOCK_M, stage_cols), out_dtype)),
+                                      transforms=() if interpret else output_transforms(out_dtype))),
             plgpu.SMEM((BLOCK_M, ROPE), jnp.bfloat16),
             plgpu.SMEM((BLOCK_M,), jnp.float32),
             plgpu.SMEM((BLOCK_M,), jnp.float32),
-            plgpu.RefUnion(plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
-                           plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK // 2), jnp.uint16)),
+            plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
             plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
             plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
-            # P' (``store_p_bytes``): its byte stores compute addresses for this layout.
+            # P' (``store_quads``): its 4-byte stores compute addresses for this layout.
             plgpu.SMEM((NUM_SLOTS, BLOCK_M, STEP), FP8_DTYPE, transforms=BYTE_TILE_TRANSFORMS),
             plgpu.SMEM((NUM_SLOTS, NUM_WGS, 2, BLOCK_M), jnp.float32),
             plgpu.SMEM((NUM_WGS, BLOCK_M), jnp.float32),
-            plgpu.SMEM((NUM_WGS, 2, BLOCK_M), jnp.float32),  # fac_s: (alpha, undo) per warpgroup
+            plgpu.SMEM((NUM_WGS, 2, BLOCK_M), jnp.float32),  # fac_s: the fold's factors per warpgroup
             plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
-            *(slot_barrier() for _ in range(4)),  # qk_done, stats, pexch, consumed
+            *(slot_barrier() for _ in range(4)),  # qk_done (interpreter), stats, pexch, consumed
             plgpu.Barrier(num_arrivals=COPIES_Q),
             plgpu.Barrier(num_arrivals=NUM_WGS),
         ],

@@ -6,8 +6,7 @@
 ``--kernel bf16`` times the Mosaic BF16 twin's register splits (``BF16_VARIANTS``; the cache
 is then the bf16 one). Each variant replaces one or more of the step helpers of ``mla_decode_mgpu``
 (``step_scores``, ``qk8_promoted``, ``softmax_half_t``, ``pv_update_t``,
-``publish_stats``, ``gather_stats``; on the untransposed path ``softmax_half``,
-``v_words``, ``v_operands_in_place``, ``pv_update``), or with ``--kernel small`` of
+``publish_stats``, ``gather_stats``), or with ``--kernel small`` of
 ``mla_decode_mgpu_small`` (``step_scores_t``, ``softmax_t``, ``v_half_f16``,
 ``pv_update_t``), or a module constant, by a cheaper stand-in or another
 variant with the same shapes and layouts, and compiles it; then all compiled
@@ -42,14 +41,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import pallas_kernels.mla_decode_mgpu as mgpu_kernel
 import pallas_kernels.mla_decode_mgpu_bf16 as bf16_kernel
 import pallas_kernels.mla_decode_mgpu_small as small_kernel
-from pallas_kernels.mla_decode_mgpu import BLOCK_M, CHUNK, CHUNKS_PER_WG, HALF, NUM_CHUNKS
+from pallas_kernels.mla_decode_mgpu import BLOCK_M, CHUNK, HALF, NUM_CHUNKS
 from snapmla_jax.bench import timing
 
 ROOT = pathlib.Path(__file__).resolve().parent
 ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
-            ("step_scores", "qk8_promoted", "softmax_half", "v_words", "v_operands_in_place", "pv_update",
-             "WAIT_QK_DONE", "ISSUE_BY_WARPS", "PRODUCER_WG", "PRODUCER_REGISTERS", "CONSUMER_REGISTERS",
-             "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH", "V_QUAD_LOADS", "PV_TRANSPOSED", "PV_FRAME",
+            ("step_scores", "qk8_promoted", "ISSUE_BY_WARPS", "PRODUCER_WG", "PRODUCER_REGISTERS", "CONSUMER_REGISTERS",
+             "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH", "PV_FRAME",
              "softmax_half_t", "pv_update_t", "publish_stats", "gather_stats", "QK_PROMOTION", "NAMED_SYNC")}
 
 
@@ -159,79 +157,6 @@ def scores_constant(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row,
     return plgpu.layout_cast(jnp.full((BLOCK_M, HALF), 1.0, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def softmax_none(scores, k_scale, m, l_part, row_max, log_pv_max, visible=None):
-    """No softmax: P' is the scores (still rounded, exchanged and packed)."""
-    one = l_part * 0.0 + 1.0
-    return m, one, l_part, scores, one
-
-
-def v_words_constant(chunk_ref, t0, seq_len, *, masked):
-    """No V load or packing: a constant word tile (the transposed store remains)."""
-    return plgpu.layout_cast(jnp.full((HALF, CHUNK), 0x3838, jnp.uint16), plgpu.Layout.WGMMA)
-
-
-def v_operands_untransposed(kv8_s, kv16_s, slot, wg, t0, seq_len, *, masked, interpret):
-    """No V^T: the slot's K bytes are read as V^T (no V loads, packing or transposed stores)."""
-    return [kv8_s.at[slot, wg * CHUNKS_PER_WG + i].transpose((1, 0)) for i in range(CHUNKS_PER_WG)]
-
-
-def pv_whole_chunks(accs, p8_ref, v_operands, alpha, pv_max):
-    """P'.V as one 64 x 128 product a chunk, each waited for before the next is issued (the
-    kernel before its pipelined 64-column pieces)."""
-    undo = lax.broadcast_in_dim(pv_max * (1.0 / mgpu_kernel.FP8_E4M3_MAX), (BLOCK_M, CHUNK), [0])
-    alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_M, CHUNK), [0])
-    new_accs = []
-    for acc, v_operand in zip(accs, v_operands):
-        def pv_mma(acc_ref, v_operand=v_operand):
-            plgpu.wgmma(acc_ref, p8_ref, v_operand)
-            return acc_ref[...]
-        new_accs.append(acc * alpha_b + pl.run_scoped(pv_mma, plgpu.ACC((BLOCK_M, CHUNK), jnp.float32)) * undo)
-    return new_accs
-
-
-def pv_none(accs, p8_ref, v_operands, alpha, pv_max):
-    """No P'.V wgmma: the accumulators are only rescaled."""
-    alpha_b = lax.broadcast_in_dim(alpha, (BLOCK_M, CHUNK), [0])
-    return [acc * alpha_b for acc in accs]
-
-
-def _in_place_scales(alpha, pv_max):
-    """Per-row (pre, post) factors of P'.V accumulated in place: acc_new = (acc * pre + P'.V) * post
-    equals acc * alpha + P'.V * pv_max / 448 where pre = alpha / undo stays below 2^64; rows above
-    (the step's P' is < 2^-64 of the running sum's weight) keep acc * alpha and drop the step."""
-    undo = pv_max * (1.0 / mgpu_kernel.FP8_E4M3_MAX)
-    ratio = alpha / undo
-    keep = ratio <= 2.0 ** 64
-    pre = jnp.where(keep, ratio, 2.0 ** 64)
-    post = jnp.where(keep, undo, alpha * 2.0 ** -64)
-    shape = (BLOCK_M, CHUNK)
-    return lax.broadcast_in_dim(pre, shape, [0]), lax.broadcast_in_dim(post, shape, [0])
-
-
-def pv_in_place(accs, p8_ref, v_operands, alpha, pv_max):
-    """P'.V accumulated onto the live accumulators (``ACC.init``), both chunks' wgmmas in flight
-    at once: no fresh 64 x 128 accumulator per chunk."""
-    pre, post = _in_place_scales(alpha, pv_max)
-
-    def mma(acc_refs):
-        for acc_ref, v_operand in zip(acc_refs, v_operands):
-            plgpu.wgmma(acc_ref, p8_ref, v_operand)
-
-    outs = pl.run_state(mma)(tuple(plgpu.ACC.init(acc * pre) for acc in accs))
-    return [out * post for out in outs]
-
-
-def pv_in_place_one_by_one(accs, p8_ref, v_operands, alpha, pv_max):
-    """``pv_in_place`` with each chunk's wgmma waited for before the next is issued."""
-    pre, post = _in_place_scales(alpha, pv_max)
-    outs = []
-    for acc, v_operand in zip(accs, v_operands):
-        def mma(acc_ref, v_operand=v_operand):
-            plgpu.wgmma(acc_ref, p8_ref, v_operand)
-        outs.append(pl.run_state(mma)(plgpu.ACC.init(acc * pre)) * post)
-    return outs
-
-
 def softmax_t_none(scores, k_scale, m, l_part, frame, row_max, log_pv_max, visible=None):
     """No softmax (transposed P'.V): P' is the scores (still rounded, stored and multiplied), the
     fold's ratio 1."""
@@ -274,41 +199,18 @@ VARIANTS = {
     "qk_pipelined": {"qk8_promoted": qk8_pipelined},
     "no_rope": {"step_scores": scores_fp8_only},
     "no_qk": {"step_scores": scores_constant},
-    "no_softmax": {"softmax_half": softmax_none},
-    "v_constant": {"v_words": v_words_constant},
-    "no_v_transpose": {"v_operands_in_place": v_operands_untransposed},
-    "no_pv": {"pv_update": pv_none},
-    "no_qk_done": {"WAIT_QK_DONE": False},
-    "pv_in_place": {"pv_update": pv_in_place},
-    "pv_in_place_one_by_one": {"pv_update": pv_in_place_one_by_one},
-    "pv_in_place_no_qk_done": {"pv_update": pv_in_place, "WAIT_QK_DONE": False},
-    # The eighth session's changes, each undone alone, and both (timings in
-    # docs/benchmarks/mgpu.md).
-    "pv_whole_chunks": {"pv_update": pv_whole_chunks},
     # (With the producer warpgroup, ISSUE_BY_WARPS only matters with "no_producer".)
     "issue_by_one_thread": {"ISSUE_BY_WARPS": False, "PRODUCER_WG": False},
-    "eighth_session_undone": {"pv_update": pv_whole_chunks, "ISSUE_BY_WARPS": False, "PRODUCER_WG": False},
     # The ninth session's producer warpgroup: off (consumer 0 issues the ring, its
-    # warps sharing the copies), with 24 / 240 registers instead of 40 / 232 (the
-    # split before the eighteenth session), and with its four warps sharing the issue.
+    # warps sharing the copies), other register splits, and its four warps sharing the issue.
     "no_producer": {"PRODUCER_WG": False},
-    "registers_24_240": {"PRODUCER_REGISTERS": 24, "CONSUMER_REGISTERS": 240},
     "registers_56_224": {"PRODUCER_REGISTERS": 56, "CONSUMER_REGISTERS": 224},
+    "registers_40_232": {"PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
     "producer_by_warps": {"PRODUCER_ISSUE_BY_WARPS": True},
     "pages_unclipped": {"page_boxes": page_boxes_unclipped},
     "precise_math": {"APPROX_MATH": False},
-    # The eighteenth session's changes undone: V^T loads of 2 bytes a thread (the WGMMA
-    # layout), the 24 / 240 register split, both (the kernel before that session).
-    "v_pair_loads": {"V_QUAD_LOADS": False},
-    "v_pair_loads_24_240": {"V_QUAD_LOADS": False, "PRODUCER_REGISTERS": 24, "CONSUMER_REGISTERS": 240},
-    # The twentieth session's transposed P'.V (V^T as the register A operand) undone: V^T
-    # written over the slot and read back as the B operand, with that kernel's 40 / 232
-    # registers; and its two-factor fold instead of ``PV_FRAME``'s one. (The V^T and P'.V
-    # stand-ins above swap helpers of the untransposed path: with ``PV_TRANSPOSED`` they
-    # change nothing unless combined with "pv_vt_in_smem".)
-    "pv_vt_in_smem": {"PV_TRANSPOSED": False, "PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
+    # The twentieth session's one-factor fold undone (two factors a step, ``softmax_half``).
     "pv_t_two_factors": {"PV_FRAME": False},
-    "registers_40_232": {"PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
     # Stand-ins of the transposed P'.V's step (the shipped path): what each part costs.
     "no_softmax_t": {"softmax_half_t": softmax_t_none},
     "no_pv_t": {"pv_update_t": pv_t_none},
@@ -324,18 +226,7 @@ VARIANTS = {
     "rope_beside": {"step_scores": scores_rope_beside},
     "rope_beside_256": {"step_scores": scores_rope_beside, "QK_PROMOTION": 256},
     "chains_in_flight_256": {"qk8_promoted": qk8_chains_in_flight, "QK_PROMOTION": 256},
-    # The TMA ring, barriers, statistics and P' exchange, P' packing and output alone.
-    "no_compute": {"step_scores": scores_constant, "softmax_half": softmax_none,
-                   "v_operands_in_place": v_operands_untransposed, "pv_update": pv_none},
 }
-
-# The stand-ins and candidates of the untransposed P'.V (its V^T and P'.V helpers, V^T's loads) run
-# on that path, with its register split.
-for _swaps in VARIANTS.values():
-    if {"v_words", "v_operands_in_place", "pv_update", "V_QUAD_LOADS", "softmax_half"} & set(_swaps):
-        _swaps.setdefault("PV_TRANSPOSED", False)
-        _swaps.setdefault("PRODUCER_REGISTERS", 40)
-        _swaps.setdefault("CONSUMER_REGISTERS", 232)
 
 
 SMALL_ROWS = small_kernel.ROWS

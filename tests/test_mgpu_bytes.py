@@ -1,16 +1,10 @@
-"""Inline-PTX byte packing of the Mosaic GPU decode kernel (pallas_kernels/mgpu_bytes.py).
+"""Inline-PTX operand helpers of the Mosaic GPU decode kernel's transposed P'.V (pallas_kernels/mgpu_bytes.py).
 
-CPU: kernels using ``interleave_bytes`` and ``store_byte_lane`` lower for CUDA.
-GPU: ``interleave_bytes``'s words match the bytes numpy computes (``lo | hi <<
-8``), bit for bit, on random bytes (every value an e4m3 byte can hold, NaN
-patterns included: bits, not values); ``store_byte_lane`` puts two tiles'
-bytes in alternate bytes of one tile, read back through a wgmma-layout TMA;
-``interleave_quads``' words (4-byte loads) match numpy's at their relabelled columns
-(``quad_column``), and ``quads_in_order`` puts every value of a relabelled f32 tile back at
-its column, exactly. ``load_vt_quads`` (V^T as the register A operand, NaN tokens past a count
-masked), ``store_quads`` (P' as the B operand) and ``store_feature_pairs`` (O^T tiles back in
-row-major order) together multiply as numpy does on small integers, exactly (GPU); their
-relabellings (``vt_feature``, ``vt_step_row``) are permutations (CPU).
+``load_vt_quads`` (V^T as the register A operand, NaN tokens past a count masked),
+``store_quads`` (P' as the B operand) and ``store_feature_pairs`` (O^T tiles back in
+row-major order) together multiply as numpy does on small integers, exactly (GPU); they
+lower for CUDA and name the argument they reject (CPU); their relabellings (``vt_feature``,
+``vt_step_row``) are permutations (CPU).
 """
 
 from __future__ import annotations
@@ -21,199 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, interleave_bytes, interleave_quads, load_vt_quads,
-                                       output_transforms, quad_column, quads_in_order, store_byte_lane,
-                                       store_feature_pairs, store_quads, vt_feature, vt_step_row)
-
-SHAPE = (64, 128)
-
-
-def _kernel(lo_ref, hi_ref, words_ref, bytes_s, words_s, bar):
-    for src, dst in ((lo_ref, bytes_s.at[0]), (hi_ref, bytes_s.at[1])):
-        plgpu.copy_gmem_to_smem(src, dst, bar)
-    plgpu.barrier_wait(bar)
-    load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA)
-    words_s[...] = interleave_bytes(load(bytes_s.at[0]), load(bytes_s.at[1]))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(words_s, words_ref)
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _run(lo, hi):
-    return plgpu.kernel(_kernel, out_type=jax.ShapeDtypeStruct(SHAPE, jnp.uint16), kernel_name="test_mgpu_bytes",
-                        scratch_types=[plgpu.SMEM((2, *SHAPE), jnp.float8_e4m3fn), plgpu.SMEM(SHAPE, jnp.uint16),
-                                       plgpu.Barrier(num_arrivals=2)])(lo, hi)
-
-
-def _inputs(seed, shape=SHAPE):
-    """Two random byte tiles, as e4m3 (the kernel's V or P' bytes: any bit pattern, NaN included)."""
-    b = np.random.default_rng(seed).integers(0, 256, (2, *shape), dtype=np.uint8)
-    return b, jnp.asarray(b[0]).view(jnp.float8_e4m3fn), jnp.asarray(b[1]).view(jnp.float8_e4m3fn)
-
-
-def test_byte_helper_lowers_for_cuda():
-    _, lo, hi = _inputs(0)
-    jax.jit(_run).trace(lo, hi).lower(lowering_platforms=("cuda",))
-
-
-def test_byte_helper_rejects_mismatched_pairs():
-    with pytest.raises(ValueError, match="interleave_bytes: expected two arrays"):
-        interleave_bytes(jnp.zeros((64, 64), jnp.float32), jnp.zeros((64, 64), jnp.float32))
-    with pytest.raises(ValueError, match="interleave_bytes: expected two arrays"):
-        interleave_bytes(jnp.zeros((64, 64), jnp.uint8), jnp.zeros((64, 128), jnp.uint8))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("seed", [1, 2])
-def test_byte_helper_matches_numpy(seed):
-    b, lo, hi = _inputs(seed)
-    want = b[0].astype(np.uint16) | (b[1].astype(np.uint16) << 8)
-    np.testing.assert_array_equal(np.asarray(_run(lo, hi)), want)
-
-
-def _lanes_kernel(even_ref, odd_ref, out_ref, bytes_s, out_s, bar, done, *, by_warpgroup):
-    """``by_warpgroup``: warpgroup w stores tile w with lane None; else warpgroup 0 stores both."""
-    wg = lax.axis_index("wg")
-
-    @pl.when(wg == 0)
-    def _():
-        for src, dst in ((even_ref, bytes_s.at[0]), (odd_ref, bytes_s.at[1])):
-            plgpu.copy_gmem_to_smem(src, dst, bar)
-
-    plgpu.barrier_wait(bar)
-    if by_warpgroup:
-        store_byte_lane(plgpu.load(bytes_s.at[wg], layout=plgpu.Layout.WGMMA), out_s, None)
-    else:
-        @pl.when(wg == 0)
-        def _():
-            for lane in range(2):
-                store_byte_lane(plgpu.load(bytes_s.at[lane], layout=plgpu.Layout.WGMMA), out_s, lane)
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(done)
-    plgpu.barrier_wait(done)
-
-    @pl.when(wg == 0)
-    def _():
-        plgpu.copy_smem_to_gmem(out_s, out_ref)
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _run_lanes(even, odd, by_warpgroup=False):
-    """Two e4m3 [64, 64] tiles -> e4m3 [64, 128], even's bytes at even columns (two warpgroups)."""
-    return plgpu.kernel(
-        functools.partial(_lanes_kernel, by_warpgroup=by_warpgroup),
-        out_type=jax.ShapeDtypeStruct((64, 128), jnp.float8_e4m3fn), kernel_name="test_byte_lanes",
-        num_threads=2, thread_name="wg",
-        scratch_types=[plgpu.SMEM((2, 64, 64), jnp.float8_e4m3fn),
-                       plgpu.SMEM((64, 128), jnp.float8_e4m3fn, transforms=BYTE_TILE_TRANSFORMS),
-                       plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2)])(even, odd)
-
-
-@pytest.mark.parametrize("by_warpgroup", [False, True])
-def test_byte_lane_store_lowers_for_cuda(by_warpgroup):
-    _, even, odd = _inputs(0, (64, 64))
-    jax.jit(functools.partial(_run_lanes, by_warpgroup=by_warpgroup)).trace(even, odd).lower(
-        lowering_platforms=("cuda",))
-
-
-def test_byte_lane_store_rejects_bad_arguments():
-    tile = jnp.zeros((64, 64), jnp.float8_e4m3fn)
-    with pytest.raises(ValueError, match="store_byte_lane: values: expected e4m3"):
-        store_byte_lane(tile.astype(jnp.float32), None, 0)
-    with pytest.raises(ValueError, match="store_byte_lane: dst_ref: expected e4m3"):
-        store_byte_lane(tile, jnp.zeros((64, 64), jnp.float8_e4m3fn), 0)
-    with pytest.raises(ValueError, match="store_byte_lane: lane: expected 0, 1 or None"):
-        store_byte_lane(tile, jnp.zeros((64, 128), jnp.float8_e4m3fn), 2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("seed, by_warpgroup", [(1, False), (2, True)])
-def test_byte_lane_store_matches_numpy(seed, by_warpgroup):
-    b, even, odd = _inputs(seed, (64, 64))
-    want = np.stack([b[0], b[1]], axis=-1).reshape(64, 128)
-    got = np.asarray(_run_lanes(even, odd, by_warpgroup)).view(np.uint8)
-    np.testing.assert_array_equal(got, want)
-
-
-
-def _quads_kernel(lo_ref, hi_ref, words_ref, bytes_s, words_s, bar):
-    for src, dst in ((lo_ref, bytes_s.at[0]), (hi_ref, bytes_s.at[1])):
-        plgpu.copy_gmem_to_smem(src, dst, bar)
-    plgpu.barrier_wait(bar)
-    load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA_8BIT)  # 4 bytes a thread
-    words_s[...] = interleave_quads(load(bytes_s.at[0]), load(bytes_s.at[1]))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(words_s, words_ref)
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _run_quads(lo, hi):
-    """Two e4m3 [64, 128] tiles (the decode kernel's V chunk halves, in its SMEM layout) -> uint16
-    [64, 128] words at relabelled columns."""
-    return plgpu.kernel(_quads_kernel, out_type=jax.ShapeDtypeStruct(SHAPE, jnp.uint16), kernel_name="test_quads",
-                        scratch_types=[plgpu.SMEM((2, *SHAPE), jnp.float8_e4m3fn, transforms=BYTE_TILE_TRANSFORMS),
-                                       plgpu.SMEM(SHAPE, jnp.uint16), plgpu.Barrier(num_arrivals=2)])(lo, hi)
-
-
-def _in_order_kernel(x_ref, out_ref, x_s, out_s, bar):
-    plgpu.copy_gmem_to_smem(x_ref, x_s, bar)
-    plgpu.barrier_wait(bar)
-    out_s[...] = quads_in_order(plgpu.load(x_s, layout=plgpu.Layout.WGMMA))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_s, out_ref)
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _run_in_order(x):
-    """f32 [64, 64] -> the same values, column l moved to column quad_column(l)."""
-    return plgpu.kernel(_in_order_kernel, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
-                        kernel_name="test_quads_in_order",
-                        scratch_types=[plgpu.SMEM((64, 64), jnp.float32), plgpu.SMEM((64, 64), jnp.float32),
-                                       plgpu.Barrier(num_arrivals=1)])(x)
-
-
-def test_quad_column_is_a_permutation_within_groups_of_16():
-    columns = [quad_column(l) for l in range(128)]
-    assert sorted(columns) == list(range(128))
-    assert all(c // 16 == l // 16 for l, c in enumerate(columns))
-    assert columns[:16] == [0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15]
-
-
-def test_quad_helpers_lower_for_cuda():
-    _, lo, hi = _inputs(0)
-    jax.jit(_run_quads).trace(lo, hi).lower(lowering_platforms=("cuda",))
-    jax.jit(_run_in_order).trace(jnp.zeros((64, 64), jnp.float32)).lower(lowering_platforms=("cuda",))
-
-
-def test_quad_helpers_reject_bad_arguments():
-    with pytest.raises(ValueError, match="interleave_quads: expected two arrays"):
-        interleave_quads(jnp.zeros((64, 64), jnp.float32), jnp.zeros((64, 64), jnp.float32))
-    with pytest.raises(ValueError, match=r"interleave_quads: expected \[64, N\]"):
-        interleave_quads(jnp.zeros((64, 8), jnp.uint8), jnp.zeros((64, 8), jnp.uint8))
-    with pytest.raises(ValueError, match="quads_in_order: values: expected f32"):
-        quads_in_order(jnp.zeros((64, 64), jnp.bfloat16))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("seed", [1, 2])
-def test_interleave_quads_matches_numpy(seed):
-    b, lo, hi = _inputs(seed)
-    columns = [quad_column(l) for l in range(SHAPE[1])]
-    want = (b[0].astype(np.uint16) | (b[1].astype(np.uint16) << 8))[:, columns]
-    np.testing.assert_array_equal(np.asarray(_run_quads(lo, hi)), want)
-
-
-@pytest.mark.gpu
-def test_quads_in_order_puts_columns_back():
-    x = np.random.default_rng(3).standard_normal((64, 64)).astype(np.float32)
-    want = np.empty_like(x)
-    want[:, [quad_column(l) for l in range(64)]] = x
-    np.testing.assert_array_equal(np.asarray(_run_in_order(jnp.asarray(x))), want)
-
+from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms, store_feature_pairs,
+                                       store_quads, vt_feature, vt_step_row)
 
 # --- V^T as the register A operand (``load_vt_quads``, ``store_quads``, ``store_feature_pairs``) ---
 
@@ -271,8 +77,13 @@ def test_vt_helpers_order_and_reject_bad_arguments():
     assert cols[:16] == [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
     with pytest.raises(ValueError, match="load_vt_quads: tile"):
         load_vt_quads(jax.ShapeDtypeStruct((128, 128), jnp.float8_e4m3fn), 2)
+    tile = jnp.zeros((64, 64), jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="store_quads: values: expected e4m3"):
-        store_quads(jnp.zeros((64, 64), jnp.float32), None, 0)
+        store_quads(tile.astype(jnp.float32), None, 0)
+    with pytest.raises(ValueError, match="store_quads: dst_ref: expected e4m3"):
+        store_quads(tile, jnp.zeros((64, 64), jnp.float8_e4m3fn), 0)
+    with pytest.raises(ValueError, match="store_quads: lane: expected 0, 1 or None"):
+        store_quads(tile, jnp.zeros((64, 128), jnp.float8_e4m3fn), 2)
     with pytest.raises(ValueError, match="store_feature_pairs: values: expected f32"):
         store_feature_pairs(jnp.zeros((64, 32), jnp.float32), None)
 
