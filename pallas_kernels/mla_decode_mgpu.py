@@ -112,8 +112,8 @@ Interpreter (``interpret=True``): it runs no inline PTX and no pre-initialised
 accumulators, so there the slot's V chunks are read transposed as an SMEM A operand
 (its FP8 wgmma accepts that; hardware does not), masked in place once both warpgroups
 have read the slot as K (the ``qk_done`` barrier), P' is stored unpacked in step order,
-the RoPE product is added in registers and the O^T tiles leave through a transpose. Everything else, barriers and ring included, is the
-hardware code.
+the RoPE product is added in registers and the O^T tiles leave through a transpose.
+Everything else, barriers and ring included, is the hardware code.
 """
 
 from __future__ import annotations
@@ -444,7 +444,7 @@ def softmax_half_t(scores, k_scale, m, l_part, frame, row_max, log_pv_max, visib
 
 def v_masked_token_major(chunk_ref, t0, seq_len) -> jax.Array:
     """Interpreter path: the V chunk e4m3 [128, 128] in step order with tokens past
-    seq_len zeroed (the interpreter's FP8 wgmma accepts a token-major B operand)."""
+    seq_len zeroed, written back in place before ``pv_update_t`` reads it transposed."""
     v_rows = plgpu.broadcasted_iota(jnp.int32, (STEP, CHUNK), 0, layout=plgpu.Layout.WGMMA)
     v_tokens = t0 + jnp.where(v_rows < HALF, 2 * v_rows, 2 * (v_rows - HALF) + 1)
     return jnp.where(v_tokens < seq_len, chunk_ref[...].astype(jnp.float32), 0.0).astype(FP8_DTYPE)
