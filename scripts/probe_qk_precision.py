@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         emulated, _ = mla_decode_reference(*inputs, softmax_scale=softmax_scale, block_n=128)
         seen = np.broadcast_to((np.asarray(lens) > 0)[:, None, None], (BATCH, s_q, heads))
         references.append((np.asarray(emulated, np.float64), exact_attention(*inputs, softmax_scale), seen))
-    original = {name: getattr(mgpu_kernel, name) for name in ("QK_PROMOTION",)}
+    original = {"QK_PROMOTION": mgpu_kernel.QK_PROMOTION}
     results = {"env": timing.environment(), "cases": [list(map(str, c)) for c in CASES], "seeds": args.seeds,
                "outlier_scale": args.outlier_scale, "variants": {}}
     for name in args.variants or list(VARIANTS):
