@@ -41,17 +41,6 @@ SWIZZLE = 128
 BYTE_TILE_TRANSFORMS = (plgpu.TilingTransform((8, SWIZZLE)), plgpu.SwizzleTransform(SWIZZLE))
 
 
-def _check_half_tile_store(name: str, values, dst_ref, lane) -> None:
-    """ValueError naming ``name``'s argument unless values is e4m3 [64, 64], dst_ref an e4m3 [64, 128]
-    tile and lane 0, 1 or None."""
-    if values.dtype != jnp.float8_e4m3fn or tuple(values.shape) != (64, SWIZZLE // 2):
-        raise ValueError(f"{name}: values: expected e4m3 [64, {SWIZZLE // 2}], got {values.shape} {values.dtype}")
-    if tuple(dst_ref.shape) != (64, SWIZZLE) or dst_ref.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"{name}: dst_ref: expected e4m3 [64, {SWIZZLE}], got {dst_ref.shape} {dst_ref.dtype}")
-    if lane not in (0, 1, None):
-        raise ValueError(f"{name}: lane: expected 0, 1 or None, got {lane!r}")
-
-
 # --- V^T as the register A operand of O^T = V^T.P'^T (``mla_decode_mgpu.pv_update_t``) ---------
 #
 # Hopper's 8-bit wgmma wants both SMEM operands K-major (tokens contiguous for P'.V), while the cache
@@ -192,7 +181,13 @@ def store_quads(values: jax.Array, dst_ref, lane: int | None) -> None:
     ``dst_ref``: a [64, 128] tile in the FP8 wgmma's layout (``BYTE_TILE_TRANSFORMS``); make the
     stores visible to wgmma with ``plgpu.commit_smem`` and a barrier.
     """
-    _check_half_tile_store("store_quads", values, dst_ref, lane)
+    if values.dtype != jnp.float8_e4m3fn or tuple(values.shape) != (64, SWIZZLE // 2):
+        raise ValueError(f"store_quads: values: expected e4m3 [64, {SWIZZLE // 2}], got {values.shape} "
+                         f"{values.dtype}")
+    if tuple(dst_ref.shape) != (64, SWIZZLE) or dst_ref.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"store_quads: dst_ref: expected e4m3 [64, {SWIZZLE}], got {dst_ref.shape} {dst_ref.dtype}")
+    if lane not in (0, 1, None):
+        raise ValueError(f"store_quads: lane: expected 0, 1 or None, got {lane!r}")
     rows, cols = values.shape
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(BYTE_TILE_TRANSFORMS)))
