@@ -39,12 +39,6 @@ from jaxlib.mlir.dialects import arith, llvm, nvvm, vector
 # XOR-swizzled by the row's index in its group).
 SWIZZLE = 128
 BYTE_TILE_TRANSFORMS = (plgpu.TilingTransform((8, SWIZZLE)), plgpu.SwizzleTransform(SWIZZLE))
-# The layout of a [64, 64] e4m3 tile that an FP8 wgmma reads as a 64-token K operand: its K width
-# must be a multiple of the swizzle's (Mosaic GPU), so a half step's P' has the 64-byte swizzle
-# (rows of 64 bytes in 8-row groups, each row's 16-byte chunks XOR-swizzled by its index in the
-# group halved).
-HALF_SWIZZLE = 64
-HALF_TILE_TRANSFORMS = (plgpu.TilingTransform((8, HALF_SWIZZLE)), plgpu.SwizzleTransform(HALF_SWIZZLE))
 
 
 # --- V^T as the register A operand of O^T = V^T.P'^T (``mla_decode_mgpu.pv_update_t``) ---------
@@ -82,54 +76,44 @@ def vt_step_row(column: int) -> int:
     return 16 * group + 8 * (e // 2) + 2 * q + e % 2
 
 
-def _swizzled_offset(row, byte_col, *, tiles_per_row: int = 1, swizzle: int = SWIZZLE):
-    """Byte offset of (row, byte_col) in a tile tiled (8, ``swizzle`` bytes) with that swizzle
-    (128 or 64): tiles of 8 rows x ``swizzle`` bytes, ``tiles_per_row`` of them side by side, each
-    row's 16-byte chunks XOR-swizzled by its index in the tile (128) or half of it (64): the TMA's
-    pattern, bits 4.. of the address XORed with bits 7.. (i32 values or python ints in, i32 value
-    out)."""
-    if swizzle not in (SWIZZLE, HALF_SWIZZLE):
-        raise ValueError(f"_swizzled_offset: swizzle: expected {SWIZZLE} or {HALF_SWIZZLE}, got {swizzle!r}")
+def _swizzled_offset(row, byte_col, *, tiles_per_row: int = 1):
+    """Byte offset of (row, byte_col) in a tile tiled (8, 128 bytes) with the 128-byte swizzle:
+    tiles of 8 rows x 128 bytes, ``tiles_per_row`` of them side by side, each row's 16-byte chunks
+    XOR-swizzled by its index in the tile (i32 values or python ints in, i32 value out)."""
     i32 = ir.IntegerType.get_signless(32)
     c32 = lambda v: v if isinstance(v, ir.Value) else mgpu_utils.c(v, i32)
     row, byte_col = c32(row), c32(byte_col)
     tile = arith.addi(arith.muli(arith.shrui(row, c32(3)), c32(tiles_per_row)),
-                      arith.shrui(byte_col, c32(swizzle.bit_length() - 1)))
-    in_row = arith.andi(byte_col, c32(swizzle - 1))
+                      arith.shrui(byte_col, c32(7)))
+    in_row = arith.andi(byte_col, c32(SWIZZLE - 1))
     row_in_tile = arith.andi(row, c32(7))
-    # A row is swizzle bytes, so the address's bits 7.. within the tile are the row's index in the
-    # tile shifted right by log2(128 / swizzle).
-    phase = arith.shrui(row_in_tile, c32((SWIZZLE // swizzle).bit_length() - 1))
-    chunk = arith.xori(arith.shrui(in_row, c32(4)), phase)
-    return arith.addi(arith.addi(arith.muli(tile, c32(8 * swizzle)), arith.muli(row_in_tile, c32(swizzle))),
+    chunk = arith.xori(arith.shrui(in_row, c32(4)), row_in_tile)
+    return arith.addi(arith.addi(arith.muli(tile, c32(8 * SWIZZLE)), arith.muli(row_in_tile, c32(SWIZZLE))),
                       arith.addi(arith.shli(chunk, c32(4)), arith.andi(in_row, c32(15))))
 
 
 def load_vt_quads(chunk_ref, tile: int, visible=None) -> jax.Array:
     """V^T of 64 features of a step's V chunk, as the 8-bit register A operand of an FP8 wgmma:
-    e4m3 [64, K] in the 8-bit WGMMA layout, row r holding feature 64 tile + ``vt_feature(r)``
-    and column k step row ``vt_step_row(k)`` of ``chunk_ref``: e4m3 [K step rows, 128 features]
-    in the FP8 wgmma's tiled, swizzled SMEM layout, K = 128 (a whole step) or 64 (one half of a
-    step's rows, the operand of a 64-token product).
+    e4m3 [64, 128] in the 8-bit WGMMA layout, row r holding feature 64 tile + ``vt_feature(r)``
+    and column k step row ``vt_step_row(k)`` of ``chunk_ref`` (e4m3 [128 step rows, 128 features]
+    in the FP8 wgmma's tiled, swizzled SMEM layout).
 
     ``visible``: None, or int32 [64] (the ``ROW`` layout of the 64-row kernel, one value
-    throughout) the number of the rows' tokens below seq_len: the bytes of tokens past it are
-    zeroed (cache slots past seq_len may hold NaN, and 0 * NaN would poison the product). A
-    whole step's row c holds token 2c (c < 64) or 2(c - 64) + 1 after the step's first; a half's
-    row c token 2c after the half's first (the caller counts from there).
+    throughout) the number of the step's tokens below seq_len, the step's first token t0 being
+    step row 0, token t0 + 2c + 1 row 64 + c: the bytes of tokens past it are zeroed (cache slots
+    past seq_len may hold NaN, and 0 * NaN would poison the product).
 
     One ``ldmatrix.x4.trans`` (32 step rows x 16 features a warp) and four ``prmt`` make a K block
     of 32 columns; GPU only (inline PTX).
     """
-    step_rows = tuple(chunk_ref.shape)[0]
-    if tuple(chunk_ref.shape) not in ((128, SWIZZLE), (64, SWIZZLE)) or chunk_ref.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"load_vt_quads: chunk_ref: expected e4m3 [128 or 64, {SWIZZLE}], got {chunk_ref.shape} "
+    if tuple(chunk_ref.shape) != (128, SWIZZLE) or chunk_ref.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"load_vt_quads: chunk_ref: expected e4m3 [128, {SWIZZLE}], got {chunk_ref.shape} "
                          f"{chunk_ref.dtype}")
     if tile not in (0, 1):
         raise ValueError(f"load_vt_quads: tile: expected 0 or 1, got {tile!r}")
     arg_types = (plgpu.RefType(BYTE_TILE_TRANSFORMS),) + ((plgpu.Layout.WGMMA.reduce(1),) if visible is not None
                                                           else ())
-    result = plgpu.ShapeDtypeStruct((64, step_rows), jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA_8BIT)
+    result = plgpu.ShapeDtypeStruct((64, 128), jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA_8BIT)
 
     @plgpu.inline_mgpu(arg_types=arg_types, return_type=result)
     def load(ctx, src, *visible_fa):
@@ -139,8 +123,8 @@ def load_vt_quads(chunk_ref, tile: int, visible=None) -> jax.Array:
         c32 = lambda v: mgpu_utils.c(v, i32)
         layout = mgpu.WGMMA_LAYOUT_8BIT
         reg_ty = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
-        regs_shape = layout.registers_shape((64, step_rows))
-        if regs_shape != (1, step_rows // 16, 1, 1, 2, 1, 1, 1, 1):
+        regs_shape = layout.registers_shape((64, 128))
+        if regs_shape != (1, 8, 1, 1, 2, 1, 1, 1, 1):
             raise NotImplementedError(f"load_vt_quads: unexpected 8-bit WGMMA registers {regs_shape}")
         base = mgpu_utils.memref_ptr(src)
         tid = mgpu_utils.thread_idx()
@@ -157,7 +141,7 @@ def load_vt_quads(chunk_ref, tile: int, visible=None) -> jax.Array:
                 limit = vector.extract(limit, dynamic_position=[], static_position=[0])
         shape_attr = ir.Attribute.parse("#nvvm.ld_st_matrix_shape<m=8, n=8>")
         out = np.empty(regs_shape, dtype=object)
-        for block in range(step_rows // 32):  # K blocks of 32 step rows
+        for block in range(4):  # K blocks of 32 step rows
             row = arith.addi(lane, c32(32 * block))
             offset = _swizzled_offset(row, segment_bytes)
             ptr = mgpu_utils.getelementptr(base, [offset], i8)
@@ -171,8 +155,7 @@ def load_vt_quads(chunk_ref, tile: int, visible=None) -> jax.Array:
                     mask = c32(0)
                     for e in range(4):
                         # Step row 32 block + 16 j + 8 (e // 2) + 2q + e % 2; its token's offset from
-                        # t0 is twice its index in its half, plus 1 in a whole step's odd half (rows
-                        # 64..127; a half's rows are all in one).
+                        # t0 is twice its index in its half, plus 1 in the odd half (rows 64..127).
                         half_row = 32 * (block % 2) + 16 * j + 8 * (e // 2) + e % 2
                         token = arith.addi(arith.shli(q, c32(2)), c32(2 * half_row + block // 2))
                         seen = arith.cmpi(arith.CmpIPredicate.slt, token, limit)
@@ -188,43 +171,33 @@ def load_vt_quads(chunk_ref, tile: int, visible=None) -> jax.Array:
 
 
 def store_quads(values: jax.Array, dst_ref, lane: int | None) -> None:
-    """Store e4m3 [64, 64] (WGMMA layout, score columns in step-row order) in ``vt_step_row``
-    order: column k of the destination's 64 takes column ``vt_step_row(k)`` of ``values``.
-
-    ``dst_ref``: an e4m3 [64, 128] tile in the FP8 wgmma's layout (``BYTE_TILE_TRANSFORMS``),
-    whose columns [64 lane, 64 lane + 64) take the values (lane 0 or 1; None: the calling
-    warpgroup's index mod 2); or an e4m3 [64, 64] tile with the 64-byte swizzle
-    (``HALF_TILE_TRANSFORMS``, the B operand of a 64-token product), which takes them all (lane
-    None or 0).
+    """Store e4m3 [64, 64] (WGMMA layout, score columns in step-row order) into columns
+    [64 lane, 64 lane + 64) of an e4m3 [64, 128] SMEM tile in ``vt_step_row`` order: column 64 lane
+    + k of the tile takes column ``vt_step_row(k)`` of ``values`` (lane 0 or 1; None: the calling
+    warpgroup's index mod 2).
 
     No value moves between threads: a thread's registers j' = 2J, 2J + 1 hold exactly the four
-    columns that land at 16J + 4q .. + 3, stored as one 32-bit word (``st.shared.b32``). Make
-    the stores visible to wgmma with ``plgpu.commit_smem`` and a barrier.
+    columns that land at 16J + 4q .. + 3, stored as one 32-bit word (``st.shared.b32``).
+    ``dst_ref``: a [64, 128] tile in the FP8 wgmma's layout (``BYTE_TILE_TRANSFORMS``); make the
+    stores visible to wgmma with ``plgpu.commit_smem`` and a barrier.
     """
     if values.dtype != jnp.float8_e4m3fn or tuple(values.shape) != (64, SWIZZLE // 2):
         raise ValueError(f"store_quads: values: expected e4m3 [64, {SWIZZLE // 2}], got {values.shape} "
                          f"{values.dtype}")
-    half_tile = tuple(dst_ref.shape) == (64, HALF_SWIZZLE)
-    if tuple(dst_ref.shape) not in ((64, SWIZZLE), (64, HALF_SWIZZLE)) or dst_ref.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"store_quads: dst_ref: expected e4m3 [64, {SWIZZLE}] or [64, {HALF_SWIZZLE}], got "
-                         f"{dst_ref.shape} {dst_ref.dtype}")
-    if lane not in ((0, None) if half_tile else (0, 1, None)):
-        raise ValueError(f"store_quads: lane: expected {'0 or None for a [64, 64] tile' if half_tile else '0, 1 or None'}"
-                         f", got {lane!r}")
+    if tuple(dst_ref.shape) != (64, SWIZZLE) or dst_ref.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"store_quads: dst_ref: expected e4m3 [64, {SWIZZLE}], got {dst_ref.shape} {dst_ref.dtype}")
+    if lane not in (0, 1, None):
+        raise ValueError(f"store_quads: lane: expected 0, 1 or None, got {lane!r}")
     rows, cols = values.shape
-    swizzle, transforms = (HALF_SWIZZLE, HALF_TILE_TRANSFORMS) if half_tile else (SWIZZLE, BYTE_TILE_TRANSFORMS)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(transforms)))
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(BYTE_TILE_TRANSFORMS)))
     def store(ctx, values_fa, dst):
         del ctx
         i8 = ir.IntegerType.get_signless(8)
         i32 = ir.IntegerType.get_signless(32)
         c32 = lambda v: mgpu_utils.c(v, i32)
         base = mgpu_utils.memref_ptr(dst)
-        if half_tile:
-            lane_value = c32(0)
-        else:
-            lane_value = (arith.andi(mgpu_utils.warpgroup_idx(), c32(1)) if lane is None else c32(lane))
+        lane_value = (arith.andi(mgpu_utils.warpgroup_idx(), c32(1)) if lane is None else c32(lane))
         regs = values_fa.registers
         if regs.shape != (1, 8, 1, 1, 2, 1, 1, 1, 1):
             raise NotImplementedError(f"store_quads: unexpected WGMMA registers {regs.shape}")
@@ -238,7 +211,7 @@ def store_quads(values: jax.Array, dst_ref, lane: int | None) -> None:
             # col = 16J + 2q holds (with its partner) columns 16J + 4q .. + 3 of the tile's half.
             quad_col = arith.addi(col, arith.andi(col, c32(15)))
             byte_col = arith.addi(arith.shli(lane_value, c32(6)), quad_col)
-            llvm.store(word, mgpu_utils.getelementptr(base, [_swizzled_offset(row, byte_col, swizzle=swizzle)], i8))
+            llvm.store(word, mgpu_utils.getelementptr(base, [_swizzled_offset(row, byte_col)], i8))
 
     store(values, dst_ref)
 

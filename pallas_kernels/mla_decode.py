@@ -356,7 +356,7 @@ def mla_decode_pallas(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: t
 
 def mla_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, scale: jax.Array | None,
                          rope: jax.Array, block_table: jax.Array, seq_lens: jax.Array, *, softmax_scale: float,
-                         block_n: int = DecodeConfig.block_n, p_groups: int = 1) -> tuple[jax.Array, jax.Array]:
+                         block_n: int = DecodeConfig.block_n) -> tuple[jax.Array, jax.Array]:
     """Pure-jnp decode with the kernel's roundings (the "xla" backend).
 
     q_latent [B, s_q, H, R], q_rope [B, s_q, H, Dr] (bf16/f32); one layer of the
@@ -368,14 +368,9 @@ def mla_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Arr
     CPU). FP8: Q quantized per row, P' quantized per row and ``block_n``-token
     block with the kernel's power-of-two factors; the factor of a block depends
     only on ratios within it, so this global-max formulation rounds P' as the
-    kernel's online softmax does (up to fp32 differences in exp2). ``p_groups`` > 1: each
-    block's P' factor is per group of its tokens of one residue mod ``p_groups`` instead (the
-    64-row Mosaic kernel's warpgroups each quantize the 64 tokens of one parity of a 128-token
-    step: ``block_n=128, p_groups=2``).
+    kernel's online softmax does (up to fp32 differences in exp2).
     BF16: bf16 operands, fp32 accumulation and softmax.
     """
-    if block_n % p_groups:
-        raise ValueError(f"p_groups: expected a divisor of block_n {block_n}, got {p_groups}")
     batch, s_q, num_heads, rank = q_latent.shape
     page_size = latent.shape[1]
     num_tokens = block_table.shape[1] * page_size
@@ -409,9 +404,8 @@ def mla_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Arr
     p = jnp.where(visible, jnp.exp2(scores - m_safe[..., None]), 0.0)
     l = jnp.sum(p, axis=-1)
     if quantized:
-        pv = (p * k_scale[:, None, None, :]).reshape(batch, s_q, num_heads, padded_tokens // block_n,
-                                                     block_n // p_groups, p_groups)
-        pv_max = jnp.max(pv, axis=-2, keepdims=True)
+        pv = (p * k_scale[:, None, None, :]).reshape(batch, s_q, num_heads, padded_tokens // block_n, block_n)
+        pv_max = jnp.max(pv, axis=-1, keepdims=True)
         p8 = (jnp.minimum(pv * _fp8_pv_factor(pv_max), FP8_E4M3_MAX).astype(FP8_DTYPE).astype(jnp.float32)
               * (pv_max / FP8_E4M3_MAX))
         out = dot("biht,btd->bihd", p8.reshape(p.shape), kv32)

@@ -127,15 +127,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-import numpy as np
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, vector
 
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
-from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, HALF_TILE_TRANSFORMS, load_vt_quads, output_transforms,
-                                       store_feature_pairs, store_quads)
+from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms, store_feature_pairs,
+                                       store_quads)
 from pallas_kernels.combine_splits import combine_splits
 from pallas_kernels.mgpu_decode_inputs import decode_inputs
 from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
@@ -229,22 +226,6 @@ FRAME_DROP = 64.0
 # are Mosaic GPU's.
 NAMED_SYNC = True
 STATS_SYNC_ID, P_SYNC_ID = 8, 9
-# Whether the two consumer warpgroups run FlashMLA's seesaw instead of meeting twice a step
-# (``consume_seesaw``): each quantizes its own 64 tokens' P' with its own factor (no statistics
-# exchange), folds them into its output columns at once, and then the other's (one-way
-# handovers, ``half_handover``), so one warpgroup's elementwise work can run beside the other's
-# wgmmas. Its P' factor is per 64 tokens of one parity (``mla_decode_reference(...,
-# block_n=128, p_groups=2)``).
-SEESAW = True
-# Named barriers of the seesaw's P' handovers: warpgroup w's P' of a step in slot s is announced
-# at HANDOVER_SYNC_ID + 2 w + s (arrive by w, sync by the other warpgroup).
-HANDOVER_SYNC_ID = 10
-
-
-def reference_p_blocks() -> dict:
-    """The ``mla_decode_reference`` arguments that round P' as this kernel does: a factor per
-    128-token step, or with ``SEESAW`` per 64 tokens of one parity in it."""
-    return {"block_n": STEP, "p_groups": NUM_WGS if SEESAW else 1}
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
@@ -640,82 +621,6 @@ def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool)
     return new_accs
 
 
-def softmax_own_half(scores, k_scale, m, l_part, row_max, log_pv_max, visible=None):
-    """The seesaw's online softmax of a warpgroup's own 64 columns (``SEESAW``): its running m and
-    l cover its own tokens only, and P' gets its own factor, 448 / pv_max over these 64 tokens.
-
-    Returns (m_new, l_part_new, frame [64], P' * factor f32 [64, 64]); frame is P''s frame
-    (base 2): P' = 448 * 2^(score + log2 k_scale - frame), frame = max(log pv max, m - 100) (the
-    factor's floor ``MIN_PV_ROW_MAX``), finite once m is.
-    """
-    m_new, m_safe, _, l_part, pv = online_rows(scores, k_scale, m, l_part, row_max, visible)
-    factor = FP8_E4M3_MAX / jnp.maximum(jnp.exp2(log_pv_max - m_safe), MIN_PV_ROW_MAX)  # the reference's bits
-    frame = jnp.maximum(log_pv_max, m_safe + float(np.log2(MIN_PV_ROW_MAX)))
-    return m_new, l_part, frame, pv * lax.broadcast_in_dim(factor, pv.shape, [0])
-
-
-def fold_factors(frame_acc, frame_half):
-    """(a, b, frame_new) [64] for O' = O' * a + V^T.P'^T * b: the output's frame moves to
-    frame_new = max(frame_acc, frame_half), so both factors are <= 1 and nothing overflows
-    (frame_acc -inf before the first fold: a = 0)."""
-    frame_new = jnp.maximum(frame_acc, frame_half)
-    return jnp.exp2(frame_acc - frame_new), jnp.exp2(frame_half - frame_new), frame_new
-
-
-def pv_fold_half(accs, p8_half_ref, v_rows_ref, wg, fac_ref, visible, *, interpret: bool) -> list:
-    """The seesaw's fold of one half step's V^T.P'^T into this warpgroup's four O^T tiles [64
-    features, 64 rows]: acc * a + product * b, (a, b) = fac_ref f32 [2, 64] (per query row, read in
-    the ``COL`` layout).
-
-    p8_half_ref e4m3 [64 rows, 64 tokens] (``HALF_TILE_TRANSFORMS``): the half's P' in
-    ``vt_step_row`` order (the interpreter: step order). v_rows_ref e4m3 [4, 64, 128]: the slot's
-    chunks, this half's 64 step rows. ``visible``: None or int32 [64] (``ROW``) how many of the
-    half's tokens are below seq_len. Each tile's product (K = 64 tokens) is waited for before the
-    next is issued, as in ``pv_update_t``.
-    """
-    a, b = (lax.broadcast_in_dim(plgpu.load(fac_ref.at[f], layout=COL), (BLOCK_M, HALF), [1]) for f in range(2))
-    new_accs = []
-    for k, acc in enumerate(accs):
-        i, t = divmod(k, 2)
-        chunk = v_rows_ref.at[wg * CHUNKS_PER_WG + i]
-        a_operand = (chunk.at[:, pl.ds(t * HALF, HALF)].transpose((1, 0)) if interpret
-                     else load_vt_quads(chunk, t, visible))
-
-        def product(acc_ref, a_operand=a_operand):
-            plgpu.wgmma(acc_ref, a_operand, p8_half_ref.transpose((1, 0)))
-            return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
-
-        new_accs.append(acc * a + pl.run_scoped(product, plgpu.ACC((BLOCK_M, HALF), jnp.float32)) * b)
-    return new_accs
-
-
-def half_handover(action: str, slot) -> None:
-    """The seesaw's one-way P' handover on the GPU: ``"arrive"``, this warpgroup announces its P' of
-    the step in ``slot`` (``bar.arrive``, no wait); ``"sync"``, it waits for the other's
-    (``bar.sync``). Named barrier HANDOVER_SYNC_ID + 2 w + slot of the 256 consumer threads, w the
-    announcing warpgroup: a barrier a slot, so that the announcement of step j + 2 cannot meet the
-    wait for step j (the announcer passes step j + 1's wait first, which needs the other
-    warpgroup past step j). The id is computed, not branched on: a branch around a barrier
-    between the accumulators' live ranges costs ptxas registers. GPU only (inline PTX)."""
-    if action not in ("arrive", "sync"):
-        raise ValueError(f"half_handover: action: expected 'arrive' or 'sync', got {action!r}")
-
-    @plgpu.inline_mgpu(arg_types=(ROW,))
-    def handover(ctx, slot_fa):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        slot_value = slot_fa.registers.flat[0]
-        if isinstance(slot_value.type, ir.VectorType):
-            slot_value = vector.extract(slot_value, dynamic_position=[], static_position=[0])
-        wg = mgpu_utils.warpgroup_idx(sync=False)
-        owner = wg if action == "arrive" else arith.xori(wg, mgpu_utils.c(1, i32))
-        bar_id = arith.addi(arith.addi(arith.shli(owner, mgpu_utils.c(1, i32)), slot_value),
-                            mgpu_utils.c(HANDOVER_SYNC_ID, i32))
-        mgpu_utils.inline_ptx(f"bar.{action} $0, {NUM_WGS * 128};", bar_id, has_side_effects=True)
-
-    handover(plgpu.layout_cast(jnp.full((BLOCK_M,), slot, jnp.int32), ROW))
-
-
 def initial_carry(acc_shape=(BLOCK_M, CHUNK), rows_axis: int = 0, num_accs: int = CHUNKS_PER_WG) -> tuple:
     """The step loop's carry: ``num_accs`` zero f32 accumulators of ``acc_shape``, and
     m = -inf, l = 0 per query row, the accumulators' axis ``rows_axis`` (0 here; 1 for the
@@ -949,12 +854,12 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         carry = walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar,
                            issuer=None if PRODUCER_WG else 0)
         accs, m, l_part = carry[:num_accs], carry[num_accs], carry[num_accs + 1]
-        lsum_s[wg, 1] = l_part
+        lsum_s[wg] = l_part
         # Both warpgroups are past their last QK (Q8's bytes become the output
         # staging) and have published their partial l.
         plgpu.barrier_arrive(end_bar)
         plgpu.barrier_wait(end_bar)
-        l = l_part + plgpu.load(lsum_s.at[1 - wg, 1], layout=ROW)
+        l = l_part + plgpu.load(lsum_s.at[1 - wg], layout=ROW)
         # Per row, what the accumulators are multiplied by: 1 / l, and with ``PV_FRAME`` the
         # frame's 2^(frame - m) / 448 (0 for rows that saw no token).
         seen = l > 0
@@ -964,102 +869,6 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         fac_s[wg, 0] = scale
         write_outputs_t(accs, m, l, plgpu.load(fac_s.at[wg, 0], layout=COL), o_s, lse_s, o_ref, lse_ref, b,
                         split, row0, wg, interpret=interpret)
-
-    def consume_seesaw():
-        """``SEESAW``: per step, this warpgroup scores its own 64 tokens, quantizes their P' with
-        its own factor, announces it (``half_handover``), folds it into its O^T tiles, then
-        waits for the other warpgroup's P' and folds that (``pv_fold_half``): no statistics
-        cross until the loop ends, when the two (m, l) per row are merged."""
-        my_rows = _aligned(wg * HALF, HALF)
-        other_rows = _aligned((1 - wg) * HALF, HALF)
-        q_scale = plgpu.load(qsc_s, layout=ROW)
-
-        def half_visible(t0, half):
-            # How many of the half's tokens t0 + 2c + half are below seq_len (GPU V masking).
-            return plgpu.layout_cast(jnp.full((BLOCK_M,), seq_len - t0 - half, jnp.int32), ROW)
-
-        def step(j, carry, *, masked: bool):
-            accs, m, l_part, frame_acc = carry[:num_accs], carry[num_accs], carry[num_accs + 1], carry[num_accs + 2]
-            t0 = (first_step + j) * STEP
-            with jax.named_scope("wait_step"):
-                slot = begin_step(j, wg, first_step, num_steps, None, step_bar, consumed_bar)
-            with jax.named_scope("qk"):
-                k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=COL)
-                scores = step_scores(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scale, my_rows,
-                                     interpret=interpret)
-                if interpret:
-                    plgpu.barrier_arrive(qk_done_bar.at[slot])
-            with jax.named_scope("softmax"):
-                visible = step_visibility(row0, t0, seq_len, wg, s_q=s_q, num_heads=num_heads) if masked else None
-                scores, row_max, log_pv_max = local_stats(scores, k_scale, scale_log2, visible)
-                m, l_part, frame, p_scaled = softmax_own_half(scores, k_scale, m, l_part, row_max, log_pv_max,
-                                                              visible)
-                keep, take, frame_acc = fold_factors(frame_acc, frame)
-            with jax.named_scope("p_store"):
-                p8 = jnp.minimum(p_scaled, FP8_E4M3_MAX).astype(FP8_DTYPE)
-                if interpret:
-                    p8_s[slot, wg] = p8
-                else:
-                    store_quads(p8, p8_s.at[slot, wg], None)
-                stats_s[slot, wg, 0] = frame
-                fac_s[wg, 0] = keep
-                fac_s[wg, 1] = take
-                plgpu.commit_smem()  # generic-proxy stores (P') -> visible to wgmma
-                if named_sync:
-                    half_handover("arrive", slot)
-                else:
-                    plgpu.barrier_arrive(pexch_bar.at[wg * NUM_SLOTS + slot])
-            own_visible = other_visible = None
-            if interpret:
-                # V is masked in place once both warpgroups are past their QK.
-                plgpu.barrier_wait(qk_done_bar.at[slot])
-                if masked:
-                    for i in range(CHUNKS_PER_WG):
-                        ch = wg * CHUNKS_PER_WG + i
-                        kv8_s[slot, ch] = v_masked_token_major(kv8_s.at[slot, ch], t0, seq_len)
-            elif masked:
-                own_visible, other_visible = half_visible(t0, wg), half_visible(t0, 1 - wg)
-            with jax.named_scope("pv"):
-                accs = pv_fold_half(accs, p8_s.at[slot, wg], kv8_s.at[slot, :, pl.ds(my_rows, HALF)], wg,
-                                    fac_s.at[wg], own_visible, interpret=interpret)
-            with jax.named_scope("wait_p"):
-                if named_sync:
-                    half_handover("sync", slot)
-                else:
-                    plgpu.barrier_wait(pexch_bar.at[(1 - wg) * NUM_SLOTS + slot])
-            with jax.named_scope("pv_other"):
-                keep, take, frame_acc = fold_factors(frame_acc, plgpu.load(stats_s.at[slot, 1 - wg, 0], layout=ROW))
-                fac_s[wg, 0] = keep
-                fac_s[wg, 1] = take
-                accs = pv_fold_half(accs, p8_s.at[slot, 1 - wg], kv8_s.at[slot, :, pl.ds(other_rows, HALF)], wg,
-                                    fac_s.at[wg], other_visible, interpret=interpret)
-                plgpu.barrier_arrive(consumed_bar.at[slot])
-            return (*accs, m, l_part, frame_acc)
-
-        carry = initial_carry((BLOCK_M, HALF), num_accs=num_accs)
-        carry = carry + (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), ROW),)  # the output's frame
-        carry = walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar, issuer=None)
-        accs, m, l_part, frame_acc = carry[:num_accs], carry[num_accs], carry[num_accs + 1], carry[num_accs + 2]
-        lsum_s[wg, 0] = m
-        lsum_s[wg, 1] = l_part
-        # Both warpgroups are past their last QK (Q8's bytes become the output staging) and
-        # have published their m and l.
-        plgpu.barrier_arrive(end_bar)
-        plgpu.barrier_wait(end_bar)
-        m_other = plgpu.load(lsum_s.at[1 - wg, 0], layout=ROW)
-        m_all = jnp.maximum(m, m_other)
-        m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-        l = l_part * jnp.exp2(m - m_safe) + plgpu.load(lsum_s.at[1 - wg, 1], layout=ROW) * jnp.exp2(m_other - m_safe)
-        # Per row, what the accumulators are multiplied by: O = O' * 2^(frame - m) / (448 l)
-        # (0 for rows that saw no token).
-        seen = l > 0
-        scale = jnp.where(seen, jnp.exp2(frame_acc - m_safe) / (FP8_E4M3_MAX * jnp.where(seen, l, 1.0)), 0.0)
-        fac_s[wg, 0] = scale
-        write_outputs_t(accs, m_all, l, plgpu.load(fac_s.at[wg, 0], layout=COL), o_s, lse_s, o_ref, lse_ref, b,
-                        split, row0, wg, interpret=interpret)
-
-    if SEESAW:
-        consume = consume_seesaw
 
     if not PRODUCER_WG:
         consume()
@@ -1158,18 +967,13 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
             plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
             plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
             plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
-            # P' (``store_quads``): its 4-byte stores compute addresses for this layout. The seesaw
-            # multiplies each warpgroup's half on its own (K = 64 tokens: the 64-byte swizzle).
-            (plgpu.SMEM((NUM_SLOTS, NUM_WGS, BLOCK_M, HALF), FP8_DTYPE, transforms=HALF_TILE_TRANSFORMS) if SEESAW
-             else plgpu.SMEM((NUM_SLOTS, BLOCK_M, STEP), FP8_DTYPE, transforms=BYTE_TILE_TRANSFORMS)),
+            # P' (``store_quads``): its 4-byte stores compute addresses for this layout.
+            plgpu.SMEM((NUM_SLOTS, BLOCK_M, STEP), FP8_DTYPE, transforms=BYTE_TILE_TRANSFORMS),
             plgpu.SMEM((NUM_SLOTS, NUM_WGS, 2, BLOCK_M), jnp.float32),
-            plgpu.SMEM((NUM_WGS, 2, BLOCK_M), jnp.float32),
+            plgpu.SMEM((NUM_WGS, BLOCK_M), jnp.float32),
             plgpu.SMEM((NUM_WGS, 2, BLOCK_M), jnp.float32),  # fac_s: the fold's factors per warpgroup
             plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
-            slot_barrier(), slot_barrier(),  # qk_done (interpreter), stats
-            # pexch: the seesaw's one-way handovers (interpreter), a barrier per warpgroup and slot
-            (plgpu.Barrier(num_arrivals=1, num_barriers=NUM_WGS * NUM_SLOTS) if SEESAW else slot_barrier()),
-            slot_barrier(),  # consumed
+            *(slot_barrier() for _ in range(4)),  # qk_done (interpreter), stats, pexch, consumed
             plgpu.Barrier(num_arrivals=COPIES_Q),
             plgpu.Barrier(num_arrivals=NUM_WGS),
         ],

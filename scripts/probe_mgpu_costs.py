@@ -48,8 +48,7 @@ ROOT = pathlib.Path(__file__).resolve().parent
 ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
             ("step_scores", "qk8_promoted", "ISSUE_BY_WARPS", "PRODUCER_WG", "PRODUCER_REGISTERS", "CONSUMER_REGISTERS",
              "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH", "PV_FRAME",
-             "softmax_half_t", "pv_update_t", "publish_stats", "gather_stats", "QK_PROMOTION", "NAMED_SYNC",
-             "SEESAW", "pv_fold_half")}
+             "softmax_half_t", "pv_update_t", "publish_stats", "gather_stats", "QK_PROMOTION", "NAMED_SYNC")}
 
 
 def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
@@ -172,30 +171,6 @@ def pv_t_none(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret):
     return [acc * factor for acc in accs]
 
 
-def fold_half_one_factor(accs, p8_half_ref, v_rows_ref, wg, fac_ref, visible, *, interpret):
-    """The seesaw's fold with one factor (acc * a + product, b ignored: wrong by design): what the
-    second factor's 16 registers a thread cost."""
-    a = lax.broadcast_in_dim(plgpu.load(fac_ref.at[0], layout=mgpu_kernel.COL), (BLOCK_M, HALF), [1])
-    new_accs = []
-    for k, acc in enumerate(accs):
-        i, t = divmod(k, 2)
-        chunk = v_rows_ref.at[wg * mgpu_kernel.CHUNKS_PER_WG + i]
-        a_operand = mgpu_kernel.load_vt_quads(chunk, t, visible)
-
-        def product(acc_ref, a_operand=a_operand):
-            plgpu.wgmma(acc_ref, a_operand, p8_half_ref.transpose((1, 0)))
-            return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
-
-        new_accs.append(acc * a + pl.run_scoped(product, plgpu.ACC((BLOCK_M, HALF), jnp.float32)))
-    return new_accs
-
-
-def fold_half_rescale_only(accs, p8_half_ref, v_rows_ref, wg, fac_ref, visible, *, interpret):
-    """The seesaw's fold without its product: the O^T tiles only rescaled (wrong by design)."""
-    a = lax.broadcast_in_dim(plgpu.load(fac_ref.at[0], layout=mgpu_kernel.COL), (BLOCK_M, HALF), [1])
-    return [acc * a for acc in accs]
-
-
 def publish_stats_none(mine_ref, bar, row_max, log_pv_max):
     """No statistics exchange: nothing published (``gather_stats_local`` waits for nothing)."""
 
@@ -246,10 +221,6 @@ VARIANTS = {
     "twentieth_session": {"QK_PROMOTION": 256, "NAMED_SYNC": False},
     "promotion_256": {"QK_PROMOTION": 256},
     "mbarrier_sync": {"NAMED_SYNC": False},
-    # The twenty-second session: the two warpgroups meeting twice a step, as before the seesaw.
-    "lockstep": {"SEESAW": False},
-    "seesaw_one_factor": {"pv_fold_half": fold_half_one_factor},
-    "seesaw_no_pv": {"pv_fold_half": fold_half_rescale_only},
     # Candidates for Q.K's wgmma round trips: RoPE beside the (first) chain; at 256, both chains
     # in flight.
     "rope_beside": {"step_scores": scores_rope_beside},

@@ -126,7 +126,7 @@ def main(argv=None) -> int:
                 for case in CASES[:args.cases]]
     references = []
     for seed, (heads, s_q, lens), inputs in problems:
-        emulated, _ = mla_decode_reference(*inputs, softmax_scale=softmax_scale, **mgpu_kernel.reference_p_blocks())
+        emulated, _ = mla_decode_reference(*inputs, softmax_scale=softmax_scale, block_n=128)
         seen = np.broadcast_to((np.asarray(lens) > 0)[:, None, None], (BATCH, s_q, heads))
         references.append((np.asarray(emulated, np.float64), exact_attention(*inputs, softmax_scale), seen))
     original = {"QK_PROMOTION": mgpu_kernel.QK_PROMOTION}

@@ -342,9 +342,8 @@ def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu
                             layer_pages=layer_pages, num_splits=splits, interpret=interpret, kernel=kernel)
     # The reference rounds Q and P' to e4m3 as the kernel does (P' factor per
     # 128-token step), with exact products, on the same pages without a layer offset.
-    p_blocks = mgpu_kernel.reference_p_blocks() if kernel == "mgpu" else {"block_n": 128}
     ref, ref_lse = mla_decode_reference(q, q_rope, latent, scale, rope, block_table, lens,
-                                        softmax_scale=softmax_scale, **p_blocks)
+                                        softmax_scale=softmax_scale, block_n=128)
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
     seen = np.asarray(lens) > 0
