@@ -20,8 +20,8 @@ dimension (R = 16 or 32, legal wgmma Ns) and the tokens or features are M:
 * S^T = K.Q^T, [64 tokens, R] per half step: A = the K tile as the TMA lays it
   (tokens x features, features contiguous: K-major, as FP8 needs), B = Q8's
   chunk through ``.transpose`` (K-major too); the RoPE product likewise in
-  BF16. fp32 promotion every ``QK_PROMOTION`` (128) features, with all eight chains of a step
-  in flight at once (``step_scores_t``).
+  BF16. fp32 promotion every ``QK_PROMOTION`` (512: one chain a half step) features, with
+  all chains of a step in flight at once (``step_scores_t``).
 * The online softmax runs per column (query row): maxima and sums reduce along
   the tokens (axis 0, across warps).
 * O^T = V^T.P'^T, [128 features, R] per chunk, in f16 on converted tiles:
@@ -79,11 +79,14 @@ from pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPI
                                             prepare_inputs, walk_steps, write_lse_and_wait)
 
 ROWS = 16  # query rows per CTA by default: the wgmma N of every product
-# Features per fp32 promotion of the FP8 S^T product. The 64-row kernel runs 256
-# (``mla_decode_mgpu.QK_PROMOTION``: its chains are waited for one by one, so fewer
-# chains save waits); here all chains are in flight under one wait, and 256 was not
-# measured for speed: 128 stays.
-QK_PROMOTION = 128
+# Features per fp32 promotion of the FP8 S^T product, as the 64-row kernel's
+# ``mla_decode_mgpu.QK_PROMOTION`` (its precision is discussed there: against exact
+# attention the chain length is unmeasurable beside the e4m3 roundings of Q and P). Here all
+# chains are in flight under one wait, so fewer chains save accumulators and adds, not
+# waits: 512 against 128 on an H100 (twenty-second session, scripts/probe_mgpu_costs.py
+# --kernel small, 5 rounds), 0.515 vs 0.523 ms at 128 x 16k x 16, 0.151 vs 0.155 at
+# 32 x 16k and 8 x 64k (256: half of that), relative L2 to the 128-feature output 3e-3.
+QK_PROMOTION = 512
 BLOCK_ROWS = (16, 32)  # the row blocks the kernel takes (``block_rows``)
 TOKENS = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per token (axis 0 of a [64, R] tile)
 QROWS = plgpu.Layout.WGMMA.reduce(0)  # an [R] vector with one value per query row (axis 1)

@@ -266,9 +266,13 @@ SMALL_VARIANTS = {
     # The TMA ring's issue (shared ``step_issuer``; a constant of the 64-row kernel's module).
     "issue_by_one_thread": {"ISSUE_BY_WARPS": False},
     "precise_math": {"APPROX_MATH": False},
+    # Fewer fp32 promotions of S^T (the 64-row kernel's twenty-first session change; here all
+    # chains are in flight under one wait, so fewer chains save adds and accumulators, not waits).
+    "promotion_256": {"QK_PROMOTION": 256},
+    "promotion_512": {"QK_PROMOTION": 512},
 }
 SMALL_ORIGINAL = {name: getattr(small_kernel, name) for name in
-                  ("step_scores_t", "softmax_t", "v_half_f16", "pv_update_t", "ISSUER")}
+                  ("step_scores_t", "softmax_t", "v_half_f16", "pv_update_t", "ISSUER", "QK_PROMOTION")}
 
 # ``--kernel bf16``: the Mosaic BF16 twin (mla_decode_mgpu_bf16.py, through ``mla_decode`` on
 # the bf16 cache), with the other register split: the baseline should get what the FP8

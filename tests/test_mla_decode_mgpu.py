@@ -431,10 +431,10 @@ def test_small_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens
 @SMALL_CASES
 def test_small_kernel_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
     err, lse_err, lse_scale = _check(heads, s_q, seq_lens, layer_pages, splits, interpret=False, kernel=kernel)
-    # Hopper's FP8 accumulation over 128-feature chains (this kernel's QK_PROMOTION):
-    # the 64-row kernel with such chains measured up to 0.020 against the emulation
-    # over 6 seeds of its cases on an H100: 2e-2.
-    assert err < 2e-2, err
+    # Hopper's FP8 accumulation over 512-feature chains (this kernel's QK_PROMOTION, as
+    # the 64-row kernel's): the bound of test_kernel_matches_reference, whose comment
+    # has the measurements.
+    assert err < MGPU_TOL, err
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
 
