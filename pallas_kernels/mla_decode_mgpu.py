@@ -48,7 +48,15 @@ through SMEM:
 
 On the GPU both exchanges meet at hardware named barriers of the 256 consumer
 threads (``NAMED_SYNC``, ``consumers_sync``: one ``bar.sync`` each) rather than
-the ``stats`` and ``pexch`` mbarriers, which the interpreter keeps.
+the ``stats`` and ``pexch`` mbarriers, which the interpreter keeps; those barriers
+alone order the stores they hand over (``UNSYNCED_ROW_STORES``, ``FENCE_ONLY_COMMIT``:
+none of the warpgroup barriers Pallas puts around SMEM stores and after
+``commit_smem``).
+
+(A FlashMLA-style seesaw, each warpgroup quantizing its own P' with its own factor and
+handing it over one way, ran 1.8x slower: twice the P'.V round trips and folds, and
+ptxas spilled 1.1-1.7 KB and serialized the wgmmas; docs/benchmarks/mgpu.md,
+twenty-second session, commit a36efde.)
 
 (Before this, both warpgroups computed the whole 64 x 128 score tile and no
 statistic crossed: 1.5x the MMA work, twice the softmax, and 64 score
@@ -129,6 +137,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir.dialects import nvvm
 
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms, store_feature_pairs,
@@ -226,6 +235,20 @@ FRAME_DROP = 64.0
 # are Mosaic GPU's.
 NAMED_SYNC = True
 STATS_SYNC_ID, P_SYNC_ID = 8, 9
+# Whether the step's per-row SMEM stores (the published statistics, the fold's factors) skip the
+# warpgroup barriers Pallas puts before and after every SMEM store (``store_rows``): the named
+# barrier each of them is read behind (``NAMED_SYNC``) already orders them for every reader and
+# after every earlier read. GPU only, with ``NAMED_SYNC``. Six barriers of the warpgroup a step
+# fewer: 0.432 vs 0.457 ms at 64 x 16k x 128, 0.419 vs 0.428 at 32 x 16k x 128 x 2, 0.230 vs
+# 0.236 at 32 x 16k x 128 (H100, twenty-second session, scripts/probe_mgpu_costs.py, 5 rounds;
+# the same output bits).
+UNSYNCED_ROW_STORES = True
+# Whether P''s stores reach the wgmma behind a proxy fence and the P' exchange's named barrier
+# alone (``publish_p``), without the warpgroup barrier ``plgpu.commit_smem`` adds after its fence.
+# GPU only, with ``NAMED_SYNC``. With ``UNSYNCED_ROW_STORES`` (same probe, another H100): 0.422
+# vs 0.432 ms at 32 x 16k x 128 x 2, 0.244 vs 0.246 at 32 x 16k x 128, 0.447 either way at
+# 64 x 16k x 128; both flags against neither 3-5%.
+FENCE_ONLY_COMMIT = True
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
@@ -368,10 +391,56 @@ def consumers_sync(barrier_id: int) -> None:
     sync()
 
 
+def store_rows(values, ref) -> None:
+    """values[i] (f32 [64], ``ROW``) into ref[i] (ref f32 [len(values), 64] in SMEM) without the
+    warpgroup barriers Pallas puts before and after an SMEM store (a ``bar.sync`` of the
+    warpgroup's 128 threads each). The caller orders the stores: every read of ref before them and
+    every read after them must be separated from them by a barrier its threads meet (here the
+    consumers' named barriers, ``UNSYNCED_ROW_STORES``). GPU only (inline Mosaic GPU)."""
+    @plgpu.inline_mgpu(arg_types=(tuple(ROW for _ in values), plgpu.RefType()))
+    def store(ctx, values_fa, dst):
+        del ctx
+        for i, value in enumerate(values_fa):
+            value.store_untiled(mgpu_utils.memref_slice(dst, i), optimized=False)
+
+    store(tuple(values), ref)
+
+
+def publish_p(bar) -> None:
+    """After this warpgroup's P' stores: make them visible to the wgmmas (the async proxy) and
+    announce them, on mbarrier ``bar`` (the interpreter), or with None for the named barrier
+    ``gather_p`` meets at (``NAMED_SYNC``). There, with ``FENCE_ONLY_COMMIT``, each thread's
+    proxy fence is enough: the named barrier after it orders every thread's stores before every
+    wgmma issued behind it (``plgpu.commit_smem`` would add a barrier of the warpgroup)."""
+    if bar is None and FENCE_ONLY_COMMIT:
+        @plgpu.inline_mgpu()
+        def fence(ctx):
+            del ctx
+            nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+        fence()
+        return
+    plgpu.commit_smem()
+    if bar is not None:
+        plgpu.barrier_arrive(bar)
+
+
+def gather_p(bar) -> None:
+    """Wait until both warpgroups have published their P' (``publish_p``): mbarrier ``bar``, or
+    with None the named barrier ``P_SYNC_ID``."""
+    if bar is None:
+        consumers_sync(P_SYNC_ID)
+    else:
+        plgpu.barrier_wait(bar)
+
+
 def publish_stats(mine_ref, bar, row_max, log_pv_max) -> None:
     """A warpgroup's half of the step's row statistics to SMEM (mine_ref f32 [2, 64]: row max, log
     pv max), then its arrival on the step's statistics barrier ``bar`` (None: the named barrier
-    ``gather_stats`` meets at, ``NAMED_SYNC``)."""
+    ``gather_stats`` meets at, ``NAMED_SYNC``; with ``UNSYNCED_ROW_STORES`` stored by
+    ``store_rows``, which that barrier orders)."""
+    if bar is None and UNSYNCED_ROW_STORES:
+        store_rows((row_max, log_pv_max), mine_ref)
+        return
     mine_ref[0] = row_max
     mine_ref[1] = log_pv_max
     if bar is not None:
@@ -782,9 +851,13 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                     p8_s[slot, :, pl.ds(_aligned(wg * HALF, HALF), HALF)] = p8
                 else:
                     store_quads(p8, p8_s.at[slot], None)  # the lane is the warpgroup's index
-                # Both warpgroups hold the same factors; each turns its own copy into columns.
-                for f, factor in enumerate(factors):
-                    fac_s[wg, f] = factor
+                # Both warpgroups hold the same factors; each turns its own copy into columns
+                # (read behind the P' exchange's barrier, written behind the statistics').
+                if named_sync and UNSYNCED_ROW_STORES:
+                    store_rows(factors, fac_s.at[wg, pl.ds(0, len(factors))])
+                else:
+                    for f, factor in enumerate(factors):
+                        fac_s[wg, f] = factor
             visible = None
             if interpret:
                 # V is masked in place once both warpgroups are past their QK.
@@ -795,14 +868,9 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                         kv8_s[slot, ch] = v_masked_token_major(kv8_s.at[slot, ch], t0, seq_len)
             elif masked:
                 visible = plgpu.layout_cast(jnp.full((BLOCK_M,), seq_len - t0, jnp.int32), ROW)
-            plgpu.commit_smem()  # generic-proxy stores (P') -> visible to wgmma
-            if not named_sync:
-                plgpu.barrier_arrive(pexch_bar.at[slot])
+            publish_p(None if named_sync else pexch_bar.at[slot])
             with jax.named_scope("wait_p"):
-                if named_sync:
-                    consumers_sync(P_SYNC_ID)
-                else:
-                    plgpu.barrier_wait(pexch_bar.at[slot])  # the other warpgroup's P'
+                gather_p(None if named_sync else pexch_bar.at[slot])  # the other warpgroup's P'
             with jax.named_scope("pv"):
                 new_accs = pv_update_t(accs, p8_s.at[slot], kv8_s.at[slot], wg, fac_s.at[wg], visible,
                                        interpret=interpret)

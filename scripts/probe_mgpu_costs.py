@@ -48,7 +48,8 @@ ROOT = pathlib.Path(__file__).resolve().parent
 ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
             ("step_scores", "qk8_promoted", "ISSUE_BY_WARPS", "PRODUCER_WG", "PRODUCER_REGISTERS", "CONSUMER_REGISTERS",
              "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH", "PV_FRAME",
-             "softmax_half_t", "pv_update_t", "publish_stats", "gather_stats", "QK_PROMOTION", "NAMED_SYNC")}
+             "softmax_half_t", "pv_update_t", "publish_stats", "gather_stats", "QK_PROMOTION", "NAMED_SYNC",
+             "UNSYNCED_ROW_STORES", "FENCE_ONLY_COMMIT")}
 
 
 def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
@@ -221,6 +222,10 @@ VARIANTS = {
     "twentieth_session": {"QK_PROMOTION": 256, "NAMED_SYNC": False},
     "promotion_256": {"QK_PROMOTION": 256},
     "mbarrier_sync": {"NAMED_SYNC": False},
+    # Twenty-second session: the per-row SMEM stores with Pallas's warpgroup barriers around them.
+    "synced_row_stores": {"UNSYNCED_ROW_STORES": False},
+    "commit_with_barrier": {"FENCE_ONLY_COMMIT": False},
+    "step_warpgroup_barriers": {"UNSYNCED_ROW_STORES": False, "FENCE_ONLY_COMMIT": False},
     # Candidates for Q.K's wgmma round trips: RoPE beside the (first) chain; at 256, both chains
     # in flight.
     "rope_beside": {"step_scores": scores_rope_beside},

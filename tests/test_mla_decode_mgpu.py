@@ -241,6 +241,30 @@ def test_consumers_meet_at_their_own_named_barriers(monkeypatch):
     jax.clear_caches()
 
 
+def test_step_hands_over_behind_named_barriers_only(monkeypatch):
+    """``UNSYNCED_ROW_STORES`` and ``FENCE_ONLY_COMMIT``: inside the step loops the published
+    statistics, the fold's factors and P''s commit take no barrier of the warpgroup (Pallas puts
+    one before and one after every SMEM store, and one after ``commit_smem``'s fence): 7 a step
+    loop fewer, the named barriers that order them instead. Each flag removes its own."""
+    import re
+    import pallas_kernels.mla_decode_mgpu as mgpu_module
+
+    def warpgroup_barriers(rows: bool, commit: bool) -> int:
+        monkeypatch.setattr(mgpu_module, "UNSYNCED_ROW_STORES", rows)
+        monkeypatch.setattr(mgpu_module, "FENCE_ONLY_COMMIT", commit)
+        jax.clear_caches()
+        # Mosaic GPU's warpgroup barrier: bar.sync with the warpgroup's id in a register, 128 threads.
+        return len(re.findall(r"bar\.sync \$0, 128;", _mosaic_module_text("mgpu")))
+
+    lean, rows_only, commit_only, synced = (warpgroup_barriers(*flags) for flags in
+                                            ((True, True), (True, False), (False, True), (False, False)))
+    loops = 2  # unmasked and masked steps
+    assert synced - lean == loops * 7, (synced, lean)
+    assert synced - rows_only == loops * 6 and synced - commit_only == loops * 1, (rows_only, commit_only)
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
 def test_qk_precision_probe_runs_interpreted(tmp_path):
     """scripts/probe_qk_precision.py (its GPU run sets ``QK_PROMOTION``) on the interpreter, one
     case: the interpreter's wgmma is exact, so every chain setting matches the e4m3 emulation
