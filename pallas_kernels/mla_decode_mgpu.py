@@ -391,13 +391,14 @@ def consumers_sync(barrier_id: int) -> None:
     sync()
 
 
-def store_rows(values, ref) -> None:
-    """values[i] (f32 [64], ``ROW``) into ref[i] (ref f32 [len(values), 64] in SMEM) without the
-    warpgroup barriers Pallas puts before and after an SMEM store (a ``bar.sync`` of the
-    warpgroup's 128 threads each). The caller orders the stores: every read of ref before them and
-    every read after them must be separated from them by a barrier its threads meet (here the
-    consumers' named barriers, ``UNSYNCED_ROW_STORES``). GPU only (inline Mosaic GPU)."""
-    @plgpu.inline_mgpu(arg_types=(tuple(ROW for _ in values), plgpu.RefType()))
+def store_rows(values, ref, layout=ROW) -> None:
+    """values[i] (f32 [n] in ``layout``: ``ROW``, or the 16-row kernel's ``QROWS``) into ref[i]
+    (ref f32 [len(values), n] in SMEM) without the warpgroup barriers Pallas puts before and after
+    an SMEM store (a ``bar.sync`` of the warpgroup's 128 threads each). The caller orders the
+    stores: every read of ref before them and every read after them must be separated from them
+    by a barrier its threads meet (here the consumers' named barriers, ``UNSYNCED_ROW_STORES``).
+    GPU only (inline Mosaic GPU)."""
+    @plgpu.inline_mgpu(arg_types=(tuple(layout for _ in values), plgpu.RefType()))
     def store(ctx, values_fa, dst):
         del ctx
         for i, value in enumerate(values_fa):

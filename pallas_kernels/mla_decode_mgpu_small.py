@@ -76,7 +76,7 @@ from pallas_kernels.mla_decode import LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
 from pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, HALF, NUM_CHUNKS,
                                             NUM_SLOTS, NUM_WGS, RANK, ROPE, STEP, begin_cta,
                                             begin_step, grid_params, initial_carry, merge_splits,
-                                            prepare_inputs, walk_steps, write_lse_and_wait)
+                                            prepare_inputs, store_rows, walk_steps, write_lse_and_wait)
 
 ROWS = 16  # query rows per CTA by default: the wgmma N of every product
 # Features per fp32 promotion of the FP8 S^T product, as the 64-row kernel's
@@ -93,6 +93,17 @@ QROWS = plgpu.Layout.WGMMA.reduce(0)  # an [R] vector with one value per query r
 # The warpgroup that issues the ring's TMAs: warpgroup 1, which waits for warpgroup 0's
 # softmax at the start of every step anyway (warpgroup 0's work sets the step time).
 ISSUER = 1
+# Whether warpgroup 0 stores a step's running m and l (``ml_s``) and the fold's factors
+# (``stats_s``) without the warpgroup barriers Pallas puts before and after every SMEM store
+# (``mla_decode_mgpu.store_rows``), as the 64-row kernel does (its ``UNSYNCED_ROW_STORES``). What
+# orders them instead (``softmax_step``): between this step's loads of m and l and the stores
+# lie the softmax's cross-warp reductions, each behind a barrier of the warpgroup; the
+# ``commit_smem`` after the stores (a barrier of the warpgroup) precedes every read of them,
+# warpgroup 1's behind the ``p_ready`` mbarrier; a slot's factors are overwritten two steps
+# later, behind the TMA of that step, which warpgroup 1 issued only after both warpgroups
+# consumed the slot. GPU only. Eight barriers a step fewer on warpgroup 0's path, which sets
+# the step time.
+UNSYNCED_ROW_STORES = True
 
 
 def step_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpret: bool) -> list[jax.Array]:
@@ -301,13 +312,20 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                        for half in range(2)]
         m, l = plgpu.load(ml_s.at[0], layout=QROWS), plgpu.load(ml_s.at[1], layout=QROWS)
         m_new, alpha, l, p_scaled, pv_max = softmax_t(scores, k_scales, m, l, scale_log2, visible)
-        ml_s[0] = m_new
-        ml_s[1] = l
+        unsynced = UNSYNCED_ROW_STORES and not interpret
+        if unsynced:
+            store_rows((m_new, l), ml_s, layout=QROWS)
+        else:
+            ml_s[0] = m_new
+            ml_s[1] = l
         for half in range(2):  # P' rounds to e4m3 (the SnapMLA math), then to f16 exactly
             pt_s[slot, 0, pl.ds(half * HALF, HALF)] = (
                 jnp.minimum(p_scaled[half], FP8_E4M3_MAX).astype(FP8_DTYPE).astype(jnp.float16))
-        stats_s[slot, 0] = alpha
-        stats_s[slot, 1] = pv_max
+        if unsynced:
+            store_rows((alpha, pv_max), stats_s.at[slot], layout=QROWS)
+        else:
+            stats_s[slot, 0] = alpha
+            stats_s[slot, 1] = pv_max
         plgpu.commit_smem()  # generic-proxy stores -> visible to both warpgroups' wgmma
         plgpu.barrier_arrive(p_ready_bar.at[slot])
 

@@ -275,9 +275,12 @@ SMALL_VARIANTS = {
     # chains are in flight under one wait, so fewer chains save adds and accumulators, not waits).
     "promotion_256": {"QK_PROMOTION": 256},
     "promotion_512": {"QK_PROMOTION": 512},
+    # Twenty-third session: warpgroup 0's per-row stores with Pallas's warpgroup barriers around them.
+    "synced_row_stores": {"UNSYNCED_ROW_STORES": False},
 }
 SMALL_ORIGINAL = {name: getattr(small_kernel, name) for name in
-                  ("step_scores_t", "softmax_t", "v_half_f16", "pv_update_t", "ISSUER", "QK_PROMOTION")}
+                  ("step_scores_t", "softmax_t", "v_half_f16", "pv_update_t", "ISSUER", "QK_PROMOTION",
+                   "UNSYNCED_ROW_STORES")}
 
 # ``--kernel bf16``: the Mosaic BF16 twin (mla_decode_mgpu_bf16.py, through ``mla_decode`` on
 # the bf16 cache), with the other register split: the baseline should get what the FP8

@@ -126,3 +126,53 @@ def test_kept_rows_are_restated_with_this_runs_ceilings():
     assert restated["fp8_roofline"] < decode.restate_roofline(row, slow)["fp8_roofline"]
     assert restated["xla_bf16_roofline"] == decode.restate_roofline(row, slow)["xla_bf16_roofline"]
     assert "bf16_roofline" in restated and "fp8_triton_roofline" not in restated  # no time, no fraction
+
+
+def test_round_robin_times_every_run_in_turn_and_reports_failures(monkeypatch):
+    calls = []
+    monkeypatch.setattr(timing, "sample_ms", lambda fn, arg_sets, *, iters, inner=10, first=0:
+                        [fn(*arg_sets[0])] * iters)
+
+    def fast(x):
+        calls.append("fast")
+        return x
+
+    def slow(x):
+        calls.append("slow")
+        return x * 3
+
+    def broken(x):
+        raise RuntimeError("does not compile\nsecond line")
+
+    result = timing.time_round_robin({"fast": (fast, [(1.0,)]), "slow": (slow, [(1.0,)]),
+                                      "broken": (broken, [(1.0,)])}, rounds=3, warmup=1, iters=5)
+    assert result["fast"] == 1.0 and result["slow"] == 3.0
+    assert isinstance(result["broken"], RuntimeError)
+    # One warm-up call each, then three rounds with the order rotated: fast, slow / slow, fast / fast, slow.
+    assert calls == ["fast", "slow", "fast", "slow", "slow", "fast", "fast", "slow"]
+
+
+def test_a_row_times_its_methods_side_by_side(monkeypatch):
+    # Stand-in programs per (backend, config): each returns its own time, which the mocked
+    # sampler reports; the Triton FP8 one fails to compile.
+    ms = {("pallas", None, "fp8"): 0.5, ("pallas", None, "bf16"): 0.8, ("xla", None, "bf16"): 4.0}
+
+    def chain(scale, layers, backend, config=None):
+        def fn(q, q_rope, cache, block_table, seq_lens):
+            if config is not None:
+                raise ValueError("no Triton here\nmore")
+            return ms[(backend, config, "fp8" if cache.scale is not None else "bf16")]
+        return fn
+
+    monkeypatch.setattr(decode, "decode_chain", chain)
+    monkeypatch.setattr(timing, "sample_ms", lambda fn, arg_sets, *, iters, inner=10, first=0:
+                        [fn(*arg_sets[0])] * iters)
+    caches = decode.make_caches(2, 128)
+    ceilings = timing.Ceilings(**CEILINGS)
+    row = decode.measure_config(2, 128, 16, 1, caches, ceilings, 4, "does not fit", 1 << 34, rounds=2)
+    assert (row["fp8_ms"], row["bf16_ms"], row["xla_bf16_ms"]) == (0.5, 0.8, 4.0)
+    assert row["fp8_over_bf16"] == pytest.approx(1.6) and row["fp8_over_xla"] == pytest.approx(8.0)
+    assert row["fp8_triton_ms"] is None and row["fp8_triton_note"] == "ValueError: no Triton here"
+    assert row["stock_mqa_ms"] is None and row["stock_mqa_note"] == "does not run: does not fit"
+    nbytes, f8, f16 = decode.method_work("fp8", 2, 128, 16, 1)
+    assert row["fp8_roofline"] == pytest.approx(decode.roofline_ms(nbytes, f8, f16, ceilings) / 0.5)

@@ -265,6 +265,24 @@ def test_step_hands_over_behind_named_barriers_only(monkeypatch):
     jax.clear_caches()
 
 
+def test_small_kernel_stores_its_row_vectors_without_warpgroup_barriers(monkeypatch):
+    """The 16-row kernel's ``UNSYNCED_ROW_STORES``: warpgroup 0's four per-row stores a step (m, l,
+    and the fold's alpha and pv_max) take none of the two warpgroup barriers Pallas puts around
+    each: 8 a step loop fewer (``softmax_step`` says what orders them instead)."""
+    import re
+    import pallas_kernels.mla_decode_mgpu_small as small_module
+
+    def warpgroup_barriers(unsynced: bool) -> int:
+        monkeypatch.setattr(small_module, "UNSYNCED_ROW_STORES", unsynced)
+        jax.clear_caches()
+        return len(re.findall(r"bar\.sync \$0, 128;", _mosaic_module_text("small")))
+
+    loops = 2  # unmasked and masked steps
+    assert warpgroup_barriers(False) - warpgroup_barriers(True) == loops * 8
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
 def test_qk_precision_probe_runs_interpreted(tmp_path):
     """scripts/probe_qk_precision.py (its GPU run sets ``QK_PROMOTION``) on the interpreter, one
     case: the interpreter's wgmma is exact, so every chain setting matches the e4m3 emulation

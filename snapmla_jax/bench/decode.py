@@ -3,7 +3,10 @@ the plain-XLA path and JAX's stock Pallas decode kernel, with roofline fractions
 
 For every (batch B, context, heads H, s_q) the same random cache contents are
 stored as fp8 and bf16 LatentCaches (page_size 64, each row's pages in order),
-and each method is timed as the median of a few synchronised calls. Columns:
+and each method is timed as the median of synchronised samples of 10 calls, the
+methods' samples taken round-robin (``timing.time_round_robin``: 5 rounds, each
+timing every method in turn) so that a drift of the GPU's clocks during the row
+falls on all of them alike. Columns:
 
   ms           median time of one decode call (all B rows, one layer)
   layers       calls a timed sample chains inside one jit (``chain_layers``), each
@@ -180,7 +183,7 @@ def make_queries(batch: int, context: int, heads: int, s_q: int) -> tuple[jax.Ar
     return q, q_rope, jnp.full((batch,), context, jnp.int32), 1.0 / math.sqrt(RANK + ROPE)
 
 
-def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_reason, memory):
+def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_reason, memory, rounds: int = 5):
     fp8, bf16, block_table = caches
     layers = fp8.num_layers or 1
     q, q_rope, seq_lens, scale = make_queries(batch, context, heads, s_q)
@@ -198,30 +201,36 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
     }
     # The XLA path gathers the pages (a bf16 copy) and keeps fp32 scores and weights.
     xla_bytes = batch * context * bf16.nbytes_per_token + 3 * batch * s_q * heads * context * 4
+    runs = {}
     for name, (cache, backend, config) in plans.items():
         assert cache.nbytes_per_token == METHODS[name][0], (name, cache.nbytes_per_token)
         if name == "xla_bf16" and xla_bytes > MEMORY_FRACTION * memory / 2:
             row[f"{name}_ms"] = None
             row[f"{name}_note"] = "skipped: does not fit memory"
             continue
-        try:
-            ms = timing.time_ms(run(backend, config), [(q, q_rope, cache, block_table, seq_lens)], warmup=2,
-                                iters=iters) / layers
-        except Exception as err:  # a failing method is reported, the run goes on
+        runs[name] = (run(backend, config), [(q, q_rope, cache, block_table, seq_lens)])
+    if stock_reason is None:
+        stock_fn, stock_args = stock_mqa(q, q_rope, first_layer(bf16), block_table, seq_lens, scale)
+        runs["stock_mqa"] = (stock_fn, [stock_args])
+    else:
+        row["stock_mqa_ms"] = None
+        row["stock_mqa_note"] = "does not run: " + stock_reason
+    # Side by side, round-robin (``timing.time_round_robin``): the ratios between the methods
+    # do not depend on which ran first while the GPU's clocks drifted.
+    for name, result in timing.time_round_robin(runs, rounds=rounds, iters=iters).items():
+        if isinstance(result, Exception):  # a failing method is reported, the run goes on
             row[f"{name}_ms"] = None
-            row[f"{name}_note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            row[f"{name}_note"] = f"{type(result).__name__}: {str(result).splitlines()[0][:160]}"
             continue
+        if name == "stock_mqa":  # one layer, one call
+            row["stock_mqa_ms"] = result
+            continue
+        ms = result / layers
         nbytes, f8, f16 = method_work(name, batch, context, heads, s_q)
         row[f"{name}_ms"] = ms
         row[f"{name}_gbps"] = nbytes / (ms * 1e-3) / 1e9
         row[f"{name}_tflops"] = (f8 + f16) / (ms * 1e-3) / 1e12
         row[f"{name}_roofline"] = roofline_ms(nbytes, f8, f16, ceilings) / ms
-    if stock_reason is None:
-        fn, stock_args = stock_mqa(q, q_rope, first_layer(bf16), block_table, seq_lens, scale)
-        row["stock_mqa_ms"] = timing.time_ms(fn, [stock_args], warmup=2, iters=iters)
-    else:
-        row["stock_mqa_ms"] = None
-        row["stock_mqa_note"] = "does not run: " + stock_reason
     if row.get("fp8_ms") and row.get("bf16_ms"):
         row["fp8_over_bf16"] = row["bf16_ms"] / row["fp8_ms"]
     if row.get("fp8_ms") and row.get("xla_bf16_ms"):
@@ -263,6 +272,10 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
           if merged else []),
         "",
         "One decode call over one layer, page_size 64, all rows at the full context; times are medians.",
+        "Rows measured from 2026-11-26 12:00 UTC take the methods' samples round-robin (5 rounds, each",
+        "timing every method in turn), so that the GPU's clocks drifting during a row fall on all methods",
+        "alike; earlier rows timed one method after the other (the BF16 twin, timed after the FP8 kernel,",
+        "then moved ~5% between runs).",
         "layers: each timed sample runs that many calls in one jit, each over its own layer of a layered",
         "cache and taking the last call's output as its query (as a model's layers do), ms = its time /",
         "layers; enough layers that they read >= 256 MiB of fp8 cache (5x the L2), 1 from B x ctx = 400k",
@@ -306,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--out", default="docs/benchmarks", help="directory for decode.json / decode.md")
-    parser.add_argument("--iters", type=int, default=10, help="timed calls per measurement")
+    parser.add_argument("--iters", type=int, default=10, help="timed samples (of 10 calls) per measurement")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="round-robin rounds the samples are spread over (timing.time_round_robin)")
     parser.add_argument("--batches", type=int, nargs="*", help="override the batch sizes")
     parser.add_argument("--contexts", type=int, nargs="*", help="override the context lengths")
     parser.add_argument("--heads", type=int, nargs="*", help="override the head counts")
@@ -361,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                 for s_q in grid["s_qs"]:
                     try:
                         row = measure_config(batch, context, heads, s_q, caches, ceilings, args.iters,
-                                             stock_reason, memory)
+                                             stock_reason, memory, rounds=args.rounds)
                     except Exception:
                         traceback.print_exc()
                         continue

@@ -33,17 +33,56 @@ def time_ms(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, warmup: int = 
 
     Each of ``iters`` samples runs ``inner`` calls back to back and synchronises once.
     """
-    for i in range(warmup):
+    warm_up(fn, arg_sets, warmup)
+    return statistics.median(sample_ms(fn, arg_sets, iters=iters, inner=inner))
+
+
+def warm_up(fn: Callable[..., Any], arg_sets: Sequence[tuple], calls: int) -> None:
+    """``calls`` synchronised calls of ``fn`` (compilation, autotuning, module load)."""
+    for i in range(calls):
         jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+
+
+def sample_ms(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iters: int, inner: int = 10,
+              first: int = 0) -> list[float]:
+    """``iters`` samples (ms a call) of ``inner`` back-to-back calls each, synchronised once,
+    cycling through ``arg_sets`` from call ``first``."""
     samples = []
     for i in range(iters):
         start = time.perf_counter()
         out = None
         for j in range(inner):
-            out = fn(*arg_sets[(i * inner + j) % len(arg_sets)])
+            out = fn(*arg_sets[(first + i * inner + j) % len(arg_sets)])
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - start) * 1e3 / inner)
-    return statistics.median(samples)
+    return samples
+
+
+def time_round_robin(runs: dict[str, tuple[Callable[..., Any], Sequence[tuple]]], *, rounds: int = 5,
+                     warmup: int = 2, iters: int = 10, inner: int = 10) -> dict[str, float | Exception]:
+    """Median time in ms of one call of each of ``runs`` (name -> (fn, arg_sets)), measured
+    side by side: every run is warmed up first, then ``rounds`` rounds each take
+    ceil(``iters`` / ``rounds``) samples (``sample_ms``) of every run in turn, the order rotated
+    from round to round. A drift of the GPU's clocks or temperature over the measurement then
+    falls on all runs alike, which times taken one run after the other do not ensure (H100,
+    B=64 x 16k x 128: the BF16 twin measured 0.673 and 0.708 ms in two runs of the decode
+    benchmark, the FP8 kernel 0.437 and 0.428). A run whose warm-up raises gets its exception
+    instead of a time, and the others go on."""
+    per_round = -(-iters // rounds)
+    samples: dict[str, list[float] | Exception] = {}
+    for name, (fn, arg_sets) in runs.items():
+        try:
+            warm_up(fn, arg_sets, warmup)
+            samples[name] = []
+        except Exception as err:  # reported by the caller
+            samples[name] = err
+    timed = [name for name in runs if isinstance(samples[name], list)]
+    for r in range(rounds):
+        for k in range(len(timed)):
+            name = timed[(r + k) % len(timed)]
+            fn, arg_sets = runs[name]
+            samples[name] += sample_ms(fn, arg_sets, iters=per_round, inner=inner, first=r * per_round * inner)
+    return {name: s if isinstance(s, Exception) else statistics.median(s) for name, s in samples.items()}
 
 
 @dataclasses.dataclass(frozen=True)
