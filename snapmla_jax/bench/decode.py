@@ -272,7 +272,7 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
           if merged else []),
         "",
         "One decode call over one layer, page_size 64, all rows at the full context; times are medians.",
-        "Rows measured from 2026-11-26 12:00 UTC take the methods' samples round-robin (5 rounds, each",
+        "Rows measured from 2026-11-26 11:05 UTC take the methods' samples round-robin (5 rounds, each",
         "timing every method in turn), so that the GPU's clocks drifting during a row fall on all methods",
         "alike; earlier rows timed one method after the other (the BF16 twin, timed after the FP8 kernel,",
         "then moved ~5% between runs).",
