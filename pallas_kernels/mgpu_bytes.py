@@ -32,7 +32,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, vector
+from jaxlib.mlir.dialects import arith, llvm, nvvm, vector
 
 # The SMEM layout ``load_vt_quads`` reads and ``store_quads`` writes: the one the FP8 wgmma reads
 # an 8-bit operand tile in (rows of 128 bytes in 8-row groups, each row's 16-byte chunks
@@ -271,47 +271,3 @@ def store_feature_pairs(values: jax.Array, dst_ref) -> None:
                 llvm.store(word, mgpu_utils.getelementptr(base, [offset], i8))
 
     store(values, dst_ref)
-
-
-# --- Every other token's scale (``mla_decode_mgpu``: the step's scales as the TMA brings them) -----
-
-
-def load_parities(ref, layout) -> tuple[jax.Array, jax.Array]:
-    """(ref[0::2], ref[1::2]) of ref f32 [128] in SMEM (no transforms), each f32 [64] in ``layout``
-    (a [64]-vector layout of the WGMMA family, e.g. ``plgpu.Layout.WGMMA.reduce(0)``): the scales of
-    a step's even and odd tokens, the TMA having brought its two pages' scales in token order (it
-    cannot read every other float: a box's innermost run must be >= 16 bytes), and Mosaic GPU's
-    layout inference rejecting a strided SMEM view ("cannot apply swizzle to non-contiguous refs").
-
-    One 4-byte shared load a value; GPU only (inline Mosaic GPU).
-    """
-    if tuple(ref.shape) != (128,) or ref.dtype != jnp.float32:
-        raise ValueError(f"load_parities: ref: expected f32 [128], got {ref.shape} {ref.dtype}")
-    result = plgpu.ShapeDtypeStruct((64,), jnp.float32, layout=layout)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=(result, result))
-    def load(ctx, src):
-        del ctx
-        f32 = ir.F32Type.get()
-        index = ir.IndexType.get()
-        mgpu_layout = layout.to_mgpu()
-        template = mgpu.FragmentedArray.splat(arith.constant(f32, 0.0), (64,), mgpu_layout)
-        regs = template.registers
-        starts = list(mgpu_layout.thread_idxs((64,)))
-        halves = []
-        for parity in range(2):
-            out = np.empty(regs.shape, dtype=object)
-            for flat, idx in enumerate(np.ndindex(regs.shape)):
-                (first,) = starts[flat]
-                vec_ty = ir.VectorType(regs[idx].type)
-                values = []
-                for e in range(vec_ty.shape[0]):
-                    # Element first + e of the half is token 2 (first + e) + parity of the step.
-                    position = arith.addi(arith.muli(first, arith.constant(index, 2)),
-                                          arith.constant(index, 2 * e + parity))
-                    values.append(memref.load(src, [position]))
-                out[idx] = vector.from_elements(vec_ty, values)
-            halves.append(mgpu.FragmentedArray(_registers=out, _layout=mgpu_layout, _is_signed=None))
-        return tuple(halves)
-
-    return load(ref)

@@ -139,9 +139,9 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir.dialects import nvvm
 
-from pallas_kernels.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_E4M3_MAX
-from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_parities, load_vt_quads, output_transforms,
-                                       store_feature_pairs, store_quads)
+from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
+from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms, store_feature_pairs,
+                                       store_quads)
 from pallas_kernels.combine_splits import combine_splits
 from pallas_kernels.mgpu_decode_inputs import decode_inputs
 from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
@@ -158,13 +158,9 @@ NUM_WGS = 2
 CHUNKS_PER_WG = NUM_CHUNKS // NUM_WGS
 NUM_SLOTS = 2
 # TMA copies arriving on a slot's barrier per step: per page and token parity,
-# the 4 latent chunks and the RoPE rows; plus one box of token scales gathered in step
-# order (the 16-row kernel), or one box a page of them in token order (this kernel:
-# ``step_issuer``'s ``natural_scales``).
+# the 4 latent chunks and the RoPE rows; plus one box of token scales.
 COPIES_STEP = 2 * 2 * (NUM_CHUNKS + 1) + 1
-COPIES_STEP_NATURAL = 2 * 2 * (NUM_CHUNKS + 1) + 2
-COPIES_Q = NUM_CHUNKS + 2  # Q8 chunks, Q rope, q scale (the 16-row kernel)
-COPIES_Q16 = NUM_CHUNKS + 1  # bf16 query chunks, Q rope (this kernel quantizes the query itself)
+COPIES_Q = NUM_CHUNKS + 2  # Q8 chunks, Q rope, q scale
 # Features per fp32 promotion of the FP8 Q.K product: Hopper's FP8 wgmma keeps
 # only ~14 significant bits in its accumulator, so a long chain loses precision
 # on large scores (``step_scores``); 512 is one chain. Each chain is waited for and
@@ -238,7 +234,7 @@ FRAME_DROP = 64.0
 # only; the interpreter keeps the mbarriers. Barrier ids 0 (the CTA) and 1..3 (one per warpgroup)
 # are Mosaic GPU's.
 NAMED_SYNC = True
-STATS_SYNC_ID, P_SYNC_ID, Q_SYNC_ID = 8, 9, 10
+STATS_SYNC_ID, P_SYNC_ID = 8, 9
 # Whether the step's per-row SMEM stores (the published statistics, the fold's factors) skip the
 # warpgroup barriers Pallas puts before and after every SMEM store (``store_rows``): the named
 # barrier each of them is read behind (``NAMED_SYNC``) already orders them for every reader and
@@ -382,40 +378,6 @@ def local_stats(scores, k_scale, scale_log2: float, visible=None):
     if visible is not None:
         log_scaled = jnp.where(visible, log_scaled, -jnp.inf)  # a garbage scale's log could be NaN
     return scores, scores.max(axis=1), log_scaled.max(axis=1)
-
-
-def quantize_query(q16_s, q8_s, wg, *, interpret: bool) -> jax.Array:
-    """The block's query content rows quantized per row, as ``quantize_per_token`` does (the
-    reference's rounding): from q16_s bf16 [4, 64, 128] (the chunks as the TMA brought them) the
-    row scales max(amax, AMAX_FLOOR) / 448, f32 [64] (``ROW``), returned, and this warpgroup's two
-    chunks of Q8 = clip(Q / scale, -448, 448) in e4m3 into q8_s [4, 64, 128] (the other
-    warpgroup stores the other two; the caller makes them visible to both warpgroups' wgmmas).
-
-    In the kernel, not before it: a launch fewer a call (the query-quantization launch ran 5-8
-    us at B = 32-64 x 16k x 128 on an H100, plus ~1 us of gap; docs/benchmarks/mgpu.md,
-    twenty-third session). Both warpgroups compute every row's amax from all four chunks (16 KB
-    of SMEM each), so that no statistic crosses between them."""
-    chunk = lambda ch: plgpu.load(q16_s.at[ch], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-    amax = functools.reduce(jnp.maximum, [jnp.abs(chunk(ch)).max(axis=1) for ch in range(NUM_CHUNKS)])
-    scale = jnp.maximum(amax, AMAX_FLOOR) / FP8_E4M3_MAX
-    scale_b = lax.broadcast_in_dim(scale, (BLOCK_M, CHUNK), [0])
-    for i in range(CHUNKS_PER_WG):
-        ch = wg * CHUNKS_PER_WG + i
-        q8 = jnp.minimum(jnp.maximum(chunk(ch) / scale_b, -FP8_E4M3_MAX), FP8_E4M3_MAX).astype(FP8_DTYPE)
-        q8_s[ch] = q8
-    return scale
-
-
-def step_token_scales(ksc_slot, wg, *, interpret: bool) -> jax.Array:
-    """The token scales of warpgroup ``wg``'s score columns, f32 [64] (``COL``): column c is the
-    step's token 2c + wg, and ksc_slot f32 [128] holds the step's scales in token order (two pages
-    of 64, ``step_issuer``'s ``natural_scales``). On the GPU both parities are read
-    (``mgpu_bytes.load_parities``: 32 shared loads a thread) and this warpgroup's is kept."""
-    if interpret:  # plain arrays: every other value
-        pairs = ksc_slot[...].reshape(HALF, 2)
-        return jnp.where(wg == 0, pairs[:, 0], pairs[:, 1])
-    even, odd = load_parities(ksc_slot, COL)
-    return jnp.where(plgpu.layout_cast(jnp.full((HALF,), wg, jnp.int32), COL) == 0, even, odd)
 
 
 def consumers_sync(barrier_id: int) -> None:
@@ -575,14 +537,9 @@ def cta_steps(seq_len, split, *, s_q: int, num_splits: int, step_tokens: int = S
 
 
 def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar, *,
-                by_warps: bool, num_pages: int, natural_scales: bool = False):
+                by_warps: bool, num_pages: int):
     """``issue(step, slot)``: the TMA of a step into a ring slot, arriving on ``step_bar[slot]``:
     latent chunks and RoPE rows in step order (even tokens to rows 0..63), and token scales.
-
-    The token scales: ksc_ref [B, steps * 128], gathered in step order before the kernel (one box;
-    ``COPIES_STEP`` copies a step), or with ``natural_scales`` the cache's own scale array
-    ksc_ref [N], one box of a page's 64 scales a page, in token order (``COPIES_STEP_NATURAL``;
-    the kernel picks each warpgroup's parity, ``mgpu_bytes.load_parities``).
 
     ``by_warps``: each warp of the issuing warpgroup issues the copies of one (page, parity)
     box, the last one also the token scales (four threads issue in parallel instead of one
@@ -594,20 +551,12 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
         plgpu.copy_gmem_to_smem(ropep_ref.at[src, parity], rope_s.at[slot, dst], step_bar.at[slot])
 
     def copy_scales(first_token, slot):
-        if not natural_scales:
-            plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(first_token, STEP)], ksc_s.at[slot], step_bar.at[slot])
-            return
-        for half, page_token in enumerate(first_token):  # here: each page's first row in the cache
-            plgpu.copy_gmem_to_smem(ksc_ref.at[pl.ds(page_token, PAGE)], ksc_s.at[slot, pl.ds(half * PAGE, PAGE)],
-                                    step_bar.at[slot])
+        plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(first_token, STEP)], ksc_s.at[slot], step_bar.at[slot])
 
     def issue(step, slot):
         # Box starts computed here: ``pl.multiple_of`` does not lower in a warp's code.
         boxes = list(page_boxes(bt_ref, b, step, layer_offset, num_pages))
-        if natural_scales:  # each page's first cache row: twice its first token pair (parity 0's box)
-            first_token = [_aligned(boxes[2 * half][1].start * 2, PAGE) for half in range(2)]
-        else:
-            first_token = _aligned(step * STEP, STEP)
+        first_token = _aligned(step * STEP, STEP)
         if not by_warps:
             for parity, src, dst in boxes:
                 copy_box(slot, parity, src, dst)
@@ -657,7 +606,7 @@ class Cta(NamedTuple):
 
 def begin_cta(seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
               q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, *, s_q: int, num_splits: int,
-              num_pages: int, issuer: int = 0, by_warps: bool | None = None, natural_scales: bool = False) -> Cta:
+              num_pages: int, issuer: int = 0, by_warps: bool | None = None) -> Cta:
     """The start of a Mosaic decode CTA (grid b, split, row block of q8_s's rows): where it is
     (``locate_cta``), the TMA issuer of the ring (its copies shared by the issuing warpgroup's
     warps if ``by_warps``; None: ``ISSUE_BY_WARPS``), then ``start_cta`` (query tiles and first
@@ -665,8 +614,7 @@ def begin_cta(seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, 
     where = locate_cta(seq_lens_ref, bt_ref, q8_s.shape[1], s_q=s_q, num_splits=num_splits)
     b, _, wg, _, row0, first_step, num_steps, _ = where
     issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, off_ref[0], kv8_s, rope_s, ksc_s, step_bar,
-                        by_warps=ISSUE_BY_WARPS if by_warps is None else by_warps, num_pages=num_pages,
-                        natural_scales=natural_scales)
+                        by_warps=ISSUE_BY_WARPS if by_warps is None else by_warps, num_pages=num_pages)
     start_cta(wg, first_step, num_steps, issue,
               functools.partial(issue_query, q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar, issuer=issuer)
     return Cta(*where, issue)
@@ -765,14 +713,10 @@ def walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar, *, issu
     return carry
 
 
-def produce_steps(issue, first_step, num_steps, consumed_bar, query_bar=None) -> None:
+def produce_steps(issue, first_step, num_steps, consumed_bar) -> None:
     """The producer warpgroup's loop: step j (from 1; ``start_cta`` issued step 0) goes into
     slot j % 2 once both consumers have finished step j - 2's P'.V there, then the last two
-    steps' consumption is observed (``drain_consumed``). ``query_bar``: first, both consumers
-    have read the bf16 query staged in slot 1 (``quantize_query``)."""
-    if query_bar is not None:
-        plgpu.barrier_wait(query_bar)
-
+    steps' consumption is observed (``drain_consumed``)."""
     def body(j, carry):
         slot = lax.rem(j, NUM_SLOTS)
 
@@ -865,38 +809,29 @@ def write_lse_and_wait(wg, m, l_safe, seen, lse_s, lse_ref, b, split, row0) -> N
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel(seq_lens_ref, bt_ref, off_ref, q16_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
+def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
             o_ref, lse_ref,
-            q_union, qr_s, lse_s, ring_union, rope_s, ksc_s, p8_s, stats_s, lsum_s, fac_s,
-            step_bar, qk_done_bar, stats_bar, pexch_bar, consumed_bar, q_bar, q_ready_bar, query_read_bar,
-            end_bar, *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, num_pages: int,
-            interpret: bool):
+            q_union, qr_s, qsc_s, lse_s, kv8_s, rope_s, ksc_s, p8_s, stats_s, lsum_s, fac_s,
+            step_bar, qk_done_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar,
+            *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, num_pages: int, interpret: bool):
     """One CTA: (batch row b, KV split s, row block r), two consumer warpgroups and the producer (wg 2,
-    ``PRODUCER_WG``); shapes in the module docstring. q16_ref: the bf16 query rows [B, rows,
-    512]; ksc_ref: the cache's token scales [N] f32.
+    ``PRODUCER_WG``); shapes in the module docstring.
 
     SMEM (shared by both warpgroups): q_union = (q8_s e4m3 [4, 64, 128] | o_s
     [2, 64, 64] output staging, one tile per warpgroup, ``output_transforms``), qr_s
-    bf16 [64, 64], lse_s f32 [64], ring_union = (kv8_s e4m3 [2, 4, 128, 128] (slot, chunk, step
-    row, feature: K, and V as it is) | (slot 0's bytes, q16_s bf16 [4, 64, 128]: the query as the
-    TMA brings it, in slot 1's bytes until step 1 comes)), rope_s bf16 [2, 128, 64],
-    ksc_s f32 [2, 128] (a step's two pages' token scales, in token order), p8_s e4m3 [2, 64, 128]
-    (a slot's P', both warpgroups' columns, the B operand of both), stats_s f32 [2 slots, 2
-    warpgroups, 2, 64] (row max, log pv max), lsum_s f32 [2, 64] (each warpgroup's partial l,
-    after the loop), fac_s f32 [2, 2, 64] (each warpgroup's per-row factors, read back one per
+    bf16 [64, 64], qsc_s f32 [64], lse_s f32 [64], kv8_s e4m3 [2, 4, 128, 128]
+    (slot, chunk, step row, feature: K, and V as it is), rope_s bf16 [2, 128, 64],
+    ksc_s f32 [2, 128], p8_s e4m3 [2, 64, 128] (a slot's P', both warpgroups'
+    columns, the B operand of both), stats_s f32 [2 slots, 2 warpgroups, 2, 64]
+    (row max, log pv max), lsum_s f32 [2, 64] (each warpgroup's partial l, after the
+    loop), fac_s f32 [2, 2, 64] (each warpgroup's per-row factors, read back one per
     column).
-
-    The query: both consumers quantize it from q16_s (``quantize_query``), meet (their Q8 chunks
-    in q8_s for both), then tell the producer (``query_read_bar``), which only then issues step 1
-    into slot 1.
     """
     q8_s, o_s = q_union
-    kv8_s, (_, q16_s) = ring_union
     b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = begin_cta(
-        seq_lens_ref, bt_ref, off_ref, q16_ref, qr_ref, None, latp_ref, ropep_ref, ksc_ref,
-        q16_s, qr_s, None, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits,
-        num_pages=num_pages, issuer=NUM_WGS if PRODUCER_WG else 0,
-        by_warps=PRODUCER_ISSUE_BY_WARPS if PRODUCER_WG else None, natural_scales=True)
+        seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
+        q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits,
+        num_pages=num_pages, issuer=NUM_WGS if PRODUCER_WG else 0, by_warps=PRODUCER_ISSUE_BY_WARPS if PRODUCER_WG else None)
 
     # Nothing is written over a slot on the GPU; the interpreter masks V in place once both
     # warpgroups have read the slot as K (``qk_done``).
@@ -905,15 +840,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q16_ref, qr_ref, latp_ref, ksc_ref, r
 
     def consume():
         my_rows = _aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
-        q_scale = quantize_query(q16_s, q8_s, wg, interpret=interpret)
-        plgpu.commit_smem()  # this warpgroup's Q8 chunks -> visible to the wgmmas (the async proxy)
-        if named_sync:
-            consumers_sync(Q_SYNC_ID)  # both warpgroups' chunks are in
-        else:
-            plgpu.barrier_arrive(q_ready_bar)
-            plgpu.barrier_wait(q_ready_bar)
-        if PRODUCER_WG:
-            plgpu.barrier_arrive(query_read_bar)  # slot 1 may take step 1
+        q_scale = plgpu.load(qsc_s, layout=ROW)
 
         def step_tail_t(slot, accs, row_state, factors, p_scaled, t0, *, masked: bool):
             """P' to SMEM in ``vt_step_row`` order, the fold's factors (per row) to the column layout,
@@ -965,7 +892,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q16_ref, qr_ref, latp_ref, ksc_ref, r
                               consumed_bar)
 
             with jax.named_scope("qk"):
-                k_scale = step_token_scales(ksc_s.at[slot], wg, interpret=interpret)
+                k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=COL)
                 scores = step_scores(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scale, my_rows,
                                      interpret=interpret)
                 if interpret:
@@ -1016,8 +943,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q16_ref, qr_ref, latp_ref, ksc_ref, r
         consume()
         return
 
-    specialize_warpgroups(wg, functools.partial(produce_steps, issue, first_step, num_steps, consumed_bar,
-                                                query_read_bar), consume,
+    specialize_warpgroups(wg, functools.partial(produce_steps, issue, first_step, num_steps, consumed_bar), consume,
                           PRODUCER_REGISTERS, CONSUMER_REGISTERS)
 
 
@@ -1090,15 +1016,9 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
     batch, num_rows, _ = q_rows.shape
     check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
     num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
-    check_launch("mla_decode_mgpu: FP8 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
-                 num_arrays=3, block_rows=BLOCK_M, num_splits=num_splits)
-    latent, scale, rope = cache_arrays
-    # The kernel quantizes the query itself from bf16 (``quantize_query``; a float32 query is
-    # rounded to bf16 first, which moves its e4m3 rounding at most where bf16's crosses one of
-    # e4m3's midpoints) and reads the token scales as the cache holds them (``natural_scales``).
-    q16 = q_rows.astype(jnp.bfloat16)
-    latent_pairs = latent.reshape(latent.shape[0] // 2, 2, RANK)
-    rope_pairs = rope.reshape(rope.shape[0] // 2, 2, ROPE)
+    q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
+        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
+        num_pages=num_pages, interpret=interpret)
     out_dtype = q_rows.dtype if num_splits == 1 else jnp.float32
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
     kernel = plgpu.kernel(
@@ -1112,11 +1032,8 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
                                       transforms=() if interpret else output_transforms(out_dtype))),
             plgpu.SMEM((BLOCK_M, ROPE), jnp.bfloat16),
             plgpu.SMEM((BLOCK_M,), jnp.float32),
-            # The ring, and the bf16 query in slot 1's bytes until step 1 comes (slot 0 takes
-            # step 0 meanwhile).
-            plgpu.RefUnion(plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
-                           (plgpu.SMEM((NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
-                            plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), jnp.bfloat16))),
+            plgpu.SMEM((BLOCK_M,), jnp.float32),
+            plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
             plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
             plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
             # P' (``store_quads``): its 4-byte stores compute addresses for this layout.
@@ -1124,18 +1041,16 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
             plgpu.SMEM((NUM_SLOTS, NUM_WGS, 2, BLOCK_M), jnp.float32),
             plgpu.SMEM((NUM_WGS, BLOCK_M), jnp.float32),
             plgpu.SMEM((NUM_WGS, 2, BLOCK_M), jnp.float32),  # fac_s: the fold's factors per warpgroup
-            plgpu.Barrier(num_arrivals=COPIES_STEP_NATURAL, num_barriers=NUM_SLOTS),
+            plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
             *(slot_barrier() for _ in range(4)),  # qk_done (interpreter), stats, pexch, consumed
-            plgpu.Barrier(num_arrivals=COPIES_Q16),
-            plgpu.Barrier(num_arrivals=NUM_WGS),  # q_ready: both Q8 halves in (interpreter)
-            plgpu.Barrier(num_arrivals=NUM_WGS),  # query_read: slot 1 free for step 1
+            plgpu.Barrier(num_arrivals=COPIES_Q),
             plgpu.Barrier(num_arrivals=NUM_WGS),
         ],
         **grid_params(batch, num_splits, num_rows // BLOCK_M, "snapmla_decode_fp8_mgpu", interpret,
                       num_threads=NUM_WGS + int(PRODUCER_WG)),
     )
-    out, lse = kernel(seq_lens, block_table, layer_offset, q16, q_rope_rows.astype(jnp.bfloat16), latent_pairs,
-                      scale, rope_pairs)
+    out, lse = kernel(seq_lens, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
+                      latent_pairs, scales, rope_pairs)
     return merge_splits(out, lse, q_rows.dtype, interpret=interpret)
 
 

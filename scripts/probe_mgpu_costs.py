@@ -49,7 +49,7 @@ ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
             ("step_scores", "qk8_promoted", "ISSUE_BY_WARPS", "PRODUCER_WG", "PRODUCER_REGISTERS", "CONSUMER_REGISTERS",
              "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH", "PV_FRAME",
              "softmax_half_t", "pv_update_t", "publish_stats", "gather_stats", "QK_PROMOTION", "NAMED_SYNC",
-             "UNSYNCED_ROW_STORES", "FENCE_ONLY_COMMIT", "step_token_scales", "quantize_query")}
+             "UNSYNCED_ROW_STORES", "FENCE_ONLY_COMMIT")}
 
 
 def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
@@ -172,17 +172,6 @@ def pv_t_none(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret):
     return [acc * factor for acc in accs]
 
 
-def token_scales_contiguous(ksc_slot, wg, *, interpret):
-    """The step's token scales as one contiguous 64-value load a warpgroup (wrong by design: the
-    tokens' order is not the scores'): the cost of picking every other one (``load_parities``)."""
-    return plgpu.load(ksc_slot.at[pl.ds(mgpu_kernel._aligned(wg * HALF, HALF), HALF)], layout=mgpu_kernel.COL)
-
-
-def quantize_query_none(q16_s, q8_s, wg, *, interpret):
-    """No query quantization in the kernel: Q8 left as it is in SMEM, scale 1 (wrong by design)."""
-    return plgpu.layout_cast(jnp.full((BLOCK_M,), 1.0, jnp.float32), mgpu_kernel.ROW)
-
-
 def publish_stats_none(mine_ref, bar, row_max, log_pv_max):
     """No statistics exchange: nothing published (``gather_stats_local`` waits for nothing)."""
 
@@ -242,10 +231,6 @@ VARIANTS = {
     "rope_beside": {"step_scores": scores_rope_beside},
     "rope_beside_256": {"step_scores": scores_rope_beside, "QK_PROMOTION": 256},
     "chains_in_flight_256": {"qk8_promoted": qk8_chains_in_flight, "QK_PROMOTION": 256},
-    # Twenty-third session: what the query quantization and the every-other scale loads cost
-    # inside the kernel (stand-ins).
-    "scales_contiguous": {"step_token_scales": token_scales_contiguous},
-    "no_query_quantization": {"quantize_query": quantize_query_none},
 }
 
 

@@ -1,7 +1,5 @@
 """Inline-PTX operand helpers of the Mosaic GPU decode kernel's transposed P'.V (pallas_kernels/mgpu_bytes.py).
 
-``load_parities`` (every other float of an SMEM vector, in a [64]-vector layout) is exact (GPU)
-and lowers (CPU).
 ``load_vt_quads`` (V^T as the register A operand, NaN tokens past a count masked),
 ``store_quads`` (P' as the B operand) and ``store_feature_pairs`` (O^T tiles back in
 row-major order) together multiply as numpy does on small integers, exactly (GPU); they
@@ -15,14 +13,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_parities, load_vt_quads, output_transforms,
-                                       store_feature_pairs, store_quads, vt_feature, vt_step_row)
+from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms, store_feature_pairs,
+                                       store_quads, vt_feature, vt_step_row)
 
 # --- V^T as the register A operand (``load_vt_quads``, ``store_quads``, ``store_feature_pairs``) ---
 
@@ -113,47 +110,3 @@ def test_vt_product_matches_numpy(visible, out_dtype):
                   jnp.asarray([visible], jnp.int32), out_dtype)
     np.testing.assert_array_equal(np.asarray(got, np.float32),
                                   np.asarray(jnp.asarray(want, out_dtype), np.float32))
-
-
-# --- Every other token's scale (``load_parities``) ---------------------------------------------
-
-# The layouts the 64-row kernel and the 16-row kernel hold a step's token scales in.
-PARITY_LAYOUTS = {"col": plgpu.Layout.WGMMA.reduce(0), "row": plgpu.Layout.WGMMA.reduce(1)}
-
-
-def _parities_kernel(x_ref, out_ref, x_s, bar, *, layout):
-    """out[p, i, j] = x[2 j + p] for every row i (``load_parities``' halves broadcast over the
-    axis ``layout`` reduces, so the [64, 64] WGMMA tile holds each value once a row or column)."""
-    plgpu.copy_gmem_to_smem(x_ref, x_s, bar)
-    plgpu.barrier_wait(bar)
-    axis = 1 if layout == PARITY_LAYOUTS["col"] else 0
-    for parity, half in enumerate(load_parities(x_s, layout)):
-        out_ref[parity] = lax.broadcast_in_dim(half, (64, 64), [axis])
-
-
-def _run_parities(x, layout_name):
-    return plgpu.kernel(
-        functools.partial(_parities_kernel, layout=PARITY_LAYOUTS[layout_name]),
-        out_type=jax.ShapeDtypeStruct((2, 64, 64), jnp.float32), kernel_name="test_load_parities",
-        scratch_types=[plgpu.SMEM((128,), jnp.float32), plgpu.Barrier(num_arrivals=1)])(x)
-
-
-def test_load_parities_lowers_for_cuda_and_rejects_bad_refs():
-    x = jnp.arange(128, dtype=jnp.float32)
-    for name in PARITY_LAYOUTS:
-        jax.jit(functools.partial(_run_parities, layout_name=name)).trace(x).lower(lowering_platforms=("cuda",))
-    with pytest.raises(ValueError, match="load_parities: ref: expected f32 \\[128\\]"):
-        load_parities(jax.ShapeDtypeStruct((64,), jnp.float32), PARITY_LAYOUTS["col"])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout_name", list(PARITY_LAYOUTS))
-def test_load_parities_picks_every_other_value(layout_name):
-    """Fresh random values (with a 1000x outlier) come back bit for bit, each in its place."""
-    x = np.random.default_rng(len(layout_name)).lognormal(size=128).astype(np.float32)
-    x[37] *= 1000.0
-    got = np.asarray(_run_parities(jnp.asarray(x), layout_name))
-    axis = 0 if layout_name == "col" else 1  # the axis the values vary along in the tile
-    for parity in range(2):
-        want = np.expand_dims(x[parity::2], axis=axis)
-        np.testing.assert_array_equal(got[parity], np.broadcast_to(want, (64, 64)))
