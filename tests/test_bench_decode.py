@@ -152,6 +152,22 @@ def test_round_robin_times_every_run_in_turn_and_reports_failures(monkeypatch):
     assert calls == ["fast", "slow", "fast", "slow", "slow", "fast", "fast", "slow"]
 
 
+def test_round_robin_samples_last_at_least_min_sample_ms(monkeypatch):
+    inners = {}
+
+    def fake_sample_ms(fn, arg_sets, *, iters, inner=10, first=0):
+        per_call = fn(*arg_sets[0])
+        inners.setdefault(per_call, []).append(inner)
+        return [per_call] * iters
+
+    monkeypatch.setattr(timing, "sample_ms", fake_sample_ms)
+    result = timing.time_round_robin({"short": (lambda x: 0.25, [(0,)]), "long": (lambda x: 5.0, [(0,)])},
+                                     rounds=2, warmup=1, iters=4, inner=10, min_sample_ms=30.0)
+    assert result == {"short": 0.25, "long": 5.0}
+    # After a probe sample of 10 calls: 30 ms / 0.25 ms = 120 calls a sample; the 5 ms calls keep 10.
+    assert inners[0.25] == [10, 120, 120] and inners[5.0] == [10, 10, 10]
+
+
 def test_a_row_times_its_methods_side_by_side(monkeypatch):
     # Stand-in programs per (backend, config): each returns its own time, which the mocked
     # sampler reports; the Triton FP8 one fails to compile.

@@ -3,10 +3,11 @@ the plain-XLA path and JAX's stock Pallas decode kernel, with roofline fractions
 
 For every (batch B, context, heads H, s_q) the same random cache contents are
 stored as fp8 and bf16 LatentCaches (page_size 64, each row's pages in order),
-and each method is timed as the median of synchronised samples of 10 calls, the
-methods' samples taken round-robin (``timing.time_round_robin``: 5 rounds, each
-timing every method in turn) so that a drift of the GPU's clocks during the row
-falls on all of them alike. Columns:
+and each method is timed as the median of synchronised samples of back-to-back
+calls (at least 10, and enough to last ``MIN_SAMPLE_MS``), the methods' samples
+taken round-robin (``timing.time_round_robin``: 5 rounds, each timing every method
+in turn) so that a drift of the GPU's clocks during the row falls on all of them
+alike. Columns:
 
   ms           median time of one decode call (all B rows, one layer)
   layers       calls a timed sample chains inside one jit (``chain_layers``), each
@@ -51,6 +52,12 @@ FULL = dict(batches=(1, 8, 32, 64, 128), contexts=(1024, 4096, 16384, 65536), he
 QUICK = dict(batches=(1, 64), contexts=(4096, 16384), heads=(128,), s_qs=(1,))
 # Share of device memory a configuration may plan to use (caches + the XLA path's temporaries).
 MEMORY_FRACTION = 0.7
+# How long a timed sample of back-to-back calls lasts at least (``timing.time_round_robin``):
+# the host's dispatch before a sample's first launch and the synchronisation after its last
+# (~50-100 us) stay within ~1% of it. Samples of 10 calls of 0.24 ms had charged the FP8 path at
+# B=32 x 16k x 128 ~5 us a call for its first call's host gap (docs/benchmarks/mgpu.md,
+# twenty-third session).
+MIN_SAMPLE_MS = 10.0
 # FP8 cache bytes a chain of layers reads at least (``chain_layers``): 5x an H100's or
 # H200's 50 MB L2, so that no layer's pages are still cached when the chain comes back.
 CHAIN_BYTES = 256 << 20
@@ -217,7 +224,7 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
         row["stock_mqa_note"] = "does not run: " + stock_reason
     # Side by side, round-robin (``timing.time_round_robin``): the ratios between the methods
     # do not depend on which ran first while the GPU's clocks drifted.
-    for name, result in timing.time_round_robin(runs, rounds=rounds, iters=iters).items():
+    for name, result in timing.time_round_robin(runs, rounds=rounds, iters=iters, min_sample_ms=MIN_SAMPLE_MS).items():
         if isinstance(result, Exception):  # a failing method is reported, the run goes on
             row[f"{name}_ms"] = None
             row[f"{name}_note"] = f"{type(result).__name__}: {str(result).splitlines()[0][:160]}"
@@ -275,7 +282,10 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         "Rows measured from 2026-11-26 11:05 UTC take the methods' samples round-robin (5 rounds, each",
         "timing every method in turn), so that the GPU's clocks drifting during a row fall on all methods",
         "alike; earlier rows timed one method after the other (the BF16 twin, timed after the FP8 kernel,",
-        "then moved ~5% between runs).",
+        "then moved ~5% between runs). Rows measured from 2026-11-26 11:50 UTC run samples of at least",
+        f"{MIN_SAMPLE_MS:g} ms (of at least 10 calls) instead of 10 calls, so that a sample's host dispatch",
+        "and synchronisation weigh ~1% of it (samples of 10 calls of 0.24 ms charged the FP8 path ~5 us a",
+        "call at B=32 x 16k x 128).",
         "layers: each timed sample runs that many calls in one jit, each over its own layer of a layered",
         "cache and taking the last call's output as its query (as a model's layers do), ms = its time /",
         "layers; enough layers that they read >= 256 MiB of fp8 cache (5x the L2), 1 from B x ctx = 400k",

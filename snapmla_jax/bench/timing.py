@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import math
 import pathlib
 import platform
 import statistics
@@ -59,7 +60,8 @@ def sample_ms(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iters: int, 
 
 
 def time_round_robin(runs: dict[str, tuple[Callable[..., Any], Sequence[tuple]]], *, rounds: int = 5,
-                     warmup: int = 2, iters: int = 10, inner: int = 10) -> dict[str, float | Exception]:
+                     warmup: int = 2, iters: int = 10, inner: int = 10,
+                     min_sample_ms: float = 0.0) -> dict[str, float | Exception]:
     """Median time in ms of one call of each of ``runs`` (name -> (fn, arg_sets)), measured
     side by side: every run is warmed up first, then ``rounds`` rounds each take
     ceil(``iters`` / ``rounds``) samples (``sample_ms``) of every run in turn, the order rotated
@@ -67,21 +69,35 @@ def time_round_robin(runs: dict[str, tuple[Callable[..., Any], Sequence[tuple]]]
     falls on all runs alike, which times taken one run after the other do not ensure (H100,
     B=64 x 16k x 128: the BF16 twin measured 0.673 and 0.708 ms in two runs of the decode
     benchmark, the FP8 kernel 0.437 and 0.428). A run whose warm-up raises gets its exception
-    instead of a time, and the others go on."""
+    instead of a time, and the others go on.
+
+    A sample runs at least ``inner`` calls, and more if one sample of ``inner`` (taken after the
+    warm-up, not counted) lasted under ``min_sample_ms``: enough that it lasts about that long.
+    What a sample pays once, the host's dispatch before the GPU starts and the synchronisation
+    at its end, is then a small share of each call (H100, the FP8 decode path at 32 x 16k x 128:
+    ~50 us of host time between its first two launches on a sample's first call, ~5 us a call
+    in samples of 10)."""
     per_round = -(-iters // rounds)
     samples: dict[str, list[float] | Exception] = {}
+    calls: dict[str, int] = {}
     for name, (fn, arg_sets) in runs.items():
         try:
             warm_up(fn, arg_sets, warmup)
             samples[name] = []
         except Exception as err:  # reported by the caller
             samples[name] = err
+            continue
+        calls[name] = inner
+        if min_sample_ms > 0:
+            (probe_ms,) = sample_ms(fn, arg_sets, iters=1, inner=inner)
+            calls[name] = max(inner, math.ceil(min_sample_ms / max(probe_ms, 1e-6)))
     timed = [name for name in runs if isinstance(samples[name], list)]
     for r in range(rounds):
         for k in range(len(timed)):
             name = timed[(r + k) % len(timed)]
             fn, arg_sets = runs[name]
-            samples[name] += sample_ms(fn, arg_sets, iters=per_round, inner=inner, first=r * per_round * inner)
+            samples[name] += sample_ms(fn, arg_sets, iters=per_round, inner=calls[name],
+                                       first=r * per_round * calls[name])
     return {name: s if isinstance(s, Exception) else statistics.median(s) for name, s in samples.items()}
 
 
