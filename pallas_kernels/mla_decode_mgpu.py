@@ -391,13 +391,19 @@ def consumers_sync(barrier_id: int) -> None:
     sync()
 
 
-def store_rows(values, ref, layout=ROW) -> None:
+def store_rows(values, ref, layout=ROW, *, unsynced: bool = True) -> None:
     """values[i] (f32 [n] in ``layout``: ``ROW``, or the 16-row kernel's ``QROWS``) into ref[i]
     (ref f32 [len(values), n] in SMEM) without the warpgroup barriers Pallas puts before and after
     an SMEM store (a ``bar.sync`` of the warpgroup's 128 threads each). The caller orders the
     stores: every read of ref before them and every read after them must be separated from them
     by a barrier its threads meet (here the consumers' named barriers, ``UNSYNCED_ROW_STORES``).
-    GPU only (inline Mosaic GPU)."""
+    GPU only (inline Mosaic GPU). ``unsynced`` False: Pallas's own stores, barriers included
+    (the interpreter, and the flags' comparison runs)."""
+    if not unsynced:
+        for i, value in enumerate(values):
+            ref[i] = value
+        return
+
     @plgpu.inline_mgpu(arg_types=(tuple(layout for _ in values), plgpu.RefType()))
     def store(ctx, values_fa, dst):
         del ctx
@@ -439,11 +445,7 @@ def publish_stats(mine_ref, bar, row_max, log_pv_max) -> None:
     pv max), then its arrival on the step's statistics barrier ``bar`` (None: the named barrier
     ``gather_stats`` meets at, ``NAMED_SYNC``; with ``UNSYNCED_ROW_STORES`` stored by
     ``store_rows``, which that barrier orders)."""
-    if bar is None and UNSYNCED_ROW_STORES:
-        store_rows((row_max, log_pv_max), mine_ref)
-        return
-    mine_ref[0] = row_max
-    mine_ref[1] = log_pv_max
+    store_rows((row_max, log_pv_max), mine_ref, unsynced=bar is None and UNSYNCED_ROW_STORES)
     if bar is not None:
         plgpu.barrier_arrive(bar)
 
@@ -854,11 +856,8 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                     store_quads(p8, p8_s.at[slot], None)  # the lane is the warpgroup's index
                 # Both warpgroups hold the same factors; each turns its own copy into columns
                 # (read behind the P' exchange's barrier, written behind the statistics').
-                if named_sync and UNSYNCED_ROW_STORES:
-                    store_rows(factors, fac_s.at[wg, pl.ds(0, len(factors))])
-                else:
-                    for f, factor in enumerate(factors):
-                        fac_s[wg, f] = factor
+                store_rows(factors, fac_s.at[wg, pl.ds(0, len(factors))],
+                           unsynced=named_sync and UNSYNCED_ROW_STORES)
             visible = None
             if interpret:
                 # V is masked in place once both warpgroups are past their QK.

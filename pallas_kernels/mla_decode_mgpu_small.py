@@ -313,19 +313,11 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         m, l = plgpu.load(ml_s.at[0], layout=QROWS), plgpu.load(ml_s.at[1], layout=QROWS)
         m_new, alpha, l, p_scaled, pv_max = softmax_t(scores, k_scales, m, l, scale_log2, visible)
         unsynced = UNSYNCED_ROW_STORES and not interpret
-        if unsynced:
-            store_rows((m_new, l), ml_s, layout=QROWS)
-        else:
-            ml_s[0] = m_new
-            ml_s[1] = l
+        store_rows((m_new, l), ml_s, layout=QROWS, unsynced=unsynced)
         for half in range(2):  # P' rounds to e4m3 (the SnapMLA math), then to f16 exactly
             pt_s[slot, 0, pl.ds(half * HALF, HALF)] = (
                 jnp.minimum(p_scaled[half], FP8_E4M3_MAX).astype(FP8_DTYPE).astype(jnp.float16))
-        if unsynced:
-            store_rows((alpha, pv_max), stats_s.at[slot], layout=QROWS)
-        else:
-            stats_s[slot, 0] = alpha
-            stats_s[slot, 1] = pv_max
+        store_rows((alpha, pv_max), stats_s.at[slot], layout=QROWS, unsynced=unsynced)
         plgpu.commit_smem()  # generic-proxy stores -> visible to both warpgroups' wgmma
         plgpu.barrier_arrive(p_ready_bar.at[slot])
 

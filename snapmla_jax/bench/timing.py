@@ -91,7 +91,7 @@ def time_round_robin(runs: dict[str, tuple[Callable[..., Any], Sequence[tuple]]]
         if min_sample_ms > 0:
             (probe_ms,) = sample_ms(fn, arg_sets, iters=1, inner=inner)
             calls[name] = max(inner, math.ceil(min_sample_ms / max(probe_ms, 1e-6)))
-    timed = [name for name in runs if isinstance(samples[name], list)]
+    timed = list(calls)  # the runs that warmed up, in order
     for r in range(rounds):
         for k in range(len(timed)):
             name = timed[(r + k) % len(timed)]
