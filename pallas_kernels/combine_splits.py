@@ -3,7 +3,8 @@
 A split-KV decode call (flash decoding) leaves, per batch row, split and query
 row, a normalised partial output and its log-sum-exp:
 
-  out [B, S, rows, R] f32, lse [B, S, rows] f32 (natural log; -inf: the split saw nothing)
+  out [B, S, rows, R] f32 or bf16 (``partial_dtype``), lse [B, S, rows] f32 (natural log;
+  -inf: the split saw nothing)
 
 and the result is their average weighted by exp(lse):
 
@@ -33,29 +34,55 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_tr
 
 # Partial values one program holds (S padded x its run of a split's slab), so that the
-# loads of every split are issued at once. H100, kernel us, 4096 vs 2048 vs 8192 at 4 warps
-# (scripts/tune_combine_splits.py, docs/benchmarks/combine_tune_2026-11-25.json; T: the
-# 16-row kernel's transposed partials): 1 x 128 x 16T 3.56 / 4.39 / 3.51; 1 x 66 x 128
-# 9.76 / 14.10 / 7.98; 64 x 2 x 32T 4.05 / 3.96 / 5.01; 1 x 8 x 128 2.84 / 3.29 / 3.31.
+# loads of every split are issued at once: ``max_tile``. H100, kernel us, 4096 vs 2048 vs 8192
+# at 4 warps (scripts/tune_combine_splits.py, docs/benchmarks/combine_tune_2026-11-25.json; T:
+# the 16-row kernel's transposed partials; weights then computed once a value): 1 x 128 x 16T
+# 3.56 / 4.39 / 3.51; 1 x 66 x 128 9.76 / 14.10 / 7.98; 64 x 2 x 32T 4.05 / 3.96 / 5.01;
+# 1 x 8 x 128 2.84 / 3.29 / 3.31.
 MAX_TILE = 4096
 
 
-def num_warps(num_splits: int) -> int:
-    """Warps a merge program runs: 2 from 17 splits (S padded >= 32), else 4.
+def max_tile(num_splits: int) -> int:
+    """Partial values a merge program holds at most: 2 x ``MAX_TILE`` from 33 splits (S padded
+    >= 64), else ``MAX_TILE``.
 
-    H100, kernel us at 4096 values, 2 vs 4 warps (same run): with many splits a program's
-    run is short (<= 128 values of each of >= 32 splits) and fewer, fuller warps ran faster:
-    1 x 17 x 128 4.21 vs 4.48; 1 x 33 x 128 5.09 vs 6.10; 1 x 66 x 128 8.05 vs 9.76;
-    4 x 33 x 128 12.51 vs 16.59; 1 x 128 x 16T 3.49 vs 3.56. With few, 4 warps: 1 x 8 x 128
-    2.84 vs 3.02; 32 x 2 x 128 5.66 vs 5.93; 64 x 2 x 32T 4.05 vs 4.15. (The jnp merge:
-    4.42, 8.15, 10.03, 21.17, 7.13; 3.79, 7.40, 5.18.)
+    H100, bf16 partials, weights once a split and row (twenty-fourth session,
+    docs/benchmarks/combine_tune_2026-11-26_bf16.json), kernel us, 8192 vs 4096 values at 2
+    warps: 1 x 66 x 128 4.00 vs 5.27, 1 x 33 x 128 2.65 vs 2.78; below, 4096 (8 x 16 x 128
+    5.04 vs 5.00; 32 x 2 x 128 at 4 warps 4.47 vs 3.78).
     """
-    return 2 if pl.next_power_of_2(num_splits) >= 32 else 4
+    return 2 * MAX_TILE if pl.next_power_of_2(num_splits) >= 64 else MAX_TILE
+
+
+def num_warps(num_splits: int) -> int:
+    """Warps a merge program runs: 2 from 9 splits (S padded >= 16), else 4.
+
+    H100, bf16 partials, weights once a split and row (twenty-fourth session), kernel us, 2 vs
+    4 warps at ``max_tile``: 8 x 16 x 128 5.00 vs 7.27, 8 x 16 x 16 2.11 vs 2.26, 1 x 66 x 128
+    4.00 vs 4.22; with few splits 4 (32 x 2 x 128 3.78 vs 3.89, 16 x 4 x 128 3.34 vs 3.57,
+    1 x 8 x 128 1.83 vs 3.01). (Before, with a weight a value, 2 warps paid from 17 splits:
+    1 x 33 x 128 5.09 vs 6.10, 1 x 8 x 128 2.84 vs 3.02; combine_tune_2026-11-25.json.)
+    """
+    return 2 if pl.next_power_of_2(num_splits) >= 16 else 4
+
+
+def partial_dtype(out_dtype) -> jnp.dtype:
+    """The dtype a split decode kernel's normalised partials take for a merged output of
+    ``out_dtype``: bf16 for a bf16 output, else float32.
+
+    A bf16 output keeps 8 significant bits, and so may its partials: the merge is a weighted
+    average (weights summing to 1), so partials rounded to bf16 move the result by at most what
+    the output's own rounding does (half an ulp, <= 2**-8 of the largest partial). At small batches the
+    partials are most of the traffic: at B=1 x 16k x 128 heads (66 splits of ~250 tokens), the
+    float32 partials are 17 MB written and read back against 10.5 MB of FP8 cache.
+    """
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
 def combine_splits_reference(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Merge split partials in jnp: out [B, S, rows, R] f32, lse [B, S, rows] f32 ->
+    """Merge split partials in jnp: out [B, S, rows, R] f32 (or bf16), lse [B, S, rows] f32 ->
     (merged [B, rows, R] f32, lse [B, rows] f32). Rows no split saw get 0 and -inf."""
+    out = out.astype(jnp.float32)
     lse_max = jnp.max(lse, axis=1, keepdims=True)
     lse_max = jnp.where(lse_max == -jnp.inf, 0.0, lse_max)
     weight = jnp.exp(lse - lse_max)  # 0 for empty splits
@@ -67,8 +94,8 @@ def combine_splits_reference(out: jax.Array, lse: jax.Array) -> tuple[jax.Array,
 
 def tile_size(num_splits: int, slab: int) -> int:
     """Values of each split's slab (its rows x R partials, ``slab`` floats) a program merges:
-    a power of two dividing ``slab``, with S padded to a power of two at most MAX_TILE in all."""
-    size = max(1, MAX_TILE // pl.next_power_of_2(num_splits))
+    a power of two dividing ``slab``, with S padded to a power of two at most ``max_tile`` in all."""
+    size = max(1, max_tile(num_splits) // pl.next_power_of_2(num_splits))
     while slab % size:
         size //= 2
     return size
@@ -101,26 +128,29 @@ def _combine_kernel(out_ref, lse_ref, o_ref, lse_out_ref, *, num_splits: int, nu
                     size: int):
     """One (batch row, run of ``size`` values of a split's [rows, R] slab) program.
 
-    out_ref [B * S * rows * R] f32 and lse_ref [B * S * rows] f32: the partials, flat;
-    o_ref [B * rows * R] (the caller's dtype) and lse_out_ref [B * rows + size] f32 (a spare
-    tail), flat. All whole arrays. The program reads [S, size] contiguous runs (one per
-    split) and writes one contiguous run; each value's row gives its log-sum-exp.
+    out_ref [B * S * rows * R] f32 or bf16 and lse_ref [B * S * rows] f32: the partials, flat;
+    o_ref [B * rows * R] (the caller's dtype) and lse_out_ref [B * rows] f32, flat. All whole
+    arrays. The run is ``size`` // R whole rows, or a piece of one row (``size`` and R are powers
+    of two): the program reads its [S, rows of the run, columns] values at once and each
+    split's weight once a row (not once a value: with many splits a run is a few dozen values
+    of one row, and a weight a value was an exp and an lse load a value). The program that
+    starts a row writes its merged lse.
     """
     b, run = pl.program_id(0), pl.program_id(1)
-    position = run * size + jnp.arange(size, dtype=jnp.int32)  # in the slab
-    row, column = position // rank, position % rank
-    partial_index, real, weight, lse_max, total = _split_weights(lse_ref, b, num_splits, num_rows, row)
-    partials = plgpu_tr.load(out_ref.at[partial_index[:, None] * (num_rows * rank) + position[None, :]],
-                             mask=jnp.broadcast_to(real[:, None], weight.shape), other=0.0)
-    merged = jnp.sum(partials * weight, axis=0) / jnp.where(total > 0, total, 1.0)
-    plgpu_tr.store(o_ref.at[b * num_rows * rank + position], merged.astype(o_ref.dtype))
-    # The values of column 0 write their row's log-sum-exp. The others are masked off and
-    # pointed at a spare tail, each at its own place: a masked store still must not name
-    # one address twice (interpret mode stores the old value back where the mask is off).
-    first = column == 0
-    spare = lse_out_ref.shape[0] - size + jnp.arange(size, dtype=jnp.int32)
-    plgpu_tr.store(lse_out_ref.at[jnp.where(first, b * num_rows + row, spare)], _merged_lse(total, lse_max),
-                   mask=first)
+    run_rows, run_cols = max(1, size // rank), min(size, rank)
+    first = run * size  # in the slab
+    rows = first // rank + jnp.arange(run_rows, dtype=jnp.int32)
+    columns = first % rank + jnp.arange(run_cols, dtype=jnp.int32)
+    partial_index, real, weight, lse_max, total = _split_weights(lse_ref, b, num_splits, num_rows, rows)
+    offsets = (partial_index[:, None, None] * num_rows + rows[None, :, None]) * rank + columns[None, None, :]
+    partials = plgpu_tr.load(out_ref.at[offsets], mask=jnp.broadcast_to(real[:, None, None], offsets.shape),
+                             other=0.0).astype(jnp.float32)
+    merged = jnp.sum(partials * weight[:, :, None], axis=0) / jnp.where(total > 0, total, 1.0)[:, None]
+    plgpu_tr.store(o_ref.at[(b * num_rows + rows[:, None]) * rank + columns[None, :]], merged.astype(o_ref.dtype))
+
+    @pl.when(first % rank == 0)
+    def _():
+        plgpu_tr.store(lse_out_ref.at[b * num_rows + rows], _merged_lse(total, lse_max))
 
 
 def _combine_transposed_kernel(out_ref, lse_ref, o_ref, lse_out_ref, *, num_splits: int, num_rows: int,
@@ -134,7 +164,7 @@ def _combine_transposed_kernel(out_ref, lse_ref, o_ref, lse_out_ref, *, num_spli
     next_power_of_2(rows) (``size`` // R' columns a program); the padding rows read row 0 and
     store into a spare tail of o_ref, each at its own place (a masked store must not name one
     address twice: interpret mode stores the old value back where the mask is off). Refs as
-    ``_combine_kernel``'s.
+    ``_combine_kernel``'s, lse_out_ref with a spare tail of ``size`` for the padding rows' lse.
     """
     b, run = pl.program_id(0), pl.program_id(1)
     padded_rows = pl.next_power_of_2(num_rows)
@@ -146,7 +176,7 @@ def _combine_transposed_kernel(out_ref, lse_ref, o_ref, lse_out_ref, *, num_spli
     partial_index, real, weight, lse_max, total = _split_weights(lse_ref, b, num_splits, num_rows, rows)
     offsets = (partial_index[:, None, None] * rank + columns[None, :, None]) * num_rows + rows[None, None, :]
     partials = plgpu_tr.load(out_ref.at[offsets], mask=jnp.broadcast_to(real[:, None, None], offsets.shape),
-                             other=0.0)
+                             other=0.0).astype(jnp.float32)
     merged_t = jnp.sum(partials * weight[:, None, :], axis=0) / jnp.where(total > 0, total, 1.0)[None, :]
     spare = (o_ref.shape[0] - (padded_rows - num_rows) * num_cols
              + (jnp.maximum(lanes - num_rows, 0) * num_cols)[:, None] + jnp.arange(num_cols, dtype=jnp.int32)[None, :])
@@ -167,9 +197,10 @@ def combine_splits(out: jax.Array, lse: jax.Array, dtype=jnp.float32, *, transpo
     """Merge split partials in one Pallas launch, the math of ``combine_splits_reference``
     (summed in another order: equal to fp32 rounding).
 
-    out [B, S, rows, R] f32 ([B, S, R, rows] with ``transposed``: as the Mosaic kernel with
-    the query rows on the wgmma N dimension writes it, merged without a transposing copy),
-    lse [B, S, rows] f32 -> (merged [B, rows, R] in ``dtype``, lse [B, rows] f32).
+    out [B, S, rows, R] f32 or bf16 (``partial_dtype``; [B, S, R, rows] with ``transposed``: as
+    the Mosaic kernel with the query rows on the wgmma N dimension writes it, merged without a
+    transposing copy), lse [B, S, rows] f32 -> (merged [B, rows, R] in ``dtype``, lse [B, rows]
+    f32). The sums are float32 either way.
     """
     if out.ndim != 4 or lse.ndim != 3:
         raise ValueError(f"out, lse: expected 4 and 3 dimensions, got {out.shape} and {lse.shape}")
@@ -178,8 +209,9 @@ def combine_splits(out: jax.Array, lse: jax.Array, dtype=jnp.float32, *, transpo
     if lse.shape != (batch, num_splits, num_rows):
         raise ValueError(f"lse: expected shape {(batch, num_splits, num_rows)} to match out {out.shape}"
                          f"{' (transposed)' if transposed else ''}, got {lse.shape}")
-    if out.dtype != jnp.float32 or lse.dtype != jnp.float32:
-        raise ValueError(f"out, lse: expected float32 partials, got {out.dtype} and {lse.dtype}")
+    if out.dtype not in (jnp.float32, jnp.bfloat16) or lse.dtype != jnp.float32:
+        raise ValueError(f"out, lse: expected float32 or bfloat16 partials and a float32 lse, got {out.dtype} "
+                         f"and {lse.dtype}")
     size = tile_size(num_splits, num_rows * rank)
     spare = 0
     if transposed:
@@ -194,7 +226,7 @@ def combine_splits(out: jax.Array, lse: jax.Array, dtype=jnp.float32, *, transpo
         in_specs=[whole, whole],
         out_specs=[whole, whole],
         out_shape=[jax.ShapeDtypeStruct((batch * num_rows * rank + spare,), dtype),
-                   jax.ShapeDtypeStruct((batch * num_rows + size,), jnp.float32)],
+                   jax.ShapeDtypeStruct((batch * num_rows + (size if transposed else 0),), jnp.float32)],
         interpret=interpret,
         compiler_params=plgpu_tr.CompilerParams(num_warps=num_warps(num_splits), num_stages=1),
         name="snapmla_combine_splits",

@@ -6,7 +6,11 @@ The Mosaic FP8 kernels (mla_decode_mgpu.py, mla_decode_mgpu_small.py) take
           quantized per row (``quantize_per_token``), and
   scales  [B, steps * 128] f32: each batch row's token scales in step order
           (``step_token_order``: a TMA cannot read every other float, so they are
-          gathered per batch row before the kernel; 8 B a token against the cache's 644 B).
+          gathered per batch row before the kernel; 8 B a token against the cache's 644 B),
+          or with ``log2_scales`` [B, steps, 2, 128]: each step's scales, then their
+          base-2 logarithms (the 64-row kernel's P' frame needs log2 of every token scale;
+          computed here once a token, 4 B more, instead of 16 MUFU instructions a thread a
+          step on the kernel's path: ``mla_decode_mgpu.local_stats``).
 
 Why a kernel. In jnp XLA runs these as four launches (the row maxima, the scales,
 the quantized rows, the gather), ~1 us each on an H100 whatever their size: at
@@ -72,23 +76,34 @@ def step_scales(scale: jax.Array, block_table: jax.Array, layer_offset: jax.Arra
     return jnp.take(scale, layer_offset[0] + pages * PAGE + positions % PAGE, mode="clip")
 
 
+def with_log2_planes(scales: jax.Array) -> jax.Array:
+    """Step-ordered scales [B, steps * 128] -> [B, steps, 2, 128]: each step's scales, then
+    their base-2 logarithms (-inf for a zero scale)."""
+    by_step = scales.reshape(scales.shape[0], -1, 1, STEP)
+    return jnp.concatenate([by_step, jnp.log2(by_step)], axis=2)
+
+
 def decode_inputs_reference(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array,
-                            layer_offset: jax.Array, num_pages: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                            layer_offset: jax.Array, num_pages: int | None = None, *,
+                            log2_scales: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q_rows [B, rows, 512] (bf16/f32), scale [N] f32, block_table [B, max_pages] int32,
     layer_offset [1] int32, num_pages (``step_scales``) -> (q8 [B, rows, 512] e4m3,
-    q_scale [B, rows] f32, scales [B, steps * 128] f32), in jnp."""
+    q_scale [B, rows] f32, scales [B, steps * 128] f32, or [B, steps, 2, 128] with their
+    logarithms if ``log2_scales``: ``with_log2_planes``), in jnp."""
     q8, q_scale = quantize_per_token(q_rows.astype(jnp.float32))
-    return q8, q_scale, step_scales(scale, block_table, layer_offset, num_pages)
+    scales = step_scales(scale, block_table, layer_offset, num_pages)
+    return q8, q_scale, with_log2_planes(scales) if log2_scales else scales
 
 
 def _inputs_kernel(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, *, q_programs: int,
-                   num_tokens: int, scales_block: int, num_pages: int):
+                   num_tokens: int, scales_block: int, num_pages: int, log2_scales: bool):
     """Program (b, j): j < ``q_programs`` quantizes query rows [16 j, 16 j + 16) of batch row
     b; j >= it gathers b's step-ordered scales [n i, n i + n), n = ``scales_block``,
-    i = j - q_programs.
+    i = j - q_programs (with ``log2_scales`` also their logarithms, each step's after its scales).
 
     q_ref [B * rows, 512], scale_ref [N], bt_ref [B, max_pages], off_ref [1] (whole);
-    q8_ref [B * rows, 512] e4m3, qsc_ref [B * rows], steps_ref [B * num_tokens] (whole).
+    q8_ref [B * rows, 512] e4m3, qsc_ref [B * rows], steps_ref [B * num_tokens] (or
+    [B * num_tokens * 2] with ``log2_scales``) (whole).
     """
     b, j = pl.program_id(0), pl.program_id(1)
     num_rows = q_ref.shape[0] // bt_ref.shape[0]
@@ -109,7 +124,14 @@ def _inputs_kernel(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref
         max_pages = bt_ref.shape[1]
         page = jnp.clip(plgpu_tr.load(bt_ref.at[b, jnp.minimum(token // PAGE, max_pages - 1)]), 0, num_pages - 1)
         row = jnp.clip(off_ref[0] + page * PAGE + token % PAGE, 0, scale_ref.shape[0] - 1)
-        plgpu_tr.store(steps_ref.at[b * num_tokens + position], plgpu_tr.load(scale_ref.at[row]))
+        values = plgpu_tr.load(scale_ref.at[row])
+        if not log2_scales:
+            plgpu_tr.store(steps_ref.at[b * num_tokens + position], values)
+            return
+        # [B, steps, 2, STEP] flat: a step's scales, then their logarithms.
+        flat = 2 * (b * num_tokens + position) - position % STEP
+        plgpu_tr.store(steps_ref.at[flat], values)
+        plgpu_tr.store(steps_ref.at[flat + STEP], jnp.log2(values))
 
 
 def scales_block(num_tokens: int) -> int:
@@ -121,13 +143,15 @@ def scales_block(num_tokens: int) -> int:
     return block
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_pages", "log2_scales", "interpret"))
 def decode_inputs(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array, *,
-                  num_pages: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  num_pages: int | None = None, log2_scales: bool = False,
+                  interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``decode_inputs_reference`` in one Pallas launch: q_rows [B, rows, 512] (rows a multiple
     of 16), scale [N] f32, block_table [B, max_pages] int32, layer_offset [1] int32,
     num_pages: pages in one layer (None: N / 64) -> (q8 [B, rows, 512] e4m3, q_scale [B, rows]
-    f32, scales [B, steps * 128] f32)."""
+    f32, scales [B, steps * 128] f32, or [B, steps, 2, 128] with their base-2 logarithms if
+    ``log2_scales``)."""
     batch, num_rows, rank = q_rows.shape
     num_pages = resolve_num_pages(num_pages, scale.shape[0], PAGE)
     if num_rows % Q_ROWS:
@@ -138,16 +162,16 @@ def decode_inputs(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, l
     whole = pl.BlockSpec(memory_space=pl.ANY)
     q8, q_scale, scales = pl.pallas_call(
         functools.partial(_inputs_kernel, q_programs=q_programs, num_tokens=num_tokens, scales_block=block,
-                          num_pages=num_pages),
+                          num_pages=num_pages, log2_scales=log2_scales),
         grid=(batch, q_programs + num_tokens // block),
         in_specs=[whole] * 4,
         out_specs=[whole] * 3,
         out_shape=[jax.ShapeDtypeStruct((batch * num_rows, rank), FP8_DTYPE),
                    jax.ShapeDtypeStruct((batch * num_rows,), jnp.float32),
-                   jax.ShapeDtypeStruct((batch * num_tokens,), jnp.float32)],
+                   jax.ShapeDtypeStruct((batch * num_tokens * (2 if log2_scales else 1),), jnp.float32)],
         interpret=interpret,
         compiler_params=plgpu_tr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         name="snapmla_mgpu_decode_inputs",
     )(q_rows.reshape(batch * num_rows, rank), scale, block_table, layer_offset)
-    return (q8.reshape(batch, num_rows, rank), q_scale.reshape(batch, num_rows),
-            scales.reshape(batch, num_tokens))
+    scales_shape = (batch, num_tokens // STEP, 2, STEP) if log2_scales else (batch, num_tokens)
+    return q8.reshape(batch, num_rows, rank), q_scale.reshape(batch, num_rows), scales.reshape(scales_shape)

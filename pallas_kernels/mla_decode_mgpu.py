@@ -93,8 +93,9 @@ must not see; every step before them runs without masks or their index
 arithmetic (two loops over one step body).
 
 Split-KV: split s takes a contiguous run of whole steps of its row and writes
-float32 partials with their lse, merged by ``combine_splits`` (one launch, as
-the Triton kernels' partials). The caller picks the count
+normalised partials with their lse (bf16 for a bf16 output, else float32:
+``combine_splits.partial_dtype``), merged by ``combine_splits`` (one launch, as
+the Triton kernels' float32 partials). The caller picks the count
 (``snapmla_jax.decode.choose_num_splits``).
 
 Pipelining (``PRODUCER_WG``, FA3's warp specialization): a third warpgroup,
@@ -142,7 +143,7 @@ from jaxlib.mlir.dialects import nvvm
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms, store_feature_pairs,
                                        store_quads)
-from pallas_kernels.combine_splits import combine_splits
+from pallas_kernels.combine_splits import combine_splits, partial_dtype
 from pallas_kernels.mgpu_decode_inputs import decode_inputs
 from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
 
@@ -221,6 +222,15 @@ COMPILER_PARAMS: plgpu.CompilerParams | None = None
 # is far below e4m3's 2^-4 rounding of P'; flushing subnormal P or scales to zero changes no
 # sum at fp32 (its smallest normal is 2^-126).
 APPROX_MATH = True
+# Whether the base-2 logarithms of the token scales come with them from the inputs launch
+# (``decode_inputs(log2_scales=True)``: a [2, 128] box a step, scales then logarithms) instead of
+# being computed in the step (``local_stats``): 16 ``lg2.approx`` a thread a step, on the MUFU
+# pipe (4 lanes a cycle a sub-partition) that the softmax's 32 ``ex2`` a thread also queue on.
+LOG2_SCALES = True
+# Whether P' goes to e4m3 by the GPU's saturating cast alone (Mosaic GPU lowers f32 -> e4m3 to
+# ``cvt.rn.satfinite``, which maps values above 448 to 448), without the clamp to 448 before it
+# (32 ``min`` a thread a step). P' is never NaN (invisible tokens are zeroed before the factor).
+SATURATING_P_CAST = True
 # Whether ``pv_update_t`` folds with one factor a column (O' = O' * ratio + V^T.P'^T in the row's
 # frame, ``softmax_half_t``) instead of two (acc * alpha + V^T.P'^T * undo). In the transposed
 # layout a thread holds 16 query rows' columns, so each factor costs 16 registers beside the
@@ -367,14 +377,14 @@ def step_scores(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, 
     return pl.run_state(qk_rope)(plgpu.ACC.init(scaled))
 
 
-def local_stats(scores, k_scale, scale_log2: float, visible=None):
+def local_stats(scores, log2_k_scale, scale_log2: float, visible=None):
     """A warpgroup's half of a step: (scores in base 2 [64, 64], invisible columns at -inf;
     row max [64]; row max of score + log2 k_scale [64], the log of the row's largest P * k_scale
-    before the max is subtracted)."""
+    before the max is subtracted). log2_k_scale [64] (``COL``): the columns' log2 k_scale."""
     scores = scores * scale_log2
     if visible is not None:  # masked slots may hold any bytes, NaN included
         scores = jnp.where(visible, scores, -jnp.inf)
-    log_scaled = scores + lax.broadcast_in_dim(jnp.log2(k_scale), scores.shape, [1])
+    log_scaled = scores + lax.broadcast_in_dim(log2_k_scale, scores.shape, [1])
     if visible is not None:
         log_scaled = jnp.where(visible, log_scaled, -jnp.inf)  # a garbage scale's log could be NaN
     return scores, scores.max(axis=1), log_scaled.max(axis=1)
@@ -552,8 +562,11 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
                                     kv8_s.at[slot, ch, dst], step_bar.at[slot])
         plgpu.copy_gmem_to_smem(ropep_ref.at[src, parity], rope_s.at[slot, dst], step_bar.at[slot])
 
-    def copy_scales(first_token, slot):
-        plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(first_token, STEP)], ksc_s.at[slot], step_bar.at[slot])
+    def copy_scales(step, first_token, slot):
+        if ksc_ref.ndim == 4:  # [B, steps, 2, STEP]: the scales and their logarithms (``LOG2_SCALES``)
+            plgpu.copy_gmem_to_smem(ksc_ref.at[b, step], ksc_s.at[slot], step_bar.at[slot])
+        else:
+            plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(first_token, STEP)], ksc_s.at[slot], step_bar.at[slot])
 
     def issue(step, slot):
         # Box starts computed here: ``pl.multiple_of`` does not lower in a warp's code.
@@ -562,7 +575,7 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
         if not by_warps:
             for parity, src, dst in boxes:
                 copy_box(slot, parity, src, dst)
-            copy_scales(first_token, slot)
+            copy_scales(step, first_token, slot)
             return
 
         def per_warp(warp):
@@ -573,7 +586,7 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
 
             @pl.when(warp == 3)
             def _():
-                copy_scales(first_token, slot)
+                copy_scales(step, first_token, slot)
 
         plgpu.warp_map(per_warp)
     return issue
@@ -752,8 +765,8 @@ def write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg) ->
     warpgroup 0, the rows' lse; call once both warpgroups are past their last QK. (The BF16
     twin's output; this kernel's O^T tiles leave through ``write_outputs_t``.)
 
-    o_s: the staging tiles (the query's bytes), [2, 64, 128] for a 2-byte output or
-    [2, 64, 64] for the float32 partials of a split.
+    o_s: the staging tiles (the query's bytes), [2, 64, 128] for a 2-byte output (or bf16
+    partials) or [2, 64, 64] for float32 ones.
     """
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
@@ -840,6 +853,9 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     named_sync = NAMED_SYNC and not interpret
     num_accs = 2 * CHUNKS_PER_WG  # O^T tiles [64 features, 64 rows]
 
+    # The slots' token scales [NUM_SLOTS, STEP] (with ``LOG2_SCALES``, plane 0 of ksc_s).
+    ksc_scales = ksc_s.at[:, 0] if LOG2_SCALES else ksc_s
+
     def consume():
         my_rows = _aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
         q_scale = plgpu.load(qsc_s, layout=ROW)
@@ -849,7 +865,10 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
             then O^T += V^T.P'^T (``pv_update_t``); returns the carry (the accumulators, then
             ``row_state``)."""
             with jax.named_scope("p_store"):
-                p8 = jnp.minimum(p_scaled, FP8_E4M3_MAX).astype(FP8_DTYPE)
+                # The GPU's cast saturates (``cvt.rn.satfinite.e4m3x2.f32``): P' a rounding above 448
+                # becomes 448 without the clamp, which the interpreter's cast (to NaN) needs.
+                p8 = (p_scaled if SATURATING_P_CAST and not interpret
+                      else jnp.minimum(p_scaled, FP8_E4M3_MAX)).astype(FP8_DTYPE)
                 if interpret:
                     p8_s[slot, :, pl.ds(_aligned(wg * HALF, HALF), HALF)] = p8
                 else:
@@ -891,7 +910,7 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                               consumed_bar)
 
             with jax.named_scope("qk"):
-                k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=COL)
+                k_scale = plgpu.load(ksc_scales.at[slot, pl.ds(my_rows, HALF)], layout=COL)
                 scores = step_scores(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scale, my_rows,
                                      interpret=interpret)
                 if interpret:
@@ -899,7 +918,11 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
 
             with jax.named_scope("stats"):
                 visible = step_visibility(row0, t0, seq_len, wg, s_q=s_q, num_heads=num_heads) if masked else None
-                scores, row_max, log_pv_max = local_stats(scores, k_scale, scale_log2, visible)
+                if LOG2_SCALES:
+                    log2_k_scale = plgpu.load(ksc_s.at[slot, 1, pl.ds(my_rows, HALF)], layout=COL)
+                else:
+                    log2_k_scale = jnp.log2(k_scale)
+                scores, row_max, log_pv_max = local_stats(scores, log2_k_scale, scale_log2, visible)
                 publish_stats(stats_s.at[slot, wg], None if named_sync else stats_bar.at[slot], row_max, log_pv_max)
             with jax.named_scope("wait_stats"):
                 row_max, log_pv_max = gather_stats(stats_s.at[slot, 1 - wg], None if named_sync else stats_bar.at[slot],
@@ -989,20 +1012,21 @@ def check_launch(kernel: str, q_rows, q_rope_rows, cache_arrays: tuple, *, page_
 
 
 def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, *, page_size: int,
-                   num_splits: int, num_pages: int, block_rows: int = BLOCK_M, interpret: bool = False):
+                   num_splits: int, num_pages: int, block_rows: int = BLOCK_M, log2_scales: bool = False,
+                   interpret: bool = False):
     """Checks and launcher-side inputs (``block_rows``: the query rows of a CTA; ``num_pages``:
     pages in one layer, resolved by ``resolve_num_pages``).
 
     Returns (q8 e4m3 [B, rows, 512], q_scale f32 [B, rows], latent pairs e4m3
     [N/2, 2, 512], rope pairs bf16 [N/2, 2, 64] (free reshapes), step-ordered
-    token scales f32 [B, steps * 128]); the quantized rows and the scales in one
-    launch (``decode_inputs``).
+    token scales f32 [B, steps * 128], or [B, steps, 2, 128] with their base-2 logarithms
+    if ``log2_scales``); the quantized rows and the scales in one launch (``decode_inputs``).
     """
     check_launch("mla_decode_mgpu: FP8 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
                  num_arrays=3, block_rows=block_rows, num_splits=num_splits)
     latent, scale, rope = cache_arrays
     q8, q_scale, scales = decode_inputs(q_rows, scale, block_table, layer_offset, num_pages=num_pages,
-                                        interpret=interpret)
+                                        log2_scales=log2_scales, interpret=interpret)
     return (q8, q_scale, latent.reshape(latent.shape[0] // 2, 2, RANK),
             rope.reshape(rope.shape[0] // 2, 2, ROPE), scales)
 
@@ -1017,8 +1041,8 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
     num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
-        num_pages=num_pages, interpret=interpret)
-    out_dtype = q_rows.dtype if num_splits == 1 else jnp.float32
+        num_pages=num_pages, log2_scales=LOG2_SCALES, interpret=interpret)
+    out_dtype = q_rows.dtype if num_splits == 1 else partial_dtype(q_rows.dtype)
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
@@ -1034,7 +1058,7 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
             plgpu.SMEM((BLOCK_M,), jnp.float32),
             plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
             plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
-            plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
+            plgpu.SMEM((NUM_SLOTS, 2, STEP) if LOG2_SCALES else (NUM_SLOTS, STEP), jnp.float32),
             # P' (``store_quads``): its 4-byte stores compute addresses for this layout.
             plgpu.SMEM((NUM_SLOTS, BLOCK_M, STEP), FP8_DTYPE, transforms=BYTE_TILE_TRANSFORMS),
             plgpu.SMEM((NUM_SLOTS, NUM_WGS, 2, BLOCK_M), jnp.float32),
@@ -1085,8 +1109,8 @@ def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tup
 
     ``layer_offset`` must be a multiple of 64 (it is layer x pages x 64).
     ``num_splits`` > 1 splits each row's steps over that many CTAs (flash
-    decoding); their float32 partials are merged with their log-sum-exp, as the
-    Triton kernel's are (``combine_splits``). ``num_pages``: pages in one layer of the
+    decoding); their partials (``combine_splits.partial_dtype``) are merged with their
+    log-sum-exp, as the Triton kernel's are (``combine_splits``). ``num_pages``: pages in one layer of the
     cache (None: all of the arrays' rows); traced page ids are clipped into [0, num_pages)
     and seq_lens into the table's capacity, so that no read leaves the cache.
     """

@@ -10,8 +10,9 @@ is then the bf16 one). Each variant replaces one or more of the step helpers of 
 ``mla_decode_mgpu_small`` (``step_scores_t``, ``softmax_t``, ``v_half_f16``,
 ``pv_update_t``), or a module constant, by a cheaper stand-in or another
 variant with the same shapes and layouts, and compiles it; then all compiled
-variants are timed in turn, ``--rounds`` times round-robin (the median over
-rounds is reported), so that a drift of the GPU's clocks falls on all alike.
+variants are timed in turn, ``--rounds`` times round-robin in samples of at least
+``--min-sample-ms`` (``timing.time_round_robin``; the median is reported), so that a
+drift of the GPU's clocks falls on all alike.
 The results of the stand-ins are wrong by design; only the time counts: the
 difference to "baseline" bounds what that part costs. Other
 variants are candidate changes; their relative L2 difference to the baseline's
@@ -29,7 +30,6 @@ import functools
 import importlib.util
 import json
 import pathlib
-import statistics
 import sys
 
 import jax
@@ -41,6 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import pallas_kernels.mla_decode_mgpu as mgpu_kernel
 import pallas_kernels.mla_decode_mgpu_bf16 as bf16_kernel
 import pallas_kernels.mla_decode_mgpu_small as small_kernel
+from pallas_kernels.mgpu_bytes import load_vt_quads
 from pallas_kernels.mla_decode_mgpu import BLOCK_M, CHUNK, HALF, NUM_CHUNKS
 from snapmla_jax.bench import timing
 
@@ -49,7 +50,8 @@ ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
             ("step_scores", "qk8_promoted", "ISSUE_BY_WARPS", "PRODUCER_WG", "PRODUCER_REGISTERS", "CONSUMER_REGISTERS",
              "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH", "PV_FRAME",
              "softmax_half_t", "pv_update_t", "publish_stats", "gather_stats", "QK_PROMOTION", "NAMED_SYNC",
-             "UNSYNCED_ROW_STORES", "FENCE_ONLY_COMMIT")}
+             "UNSYNCED_ROW_STORES", "FENCE_ONLY_COMMIT", "LOG2_SCALES",
+             "SATURATING_P_CAST")}
 
 
 def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
@@ -172,6 +174,29 @@ def pv_t_none(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret):
     return [acc * factor for acc in accs]
 
 
+def pv_t_prefetch(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret):
+    """``pv_update_t`` with the next tile's V^T loaded (``load_vt_quads``) while the current
+    tile's product runs: 16 registers more live across the wait, one ldmatrix/prmt round off the
+    path of each product but the first. GPU only."""
+    factor = lax.broadcast_in_dim(plgpu.load(fac_ref.at[0], layout=mgpu_kernel.COL), (BLOCK_M, HALF), [1])
+
+    def vt(k):
+        i, t = divmod(k, 2)
+        return load_vt_quads(kv_slot.at[wg * mgpu_kernel.CHUNKS_PER_WG + i], t, visible)
+
+    new_accs = []
+    a_operand = vt(0)
+    for k, acc in enumerate(accs):
+        def product(acc_ref, a_operand=a_operand, k=k):
+            plgpu.wgmma(acc_ref, a_operand, p8_ref.transpose((1, 0)))
+            following = vt(k + 1) if k + 1 < len(accs) else None
+            return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0), following
+
+        fresh, a_operand = pl.run_scoped(product, plgpu.ACC((BLOCK_M, HALF), jnp.float32))
+        new_accs.append(acc * factor + fresh)
+    return new_accs
+
+
 def publish_stats_none(mine_ref, bar, row_max, log_pv_max):
     """No statistics exchange: nothing published (``gather_stats_local`` waits for nothing)."""
 
@@ -231,6 +256,13 @@ VARIANTS = {
     "rope_beside": {"step_scores": scores_rope_beside},
     "rope_beside_256": {"step_scores": scores_rope_beside, "QK_PROMOTION": 256},
     "chains_in_flight_256": {"qk8_promoted": qk8_chains_in_flight, "QK_PROMOTION": 256},
+    # Twenty-fourth session: the token scales' logarithms computed in the step (16 lg2.approx a
+    # thread) instead of read with the scales; P' clamped to 448 before its (saturating) cast;
+    # both (the kernel before); the next V^T tile loaded during a product.
+    "log2_in_step": {"LOG2_SCALES": False},
+    "p_clamped": {"SATURATING_P_CAST": False},
+    "twenty_third_session": {"LOG2_SCALES": False, "SATURATING_P_CAST": False},
+    "pv_prefetch": {"pv_update_t": pv_t_prefetch},
 }
 
 
@@ -309,6 +341,8 @@ def main(argv=None) -> int:
                         help="the 64-row kernel (mgpu), the 16-row one (small) or the Mosaic BF16 twin (bf16)")
     parser.add_argument("--variants", nargs="*", help="default: all of the kernel's")
     parser.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds over the variants")
+    parser.add_argument("--min-sample-ms", type=float, default=10.0,
+                        help="the shortest timed sample (of at least 10 calls), ms")
     parser.add_argument("--compare-file", action="append", default=[],
                         help="another mla_decode_mgpu.py whose kernel is timed as variant file:<stem>")
     args = parser.parse_args(argv)
@@ -364,15 +398,14 @@ def main(argv=None) -> int:
     for shared in ("ISSUE_BY_WARPS", "APPROX_MATH"):
         setattr(mgpu_kernel, shared, ORIGINAL[shared])
     bench.mla_decode_mgpu = mgpu_kernel.mla_decode_mgpu
-    # Round-robin over the compiled variants, so that a drift of the GPU's clocks
-    # during the run falls on all of them alike; the median over rounds.
-    samples = {name: [] for name in compiled}
-    for _ in range(args.rounds):
-        for name, executable in compiled.items():
-            samples[name].append(timing.time_ms(executable, [call_args], warmup=2, iters=10))
-    for name, times in samples.items():
-        results["ms"][name] = statistics.median(times)
-        results.setdefault("ms_per_round", {})[name] = times
+    # Round-robin over the compiled variants (the order rotated each round), so that a drift of
+    # the GPU's clocks during the run falls on all of them alike; two samples a round, each of
+    # at least ``--min-sample-ms`` (so that its host dispatch and sync weigh ~1%); the median.
+    results["min_sample_ms"] = args.min_sample_ms
+    times = timing.time_round_robin({name: (executable, [call_args]) for name, executable in compiled.items()},
+                                    rounds=args.rounds, iters=2 * args.rounds, min_sample_ms=args.min_sample_ms)
+    for name, ms in times.items():
+        results["ms"][name] = ms if isinstance(ms, float) else f"{type(ms).__name__}: {ms}"
         print(name, results["ms"][name], results["rel_l2_to_baseline"].get(name), flush=True)
     (out_dir / "probe_costs.json").write_text(json.dumps(results, indent=1))
     return 0

@@ -3,7 +3,8 @@
     PYTHONPATH=. python scripts/tune_combine_splits.py --out $OUT [--cases 1x66x128 1x8x16T ...]
 
 A case is B x splits x rows, "T" for the 16-row Mosaic kernel's transposed
-partials ([B, S, 512, rows]). For each (MAX_TILE, warps) setting and for the jnp
+float32 partials ([B, S, 512, rows]); ``--partial-dtype bfloat16`` for the bf16
+partials of a bf16 output (``combine_splits.partial_dtype``). For each (``max_tile``, warps) setting and for the jnp
 merge XLA would run instead (``combine_splits_reference``, after a transposing
 copy for "T"), the GPU time of the launches of one call, from the JAX profiler
 (``timing.kernel_times_us``: these are 2-15 us, below what a wall clock resolves).
@@ -41,18 +42,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for combine_tune.json")
     parser.add_argument("--cases", type=parse_case, nargs="*", default=[parse_case(c) for c in DEFAULT_CASES])
+    parser.add_argument("--partial-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the partials' dtype (combine_splits.partial_dtype: bfloat16 for a bf16 output)")
     args = parser.parse_args(argv)
     if timing.missing_gpu("merge tuning"):
         return 2
-    results = {"environment": timing.environment()}
+    results = {"environment": timing.environment(), "partial_dtype": args.partial_dtype}
     for batch, splits, rows, transposed in args.cases:
         keys = jax.random.split(jax.random.key(0), 2)
-        out = jax.random.normal(keys[0], (batch, splits, 512, rows) if transposed else (batch, splits, rows, 512))
+        out = jax.random.normal(keys[0], (batch, splits, 512, rows) if transposed else (batch, splits, rows, 512),
+                                args.partial_dtype)
         lse = jax.random.normal(keys[1], (batch, splits, rows))
         reference = jax.jit(lambda o, l: combine.combine_splits_reference(o.swapaxes(2, 3) if transposed else o, l))
         line = {"jnp": sum(timing.kernel_times_us(reference, (out, lse), calls=CALLS).values())}
         for tile, warps in SETTINGS:
-            combine.MAX_TILE, combine.num_warps = tile, (lambda num_splits, warps=warps: warps)
+            combine.max_tile = lambda num_splits, tile=tile: tile
+            combine.num_warps = lambda num_splits, warps=warps: warps
             jax.clear_caches()  # combine_splits' jit cache would hand back the previous setting
             merge = jax.jit(lambda o, l: combine.combine_splits(o, l, jnp.bfloat16, transposed=transposed))
             line[f"{tile}/{warps}"] = sum(timing.kernel_times_us(merge, (out, lse), calls=CALLS).values())

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels.combine_splits import MAX_TILE, combine_splits, combine_splits_reference, tile_size
+from pallas_kernels.combine_splits import (combine_splits, combine_splits_reference, max_tile, partial_dtype,
+                                           tile_size)
 
 
 def merge_float64(out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -69,6 +70,33 @@ def test_combine_casts_to_the_callers_dtype():
     np.testing.assert_allclose(np.asarray(merged, np.float32), want, rtol=2.0 ** -8, atol=1e-6 * np.abs(out).max())
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shape", [(3, 5, 16), (1, 66, 64), (2, 2, 64)], ids=lambda s: "x".join(map(str, s)))
+def test_combine_takes_bf16_partials(shape, transposed):
+    """bf16 partials (``partial_dtype`` of a bf16 output) are merged in float32: as float64 on
+    the rounded partials to float32's error, and within one bf16 rounding (half an ulp: at most
+    2**-8 of the value) of the largest partial of the float64 merge of the unrounded ones."""
+    out, lse = random_partials(sum(shape) + 11, *shape)
+    rounded = np.asarray(jnp.asarray(out, jnp.bfloat16).astype(jnp.float32))
+    stored = rounded.transpose(0, 1, 3, 2) if transposed else rounded
+    merged, merged_lse = combine_splits(jnp.asarray(stored, jnp.bfloat16), jnp.asarray(lse), jnp.float32,
+                                        transposed=transposed, interpret=True)
+    want, want_lse = merge_float64(rounded, lse)
+    scale = np.abs(out).max()
+    np.testing.assert_allclose(np.asarray(merged), want, rtol=0, atol=1e-6 * scale)
+    np.testing.assert_allclose(np.asarray(merged_lse), want_lse, rtol=1e-6, atol=1e-5)
+    exact, _ = merge_float64(out, lse)
+    np.testing.assert_allclose(np.asarray(merged), exact, rtol=0, atol=2.0 ** -8 * scale)
+    ref, _ = combine_splits_reference(jnp.asarray(rounded, jnp.bfloat16), jnp.asarray(lse))
+    np.testing.assert_allclose(np.asarray(ref), want, rtol=0, atol=1e-6 * scale)
+
+
+def test_partial_dtype_follows_the_output():
+    assert partial_dtype(jnp.bfloat16) == jnp.bfloat16
+    assert partial_dtype(jnp.float32) == jnp.float32
+    assert partial_dtype(jnp.float16) == jnp.float32  # f16's range (65504) is not the partials'
+
+
 def test_reference_agrees_with_float64():
     out, lse = random_partials(3, 3, 5, 16)
     want, want_lse = merge_float64(out, lse)
@@ -81,14 +109,14 @@ def test_tile_size_fits_and_divides():
     for splits in (1, 2, 3, 8, 33, 66, 128, 256):
         for rows in (16, 48, 64):
             size = tile_size(splits, rows * 512)
-            # Every split's run in one load of at most MAX_TILE values; runs tile the slab.
-            assert size * pl.next_power_of_2(splits) <= MAX_TILE and (rows * 512) % size == 0
+            # Every split's run in one load of at most ``max_tile`` values; runs tile the slab.
+            assert size * pl.next_power_of_2(splits) <= max_tile(splits) and (rows * 512) % size == 0
 
 
 @pytest.mark.parametrize("out_shape, lse_shape, dtype, transposed, match", [
     ((2, 3, 16, 512), (2, 3, 8), jnp.float32, False, "lse"),
     ((2, 3, 16, 512), (2, 3, 16), jnp.float32, True, "lse"),
-    ((2, 3, 16, 512), (2, 3, 16), jnp.bfloat16, False, "float32"),
+    ((2, 3, 16, 512), (2, 3, 16), jnp.float16, False, "float32 or bfloat16"),
     ((3, 16, 512), (3, 16), jnp.float32, False, "dimensions"),
 ])
 def test_bad_partials_raise(out_shape, lse_shape, dtype, transposed, match):

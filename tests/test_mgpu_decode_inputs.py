@@ -1,6 +1,8 @@
 """The Mosaic kernels' launcher inputs in one launch (pallas_kernels/mgpu_decode_inputs.py):
 quantized query rows and step-ordered token scales."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,6 +76,27 @@ def test_kernel_equals_the_jnp_reference(shape):
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_log2_planes_match_their_definition(shape):
+    """With ``log2_scales`` each step's 128 scales are followed by their base-2 logarithms
+    ([B, steps, 2, 128]); a zero scale (an all-zero latent row) has -inf."""
+    q, scale, block_table, offset = random_inputs(sum(shape) + 3, *shape)
+    scale[offset[0] + block_table[0, 0] * PAGE + 2] = 0.0  # layer 1, row 0's token 2: step row 1
+    args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
+    _, _, planes = decode_inputs(*args, log2_scales=True, interpret=True)
+    want = expected_step_scales(scale, block_table, int(offset[0]))
+    steps = want.shape[1] // STEP
+    assert planes.shape == (shape[0], steps, 2, STEP)
+    np.testing.assert_array_equal(np.asarray(planes[:, :, 0]).reshape(want.shape), want)
+    logs = np.asarray(planes[:, :, 1]).reshape(want.shape)
+    assert logs[0, 1] == -np.inf
+    # float32 log2 against float64's, rounded: within an ulp of the result or of its argument's
+    # logarithm (|log2| <= 1 here, so 2**-23 absolute).
+    np.testing.assert_allclose(logs, np.log2(want.astype(np.float64)), rtol=0, atol=2.0 ** -23)
+    _, _, want_planes = decode_inputs_reference(*args, log2_scales=True)
+    np.testing.assert_array_equal(np.asarray(planes), np.asarray(want_planes))
+
+
 def test_scales_block_divides_the_steps():
     for pages in (1, 2, 3, 16, 17, 1024):
         tokens = -(-pages * PAGE // STEP) * STEP
@@ -109,3 +132,8 @@ def test_compiled_inputs_match_the_reference(shape):
     got, want = np.asarray(q8.astype(jnp.float32)), np.asarray(want_q8.astype(jnp.float32))
     assert np.mean(got == want) > 0.999
     np.testing.assert_allclose(got, want, rtol=2.0 ** -3, atol=2.0 ** -9)
+    # The logarithms' plane: the GPU's log2 may differ from XLA's by an ulp (2**-23 here, |log2| <= 1).
+    _, _, planes = jax.jit(functools.partial(decode_inputs, log2_scales=True))(*args)
+    np.testing.assert_array_equal(np.asarray(planes[:, :, 0]).reshape(want_scales.shape), np.asarray(want_scales))
+    np.testing.assert_allclose(np.asarray(planes[:, :, 1]), np.log2(np.asarray(planes[:, :, 0]).astype(np.float64)),
+                               rtol=0, atol=2.0 ** -22)
