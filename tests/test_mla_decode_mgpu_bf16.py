@@ -73,8 +73,8 @@ def _assert_close(err, lse_err, empty_ok, dtype):
     # P is rounded to bf16 (2**-9 relative a weight) before the P.V product, against float64
     # exact attention: a few 1e-4 of the output scale measured with float32 queries; a bf16
     # output adds its own 2**-9 (and with splits its bf16 partials, ``partial_dtype``, as much
-    # again: the bf16 split case measured 2.8e-3 with either partials). 2e-3 / 6e-3 leave ~2-3x margin; the bound is 1e-2, and
-    # a wrong page, mask or rescale moves outputs by O(1).
+    # again: the bf16 split case measured 2.8e-3 with either partials). 2e-3 / 6e-3 leave ~2-3x
+    # margin; the bound is 1e-2, and a wrong page, mask or rescale moves outputs by O(1).
     assert err < (2e-3 if dtype == "float32" else 6e-3), err
     assert lse_err < 1e-4, lse_err  # fp32 scores of size ~10, an fp32 log-sum-exp (measured ~3e-6)
     assert empty_ok
