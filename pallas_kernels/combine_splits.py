@@ -81,6 +81,12 @@ def partial_dtype(out_dtype) -> jnp.dtype:
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
+def kernel_out_dtype(out_dtype, num_splits: int) -> jnp.dtype:
+    """What a decode kernel writes for a merged output of ``out_dtype``: the output itself with
+    one split, else the splits' partials (``partial_dtype``)."""
+    return jnp.dtype(out_dtype) if num_splits == 1 else partial_dtype(out_dtype)
+
+
 def combine_splits_reference(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Merge split partials in jnp: out [B, S, rows, R] f32 (or bf16), lse [B, S, rows] f32 ->
     (merged [B, rows, R] f32, lse [B, rows] f32). Rows no split saw get 0 and -inf."""

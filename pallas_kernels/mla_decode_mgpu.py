@@ -143,7 +143,7 @@ from jaxlib.mlir.dialects import nvvm
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms, store_feature_pairs,
                                        store_quads)
-from pallas_kernels.combine_splits import combine_splits, partial_dtype
+from pallas_kernels.combine_splits import combine_splits, kernel_out_dtype
 from pallas_kernels.mgpu_decode_inputs import decode_inputs
 from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
 
@@ -1042,7 +1042,7 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
         num_pages=num_pages, log2_scales=LOG2_SCALES, interpret=interpret)
-    out_dtype = q_rows.dtype if num_splits == 1 else partial_dtype(q_rows.dtype)
+    out_dtype = kernel_out_dtype(q_rows.dtype, num_splits)
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,

@@ -58,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.combine_splits import partial_dtype
+from pallas_kernels.combine_splits import kernel_out_dtype
 from pallas_kernels.mla_decode import LOG2E, resolve_num_pages
 from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, CHUNKS_PER_WG, NUM_CHUNKS, NUM_SLOTS, NUM_WGS, PAGE,
                                             RANK, ROPE, _aligned, check_launch, check_registers, grid_params,
@@ -212,7 +212,7 @@ def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays
     check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
     latent, rope = cache_arrays
     num_pages = resolve_num_pages(num_pages, latent.shape[0], page_size)
-    out_dtype = q_rows.dtype if num_splits == 1 else partial_dtype(q_rows.dtype)
+    out_dtype = kernel_out_dtype(q_rows.dtype, num_splits)
     stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # a warpgroup's staging tile: 16 KB
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,

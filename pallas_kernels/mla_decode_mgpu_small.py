@@ -71,7 +71,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.combine_splits import partial_dtype
+from pallas_kernels.combine_splits import kernel_out_dtype
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from pallas_kernels.mla_decode import LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
 from pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, HALF, NUM_CHUNKS,
@@ -368,7 +368,7 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
     # A split's partials are bf16 for a bf16 output (``partial_dtype``). Float32 ones, and a float32
     # output, leave the kernel as [features, rows] (``write_outputs_t``: Mosaic GPU cannot store
     # 32-bit values transposed).
-    out_dtype = q_rows.dtype if num_splits == 1 else partial_dtype(q_rows.dtype)
+    out_dtype = kernel_out_dtype(q_rows.dtype, num_splits)
     transposed = jnp.dtype(out_dtype).itemsize == 4
     out_shape, stage_shape = (((batch, num_splits, RANK, num_rows), (NUM_WGS, CHUNK, rows)) if transposed else
                               ((batch, num_splits, num_rows, RANK), (NUM_WGS, rows, CHUNK)))
