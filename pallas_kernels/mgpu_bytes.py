@@ -101,10 +101,7 @@ def load_vt_quads(chunk_ref, tile: int, visible=None) -> jax.Array:
     ``visible``: None, or int32 [64] (the ``ROW`` layout of the 64-row kernel, one value
     throughout) the number of the step's tokens below seq_len, the step's first token t0 being
     step row 0, token t0 + 2c + 1 row 64 + c: the bytes of tokens past it are zeroed (cache slots
-    past seq_len may hold NaN, and 0 * NaN would poison the product). A pair of such values
-    (limit for rows 0..63, limit for rows 64..127) compares each half's rows with its own limit
-    (the paired kernel, whose halves hold the two token parities in either order: there row
-    64 h + c is visible iff 2c + h < limit h).
+    past seq_len may hold NaN, and 0 * NaN would poison the product).
 
     One ``ldmatrix.x4.trans`` (32 step rows x 16 features a warp) and four ``prmt`` make a K block
     of 32 columns; GPU only (inline PTX).
@@ -114,13 +111,8 @@ def load_vt_quads(chunk_ref, tile: int, visible=None) -> jax.Array:
                          f"{chunk_ref.dtype}")
     if tile not in (0, 1):
         raise ValueError(f"load_vt_quads: tile: expected 0 or 1, got {tile!r}")
-    if visible is None:
-        visible = ()
-    elif not isinstance(visible, tuple):
-        visible = (visible,)
-    if len(visible) not in (0, 1, 2):
-        raise ValueError(f"load_vt_quads: visible: expected None, one limit or a pair, got {len(visible)}")
-    arg_types = (plgpu.RefType(BYTE_TILE_TRANSFORMS),) + tuple(plgpu.Layout.WGMMA.reduce(1) for _ in visible)
+    arg_types = (plgpu.RefType(BYTE_TILE_TRANSFORMS),) + ((plgpu.Layout.WGMMA.reduce(1),) if visible is not None
+                                                          else ())
     result = plgpu.ShapeDtypeStruct((64, 128), jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA_8BIT)
 
     @plgpu.inline_mgpu(arg_types=arg_types, return_type=result)
@@ -142,12 +134,11 @@ def load_vt_quads(chunk_ref, tile: int, visible=None) -> jax.Array:
         # This lane's row address for matrix lane // 8: step row 32 b + lane, 16-byte segment
         # 4 tile + warp (the warp's 16 features).
         segment_bytes = arith.shli(arith.addi(warp, c32(4 * tile)), c32(4))
-        limits = []
-        for limit_fa in visible_fa:
-            limit = limit_fa.registers.flat[0]
+        limit = None
+        if visible_fa:
+            limit = visible_fa[0].registers.flat[0]
             if isinstance(limit.type, ir.VectorType):
                 limit = vector.extract(limit, dynamic_position=[], static_position=[0])
-            limits.append(limit)
         shape_attr = ir.Attribute.parse("#nvvm.ld_st_matrix_shape<m=8, n=8>")
         out = np.empty(regs_shape, dtype=object)
         for block in range(4):  # K blocks of 32 step rows
@@ -160,8 +151,7 @@ def load_vt_quads(chunk_ref, tile: int, visible=None) -> jax.Array:
             for j in range(2):
                 x, y = parts[2 * j], parts[2 * j + 1]
                 mask = None
-                if limits:
-                    limit = limits[(block // 2) % len(limits)]
+                if limit is not None:
                     mask = c32(0)
                     for e in range(4):
                         # Step row 32 block + 16 j + 8 (e // 2) + 2q + e % 2; its token's offset from
@@ -177,7 +167,7 @@ def load_vt_quads(chunk_ref, tile: int, visible=None) -> jax.Array:
                     out[0, 2 * block + j, 0, 0, h, 0, 0, 0, 0] = mgpu_utils.bitcast(word, reg_ty)
         return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
 
-    return load(chunk_ref, *visible)
+    return load(chunk_ref, *(() if visible is None else (visible,)))
 
 
 def store_quads(values: jax.Array, dst_ref, lane: int | None) -> None:
