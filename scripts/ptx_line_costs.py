@@ -1,7 +1,10 @@
 """Which source lines a Mosaic GPU kernel's hot loop spends its instructions on, from its PTX.
 
-On the GPU (the dump needs the compiler; no timing needed):
+On the GPU (the dump needs the compiler; no timing needed). The dump directory must exist:
+Mosaic GPU does not create it, and otherwise prints the dumps to stdout (most likely why the
+twenty-fourth session's run found no file; with the directory made, H100, 2026-11-26, it did):
 
+    mkdir -p $OUT/dump
     MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$OUT/dump PYTHONPATH=. \\
         python scripts/probe_mgpu_costs.py --variants baseline --rounds 1 --out $OUT/probe
 
