@@ -7,10 +7,12 @@ The Mosaic FP8 kernels (mla_decode_mgpu.py, mla_decode_mgpu_small.py) take
   scales  [B, steps * 128] f32: each batch row's token scales in step order
           (``step_token_order``: a TMA cannot read every other float, so they are
           gathered per batch row before the kernel; 8 B a token against the cache's 644 B),
-          or with ``log2_scales`` [B, steps, 2, 128]: each step's scales, then their
-          base-2 logarithms (the 64-row kernel's P' frame needs log2 of every token scale;
-          computed here once a token, 4 B more, instead of 16 MUFU instructions a thread a
-          step on the kernel's path: ``mla_decode_mgpu.local_stats``).
+          or with ``scale_planes`` [B, steps, 3, 128]: each step's scales, then their
+          base-2 logarithms, then their reciprocals (both of the scales floored at
+          ``SCALE_FLOOR``; the 64-row kernel's softmax runs on
+          score + log2 k_scale and sums P' / k_scale: ``mla_decode_mgpu.softmax_frame``;
+          computed here once a token, 8 B more, instead of 16 ``lg2`` and 16 divisions a
+          thread a step on the kernel's path).
 
 Why a kernel. In jnp XLA runs these as four launches (the row maxima, the scales,
 the quantized rows, the gather), ~1 us each on an H100 whatever their size: at
@@ -37,6 +39,16 @@ PAGE = 64  # the Mosaic kernels' page size
 STEP = 128  # their tokens a step: two pages, even tokens first, then the odd ones
 Q_ROWS = 16  # query rows a quantizing program takes ([16, 512]: 32 values a thread at 4 warps)
 SCALES = 1024  # token scales a gathering program takes
+# Floor on the token scales behind the logarithm and reciprocal planes (``with_scale_planes``).
+# The 64-row kernel's softmax sums P' / k_scale with P' = 2^(score + log2 k_scale - frame + log2
+# 448). A slot never written holds scale 0: log2 -inf, 1 / 0 = inf, and 0 * inf = NaN in every
+# output row that reads it (the kernels before kept such a token's softmax weight, with a zero
+# value). Floored, its P' is 2^(score - 60 - frame + log2 448), a normal float32 (so its weight
+# counts) while its softmax weight is within ~2^-70 of the step's heaviest token's (whose log2
+# k_scale is rarely above 0), and rounds to 0 in e4m3 beside a zero latent, as before. A scale below the floor but not 0 (``quantize_per_token``'s own floor
+# gives 2^-108 to an all-zero latent) then carries its value 2^-60 / scale too large: at most
+# 2^-60 x 448 in absolute terms. The scales' own plane (the scores' dequantization) stays exact.
+SCALE_FLOOR = 2.0 ** -60
 NUM_WARPS = 4
 
 
@@ -76,34 +88,36 @@ def step_scales(scale: jax.Array, block_table: jax.Array, layer_offset: jax.Arra
     return jnp.take(scale, layer_offset[0] + pages * PAGE + positions % PAGE, mode="clip")
 
 
-def with_log2_planes(scales: jax.Array) -> jax.Array:
-    """Step-ordered scales [B, steps * 128] -> [B, steps, 2, 128]: each step's scales, then
-    their base-2 logarithms (-inf for a zero scale)."""
+def with_scale_planes(scales: jax.Array) -> jax.Array:
+    """Step-ordered scales [B, steps * 128] -> [B, steps, 3, 128]: each step's scales, then
+    the base-2 logarithms and the reciprocals of the scales floored at ``SCALE_FLOOR``."""
     by_step = scales.reshape(scales.shape[0], -1, 1, STEP)
-    return jnp.concatenate([by_step, jnp.log2(by_step)], axis=2)
+    floored = jnp.maximum(by_step, SCALE_FLOOR)
+    return jnp.concatenate([by_step, jnp.log2(floored), 1.0 / floored], axis=2)
 
 
 def decode_inputs_reference(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array,
                             layer_offset: jax.Array, num_pages: int | None = None, *,
-                            log2_scales: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                            scale_planes: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q_rows [B, rows, 512] (bf16/f32), scale [N] f32, block_table [B, max_pages] int32,
     layer_offset [1] int32, num_pages (``step_scales``) -> (q8 [B, rows, 512] e4m3,
-    q_scale [B, rows] f32, scales [B, steps * 128] f32, or [B, steps, 2, 128] with their
-    logarithms if ``log2_scales``: ``with_log2_planes``), in jnp."""
+    q_scale [B, rows] f32, scales [B, steps * 128] f32, or [B, steps, 3, 128] with their
+    logarithms and reciprocals if ``scale_planes``: ``with_scale_planes``), in jnp."""
     q8, q_scale = quantize_per_token(q_rows.astype(jnp.float32))
     scales = step_scales(scale, block_table, layer_offset, num_pages)
-    return q8, q_scale, with_log2_planes(scales) if log2_scales else scales
+    return q8, q_scale, with_scale_planes(scales) if scale_planes else scales
 
 
 def _inputs_kernel(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, *, q_programs: int,
-                   num_tokens: int, scales_block: int, num_pages: int, log2_scales: bool):
+                   num_tokens: int, scales_block: int, num_pages: int, scale_planes: bool):
     """Program (b, j): j < ``q_programs`` quantizes query rows [16 j, 16 j + 16) of batch row
     b; j >= it gathers b's step-ordered scales [n i, n i + n), n = ``scales_block``,
-    i = j - q_programs (with ``log2_scales`` also their logarithms, each step's after its scales).
+    i = j - q_programs (with ``scale_planes`` also their logarithms and reciprocals, each step's
+    after its scales).
 
     q_ref [B * rows, 512], scale_ref [N], bt_ref [B, max_pages], off_ref [1] (whole);
     q8_ref [B * rows, 512] e4m3, qsc_ref [B * rows], steps_ref [B * num_tokens] (or
-    [B * num_tokens * 2] with ``log2_scales``) (whole).
+    [B * num_tokens * 3] with ``scale_planes``) (whole).
     """
     b, j = pl.program_id(0), pl.program_id(1)
     num_rows = q_ref.shape[0] // bt_ref.shape[0]
@@ -125,13 +139,15 @@ def _inputs_kernel(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref
         page = jnp.clip(plgpu_tr.load(bt_ref.at[b, jnp.minimum(token // PAGE, max_pages - 1)]), 0, num_pages - 1)
         row = jnp.clip(off_ref[0] + page * PAGE + token % PAGE, 0, scale_ref.shape[0] - 1)
         values = plgpu_tr.load(scale_ref.at[row])
-        if not log2_scales:
+        if not scale_planes:
             plgpu_tr.store(steps_ref.at[b * num_tokens + position], values)
             return
-        # [B, steps, 2, STEP] flat: a step's scales, then their logarithms.
-        flat = 2 * (b * num_tokens + position) - position % STEP
+        # [B, steps, 3, STEP] flat: a step's scales, then their logarithms, then their reciprocals.
+        flat = 3 * (b * num_tokens + position) - 2 * (position % STEP)
         plgpu_tr.store(steps_ref.at[flat], values)
-        plgpu_tr.store(steps_ref.at[flat + STEP], jnp.log2(values))
+        floored = jnp.maximum(values, SCALE_FLOOR)
+        plgpu_tr.store(steps_ref.at[flat + STEP], jnp.log2(floored))
+        plgpu_tr.store(steps_ref.at[flat + 2 * STEP], 1.0 / floored)
 
 
 def scales_block(num_tokens: int) -> int:
@@ -143,15 +159,15 @@ def scales_block(num_tokens: int) -> int:
     return block
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages", "log2_scales", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_pages", "scale_planes", "interpret"))
 def decode_inputs(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array, *,
-                  num_pages: int | None = None, log2_scales: bool = False,
+                  num_pages: int | None = None, scale_planes: bool = False,
                   interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``decode_inputs_reference`` in one Pallas launch: q_rows [B, rows, 512] (rows a multiple
     of 16), scale [N] f32, block_table [B, max_pages] int32, layer_offset [1] int32,
     num_pages: pages in one layer (None: N / 64) -> (q8 [B, rows, 512] e4m3, q_scale [B, rows]
-    f32, scales [B, steps * 128] f32, or [B, steps, 2, 128] with their base-2 logarithms if
-    ``log2_scales``)."""
+    f32, scales [B, steps * 128] f32, or [B, steps, 3, 128] with their base-2 logarithms and
+    reciprocals if ``scale_planes``)."""
     batch, num_rows, rank = q_rows.shape
     num_pages = resolve_num_pages(num_pages, scale.shape[0], PAGE)
     if num_rows % Q_ROWS:
@@ -162,16 +178,16 @@ def decode_inputs(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, l
     whole = pl.BlockSpec(memory_space=pl.ANY)
     q8, q_scale, scales = pl.pallas_call(
         functools.partial(_inputs_kernel, q_programs=q_programs, num_tokens=num_tokens, scales_block=block,
-                          num_pages=num_pages, log2_scales=log2_scales),
+                          num_pages=num_pages, scale_planes=scale_planes),
         grid=(batch, q_programs + num_tokens // block),
         in_specs=[whole] * 4,
         out_specs=[whole] * 3,
         out_shape=[jax.ShapeDtypeStruct((batch * num_rows, rank), FP8_DTYPE),
                    jax.ShapeDtypeStruct((batch * num_rows,), jnp.float32),
-                   jax.ShapeDtypeStruct((batch * num_tokens * (2 if log2_scales else 1),), jnp.float32)],
+                   jax.ShapeDtypeStruct((batch * num_tokens * (3 if scale_planes else 1),), jnp.float32)],
         interpret=interpret,
         compiler_params=plgpu_tr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         name="snapmla_mgpu_decode_inputs",
     )(q_rows.reshape(batch * num_rows, rank), scale, block_table, layer_offset)
-    scales_shape = (batch, num_tokens // STEP, 2, STEP) if log2_scales else (batch, num_tokens)
+    scales_shape = (batch, num_tokens // STEP, 3, STEP) if scale_planes else (batch, num_tokens)
     return q8.reshape(batch, num_rows, rank), q_scale.reshape(batch, num_rows), scales.reshape(scales_shape)

@@ -22,7 +22,8 @@ in one launch with the token scales' gather: pallas_kernels/mgpu_decode_inputs.p
 scores = (Q8.K8^T * q_scale * k_scale + Qr.Kr^T) * softmax_scale * log2(e), FP8
 and BF16 wgmma with fp32 accumulation; online softmax on exp2; P' = P * k_scale per token, scaled per row by 448 / its max
 over the 128-token step, cast to e4m3, FP8 wgmma with V^T, the factor undone
-in fp32. On the GPU the RoPE wgmma accumulates onto the scaled FP8 scores
+in fp32. The softmax runs on log_pv = score + log2 k_scale, so that P' is one exp2 of it
+(``softmax_frame``). On the GPU the RoPE wgmma accumulates onto the scaled FP8 scores
 (``step_scores``), so one score tile is live, not two; the FP8 product is one
 512-feature wgmma chain (``QK_PROMOTION``).
 
@@ -35,12 +36,12 @@ odd ones for w = 1): half the Q.K product and half the softmax each, on a
 64 x 64 score tile (32 registers). What crosses between them, per step,
 through SMEM:
 
-1. Row statistics (``stats_s``): each warpgroup's row max of its scores
-   (base 2) and row max of score + log2(token scale). Both then hold the
-   step's row max m and pv_max = exp2(max(score + log2 k_scale) - m), the
-   largest P * k_scale over all 128 tokens, so m, alpha and the P' factor are
-   the same in both, as their two column halves of one output require. The
-   running l stays per warpgroup and is summed once, after the loop.
+1. Row statistics (``stats_s``): each warpgroup's row max of log_pv = score
+   (base 2) + log2(token scale). Both then hold the step's row max of log_pv,
+   the log of the largest P * k_scale over all 128 tokens, and with it the
+   frame and the ratio (``softmax_frame``), the same in both, as their two
+   column halves of one output require. The running l stays per warpgroup and
+   is summed once, after the loop.
 2. P' (``p8_s``, one e4m3 [64, 128] tile a ring slot, the B operand of both
    warpgroups' P'.V): each stores its 64 columns as 4-byte words in the token
    order of V^T's registers (``store_quads``, below), and both multiply once
@@ -70,7 +71,8 @@ the even tokens of the step to SMEM rows 0..63 and the odd ones to rows
 row c holds token 2c (c < 64) or 2(c - 64) + 1 (``step_token_order``). Scores,
 RoPE rows and token scales all follow that order; the token scales are
 gathered per batch row in step order by the launcher (a TMA cannot read every
-other float; 8 B a token against the cache's 644 B).
+other float), with their base-2 logarithms and reciprocals (``softmax_frame``; 24 B a
+token of the inputs launch's writes and the kernel's TMA against the cache's 644 B).
 
 P'.V, transposed. An FP8 wgmma needs both SMEM operands K-major (tokens contiguous for P'.V),
 and the ring holds V token-major. Its A operand may come from registers, so each warpgroup
@@ -81,7 +83,7 @@ built straight from the token-major slot (``mgpu_bytes.load_vt_quads``: ``ldmatr
 in the same relabelled token order, ``store_quads``). Nothing is written over the slot, so a
 2-slot ring of whole steps (128 KB) fits next to Q (40 KB), RoPE keys (2 x 16 KB) and P'
 (2 x 8 KB). The price is the layout of the output: a thread holds 16 query rows' columns, so a
-per-row factor is 16 registers; hence one factor a step (``PV_FRAME``, ``softmax_half_t``), the
+per-row factor is 16 registers; hence one factor a step (the frame of ``softmax_frame``), the
 products waited for one at a time (``pv_update_t``), 24 / 240 registers, and an output store
 that puts features and rows back in place (``store_feature_pairs``). (Until the twentieth
 session each warpgroup wrote its chunks' V^T over the slot, in place, once both had read it as
@@ -129,6 +131,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -145,7 +148,7 @@ from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, outp
                                        store_quads)
 from pallas_kernels.combine_splits import combine_splits, kernel_out_dtype
 from pallas_kernels.mgpu_decode_inputs import decode_inputs
-from pallas_kernels.mla_decode import LN2, LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
+from pallas_kernels.mla_decode import LN2, LOG2E, resolve_num_pages
 
 PAGE = 64  # cache page size this kernel supports
 STEP = 128  # tokens per inner step: two pages (see the module docstring)
@@ -222,22 +225,13 @@ COMPILER_PARAMS: plgpu.CompilerParams | None = None
 # is far below e4m3's 2^-4 rounding of P'; flushing subnormal P or scales to zero changes no
 # sum at fp32 (its smallest normal is 2^-126).
 APPROX_MATH = True
-# Whether the base-2 logarithms of the token scales come with them from the inputs launch
-# (``decode_inputs(log2_scales=True)``: a [2, 128] box a step, scales then logarithms) instead of
-# being computed in the step (``local_stats``): 16 ``lg2.approx`` a thread a step, on the MUFU
-# pipe (4 lanes a cycle a sub-partition) that the softmax's 32 ``ex2`` a thread also queue on.
-LOG2_SCALES = True
 # Whether P' goes to e4m3 by the GPU's saturating cast alone (Mosaic GPU lowers f32 -> e4m3 to
 # ``cvt.rn.satfinite``, which maps values above 448 to 448), without the clamp to 448 before it
 # (32 ``min`` a thread a step). P' is never NaN (invisible tokens are zeroed before the factor).
 SATURATING_P_CAST = True
-# Whether ``pv_update_t`` folds with one factor a column (O' = O' * ratio + V^T.P'^T in the row's
-# frame, ``softmax_half_t``) instead of two (acc * alpha + V^T.P'^T * undo). In the transposed
-# layout a thread holds 16 query rows' columns, so each factor costs 16 registers beside the
-# 128 of the output.
-PV_FRAME = True
-# How far (base 2) a row's frame may sit below its running max (``softmax_half_t``).
+# How far (base 2) a row's frame may sit below its running max (``softmax_frame``).
 FRAME_DROP = 64.0
+LOG2_FP8_MAX = math.log2(FP8_E4M3_MAX)  # P' = 2^(score + log2 k_scale - frame + this) <= 448
 # Whether the two consumer warpgroups exchange a step's row statistics and P' (transposed P'.V)
 # through hardware named barriers (``consumers_sync``: one ``bar.sync`` of their 256 threads)
 # instead of an mbarrier each (every thread's ``mbarrier.arrive``, then a ``try_wait`` loop). GPU
@@ -249,7 +243,7 @@ STATS_SYNC_ID, P_SYNC_ID = 8, 9
 # warpgroup barriers Pallas puts before and after every SMEM store (``store_rows``): the named
 # barrier each of them is read behind (``NAMED_SYNC``) already orders them for every reader and
 # after every earlier read. GPU only, with ``NAMED_SYNC``. Six barriers of the warpgroup a step
-# fewer: 0.432 vs 0.457 ms at 64 x 16k x 128, 0.419 vs 0.428 at 32 x 16k x 128 x 2, 0.230 vs
+# fewer then (four since the statistics are one row max a step): 0.432 vs 0.457 ms at 64 x 16k x 128, 0.419 vs 0.428 at 32 x 16k x 128 x 2, 0.230 vs
 # 0.236 at 32 x 16k x 128 (H100, twenty-second session, scripts/probe_mgpu_costs.py, 5 rounds;
 # the same output bits).
 UNSYNCED_ROW_STORES = True
@@ -378,16 +372,13 @@ def step_scores(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, 
 
 
 def local_stats(scores, log2_k_scale, scale_log2: float, visible=None):
-    """A warpgroup's half of a step: (scores in base 2 [64, 64], invisible columns at -inf;
-    row max [64]; row max of score + log2 k_scale [64], the log of the row's largest P * k_scale
-    before the max is subtracted). log2_k_scale [64] (``COL``): the columns' log2 k_scale."""
-    scores = scores * scale_log2
+    """A warpgroup's half of a step in the log domain of P * k_scale: (log_pv = score (base 2) +
+    log2 k_scale [64, 64], invisible columns at -inf; its row max [64]). log2_k_scale [64]
+    (``COL``): the columns' log2 k_scale (``decode_inputs(scale_planes=True)``)."""
+    log_pv = scores * scale_log2 + lax.broadcast_in_dim(log2_k_scale, scores.shape, [1])
     if visible is not None:  # masked slots may hold any bytes, NaN included
-        scores = jnp.where(visible, scores, -jnp.inf)
-    log_scaled = scores + lax.broadcast_in_dim(log2_k_scale, scores.shape, [1])
-    if visible is not None:
-        log_scaled = jnp.where(visible, log_scaled, -jnp.inf)  # a garbage scale's log could be NaN
-    return scores, scores.max(axis=1), log_scaled.max(axis=1)
+        log_pv = jnp.where(visible, log_pv, -jnp.inf)
+    return log_pv, log_pv.max(axis=1)
 
 
 def consumers_sync(barrier_id: int) -> None:
@@ -450,78 +441,64 @@ def gather_p(bar) -> None:
         plgpu.barrier_wait(bar)
 
 
-def publish_stats(mine_ref, bar, row_max, log_pv_max) -> None:
-    """A warpgroup's half of the step's row statistics to SMEM (mine_ref f32 [2, 64]: row max, log
-    pv max), then its arrival on the step's statistics barrier ``bar`` (None: the named barrier
+def publish_stats(mine_ref, bar, log_pv_max) -> None:
+    """A warpgroup's row max of log_pv over its half of the step to SMEM (mine_ref f32 [64]),
+    then its arrival on the step's statistics barrier ``bar`` (None: the named barrier
     ``gather_stats`` meets at, ``NAMED_SYNC``; with ``UNSYNCED_ROW_STORES`` stored by
     ``store_rows``, which that barrier orders)."""
-    store_rows((row_max, log_pv_max), mine_ref, unsynced=bar is None and UNSYNCED_ROW_STORES)
+    store_rows((log_pv_max,), mine_ref, unsynced=bar is None and UNSYNCED_ROW_STORES)
     if bar is not None:
         plgpu.barrier_arrive(bar)
 
 
-def gather_stats(other_ref, bar, row_max, log_pv_max):
+def gather_stats(other_ref, bar, log_pv_max):
     """Once both warpgroups have published (``bar``, or with None the named barrier
-    ``STATS_SYNC_ID``), the step's row statistics over both halves: (row max, log pv max) [64]
-    (``ROW``), the other warpgroup's read from other_ref f32 [2, 64]."""
+    ``STATS_SYNC_ID``), the row max of log_pv over the whole step [64] (``ROW``), the other
+    warpgroup's read from other_ref f32 [1, 64]."""
     if bar is None:
         consumers_sync(STATS_SYNC_ID)
     else:
         plgpu.barrier_wait(bar)
-    return (jnp.maximum(row_max, plgpu.load(other_ref.at[0], layout=ROW)),
-            jnp.maximum(log_pv_max, plgpu.load(other_ref.at[1], layout=ROW)))
+    return jnp.maximum(log_pv_max, plgpu.load(other_ref.at[0], layout=ROW))
 
 
-def online_rows(scores, k_scale, m, l_part, row_max, visible=None):
-    """The online-softmax update both softmax helpers share: (m_new, m_safe (0 where no token was
-    seen), alpha = 2^(m - m_new), l_part_new, P * k_scale f32 [64, 64] (0 where not ``visible``))."""
-    m_new = jnp.maximum(m, row_max)
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m - m_safe)
-    p = jnp.exp2(scores - lax.broadcast_in_dim(m_safe, scores.shape, [0]))
-    l_part = l_part * alpha + p.sum(axis=1)
-    pv = p * lax.broadcast_in_dim(k_scale, scores.shape, [1])
-    if visible is not None:
-        pv = jnp.where(visible, pv, 0.0)  # 0 * a garbage scale could be NaN
-    return m_new, m_safe, alpha, l_part, pv
+def softmax_frame(log_pv, inv_k_scale, m, l_part, frame, log_pv_max, visible=None):
+    """Online softmax of a warpgroup's 64 columns of a step in the log domain of P * k_scale, given
+    the step's row max of log_pv over all 128 tokens (``gather_stats``).
 
+    log_pv [64, 64]: score (base 2) + log2 k_scale (``local_stats``); inv_k_scale [64]
+    (``COL``): 1 / k_scale; running per row [64] (``ROW``): m, the largest log_pv so far; this
+    warpgroup's partial l; frame, the base-2 log the accumulators are kept relative to.
 
-def softmax_half(scores, k_scale, m, l_part, row_max, log_pv_max, visible=None):
-    """Online softmax of a warpgroup's 64 columns given the step's row statistics over all 128.
+    The frame is the step's log_pv_max, but never more than ``FRAME_DROP`` below m. Then
 
-    scores [64, 64] base 2 (``local_stats``), k_scale [64], running m and this
-    warpgroup's partial l [64], row_max and log_pv_max [64] over both halves.
-    Returns (m_new, alpha, l_part_new, P' * 448 / pv_max f32 [64, 64], pv_max [64]).
+      P' = 2^(log_pv - frame + log2 448) = 448 * P * k_scale / max_t (P * k_scale)
+
+    (where frame = log_pv_max): the step's largest P * k_scale lands on 448 exactly (an e4m3
+    value: the block's heaviest token carries no P' rounding), the reference's P'
+    (``mla_decode_reference``, its block factor 448 / max P'). The output accumulates as
+    O' = O' * ratio + V^T.P'^T with ratio = 2^(frame - frame_new) (``pv_update_t``), and l as
+    l' = l' * ratio + sum_t P' / k_scale = 448 * sum_t 2^(score - frame): so O = O' / l' and
+    lse = frame + log2(l') - log2 448, with no row max of the plain scores and no second
+    statistic. (Until the twenty-sixth session the step exchanged both the row max of the scores
+    and of log_pv, computed P = 2^(score - m), P * k_scale and P' = P * k_scale * factor: 3
+    instructions an element and one reduction more. A frame from the row max and the step's
+    largest scale instead of log_pv_max, which needs no log_pv at all, doubled the attention
+    error on the demo model: docs/benchmarks/mgpu.md.) The clamp bounds O' and l' by 2^64 x 448
+    x tokens x the largest value; a step whose every log_pv is 64 below m loses its tokens in
+    e4m3, as fp32 would lose them beside m's token.
+
+    Returns (m_new, l_part_new, frame_new, P' f32 [64, 64] (0 where not ``visible``), ratio [64]).
     """
-    m_new, m_safe, alpha, l_part, pv = online_rows(scores, k_scale, m, l_part, row_max, visible)
-    pv_max = jnp.exp2(log_pv_max - m_safe)
-    factor = FP8_E4M3_MAX / jnp.maximum(pv_max, MIN_PV_ROW_MAX)
-    return m_new, alpha, l_part, pv * lax.broadcast_in_dim(factor, pv.shape, [0]), pv_max
-
-
-def softmax_half_t(scores, k_scale, m, l_part, frame, row_max, log_pv_max, visible=None):
-    """``softmax_half`` for ``pv_update_t``'s one-factor fold (``PV_FRAME``): P' is scaled by
-    448 / 2^(frame - m) instead of 448 / pv_max, where the row's frame (base 2, like m) is the log
-    of the step's largest P * k_scale before the max is subtracted, log_pv_max, but never more
-    than ``FRAME_DROP`` below the running max m. Then the output accumulates as O' = O' * 2^(frame
-    - frame_new) + V^T.P'^T, one factor a column instead of two (alpha and the undo), and O =
-    O' * 2^(frame - m) / 448 at the end.
-
-    P' is the same as ``softmax_half``'s wherever log_pv_max >= m - FRAME_DROP (a step whose
-    every P * k_scale is 2^-64 below the running max's token loses them in e4m3, as fp32 would
-    lose them beside that token); the clamp bounds O' by 2^64 x 448^2 x tokens x the largest
-    k_scale, so that it cannot overflow.
-
-    Returns (m_new, l_part_new, frame_new, P' * factor f32 [64, 64], ratio = 2^(frame - frame_new)
-    [64]).
-    """
-    m_new, m_safe, _, l_part, pv = online_rows(scores, k_scale, m, l_part, row_max, visible)
+    m_new = jnp.maximum(m, log_pv_max)
     frame_new = jnp.maximum(log_pv_max, m_new - FRAME_DROP)
     frame_safe = jnp.where(frame_new == -jnp.inf, 0.0, frame_new)  # no token seen yet: P' is 0
-    # As ``softmax_half`` computes it from pv_max = 2^(log_pv_max - m): the same P' bits where the
-    # frame is log_pv_max (the reference's rounding).
-    factor = FP8_E4M3_MAX / jnp.maximum(jnp.exp2(frame_safe - m_safe), MIN_PV_ROW_MAX)
-    return m_new, l_part, frame_new, pv * lax.broadcast_in_dim(factor, pv.shape, [0]), jnp.exp2(frame - frame_safe)
+    ratio = jnp.exp2(frame - frame_safe)
+    p8 = jnp.exp2(log_pv - lax.broadcast_in_dim(frame_safe - LOG2_FP8_MAX, log_pv.shape, [0]))
+    weights = p8 * lax.broadcast_in_dim(inv_k_scale, log_pv.shape, [1])
+    if visible is not None:
+        weights = jnp.where(visible, weights, 0.0)  # 0 * a garbage scale's inverse could be NaN
+    return m_new, l_part * ratio + weights.sum(axis=1), frame_new, p8, ratio
 
 
 def v_masked_token_major(chunk_ref, t0, seq_len) -> jax.Array:
@@ -563,7 +540,7 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
         plgpu.copy_gmem_to_smem(ropep_ref.at[src, parity], rope_s.at[slot, dst], step_bar.at[slot])
 
     def copy_scales(step, first_token, slot):
-        if ksc_ref.ndim == 4:  # [B, steps, 2, STEP]: the scales and their logarithms (``LOG2_SCALES``)
+        if ksc_ref.ndim == 4:  # [B, steps, 3, STEP]: the scales, their logarithms and reciprocals
             plgpu.copy_gmem_to_smem(ksc_ref.at[b, step], ksc_s.at[slot], step_bar.at[slot])
         else:
             plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(first_token, STEP)], ksc_s.at[slot], step_bar.at[slot])
@@ -669,12 +646,13 @@ def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, *, i
 
 def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool) -> list:
     """Fold this step's V^T.P'^T into each of this warpgroup's four O^T tiles [64 features, 64 rows]
-    (tile 2 i + t holds features 64 t .. 64 t + 63 of its chunk i): with
-    ``PV_FRAME`` acc * ratio + V^T.P'^T (``softmax_half_t``), else acc * alpha + V^T.P'^T * pv_max / 448.
+    (tile 2 i + t holds features 64 t .. 64 t + 63 of its chunk i): acc * ratio + V^T.P'^T
+    (``softmax_frame``).
 
-    fac_ref f32 [2, 64]: the factors per query row (the tiles' columns), (ratio, unused) or (alpha,
-    pv_max / 448), read once in the ``COL`` layout: a thread holds 16 query rows' columns, so each
-    factor is 16 registers (``PV_FRAME`` exists to need one). p8_ref e4m3 [64 rows, 128]: P' in
+    fac_ref f32 [2, 64]: row 0 the ratio per query row (the tiles' columns), read once in the
+    ``COL`` layout: a thread holds 16 query rows' columns, so each factor is 16 registers (the
+    frame exists to need one: two, alpha and the P' factor's undo, ran 0.600 against 0.562 ms in
+    the twentieth session). p8_ref e4m3 [64 rows, 128]: P' in
     ``vt_step_row`` order, the K-major B operand as it is. ``visible``: None (every token of the
     step is below seq_len) or int32 [64] (``ROW``) the number that is (``load_vt_quads``).
 
@@ -684,12 +662,9 @@ def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool)
     before the next one is issued: the 128 output registers leave no room for a second 32-register
     product in flight. Measured on an H100 at 64 x 16k x 128 (twentieth session; consumers at 232
     registers): tiles pipelined (two products in flight) 0.750 ms, in halves of 32 query rows
-    0.690, one at a time 0.562 (0.512 with 240 registers, ``CONSUMER_REGISTERS``); two factors
-    instead of ``PV_FRAME``'s one, one at a time, 0.600.
+    0.690, one at a time 0.562 (0.512 with 240 registers, ``CONSUMER_REGISTERS``).
     """
-    num_factors = 1 if PV_FRAME else 2
-    factors = [lax.broadcast_in_dim(plgpu.load(fac_ref.at[f], layout=COL), (BLOCK_M, HALF), [1])
-               for f in range(num_factors)]
+    ratio = lax.broadcast_in_dim(plgpu.load(fac_ref.at[0], layout=COL), (BLOCK_M, HALF), [1])
     new_accs = []
     for k, acc in enumerate(accs):
         i, t = divmod(k, 2)
@@ -702,7 +677,7 @@ def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool)
             return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
 
         fresh = pl.run_scoped(product, plgpu.ACC((BLOCK_M, HALF), jnp.float32))
-        new_accs.append(acc * factors[0] + (fresh if PV_FRAME else fresh * factors[1]))
+        new_accs.append(acc * ratio + fresh)
     return new_accs
 
 
@@ -836,10 +811,10 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     [2, 64, 64] output staging, one tile per warpgroup, ``output_transforms``), qr_s
     bf16 [64, 64], qsc_s f32 [64], lse_s f32 [64], kv8_s e4m3 [2, 4, 128, 128]
     (slot, chunk, step row, feature: K, and V as it is), rope_s bf16 [2, 128, 64],
-    ksc_s f32 [2, 128], p8_s e4m3 [2, 64, 128] (a slot's P', both warpgroups'
-    columns, the B operand of both), stats_s f32 [2 slots, 2 warpgroups, 2, 64]
-    (row max, log pv max), lsum_s f32 [2, 64] (each warpgroup's partial l, after the
-    loop), fac_s f32 [2, 2, 64] (each warpgroup's per-row factors, read back one per
+    ksc_s f32 [2, 3, 128] (a slot's token scales, their log2, their reciprocals), p8_s
+    e4m3 [2, 64, 128] (a slot's P', both warpgroups' columns, the B operand of both),
+    stats_s f32 [2 slots, 2 warpgroups, 1, 64] (the row max of log_pv, ``softmax_frame``),
+    lsum_s f32 [2, 64] (each warpgroup's partial l, after the loop), fac_s f32 [2, 2, 64] (each warpgroup's per-row factors, read back one per
     column).
     """
     q8_s, o_s = q_union
@@ -853,8 +828,8 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     named_sync = NAMED_SYNC and not interpret
     num_accs = 2 * CHUNKS_PER_WG  # O^T tiles [64 features, 64 rows]
 
-    # The slots' token scales [NUM_SLOTS, STEP] (with ``LOG2_SCALES``, plane 0 of ksc_s).
-    ksc_scales = ksc_s.at[:, 0] if LOG2_SCALES else ksc_s
+    # The slots' token scales [NUM_SLOTS, STEP]: plane 0 of ksc_s (1: their log2, 2: 1 / them).
+    ksc_scales = ksc_s.at[:, 0]
 
     def consume():
         my_rows = _aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
@@ -918,48 +893,38 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
 
             with jax.named_scope("stats"):
                 visible = step_visibility(row0, t0, seq_len, wg, s_q=s_q, num_heads=num_heads) if masked else None
-                if LOG2_SCALES:
-                    log2_k_scale = plgpu.load(ksc_s.at[slot, 1, pl.ds(my_rows, HALF)], layout=COL)
-                else:
-                    log2_k_scale = jnp.log2(k_scale)
-                scores, row_max, log_pv_max = local_stats(scores, log2_k_scale, scale_log2, visible)
-                publish_stats(stats_s.at[slot, wg], None if named_sync else stats_bar.at[slot], row_max, log_pv_max)
+                log2_k_scale = plgpu.load(ksc_s.at[slot, 1, pl.ds(my_rows, HALF)], layout=COL)
+                log_pv, log_pv_max = local_stats(scores, log2_k_scale, scale_log2, visible)
+                publish_stats(stats_s.at[slot, wg], None if named_sync else stats_bar.at[slot], log_pv_max)
             with jax.named_scope("wait_stats"):
-                row_max, log_pv_max = gather_stats(stats_s.at[slot, 1 - wg], None if named_sync else stats_bar.at[slot],
-                                                   row_max, log_pv_max)
+                log_pv_max = gather_stats(stats_s.at[slot, 1 - wg], None if named_sync else stats_bar.at[slot],
+                                          log_pv_max)
             with jax.named_scope("softmax"):
-                if PV_FRAME:
-                    m_new, l_part, frame, p_scaled, ratio = softmax_half_t(
-                        scores, k_scale, m, l_part, carry[-1], row_max, log_pv_max, visible)
-                    row_state, factors = (m_new, l_part, frame), (ratio,)
-                else:
-                    m_new, alpha, l_part, p_scaled, pv_max = softmax_half(scores, k_scale, m, l_part, row_max,
-                                                                          log_pv_max, visible)
-                    row_state, factors = (m_new, l_part), (alpha, pv_max * (1.0 / FP8_E4M3_MAX))
+                inv_k_scale = plgpu.load(ksc_s.at[slot, 2, pl.ds(my_rows, HALF)], layout=COL)
+                m_new, l_part, frame, p_scaled, ratio = softmax_frame(
+                    log_pv, inv_k_scale, m, l_part, carry[-1], log_pv_max, visible)
+                row_state, factors = (m_new, l_part, frame), (ratio,)
 
             return step_tail_t(slot, accs, row_state, factors, p_scaled, t0, masked=masked)
 
         carry = initial_carry((BLOCK_M, HALF), num_accs=num_accs)
-        if PV_FRAME:
-            carry = carry + (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), ROW),)  # frame
+        carry = carry + (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), ROW),)  # frame
         carry = walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar,
                            issuer=None if PRODUCER_WG else 0)
-        accs, m, l_part = carry[:num_accs], carry[num_accs], carry[num_accs + 1]
+        accs, l_part = carry[:num_accs], carry[num_accs + 1]
         lsum_s[wg] = l_part
         # Both warpgroups are past their last QK (Q8's bytes become the output
         # staging) and have published their partial l.
         plgpu.barrier_arrive(end_bar)
         plgpu.barrier_wait(end_bar)
         l = l_part + plgpu.load(lsum_s.at[1 - wg], layout=ROW)
-        # Per row, what the accumulators are multiplied by: 1 / l, and with ``PV_FRAME`` the
-        # frame's 2^(frame - m) / 448 (0 for rows that saw no token).
+        # Per row, what the accumulators are multiplied by: 1 / l, both in the frame and 448 times
+        # the softmax's (``softmax_frame``; 0 for rows that saw no token).
         seen = l > 0
-        scale = 1.0 / jnp.where(seen, l, 1.0)
-        if PV_FRAME:
-            scale = jnp.where(seen, scale * jnp.exp2(carry[-1] - m) * (1.0 / FP8_E4M3_MAX), 0.0)
-        fac_s[wg, 0] = scale
-        write_outputs_t(accs, m, l, plgpu.load(fac_s.at[wg, 0], layout=COL), o_s, lse_s, o_ref, lse_ref, b,
-                        split, row0, wg, interpret=interpret)
+        fac_s[wg, 0] = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+        # lse (base 2) = frame + log2(l) - log2 448: ``write_outputs_t`` adds log2(l) to this.
+        write_outputs_t(accs, carry[-1] - LOG2_FP8_MAX, l, plgpu.load(fac_s.at[wg, 0], layout=COL), o_s, lse_s,
+                        o_ref, lse_ref, b, split, row0, wg, interpret=interpret)
 
     if not PRODUCER_WG:
         consume()
@@ -1012,7 +977,7 @@ def check_launch(kernel: str, q_rows, q_rope_rows, cache_arrays: tuple, *, page_
 
 
 def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, *, page_size: int,
-                   num_splits: int, num_pages: int, block_rows: int = BLOCK_M, log2_scales: bool = False,
+                   num_splits: int, num_pages: int, block_rows: int = BLOCK_M, scale_planes: bool = False,
                    interpret: bool = False):
     """Checks and launcher-side inputs (``block_rows``: the query rows of a CTA; ``num_pages``:
     pages in one layer, resolved by ``resolve_num_pages``).
@@ -1020,13 +985,14 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset,
     Returns (q8 e4m3 [B, rows, 512], q_scale f32 [B, rows], latent pairs e4m3
     [N/2, 2, 512], rope pairs bf16 [N/2, 2, 64] (free reshapes), step-ordered
     token scales f32 [B, steps * 128], or [B, steps, 2, 128] with their base-2 logarithms
-    if ``log2_scales``); the quantized rows and the scales in one launch (``decode_inputs``).
+    if ``scale_planes``, [B, steps, 3, 128] with their base-2 logarithms and reciprocals); the
+    quantized rows and the scales in one launch (``decode_inputs``).
     """
     check_launch("mla_decode_mgpu: FP8 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
                  num_arrays=3, block_rows=block_rows, num_splits=num_splits)
     latent, scale, rope = cache_arrays
     q8, q_scale, scales = decode_inputs(q_rows, scale, block_table, layer_offset, num_pages=num_pages,
-                                        log2_scales=log2_scales, interpret=interpret)
+                                        scale_planes=scale_planes, interpret=interpret)
     return (q8, q_scale, latent.reshape(latent.shape[0] // 2, 2, RANK),
             rope.reshape(rope.shape[0] // 2, 2, ROPE), scales)
 
@@ -1041,7 +1007,7 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
     num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
-        num_pages=num_pages, log2_scales=LOG2_SCALES, interpret=interpret)
+        num_pages=num_pages, scale_planes=True, interpret=interpret)
     out_dtype = kernel_out_dtype(q_rows.dtype, num_splits)
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
     kernel = plgpu.kernel(
@@ -1058,10 +1024,10 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
             plgpu.SMEM((BLOCK_M,), jnp.float32),
             plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
             plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
-            plgpu.SMEM((NUM_SLOTS, 2, STEP) if LOG2_SCALES else (NUM_SLOTS, STEP), jnp.float32),
+            plgpu.SMEM((NUM_SLOTS, 3, STEP), jnp.float32),
             # P' (``store_quads``): its 4-byte stores compute addresses for this layout.
             plgpu.SMEM((NUM_SLOTS, BLOCK_M, STEP), FP8_DTYPE, transforms=BYTE_TILE_TRANSFORMS),
-            plgpu.SMEM((NUM_SLOTS, NUM_WGS, 2, BLOCK_M), jnp.float32),
+            plgpu.SMEM((NUM_SLOTS, NUM_WGS, 1, BLOCK_M), jnp.float32),
             plgpu.SMEM((NUM_WGS, BLOCK_M), jnp.float32),
             plgpu.SMEM((NUM_WGS, 2, BLOCK_M), jnp.float32),  # fac_s: the fold's factors per warpgroup
             plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),

@@ -5,7 +5,7 @@
 
 ``--kernel bf16`` times the Mosaic BF16 twin's register splits (``BF16_VARIANTS``; the cache
 is then the bf16 one). Each variant replaces one or more of the step helpers of ``mla_decode_mgpu``
-(``step_scores``, ``qk8_promoted``, ``softmax_half_t``, ``pv_update_t``,
+(``step_scores``, ``qk8_promoted``, ``softmax_frame``, ``pv_update_t``,
 ``publish_stats``, ``gather_stats``), or with ``--kernel small`` of
 ``mla_decode_mgpu_small`` (``step_scores_t``, ``softmax_t``, ``v_half_f16``,
 ``pv_update_t``), or a module constant, by a cheaper stand-in or another
@@ -48,9 +48,9 @@ from snapmla_jax.bench import timing
 ROOT = pathlib.Path(__file__).resolve().parent
 ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
             ("step_scores", "qk8_promoted", "ISSUE_BY_WARPS", "PRODUCER_WG", "PRODUCER_REGISTERS", "CONSUMER_REGISTERS",
-             "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH", "PV_FRAME",
-             "softmax_half_t", "pv_update_t", "publish_stats", "gather_stats", "QK_PROMOTION", "NAMED_SYNC",
-             "UNSYNCED_ROW_STORES", "FENCE_ONLY_COMMIT", "LOG2_SCALES",
+             "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH",
+             "softmax_frame", "pv_update_t", "publish_stats", "gather_stats", "QK_PROMOTION", "NAMED_SYNC",
+             "UNSYNCED_ROW_STORES", "FENCE_ONLY_COMMIT",
              "SATURATING_P_CAST")}
 
 
@@ -160,11 +160,11 @@ def scores_constant(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row,
     return plgpu.layout_cast(jnp.full((BLOCK_M, HALF), 1.0, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def softmax_t_none(scores, k_scale, m, l_part, frame, row_max, log_pv_max, visible=None):
+def softmax_t_none(log_pv, inv_k_scale, m, l_part, frame, log_pv_max, visible=None):
     """No softmax (transposed P'.V): P' is the scores (still rounded, stored and multiplied), the
     fold's ratio 1."""
     one = l_part * 0.0 + 1.0
-    return m, l_part, frame, scores, one
+    return m, l_part, frame, log_pv, one
 
 
 def pv_t_none(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret):
@@ -197,13 +197,13 @@ def pv_t_prefetch(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret):
     return new_accs
 
 
-def publish_stats_none(mine_ref, bar, row_max, log_pv_max):
+def publish_stats_none(mine_ref, bar, log_pv_max):
     """No statistics exchange: nothing published (``gather_stats_local`` waits for nothing)."""
 
 
-def gather_stats_local(other_ref, bar, row_max, log_pv_max):
-    """No statistics exchange: each warpgroup's own half's statistics (wrong by design)."""
-    return row_max, log_pv_max
+def gather_stats_local(other_ref, bar, log_pv_max):
+    """No statistics exchange: each warpgroup's own half's row max (wrong by design)."""
+    return log_pv_max
 
 
 def page_boxes_unclipped(bt_ref, b, step, layer_offset, num_pages):
@@ -235,13 +235,11 @@ VARIANTS = {
     "producer_by_warps": {"PRODUCER_ISSUE_BY_WARPS": True},
     "pages_unclipped": {"page_boxes": page_boxes_unclipped},
     "precise_math": {"APPROX_MATH": False},
-    # The twentieth session's one-factor fold undone (two factors a step, ``softmax_half``).
-    "pv_t_two_factors": {"PV_FRAME": False},
     # Stand-ins of the transposed P'.V's step (the shipped path): what each part costs.
-    "no_softmax_t": {"softmax_half_t": softmax_t_none},
+    "no_softmax_t": {"softmax_frame": softmax_t_none},
     "no_pv_t": {"pv_update_t": pv_t_none},
     "no_stats_exchange": {"publish_stats": publish_stats_none, "gather_stats": gather_stats_local},
-    "no_compute_t": {"step_scores": scores_constant, "softmax_half_t": softmax_t_none, "pv_update_t": pv_t_none},
+    "no_compute_t": {"step_scores": scores_constant, "softmax_frame": softmax_t_none, "pv_update_t": pv_t_none},
     # The twenty-first session's changes undone: Q.K in two 256-feature chains, the statistics
     # and P' exchanges through mbarriers; each alone.
     "twentieth_session": {"QK_PROMOTION": 256, "NAMED_SYNC": False},
@@ -256,12 +254,10 @@ VARIANTS = {
     "rope_beside": {"step_scores": scores_rope_beside},
     "rope_beside_256": {"step_scores": scores_rope_beside, "QK_PROMOTION": 256},
     "chains_in_flight_256": {"qk8_promoted": qk8_chains_in_flight, "QK_PROMOTION": 256},
-    # Twenty-fourth session: the token scales' logarithms computed in the step (16 lg2.approx a
-    # thread) instead of read with the scales; P' clamped to 448 before its (saturating) cast;
-    # both (the kernel before); the next V^T tile loaded during a product.
-    "log2_in_step": {"LOG2_SCALES": False},
+    # Twenty-fourth session: P' clamped to 448 before its (saturating) cast; the next V^T tile
+    # loaded during a product. (Its "log2_in_step" left with the per-token logarithms' flag: the
+    # twenty-sixth session's softmax needs them as an input, ``softmax_frame``.)
     "p_clamped": {"SATURATING_P_CAST": False},
-    "twenty_third_session": {"LOG2_SCALES": False, "SATURATING_P_CAST": False},
     "pv_prefetch": {"pv_update_t": pv_t_prefetch},
 }
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.fp8 import fp8_round_trip_np
-from pallas_kernels.mgpu_decode_inputs import (PAGE, STEP, decode_inputs, decode_inputs_reference, scales_block,
-                                               step_scales)
+from pallas_kernels.mgpu_decode_inputs import (PAGE, SCALE_FLOOR, STEP, decode_inputs, decode_inputs_reference,
+                                               scales_block, step_scales)
 
 
 def expected_step_scales(scale: np.ndarray, block_table: np.ndarray, layer_offset: int) -> np.ndarray:
@@ -77,23 +77,29 @@ def test_kernel_equals_the_jnp_reference(shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_log2_planes_match_their_definition(shape):
-    """With ``log2_scales`` each step's 128 scales are followed by their base-2 logarithms
-    ([B, steps, 2, 128]); a zero scale (an all-zero latent row) has -inf."""
+def test_scale_planes_match_their_definition(shape):
+    """With ``scale_planes`` each step's 128 scales are followed by their base-2 logarithms and
+    their reciprocals ([B, steps, 3, 128]), of the scales floored at ``SCALE_FLOOR``: a zero scale
+    (a slot never written) and a tiny one (an all-zero latent row) have -60 and 2^60."""
     q, scale, block_table, offset = random_inputs(sum(shape) + 3, *shape)
     scale[offset[0] + block_table[0, 0] * PAGE + 2] = 0.0  # layer 1, row 0's token 2: step row 1
+    scale[offset[0] + block_table[0, 0] * PAGE + 4] = 1e-30 / 448  # token 4: step row 2
     args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
-    _, _, planes = decode_inputs(*args, log2_scales=True, interpret=True)
+    _, _, planes = decode_inputs(*args, scale_planes=True, interpret=True)
     want = expected_step_scales(scale, block_table, int(offset[0]))
     steps = want.shape[1] // STEP
-    assert planes.shape == (shape[0], steps, 2, STEP)
+    assert planes.shape == (shape[0], steps, 3, STEP)
     np.testing.assert_array_equal(np.asarray(planes[:, :, 0]).reshape(want.shape), want)
     logs = np.asarray(planes[:, :, 1]).reshape(want.shape)
-    assert logs[0, 1] == -np.inf
-    # float32 log2 against float64's, rounded: within an ulp of the result or of its argument's
-    # logarithm (|log2| <= 1 here, so 2**-23 absolute).
-    np.testing.assert_allclose(logs, np.log2(want.astype(np.float64)), rtol=0, atol=2.0 ** -23)
-    _, _, want_planes = decode_inputs_reference(*args, log2_scales=True)
+    inverses = np.asarray(planes[:, :, 2]).reshape(want.shape)
+    assert np.all(inverses[0, 1:3] == 2.0 ** 60)
+    floored = np.maximum(want.astype(np.float64), SCALE_FLOOR)
+    # float32 log2 against float64's: within an ulp of the result (2**-18 at 60: XLA's log2 of
+    # 2**-60 is -59.999996) or of its argument's logarithm (2**-23 absolute at |log2| <= 1); the
+    # reciprocal correctly rounded.
+    np.testing.assert_allclose(logs, np.log2(floored), rtol=2.0 ** -23, atol=2.0 ** -23)
+    np.testing.assert_allclose(inverses, 1.0 / floored, rtol=2.0 ** -24, atol=0)
+    _, _, want_planes = decode_inputs_reference(*args, scale_planes=True)
     np.testing.assert_array_equal(np.asarray(planes), np.asarray(want_planes))
 
 
@@ -132,8 +138,10 @@ def test_compiled_inputs_match_the_reference(shape):
     got, want = np.asarray(q8.astype(jnp.float32)), np.asarray(want_q8.astype(jnp.float32))
     assert np.mean(got == want) > 0.999
     np.testing.assert_allclose(got, want, rtol=2.0 ** -3, atol=2.0 ** -9)
-    # The logarithms' plane: the GPU's log2 may differ from XLA's by an ulp (2**-23 here, |log2| <= 1).
-    _, _, planes = jax.jit(functools.partial(decode_inputs, log2_scales=True))(*args)
+    # The logarithms' and reciprocals' planes: the GPU's log2 may differ from XLA's by an ulp
+    # (2**-23 here, |log2| <= 1), its division (``div.full``, approximate) by 2 ulps.
+    _, _, planes = jax.jit(functools.partial(decode_inputs, scale_planes=True))(*args)
+    scales64 = np.maximum(np.asarray(planes[:, :, 0]).astype(np.float64), SCALE_FLOOR)
     np.testing.assert_array_equal(np.asarray(planes[:, :, 0]).reshape(want_scales.shape), np.asarray(want_scales))
-    np.testing.assert_allclose(np.asarray(planes[:, :, 1]), np.log2(np.asarray(planes[:, :, 0]).astype(np.float64)),
-                               rtol=0, atol=2.0 ** -22)
+    np.testing.assert_allclose(np.asarray(planes[:, :, 1]), np.log2(scales64), rtol=2.0 ** -22, atol=2.0 ** -22)
+    np.testing.assert_allclose(np.asarray(planes[:, :, 2]), 1.0 / scales64, rtol=2.0 ** -22, atol=0)

@@ -89,18 +89,28 @@ def test_kslice_probe_lowers_for_cuda():
 
 
 def _inputs(seed, *, batch, heads, pages_per_row, seq_lens, s_q=1):
-    """Random FP8 cache with outlier tokens, scrambled pages."""
+    """Random FP8 cache with outlier tokens and empty slots, scrambled pages.
+
+    The empty slots (3% of the tokens) hold a zero latent and a zero scale, as a cache's slots
+    before anything is written there, and RoPE keys 4x the others', so that their RoPE scores
+    give them a share of the softmax. The 64-row kernel's softmax runs on score + log2 k_scale and
+    sums P' / k_scale: a zero scale there is kept finite by the floor under its logarithm and
+    reciprocal (``mgpu_decode_inputs.SCALE_FLOOR``), without which the output is NaN."""
     rng = np.random.default_rng(seed)
     num_pages = batch * pages_per_row + 2
     x = rng.standard_normal((num_pages, 64, 512)).astype(np.float32)
     x[rng.random((num_pages, 64)) < 0.02] *= 300.0  # outlier tokens: scales 300x apart
-    latent, scale = quantize_per_token(jnp.asarray(x))
-    rope = jnp.asarray(rng.standard_normal((num_pages, 64, 64)), jnp.bfloat16)
+    rope = rng.standard_normal((num_pages, 64, 64))
     block_table = jnp.asarray(rng.permutation(num_pages)[:batch * pages_per_row].reshape(batch, pages_per_row),
                               jnp.int32)
     q = jnp.asarray(rng.standard_normal((batch, s_q, heads, 512)) * 0.3, jnp.bfloat16)
     q_rope = jnp.asarray(rng.standard_normal((batch, s_q, heads, 64)) * 0.3, jnp.bfloat16)
-    return q, q_rope, latent, scale, rope, block_table, jnp.asarray(seq_lens, jnp.int32)
+    zero = rng.random((num_pages, 64)) < 0.03
+    x[zero] = 0.0
+    rope[zero] *= 4.0
+    latent, scale = quantize_per_token(jnp.asarray(x))
+    scale = jnp.where(jnp.asarray(zero), 0.0, scale)
+    return q, q_rope, latent, scale, jnp.asarray(rope, jnp.bfloat16), block_table, jnp.asarray(seq_lens, jnp.int32)
 
 
 def _kernel_and_rows(kernel: str):
@@ -244,8 +254,9 @@ def test_consumers_meet_at_their_own_named_barriers(monkeypatch):
 def test_step_hands_over_behind_named_barriers_only(monkeypatch):
     """``UNSYNCED_ROW_STORES`` and ``FENCE_ONLY_COMMIT``: inside the step loops the published
     statistics, the fold's factors and P''s commit take no barrier of the warpgroup (Pallas puts
-    one before and one after every SMEM store, and one after ``commit_smem``'s fence): 7 a step
-    loop fewer, the named barriers that order them instead. Each flag removes its own."""
+    one before and one after every SMEM store, and one after ``commit_smem``'s fence): 5 a step
+    loop fewer (the row max, the fold's ratio, the commit), the named barriers that order them
+    instead. Each flag removes its own."""
     import re
     import pallas_kernels.mla_decode_mgpu as mgpu_module
 
@@ -259,8 +270,8 @@ def test_step_hands_over_behind_named_barriers_only(monkeypatch):
     lean, rows_only, commit_only, synced = (warpgroup_barriers(*flags) for flags in
                                             ((True, True), (True, False), (False, True), (False, False)))
     loops = 2  # unmasked and masked steps
-    assert synced - lean == loops * 7, (synced, lean)
-    assert synced - rows_only == loops * 6 and synced - commit_only == loops * 1, (rows_only, commit_only)
+    assert synced - lean == loops * 5, (synced, lean)
+    assert synced - rows_only == loops * 4 and synced - commit_only == loops * 1, (rows_only, commit_only)
     monkeypatch.undo()
     jax.clear_caches()
 
@@ -431,7 +442,7 @@ def test_kernel_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages,
     """
     err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits)
     # Same roundings in fp32 on both sides: what differs is summation order (and, with
-    # ``PV_FRAME``, where the per-step factor is applied), which can move a value across a
+    # ``softmax_frame``, P' as one exp2 of score + log2 k_scale), which can move a value across a
     # rounding boundary. The bf16 output's boundary is the larger: one ulp there is 2**-7 of a
     # value at the bottom of its binade, so up to 2**-7 = 7.8e-3 of max |ref| (one flip measured
     # 4.4e-3: 696 vs 692 beside a largest output of 916). With splits the partials are bf16 too
@@ -700,12 +711,11 @@ def test_small_kernel_refuses_other_row_blocks():
                               num_heads=16, block_rows=24)
 
 
-def _fold_steps(steps, *, frame: bool):
-    """The 64-row kernel's per-step fold over ``steps`` [(scores base 2 [R, T], k_scale [T], v [T, D])]
-    in float32 jnp, without e4m3 rounding: with ``frame`` ``softmax_half_t``'s one-factor fold
-    (O' = O' * ratio + P'.V, O = O' * 2^(frame - m) / 448 at the end), else ``softmax_half``'s
-    (O = O * alpha + P'.V * pv_max / 448). Returns (O / l, 0 for rows that saw nothing, as the
-    kernel writes them; P' of every step; the accumulator before the end's scaling)."""
+def _frame_steps(steps):
+    """The 64-row kernel's per-step softmax (``softmax_frame``) and fold over ``steps`` [(scores base 2
+    [R, T], k_scale [T], v [T, D])] in float32 jnp, without e4m3 rounding: O' = O' * ratio + P'.V,
+    O = O' / l at the end. Returns (O, 0 for rows that saw nothing, as the kernel writes them; the
+    lse in base 2; P' of every step; the accumulator before the end's scaling)."""
     rows = steps[0][0].shape[0]
     m = jnp.full((rows,), -jnp.inf, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
@@ -713,28 +723,24 @@ def _fold_steps(steps, *, frame: bool):
     o = jnp.zeros((rows, steps[0][2].shape[1]), jnp.float32)
     p_all = []
     for scores, k_scale, v in steps:
-        row_max = scores.max(axis=1)
-        log_pv_max = (scores + jnp.log2(k_scale)[None]).max(axis=1)
-        if frame:
-            m, l, f, p, ratio = mgpu_kernel.softmax_half_t(scores, k_scale, m, l, f, row_max, log_pv_max)
-            o = o * ratio[:, None] + p @ v
-        else:
-            m, alpha, l, p, pv_max = mgpu_kernel.softmax_half(scores, k_scale, m, l, row_max, log_pv_max)
-            o = o * alpha[:, None] + (p @ v) * (pv_max / 448.0)[:, None]
+        log_pv = scores + jnp.log2(k_scale)[None]
+        m, l, f, p, ratio = mgpu_kernel.softmax_frame(log_pv, 1.0 / k_scale, m, l, f, log_pv.max(axis=1))
+        o = o * ratio[:, None] + p @ v
         p_all.append(p)
     accumulated = o
-    seen = (l > 0)[:, None]
-    if frame:
-        o = o * (jnp.exp2(f - m) / 448.0)[:, None]
-    return jnp.where(seen, o / jnp.where(seen, l[:, None], 1.0), 0.0), p_all, accumulated
+    seen = l > 0
+    out = jnp.where(seen[:, None], o / jnp.where(seen, l, 1.0)[:, None], 0.0)
+    lse2 = jnp.where(seen, f + jnp.log2(jnp.where(seen, l, 1.0)) - mgpu_kernel.LOG2_FP8_MAX, -jnp.inf)
+    return out, lse2, p_all, accumulated
 
 
-def test_one_factor_fold_matches_the_two_factor_fold():
-    """``softmax_half_t`` (``PV_FRAME``): P' is the same bits as ``softmax_half``'s while a step's
-    largest P * k_scale is within ``FRAME_DROP`` of the running max, and the fold gives the same
-    output (float32 rounding apart: 1e-5 relative); a step 100 (base 2) below the running max
-    (frame clamped, its P' then underflows as fp32 would beside the max token) neither overflows
-    nor changes the output beyond that; a first step whose rows see nothing stays 0, not NaN."""
+def test_softmax_frame_rounds_p_as_the_block_max_rule():
+    """``softmax_frame``: each step's P' is 448 * P * k_scale / its row's largest P * k_scale (the
+    reference's rule: ``mla_decode_reference``), its largest exactly 448 (an e4m3 value), and the
+    fold's output and lse are the float64 softmax's (float32 rounding apart: 1e-5 relative); a step
+    100 (base 2) below the running max (frame clamped, its P' then underflows as fp32 would beside
+    the max token) neither overflows nor changes the output beyond that; a first step whose rows
+    see nothing stays 0, not NaN."""
     rng = np.random.default_rng(7)
     rows, tokens, dim = 8, 64, 16
 
@@ -744,19 +750,29 @@ def test_one_factor_fold_matches_the_two_factor_fold():
         return scores, k_scale, jnp.asarray(rng.standard_normal((tokens, dim)), jnp.float32)
 
     steps = [step(0.0), step(6.0), step(-3.0)]
-    (two, p_two, _), (one, p_one, _) = _fold_steps(steps, frame=False), _fold_steps(steps, frame=True)
-    for a, b in zip(p_two, p_one):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    np.testing.assert_allclose(np.asarray(one), np.asarray(two), rtol=1e-5, atol=1e-6)
+    out, lse2, p_all, _ = _frame_steps(steps)
+    for (scores, k_scale, _), p in zip(steps, p_all):
+        pv = np.exp2(np.asarray(scores, np.float64)) * np.asarray(k_scale, np.float64)[None]
+        np.testing.assert_allclose(np.asarray(p), 448.0 * pv / pv.max(axis=1, keepdims=True), rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(p).max(axis=1), 448.0, rtol=2.0 ** -20)
+    scores64 = np.concatenate([np.asarray(s, np.float64) for s, _, _ in steps], axis=1)
+    # V is the stored latent: the value a token carries is k_scale * v.
+    v64 = np.concatenate([np.asarray(k, np.float64)[:, None] * np.asarray(v, np.float64) for _, k, v in steps],
+                         axis=0)
+    weights = np.exp2(scores64 - scores64.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(out), (weights / weights.sum(axis=1, keepdims=True)) @ v64,
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse2), np.log2(np.exp2(scores64).sum(axis=1)), rtol=1e-6)
 
     far = steps + [step(-100.0)]  # every P * k_scale ~2^-100 of the max token's: the frame clamps
-    one_far, _, accumulated = _fold_steps(far, frame=True)
+    out_far, _, _, accumulated = _frame_steps(far)
     assert np.all(np.isfinite(np.asarray(accumulated)))
-    np.testing.assert_allclose(np.asarray(one_far), np.asarray(one), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out_far), np.asarray(out), rtol=1e-5, atol=1e-6)
 
     # Rows that see nothing in their first step, then a real one: nothing NaN accumulates.
     unseen = (jnp.full((rows, tokens), -jnp.inf, jnp.float32), steps[0][1], steps[0][2])
-    o_unseen, _, accumulated = _fold_steps([unseen], frame=True)
+    o_unseen, lse_unseen, _, accumulated = _frame_steps([unseen])
     assert np.all(np.asarray(accumulated) == 0) and np.all(np.asarray(o_unseen) == 0)
-    late, _, _ = _fold_steps([unseen] + steps, frame=True)
-    np.testing.assert_allclose(np.asarray(late), np.asarray(one), rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(lse_unseen) == -np.inf)
+    late, _, _, _ = _frame_steps([unseen] + steps)
+    np.testing.assert_allclose(np.asarray(late), np.asarray(out), rtol=1e-5, atol=1e-6)
