@@ -45,9 +45,10 @@ SCALES = 1024  # token scales a gathering program takes
 # output row that reads it (the kernels before kept such a token's softmax weight, with a zero
 # value). Floored, its P' is 2^(score - 60 - frame + log2 448), a normal float32 (so its weight
 # counts) while its softmax weight is within ~2^-70 of the step's heaviest token's (whose log2
-# k_scale is rarely above 0), and rounds to 0 in e4m3 beside a zero latent, as before. A scale below the floor but not 0 (``quantize_per_token``'s own floor
-# gives 2^-108 to an all-zero latent) then carries its value 2^-60 / scale too large: at most
-# 2^-60 x 448 in absolute terms. The scales' own plane (the scores' dequantization) stays exact.
+# k_scale is rarely above 0), and rounds to 0 in e4m3 beside a zero latent, as before. A scale
+# below the floor but not 0 (``quantize_per_token``'s own floor gives 2^-108 to an all-zero
+# latent) then carries its value 2^-60 / scale too large: at most 2^-60 x 448 in absolute terms.
+# The scales' own plane (the scores' dequantization) stays exact.
 SCALE_FLOOR = 2.0 ** -60
 NUM_WARPS = 4
 

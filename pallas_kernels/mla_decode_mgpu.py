@@ -243,9 +243,9 @@ STATS_SYNC_ID, P_SYNC_ID = 8, 9
 # warpgroup barriers Pallas puts before and after every SMEM store (``store_rows``): the named
 # barrier each of them is read behind (``NAMED_SYNC``) already orders them for every reader and
 # after every earlier read. GPU only, with ``NAMED_SYNC``. Six barriers of the warpgroup a step
-# fewer then (four since the statistics are one row max a step): 0.432 vs 0.457 ms at 64 x 16k x 128, 0.419 vs 0.428 at 32 x 16k x 128 x 2, 0.230 vs
-# 0.236 at 32 x 16k x 128 (H100, twenty-second session, scripts/probe_mgpu_costs.py, 5 rounds;
-# the same output bits).
+# fewer then (four since the statistics are one row max a step): 0.432 vs 0.457 ms at 64 x 16k
+# x 128, 0.419 vs 0.428 at 32 x 16k x 128 x 2, 0.230 vs 0.236 at 32 x 16k x 128 (H100,
+# twenty-second session, scripts/probe_mgpu_costs.py, 5 rounds; the same output bits).
 UNSYNCED_ROW_STORES = True
 # Whether P''s stores reach the wgmma behind a proxy fence and the P' exchange's named barrier
 # alone (``publish_p``), without the warpgroup barrier ``plgpu.commit_smem`` adds after its fence.
@@ -814,8 +814,8 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     ksc_s f32 [2, 3, 128] (a slot's token scales, their log2, their reciprocals), p8_s
     e4m3 [2, 64, 128] (a slot's P', both warpgroups' columns, the B operand of both),
     stats_s f32 [2 slots, 2 warpgroups, 1, 64] (the row max of log_pv, ``softmax_frame``),
-    lsum_s f32 [2, 64] (each warpgroup's partial l, after the loop), fac_s f32 [2, 2, 64] (each warpgroup's per-row factors, read back one per
-    column).
+    lsum_s f32 [2, 64] (each warpgroup's partial l, after the loop), fac_s f32 [2, 2, 64]
+    (each warpgroup's per-row factors, read back one per column).
     """
     q8_s, o_s = q_union
     b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = begin_cta(
