@@ -167,8 +167,8 @@ def softmax_t(scores, k_scales, m, l, scale_log2: float, visible=None):
     scores: the two halves' S^T f32 [64, R]; k_scales: their [64] token scales;
     running m (base 2), l [R]; visible: two bool [64, R] or None. Returns
     (m_new, alpha, l_new, the two halves of P' * 448 / pv_max (f32, at most
-    448), pv_max [R]: the factor to undo), as ``mla_decode_mgpu.softmax_half``
-    with rows and columns exchanged.
+    448), pv_max [R]: the factor to undo): the 64-row kernel's P' (``mla_decode_mgpu.softmax_frame``,
+    which gets there in the log domain) with rows and columns exchanged.
     """
     scores = [s * scale_log2 for s in scores]
     if visible is not None:  # masked slots may hold any bytes, NaN included
