@@ -649,7 +649,7 @@ def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool)
     (tile 2 i + t holds features 64 t .. 64 t + 63 of its chunk i): acc * ratio + V^T.P'^T
     (``softmax_frame``).
 
-    fac_ref f32 [2, 64]: row 0 the ratio per query row (the tiles' columns), read once in the
+    fac_ref f32 [1, 64]: the ratio per query row (the tiles' columns), read once in the
     ``COL`` layout: a thread holds 16 query rows' columns, so each factor is 16 registers (the
     frame exists to need one: two, alpha and the P' factor's undo, ran 0.600 against 0.562 ms in
     the twentieth session). p8_ref e4m3 [64 rows, 128]: P' in
@@ -814,8 +814,8 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     ksc_s f32 [2, 3, 128] (a slot's token scales, their log2, their reciprocals), p8_s
     e4m3 [2, 64, 128] (a slot's P', both warpgroups' columns, the B operand of both),
     stats_s f32 [2 slots, 2 warpgroups, 1, 64] (the row max of log_pv, ``softmax_frame``),
-    lsum_s f32 [2, 64] (each warpgroup's partial l, after the loop), fac_s f32 [2, 2, 64]
-    (each warpgroup's per-row factors, read back one per column).
+    lsum_s f32 [2, 64] (each warpgroup's partial l, after the loop), fac_s f32 [2, 1, 64]
+    (each warpgroup's per-row ratio, after the loop its 1 / l, read back one per column).
     """
     q8_s, o_s = q_union
     b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = begin_cta(
@@ -835,8 +835,8 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         my_rows = _aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
         q_scale = plgpu.load(qsc_s, layout=ROW)
 
-        def step_tail_t(slot, accs, row_state, factors, p_scaled, t0, *, masked: bool):
-            """P' to SMEM in ``vt_step_row`` order, the fold's factors (per row) to the column layout,
+        def step_tail_t(slot, accs, row_state, ratio, p_scaled, t0, *, masked: bool):
+            """P' to SMEM in ``vt_step_row`` order, the fold's ratio (per row) to the column layout,
             then O^T += V^T.P'^T (``pv_update_t``); returns the carry (the accumulators, then
             ``row_state``)."""
             with jax.named_scope("p_store"):
@@ -848,10 +848,9 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                     p8_s[slot, :, pl.ds(_aligned(wg * HALF, HALF), HALF)] = p8
                 else:
                     store_quads(p8, p8_s.at[slot], None)  # the lane is the warpgroup's index
-                # Both warpgroups hold the same factors; each turns its own copy into columns
+                # Both warpgroups hold the same ratio; each turns its own copy into columns
                 # (read behind the P' exchange's barrier, written behind the statistics').
-                store_rows(factors, fac_s.at[wg, pl.ds(0, len(factors))],
-                           unsynced=named_sync and UNSYNCED_ROW_STORES)
+                store_rows((ratio,), fac_s.at[wg], unsynced=named_sync and UNSYNCED_ROW_STORES)
             visible = None
             if interpret:
                 # V is masked in place once both warpgroups are past their QK.
@@ -903,9 +902,8 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
                 inv_k_scale = plgpu.load(ksc_s.at[slot, 2, pl.ds(my_rows, HALF)], layout=COL)
                 m_new, l_part, frame, p_scaled, ratio = softmax_frame(
                     log_pv, inv_k_scale, m, l_part, carry[-1], log_pv_max, visible)
-                row_state, factors = (m_new, l_part, frame), (ratio,)
 
-            return step_tail_t(slot, accs, row_state, factors, p_scaled, t0, masked=masked)
+            return step_tail_t(slot, accs, (m_new, l_part, frame), ratio, p_scaled, t0, masked=masked)
 
         carry = initial_carry((BLOCK_M, HALF), num_accs=num_accs)
         carry = carry + (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), ROW),)  # frame
@@ -1029,7 +1027,7 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
             plgpu.SMEM((NUM_SLOTS, BLOCK_M, STEP), FP8_DTYPE, transforms=BYTE_TILE_TRANSFORMS),
             plgpu.SMEM((NUM_SLOTS, NUM_WGS, 1, BLOCK_M), jnp.float32),
             plgpu.SMEM((NUM_WGS, BLOCK_M), jnp.float32),
-            plgpu.SMEM((NUM_WGS, 2, BLOCK_M), jnp.float32),  # fac_s: the fold's factors per warpgroup
+            plgpu.SMEM((NUM_WGS, 1, BLOCK_M), jnp.float32),  # fac_s: the fold's ratio per warpgroup
             plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
             *(slot_barrier() for _ in range(4)),  # qk_done (interpreter), stats, pexch, consumed
             plgpu.Barrier(num_arrivals=COPIES_Q),
