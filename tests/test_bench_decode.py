@@ -1,6 +1,8 @@
 """The decode benchmark's table and ceilings (the timings need a GPU; its markdown and the
 ceiling programs' math do not)."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -109,23 +111,43 @@ def test_gemm_ceiling_is_the_fastest_layout(monkeypatch):
     assert timing.measure_gemm_tflops(jnp.bfloat16, 64) == pytest.approx(2 * 64**3 / 0.5e-3 / 1e12)
 
 
-def test_kept_rows_are_restated_with_this_runs_ceilings():
+def test_method_work_counts_the_cache_and_the_products():
     # B=64 x 16k x 128, s_q=1: 64*16384 tokens x 644 B + bf16 queries/outputs; FP8 FLOPs
     # 2*64*128*16384*(512+512), bf16 2*64*128*16384*64.
-    row = dict(_row(64), context=16384, fp8_roofline=0.99, xla_bf16_roofline=0.99)
     nbytes, f8, f16 = decode.method_work("fp8", 64, 16384, 128, 1)
     assert nbytes == 64 * 16384 * 644 + 64 * 128 * 1088 * 2
     assert (f8, f16) == (2 * 64 * 128 * 16384 * 1024, 2 * 64 * 128 * 16384 * 64)
     assert decode.method_work("bf16", 64, 16384, 128, 1) == (64 * 16384 * 1152 + 64 * 128 * 1088 * 2, 0, f8 + f16)
-    slow = timing.Ceilings(copy_gbps=3000.0, bf16_tflops=700.0, fp8_tflops=900.0)
     fast = timing.Ceilings(copy_gbps=3000.0, bf16_tflops=700.0, fp8_tflops=1400.0)
-    restated = decode.restate_roofline(row, fast)
-    assert restated["fp8_ms"] == row["fp8_ms"] and row["fp8_roofline"] == 0.99  # times kept, input untouched
-    assert restated["fp8_roofline"] == pytest.approx(decode.roofline_ms(nbytes, f8, f16, fast) / 0.5)
-    # A faster FP8 ceiling lowers the FP8 fraction and leaves the bf16-only XLA path's alone.
-    assert restated["fp8_roofline"] < decode.restate_roofline(row, slow)["fp8_roofline"]
-    assert restated["xla_bf16_roofline"] == decode.restate_roofline(row, slow)["xla_bf16_roofline"]
-    assert "bf16_roofline" in restated and "fp8_triton_roofline" not in restated  # no time, no fraction
+    slow = dataclasses.replace(fast, fp8_tflops=900.0)
+    # A faster FP8 ceiling shortens the FP8 kernel's roofline (compute-bound here), not the bf16 path's.
+    assert decode.roofline_ms(nbytes, f8, f16, fast) < decode.roofline_ms(nbytes, f8, f16, slow)
+    bf16_work = decode.method_work("bf16", 64, 16384, 128, 1)
+    assert decode.roofline_ms(*bf16_work, fast) == decode.roofline_ms(*bf16_work, slow)
+
+
+def test_kept_rows_keep_the_ceilings_of_the_run_that_timed_them():
+    """--merge: a kept row's % roof and ceilings stay its own run's; a row saved before rows
+    carried ceilings gets its file's; the table labels each row with its run's ceilings."""
+    older = {"copy_gbps": 2900.0, "bf16_tflops": 730.0, "fp8_tflops": 1401.0}
+    newer = {"copy_gbps": 2930.0, "bf16_tflops": 734.0, "fp8_tflops": 1487.0}
+    own = dict(_row(32, "2026-11-26 17:54"), fp8_roofline=0.61, ceilings=older, device="GPU A")
+    legacy = dict(_row(64, "2026-11-25 10:00"), fp8_roofline=0.57)
+    kept_own = decode.with_run_ceilings(own, newer, "GPU B")
+    kept_legacy = decode.with_run_ceilings(legacy, newer, "GPU B")
+    assert kept_own["ceilings"] == older and kept_own["device"] == "GPU A" and kept_own["fp8_roofline"] == 0.61
+    assert kept_legacy["ceilings"] == newer and kept_legacy["device"] == "GPU B"
+    assert "ceilings" not in legacy  # the input row is not modified
+    fresh = decode.with_run_ceilings(dict(_row(128, "2026-11-26 20:00"), fp8_roofline=0.6), newer, "GPU B")
+    runs = decode.ceiling_runs([kept_own, kept_legacy, fresh])
+    assert [(name, len(members)) for name, _, members in runs] == [("c1", 1), ("c2", 2)]
+    lines = decode.to_markdown(ENV, newer, [kept_own, kept_legacy, fresh], "no", merged=True).splitlines()
+    body = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ") and line[2].isdigit()}
+    assert "| 61% |" in body["32"] and body["32"].split("|")[-3].strip() == "c1"
+    assert body["64"].split("|")[-3].strip() == "c2" and body["128"].split("|")[-3].strip() == "c2"
+    legend = [line for line in lines if line.startswith("- c")]
+    assert legend[0].startswith("- c1: GPU A, copy 2900 GB/s") and "FP8 GEMM 1401 TFLOP/s" in legend[0]
+    assert "rows measured 2026-11-25 10:00 to 2026-11-26 20:00 UTC" in legend[1]
 
 
 def test_round_robin_times_every_run_in_turn_and_reports_failures(monkeypatch):

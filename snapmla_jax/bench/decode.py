@@ -18,8 +18,8 @@ alike. Columns:
                at B = 1, and one layer's cache would sit in L2 between calls
   GB/s         cache bytes + query/output bytes moved, per second
   TFLOP/s      2 * B * s_q * H * ctx * (576 + 512) per second
-  % roof       roofline time / measured time, from ceilings measured in this
-               run: copy bandwidth, and the FP8 / BF16 GEMM rates (the FP8
+  % roof       roofline time / measured time, from ceilings measured in the run
+               that timed the row (``ceil``): copy bandwidth, and the FP8 / BF16 GEMM rates (the FP8
                kernel's 512-dim products are e4m3, its 64-dim RoPE product bf16).
 
 Writes ``decode.json`` and ``decode.md`` under ``--out`` (docs/benchmarks).
@@ -169,16 +169,25 @@ def method_work(method: str, batch: int, context: int, heads: int, s_q: int) -> 
     return (nbytes, flops - flops_rope, flops_rope) if fp8 else (nbytes, 0, flops)
 
 
-def restate_roofline(row: dict, ceilings: timing.Ceilings) -> dict:
-    """``row`` with each method's % of the roofline recomputed from ``ceilings`` (its times
-    unchanged): rows kept from an earlier run (``--merge``) then share this run's ceilings."""
+def with_run_ceilings(row: dict, ceilings: dict, device: str) -> dict:
+    """``row`` carrying the ceilings (``timing.Ceilings`` as a dict) and device its % roof was
+    computed with: a row of this version carries its own run's (``measure_config``); a row
+    written before rows carried them gets those its file was last saved with (until then every
+    save restated kept rows' fractions with the saving run's ceilings)."""
     row = dict(row)
-    for method in METHODS:
-        ms = row.get(f"{method}_ms")
-        if ms:
-            work = method_work(method, row["batch"], row["context"], row["heads"], row["s_q"])
-            row[f"{method}_roofline"] = roofline_ms(*work, ceilings) / ms
+    row.setdefault("ceilings", dict(ceilings))
+    row.setdefault("device", device)
     return row
+
+
+def ceiling_runs(rows: list[dict]) -> list[tuple[str, dict, list[dict]]]:
+    """The distinct (device, ceilings) of ``rows`` in order of first appearance, labelled c1, c2, ...:
+    (label, {"device", "ceilings"}, the rows measured with them)."""
+    runs: dict[str, tuple[dict, list[dict]]] = {}
+    for row in rows:
+        key = json.dumps([row.get("device"), row.get("ceilings")], sort_keys=True)
+        runs.setdefault(key, ({"device": row.get("device"), "ceilings": row.get("ceilings")}, []))[1].append(row)
+    return [(f"c{i + 1}", run, members) for i, (run, members) in enumerate(runs.values())]
 
 
 def make_queries(batch: int, context: int, heads: int, s_q: int) -> tuple[jax.Array, jax.Array, jax.Array, float]:
@@ -257,7 +266,9 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
     pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"
     cols = ["B", "ctx", "H", "s_q", "layers", "FP8 ms", "BF16 ms", "XLA bf16 ms", "FP8/BF16", "FP8/XLA",
             "FP8 GB/s", "FP8 TFLOP/s", "FP8 % roof", "BF16 GB/s", "BF16 TFLOP/s", "BF16 % roof", "XLA % roof",
-            "Triton FP8 ms", "Triton/BF16", "Triton % roof", "measured (UTC)"]
+            "Triton FP8 ms", "Triton/BF16", "Triton % roof", "ceil", "measured (UTC)"]
+    runs = ceiling_runs(rows)
+    label = {id(row): name for name, run, members in runs if run["ceilings"] for row in members}
     body = [[r["batch"], r["context"], r["heads"], r["s_q"], r.get("layers", "-"), fmt(r.get("fp8_ms")),
              fmt(r.get("bf16_ms")), fmt(r.get("xla_bf16_ms")), fmt(r.get("fp8_over_bf16"), "{:.2f}x"),
              fmt(r.get("fp8_over_xla"), "{:.2f}x"),
@@ -265,7 +276,12 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
              fmt(r.get("bf16_gbps"), "{:.0f}"), fmt(r.get("bf16_tflops"), "{:.0f}"), pct(r.get("bf16_roofline")),
              pct(r.get("xla_bf16_roofline")), fmt(r.get("fp8_triton_ms")),
              fmt(r.get("fp8_triton_over_bf16"), "{:.2f}x"), pct(r.get("fp8_triton_roofline")),
-             r.get("measured_utc", "-")] for r in rows]
+             label.get(id(r), "-"), r.get("measured_utc", "-")] for r in rows]
+    stamps = lambda members: sorted(m["measured_utc"] for m in members if m.get("measured_utc"))
+    legend = [f"- {name}: {run['device']}, copy {run['ceilings']['copy_gbps']:.0f} GB/s, BF16 GEMM "
+              f"{run['ceilings']['bf16_tflops']:.0f} TFLOP/s, FP8 GEMM {run['ceilings']['fp8_tflops']:.0f} TFLOP/s"
+              + (f" (rows measured {stamps(members)[0]} to {stamps(members)[-1]} UTC)" if stamps(members) else "")
+              for name, run, members in runs if run["ceilings"]]
     notes = sorted({f"{k[:-5]}: {r[k]}" for r in rows for k in r if k.endswith("_note") and k != "stock_mqa_note"})
     stock = ("runs (times in decode.json)" if stock_reason is None else f"does not run: {stock_reason}")
     lines = [
@@ -275,8 +291,12 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         f"Ceilings measured in this run: copy {ceilings['copy_gbps']:.0f} GB/s, "
         f"BF16 GEMM {ceilings['bf16_tflops']:.0f} TFLOP/s, FP8 GEMM {ceilings['fp8_tflops']:.0f} TFLOP/s.",
         *(["Rows kept from earlier invocations (--merge) were measured with the kernels of their time (the",
-           "\"measured\" column); their % roof is restated with this run's ceilings."]
-          if merged else []),
+           "\"measured\" column)."] if merged else []),
+        "Each row's % roof is against the ceilings its own run measured (column \"ceil\"; the rates differ",
+        "between GPUs of one model and between runs, FP8 GEMM 1401-1487 TFLOP/s on H100s on 2026-11-26).",
+        "Rows saved before rows carried their ceilings (twenty-seventh session, 2026-11-26) were restated at",
+        "every save with the saving run's ceilings: theirs are the last such run's.",
+        *legend,
         "",
         "One decode call over one layer, page_size 64, all rows at the full context; times are medians.",
         "Rows measured from 2026-11-26 11:05 UTC take the methods' samples round-robin (5 rounds, each",
@@ -294,6 +314,10 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         "Rows measured from 2026-11-26 17:40 UTC run the twenty-sixth session's 64-row FP8 kernel: its",
         "softmax in the log domain of P * k_scale, one row statistic a step instead of two (1-7%, the",
         "same P' roundings; docs/benchmarks/mgpu.md).",
+        "Rows measured from 2026-11-26 19:50 UTC run the twenty-seventh session's 64-row FP8 kernel: its",
+        "fresh Q.K and P'.V accumulators overwritten by their first wgmma instead of zeroed first",
+        "(`pallas_kernels/mgpu_fresh_acc.py`; the same bits, 18% fewer instructions a step, -1% to +4%",
+        "side by side), and each row's % roof against its own run's ceilings (column \"ceil\").",
         "layers: each timed sample runs that many calls in one jit, each over its own layer of a layered",
         "cache and taking the last call's output as its query (as a model's layers do), ms = its time /",
         "layers; enough layers that they read >= 256 MiB of fp8 cache (5x the L2), 1 from B x ctx = 400k",
@@ -358,13 +382,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{env}\n{ceilings}", flush=True)
     rows, stock_reason = [], None
     out = pathlib.Path(args.out)
-    earlier = []
+    earlier, earlier_ceilings = [], None
     if args.merge and (out / "decode.json").exists():
-        earlier = json.loads((out / "decode.json").read_text())["rows"]
+        saved = json.loads((out / "decode.json").read_text())
+        earlier = saved["rows"]
+        earlier_ceilings = (saved["environment"]["ceilings"], saved["environment"]["device"])
 
     def save(measured: list[dict]) -> str:
         done = {shape_key(r) for r in measured}
-        kept = [restate_roofline(r, ceilings) for r in earlier if shape_key(r) not in done]
+        # Each row keeps the % roof of the run that timed it: ceilings differ between machines
+        # and runs (FP8 GEMM 1401-1487 TFLOP/s on H100s in one day), and a row's fraction is
+        # against what its own GPU measured in the same run.
+        kept = [with_run_ceilings(r, *earlier_ceilings) for r in earlier if shape_key(r) not in done]
         merged = sorted(kept + measured, key=lambda r: (r["heads"], r["s_q"], r["batch"], r["context"]))
         ceil = dataclasses.asdict(ceilings)
         markdown = to_markdown(env, ceil, merged, stock_reason, merged=bool(kept))
@@ -398,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                     except Exception:
                         traceback.print_exc()
                         continue
+                    row = with_run_ceilings(row, dataclasses.asdict(ceilings), env["device"])
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     save(rows)  # after every row: a run cut short keeps what it measured
