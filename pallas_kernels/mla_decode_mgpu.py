@@ -148,6 +148,8 @@ from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, outp
                                        store_quads)
 from pallas_kernels.combine_splits import combine_splits, kernel_out_dtype
 from pallas_kernels.mgpu_decode_inputs import decode_inputs
+from pallas_kernels.mgpu_fresh_acc import SUPPORTED as FRESH_SUPPORTED
+from pallas_kernels.mgpu_fresh_acc import chain_overwriting, product_overwriting
 from pallas_kernels.mla_decode import LN2, LOG2E, resolve_num_pages
 
 PAGE = 64  # cache page size this kernel supports
@@ -253,6 +255,11 @@ UNSYNCED_ROW_STORES = True
 # vs 0.432 ms at 32 x 16k x 128 x 2, 0.244 vs 0.246 at 32 x 16k x 128, 0.447 either way at
 # 64 x 16k x 128; both flags against neither 3-5%.
 FENCE_ONLY_COMMIT = True
+# Whether the fresh accumulators of a step (its Q.K chain's, its four P'.V tiles') start undefined
+# and their first wgmma instruction overwrites them (scale-d 0, ``mgpu_fresh_acc``) instead of
+# starting from 32 zeroing moves a thread each (160 of the unmasked step's 875 PTX instructions).
+# GPU only; the same bits (test_overwriting_fresh_products_give_the_same_bits).
+FRESH_OVERWRITE = True
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
@@ -317,7 +324,7 @@ def issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, bar) -> Non
         plgpu.copy_gmem_to_smem(qsc_ref.at[b, pl.ds(row0, rows)], qsc_s, bar)
 
 
-def qk8_promoted(q8_s, kv_slot, rows) -> jax.Array:
+def qk8_promoted(q8_s, kv_slot, rows, *, interpret: bool = False) -> jax.Array:
     """Q8.K8^T of a slot's step rows ``rows`` (64), f32 [64, 64]: q8_s e4m3 [4, 64, 128], kv_slot
     e4m3 [4, 128, 128].
 
@@ -331,13 +338,19 @@ def qk8_promoted(q8_s, kv_slot, rows) -> jax.Array:
     """
     per_chain = QK_PROMOTION // CHUNK
 
-    def chain(acc_ref, first):
+    def chain_value(acc_ref, first):
         for ch in range(first, first + per_chain):
             plgpu.wgmma(acc_ref, q8_s.at[ch], kv_slot.at[ch, rows].transpose((1, 0)))
         return acc_ref[...]
 
-    parts = [pl.run_scoped(functools.partial(chain, first=first), plgpu.ACC((BLOCK_M, HALF), jnp.float32))
-             for first in range(0, NUM_CHUNKS, per_chain)]
+    if FRESH_OVERWRITE and FRESH_SUPPORTED and not interpret:
+        parts = [chain_overwriting(q8_s.at[pl.ds(first, per_chain)], kv_slot.at[pl.ds(first, per_chain), rows],
+                                   BYTE_TILE_TRANSFORMS)
+                 for first in range(0, NUM_CHUNKS, per_chain)]
+    else:
+        parts = [pl.run_scoped(functools.partial(chain_value, first=first),
+                               plgpu.ACC((BLOCK_M, HALF), jnp.float32))
+                 for first in range(0, NUM_CHUNKS, per_chain)]
     return functools.reduce(jnp.add, parts)
 
 
@@ -356,7 +369,7 @@ def step_scores(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, 
     product in registers.
     """
     rows = pl.ds(first_row, HALF)
-    s8 = qk8_promoted(q8_s, kv_slot, rows)
+    s8 = qk8_promoted(q8_s, kv_slot, rows, interpret=interpret)
     scaled = (s8 * lax.broadcast_in_dim(q_scale, (BLOCK_M, HALF), [0])
               * lax.broadcast_in_dim(k_scale, (BLOCK_M, HALF), [1]))
 
@@ -672,11 +685,14 @@ def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool)
         a_operand = (chunk.at[:, pl.ds(t * HALF, HALF)].transpose((1, 0)) if interpret
                      else load_vt_quads(chunk, t, visible))
 
-        def product(acc_ref, a_operand=a_operand):
-            plgpu.wgmma(acc_ref, a_operand, p8_ref.transpose((1, 0)))
-            return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
+        if FRESH_OVERWRITE and FRESH_SUPPORTED and not interpret:
+            fresh = product_overwriting(a_operand, p8_ref, BYTE_TILE_TRANSFORMS)
+        else:
+            def product(acc_ref, a_operand=a_operand):
+                plgpu.wgmma(acc_ref, a_operand, p8_ref.transpose((1, 0)))
+                return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
 
-        fresh = pl.run_scoped(product, plgpu.ACC((BLOCK_M, HALF), jnp.float32))
+            fresh = pl.run_scoped(product, plgpu.ACC((BLOCK_M, HALF), jnp.float32))
         new_accs.append(acc * ratio + fresh)
     return new_accs
 

@@ -51,7 +51,7 @@ ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
              "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH",
              "softmax_frame", "pv_update_t", "publish_stats", "gather_stats", "QK_PROMOTION", "NAMED_SYNC",
              "UNSYNCED_ROW_STORES", "FENCE_ONLY_COMMIT",
-             "SATURATING_P_CAST")}
+             "SATURATING_P_CAST", "FRESH_OVERWRITE")}
 
 
 def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret):
@@ -67,7 +67,7 @@ def scores_rope_first(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_ro
     return pl.run_scoped(body, plgpu.ACC((BLOCK_M, HALF), jnp.float32))
 
 
-def qk8_pipelined(q8_s, kv_slot, rows):
+def qk8_pipelined(q8_s, kv_slot, rows, *, interpret=False):
     """fp32 promotion every 128 features, each chain issued before the previous one is waited
     for and summed (two chains in flight, as ``pv_update``'s pieces)."""
     firsts = list(range(NUM_CHUNKS))
@@ -120,7 +120,7 @@ def scores_rope_beside(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_r
     return scores
 
 
-def qk8_chains_in_flight(q8_s, kv_slot, rows):
+def qk8_chains_in_flight(q8_s, kv_slot, rows, *, interpret=False):
     """Every ``QK_PROMOTION``-feature chain issued into its own accumulator before any is waited
     for (one round trip for the FP8 part; with two chains, the two live accumulators that
     waiting for the first while the second runs also holds)."""
@@ -135,7 +135,7 @@ def qk8_chains_in_flight(q8_s, kv_slot, rows):
     return pl.run_scoped(chains, *[plgpu.ACC((BLOCK_M, HALF), jnp.float32) for _ in firsts])
 
 
-def qk8_promotion_128(q8_s, kv_slot, rows):
+def qk8_promotion_128(q8_s, kv_slot, rows, *, interpret=False):
     """fp32 promotion every 128 features (four wgmma chains, each waited for and summed), the
     kernel's choice before the tenth session's 256."""
     def chain(acc_ref, first):
@@ -259,6 +259,9 @@ VARIANTS = {
     # twenty-sixth session's softmax needs them as an input, ``softmax_frame``.)
     "p_clamped": {"SATURATING_P_CAST": False},
     "pv_prefetch": {"pv_update_t": pv_t_prefetch},
+    # Twenty-seventh session: fresh accumulators zeroed (Pallas's ACC) instead of overwritten by
+    # their first wgmma (``mgpu_fresh_acc``).
+    "zeroed_fresh_acc": {"FRESH_OVERWRITE": False},
 }
 
 

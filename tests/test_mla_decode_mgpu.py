@@ -471,6 +471,30 @@ def test_kernel_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_q,seq_lens,splits", [(1, [100, 320, 0], 1), (2, [257, 40, 320], 2)])
+def test_overwriting_fresh_products_give_the_same_bits(monkeypatch, s_q, seq_lens, splits):
+    """P'.V's fresh products overwritten by their first wgmma (``FRESH_OVERWRITE``,
+    ``mgpu_fresh_acc``) against Pallas's zeroed accumulators: 0 + x is x, so the outputs and lse
+    match bit for bit (ragged rows, a masked last step, s_q = 2, splits)."""
+    from pallas_kernels import mgpu_fresh_acc, mla_decode_mgpu
+
+    assert mgpu_fresh_acc.SUPPORTED
+    q, q_rope, latent, scale, rope, block_table, lens = _inputs(11, batch=3, heads=64, pages_per_row=5,
+                                                                seq_lens=seq_lens, s_q=s_q)
+    latent, scale, rope = _nan_past_seq_lens(latent, scale, rope, block_table, seq_lens)
+    results = []
+    for overwrite in (True, False):
+        monkeypatch.setattr(mla_decode_mgpu, "FRESH_OVERWRITE", overwrite)
+        jax.clear_caches()  # the kernel's jit cache would hand back the other variant
+        results.append([np.asarray(a, np.float32) for a in _call_kernel(
+            q, q_rope, latent, scale, rope, block_table, lens, 576 ** -0.5, num_splits=splits)])
+    (out, lse), (want, want_lse) = results
+    assert np.isfinite(out[np.asarray(lens) > 0]).all()
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+
+
 @SMALL_CASES
 def test_small_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
     """The 16-row kernel (in 16- or 32-row blocks) on CPU: as the test above, plus the
