@@ -330,7 +330,8 @@ def qk8_promoted(q8_s, kv_slot, rows, *, interpret: bool = False) -> jax.Array:
 
     Hopper's FP8 wgmma keeps only ~14 significant bits in its accumulator, so
     the product is promoted to fp32 every ``QK_PROMOTION`` features: one wgmma
-    chain per promotion, summed in registers. (Keeping two chains in flight, the
+    chain per promotion into a fresh accumulator (on the GPU one its first wgmma overwrites,
+    ``FRESH_OVERWRITE``), summed in registers. (Keeping two chains in flight, the
     next one issued before the previous one is summed, measured slower on an
     H100 with 128-feature chains: 0.838 vs 0.803 ms at B=64 x 16k, H=128, as two
     more accumulators are live beside the output's; with 256-feature chains, the
@@ -671,7 +672,8 @@ def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool)
 
     On the GPU each tile's V^T is the register A operand (``load_vt_quads``); the interpreter,
     which has no inline PTX, reads the slot's V chunk transposed as an SMEM A operand (masked in
-    place by the caller) and P' in step-row order. Each tile's product is waited for and folded in
+    place by the caller) and P' in step-row order. Each tile's product goes to a fresh accumulator
+    (on the GPU one its first wgmma overwrites, ``FRESH_OVERWRITE``), is waited for and folded in
     before the next one is issued: the 128 output registers leave no room for a second 32-register
     product in flight. Measured on an H100 at 64 x 16k x 128 (twentieth session; consumers at 232
     registers): tiles pipelined (two products in flight) 0.750 ms, in halves of 32 query rows
