@@ -3,15 +3,19 @@
 Mosaic GPU (jax 0.11) starts a fresh accumulator (``plgpu.ACC`` in ``pl.run_scoped``) from a
 splat of zeros, and issues every wgmma with scale-d = 1 (D = A.B + D). A 64 x 64 f32 tile is
 32 registers a thread, so each fresh product costs 32 register moves before its wgmma can be
-issued: the 64-row FP8 decode kernel's four P'.V tiles a step, 128 of the unmasked step's 875
-PTX instructions a thread (``scripts/ptx_line_costs.py``). PTX's wgmma takes scale-d as an
-operand: with scale-d = 0 an instruction computes D = A.B and never reads D, so the registers
-need no value at all.
+issued: the 64-row FP8 decode kernel starts five a step (its Q.K chain, its four P'.V tiles),
+160 of the unmasked step's 875 PTX instructions a thread (``scripts/ptx_line_costs.py``; 707
+without them). PTX's wgmma takes scale-d as an operand: with scale-d = 0 an instruction computes
+D = A.B and never reads D, so the registers need no value at all.
 
-``product_overwriting(a, b_ref, transforms)`` is that product: one inline Mosaic GPU op that
-calls ``mosaic.gpu.wgmma`` on an accumulator of undefined registers while the first instruction
-it emits is given scale-d 0, then commits and waits. Same bits as the Pallas product from a zeroed
-accumulator (0 + x is x, up to the sign of an exact zero; the GPU tests compare the two).
+``product_overwriting`` (A in registers, B in SMEM) and ``chain_overwriting`` (a chain of wgmmas
+with both operands in SMEM) are such products: one inline Mosaic GPU op each, which calls
+``mosaic.gpu.wgmma`` on an accumulator of undefined registers while the first instruction it
+emits is given scale-d 0, then commits and waits. Same bits as the Pallas products from a zeroed
+accumulator (0 + x is x, up to the sign of an exact zero; a GPU test compares the two). Measured
+on an H100: -1% to +4% of the decode kernel's time (docs/benchmarks/mgpu.md, twenty-seventh
+session). ptxas adds a wgmma fence before the first SMEM-operand wgmma of ``chain_overwriting``
+(info C7519: it emits none of its own).
 
 How. ``mosaic.gpu.wgmma.wgmma_m64`` builds each instruction's inline asm with scale-d a literal
 1. This module wraps it (``_wgmma_m64``, installed once, at import): while a product of this
