@@ -14,7 +14,6 @@ Writes call_parts.json under --out.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import sys
@@ -25,9 +24,6 @@ import jax.numpy as jnp
 import pallas_kernels.mla_decode_mgpu as mgpu_kernel
 from snapmla_jax.bench import timing
 
-ROOT = pathlib.Path(__file__).resolve().parent
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -35,9 +31,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if timing.missing_gpu("probe_call_parts"):
         return 2
-    spec = importlib.util.spec_from_file_location("bench_mgpu", ROOT / "bench_mgpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    import bench_mgpu as bench  # scripts/bench_mgpu.py: scripts/ is sys.path[0] when run as a script
     results = {"env": timing.environment(), "rows": []}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
