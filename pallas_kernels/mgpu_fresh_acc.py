@@ -56,7 +56,7 @@ def _structure_supported() -> bool:
 
 
 SUPPORTED = _structure_supported()
-_pending = False  # set by ``product_overwriting`` around its one ``mgpu.wgmma``, consumed by ``_wgmma_m64``
+_pending = False  # set by ``_overwriting_wgmmas`` around its first ``mgpu.wgmma``, consumed by ``_wgmma_m64``
 
 
 class _FirstOverwrites:

@@ -324,6 +324,12 @@ def issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, bar) -> Non
         plgpu.copy_gmem_to_smem(qsc_ref.at[b, pl.ds(row0, rows)], qsc_s, bar)
 
 
+def overwrites_fresh(interpret: bool) -> bool:
+    """Whether the step's fresh products go through ``mgpu_fresh_acc`` (``FRESH_OVERWRITE``, the
+    installed jax supporting it, and the GPU: the interpreter zeroes them as Pallas does)."""
+    return FRESH_OVERWRITE and FRESH_SUPPORTED and not interpret
+
+
 def qk8_promoted(q8_s, kv_slot, rows, *, interpret: bool = False) -> jax.Array:
     """Q8.K8^T of a slot's step rows ``rows`` (64), f32 [64, 64]: q8_s e4m3 [4, 64, 128], kv_slot
     e4m3 [4, 128, 128].
@@ -344,7 +350,7 @@ def qk8_promoted(q8_s, kv_slot, rows, *, interpret: bool = False) -> jax.Array:
             plgpu.wgmma(acc_ref, q8_s.at[ch], kv_slot.at[ch, rows].transpose((1, 0)))
         return acc_ref[...]
 
-    if FRESH_OVERWRITE and FRESH_SUPPORTED and not interpret:
+    if overwrites_fresh(interpret):
         parts = [chain_overwriting(q8_s.at[pl.ds(first, per_chain)], kv_slot.at[pl.ds(first, per_chain), rows],
                                    BYTE_TILE_TRANSFORMS)
                  for first in range(0, NUM_CHUNKS, per_chain)]
@@ -687,7 +693,7 @@ def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool)
         a_operand = (chunk.at[:, pl.ds(t * HALF, HALF)].transpose((1, 0)) if interpret
                      else load_vt_quads(chunk, t, visible))
 
-        if FRESH_OVERWRITE and FRESH_SUPPORTED and not interpret:
+        if overwrites_fresh(interpret):
             fresh = product_overwriting(a_operand, p8_ref, BYTE_TILE_TRANSFORMS)
         else:
             def product(acc_ref, a_operand=a_operand):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import pallas_kernels.mla_decode_mgpu as mgpu_kernel
 from snapmla_jax.bench import timing
 
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
