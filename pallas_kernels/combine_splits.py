@@ -20,6 +20,15 @@ Here one program per (batch row, run of values) loads every split's values of
 that run at once (S padded to a power of two, masked), so no loop over splits
 serialises the loads' latency, and writes the merged values in the caller's dtype.
 
+Two entry points:
+
+- ``combine_splits``: every batch row in the same S splits, out [B, S, ...] (the Triton
+  decode kernels).
+- ``combine_items``: a load-balanced split plan (pallas_kernels/split_plan.py), batch row b in
+  a dynamic number of work items, item_count[b], laid out flat from item_start[b] in out [W,
+  ...]. It updates the decode call's own outputs in place (rows of one item were written there
+  directly) and loads ``chunk`` items at a time, looping over chunks with a running max.
+
 Backend: Pallas' Triton lowering, as the Triton decode kernels (masked
 gathers of arbitrary rows; interpret mode on the CPU).
 """
@@ -30,6 +39,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_tr
 
@@ -79,12 +89,6 @@ def partial_dtype(out_dtype) -> jnp.dtype:
     docs/benchmarks/combine_weights_once_2026-11-26.json).
     """
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
-
-
-def kernel_out_dtype(out_dtype, num_splits: int) -> jnp.dtype:
-    """What a decode kernel writes for a merged output of ``out_dtype``: the output itself with
-    one split, else the splits' partials (``partial_dtype``)."""
-    return jnp.dtype(out_dtype) if num_splits == 1 else partial_dtype(out_dtype)
 
 
 def combine_splits_reference(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -241,3 +245,246 @@ def combine_splits(out: jax.Array, lse: jax.Array, dtype=jnp.float32, *, transpo
     )(out.reshape(-1), lse.reshape(-1))
     return (merged[:batch * num_rows * rank].reshape(batch, num_rows, rank),
             merged_lse[:batch * num_rows].reshape(batch, num_rows))
+
+
+def combine_items_reference(out: jax.Array, lse: jax.Array, item_start: jax.Array, item_count: jax.Array,
+                            merged: jax.Array, merged_lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Merge each batch row's work items in jnp, the math of ``combine_items``.
+
+    out [W, rows, R] f32 or bf16 (finite), lse [W, rows] f32, item_start and item_count [B]
+    int32 (row b's items out[item_start[b] : item_start[b] + item_count[b]]), merged [B, rows,
+    R] and merged_lse [B, rows] f32 -> (merged, merged_lse): rows of two or more items replaced
+    by their lse-weighted average (in merged's dtype), the others as given. Query rows no item
+    saw get 0 and -inf. Holds a [B, W, rows] weight: for tests and small shapes.
+    """
+    item = jnp.arange(lse.shape[0], dtype=jnp.int32)
+    member = (item[None, :] >= item_start[:, None]) & (item[None, :] < (item_start + item_count)[:, None])
+    row_lse = jnp.where(member[:, :, None], lse[None], -jnp.inf)  # [B, W, rows]
+    lse_max = jnp.max(row_lse, axis=1)
+    lse_max = jnp.where(lse_max == -jnp.inf, 0.0, lse_max)
+    weight = jnp.exp(row_lse - lse_max[:, None, :])  # 0 for other rows' items
+    total = jnp.sum(weight, axis=1)
+    # HIGHEST: a GPU's default float32 matmul may round to TF32 (10 bits), coarser than a bf16 output.
+    weighted = jnp.einsum("bwr,wrd->brd", weight, out.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    combined = weighted / jnp.where(total > 0, total, 1.0)[..., None]
+    several = (item_count >= 2)[:, None]
+    return (jnp.where(several[..., None], combined.astype(merged.dtype), merged),
+            jnp.where(several, _merged_lse(total, lse_max), merged_lse))
+
+
+def transposed_columns(chunk: int, num_rows: int, rank: int) -> int:
+    """Columns of R a transposed-partials ``combine_items`` program merges: a power of two
+    dividing ``rank``, with ``chunk`` items of the largest row piece (``_row_pieces``) at most
+    ``max_tile`` values, at least one column."""
+    top_piece = 1 << (num_rows.bit_length() - 1)
+    return max(tile_size(chunk, top_piece * rank), top_piece) // top_piece
+
+
+def _row_pieces(num_rows: int) -> tuple[tuple[int, int], ...]:
+    """(first row, rows) of the power-of-two pieces ``num_rows`` splits into, largest first.
+
+    Triton tiles have power-of-two sides. ``combine_splits`` pads the rows instead and parks
+    the padding rows' masked stores in a spare tail of its output (interpret mode writes the old
+    value back where a store is masked, so two lanes must never name one address); updating the
+    caller's arrays in place there is no spare tail, and pieces need no padding rows."""
+    bits = [bit for bit in reversed(range(num_rows.bit_length())) if num_rows >> bit & 1]
+    return tuple((num_rows & ~((2 << bit) - 1), 1 << bit) for bit in bits)  # a piece starts after the larger ones
+
+
+def _merge_items(out_ref, lse_ref, start, count, rows, within, row_axis: int, *, chunk: int, num_rows: int,
+                 rank: int):
+    """Merge one batch row's ``count`` items (from item ``start``) over a tile of their slabs.
+
+    rows [n] int32: the tile's query rows; within [a, b] int32: the tile's offsets inside an
+    item's [rows, R] (or [R, rows]) slab, its query rows on axis ``row_axis`` (0 or 1). Returns
+    (merged [a, b] f32, merged lse [n] f32).
+
+    ``chunk`` items a step, their loads issued together (those past ``count`` masked, reading
+    the row's first item: in bounds), merged online: a running max of the lse's, the weights'
+    total and the weighted sum are rescaled by exp(old max - new max) when the max grows (each
+    step one more rounding of the weights: exact to float32 rounding). A row of at most
+    ``chunk`` items takes one step, the work of ``combine_splits``' program. Item indices are
+    clamped into out, so a bad item_start or item_count can not read past it.
+    """
+    num_items = lse_ref.shape[0] // num_rows
+    lanes = jnp.arange(chunk, dtype=jnp.int32)
+
+    def step(k, carry):
+        top, total, acc = carry
+        real = k * chunk + lanes < count
+        index = jnp.minimum(jnp.maximum(start + jnp.where(real, k * chunk + lanes, 0), 0), num_items - 1)
+        lse = plgpu_tr.load(lse_ref.at[index[:, None] * num_rows + rows[None, :]],
+                            mask=jnp.broadcast_to(real[:, None], (chunk, rows.shape[0])), other=-jnp.inf)
+        offsets = index[:, None, None] * (num_rows * rank) + within[None]
+        partials = plgpu_tr.load(out_ref.at[offsets], mask=jnp.broadcast_to(real[:, None, None], offsets.shape),
+                                 other=0.0).astype(jnp.float32)
+        new_top = jnp.maximum(top, jnp.max(lse, axis=0))
+        shift = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # no item saw the row yet: weights all 0
+        rescale = jnp.exp(top - shift)  # 0 on the first step (top -inf), 1 while the max holds
+        weight = jnp.exp(lse - shift[None, :])  # 0 for masked and empty items
+        acc = acc * jnp.expand_dims(rescale, 1 - row_axis) + jnp.sum(
+            partials * jnp.expand_dims(weight, 2 - row_axis), axis=0)
+        return new_top, total * rescale + jnp.sum(weight, axis=0), acc
+
+    init = (jnp.full(rows.shape, -jnp.inf, jnp.float32), jnp.zeros(rows.shape, jnp.float32),
+            jnp.zeros(within.shape, jnp.float32))
+    # The first chunk outside the loop: rows of at most ``chunk`` items (a uniform batch) skip
+    # it. H200, bf16 partials, kernel us, first chunk outside vs inside the loop: 32 x 2 x 128
+    # 4.47 vs 4.77, 8 x 16 x 128 6.04 vs 6.66, 1 x 66 x 128 7.07 vs 7.43.
+    top, total, acc = lax.fori_loop(1, lax.div(count + (chunk - 1), chunk), step, step(0, init))
+    merged = acc / jnp.expand_dims(jnp.where(total > 0, total, 1.0), 1 - row_axis)
+    return merged, _merged_lse(total, jnp.where(top == -jnp.inf, 0.0, top))
+
+
+def _items_kernel(out_ref, lse_ref, start_ref, count_ref, _merged_in, _merged_lse_in, o_ref, lse_out_ref, *,
+                  chunk: int, num_rows: int, rank: int, size: int):
+    """One (batch row, run of ``size`` values of its [rows, R] slab) program, partials [W, rows, R].
+
+    out_ref [W * rows * R] f32 or bf16 and lse_ref [W * rows] f32: the items' partials, flat;
+    start_ref, count_ref [B] int32; o_ref [B * rows * R] (the output's dtype) and lse_out_ref
+    [B * rows] f32: the merged outputs, flat, aliased to _merged_in and _merged_lse_in (the
+    caller's values, left as they are in rows of at most one item). The run is split as in
+    ``_combine_kernel``; the program that starts a query row writes its merged lse.
+    """
+    b, run = pl.program_id(0), pl.program_id(1)
+    start, count = start_ref[b], count_ref[b]
+    run_rows, run_cols = max(1, size // rank), min(size, rank)
+    first = run * size  # in the slab
+    rows = first // rank + jnp.arange(run_rows, dtype=jnp.int32)
+    columns = first % rank + jnp.arange(run_cols, dtype=jnp.int32)
+
+    @pl.when(count >= 2)
+    def _():
+        merged, merged_lse = _merge_items(out_ref, lse_ref, start, count, rows, rows[:, None] * rank + columns[None, :],
+                                          0, chunk=chunk, num_rows=num_rows, rank=rank)
+        plgpu_tr.store(o_ref.at[(b * num_rows + rows[:, None]) * rank + columns[None, :]], merged.astype(o_ref.dtype))
+
+        @pl.when(first % rank == 0)
+        def _():
+            plgpu_tr.store(lse_out_ref.at[b * num_rows + rows], merged_lse)
+
+
+def _items_transposed_kernel(out_ref, lse_ref, start_ref, count_ref, _merged_in, _merged_lse_in, o_ref,
+                             lse_out_ref, *, chunk: int, num_rows: int, rank: int, num_cols: int):
+    """One (batch row, block of ``num_cols`` columns) program, partials [W, R, rows].
+
+    As ``_combine_transposed_kernel``, each item's [columns, rows] tile is loaded contiguous and
+    the merged [rows, columns] tile stored through a transpose; the rows go in power-of-two
+    pieces (``_row_pieces``: one for 16 rows), each merged on its own. Refs as ``_items_kernel``'s;
+    the program of the first block writes the merged lse.
+    """
+    b, run = pl.program_id(0), pl.program_id(1)
+    start, count = start_ref[b], count_ref[b]
+    columns = run * num_cols + jnp.arange(num_cols, dtype=jnp.int32)
+
+    @pl.when(count >= 2)
+    def _():
+        for first_row, piece in _row_pieces(num_rows):
+            rows = first_row + jnp.arange(piece, dtype=jnp.int32)
+            merged_t, merged_lse = _merge_items(out_ref, lse_ref, start, count, rows,
+                                                columns[:, None] * num_rows + rows[None, :], 1, chunk=chunk,
+                                                num_rows=num_rows, rank=rank)
+            plgpu_tr.store(o_ref.at[(b * num_rows + rows[:, None]) * rank + columns[None, :]],
+                           merged_t.T.astype(o_ref.dtype))
+
+            @pl.when(run == 0)
+            def _():
+                plgpu_tr.store(lse_out_ref.at[b * num_rows + rows], merged_lse)
+
+
+def _check_items_args(out, lse, item_start, item_count, merged, merged_lse, chunk, transposed: bool):
+    """Raise ValueError unless ``combine_items``' arguments agree; return (rows, R)."""
+    if out.ndim != 3 or lse.ndim != 2:
+        raise ValueError(f"out, lse: expected 3 and 2 dimensions ([W, rows, R], [W, rows]), got {out.shape} and "
+                         f"{lse.shape}")
+    num_rows, rank = (out.shape[2], out.shape[1]) if transposed else out.shape[1:]
+    layout = " (transposed: [W, R, rows])" if transposed else ""
+    if lse.shape != (out.shape[0], num_rows):
+        raise ValueError(f"lse: expected shape {(out.shape[0], num_rows)} to match out {out.shape}{layout}, "
+                         f"got {lse.shape}")
+    if item_start.ndim != 1 or item_count.shape != item_start.shape:
+        raise ValueError(f"item_start, item_count: expected two [B] arrays, got {item_start.shape} and "
+                         f"{item_count.shape}")
+    batch = item_start.shape[0]
+    if merged.shape != (batch, num_rows, rank) or merged_lse.shape != (batch, num_rows):
+        raise ValueError(f"merged, merged_lse: expected shapes {(batch, num_rows, rank)} and {(batch, num_rows)} "
+                         f"for B={batch} and out {out.shape}{layout}, got {merged.shape} and {merged_lse.shape}")
+    if out.dtype not in (jnp.float32, jnp.bfloat16) or lse.dtype != jnp.float32:
+        raise ValueError(f"out, lse: expected float32 or bfloat16 partials and a float32 lse, got {out.dtype} and "
+                         f"{lse.dtype}")
+    if item_start.dtype != jnp.int32 or item_count.dtype != jnp.int32:
+        raise ValueError(f"item_start, item_count: expected int32, got {item_start.dtype} and {item_count.dtype}")
+    if merged.dtype not in (jnp.bfloat16, jnp.float32, jnp.float16) or merged_lse.dtype != jnp.float32:
+        raise ValueError(f"merged, merged_lse: expected a bfloat16, float32 or float16 output and a float32 lse, "
+                         f"got {merged.dtype} and {merged_lse.dtype}")
+    if not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"chunk: expected a power of two >= 1, got {chunk!r}")
+    if rank & (rank - 1):
+        raise ValueError(f"out: expected R a power of two (runs of values tile it), got {rank}")
+    if out.size >= 2 ** 31:
+        raise ValueError(f"out: expected fewer than 2**31 values (int32 offsets), got {out.size}")
+    return num_rows, rank
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "transposed", "interpret"))
+def combine_items(out: jax.Array, lse: jax.Array, item_start: jax.Array, item_count: jax.Array, merged: jax.Array,
+                  merged_lse: jax.Array, *, chunk: int, transposed: bool = False,
+                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Merge each batch row's work items into the decode call's outputs, in one Pallas launch.
+
+    out [W, rows, R] f32 or bf16: normalised partials of W work items ([W, R, rows] with
+    ``transposed``, as the 16-row Mosaic kernel writes them); lse [W, rows] f32 (natural log,
+    -inf: the item saw no token); item_start, item_count [B] int32: batch row b's items are
+    out[item_start[b] : item_start[b] + item_count[b]] (contiguous, not shared with another
+    row, within W; a count may be 0 or 1); merged [B, rows, R] bf16, f32 or f16 and merged_lse
+    [B, rows] f32: the call's outputs, where the kernel wrote rows of at most one item directly.
+
+    Returns (merged, merged_lse) with each batch row of two or more items replaced by the math
+    of ``combine_items_reference`` (float32 sums in another order: equal to fp32 rounding) and
+    the other rows as given, bit for bit. The outputs alias merged and merged_lse: inside a jit
+    where those are intermediates (the decode kernel's outputs) they are updated in place,
+    untouched rows not copied; an array passed from outside is copied first unless donated.
+
+    ``chunk`` (static, a power of two): items a program loads at once (``_merge_items``); a row
+    of more loops over ceil(count / chunk) chunks. Tiles and warps follow ``combine_splits``'
+    with ``chunk`` as S, so with every count <= chunk a row takes one step.
+
+    Cost, H200, bf16 partials and output, kernel us from the profiler, uniform batches (B x
+    count x rows, chunk = count rounded up) against ``combine_splits``: 1 x 8 x 128 1.82 vs 1.73,
+    16 x 4 x 128 3.81 vs 3.33, 8 x 16 x 128 6.04 vs 5.01, 1 x 64 x 128 3.88 vs 3.38, 1 x 8 x 16T
+    1.88 vs 1.47, 8 x 16 x 32T 3.01 vs 2.53: the row's item_start and item_count are loaded
+    before its partials' addresses are known (one more memory latency). Counts short of
+    ``chunk`` leave lanes masked at run time where ``combine_splits`` compiles them out: 1 x 66
+    x 128 7.07 at chunk 128 (6.31 at 64, two steps) vs 4.25. Each chunk past the first adds
+    ~2.3 us to a long row (7 rows of one item and one of 128 at chunk 16: 19.4 us; 32 rows of 8
+    items and one of 64 at chunk 8: 25.7 us). Prefetching the next chunk in the loop saved 18%
+    on such rows but cost 7-8% on uniform batches; pipelining (``num_stages`` 2, 3) changed
+    nothing.
+
+    Raises ValueError when shapes or dtypes disagree (named in the message), chunk is not a
+    power of two, R is not one or out has 2**31 values or more. item_start and item_count are
+    data, not checked: out-of-range items are clamped into out, never read past it.
+    """
+    num_rows, rank = _check_items_args(out, lse, item_start, item_count, merged, merged_lse, chunk, transposed)
+    if transposed:
+        num_cols = transposed_columns(chunk, num_rows, rank)
+        kernel = functools.partial(_items_transposed_kernel, num_cols=num_cols)
+        runs = rank // num_cols
+    else:
+        size = tile_size(chunk, num_rows * rank)
+        kernel = functools.partial(_items_kernel, size=size)
+        runs = num_rows * rank // size
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    new_merged, new_lse = pl.pallas_call(
+        functools.partial(kernel, chunk=chunk, num_rows=num_rows, rank=rank),
+        grid=(item_start.shape[0], runs),
+        in_specs=[whole] * 6,
+        out_specs=[whole, whole],
+        out_shape=[jax.ShapeDtypeStruct((merged.size,), merged.dtype),
+                   jax.ShapeDtypeStruct((merged_lse.size,), jnp.float32)],
+        input_output_aliases={4: 0, 5: 1},
+        interpret=interpret,
+        compiler_params=plgpu_tr.CompilerParams(num_warps=num_warps(chunk), num_stages=1),
+        name="snapmla_combine_items",
+    )(out.reshape(-1), lse.reshape(-1), item_start, item_count, merged.reshape(-1), merged_lse.reshape(-1))
+    return new_merged.reshape(merged.shape), new_lse.reshape(merged_lse.shape)

@@ -27,8 +27,8 @@ in fp32. The softmax runs on log_pv = score + log2 k_scale, so that P' is one ex
 (``step_scores``), so one score tile is live, not two; the FP8 product is one
 512-feature wgmma chain (``QK_PROMOTION``).
 
-Layout of the work (FlashMLA's). Grid (batch row, KV split, block of 64 query
-rows), two consumer warpgroups per CTA (and the producer, below): both read
+Layout of the work (FlashMLA's). Grid (work item: a run of steps of one batch row,
+``split_plan``; block of 64 query rows), two consumer warpgroups per CTA (and the producer, below): both read
 each cache tile the TMA brings in once. Warpgroup w owns output columns [256 w, 256 w + 256) (two 128-column
 chunks, two fp32 accumulators of 64 x 128: 128 registers a thread) and scores
 only the step's SMEM rows [64 w, 64 w + 64) (its even tokens for w = 0, the
@@ -94,10 +94,14 @@ Masking. Only a row's last step or two (s_q > 1) can hold tokens a query row
 must not see; every step before them runs without masks or their index
 arithmetic (two loops over one step body).
 
-Split-KV: split s takes a contiguous run of whole steps of its row and writes
-normalised partials with their lse (bf16 for a bf16 output, else float32:
-``combine_splits.partial_dtype``), merged by ``combine_splits`` (one launch, as
-the Triton kernels' float32 partials). The caller picks the count
+Split-KV (``split_plan``): the CTA of work item w reads its batch row, its index among
+the row's items and their count from the plan's items [3, W] (``locate_cta``), and walks
+its run of whole steps. A row of one item writes its output directly; an item of a row
+of several writes normalised partials with their lse to its slot (bf16 for a bf16
+output, else float32: ``combine_splits.partial_dtype``; ``OutputTarget``), merged by
+``combine_splits.combine_items`` (one launch); an unused item writes nothing. The
+caller picks the plan: every row in ``num_splits`` items, or (``balanced``) items in
+proportion to the rows' seq_lens from a budget sized by ``num_splits``
 (``snapmla_jax.decode.choose_num_splits``).
 
 Pipelining (``PRODUCER_WG``, FA3's warp specialization): a third warpgroup,
@@ -146,11 +150,12 @@ from jaxlib.mlir.dialects import nvvm
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms, store_feature_pairs,
                                        store_quads)
-from pallas_kernels.combine_splits import combine_splits, kernel_out_dtype
+from pallas_kernels.combine_splits import combine_items, combine_splits, partial_dtype
 from pallas_kernels.mgpu_decode_inputs import decode_inputs
 from pallas_kernels.mgpu_fresh_acc import SUPPORTED as FRESH_SUPPORTED
 from pallas_kernels.mgpu_fresh_acc import chain_overwriting, product_overwriting
 from pallas_kernels.mla_decode import LN2, LOG2E, resolve_num_pages
+from pallas_kernels.split_plan import SplitPlan, balanced_items, balanced_plan, item_steps, uniform_plan
 
 PAGE = 64  # cache page size this kernel supports
 STEP = 128  # tokens per inner step: two pages (see the module docstring)
@@ -529,26 +534,11 @@ def v_masked_token_major(chunk_ref, t0, seq_len) -> jax.Array:
     return jnp.where(v_tokens < seq_len, chunk_ref[...].astype(jnp.float32), 0.0).astype(FP8_DTYPE)
 
 
-def cta_steps(seq_len, split, *, s_q: int, num_splits: int, step_tokens: int = STEP):
-    """The steps of ``step_tokens`` tokens of a row one CTA takes: (first_step, num_steps,
-    unmasked_steps).
-
-    Split-KV: split s takes steps [first_step, first_step + num_steps) of the
-    row. The first ``unmasked_steps`` of them every query row sees whole (the
-    shortest real row sees seq_len - s_q + 1 tokens), so they run without masks.
-    """
-    total_steps = (seq_len + (step_tokens - 1)) // step_tokens
-    steps_per_split = (total_steps + (num_splits - 1)) // num_splits
-    first_step = split * steps_per_split
-    num_steps = jnp.maximum(jnp.minimum(total_steps - first_step, steps_per_split), 0)
-    unmasked_steps = jnp.clip((seq_len - s_q + 1) // step_tokens - first_step, 0, num_steps)
-    return first_step, num_steps, unmasked_steps
-
-
 def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar, *,
                 by_warps: bool, num_pages: int):
-    """``issue(step, slot)``: the TMA of a step into a ring slot, arriving on ``step_bar[slot]``:
-    latent chunks and RoPE rows in step order (even tokens to rows 0..63), and token scales.
+    """``issue(step, slot)``: the TMA of a step of batch row b into a ring slot, arriving on
+    ``step_bar[slot]``: latent chunks and RoPE rows in step order (even tokens to rows 0..63),
+    and token scales.
 
     ``by_warps``: each warp of the issuing warpgroup issues the copies of one (page, parity)
     box, the last one also the token scales (four threads issue in parallel instead of one
@@ -605,8 +595,9 @@ def start_cta(wg, first_step, num_steps, issue, issue_q, q_bar, *, issuer: int =
 
 class Cta(NamedTuple):
     """Where a CTA is and what it walks (``begin_cta``)."""
-    b: jax.Array  # batch row
-    split: jax.Array  # KV split
+    item: jax.Array  # work item (``split_plan``)
+    b: jax.Array  # its batch row
+    count: jax.Array  # the row's items (0: an unused item)
     wg: jax.Array  # this warpgroup
     seq_len: jax.Array
     row0: jax.Array  # first query row of the block
@@ -616,15 +607,15 @@ class Cta(NamedTuple):
     issue: Callable  # ``step_issuer``'s issue(step, slot)
 
 
-def begin_cta(seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
-              q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, *, s_q: int, num_splits: int,
+def begin_cta(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
+              q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, *, s_q: int,
               num_pages: int, issuer: int = 0, by_warps: bool | None = None) -> Cta:
-    """The start of a Mosaic decode CTA (grid b, split, row block of q8_s's rows): where it is
+    """The start of a Mosaic decode CTA (grid work item, row block of q8_s's rows): where it is
     (``locate_cta``), the TMA issuer of the ring (its copies shared by the issuing warpgroup's
     warps if ``by_warps``; None: ``ISSUE_BY_WARPS``), then ``start_cta`` (query tiles and first
     step in flight from warpgroup ``issuer``, the query waited for)."""
-    where = locate_cta(seq_lens_ref, bt_ref, q8_s.shape[1], s_q=s_q, num_splits=num_splits)
-    b, _, wg, _, row0, first_step, num_steps, _ = where
+    where = locate_cta(seq_lens_ref, items_ref, bt_ref, q8_s.shape[1], s_q=s_q)
+    _, b, _, wg, _, row0, first_step, num_steps, _ = where
     issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, off_ref[0], kv8_s, rope_s, ksc_s, step_bar,
                         by_warps=ISSUE_BY_WARPS if by_warps is None else by_warps, num_pages=num_pages)
     start_cta(wg, first_step, num_steps, issue,
@@ -632,17 +623,18 @@ def begin_cta(seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, 
     return Cta(*where, issue)
 
 
-def locate_cta(seq_lens_ref, bt_ref, rows: int, *, s_q: int, num_splits: int, step_tokens: int = STEP) -> tuple:
-    """Where a Mosaic decode CTA (grid b, split, row block of ``rows`` rows) is, for warpgroup wg:
-    (b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps), its steps of
-    ``step_tokens`` tokens from ``cta_steps``."""
-    b, split, r, wg = (lax.axis_index(name) for name in ("b", "s", "r", "wg"))
+def locate_cta(seq_lens_ref, items_ref, bt_ref, rows: int, *, s_q: int, step_tokens: int = STEP) -> tuple:
+    """Where a Mosaic decode CTA (grid work item w, row block of ``rows`` rows) is, for warpgroup
+    wg: (w, b, count, wg, seq_len, row0, first_step, num_steps, unmasked_steps), from the plan's
+    items_ref int32 [3, W] (``split_plan.SplitPlan.items``) and its steps of ``step_tokens``
+    tokens (``split_plan.item_steps``)."""
+    item, r, wg = (lax.axis_index(name) for name in ("w", "r", "wg"))
+    b, split, count = items_ref[0, item], items_ref[1, item], items_ref[2, item]
     # A traced seq_len is not validated: past the table's capacity it would walk steps of
     # clamped pages (the XLA reference clips it there too).
     seq_len = jnp.clip(seq_lens_ref[b], 0, bt_ref.shape[1] * PAGE)
-    first_step, num_steps, unmasked_steps = cta_steps(seq_len, split, s_q=s_q, num_splits=num_splits,
-                                                      step_tokens=step_tokens)
-    return b, split, wg, seq_len, _aligned(r * rows, rows), first_step, num_steps, unmasked_steps
+    first_step, num_steps, unmasked_steps = item_steps(seq_len, split, count, s_q=s_q, step_tokens=step_tokens)
+    return item, b, count, wg, seq_len, _aligned(r * rows, rows), first_step, num_steps, unmasked_steps
 
 
 def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, *, issuer: int = 0):
@@ -718,7 +710,7 @@ def initial_carry(acc_shape=(BLOCK_M, CHUNK), rows_axis: int = 0, num_accs: int 
 
 def walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar, *, issuer: int | None = 0) -> tuple:
     """Run ``step(j, carry, masked=...)`` over a CTA's steps: the unmasked ones, then the masked
-    tail (``cta_steps``); then ``drain_consumed`` (``issuer`` None: a producer warpgroup drains).
+    tail (``split_plan.item_steps``); then ``drain_consumed`` (``issuer`` None: a producer warpgroup drains).
     Returns the final carry."""
     carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), carry)
     carry = lax.fori_loop(unmasked_steps, num_steps, functools.partial(step, masked=True), carry)
@@ -759,10 +751,53 @@ def drain_consumed(wg, num_steps, consumed_bar, *, issuer: int = 0) -> None:
                 plgpu.barrier_wait(consumed_bar.at[lax.rem(num_steps - back, NUM_SLOTS)])
 
 
-def write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg) -> None:
-    """This warpgroup's columns of out[b, split, row0:row0 + 64] (accs [64, 128] / l) and, from
-    warpgroup 0, the rows' lse; call once both warpgroups are past their last QK. (The BF16
-    twin's output; this kernel's O^T tiles leave through ``write_outputs_t``.)
+class OutputTarget(NamedTuple):
+    """Where a CTA's normalised output and lse go (``split_plan``): row b of the call's output
+    when b's row is one item (count 1), the item's partial slot when it is one of several (an
+    unused item's CTA returns before writing: ``for_used_items``). ``part_o`` / ``part_lse``
+    None: every row is one item (a plan of one split)."""
+    o: jax.Array  # ref [B, rows, 512] (or [B, 512, rows]: a transposed output)
+    lse: jax.Array  # ref [B, rows] f32
+    part_o: jax.Array | None  # ref [W, rows, 512] (or [W, 512, rows])
+    part_lse: jax.Array | None  # ref [W, rows] f32
+    b: jax.Array
+    item: jax.Array
+    count: jax.Array
+
+    def copy(self, src, lse: bool, *index) -> None:
+        """TMA src (SMEM) to [*index] of the output (``lse``: of the lse) of this CTA's row or item."""
+        final, part = (self.lse, self.part_lse) if lse else (self.o, self.part_o)
+        if part is None:
+            plgpu.copy_smem_to_gmem(src, final.at[(self.b, *index)])
+            return
+
+        @pl.when(self.count == 1)
+        def _():
+            plgpu.copy_smem_to_gmem(src, final.at[(self.b, *index)])
+
+        @pl.when(self.count > 1)
+        def _():
+            plgpu.copy_smem_to_gmem(src, part.at[(self.item, *index)])
+
+
+def output_target(o_ref, lse_ref, part_o_ref, part_lse_ref, items_ref, *, partials: bool) -> OutputTarget:
+    """The ``OutputTarget`` of this CTA's work item over the kernel's four output refs; ``partials``
+    False: the plan has one item a row and the partial refs are placeholders, never written.
+
+    Call it where the outputs are written, after the step loop: it reads the item's row and
+    count from items_ref [3, W] again rather than keeping ``locate_cta``'s values live across
+    the consumers' loop (the old grid's batch row and split were block indices, which ptxas can
+    rematerialize).
+    """
+    item = lax.axis_index("w")
+    return OutputTarget(o_ref, lse_ref, part_o_ref if partials else None, part_lse_ref if partials else None,
+                        items_ref[0, item], item, items_ref[2, item])
+
+
+def write_outputs(accs, m, l, o_s, lse_s, target: OutputTarget, row0, wg) -> None:
+    """This warpgroup's columns of the output rows row0:row0 + 64 (accs [64, 128] / l) and, from
+    warpgroup 0, the rows' lse, to ``target``; call once both warpgroups are past their last QK.
+    (The BF16 twin's output; this kernel's O^T tiles leave through ``write_outputs_t``.)
 
     o_s: the staging tiles (the query's bytes), [2, 64, 128] for a 2-byte output (or bf16
     partials) or [2, 64, 64] for float32 ones.
@@ -781,14 +816,14 @@ def write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg) ->
         my_o[...] = normalised.astype(my_o.dtype)
         plgpu.commit_smem()
         col0 = wg * CHUNKS_PER_WG * CHUNK + col
-        plgpu.copy_smem_to_gmem(my_o, o_ref.at[b, split, pl.ds(row0, BLOCK_M), pl.ds(col0, cols)])
-    write_lse_and_wait(wg, m, l_safe, seen, lse_s, lse_ref, b, split, row0)
+        target.copy(my_o, False, pl.ds(row0, BLOCK_M), pl.ds(col0, cols))
+    write_lse_and_wait(wg, m, l_safe, seen, lse_s, target, row0)
 
 
-def write_outputs_t(accs, m, l, scale_col, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg, *,
+def write_outputs_t(accs, m, l, scale_col, o_s, lse_s, target: OutputTarget, row0, wg, *,
                     interpret: bool) -> None:
     """``write_outputs`` for ``pv_update_t``'s O^T tiles [64 features, 64 rows]: each tile * scale goes
-    out as out[b, split, row0:row0 + 64, its 64 features] through this warpgroup's staging tile
+    out as rows row0:row0 + 64, its 64 features, through this warpgroup's staging tile
     o_s[wg] ([64, 64], ``output_transforms``), put back into row-major order and its features into
     their places by ``store_feature_pairs`` (the interpreter: a transpose). m, l [64] in the ``ROW``
     layout (for the lse), scale_col [64] per row in ``COL``."""
@@ -806,30 +841,45 @@ def write_outputs_t(accs, m, l, scale_col, o_s, lse_s, o_ref, lse_ref, b, split,
             store_feature_pairs(normalised, my_o)
         plgpu.commit_smem()
         col0 = wg * CHUNKS_PER_WG * CHUNK + k * HALF
-        plgpu.copy_smem_to_gmem(my_o, o_ref.at[b, split, pl.ds(row0, BLOCK_M), pl.ds(col0, HALF)])
-    write_lse_and_wait(wg, m, l_safe, seen, lse_s, lse_ref, b, split, row0)
+        target.copy(my_o, False, pl.ds(row0, BLOCK_M), pl.ds(col0, HALF))
+    write_lse_and_wait(wg, m, l_safe, seen, lse_s, target, row0)
 
 
-def write_lse_and_wait(wg, m, l_safe, seen, lse_s, lse_ref, b, split, row0) -> None:
+def write_lse_and_wait(wg, m, l_safe, seen, lse_s, target: OutputTarget, row0) -> None:
     """From warpgroup 0, the block's lse (natural log; -inf for rows that saw no token) to
-    lse_ref[b, split, row0:row0 + rows] through lse_s f32 [rows]; then every copy out of SMEM
-    has finished."""
+    rows row0:row0 + rows of ``target``'s lse through lse_s f32 [rows]; then every copy out of
+    SMEM has finished."""
     @pl.when(wg == 0)
     def _():
         lse_s[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, split, pl.ds(row0, lse_s.shape[0])])
+        target.copy(lse_s, True, pl.ds(row0, lse_s.shape[0]))
 
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
-            o_ref, lse_ref,
+def for_used_items(cta: Callable) -> Callable:
+    """A Mosaic decode kernel that runs ``cta`` (refs, then keyword parameters; its second ref is
+    the plan's items_ref [3, W]) for used work items only: an unused one (``split_plan``: count 0)
+    returns at once, without loading its query or waiting on a barrier (H100: 0.6-12 us less
+    kernel time at 32-128 x 16k x 128 x 1-2, where the balanced plan's budget leaves a third to
+    a half of its items unused; docs/benchmarks/mgpu.md, twenty-eighth session)."""
+    @functools.wraps(cta)
+    def kernel(*refs, **params):
+        items_ref = refs[1]
+        pl.when(items_ref[2, lax.axis_index("w")] > 0)(lambda: cta(*refs, **params))
+    return kernel
+
+
+@for_used_items
+def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
+            o_ref, lse_ref, part_o_ref, part_lse_ref,
             q_union, qr_s, qsc_s, lse_s, kv8_s, rope_s, ksc_s, p8_s, stats_s, lsum_s, fac_s,
             step_bar, qk_done_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar,
-            *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, num_pages: int, interpret: bool):
-    """One CTA: (batch row b, KV split s, row block r), two consumer warpgroups and the producer (wg 2,
-    ``PRODUCER_WG``); shapes in the module docstring.
+            *, s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, interpret: bool):
+    """One CTA: (work item w: a run of steps of batch row b, row block r), two consumer warpgroups
+    and the producer (wg 2, ``PRODUCER_WG``); shapes in the module docstring, outputs as
+    ``OutputTarget`` (``partials``: whether the plan has rows of several items).
 
     SMEM (shared by both warpgroups): q_union = (q8_s e4m3 [4, 64, 128] | o_s
     [2, 64, 64] output staging, one tile per warpgroup, ``output_transforms``), qr_s
@@ -842,10 +892,11 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     (each warpgroup's per-row ratio, after the loop its 1 / l, read back one per column).
     """
     q8_s, o_s = q_union
-    b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = begin_cta(
-        seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
-        q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits,
+    cta = begin_cta(
+        seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
+        q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q,
         num_pages=num_pages, issuer=NUM_WGS if PRODUCER_WG else 0, by_warps=PRODUCER_ISSUE_BY_WARPS if PRODUCER_WG else None)
+    wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = cta[3:]
 
     # Nothing is written over a slot on the GPU; the interpreter masks V in place once both
     # warpgroups have read the slot as K (``qk_done``).
@@ -946,7 +997,8 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
         fac_s[wg, 0] = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
         # lse (base 2) = frame + log2(l) - log2 448: ``write_outputs_t`` adds log2(l) to this.
         write_outputs_t(accs, carry[-1] - LOG2_FP8_MAX, l, plgpu.load(fac_s.at[wg, 0], layout=COL), o_s, lse_s,
-                        o_ref, lse_ref, b, split, row0, wg, interpret=interpret)
+                        output_target(o_ref, lse_ref, part_o_ref, part_lse_ref, items_ref, partials=partials),
+                        row0, wg, interpret=interpret)
 
     if not PRODUCER_WG:
         consume()
@@ -1020,9 +1072,9 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset,
 
 
 def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, *, softmax_scale: float,
-           page_size: int, s_q: int, num_heads: int, num_splits: int, num_pages: int | None,
+           page_size: int, s_q: int, num_heads: int, num_splits: int, balanced: bool, num_pages: int | None,
            interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """``_kernel`` on its grid (b, split, row block) with its warpgroups, its SMEM and barriers,
+    """``_kernel`` on its grid (work item, row block) with its warpgroups, its SMEM and barriers,
     and the merge of split-KV partials."""
     batch, num_rows, _ = q_rows.shape
     check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
@@ -1030,13 +1082,13 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
         num_pages=num_pages, scale_planes=True, interpret=interpret)
-    out_dtype = kernel_out_dtype(q_rows.dtype, num_splits)
+    plan, partials = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP)
+    out_dtype = partial_dtype(q_rows.dtype)
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          num_splits=num_splits, num_pages=num_pages, interpret=interpret),
-        out_type=(jax.ShapeDtypeStruct((batch, num_splits, num_rows, RANK), out_dtype),
-                  jax.ShapeDtypeStruct((batch, num_splits, num_rows), jnp.float32)),
+                          partials=partials, num_pages=num_pages, interpret=interpret),
+        out_type=output_types(plan, num_rows, out_dtype, partials),
         scratch_types=[
             plgpu.RefUnion(plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), FP8_DTYPE),
                            plgpu.SMEM((NUM_WGS, BLOCK_M, HALF), out_dtype,
@@ -1057,51 +1109,92 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
             plgpu.Barrier(num_arrivals=COPIES_Q),
             plgpu.Barrier(num_arrivals=NUM_WGS),
         ],
-        **grid_params(batch, num_splits, num_rows // BLOCK_M, "snapmla_decode_fp8_mgpu", interpret,
+        **grid_params(plan, num_rows // BLOCK_M, "snapmla_decode_fp8_mgpu", interpret,
                       num_threads=NUM_WGS + int(PRODUCER_WG)),
     )
-    out, lse = kernel(seq_lens, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
-                      latent_pairs, scales, rope_pairs)
-    return merge_splits(out, lse, q_rows.dtype, interpret=interpret)
+    outs = kernel(seq_lens, plan.items, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
+                  latent_pairs, scales, rope_pairs)
+    return merge_items(outs, plan, q_rows.dtype, partials=partials, num_splits=num_splits, interpret=interpret)
 
 
-def grid_params(batch: int, num_splits: int, row_blocks: int, kernel_name: str, interpret: bool,
+def grid_params(plan: SplitPlan, row_blocks: int, kernel_name: str, interpret: bool,
                 num_threads: int = NUM_WGS) -> dict:
-    """``plgpu.kernel`` arguments shared by the Mosaic decode kernels: the grid (batch row,
-    KV split, row block), ``num_threads`` warpgroups, and ``COMPILER_PARAMS`` (if set) with
-    ``APPROX_MATH``."""
+    """``plgpu.kernel`` arguments shared by the Mosaic decode kernels: the grid (work item of
+    ``plan``, row block: Mosaic GPU launches the last grid axis fastest, so the row blocks of an
+    item run side by side and read its cache tiles from L2 together), ``num_threads``
+    warpgroups, and ``COMPILER_PARAMS`` (if set) with ``APPROX_MATH``."""
     params = dataclasses.replace(COMPILER_PARAMS or plgpu.CompilerParams(), approx_math=APPROX_MATH)
     extra = {} if interpret else {"compiler_params": params}
-    return dict(grid=(batch, num_splits, row_blocks), grid_names=("b", "s", "r"), num_threads=num_threads,
+    return dict(grid=(plan.items.shape[1], row_blocks), grid_names=("w", "r"), num_threads=num_threads,
                 thread_name="wg", kernel_name=kernel_name,
                 interpret=plgpu.InterpretGPUParams() if interpret else None, **extra)
 
 
-def merge_splits(out: jax.Array, lse: jax.Array, dtype, *, transposed: bool = False,
-                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """out [B, S, rows, 512] ([B, S, 512, rows] if ``transposed``), lse [B, S, rows] ->
-    ([B, rows, 512] in ``dtype``, [B, rows]): one split passes through, several are merged
-    with their log-sum-exp in one launch (``combine_splits``)."""
-    if out.shape[1] == 1:
-        return (out[:, 0].swapaxes(1, 2) if transposed else out[:, 0]), lse[:, 0]
-    return combine_splits(out, lse, dtype, transposed=transposed, interpret=interpret)
+def plan_items(seq_lens, block_table, *, num_splits: int, balanced: bool, step_tokens: int) -> tuple[SplitPlan, bool]:
+    """The work items of a call over seq_lens [B] and block_table [B, max_pages], and whether
+    a row may have several (its partials then need slots and a merge): ``balanced_plan`` with
+    the budget that gives rows of equal length ``num_splits`` items each, or ``uniform_plan``
+    (``num_splits`` items a row; also for a balanced plan of one row, which it equals)."""
+    batch = seq_lens.shape[0]
+    if not balanced or batch == 1:
+        return uniform_plan(batch, num_splits), num_splits > 1
+    plan = balanced_plan(seq_lens, num_items=balanced_items(batch, num_splits), step_tokens=step_tokens,
+                         capacity=block_table.shape[1] * PAGE)
+    return plan, True
+
+
+def output_types(plan: SplitPlan, num_rows: int, dtype, partials: bool, *, transposed: bool = False) -> tuple:
+    """The four outputs of a Mosaic decode kernel (``OutputTarget``): out [B, rows, 512] (or
+    [B, 512, rows] ``transposed``) in ``dtype``, lse [B, rows] f32, and the partials' slots
+    [W, ...] and [W, rows] (placeholders of one slot without ``partials``)."""
+    batch, slots = plan.item_start.shape[0], plan.items.shape[1] if partials else 1
+    shape = lambda n: (n, RANK, num_rows) if transposed else (n, num_rows, RANK)
+    return (jax.ShapeDtypeStruct(shape(batch), dtype), jax.ShapeDtypeStruct((batch, num_rows), jnp.float32),
+            jax.ShapeDtypeStruct(shape(slots), dtype), jax.ShapeDtypeStruct((slots, num_rows), jnp.float32))
+
+
+def merge_items(outs: tuple, plan: SplitPlan, dtype, *, partials: bool, num_splits: int, transposed: bool = False,
+                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The call's (out [B, rows, 512] in ``dtype``, lse [B, rows]) from a kernel's four outputs
+    (``output_types``). A uniform plan of S > 1 merges its [B x S] partial slots as [B, S]
+    (``combine_splits``: counts known when it compiles, 0.5-3 us faster on an H200 than
+    reading them); a balanced one merges rows of several items into the rows the kernel wrote
+    directly (``combine_items``, up to ``num_splits`` items, rounded up to a power of two,
+    loaded at a time)."""
+    out, lse, part_o, part_lse = outs
+    batch = out.shape[0]
+    if partials and plan.uniform_splits is not None:
+        part_o = part_o.reshape(batch, plan.uniform_splits, *part_o.shape[1:])
+        out, lse = combine_splits(part_o, part_lse.reshape(batch, plan.uniform_splits, -1), dtype,
+                                  transposed=transposed, interpret=interpret)
+        return out, lse
+    if transposed:
+        out = out.swapaxes(1, 2)
+    if partials:
+        out, lse = combine_items(part_o, part_lse, plan.item_start, plan.item_count, out, lse,
+                                 chunk=pl.next_power_of_2(max(num_splits, 2)), transposed=transposed,
+                                 interpret=interpret)
+    return out.astype(dtype), lse
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
-                                             "num_pages", "interpret"))
+                                             "balanced", "num_pages", "interpret"))
 def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                     seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
-                    s_q: int, num_heads: int, num_splits: int = 1, num_pages: int | None = None,
-                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                    s_q: int, num_heads: int, num_splits: int = 1, balanced: bool = False,
+                    num_pages: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """FP8 decode on Mosaic GPU; arguments and results in the module docstring.
 
     ``layer_offset`` must be a multiple of 64 (it is layer x pages x 64).
-    ``num_splits`` > 1 splits each row's steps over that many CTAs (flash
-    decoding); their partials (``combine_splits.partial_dtype``) are merged with their
-    log-sum-exp, as the Triton kernel's are (``combine_splits``). ``num_pages``: pages in one layer of the
+    Split-KV (flash decoding, ``split_plan``): ``num_splits`` > 1 cuts each row's steps into that
+    many CTAs; ``balanced`` instead gives each row a number of CTAs in proportion to its
+    seq_len, from a budget that gives rows of equal length ``num_splits`` each
+    (``split_plan.balanced_plan``). The partials of a row's CTAs
+    (``combine_splits.partial_dtype``) are merged with their log-sum-exp
+    (``combine_splits.combine_items``). ``num_pages``: pages in one layer of the
     cache (None: all of the arrays' rows); traced page ids are clipped into [0, num_pages)
     and seq_lens into the table's capacity, so that no read leaves the cache.
     """
     return launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, softmax_scale=softmax_scale,
-                  page_size=page_size, s_q=s_q, num_heads=num_heads, num_splits=num_splits, num_pages=num_pages,
-                  interpret=interpret)
+                  page_size=page_size, s_q=s_q, num_heads=num_heads, num_splits=num_splits, balanced=balanced,
+                  num_pages=num_pages, interpret=interpret)

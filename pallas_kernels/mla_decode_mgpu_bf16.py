@@ -18,8 +18,8 @@ Math: ``mla_decode_reference`` over a bf16 cache: scores = (Q.K^T + Qr.Kr^T) *
 softmax_scale * log2(e), BF16 wgmma with fp32 accumulation; online softmax on
 exp2 in fp32; P rounded to bf16 for the P.V wgmma, fp32 accumulation.
 
-Layout of the work. Grid (batch row, KV split, block of 64 query rows). A step
-is one 64-token page: its latent (four [64, 128] bf16 chunks, 64 KB) and RoPE
+Layout of the work. Grid (work item: a run of steps of one batch row, ``split_plan``; block
+of 64 query rows). A step is one 64-token page: its latent (four [64, 128] bf16 chunks, 64 KB) and RoPE
 rows (8 KB) arrive by TMA in a two-slot ring, which with the bf16 query (72 KB)
 is what an H100's 227 KB of SMEM holds (a 128-token step would need 144 KB a
 slot). Warpgroup w owns output columns [256 w, 256 w + 256) (two fp32
@@ -58,13 +58,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.combine_splits import kernel_out_dtype
+from pallas_kernels.combine_splits import partial_dtype
 from pallas_kernels.mla_decode import LOG2E, resolve_num_pages
 from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, CHUNKS_PER_WG, NUM_CHUNKS, NUM_SLOTS, NUM_WGS, PAGE,
-                                            RANK, ROPE, _aligned, check_launch, check_registers, grid_params,
-                                            initial_carry, issue_query, locate_cta, merge_splits, produce_steps,
-                                            specialize_warpgroups, start_cta, step_visibility, walk_steps,
-                                            write_outputs)
+                                            ROPE, _aligned, check_launch, check_registers, grid_params, initial_carry,
+                                            for_used_items, issue_query, locate_cta, merge_items, output_target,
+                                            output_types, plan_items, produce_steps, specialize_warpgroups,
+                                            start_cta, step_visibility, walk_steps, write_outputs)
 
 STEP = PAGE  # tokens a step: one page (see the module docstring)
 COPIES_STEP = NUM_CHUNKS + 1  # TMA copies arriving on a slot's barrier: latent chunks, RoPE rows
@@ -131,11 +131,13 @@ def pv_update(accs, p16, v_chunks, alpha, p_ref=None) -> list:
     return list(pl.run_state(products)(tuple(plgpu.ACC.init(acc) for acc in scaled)))
 
 
-def _kernel(seq_lens_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, rope_ref, o_ref, lse_ref,
+@for_used_items
+def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, rope_ref,
+            o_ref, lse_ref, part_o_ref, part_lse_ref,
             q_union, qr_s, lse_s, kv_s, rope_s, step_bar, consumed_bar, q_bar, end_bar, *interpreter_p,
-            s_q: int, num_heads: int, scale_log2: float, num_splits: int, num_pages: int, interpret: bool):
-    """One CTA: (batch row b, KV split s, row block r), consumer warpgroups 0 and 1 and the
-    producer (wg 2).
+            s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, interpret: bool):
+    """One CTA: (work item w: a run of steps of batch row b, row block r), consumer warpgroups 0
+    and 1 and the producer (wg 2); outputs as ``mla_decode_mgpu.OutputTarget``.
 
     SMEM: q_union = (q_s bf16 [4, 64, 128] | o_s [2, 64, 128] bf16 or [2, 64, 64]
     f32 output staging, one tile per warpgroup), qr_s bf16 [64, 64], lse_s f32
@@ -143,8 +145,8 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, rope_ref, o_r
     interpreter only, interpreter_p = (P tiles bf16 [2, 64, 64], one a warpgroup,).
     """
     q_s, o_s = q_union
-    b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps = locate_cta(
-        seq_lens_ref, bt_ref, BLOCK_M, s_q=s_q, num_splits=num_splits, step_tokens=STEP)
+    where = locate_cta(seq_lens_ref, items_ref, bt_ref, BLOCK_M, s_q=s_q, step_tokens=STEP)
+    _, b, _, wg, seq_len, row0, first_step, num_steps, unmasked_steps = where
     issue = step_issuer(bt_ref, lat_ref, rope_ref, b, off_ref[0], kv_s, rope_s, step_bar, num_pages=num_pages)
     start_cta(wg, first_step, num_steps, issue,
               functools.partial(issue_query, q_ref, qr_ref, None, b, row0, q_s, qr_s, None), q_bar, issuer=NUM_WGS)
@@ -186,39 +188,41 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, rope_ref, o_r
         # Both warpgroups are past their last Q.K: the query's bytes become the output staging.
         plgpu.barrier_arrive(end_bar)
         plgpu.barrier_wait(end_bar)
-        write_outputs(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg)
+        target = output_target(o_ref, lse_ref, part_o_ref, part_lse_ref, items_ref, partials=partials)
+        write_outputs(accs, m, l, o_s, lse_s, target, row0, wg)
 
     specialize_warpgroups(wg, functools.partial(produce_steps, issue, first_step, num_steps, consumed_bar), consume,
                           PRODUCER_REGISTERS, CONSUMER_REGISTERS)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
-                                             "num_pages", "interpret"))
+                                             "balanced", "num_pages", "interpret"))
 def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                          seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
-                         s_q: int, num_heads: int, num_splits: int = 1, num_pages: int | None = None,
-                         interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                         s_q: int, num_heads: int, num_splits: int = 1, balanced: bool = False,
+                         num_pages: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """BF16 decode on Mosaic GPU; arguments and results in the module docstring.
 
-    ``num_splits`` > 1 splits each row's steps over that many CTAs, their partials (bf16 for a bf16 output)
-    merged with their log-sum-exp (``combine_splits``). ``num_pages``: pages in one layer of
+    Split-KV as ``mla_decode_mgpu`` (``num_splits`` CTAs a row, or ``balanced``: in proportion
+    to the rows' seq_lens), the partials (bf16 for a bf16 output) merged with their
+    log-sum-exp (``combine_splits.combine_items``). ``num_pages``: pages in one layer of
     the cache (None: all of the arrays' rows); traced page ids are clipped into [0, num_pages)
     and seq_lens into the table's capacity, so that no read leaves the cache. ValueError for
     a cache or row count this kernel does not take.
     """
-    batch, num_rows, _ = q_rows.shape
+    num_rows = q_rows.shape[1]
     check_launch("mla_decode_mgpu_bf16: bf16 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
                  num_arrays=2, block_rows=BLOCK_M, num_splits=num_splits)
     check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
     latent, rope = cache_arrays
     num_pages = resolve_num_pages(num_pages, latent.shape[0], page_size)
-    out_dtype = kernel_out_dtype(q_rows.dtype, num_splits)
+    plan, partials = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP)
+    out_dtype = partial_dtype(q_rows.dtype)
     stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # a warpgroup's staging tile: 16 KB
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          num_splits=num_splits, num_pages=num_pages, interpret=interpret),
-        out_type=(jax.ShapeDtypeStruct((batch, num_splits, num_rows, RANK), out_dtype),
-                  jax.ShapeDtypeStruct((batch, num_splits, num_rows), jnp.float32)),
+                          partials=partials, num_pages=num_pages, interpret=interpret),
+        out_type=output_types(plan, num_rows, out_dtype, partials),
         scratch_types=[
             plgpu.RefUnion(plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), jnp.bfloat16),
                            plgpu.SMEM((NUM_WGS, BLOCK_M, stage_cols), out_dtype)),
@@ -232,9 +236,8 @@ def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays
             plgpu.Barrier(num_arrivals=NUM_WGS),  # end of the step loop
             *([plgpu.SMEM((NUM_WGS, BLOCK_M, STEP), jnp.bfloat16)] if interpret else []),
         ],
-        **grid_params(batch, num_splits, num_rows // BLOCK_M, "snapmla_decode_bf16_mgpu", interpret,
-                      num_threads=NUM_WGS + 1),
+        **grid_params(plan, num_rows // BLOCK_M, "snapmla_decode_bf16_mgpu", interpret, num_threads=NUM_WGS + 1),
     )
-    out, lse = kernel(seq_lens, block_table, layer_offset, q_rows.astype(jnp.bfloat16),
-                      q_rope_rows.astype(jnp.bfloat16), latent, rope)
-    return merge_splits(out, lse, q_rows.dtype, interpret=interpret)
+    outs = kernel(seq_lens, plan.items, block_table, layer_offset, q_rows.astype(jnp.bfloat16),
+                  q_rope_rows.astype(jnp.bfloat16), latent, rope)
+    return merge_items(outs, plan, q_rows.dtype, partials=partials, num_splits=num_splits, interpret=interpret)

@@ -53,7 +53,7 @@ Shared with ``mla_decode_mgpu`` (read its docstring first): the inputs and
 outputs (rows padded to a multiple of 16 instead of 64), the step order (even
 tokens of a 128-token step in SMEM rows 0..63, odd ones in 64..127), the TMA
 ring of whole steps, the token scales gathered in step order, masks only in a
-row's last steps, split-KV with ``combine_splits``.
+row's last steps, split-KV by the plan of work items (``split_plan``, ``OutputTarget``).
 
 SMEM: ring 2 x 80.5 KB (P'^T, 4 or 8 KB a step, lives in the step's RoPE
 rows once warpgroup 0's QK has read them), Q 10 or 20 KB, the V f16 tiles
@@ -71,13 +71,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.combine_splits import kernel_out_dtype
+from pallas_kernels.combine_splits import partial_dtype
 from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from pallas_kernels.mla_decode import LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
 from pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, HALF, NUM_CHUNKS,
-                                            NUM_SLOTS, NUM_WGS, RANK, ROPE, STEP, begin_cta,
-                                            begin_step, grid_params, initial_carry, merge_splits,
-                                            prepare_inputs, store_rows, walk_steps, write_lse_and_wait)
+                                            NUM_SLOTS, NUM_WGS, ROPE, STEP, OutputTarget, begin_cta, begin_step,
+                                            grid_params, initial_carry, merge_items, output_target, output_types,
+                                            for_used_items, plan_items, prepare_inputs, store_rows, walk_steps,
+                                            write_lse_and_wait)
 
 ROWS = 16  # query rows per CTA by default: the wgmma N of every product
 # Features per fp32 promotion of the FP8 S^T product, as the 64-row kernel's
@@ -229,14 +230,15 @@ def pv_update_t(accs, kv_slot, wg, pt_ref, v16_ref, alpha, pv_max, t0, seq_len, 
     return new_accs
 
 
-def write_outputs_t(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg, *, transposed: bool) -> None:
-    """This warpgroup's columns of the output (O^T / l) and, from warpgroup 0, the rows' lse.
+def write_outputs_t(accs, m, l, o_s, lse_s, target: OutputTarget, row0, wg, *, transposed: bool) -> None:
+    """This warpgroup's columns of the output (O^T / l) and, from warpgroup 0, the rows' lse, to
+    ``target``.
 
-    ``transposed`` False: out[b, split, row0:row0 + R, columns], staged through the
-    transposed view of o_s [2, R, 128] (a 16-bit transposed store). True (float32:
-    a split's partials or a float32 output, whose 32-bit transposed store Mosaic
-    GPU's layout inference rejects): out[b, split, columns, row0:row0 + R], staged
-    as is in o_s [2, 128, R]; the launcher transposes them.
+    ``transposed`` False: rows row0:row0 + R, its columns, staged through the
+    transposed view of o_s [2, R, 128] (a 16-bit transposed store). True (float32
+    outputs and partials, whose 32-bit transposed store Mosaic GPU's layout inference
+    rejects): columns, rows row0:row0 + R of a [512, rows] output, staged as is in
+    o_s [2, 128, R]; the launcher transposes them.
     """
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
@@ -249,23 +251,25 @@ def write_outputs_t(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg, 
         col0 = (wg * CHUNKS_PER_WG + i) * CHUNK
         if transposed:
             my_o[...] = acc * inv_l
-            dst = o_ref.at[b, split, pl.ds(col0, CHUNK), pl.ds(row0, rows)]
+            dst = (pl.ds(col0, CHUNK), pl.ds(row0, rows))
         else:
             my_o.transpose((1, 0))[...] = (acc * inv_l).astype(my_o.dtype)
-            dst = o_ref.at[b, split, pl.ds(row0, rows), pl.ds(col0, CHUNK)]
+            dst = (pl.ds(row0, rows), pl.ds(col0, CHUNK))
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(my_o, dst)
-    write_lse_and_wait(wg, m, l_safe, seen, lse_s, lse_ref, b, split, row0)
+        target.copy(my_o, False, *dst)
+    write_lse_and_wait(wg, m, l_safe, seen, lse_s, target, row0)
 
 
-def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
-            o_ref, lse_ref,
+@for_used_items
+def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
+            o_ref, lse_ref, part_o_ref, part_lse_ref,
             q8_s, qr_s, qsc_s, lse_s, kv8_s, rope_union, ksc_s, stats_s, ml_s, v_union,
             step_bar, p_ready_bar, consumed_bar, q_bar, end_bar,
-            *, s_q: int, num_heads: int, scale_log2: float, num_splits: int, transposed: bool, num_pages: int,
+            *, s_q: int, num_heads: int, scale_log2: float, partials: bool, transposed: bool, num_pages: int,
             interpret: bool):
-    """One CTA: (batch row b, KV split s, block of R query rows), two warpgroups; ``transposed``:
-    the output leaves as [features, rows] float32 (``write_outputs_t``).
+    """One CTA: (work item w: a run of steps of batch row b, block of R query rows), two
+    warpgroups; outputs as ``mla_decode_mgpu.OutputTarget``; ``transposed``: the output and
+    partials leave as [features, rows] float32 (``write_outputs_t``).
 
     SMEM (R = 16 or 32 rows): q8_s e4m3 [4, R, 128], qr_s bf16 [R, 64], qsc_s f32
     [R], lse_s f32 [R], kv8_s e4m3 [2, 4, 128, 128] and rope_union = (rope_s bf16
@@ -290,10 +294,10 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     rope_s, pt_s = rope_union
     rows = q8_s.shape[1]
     v16_s, o_s = v_union
-    b, split, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = begin_cta(
-        seq_lens_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
-        q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_splits=num_splits,
-        num_pages=num_pages, issuer=ISSUER)
+    cta = begin_cta(
+        seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
+        q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_pages=num_pages, issuer=ISSUER)
+    wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = cta[3:]
     *_, m0, l0 = initial_carry((CHUNK, rows), rows_axis=1)
 
     @pl.when(wg == 0)
@@ -345,38 +349,39 @@ def _kernel(seq_lens_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ks
     plgpu.barrier_arrive(end_bar)
     plgpu.barrier_wait(end_bar)
     m, l = plgpu.load(ml_s.at[0], layout=QROWS), plgpu.load(ml_s.at[1], layout=QROWS)
-    write_outputs_t(accs, m, l, o_s, lse_s, o_ref, lse_ref, b, split, row0, wg, transposed=transposed)
+    target = output_target(o_ref, lse_ref, part_o_ref, part_lse_ref, items_ref, partials=partials)
+    write_outputs_t(accs, m, l, o_s, lse_s, target, row0, wg, transposed=transposed)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
-                                             "block_rows", "num_pages", "interpret"))
+                                             "balanced", "block_rows", "num_pages", "interpret"))
 def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                           seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
-                          s_q: int, num_heads: int, num_splits: int = 1, block_rows: int = ROWS,
-                          num_pages: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                          s_q: int, num_heads: int, num_splits: int = 1, balanced: bool = False,
+                          block_rows: int = ROWS, num_pages: int | None = None,
+                          interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """FP8 decode for blocks of ``block_rows`` (16 or 32) query rows; arguments and results as
-    ``mla_decode_mgpu``'s (``num_pages`` included), with q_rows [B, rows, 512] padded to a
-    multiple of ``block_rows``."""
+    ``mla_decode_mgpu``'s (``num_splits``, ``balanced`` and ``num_pages`` included), with q_rows
+    [B, rows, 512] padded to a multiple of ``block_rows``."""
     if block_rows not in BLOCK_ROWS:
         raise ValueError(f"block_rows: expected one of {BLOCK_ROWS}, got {block_rows!r}")
     rows = block_rows
-    batch, num_rows, _ = q_rows.shape
+    num_rows = q_rows.shape[1]
     num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
         num_pages=num_pages, block_rows=rows, interpret=interpret)
-    # A split's partials are bf16 for a bf16 output (``partial_dtype``). Float32 ones, and a float32
-    # output, leave the kernel as [features, rows] (``write_outputs_t``: Mosaic GPU cannot store
-    # 32-bit values transposed).
-    out_dtype = kernel_out_dtype(q_rows.dtype, num_splits)
+    plan, partials = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP)
+    # Output and partials are bf16 for a bf16 output, else float32 (``partial_dtype``). Float32 ones
+    # leave the kernel as [features, rows] (``write_outputs_t``: Mosaic GPU cannot store 32-bit
+    # values transposed).
+    out_dtype = partial_dtype(q_rows.dtype)
     transposed = jnp.dtype(out_dtype).itemsize == 4
-    out_shape, stage_shape = (((batch, num_splits, RANK, num_rows), (NUM_WGS, CHUNK, rows)) if transposed else
-                              ((batch, num_splits, num_rows, RANK), (NUM_WGS, rows, CHUNK)))
+    stage_shape = (NUM_WGS, CHUNK, rows) if transposed else (NUM_WGS, rows, CHUNK)
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          num_splits=num_splits, transposed=transposed, num_pages=num_pages, interpret=interpret),
-        out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype),
-                  jax.ShapeDtypeStruct((batch, num_splits, num_rows), jnp.float32)),
+                          partials=partials, transposed=transposed, num_pages=num_pages, interpret=interpret),
+        out_type=output_types(plan, num_rows, out_dtype, partials, transposed=transposed),
         scratch_types=[
             plgpu.SMEM((NUM_CHUNKS, rows, CHUNK), FP8_DTYPE),
             plgpu.SMEM((rows, ROPE), jnp.bfloat16),
@@ -397,8 +402,9 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
             plgpu.Barrier(num_arrivals=COPIES_Q),
             plgpu.Barrier(num_arrivals=NUM_WGS),
         ],
-        **grid_params(batch, num_splits, num_rows // rows, "snapmla_decode_fp8_mgpu_small", interpret),
+        **grid_params(plan, num_rows // rows, "snapmla_decode_fp8_mgpu_small", interpret),
     )
-    out, lse = kernel(seq_lens, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
-                      latent_pairs, scales, rope_pairs)
-    return merge_splits(out, lse, q_rows.dtype, transposed=transposed, interpret=interpret)
+    outs = kernel(seq_lens, plan.items, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
+                  latent_pairs, scales, rope_pairs)
+    return merge_items(outs, plan, q_rows.dtype, partials=partials, num_splits=num_splits, transposed=transposed,
+                       interpret=interpret)

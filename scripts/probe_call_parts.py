@@ -56,7 +56,7 @@ def main(argv=None) -> int:
             try:
                 return mgpu_kernel.launch(q_rows, qr_rows, cache, bt, lens, layer_offset, softmax_scale=scale,
                                           page_size=64, s_q=s_q, num_heads=heads, num_splits=splits,
-                                          num_pages=None, interpret=False)
+                                          balanced=False, num_pages=None, interpret=False)
             finally:
                 mgpu_kernel.prepare_inputs = original
 

@@ -244,8 +244,11 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     layer       None for a cache without a layer axis, else an int or traced
                 int32 scalar (an out-of-range traced layer yields out 0, lse -inf).
     backend     "auto" | "pallas" | "interpret" | "xla" (see snapmla_jax.backend).
-    num_splits  split-KV count for the Pallas kernels; None picks it from the
-                shapes and the GPU's SM count.
+    num_splits  split-KV count for the Pallas kernels, the same for every row; None picks
+                it from the shapes and the GPU's SM count, and for the Mosaic GPU kernels
+                gives each row a share of the CTAs in proportion to its seq_len
+                (``pallas_kernels.split_plan.balanced_plan``: a long row among short ones
+                is not left to a few SMs).
     config      DecodeConfig tuning knobs (None: ``default_config``, measured on an H100).
                 ``DecodeConfig(kernel="mosaic")`` runs a Mosaic GPU kernel
                 (``mosaic_kernel``; page_size 64: FP8 over an fp8 cache, the BF16 twin over a
@@ -290,6 +293,8 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     cache_arrays = tuple(a for a in (flat(cache.latent), flat(cache.scale), flat(cache.rope)) if a is not None)
     layer_offset = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32) * cache.num_slots, (1,))
     layer_offset = jnp.clip(layer_offset, 0, (cache.num_layers or 1) * cache.num_slots - cache.num_slots)
+    # Left to us, the Mosaic kernels' split count follows each row's seq_len (``split_plan``).
+    balanced = num_splits is None
     if num_splits is None:
         num_splits = planned_num_splits(q_latent, cache, block_table, config=config)
     elif not isinstance(num_splits, int) or num_splits < 1:
@@ -298,7 +303,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
         out, lse = mosaic_kernel(num_rows, cache.dtype)[0](
             to_rows(q_latent), to_rows(q_rope), cache_arrays, block_table, seq_lens, layer_offset,
             softmax_scale=softmax_scale, page_size=cache.page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,
-            num_pages=cache.num_pages, interpret=backend == "interpret")
+            balanced=balanced, num_pages=cache.num_pages, interpret=backend == "interpret")
     else:
         out, lse = mla_decode_pallas(
             to_rows(q_latent), to_rows(q_rope), cache_arrays, block_table, seq_lens, layer_offset,

@@ -1,4 +1,6 @@
-"""The split-KV merge kernel (pallas_kernels/combine_splits.py) against a float64 merge."""
+"""The split-KV merge kernels (pallas_kernels/combine_splits.py) against a float64 merge."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +8,9 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels.combine_splits import (combine_splits, combine_splits_reference, max_tile, partial_dtype,
-                                           tile_size)
+from pallas_kernels.combine_splits import (combine_items, combine_items_reference, combine_splits,
+                                           combine_splits_reference, max_tile, partial_dtype, tile_size,
+                                           transposed_columns)
 
 
 def merge_float64(out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -137,3 +140,200 @@ def test_compiled_combine_matches_float64(shape, transposed):
     # The GPU's exp/log differ from numpy's by a few ulps: the same bounds as interpret mode.
     np.testing.assert_allclose(np.asarray(merged), want, rtol=0, atol=1e-6 * np.abs(out).max())
     np.testing.assert_allclose(np.asarray(merged_lse), want_lse, rtol=1e-6, atol=1e-5)
+
+
+# --- combine_items: ragged work items per batch row, merged in place -------------------------
+
+GAP_LSE, GAP_VALUE = 60.0, 1e4  # unused items between rows' ranges: would swamp any merge they leaked into
+
+
+def random_items(seed: int, counts, rows: int, rank: int, partial, output, chunk: int):
+    """Inputs of ``combine_items`` as a balanced decode call leaves them, in numpy.
+
+    Batch row b has counts[b] items, the rows' ranges in shuffled order with an unused item
+    (GAP_*) before each and one at the end. Partials: normal with outlier query rows (x100),
+    stored in ``partial`` (the float64 check merges the stored values); lse: normal x 20 (weights
+    down to e^-100 beside 1). In rows of >= 3 items the last saw no token (lse -inf, out 0);
+    the first row of >= 2 items has query row 1 unseen by every item; the longest row has query
+    row 3 unseen by its first chunk (the running max starts at -inf, then grows). merged and
+    merged_lse: random sentinels (``output``; rows of <= 1 item must come back as they are).
+    Returns (out, lse, starts, counts, merged, merged_lse) with out as [W, rows, R].
+    """
+    rng = np.random.default_rng(seed)
+    counts = np.asarray(counts, np.int32)
+    starts, position = np.zeros(len(counts), np.int32), 0
+    for b in rng.permutation(len(counts)):
+        starts[b], position = position + 1, position + 1 + counts[b]
+    width = position + 1
+    out = rng.standard_normal((width, rows, rank)).astype(np.float32)
+    out[rng.random((width, rows)) < 0.03] *= 100.0
+    lse = (rng.standard_normal((width, rows)) * 20.0).astype(np.float32)
+    used = np.zeros(width, bool)
+    for start, count in zip(starts, counts):
+        used[start:start + count] = True
+        if count >= 3:
+            lse[start + count - 1], out[start + count - 1] = -np.inf, 0.0
+    lse[~used], out[~used] = GAP_LSE, GAP_VALUE
+    several = np.flatnonzero(counts >= 2)
+    lse[starts[several[0]]:starts[several[0]] + counts[several[0]], 1] = -np.inf
+    longest = int(np.argmax(counts))
+    lse[starts[longest]:starts[longest] + min(chunk, counts[longest]), 3] = -np.inf
+    out = np.asarray(jnp.asarray(out, partial).astype(jnp.float32))  # as stored
+    merged = np.asarray(jnp.asarray(rng.standard_normal((len(counts), rows, rank)) * 5.0, output))
+    merged_lse = (rng.standard_normal((len(counts), rows)) * 10.0).astype(np.float32)
+    return out, lse, starts, counts, merged, merged_lse
+
+
+def merge_items_float64(out, lse, starts, counts):
+    """Each batch row's merge of its items, float64: ([B, rows, R], [B, rows]); NaN in rows of <= 1 item."""
+    merged = np.full((len(counts), *out.shape[1:]), np.nan)
+    merged_lse = np.full((len(counts), out.shape[1]), np.nan)
+    for b, (start, count) in enumerate(zip(starts, counts)):
+        if count >= 2:
+            row, row_lse = merge_float64(out[None, start:start + count], lse[None, start:start + count])
+            merged[b], merged_lse[b] = row[0], row_lse[0]
+    return merged, merged_lse
+
+
+# counts per batch row (odd B) for a chunk of 4: none, one, two, fewer than, exactly and more than a
+# chunk, and four chunks (13).
+RAGGED = (0, 5, 1, 2, 4, 13, 3)
+# (transposed, rows, partial dtype, output dtype, chunk, counts): 128 and 64 rows flat, 20 rows (two
+# power-of-two pieces, 16 + 4) and 16 transposed; a uniform batch (every count == chunk: one chunk);
+# chunk 1 (a chunk an item) and 2 (seven chunks).
+ITEM_CASES = [
+    (False, 128, jnp.float32, jnp.float32, 4, RAGGED),
+    (False, 64, jnp.bfloat16, jnp.bfloat16, 4, RAGGED),
+    (True, 20, jnp.float32, jnp.float32, 4, RAGGED),
+    (True, 20, jnp.bfloat16, jnp.bfloat16, 2, (1, 13, 2, 0, 3)),
+    (True, 16, jnp.bfloat16, jnp.float16, 8, (8, 8, 8)),
+    (False, 64, jnp.bfloat16, jnp.float32, 1, (2, 0, 3, 1, 5)),
+    (False, 128, jnp.float32, jnp.bfloat16, 8, (8, 8, 8)),
+]
+ITEM_IDS = ["{}{}-{}-{}-c{}-{}".format("T" if t else "", r, jnp.dtype(p).name, jnp.dtype(o).name, c, len(n))
+            for t, r, p, o, c, n in ITEM_CASES]
+# Half an ulp of the output (8 and 11 significant bits): its rounding moves a value by at most
+# 2**-8 (bf16) or 2**-11 (f16) of itself; float32 outputs are not rounded again.
+OUTPUT_RTOL = {jnp.dtype(jnp.float32): 0.0, jnp.dtype(jnp.bfloat16): 2.0 ** -8, jnp.dtype(jnp.float16): 2.0 ** -11}
+RANK = 64  # small R: interpret mode's cost grows with it
+
+
+@functools.lru_cache(maxsize=None)
+def run_items_case(case_index: int):
+    """(inputs of ``random_items``, merged, merged_lse as numpy) of ITEM_CASES[case_index], run once."""
+    transposed, rows, partial, output, chunk, counts = ITEM_CASES[case_index]
+    inputs = random_items(100 + case_index, counts, rows, RANK, partial, output, chunk)
+    out, lse, starts, counts, merged, merged_lse = inputs
+    stored = out.transpose(0, 2, 1) if transposed else out
+    got, got_lse = combine_items(jnp.asarray(stored, partial), jnp.asarray(lse), jnp.asarray(starts),
+                                 jnp.asarray(counts), jnp.asarray(merged), jnp.asarray(merged_lse), chunk=chunk,
+                                 transposed=transposed, interpret=True)
+    assert got.dtype == jnp.dtype(output) and got_lse.dtype == jnp.float32
+    return inputs, np.asarray(got), np.asarray(got_lse)
+
+
+def assert_items_match_float64(inputs, got, got_lse):
+    """Rows of >= 2 items of (got, got_lse) against the float64 merge of the stored partials.
+
+    Float32: weights <= 1 summed over <= 13 items, a rescale a chunk, an exp and a division: a few
+    dozen roundings of 2**-24, under 1e-6 of the row's largest partial (|out| up to ~500 with the
+    outliers); the lse (|lse| up to ~100, an ulp 2**-17 ~ 8e-6 there) to 1e-6 of itself, 1e-5 near
+    0. Plus the output's rounding (OUTPUT_RTOL)."""
+    out, lse, starts, counts, merged, _ = inputs
+    want, want_lse = merge_items_float64(out, lse, starts, counts)
+    for b in np.flatnonzero(counts >= 2):
+        scale = np.abs(out[starts[b]:starts[b] + counts[b]]).max()
+        np.testing.assert_allclose(got[b].astype(np.float64), want[b], atol=1e-6 * scale,
+                                   rtol=OUTPUT_RTOL[merged.dtype], err_msg=f"batch row {b}")
+        np.testing.assert_allclose(got_lse[b], want_lse[b], rtol=1e-6, atol=1e-5, err_msg=f"batch row {b}")
+
+
+@pytest.mark.parametrize("case_index", range(len(ITEM_CASES)), ids=ITEM_IDS)
+def test_combine_items_merges_rows_of_several_items(case_index):
+    assert_items_match_float64(*run_items_case(case_index))
+
+
+@pytest.mark.parametrize("case_index", range(len(ITEM_CASES)), ids=ITEM_IDS)
+def test_combine_items_leaves_rows_of_one_item_bit_identical(case_index):
+    (_, _, _, counts, merged, merged_lse), got, got_lse = run_items_case(case_index)
+    kept = counts <= 1
+    bits = {2: np.uint16, 4: np.uint32}[merged.dtype.itemsize]
+    assert np.array_equal(got[kept].view(bits), merged[kept].view(bits))
+    assert np.array_equal(got_lse[kept].view(np.uint32), merged_lse[kept].view(np.uint32))
+
+
+@pytest.mark.parametrize("case_index", range(len(ITEM_CASES)), ids=ITEM_IDS)
+def test_combine_items_zeroes_a_query_row_no_item_saw(case_index):
+    (_, _, _, counts, _, _), got, got_lse = run_items_case(case_index)
+    b = np.flatnonzero(counts >= 2)[0]  # query row 1 is -inf in every item of this row
+    assert np.isneginf(got_lse[b, 1]) and not got[b, 1].astype(np.float32).any()
+
+
+def test_combine_items_reference_agrees_with_float64():
+    inputs = random_items(5, RAGGED, 16, RANK, jnp.float32, jnp.float32, 4)
+    got, got_lse = combine_items_reference(*map(jnp.asarray, inputs))
+    assert_items_match_float64(inputs, np.asarray(got), np.asarray(got_lse))
+    kept = inputs[3] <= 1
+    assert np.array_equal(np.asarray(got)[kept], inputs[4][kept])
+
+
+def test_transposed_columns_fit_and_divide():
+    for chunk in (1, 2, 8, 64, 128):
+        for rows in (16, 20, 48, 64):
+            columns = transposed_columns(chunk, rows, 512)
+            top_piece = 1 << (rows.bit_length() - 1)  # the largest power-of-two piece of the rows
+            # A chunk of the largest piece's columns within ``max_tile`` (or one column), tiling R.
+            assert 512 % columns == 0 and (columns == 1 or chunk * columns * top_piece <= max_tile(chunk))
+
+
+def item_args(width=6, batch=3, rows=16, rank=64, transposed=False, **changes):
+    """Valid ``combine_items`` arguments (zeros), with ``changes`` replacing some."""
+    args = dict(out=jnp.zeros((width, rank, rows) if transposed else (width, rows, rank), jnp.float32),
+                lse=jnp.zeros((width, rows), jnp.float32), item_start=jnp.zeros((batch,), jnp.int32),
+                item_count=jnp.zeros((batch,), jnp.int32), merged=jnp.zeros((batch, rows, rank), jnp.bfloat16),
+                merged_lse=jnp.zeros((batch, rows), jnp.float32))
+    return {**args, **changes}
+
+
+@pytest.mark.parametrize("changes, chunk, transposed, match", [
+    (dict(out=jnp.zeros((6, 16), jnp.float32)), 4, False, "out, lse: expected 3 and 2 dimensions"),
+    (dict(lse=jnp.zeros((6, 8), jnp.float32)), 4, False, "lse: expected shape"),
+    (dict(lse=jnp.zeros((5, 16), jnp.float32)), 4, False, "lse: expected shape"),
+    (dict(out=jnp.zeros((6, 16, 64), jnp.float32)), 4, True, "lse: expected shape"),
+    (dict(item_start=jnp.zeros((3, 1), jnp.int32)), 4, False, "item_start, item_count: expected two"),
+    (dict(item_count=jnp.zeros((4,), jnp.int32)), 4, False, "item_start, item_count: expected two"),
+    (dict(merged=jnp.zeros((3, 16, 32), jnp.bfloat16)), 4, False, "merged, merged_lse: expected shapes"),
+    (dict(merged_lse=jnp.zeros((2, 16), jnp.float32)), 4, False, "merged, merged_lse: expected shapes"),
+    (dict(out=jnp.zeros((6, 16, 64), jnp.float16)), 4, False, "float32 or bfloat16 partials"),
+    (dict(lse=jnp.zeros((6, 16), jnp.bfloat16)), 4, False, "float32 lse"),
+    (dict(item_count=jnp.zeros((3,), jnp.uint32)), 4, False, "item_start, item_count: expected int32"),
+    (dict(merged=jnp.zeros((3, 16, 64), jnp.int32)), 4, False, "bfloat16, float32 or float16 output"),
+    (dict(merged_lse=jnp.zeros((3, 16), jnp.bfloat16)), 4, False, "bfloat16, float32 or float16 output"),
+    (dict(out=jnp.zeros((6, 16, 48), jnp.float32), merged=jnp.zeros((3, 16, 48), jnp.float32)), 4, False,
+     "R a power of two"),
+    ({}, 3, False, "chunk: expected a power of two"),
+    ({}, 0, False, "chunk: expected a power of two"),
+])
+def test_bad_item_args_raise(changes, chunk, transposed, match):
+    with pytest.raises(ValueError, match=match):
+        combine_items(**item_args(transposed=transposed, **changes), chunk=chunk, transposed=transposed,
+                      interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_index", range(len(ITEM_CASES)), ids=ITEM_IDS)
+def test_compiled_combine_items_matches_float64(case_index):
+    transposed, rows, partial, output, chunk, counts = ITEM_CASES[case_index]
+    inputs = random_items(100 + case_index, counts, rows, 512, partial, output, chunk)
+    out, lse, starts, counts, merged, merged_lse = inputs
+    stored = out.transpose(0, 2, 1) if transposed else out
+    got, got_lse = combine_items(jnp.asarray(stored, partial), jnp.asarray(lse), jnp.asarray(starts),
+                                 jnp.asarray(counts), jnp.asarray(merged), jnp.asarray(merged_lse), chunk=chunk,
+                                 transposed=transposed)
+    got, got_lse = np.asarray(got), np.asarray(got_lse)
+    # The GPU's exp/log differ from numpy's by a few ulps: the same bounds as interpret mode.
+    assert_items_match_float64(inputs, got, got_lse)
+    bits = {2: np.uint16, 4: np.uint32}[merged.dtype.itemsize]
+    kept = counts <= 1
+    assert np.array_equal(got[kept].view(bits), merged[kept].view(bits))
+    assert np.array_equal(got_lse[kept].view(np.uint32), merged_lse[kept].view(np.uint32))

@@ -125,9 +125,10 @@ def _kernel_and_rows(kernel: str):
 
 
 def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_scale, *, layer_pages=0, num_splits=1,
-                 interpret=False, kernel="mgpu"):
+                 balanced=False, interpret=False, kernel="mgpu"):
     """A Mosaic kernel (``_kernel_and_rows``) on the API's shapes: rows padded to its block,
-    the cache flattened.
+    the cache flattened; ``balanced``: its split plan follows the rows' seq_lens
+    (``split_plan.balanced_plan``, sized for ``num_splits`` a row).
 
     ``layer_pages`` > 0 puts a layer of NaN pages in front of the cache and reads
     the second layer through ``layer_offset``, as a multi-layer cache does.
@@ -143,21 +144,24 @@ def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_
         cache = [jnp.concatenate([jnp.full((layer_pages * 64, *a.shape[1:]), jnp.nan, a.dtype), a]) for a in cache]
     out, lse = kernel_fn(to_rows(q), to_rows(q_rope), tuple(cache), block_table, seq_lens,
                          jnp.full((1,), layer_pages * 64, jnp.int32), softmax_scale=softmax_scale,
-                         page_size=64, s_q=s_q, num_heads=heads, num_splits=num_splits, interpret=interpret)
+                         page_size=64, s_q=s_q, num_heads=heads, num_splits=num_splits, balanced=balanced,
+                         interpret=interpret)
     return out[:, :rows].reshape(q.shape), lse[:, :rows].reshape(batch, s_q, heads)
 
 
 @pytest.mark.parametrize("kernel", ["mgpu", "small", "small32"])
-@pytest.mark.parametrize("s_q,num_splits,dtype", [(1, 1, "bfloat16"), (2, 1, "bfloat16"), (1, 4, "bfloat16"),
-                                                  (1, 1, "float32"), (1, 2, "float32")])
-def test_kernel_lowers_for_cuda(kernel, s_q, num_splits, dtype):
+@pytest.mark.parametrize("s_q,num_splits,dtype,balanced", [
+    (1, 1, "bfloat16", False), (2, 1, "bfloat16", False), (1, 4, "bfloat16", False), (1, 1, "float32", False),
+    (1, 2, "float32", False), (2, 2, "bfloat16", True), (1, 1, "float32", True)])
+def test_kernel_lowers_for_cuda(kernel, s_q, num_splits, dtype, balanced):
     """Layout inference, SMEM allocation (fits in an H100's 227 KB) and lowering to MLIR, without a
     GPU. float32 queries (a float32 model) give a float32 output: the 16-row kernel stores it
-    transposed, as its split partials (a 32-bit transposed store does not lower)."""
+    transposed, as its split partials (a 32-bit transposed store does not lower). ``balanced``:
+    the split plan read from the items array, outputs to the row or the item's partial slot."""
     heads = 64 if kernel == "mgpu" else 16
     q, q_rope, *cache = _inputs(0, batch=2, heads=heads, pages_per_row=3, seq_lens=[100, 0], s_q=s_q)
     args = (q.astype(dtype), q_rope.astype(dtype), *cache)
-    call = lambda *a: _call_kernel(*a, 0.1, num_splits=num_splits, kernel=kernel)
+    call = lambda *a: _call_kernel(*a, 0.1, num_splits=num_splits, balanced=balanced, kernel=kernel)
     lower_for_cuda(call, *args)
 
 
@@ -383,16 +387,19 @@ def _nan_past_seq_lens(latent, scale, rope, block_table, seq_lens):
     return tuple(None if a is None else jnp.asarray(a, b.dtype) for a, b in zip(arrays, (latent, scale, rope)))
 
 
-def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu", dtype="bfloat16"):
+def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu", dtype="bfloat16",
+           balanced=False, pages_per_row=5):
     """Kernel vs ``mla_decode_reference(block_n=128)``, queries in ``dtype``; returns (max error /
     max |ref|, max lse error, lse scale)."""
-    q, q_rope, latent, scale, rope, block_table, lens = _inputs(heads + s_q, batch=3, heads=heads, pages_per_row=5,
-                                                                seq_lens=seq_lens, s_q=s_q)
+    q, q_rope, latent, scale, rope, block_table, lens = _inputs(heads + s_q, batch=len(seq_lens), heads=heads,
+                                                                pages_per_row=pages_per_row, seq_lens=seq_lens,
+                                                                s_q=s_q)
     q, q_rope = q.astype(dtype), q_rope.astype(dtype)
     latent, scale, rope = _nan_past_seq_lens(latent, scale, rope, block_table, seq_lens)
     softmax_scale = 576 ** -0.5
     out, lse = _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale,
-                            layer_pages=layer_pages, num_splits=splits, interpret=interpret, kernel=kernel)
+                            layer_pages=layer_pages, num_splits=splits, balanced=balanced, interpret=interpret,
+                            kernel=kernel)
     # The reference rounds Q and P' to e4m3 as the kernel does (P' factor per
     # 128-token step), with exact products, on the same pages without a layer offset.
     ref, ref_lse = mla_decode_reference(q, q_rope, latent, scale, rope, block_table, lens,
@@ -406,10 +413,12 @@ def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu
     return float(err), float(np.max(np.abs(lse[seen] - ref_lse[seen]))), float(np.max(np.abs(ref_lse[seen])))
 
 
-def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel="mgpu", dtype="bfloat16"):
-    """``_check`` in interpret mode in a fresh process that has 8 CPU devices (``_in_subprocess``)."""
+def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel="mgpu", dtype="bfloat16", **kw):
+    """``_check`` in interpret mode in a fresh process that has 8 CPU devices (``_in_subprocess``);
+    ``kw``: more keyword arguments of ``_check`` (python literals)."""
+    more = "".join(f", {k}={v!r}" for k, v in kw.items())
     return _in_subprocess(f"_check({heads}, {s_q}, {seq_lens!r}, {layer_pages}, {splits}, interpret=True, "
-                          f"kernel={kernel!r}, dtype={dtype!r})")
+                          f"kernel={kernel!r}, dtype={dtype!r}{more})")
 
 
 def _in_subprocess(call: str, module: str = "test_mla_decode_mgpu"):
@@ -517,6 +526,47 @@ def test_small_kernel_matches_reference(kernel, heads, s_q, seq_lens, layer_page
     # the 64-row kernel's): the bound of test_kernel_matches_reference, whose comment
     # has the measurements.
     assert err < MGPU_TOL, err
+    assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
+
+
+# Balanced split plans (``split_plan.balanced_plan``, rows of 10 pages): a long row cut into
+# one-step items beside rows of one item (written directly, no merge), a row of seq_len 0 and
+# unused items (their CTAs write nothing); with s_q = 2 the long row's items end in masked steps.
+# (kernel, heads, s_q, seq_lens, splits the budget is sized for, query dtype)
+BALANCED_CASES = pytest.mark.parametrize("kernel,heads,s_q,seq_lens,splits,dtype", [
+    ("mgpu", 64, 1, [640, 40, 0], 2, "bfloat16"),    # items 5 + 1 + 1 of a budget of 9
+    ("mgpu", 16, 2, [600, 129, 3], 1, "bfloat16"),   # items of 3 and 2 steps, 2 + 1 + 1 of 6
+    ("mgpu", 64, 1, [640, 40, 0], 2, "float32"),     # float32 partials and output
+    ("small", 16, 1, [640, 40, 0], 2, "bfloat16"),
+    ("small", 16, 1, [600, 129, 3], 1, "float32"),   # transposed float32 output and partials
+])
+
+
+def _balanced_tolerance(dtype):
+    # As test_kernel_interpreted_matches_reference: same roundings, another order; the bf16
+    # output's rounding (up to 2**-7 of max |ref| across a boundary) plus, for merged rows, the
+    # bf16 partials' (half an ulp, 2**-8). float32 outputs and partials: the bound of
+    # test_kernel_interpreted_float32_splits (P' computed as one exp2 of score + log2 k_scale may
+    # cross an e4m3 rounding boundary the reference does not).
+    return 1e-2 + 2.0 ** -8 if dtype == "bfloat16" else 4e-3
+
+
+@BALANCED_CASES
+def test_balanced_plan_interpreted_matches_reference(kernel, heads, s_q, seq_lens, splits, dtype):
+    """On CPU: each CTA finds its row and steps in the plan's items, rows of one item land in the
+    output directly, the others in partial slots merged by ``combine_items``."""
+    err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, 0, splits, kernel=kernel, dtype=dtype,
+                                           balanced=True, pages_per_row=10)
+    assert err < _balanced_tolerance(dtype), err
+    assert lse_err < 1e-4, lse_err
+
+
+@pytest.mark.gpu
+@BALANCED_CASES
+def test_balanced_plan_matches_reference(kernel, heads, s_q, seq_lens, splits, dtype):
+    err, lse_err, lse_scale = _check(heads, s_q, seq_lens, 0, splits, interpret=False, kernel=kernel, dtype=dtype,
+                                     balanced=True, pages_per_row=10)
+    assert err < MGPU_TOL, err  # the compiled kernels' bound (test_kernel_matches_reference)
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
 
@@ -677,6 +727,30 @@ def test_mla_decode_mosaic_config_refuses_what_it_cannot_run():
         with pytest.raises(ValueError, match="config: kernel='mosaic' needs a cache with page_size 64"):
             mla_decode(q, q_rope, cache, table, lens, softmax_scale=0.1, backend="xla",
                        config=DecodeConfig(kernel="mosaic"))
+
+
+def test_mla_decode_balances_splits_unless_num_splits_is_given(monkeypatch):
+    """Left to ``mla_decode``, the Mosaic kernels get the balanced split plan sized for the planned
+    count; an explicit ``num_splits`` keeps every row at that count."""
+    import snapmla_jax.decode as decode
+    from pallas_kernels.mla_decode import MOSAIC_CONFIG
+    from snapmla_jax.cache import LatentCache
+
+    calls = []
+
+    def fake_kernel(q_rows, *args, **kw):
+        calls.append((kw["num_splits"], kw["balanced"]))
+        return jnp.zeros(q_rows.shape, q_rows.dtype), jnp.zeros(q_rows.shape[:2], jnp.float32)
+
+    monkeypatch.setattr(decode, "mosaic_kernel", lambda rows, dtype="fp8": (fake_kernel, 64))
+    cache = LatentCache.create(8, page_size=64)
+    q, q_rope = jnp.ones((2, 1, 64, 512), jnp.bfloat16), jnp.ones((2, 1, 64, 64), jnp.bfloat16)
+    table, lens = jnp.zeros((2, 4), jnp.int32), jnp.asarray([200, 10], jnp.int32)
+    kw = dict(softmax_scale=0.1, backend="interpret", config=MOSAIC_CONFIG)
+    decode.mla_decode(q, q_rope, cache, table, lens, **kw)
+    decode.mla_decode(q, q_rope, cache, table, lens, num_splits=3, **kw)
+    planned = decode.planned_num_splits(q, cache, table, backend="interpret", config=MOSAIC_CONFIG)
+    assert calls == [(planned, True), (3, False)]
 
 
 def test_default_config_picks_mosaic_for_compiled_decoding_with_64_token_pages(monkeypatch):

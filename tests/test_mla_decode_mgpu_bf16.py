@@ -23,7 +23,7 @@ from test_mla_decode_mgpu import _in_subprocess, _nan_past_seq_lens
 
 PAGE = 64
 
-# (heads, s_q, seq_lens, layer, splits, query dtype): every case has a row of length 0 and
+# (heads, s_q, seq_lens, layer, splits, query dtype): every case has a row of length 0 (or 3) and
 # partial pages; masked steps hold NaN past seq_len.
 CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer,splits,dtype", [
     (64, 1, [100, 300, 0], None, 1, "float32"),   # ragged; 5 steps: both ring slots reused
@@ -31,6 +31,10 @@ CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer,splits,dtype", [
     (64, 1, [320, 257, 0], None, 3, "float32"),   # split-KV: splits of 2 steps, a 1-token one, empty ones
     (24, 2, [200, 2, 0], None, 1, "float32"),     # s_q = 2 (causal rule), 48 rows padded to 64
     (16, 4, [129, 4, 0], 1, 2, "bfloat16"),       # s_q = 4: masked steps in a row; bf16 queries and output
+    # splits None: mla_decode's balanced plan (``split_plan``): the long row in one-step items
+    # merged by ``combine_items``, the others one item each written directly, unused items.
+    (64, 1, [384, 40, 0], None, None, "float32"),
+    (16, 2, [380, 65, 3], 1, None, "bfloat16"),
 ])
 
 

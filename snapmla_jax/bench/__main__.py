@@ -1,4 +1,4 @@
-"""``python -m snapmla_jax.bench decode|write|e2e [options]`` (each accepts --help)."""
+"""``python -m snapmla_jax.bench decode|ragged|write|e2e [options]`` (each accepts --help)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 SUITES = {
     "decode": "snapmla_jax.bench.decode",
+    "ragged": "snapmla_jax.bench.ragged",
     "write": "snapmla_jax.bench.write",
     "e2e": "snapmla_jax.bench.e2e",
 }

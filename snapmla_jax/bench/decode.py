@@ -76,13 +76,13 @@ def chain_layers(batch: int, context: int) -> int:
     return layers
 
 
-def decode_chain(softmax_scale: float, layers: int, backend: str, config=None):
-    """jit of ``layers`` mla_decode calls, call i over layer i of the cache (no layer axis
-    when ``layers`` is 1), each call's output the next call's query:
-    (q, q_rope, cache, block_table, seq_lens) -> out [B, s_q, H, 512]."""
+def decode_chain(softmax_scale: float, layers: int, backend: str = "auto", config=None, num_splits=None):
+    """jit of ``layers`` mla_decode calls (``backend``, ``config``, ``num_splits``), call i over
+    layer i of the cache (no layer axis when ``layers`` is 1), each call's output the next call's
+    query: (q, q_rope, cache, block_table, seq_lens) -> out [B, s_q, H, 512]."""
     def one(q, q_rope, cache, block_table, seq_lens, layer):
         return mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=softmax_scale, layer=layer,
-                          backend=backend, config=config)
+                          backend=backend, config=config, num_splits=num_splits)
 
     if layers == 1:
         return jax.jit(lambda q, *rest: one(q, *rest, None))
@@ -102,6 +102,14 @@ def make_caches(batch: int, context: int, seed: int = 0,
     ``layers`` > 1: caches with a layer axis, every layer a copy of the same contents (the
     timing reads each layer's own bytes; their values need not differ)."""
     pages = batch * context // PAGE
+    fp8, bf16 = random_caches(pages, layers, seed)
+    block_table = jnp.arange(pages, dtype=jnp.int32).reshape(batch, context // PAGE)
+    return fp8, bf16, block_table
+
+
+def random_caches(pages: int, layers: int = 1, seed: int = 0) -> tuple[LatentCache, LatentCache]:
+    """fp8 and bf16 caches of ``pages`` pages of the same random contents (per-token magnitudes
+    e^N(0,1)); ``layers`` > 1: with a layer axis, every layer a copy of the same contents."""
     k = jax.random.split(jax.random.key(seed), 3)
     latent = (jax.random.normal(k[0], (pages, PAGE, RANK), jnp.bfloat16)
               * jnp.exp(jax.random.normal(k[1], (pages, PAGE, 1), jnp.bfloat16)))
@@ -110,10 +118,7 @@ def make_caches(batch: int, context: int, seed: int = 0,
     if layers > 1:
         stack = lambda a: jnp.broadcast_to(a[None], (layers, *a.shape)).copy()
         latent, latent_fp8, scale, rope = map(stack, (latent, latent_fp8, scale, rope))
-    fp8 = LatentCache(latent=latent_fp8, scale=scale, rope=rope)
-    bf16 = LatentCache(latent=latent, scale=None, rope=rope)
-    block_table = jnp.arange(pages, dtype=jnp.int32).reshape(batch, context // PAGE)
-    return fp8, bf16, block_table
+    return LatentCache(latent=latent_fp8, scale=scale, rope=rope), LatentCache(latent=latent, scale=None, rope=rope)
 
 
 def first_layer(cache: LatentCache) -> LatentCache:
@@ -318,6 +323,12 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         "fresh Q.K and P'.V accumulators overwritten by their first wgmma instead of zeroed first",
         "(`pallas_kernels/mgpu_fresh_acc.py`; the same bits, 18% fewer instructions a step, -1% to +4%",
         "side by side), and each row's % roof against its own run's ceilings (column \"ceil\").",
+        "Rows measured before 2026-11-26 22:30 UTC predate the twenty-eighth session's split plan",
+        "(`pallas_kernels/split_plan.py`: each row's CTAs in proportion to its seq_len, the Mosaic kernels'",
+        "default since). On these uniform batches it makes a call 4-7% slower, the kernels themselves as",
+        "fast as before (H100, side by side, 22:17 UTC: 32 x 16k x 128 0.228 vs 0.212 ms, 128 x 16k x 128",
+        "0.895 vs 0.852, 64 x 16k x 128 x 2 0.838 vs 0.796; docs/benchmarks/mgpu.md, twenty-eighth session);",
+        "over ragged batches 1.5-7.3x faster (ragged.md).",
         "layers: each timed sample runs that many calls in one jit, each over its own layer of a layered",
         "cache and taking the last call's output as its query (as a model's layers do), ms = its time /",
         "layers; enough layers that they read >= 256 MiB of fp8 cache (5x the L2), 1 from B x ctx = 400k",

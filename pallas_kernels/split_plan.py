@@ -1,0 +1,109 @@
+"""Which CTA decodes which tokens: the split-KV plan of the Mosaic decode kernels.
+
+A Mosaic decode call runs one CTA per (work item, block of query rows). A work item is
+one contiguous run of whole steps (``step_tokens`` tokens) of one batch row; a batch row's
+items together cover its seq_len, in order. Each item writes normalised partials and their
+log-sum-exp, merged per row by ``combine_splits.combine_items``; a row of a single item
+writes its output directly.
+
+Two plans:
+
+- ``uniform_plan``: every row cut into the same number of items, S (``num_splits``): what
+  the grid (batch row, split, row block) always did. Fine while the rows are about as long
+  as each other.
+- ``balanced_plan``: the number of items a row gets follows its length, from seq_lens at run
+  time, within a static budget of ``num_items`` items (FlashMLA's tile-scheduler metadata does
+  this job). With the same S for all, one 64k row among 2k ones keeps S CTAs busy for
+  64k / S tokens while the GPU idles; balanced, it gets ~its share of the SMs.
+
+The balanced rule. Each item takes at most L = ceil(total steps / (W - B)) steps, and row b
+gets n_b = max(1, ceil(steps_b / L)) items of ceil(steps_b / n_b) steps each (the last one
+shorter). Then sum n_b <= sum (steps_b / L + 1) <= W: the budget always suffices, every row
+(seq_len 0 included) has an item, and no item is empty but those of an empty row. With W =
+B (S + 1) rows of equal length get exactly the uniform plan's S items each (L = ceil(steps /
+S)), so the plan costs nothing when the batch is even; items past sum n_b are unused (count 0)
+and their CTAs return at once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class SplitPlan(NamedTuple):
+    """Work items of one decode call (W items over B batch rows).
+
+    items       int32 [3, W]: per item its batch row, its index among the row's items and the
+                row's item count; an unused item holds (0, 0, 0).
+    item_start  int32 [B]: the row's first item (its items are contiguous).
+    item_count  int32 [B]: the row's items, >= 1.
+    uniform_splits  static: the items every row has (``uniform_plan``), None where they
+                follow the rows (``balanced_plan``).
+    """
+    items: jax.Array
+    item_start: jax.Array
+    item_count: jax.Array
+    uniform_splits: int | None = None
+
+
+def uniform_plan(batch: int, num_splits: int) -> SplitPlan:
+    """Every batch row in ``num_splits`` items, item b * S + s its split s (W = B x S). Built in
+    numpy: constants of the compiled call, not computed on the device at every call."""
+    if batch < 1 or num_splits < 1:
+        raise ValueError(f"batch, num_splits: expected positive ints, got {batch!r}, {num_splits!r}")
+    item = np.arange(batch * num_splits, dtype=np.int32)
+    items = np.stack([item // num_splits, item % num_splits, np.full_like(item, num_splits)])
+    start = np.arange(batch, dtype=np.int32) * num_splits
+    return SplitPlan(jnp.asarray(items), jnp.asarray(start), jnp.full((batch,), num_splits, jnp.int32), num_splits)
+
+
+def balanced_items(batch: int, num_splits: int) -> int:
+    """The item budget W of ``balanced_plan`` that gives rows of equal length ``num_splits``
+    items each: B (S + 1)."""
+    return batch * (num_splits + 1)
+
+
+def balanced_plan(seq_lens: jax.Array, *, num_items: int, step_tokens: int, capacity: int) -> SplitPlan:
+    """Items in proportion to each row's steps (module docstring), from seq_lens [B] int32
+    (clipped into [0, ``capacity``] as the kernels clip them), ``num_items`` (W > B) items in
+    all, steps of ``step_tokens`` tokens. Traceable: W is static, the rest is computed on the
+    device."""
+    batch = seq_lens.shape[0]
+    if num_items <= batch:
+        raise ValueError(f"num_items: expected more items than batch rows ({batch}), got {num_items}")
+    steps = (jnp.clip(seq_lens, 0, capacity) + step_tokens - 1) // step_tokens
+    per_item = jnp.maximum(1, -(-jnp.sum(steps) // (num_items - batch)))
+    count = jnp.maximum(1, -(-steps // per_item)).astype(jnp.int32)
+    end = jnp.cumsum(count)
+    start = (end - count).astype(jnp.int32)
+    # Item w belongs to the row whose [start, end) holds it. One [W, B] mask and three sums
+    # over it: XLA runs them as one fusion, where a search and gathers took several launches
+    # (each ~1-2 us on an H100, beside a decode call of 0.2-0.8 ms).
+    item = jnp.arange(num_items, dtype=jnp.int32)[:, None]
+    mine = (start[None, :] <= item) & (item < end[None, :])
+    pick = lambda values: jnp.sum(jnp.where(mine, values, 0), axis=1, dtype=jnp.int32)
+    rows = jnp.arange(batch, dtype=jnp.int32)[None, :]
+    items = jnp.stack([pick(rows), pick(item - start[None, :]), pick(count[None, :])])
+    return SplitPlan(items, start, count)
+
+
+def item_steps(seq_len, split, count, *, s_q: int, step_tokens: int):
+    """The steps of ``step_tokens`` tokens item ``split`` of a row's ``count`` items takes:
+    (first_step, num_steps, unmasked_steps), int32 scalars (traced in a kernel).
+
+    Item s takes steps [first_step, first_step + num_steps) of the row: ceil(steps / count)
+    each, the last fewer. The first ``unmasked_steps`` of them every query row sees whole (the
+    shortest real row sees seq_len - s_q + 1 tokens), so they run without masks. count 0 (an
+    unused item) takes none. Non-negative operands throughout, so ``lax.div`` is the floor.
+    """
+    total_steps = jax.lax.div(seq_len + (step_tokens - 1), step_tokens)
+    steps_per_item = jax.lax.div(total_steps + (count - 1), jnp.maximum(count, 1))
+    first_step = split * steps_per_item
+    num_steps = jnp.where(count > 0, jnp.maximum(jnp.minimum(total_steps - first_step, steps_per_item), 0), 0)
+    unmasked_steps = jnp.clip(jax.lax.div(jnp.maximum(seq_len - s_q + 1, 0), step_tokens) - first_step, 0,
+                              num_steps)
+    return first_step, num_steps, unmasked_steps

@@ -1,0 +1,122 @@
+"""The split-KV plans of the Mosaic decode kernels (pallas_kernels/split_plan.py): which
+steps of which row each work item takes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.split_plan import balanced_items, balanced_plan, item_steps, uniform_plan
+
+STEP = 128
+
+
+def _walk(plan, seq_lens, *, s_q=1, step_tokens=STEP):
+    """Per item (row, first_step, num_steps, unmasked_steps), from item_steps on the plan."""
+    items = np.asarray(plan.items)
+    out = []
+    for w in range(items.shape[1]):
+        b, split, count = (int(v) for v in items[:, w])
+        steps = item_steps(jnp.int32(seq_lens[b]), jnp.int32(split), jnp.int32(count), s_q=s_q,
+                           step_tokens=step_tokens)
+        out.append((b, count, *(int(v) for v in steps)))
+    return out
+
+
+def _check_covers(plan, seq_lens, capacity, *, step_tokens=STEP):
+    """Every row's items are contiguous from item_start, take its steps in order exactly once,
+    and every row has at least one item; items past the used ones are (0, 0, 0) and walk nothing."""
+    lens = np.clip(np.asarray(seq_lens), 0, capacity)
+    start, count = np.asarray(plan.item_start), np.asarray(plan.item_count)
+    walked = _walk(plan, lens, step_tokens=step_tokens)
+    assert (count >= 1).all()
+    assert (start == np.concatenate([[0], np.cumsum(count)[:-1]])).all()
+    used = int(count.sum())
+    assert used <= plan.items.shape[1]
+    for b, n in enumerate(lens):
+        steps = -(-int(n) // step_tokens)
+        mine = walked[start[b]:start[b] + count[b]]
+        assert all(w[0] == b and w[1] == count[b] for w in mine)
+        covered = [s for _, _, first, num, _ in mine for s in range(first, first + num)]
+        assert covered == list(range(steps)), (b, n, mine)
+    assert all(w[1] == 0 and w[3] == 0 for w in walked[used:])
+    assert (np.asarray(plan.items)[:, used:] == 0).all()
+    return walked[:used]
+
+
+def test_uniform_plan_gives_every_row_num_splits_items_in_row_order():
+    plan = uniform_plan(3, 4)
+    items = np.asarray(plan.items)
+    assert items.shape == (3, 12)
+    assert (items[0] == np.repeat(np.arange(3), 4)).all()
+    assert (items[1] == np.tile(np.arange(4), 3)).all()
+    assert (items[2] == 4).all()
+    assert list(np.asarray(plan.item_start)) == [0, 4, 8] and list(np.asarray(plan.item_count)) == [4, 4, 4]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_plan_covers_every_row_within_the_budget(seed):
+    rng = np.random.default_rng(seed)
+    batch = int(rng.integers(1, 40))
+    capacity = int(rng.choice([128, 1000, 16384, 65536]))
+    lens = rng.integers(0, capacity + 1, batch)
+    lens[rng.random(batch) < 0.2] = 0  # empty rows
+    if batch > 2:
+        lens[0] = capacity  # a row at the capacity
+    num_items = balanced_items(batch, int(rng.integers(1, 8)))
+    plan = balanced_plan(jnp.asarray(lens, jnp.int32), num_items=num_items, step_tokens=STEP, capacity=capacity)
+    walked = _check_covers(plan, lens, capacity)
+    total = int(sum(-(-int(n) // STEP) for n in lens))
+    longest = max(-(-total // (num_items - batch)), 1)
+    assert max(w[3] for w in walked) <= longest  # no item past its share
+    assert all(w[3] > 0 for w in walked if lens[w[0]] > 0)  # only empty rows have empty items
+
+
+def test_balanced_plan_of_equal_rows_is_the_uniform_plan():
+    """With the budget B (S + 1), rows of one length get S items each, as the uniform plan."""
+    for batch, splits, length in ((32, 2, 16384), (1, 66, 16384), (128, 1, 16384), (5, 3, 4000)):
+        lens = jnp.full((batch,), length, jnp.int32)
+        plan = balanced_plan(lens, num_items=balanced_items(batch, splits), step_tokens=STEP, capacity=length)
+        steps = -(-length // STEP)
+        expected = -(-steps // -(-steps // splits))  # S, or fewer when items of ceil(steps / S) need fewer
+        assert (np.asarray(plan.item_count) == expected).all(), (batch, splits)
+        uniform = uniform_plan(batch, expected)
+        assert (np.asarray(plan.items)[:, :batch * expected] == np.asarray(uniform.items)).all()
+
+
+def test_balanced_plan_gives_a_long_row_the_items_of_the_short_ones():
+    """One 64k row among 31 of 2k: uniform 2 splits leave it to 2 items of 256 steps while the
+    short rows finish in 8; balanced, no item takes more than the average share."""
+    lens = np.full(32, 2048)
+    lens[7] = 65536
+    plan = balanced_plan(jnp.asarray(lens, jnp.int32), num_items=balanced_items(32, 2), step_tokens=STEP,
+                         capacity=65536)
+    walked = _check_covers(plan, lens, 65536)
+    count = np.asarray(plan.item_count)
+    assert count[7] == 32 and (np.delete(count, 7) == 1).all()
+    assert max(w[3] for w in walked) == 16  # (512 + 31 x 16) / 64 steps, rounded up
+
+
+def test_balanced_plan_clips_seq_lens_into_the_capacity_and_runs_under_jit():
+    lens = jnp.asarray([-5, 300, 10**6], jnp.int32)
+    plan = jax.jit(lambda s: balanced_plan(s, num_items=9, step_tokens=64, capacity=640))(lens)
+    _check_covers(plan, [0, 300, 640], 640, step_tokens=64)
+
+
+def test_balanced_plan_needs_more_items_than_rows():
+    with pytest.raises(ValueError, match="num_items"):
+        balanced_plan(jnp.ones((4,), jnp.int32), num_items=4, step_tokens=STEP, capacity=STEP)
+
+
+@pytest.mark.parametrize("s_q", [1, 2, 4])
+def test_unmasked_steps_are_the_steps_every_query_sees_whole(s_q):
+    """Item steps below ``unmasked_steps`` are seen whole by the shortest query (seq_len - s_q + 1
+    tokens); the next one is not (or the item ends)."""
+    for seq_len in (0, 1, 127, 128, 129, 130, 1000, 1024):
+        for count in (1, 2, 3):
+            for split in range(count):
+                first, num, unmasked = (int(v) for v in item_steps(
+                    jnp.int32(seq_len), jnp.int32(split), jnp.int32(count), s_q=s_q, step_tokens=STEP))
+                shortest = seq_len - s_q + 1
+                whole = [(first + j + 1) * STEP <= shortest for j in range(num)]
+                assert whole == [j < unmasked for j in range(num)], (seq_len, count, split)
