@@ -595,9 +595,7 @@ def start_cta(wg, first_step, num_steps, issue, issue_q, q_bar, *, issuer: int =
 
 class Cta(NamedTuple):
     """Where a CTA is and what it walks (``begin_cta``)."""
-    item: jax.Array  # work item (``split_plan``)
-    b: jax.Array  # its batch row
-    count: jax.Array  # the row's items (0: an unused item)
+    b: jax.Array  # the batch row of its work item (``split_plan``)
     wg: jax.Array  # this warpgroup
     seq_len: jax.Array
     row0: jax.Array  # first query row of the block
@@ -615,7 +613,7 @@ def begin_cta(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref,
     warps if ``by_warps``; None: ``ISSUE_BY_WARPS``), then ``start_cta`` (query tiles and first
     step in flight from warpgroup ``issuer``, the query waited for)."""
     where = locate_cta(seq_lens_ref, items_ref, bt_ref, q8_s.shape[1], s_q=s_q)
-    _, b, _, wg, _, row0, first_step, num_steps, _ = where
+    b, wg, _, row0, first_step, num_steps, _ = where
     issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, off_ref[0], kv8_s, rope_s, ksc_s, step_bar,
                         by_warps=ISSUE_BY_WARPS if by_warps is None else by_warps, num_pages=num_pages)
     start_cta(wg, first_step, num_steps, issue,
@@ -625,16 +623,16 @@ def begin_cta(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref,
 
 def locate_cta(seq_lens_ref, items_ref, bt_ref, rows: int, *, s_q: int, step_tokens: int = STEP) -> tuple:
     """Where a Mosaic decode CTA (grid work item w, row block of ``rows`` rows) is, for warpgroup
-    wg: (w, b, count, wg, seq_len, row0, first_step, num_steps, unmasked_steps), from the plan's
-    items_ref int32 [3, W] (``split_plan.SplitPlan.items``) and its steps of ``step_tokens``
-    tokens (``split_plan.item_steps``)."""
+    wg: (b, wg, seq_len, row0, first_step, num_steps, unmasked_steps), from the plan's items_ref
+    int32 [3, W] (``split_plan.SplitPlan.items``) and its steps of ``step_tokens`` tokens
+    (``split_plan.item_steps``)."""
     item, r, wg = (lax.axis_index(name) for name in ("w", "r", "wg"))
     b, split, count = items_ref[0, item], items_ref[1, item], items_ref[2, item]
     # A traced seq_len is not validated: past the table's capacity it would walk steps of
     # clamped pages (the XLA reference clips it there too).
     seq_len = jnp.clip(seq_lens_ref[b], 0, bt_ref.shape[1] * PAGE)
     first_step, num_steps, unmasked_steps = item_steps(seq_len, split, count, s_q=s_q, step_tokens=step_tokens)
-    return item, b, count, wg, seq_len, _aligned(r * rows, rows), first_step, num_steps, unmasked_steps
+    return b, wg, seq_len, _aligned(r * rows, rows), first_step, num_steps, unmasked_steps
 
 
 def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, *, issuer: int = 0):
@@ -896,7 +894,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
         seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q,
         num_pages=num_pages, issuer=NUM_WGS if PRODUCER_WG else 0, by_warps=PRODUCER_ISSUE_BY_WARPS if PRODUCER_WG else None)
-    wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = cta[3:]
+    _, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = cta
 
     # Nothing is written over a slot on the GPU; the interpreter masks V in place once both
     # warpgroups have read the slot as K (``qk_done``).
@@ -1082,13 +1080,13 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
         num_pages=num_pages, scale_planes=True, interpret=interpret)
-    plan, partials = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP)
+    plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP)
     out_dtype = partial_dtype(q_rows.dtype)
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          partials=partials, num_pages=num_pages, interpret=interpret),
-        out_type=output_types(plan, num_rows, out_dtype, partials),
+                          partials=plan.partials, num_pages=num_pages, interpret=interpret),
+        out_type=output_types(plan, num_rows, out_dtype),
         scratch_types=[
             plgpu.RefUnion(plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), FP8_DTYPE),
                            plgpu.SMEM((NUM_WGS, BLOCK_M, HALF), out_dtype,
@@ -1114,7 +1112,7 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
     )
     outs = kernel(seq_lens, plan.items, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
                   latent_pairs, scales, rope_pairs)
-    return merge_items(outs, plan, q_rows.dtype, partials=partials, num_splits=num_splits, interpret=interpret)
+    return merge_items(outs, plan, q_rows.dtype, num_splits=num_splits, interpret=interpret)
 
 
 def grid_params(plan: SplitPlan, row_blocks: int, kernel_name: str, interpret: bool,
@@ -1130,30 +1128,29 @@ def grid_params(plan: SplitPlan, row_blocks: int, kernel_name: str, interpret: b
                 interpret=plgpu.InterpretGPUParams() if interpret else None, **extra)
 
 
-def plan_items(seq_lens, block_table, *, num_splits: int, balanced: bool, step_tokens: int) -> tuple[SplitPlan, bool]:
-    """The work items of a call over seq_lens [B] and block_table [B, max_pages], and whether
-    a row may have several (its partials then need slots and a merge): ``balanced_plan`` with
-    the budget that gives rows of equal length ``num_splits`` items each, or ``uniform_plan``
-    (``num_splits`` items a row; also for a balanced plan of one row, which it equals)."""
+def plan_items(seq_lens, block_table, *, num_splits: int, balanced: bool, step_tokens: int) -> SplitPlan:
+    """The work items of a call over seq_lens [B] and block_table [B, max_pages]: ``balanced_plan``
+    with the budget that gives rows of equal length ``num_splits`` items each, or
+    ``uniform_plan`` (``num_splits`` items a row; also for a balanced plan of one row, which it
+    equals)."""
     batch = seq_lens.shape[0]
     if not balanced or batch == 1:
-        return uniform_plan(batch, num_splits), num_splits > 1
-    plan = balanced_plan(seq_lens, num_items=balanced_items(batch, num_splits), step_tokens=step_tokens,
+        return uniform_plan(batch, num_splits)
+    return balanced_plan(seq_lens, num_items=balanced_items(batch, num_splits), step_tokens=step_tokens,
                          capacity=block_table.shape[1] * PAGE)
-    return plan, True
 
 
-def output_types(plan: SplitPlan, num_rows: int, dtype, partials: bool, *, transposed: bool = False) -> tuple:
+def output_types(plan: SplitPlan, num_rows: int, dtype, *, transposed: bool = False) -> tuple:
     """The four outputs of a Mosaic decode kernel (``OutputTarget``): out [B, rows, 512] (or
     [B, 512, rows] ``transposed``) in ``dtype``, lse [B, rows] f32, and the partials' slots
-    [W, ...] and [W, rows] (placeholders of one slot without ``partials``)."""
-    batch, slots = plan.item_start.shape[0], plan.items.shape[1] if partials else 1
+    [W, ...] and [W, rows] (placeholders of one slot if the plan has none: ``SplitPlan.partials``)."""
+    batch, slots = plan.item_start.shape[0], plan.items.shape[1] if plan.partials else 1
     shape = lambda n: (n, RANK, num_rows) if transposed else (n, num_rows, RANK)
     return (jax.ShapeDtypeStruct(shape(batch), dtype), jax.ShapeDtypeStruct((batch, num_rows), jnp.float32),
             jax.ShapeDtypeStruct(shape(slots), dtype), jax.ShapeDtypeStruct((slots, num_rows), jnp.float32))
 
 
-def merge_items(outs: tuple, plan: SplitPlan, dtype, *, partials: bool, num_splits: int, transposed: bool = False,
+def merge_items(outs: tuple, plan: SplitPlan, dtype, *, num_splits: int, transposed: bool = False,
                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """The call's (out [B, rows, 512] in ``dtype``, lse [B, rows]) from a kernel's four outputs
     (``output_types``). A uniform plan of S > 1 merges its [B x S] partial slots as [B, S]
@@ -1163,14 +1160,14 @@ def merge_items(outs: tuple, plan: SplitPlan, dtype, *, partials: bool, num_spli
     loaded at a time)."""
     out, lse, part_o, part_lse = outs
     batch = out.shape[0]
-    if partials and plan.uniform_splits is not None:
+    if plan.partials and plan.uniform_splits is not None:
         part_o = part_o.reshape(batch, plan.uniform_splits, *part_o.shape[1:])
         out, lse = combine_splits(part_o, part_lse.reshape(batch, plan.uniform_splits, -1), dtype,
                                   transposed=transposed, interpret=interpret)
         return out, lse
     if transposed:
         out = out.swapaxes(1, 2)
-    if partials:
+    if plan.partials:
         out, lse = combine_items(part_o, part_lse, plan.item_start, plan.item_count, out, lse,
                                  chunk=pl.next_power_of_2(max(num_splits, 2)), transposed=transposed,
                                  interpret=interpret)

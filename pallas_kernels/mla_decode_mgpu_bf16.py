@@ -145,8 +145,8 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
     interpreter only, interpreter_p = (P tiles bf16 [2, 64, 64], one a warpgroup,).
     """
     q_s, o_s = q_union
-    where = locate_cta(seq_lens_ref, items_ref, bt_ref, BLOCK_M, s_q=s_q, step_tokens=STEP)
-    _, b, _, wg, seq_len, row0, first_step, num_steps, unmasked_steps = where
+    b, wg, seq_len, row0, first_step, num_steps, unmasked_steps = locate_cta(
+        seq_lens_ref, items_ref, bt_ref, BLOCK_M, s_q=s_q, step_tokens=STEP)
     issue = step_issuer(bt_ref, lat_ref, rope_ref, b, off_ref[0], kv_s, rope_s, step_bar, num_pages=num_pages)
     start_cta(wg, first_step, num_steps, issue,
               functools.partial(issue_query, q_ref, qr_ref, None, b, row0, q_s, qr_s, None), q_bar, issuer=NUM_WGS)
@@ -216,13 +216,13 @@ def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays
     check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
     latent, rope = cache_arrays
     num_pages = resolve_num_pages(num_pages, latent.shape[0], page_size)
-    plan, partials = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP)
+    plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP)
     out_dtype = partial_dtype(q_rows.dtype)
     stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # a warpgroup's staging tile: 16 KB
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          partials=partials, num_pages=num_pages, interpret=interpret),
-        out_type=output_types(plan, num_rows, out_dtype, partials),
+                          partials=plan.partials, num_pages=num_pages, interpret=interpret),
+        out_type=output_types(plan, num_rows, out_dtype),
         scratch_types=[
             plgpu.RefUnion(plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), jnp.bfloat16),
                            plgpu.SMEM((NUM_WGS, BLOCK_M, stage_cols), out_dtype)),
@@ -240,4 +240,4 @@ def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays
     )
     outs = kernel(seq_lens, plan.items, block_table, layer_offset, q_rows.astype(jnp.bfloat16),
                   q_rope_rows.astype(jnp.bfloat16), latent, rope)
-    return merge_items(outs, plan, q_rows.dtype, partials=partials, num_splits=num_splits, interpret=interpret)
+    return merge_items(outs, plan, q_rows.dtype, num_splits=num_splits, interpret=interpret)

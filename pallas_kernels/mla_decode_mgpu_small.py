@@ -297,7 +297,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
     cta = begin_cta(
         seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_pages=num_pages, issuer=ISSUER)
-    wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = cta[3:]
+    _, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = cta
     *_, m0, l0 = initial_carry((CHUNK, rows), rows_axis=1)
 
     @pl.when(wg == 0)
@@ -371,7 +371,7 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
         num_pages=num_pages, block_rows=rows, interpret=interpret)
-    plan, partials = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP)
+    plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP)
     # Output and partials are bf16 for a bf16 output, else float32 (``partial_dtype``). Float32 ones
     # leave the kernel as [features, rows] (``write_outputs_t``: Mosaic GPU cannot store 32-bit
     # values transposed).
@@ -380,8 +380,8 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
     stage_shape = (NUM_WGS, CHUNK, rows) if transposed else (NUM_WGS, rows, CHUNK)
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          partials=partials, transposed=transposed, num_pages=num_pages, interpret=interpret),
-        out_type=output_types(plan, num_rows, out_dtype, partials, transposed=transposed),
+                          partials=plan.partials, transposed=transposed, num_pages=num_pages, interpret=interpret),
+        out_type=output_types(plan, num_rows, out_dtype, transposed=transposed),
         scratch_types=[
             plgpu.SMEM((NUM_CHUNKS, rows, CHUNK), FP8_DTYPE),
             plgpu.SMEM((rows, ROPE), jnp.bfloat16),
@@ -406,5 +406,5 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
     )
     outs = kernel(seq_lens, plan.items, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
                   latent_pairs, scales, rope_pairs)
-    return merge_items(outs, plan, q_rows.dtype, partials=partials, num_splits=num_splits, transposed=transposed,
+    return merge_items(outs, plan, q_rows.dtype, num_splits=num_splits, transposed=transposed,
                        interpret=interpret)

@@ -49,6 +49,11 @@ class SplitPlan(NamedTuple):
     item_count: jax.Array
     uniform_splits: int | None = None
 
+    @property
+    def partials(self) -> bool:
+        """Whether a row may have several items (whose partials then need slots and a merge)."""
+        return self.uniform_splits != 1
+
 
 def uniform_plan(batch: int, num_splits: int) -> SplitPlan:
     """Every batch row in ``num_splits`` items, item b * S + s its split s (W = B x S). Built in
