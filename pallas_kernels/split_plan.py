@@ -85,9 +85,10 @@ def balanced_plan(seq_lens: jax.Array, *, num_items: int, step_tokens: int, capa
     count = jnp.maximum(1, -(-steps // per_item)).astype(jnp.int32)
     end = jnp.cumsum(count)
     start = (end - count).astype(jnp.int32)
-    # Item w belongs to the row whose [start, end) holds it. One [W, B] mask and three sums
-    # over it: XLA runs them as one fusion, where a search and gathers took several launches
-    # (each ~1-2 us on an H100, beside a decode call of 0.2-0.8 ms).
+    # Item w belongs to the row whose [start, end) holds it: one [W, B] mask and three sums over
+    # it. (``jnp.searchsorted``'s default method is an XLA while loop, ~130 us a call on an H100.)
+    # The whole plan still takes five small XLA launches, ~1.1-2 us each on an H100 beside a
+    # decode call of 0.2-0.8 ms (docs/benchmarks/mgpu.md, twenty-eighth session).
     item = jnp.arange(num_items, dtype=jnp.int32)[:, None]
     mine = (start[None, :] <= item) & (item < end[None, :])
     pick = lambda values: jnp.sum(jnp.where(mine, values, 0), axis=1, dtype=jnp.int32)
