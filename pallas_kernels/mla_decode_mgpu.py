@@ -155,7 +155,8 @@ from pallas_kernels.mgpu_decode_inputs import decode_inputs
 from pallas_kernels.mgpu_fresh_acc import SUPPORTED as FRESH_SUPPORTED
 from pallas_kernels.mgpu_fresh_acc import chain_overwriting, product_overwriting
 from pallas_kernels.mla_decode import LN2, LOG2E, resolve_num_pages
-from pallas_kernels.split_plan import SplitPlan, balanced_items, balanced_plan, item_steps, uniform_plan
+from pallas_kernels.split_plan import SplitPlan, balanced_items, item_steps, uniform_plan
+from pallas_kernels.split_plan_kernel import balanced_plan_kernel
 
 PAGE = 64  # cache page size this kernel supports
 STEP = 128  # tokens per inner step: two pages (see the module docstring)
@@ -621,18 +622,28 @@ def begin_cta(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref,
     return Cta(*where, issue)
 
 
-def locate_cta(seq_lens_ref, items_ref, bt_ref, rows: int, *, s_q: int, step_tokens: int = STEP) -> tuple:
+class Where(NamedTuple):
+    """Where a CTA is (``locate_cta``)."""
+    b: jax.Array  # the batch row of its work item (``split_plan``)
+    wg: jax.Array  # this warpgroup
+    seq_len: jax.Array
+    row0: jax.Array  # first query row of the block
+    first_step: jax.Array
+    num_steps: jax.Array
+    unmasked_steps: jax.Array
+
+
+def locate_cta(seq_lens_ref, items_ref, bt_ref, rows: int, *, s_q: int, step_tokens: int = STEP) -> Where:
     """Where a Mosaic decode CTA (grid work item w, row block of ``rows`` rows) is, for warpgroup
-    wg: (b, wg, seq_len, row0, first_step, num_steps, unmasked_steps), from the plan's items_ref
-    int32 [3, W] (``split_plan.SplitPlan.items``) and its steps of ``step_tokens`` tokens
-    (``split_plan.item_steps``)."""
+    wg, from the plan's items_ref int32 [3, W] (``split_plan.SplitPlan.items``) and its steps of
+    ``step_tokens`` tokens (``split_plan.item_steps``)."""
     item, r, wg = (lax.axis_index(name) for name in ("w", "r", "wg"))
     b, split, count = items_ref[0, item], items_ref[1, item], items_ref[2, item]
     # A traced seq_len is not validated: past the table's capacity it would walk steps of
     # clamped pages (the XLA reference clips it there too).
     seq_len = jnp.clip(seq_lens_ref[b], 0, bt_ref.shape[1] * PAGE)
     first_step, num_steps, unmasked_steps = item_steps(seq_len, split, count, s_q=s_q, step_tokens=step_tokens)
-    return b, wg, seq_len, _aligned(r * rows, rows), first_step, num_steps, unmasked_steps
+    return Where(b, wg, seq_len, _aligned(r * rows, rows), first_step, num_steps, unmasked_steps)
 
 
 def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, *, issuer: int = 0):
@@ -706,12 +717,29 @@ def initial_carry(acc_shape=(BLOCK_M, CHUNK), rows_axis: int = 0, num_accs: int 
                plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), layout)))
 
 
-def walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar, *, issuer: int | None = 0) -> tuple:
+def walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar, *, issuer: int | None = 0,
+               relocate: Callable[[], Where] | None = None) -> tuple:
     """Run ``step(j, carry, masked=...)`` over a CTA's steps: the unmasked ones, then the masked
     tail (``split_plan.item_steps``); then ``drain_consumed`` (``issuer`` None: a producer warpgroup drains).
-    Returns the final carry."""
+    Returns the final carry.
+
+    ``relocate``: None, or ``locate_cta`` over the same refs, called again after the unmasked
+    loop: the masked tail then takes its bounds from it and ``step`` gets it as ``where=``.
+    For a step whose unmasked calls read none of the item's values (the consumers of a kernel
+    with a producer warpgroup), nothing loaded from the plan then stays live across the
+    unmasked loop. The old grid's row and split were block indices, which ptxas recomputes
+    from special registers; the plan's are loads, which it keeps in registers or spills:
+    the 64-row FP8 kernel's unmasked step loop read 11 words of spilled registers a step
+    where the old grid's read 7, and 9 with its tail relocated (ptxas 13.0; 1-2% of the call
+    side by side on an H100; docs/benchmarks/mgpu.md, twenty-ninth session).
+    """
     carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(unmasked_steps, num_steps, functools.partial(step, masked=True), carry)
+    masked_step = functools.partial(step, masked=True)
+    if relocate is not None:
+        where = relocate()
+        unmasked_steps, num_steps = where.unmasked_steps, where.num_steps
+        masked_step = functools.partial(step, masked=True, where=where)
+    carry = lax.fori_loop(unmasked_steps, num_steps, masked_step, carry)
     if issuer is not None:
         drain_consumed(wg, num_steps, consumed_bar, issuer=issuer)
     return carry
@@ -895,6 +923,10 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
         q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q,
         num_pages=num_pages, issuer=NUM_WGS if PRODUCER_WG else 0, by_warps=PRODUCER_ISSUE_BY_WARPS if PRODUCER_WG else None)
     _, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = cta
+    # With a producer warpgroup the consumers' unmasked steps read nothing of the item: its
+    # masked tail locates the CTA again (``walk_steps``).
+    relocate = (functools.partial(locate_cta, seq_lens_ref, items_ref, bt_ref, q8_s.shape[1], s_q=s_q)
+                if PRODUCER_WG else None)
 
     # Nothing is written over a slot on the GPU; the interpreter masks V in place once both
     # warpgroups have read the slot as K (``qk_done``).
@@ -908,7 +940,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
         my_rows = _aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
         q_scale = plgpu.load(qsc_s, layout=ROW)
 
-        def step_tail_t(slot, accs, row_state, ratio, p_scaled, t0, *, masked: bool):
+        def step_tail_t(slot, accs, row_state, ratio, p_scaled, t0, seq_len, *, masked: bool):
             """P' to SMEM in ``vt_step_row`` order, the fold's ratio (per row) to the column layout,
             then O^T += V^T.P'^T (``pv_update_t``); returns the carry (the accumulators, then
             ``row_state``)."""
@@ -946,9 +978,10 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
                 plgpu.barrier_arrive(consumed_bar.at[slot])
             return (*new_accs, *row_state)
 
-        def step(j, carry, *, masked: bool):
+        def step(j, carry, *, masked: bool, where: Where | None = None):
             accs, m, l_part = carry[:num_accs], carry[num_accs], carry[num_accs + 1]
-            t0 = (first_step + j) * STEP
+            step_seq_len, step_first = (seq_len, first_step) if where is None else (where.seq_len, where.first_step)
+            t0 = (step_first + j) * STEP
             # The named scopes are the phases ``scripts/profile_mgpu_steps.py`` times
             # on the GPU (the on-device profiler records them when ``COMPILER_PARAMS``
             # asks for it; otherwise they only name MLIR locations).
@@ -964,7 +997,8 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
                     plgpu.barrier_arrive(qk_done_bar.at[slot])
 
             with jax.named_scope("stats"):
-                visible = step_visibility(row0, t0, seq_len, wg, s_q=s_q, num_heads=num_heads) if masked else None
+                visible = (step_visibility(row0, t0, step_seq_len, wg, s_q=s_q, num_heads=num_heads)
+                           if masked else None)
                 log2_k_scale = plgpu.load(ksc_s.at[slot, 1, pl.ds(my_rows, HALF)], layout=COL)
                 log_pv, log_pv_max = local_stats(scores, log2_k_scale, scale_log2, visible)
                 publish_stats(stats_s.at[slot, wg], None if named_sync else stats_bar.at[slot], log_pv_max)
@@ -976,12 +1010,12 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
                 m_new, l_part, frame, p_scaled, ratio = softmax_frame(
                     log_pv, inv_k_scale, m, l_part, carry[-1], log_pv_max, visible)
 
-            return step_tail_t(slot, accs, (m_new, l_part, frame), ratio, p_scaled, t0, masked=masked)
+            return step_tail_t(slot, accs, (m_new, l_part, frame), ratio, p_scaled, t0, step_seq_len, masked=masked)
 
         carry = initial_carry((BLOCK_M, HALF), num_accs=num_accs)
         carry = carry + (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), ROW),)  # frame
         carry = walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar,
-                           issuer=None if PRODUCER_WG else 0)
+                           issuer=None if PRODUCER_WG else 0, relocate=relocate)
         accs, l_part = carry[:num_accs], carry[num_accs + 1]
         lsum_s[wg] = l_part
         # Both warpgroups are past their last QK (Q8's bytes become the output
@@ -1080,7 +1114,8 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
         num_pages=num_pages, scale_planes=True, interpret=interpret)
-    plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP)
+    plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP,
+                      interpret=interpret)
     out_dtype = partial_dtype(q_rows.dtype)
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
     kernel = plgpu.kernel(
@@ -1128,16 +1163,17 @@ def grid_params(plan: SplitPlan, row_blocks: int, kernel_name: str, interpret: b
                 interpret=plgpu.InterpretGPUParams() if interpret else None, **extra)
 
 
-def plan_items(seq_lens, block_table, *, num_splits: int, balanced: bool, step_tokens: int) -> SplitPlan:
-    """The work items of a call over seq_lens [B] and block_table [B, max_pages]: ``balanced_plan``
-    with the budget that gives rows of equal length ``num_splits`` items each, or
-    ``uniform_plan`` (``num_splits`` items a row; also for a balanced plan of one row, which it
-    equals)."""
+def plan_items(seq_lens, block_table, *, num_splits: int, balanced: bool, step_tokens: int,
+               interpret: bool = False) -> SplitPlan:
+    """The work items of a call over seq_lens [B] and block_table [B, max_pages]:
+    ``split_plan.balanced_plan`` (in one launch: ``balanced_plan_kernel``) with the budget that
+    gives rows of equal length ``num_splits`` items each, or ``uniform_plan`` (``num_splits``
+    items a row; also for a balanced plan of one row, which it equals)."""
     batch = seq_lens.shape[0]
     if not balanced or batch == 1:
         return uniform_plan(batch, num_splits)
-    return balanced_plan(seq_lens, num_items=balanced_items(batch, num_splits), step_tokens=step_tokens,
-                         capacity=block_table.shape[1] * PAGE)
+    return balanced_plan_kernel(seq_lens, num_items=balanced_items(batch, num_splits), step_tokens=step_tokens,
+                                capacity=block_table.shape[1] * PAGE, interpret=interpret)
 
 
 def output_types(plan: SplitPlan, num_rows: int, dtype, *, transposed: bool = False) -> tuple:

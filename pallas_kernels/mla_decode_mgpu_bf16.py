@@ -152,9 +152,11 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
               functools.partial(issue_query, q_ref, qr_ref, None, b, row0, q_s, qr_s, None), q_bar, issuer=NUM_WGS)
 
     def consume():
-        def step(j, carry, *, masked: bool):
+        def step(j, carry, *, masked: bool, where=None):
             accs, m, l = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
-            t0 = (first_step + j) * STEP
+            # The masked tail's values come from ``where`` (``walk_steps``' relocate).
+            step_seq_len, step_first = (seq_len, first_step) if where is None else (where.seq_len, where.first_step)
+            t0 = (step_first + j) * STEP
             slot = lax.rem(j, NUM_SLOTS)
             with jax.named_scope("wait_step"):
                 plgpu.barrier_wait(step_bar.at[slot])
@@ -162,7 +164,8 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
                 scores = step_scores(q_s, qr_s, kv_s.at[slot], rope_s.at[slot]) * scale_log2
             with jax.named_scope("softmax"):
                 if masked:  # masked slots may hold any bytes, NaN included
-                    visible = step_visibility(row0, t0, seq_len, 0, s_q=s_q, num_heads=num_heads, token_stride=1)
+                    visible = step_visibility(row0, t0, step_seq_len, 0, s_q=s_q, num_heads=num_heads,
+                                              token_stride=1)
                     scores = jnp.where(visible, scores, -jnp.inf)
                 m_new = jnp.maximum(m, scores.max(axis=1))
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -176,7 +179,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
                 # and the same bytes below seq_len (rewritten unchanged).
                 with jax.named_scope("v_mask"):
                     for v_chunk in v_chunks:
-                        zero_past_seq_len(v_chunk, t0, seq_len)
+                        zero_past_seq_len(v_chunk, t0, step_seq_len)
                     plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma
             with jax.named_scope("pv"):
                 p_ref = interpreter_p[0].at[wg] if interpret else None
@@ -184,7 +187,9 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
                 plgpu.barrier_arrive(consumed_bar.at[slot])
             return (*new_accs, m_new, l)
 
-        *accs, m, l = walk_steps(step, initial_carry(), wg, unmasked_steps, num_steps, consumed_bar, issuer=None)
+        *accs, m, l = walk_steps(step, initial_carry(), wg, unmasked_steps, num_steps, consumed_bar, issuer=None,
+                                 relocate=functools.partial(locate_cta, seq_lens_ref, items_ref, bt_ref, BLOCK_M,
+                                                            s_q=s_q, step_tokens=STEP))
         # Both warpgroups are past their last Q.K: the query's bytes become the output staging.
         plgpu.barrier_arrive(end_bar)
         plgpu.barrier_wait(end_bar)
@@ -216,7 +221,8 @@ def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays
     check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
     latent, rope = cache_arrays
     num_pages = resolve_num_pages(num_pages, latent.shape[0], page_size)
-    plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP)
+    plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP,
+                      interpret=interpret)
     out_dtype = partial_dtype(q_rows.dtype)
     stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # a warpgroup's staging tile: 16 KB
     kernel = plgpu.kernel(

@@ -371,7 +371,8 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
     q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
         num_pages=num_pages, block_rows=rows, interpret=interpret)
-    plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP)
+    plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP,
+                      interpret=interpret)
     # Output and partials are bf16 for a bf16 output, else float32 (``partial_dtype``). Float32 ones
     # leave the kernel as [features, rows] (``write_outputs_t``: Mosaic GPU cannot store 32-bit
     # values transposed).

@@ -170,8 +170,31 @@ def test_round_robin_times_every_run_in_turn_and_reports_failures(monkeypatch):
                                       "broken": (broken, [(1.0,)])}, rounds=3, warmup=1, iters=5)
     assert result["fast"] == 1.0 and result["slow"] == 3.0
     assert isinstance(result["broken"], RuntimeError)
-    # One warm-up call each, then three rounds with the order rotated: fast, slow / slow, fast / fast, slow.
-    assert calls == ["fast", "slow", "fast", "slow", "slow", "fast", "fast", "slow"]
+    # One warm-up call each, then three rounds of one sample of each (the broken one left out).
+    assert calls[:2] == ["fast", "slow"]
+    assert all(sorted(calls[2 + 2 * r:4 + 2 * r]) == ["fast", "slow"] for r in range(3)) and len(calls) == 8
+
+
+def test_round_robin_varies_which_run_a_sample_follows(monkeypatch):
+    """The GPU's clock after a sample depends on what it ran: over the rounds each run's samples
+    follow different runs, not always the same one (as a fixed rotation would have them)."""
+    order = []
+    monkeypatch.setattr(timing, "sample_ms", lambda fn, arg_sets, *, iters, inner=10, first=0:
+                        [fn(*arg_sets[0])] * iters)
+
+    def run(name):
+        return lambda x: order.append(name) or 1.0
+
+    names = ["a", "b", "c", "d"]
+    timing.time_round_robin({n: (run(n), [(0,)]) for n in names}, warmup=1, iters=12)
+    timed = order[len(names):]
+    assert len(timed) == 12 * len(names)
+    rounds = [timed[i:i + len(names)] for i in range(0, len(timed), len(names))]
+    assert all(sorted(r) == names for r in rounds)  # default: one sample of each a round
+    before = {n: {timed[i - 1] for i in range(1, len(timed)) if timed[i] == n} for n in names}
+    # (A rotation gives each run two predecessors: the one before it in the order, and at the
+    # start of a round the last of the round before.)
+    assert all(prev - {n} == set(names) - {n} for n, prev in before.items()), before
 
 
 def test_round_robin_samples_last_at_least_min_sample_ms(monkeypatch):

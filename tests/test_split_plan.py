@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.split_plan import balanced_items, balanced_plan, item_steps, uniform_plan
+from pallas_kernels.split_plan_kernel import balanced_plan_kernel
+from snapmla_jax.backend import lower_for_cuda
 
 STEP = 128
 
@@ -120,3 +122,65 @@ def test_unmasked_steps_are_the_steps_every_query_sees_whole(s_q):
                 shortest = seq_len - s_q + 1
                 whole = [(first + j + 1) * STEP <= shortest for j in range(num)]
                 assert whole == [j < unmasked for j in range(num)], (seq_len, count, split)
+
+
+# --- balanced_plan_kernel: the same plan in one Pallas launch ----------------------------------
+
+def _kernel_cases():
+    """(seq_lens, num_items, capacity): odd and power-of-two batches, W below, at and past the
+    kernel's 128-item blocks, empty rows, negative and over-capacity seq_lens, one long row."""
+    rng = np.random.default_rng(7)
+    cases = []
+    for batch, splits, capacity in ((2, 1, 128), (3, 2, 1000), (16, 7, 16384), (33, 3, 65536), (64, 1, 4096),
+                                    (130, 2, 2048), (256, 1, 65536)):
+        lens = rng.integers(-3, capacity + 200, batch).astype(np.int32)
+        lens[rng.random(batch) < 0.2] = 0
+        cases.append((lens, balanced_items(batch, splits), capacity))
+    one_long = np.full(32, 2048, np.int32)
+    one_long[7] = 65536
+    cases.append((one_long, balanced_items(32, 2), 65536))
+    return cases
+
+
+def _assert_same_plan(got, want):
+    for name, g, w in zip(("items", "item_start", "item_count"), got[:3], want[:3]):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+
+
+@pytest.mark.parametrize("case", range(len(_kernel_cases())))
+def test_plan_kernel_equals_the_reference_plan(case):
+    lens, num_items, capacity = _kernel_cases()[case]
+    want = balanced_plan(jnp.asarray(lens), num_items=num_items, step_tokens=STEP, capacity=capacity)
+    got = balanced_plan_kernel(jnp.asarray(lens), num_items=num_items, step_tokens=STEP, capacity=capacity,
+                               interpret=True)
+    _assert_same_plan(got, want)
+    assert got.uniform_splits is None and got.partials
+    _check_covers(got, lens, capacity)
+
+
+def test_plan_kernel_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="num_items"):
+        balanced_plan_kernel(jnp.ones((4,), jnp.int32), num_items=4, step_tokens=STEP, capacity=STEP, interpret=True)
+    with pytest.raises(ValueError, match="seq_lens"):
+        balanced_plan_kernel(jnp.ones((4,), jnp.float32), num_items=8, step_tokens=STEP, capacity=STEP,
+                             interpret=True)
+    with pytest.raises(ValueError, match="seq_lens"):
+        balanced_plan_kernel(jnp.ones((2, 2), jnp.int32), num_items=8, step_tokens=STEP, capacity=STEP,
+                             interpret=True)
+
+
+def test_plan_kernel_lowers_for_cuda():
+    for batch, num_items in ((3, 9), (256, 512)):
+        lowered = lower_for_cuda(lambda s: balanced_plan_kernel(s, num_items=num_items, step_tokens=STEP,
+                                                                capacity=65536),
+                                 jax.ShapeDtypeStruct((batch,), jnp.int32))
+        assert "snapmla_split_plan" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(_kernel_cases())))
+def test_compiled_plan_kernel_equals_the_reference_plan(case):
+    lens, num_items, capacity = _kernel_cases()[case]
+    want = balanced_plan(jnp.asarray(lens), num_items=num_items, step_tokens=STEP, capacity=capacity)
+    _assert_same_plan(balanced_plan_kernel(jnp.asarray(lens), num_items=num_items, step_tokens=STEP,
+                                           capacity=capacity), want)

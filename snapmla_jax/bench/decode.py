@@ -5,8 +5,8 @@ For every (batch B, context, heads H, s_q) the same random cache contents are
 stored as fp8 and bf16 LatentCaches (page_size 64, each row's pages in order),
 and each method is timed as the median of synchronised samples of back-to-back
 calls (at least 10, and enough to last ``MIN_SAMPLE_MS``), the methods' samples
-taken round-robin (``timing.time_round_robin``: 5 rounds, each timing every method
-in turn) so that a drift of the GPU's clocks during the row falls on all of them
+taken round-robin (``timing.time_round_robin``: by default one sample of every method
+a round) so that a drift of the GPU's clocks during the row falls on all of them
 alike. Columns:
 
   ms           median time of one decode call (all B rows, one layer)
@@ -204,7 +204,8 @@ def make_queries(batch: int, context: int, heads: int, s_q: int) -> tuple[jax.Ar
     return q, q_rope, jnp.full((batch,), context, jnp.int32), 1.0 / math.sqrt(RANK + ROPE)
 
 
-def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_reason, memory, rounds: int = 5):
+def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_reason, memory,
+                   rounds: int | None = None):
     fp8, bf16, block_table = caches
     layers = fp8.num_layers or 1
     q, q_rope, seq_lens, scale = make_queries(batch, context, heads, s_q)
@@ -329,6 +330,17 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         "fast as before (H100, side by side, 22:17 UTC: 32 x 16k x 128 0.228 vs 0.212 ms, 128 x 16k x 128",
         "0.895 vs 0.852, 64 x 16k x 128 x 2 0.838 vs 0.796; docs/benchmarks/mgpu.md, twenty-eighth session);",
         "over ragged batches 1.5-7.3x faster (ragged.md).",
+        "Rows measured from 2026-11-27 00:15 UTC run the twenty-ninth session's plan and sampling: the",
+        "plan in one launch (`pallas_kernels/split_plan_kernel.py`, 1.7-2.6 us, instead of five XLA",
+        "launches, ~7 us), the consumers' masked tail locating its CTA again (`walk_steps`' relocate:",
+        "1-2% on the FP8 kernel), and samples taken one of each method a round in a shuffled order",
+        "(`timing.time_round_robin`; under the H100's software power cap the SM clock moved between 1740",
+        "and 1980 MHz within 0.5 s, and what a sample follows sets its clock: the same code measured",
+        "FP8/BF16 1.63x and 1.60x at 32 x 16k x 128 under 5 rounds of two samples and one sample a round",
+        "in a fixed rotation). Side by side with the code before the plan (H100, 2026-11-27 00:15 UTC),",
+        "FP8 is still 3-5% slower a call on these uniform batches (32 x 16k x 128 0.223-0.226 vs",
+        "0.212-0.214 ms, 32 x 64k 0.843-0.880 vs 0.817-0.829; docs/benchmarks/mgpu.md, twenty-ninth",
+        "session); the rows' ratios come out of one run each and moved by up to 4% between runs.",
         "layers: each timed sample runs that many calls in one jit, each over its own layer of a layered",
         "cache and taking the last call's output as its query (as a model's layers do), ms = its time /",
         "layers; enough layers that they read >= 256 MiB of fp8 cache (5x the L2), 1 from B x ctx = 400k",
@@ -373,8 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--out", default="docs/benchmarks", help="directory for decode.json / decode.md")
     parser.add_argument("--iters", type=int, default=10, help="timed samples (of 10 calls) per measurement")
-    parser.add_argument("--rounds", type=int, default=5,
-                        help="round-robin rounds the samples are spread over (timing.time_round_robin)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="round-robin rounds the samples are spread over (timing.time_round_robin; "
+                             "default: --iters, one sample of each method a round)")
     parser.add_argument("--batches", type=int, nargs="*", help="override the batch sizes")
     parser.add_argument("--contexts", type=int, nargs="*", help="override the context lengths")
     parser.add_argument("--heads", type=int, nargs="*", help="override the head counts")

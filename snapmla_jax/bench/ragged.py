@@ -94,7 +94,7 @@ def ragged_work(method: str, lens: np.ndarray, heads: int, s_q: int) -> tuple[in
     return tuple(sum(p[i] for p in parts) for i in range(3))
 
 
-def measure_scenario(name: str, heads: int, s_q: int, ceilings, *, iters: int, rounds: int) -> dict:
+def measure_scenario(name: str, heads: int, s_q: int, ceilings, *, iters: int, rounds: int | None) -> dict:
     lens = scenario_lens(name)
     batch, tokens = len(lens), int(lens.sum())
     layers = chain_layers(1, tokens)
@@ -153,8 +153,11 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict]) -> str:
         "FP8 = `mla_decode` defaults on the fp8 cache: its split plan gives each row CTAs in proportion to",
         "its seq_len (`pallas_kernels/split_plan.py`). FP8 uni = the same kernel with `num_splits` = \"splits\"",
         "(the count the default plan is sized for), every row cut into that many splits, as every call",
-        "was before the balanced plan. BF16 = the BF16 twin's defaults. Times are medians of samples",
-        "taken round-robin; ms = one call (a chain of `layers` calls in one jit / layers). % roof: the",
+        "was before the balanced plan. BF16 = the BF16 twin's defaults: above 16 query rows the Mosaic",
+        "twin, with the same plan; up to 16 (H=16, s_q=1) the Triton twin, whose splits stay uniform, so",
+        "there FP8/BF16 also counts the plan. Times are medians of samples taken round-robin (one",
+        "sample of each method a round, shuffled order: `timing.time_round_robin`); ms = one call (a",
+        "chain of `layers` calls in one jit / layers). % roof: the",
         "roofline time of the tokens read (cache bytes / copy bandwidth, or FLOPs / GEMM rates) / FP8 ms.",
         "",
         table,
@@ -169,11 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, nargs="*", default=[128, 16])
     parser.add_argument("--s-q", type=int, nargs="*", dest="s_qs", default=[1])
     parser.add_argument("--iters", type=int, default=10, help="timed samples per method")
-    parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds (timing.time_round_robin)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="round-robin rounds (timing.time_round_robin; default: --iters, one sample a round)")
     args = parser.parse_args(argv)
     if timing.missing_gpu("ragged decode benchmark"):
         return 2
-    env = dict(timing.environment(), samples=f"--iters {args.iters} --rounds {args.rounds}")
+    env = dict(timing.environment(), samples=f"--iters {args.iters} --rounds {args.rounds or args.iters}")
     ceilings = timing.measure_ceilings()
     print(f"{env}\n{ceilings}", flush=True)
     ceil = dataclasses.asdict(ceilings)

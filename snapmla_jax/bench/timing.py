@@ -18,6 +18,7 @@ import json
 import math
 import pathlib
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -59,17 +60,21 @@ def sample_ms(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iters: int, 
     return samples
 
 
-def time_round_robin(runs: dict[str, tuple[Callable[..., Any], Sequence[tuple]]], *, rounds: int = 5,
+def time_round_robin(runs: dict[str, tuple[Callable[..., Any], Sequence[tuple]]], *, rounds: int | None = None,
                      warmup: int = 2, iters: int = 10, inner: int = 10,
                      min_sample_ms: float = 0.0) -> dict[str, float | Exception]:
     """Median time in ms of one call of each of ``runs`` (name -> (fn, arg_sets)), measured
-    side by side: every run is warmed up first, then ``rounds`` rounds each take
-    ceil(``iters`` / ``rounds``) samples (``sample_ms``) of every run in turn, the order rotated
-    from round to round. A drift of the GPU's clocks or temperature over the measurement then
-    falls on all runs alike, which times taken one run after the other do not ensure (H100,
-    B=64 x 16k x 128: the BF16 twin measured 0.673 and 0.708 ms in two runs of the decode
-    benchmark, the FP8 kernel 0.437 and 0.428). A run whose warm-up raises gets its exception
-    instead of a time, and the others go on.
+    side by side: every run is warmed up first, then ``rounds`` rounds (None: ``iters``, one
+    sample a round) each take ceil(``iters`` / ``rounds``) samples (``sample_ms``) of every run
+    in turn, in an order shuffled from round to round. A drift of the GPU's clocks or temperature
+    over the measurement then falls on all runs alike, which times taken one run after the
+    other do not ensure (H100, B=64 x 16k x 128: the BF16 twin measured 0.673 and 0.708 ms in
+    two runs of the decode benchmark, the FP8 kernel 0.437 and 0.428). The drift is fast: an
+    H100 under its software power cap (nvidia-smi clock event reason 0x4) moved its SM clock
+    between 1740 and 1980 MHz within 0.5 s, and samples of one FP8 decode call (128 x 16k x
+    128) from 0.76 to 0.87 ms over consecutive samples (twenty-ninth session); so by default
+    each round takes a single sample of each run. A run whose warm-up raises gets its
+    exception instead of a time, and the others go on.
 
     A sample runs at least ``inner`` calls, and more if one sample of ``inner`` (taken after the
     warm-up, not counted) lasted under ``min_sample_ms``: enough that it lasts about that long.
@@ -77,6 +82,7 @@ def time_round_robin(runs: dict[str, tuple[Callable[..., Any], Sequence[tuple]]]
     at its end, is then a small share of each call (H100, the FP8 decode path at 32 x 16k x 128:
     ~50 us of host time between its first two launches on a sample's first call, ~5 us a call
     in samples of 10)."""
+    rounds = iters if rounds is None else rounds
     per_round = -(-iters // rounds)
     samples: dict[str, list[float] | Exception] = {}
     calls: dict[str, int] = {}
@@ -93,8 +99,12 @@ def time_round_robin(runs: dict[str, tuple[Callable[..., Any], Sequence[tuple]]]
             calls[name] = max(inner, math.ceil(min_sample_ms / max(probe_ms, 1e-6)))
     timed = list(calls)  # the runs that warmed up, in order
     for r in range(rounds):
-        for k in range(len(timed)):
-            name = timed[(r + k) % len(timed)]
+        # Each round in its own order (seeded: repeatable): a run's samples then follow different
+        # runs. A fixed rotation puts each run after the same one in nearly every round, and the
+        # GPU's clock after a sample depends on what that sample ran (its power draw).
+        order = list(timed)
+        random.Random(r).shuffle(order)
+        for name in order:
             fn, arg_sets = runs[name]
             samples[name] += sample_ms(fn, arg_sets, iters=per_round, inner=calls[name],
                                        first=r * per_round * calls[name])
