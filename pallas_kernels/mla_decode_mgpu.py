@@ -594,34 +594,6 @@ def start_cta(wg, first_step, num_steps, issue, issue_q, q_bar, *, issuer: int =
     plgpu.barrier_wait(q_bar)
 
 
-class Cta(NamedTuple):
-    """Where a CTA is and what it walks (``begin_cta``)."""
-    b: jax.Array  # the batch row of its work item (``split_plan``)
-    wg: jax.Array  # this warpgroup
-    seq_len: jax.Array
-    row0: jax.Array  # first query row of the block
-    first_step: jax.Array
-    num_steps: jax.Array
-    unmasked_steps: jax.Array
-    issue: Callable  # ``step_issuer``'s issue(step, slot)
-
-
-def begin_cta(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
-              q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, *, s_q: int,
-              num_pages: int, issuer: int = 0, by_warps: bool | None = None) -> Cta:
-    """The start of a Mosaic decode CTA (grid work item, row block of q8_s's rows): where it is
-    (``locate_cta``), the TMA issuer of the ring (its copies shared by the issuing warpgroup's
-    warps if ``by_warps``; None: ``ISSUE_BY_WARPS``), then ``start_cta`` (query tiles and first
-    step in flight from warpgroup ``issuer``, the query waited for)."""
-    where = locate_cta(seq_lens_ref, items_ref, bt_ref, q8_s.shape[1], s_q=s_q)
-    b, wg, _, row0, first_step, num_steps, _ = where
-    issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, off_ref[0], kv8_s, rope_s, ksc_s, step_bar,
-                        by_warps=ISSUE_BY_WARPS if by_warps is None else by_warps, num_pages=num_pages)
-    start_cta(wg, first_step, num_steps, issue,
-              functools.partial(issue_query, q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar, issuer=issuer)
-    return Cta(*where, issue)
-
-
 class Where(NamedTuple):
     """Where a CTA is (``locate_cta``)."""
     b: jax.Array  # the batch row of its work item (``split_plan``)
@@ -631,6 +603,23 @@ class Where(NamedTuple):
     first_step: jax.Array
     num_steps: jax.Array
     unmasked_steps: jax.Array
+
+
+def begin_cta(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
+              q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, *, s_q: int,
+              num_pages: int, issuer: int = 0, by_warps: bool | None = None) -> tuple[Where, Callable]:
+    """The start of a Mosaic decode CTA (grid work item, row block of q8_s's rows): where it is
+    (``locate_cta``), the TMA issuer of the ring (its copies shared by the issuing warpgroup's
+    warps if ``by_warps``; None: ``ISSUE_BY_WARPS``), then ``start_cta`` (query tiles and first
+    step in flight from warpgroup ``issuer``, the query waited for). Returns the CTA's ``Where``
+    and the issuer (``step_issuer``'s issue(step, slot))."""
+    where = locate_cta(seq_lens_ref, items_ref, bt_ref, q8_s.shape[1], s_q=s_q)
+    b, wg, _, row0, first_step, num_steps, _ = where
+    issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, off_ref[0], kv8_s, rope_s, ksc_s, step_bar,
+                        by_warps=ISSUE_BY_WARPS if by_warps is None else by_warps, num_pages=num_pages)
+    start_cta(wg, first_step, num_steps, issue,
+              functools.partial(issue_query, q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar, issuer=issuer)
+    return where, issue
 
 
 def locate_cta(seq_lens_ref, items_ref, bt_ref, rows: int, *, s_q: int, step_tokens: int = STEP) -> Where:
@@ -918,11 +907,11 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
     (each warpgroup's per-row ratio, after the loop its 1 / l, read back one per column).
     """
     q8_s, o_s = q_union
-    cta = begin_cta(
+    where, issue = begin_cta(
         seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q,
         num_pages=num_pages, issuer=NUM_WGS if PRODUCER_WG else 0, by_warps=PRODUCER_ISSUE_BY_WARPS if PRODUCER_WG else None)
-    _, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = cta
+    _, wg, seq_len, row0, first_step, num_steps, unmasked_steps = where
     # With a producer warpgroup the consumers' unmasked steps read nothing of the item: its
     # masked tail locates the CTA again (``walk_steps``).
     relocate = (functools.partial(locate_cta, seq_lens_ref, items_ref, bt_ref, q8_s.shape[1], s_q=s_q)

@@ -294,10 +294,10 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
     rope_s, pt_s = rope_union
     rows = q8_s.shape[1]
     v16_s, o_s = v_union
-    cta = begin_cta(
+    where, issue = begin_cta(
         seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_pages=num_pages, issuer=ISSUER)
-    _, wg, seq_len, row0, first_step, num_steps, unmasked_steps, issue = cta
+    _, wg, seq_len, row0, first_step, num_steps, unmasked_steps = where
     *_, m0, l0 = initial_carry((CHUNK, rows), rows_axis=1)
 
     @pl.when(wg == 0)
