@@ -8,8 +8,12 @@ For each case (B x ctx x H x s_q) it builds the benchmark's chain of layers
 (the BF16 twin), times it (``timing.time_ms``, per layer), then traces three
 chained calls under ``jax.profiler.trace`` and sums each GPU kernel's duration
 per layer: the decode kernel itself, and every launch around it (input
-preparation, the split merge, the chain's layer arithmetic). At small
-problems a call is a handful of ~1-3 us launches, and this shows which ones.
+preparation, the split merge, the chain's layer arithmetic), and the traced
+calls' span, busy and idle time (``timing.timeline_us``: the gaps between
+launches). At small problems a call is a handful of ~1-3 us launches, and this
+shows which ones. A timed median far above the traced span is the clock, not
+the code: the traced calls follow a pause, the timed samples run under the
+GPU's power cap (docs/benchmarks/mgpu.md, twenty-ninth session).
 Writes launches.json under --out.
 """
 
@@ -43,10 +47,13 @@ def profile_case(batch: int, context: int, heads: int, s_q: int) -> dict:
         chain = bench.decode_chain(scale, layers, "pallas")
         args = (q, q_rope, cache, block_table, seq_lens)
         us = timing.time_ms(chain, [args], warmup=2, iters=20) / layers * 1e3
-        per_layer = {kernel: total / layers
-                     for kernel, total in timing.kernel_times_us(chain, args, calls=TRACED_CALLS).items()}
-        result[name] = {"us_per_layer": us, "layers": layers, "kernels_us_per_layer": per_layer}
-        print(f"{batch}x{context}x{heads}x{s_q} {name}: {us:.1f} us a layer", flush=True)
+        events = timing.gpu_events(chain, args, calls=TRACED_CALLS)
+        per_layer = {kernel: total / layers for kernel, total in timing.kernel_totals_us(events, TRACED_CALLS).items()}
+        timeline = {part: value / layers for part, value in timing.timeline_us(events, TRACED_CALLS).items()}
+        result[name] = {"us_per_layer": us, "layers": layers, "kernels_us_per_layer": per_layer,
+                        "timeline_us_per_layer": timeline}
+        print(f"{batch}x{context}x{heads}x{s_q} {name}: {us:.1f} us a layer; traced: span {timeline['span']:.1f}, "
+              f"busy {timeline['busy']:.1f}, idle between launches {timeline['idle']:.1f}", flush=True)
         for kernel, kernel_us in per_layer.items():
             if kernel_us >= 0.05:
                 print(f"    {kernel_us:7.2f} us  {kernel[:90]}", flush=True)

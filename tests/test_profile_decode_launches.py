@@ -33,6 +33,20 @@ def test_kernel_times_read_a_trace():
     from snapmla_jax.bench import timing
 
     assert timing.kernel_times_us(jax.jit(lambda x: x + 1), (jnp.ones(3),), calls=2) == {}
+    assert timing.gpu_events(jax.jit(lambda x: x + 1), (jnp.ones(3),), calls=2) == []
+
+
+def test_timeline_counts_overlaps_once_and_gaps_as_idle():
+    from snapmla_jax.bench.timing import GpuEvent, kernel_totals_us, timeline_us
+
+    # Two calls: a 10 us kernel, then 2 us later a 4 us merge overlapping a 3 us copy on
+    # another line (busy 5 us together), then a 6 us gap before the next call.
+    events = [GpuEvent("s", "kernel", 0, 10_000), GpuEvent("s", "merge", 12_000, 4_000),
+              GpuEvent("c", "copy", 13_000, 3_000), GpuEvent("s", "kernel", 22_000, 10_000),
+              GpuEvent("s", "merge", 34_000, 4_000)]
+    assert timeline_us(events, 2) == {"span": 19.0, "busy": 14.0, "idle": 5.0}
+    assert kernel_totals_us(events, 2) == {"kernel": 10.0, "merge": 4.0, "copy": 1.5}
+    assert timeline_us([], 3) == {"span": 0.0, "busy": 0.0, "idle": 0.0}
 
 
 def test_merge_tuning_cases_parse_and_exit_without_a_gpu(tmp_path):

@@ -23,7 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -121,11 +121,17 @@ class Ceilings:
 
 
 
-def kernel_times_us(fn: Callable[..., Any], args: tuple, *, calls: int = 3) -> dict[str, float]:
-    """GPU time in us of each kernel (by name) one ``fn(*args)`` call launches, from the JAX
-    profiler: ``calls`` warm calls traced, each kernel's durations summed and divided by
-    ``calls``; largest first. For launches of 1-10 us, where a wall-clock median would
-    measure the host's dispatch."""
+class GpuEvent(NamedTuple):
+    """One GPU activity of a profiler trace (a kernel, a memset, a copy)."""
+    line: str  # the trace line (a stream)
+    name: str
+    start_ns: int
+    duration_ns: int
+
+
+def gpu_events(fn: Callable[..., Any], args: tuple, *, calls: int = 3) -> list[GpuEvent]:
+    """The GPU activities of ``calls`` warm ``fn(*args)`` calls run back to back under the JAX
+    profiler, by start time (none on a machine without a GPU)."""
     from jax.profiler import ProfileData
 
     jax.block_until_ready(fn(*args))  # compiled and warm before the trace
@@ -136,13 +142,45 @@ def kernel_times_us(fn: Callable[..., Any], args: tuple, *, calls: int = 3) -> d
             jax.block_until_ready(result)
         [path] = pathlib.Path(trace_dir).rglob("*.xplane.pb")
         planes = ProfileData.from_file(str(path)).planes
+    events = [GpuEvent(line.name, event.name, event.start_ns, event.duration_ns)
+              for plane in planes if plane.name.startswith("/device:GPU")
+              for line in plane.lines for event in line.events]
+    return sorted(events, key=lambda e: e.start_ns)
+
+
+def kernel_totals_us(events: Sequence[GpuEvent], calls: int) -> dict[str, float]:
+    """GPU time in us a call of each kernel (by name) in ``events`` of ``calls`` calls; largest first."""
     totals: dict[str, float] = {}
-    for plane in planes:
-        if plane.name.startswith("/device:GPU"):
-            for line in plane.lines:
-                for event in line.events:
-                    totals[event.name] = totals.get(event.name, 0.0) + event.duration_ns / 1e3 / calls
+    for event in events:
+        totals[event.name] = totals.get(event.name, 0.0) + event.duration_ns / 1e3 / calls
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def timeline_us(events: Sequence[GpuEvent], calls: int) -> dict[str, float]:
+    """Where the GPU's time went over ``events`` of ``calls`` back-to-back calls, us a call:
+    span (first start to last end), busy (the union of the activities' intervals) and idle
+    (span - busy: the gaps between launches, which kernel durations alone do not show)."""
+    if not events:
+        return {"span": 0.0, "busy": 0.0, "idle": 0.0}
+    busy, end = 0, None
+    for event in sorted(events, key=lambda e: e.start_ns):
+        stop = event.start_ns + event.duration_ns
+        if end is None or event.start_ns >= end:
+            busy += event.duration_ns
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    span = max(e.start_ns + e.duration_ns for e in events) - min(e.start_ns for e in events)
+    return {"span": span / 1e3 / calls, "busy": busy / 1e3 / calls, "idle": (span - busy) / 1e3 / calls}
+
+
+def kernel_times_us(fn: Callable[..., Any], args: tuple, *, calls: int = 3) -> dict[str, float]:
+    """GPU time in us of each kernel (by name) one ``fn(*args)`` call launches, from the JAX
+    profiler: ``calls`` warm calls traced, each kernel's durations summed and divided by
+    ``calls``; largest first. For launches of 1-10 us, where a wall-clock median would
+    measure the host's dispatch."""
+    return kernel_totals_us(gpu_events(fn, args, calls=calls), calls)
 
 
 def measure_copy_gbps(nbytes: int = 2 << 30) -> float:
