@@ -300,6 +300,15 @@ def step_visibility(row0, t0, seq_len, half: int, *, s_q: int, num_heads: int, t
     return tokens < visible_len
 
 
+def step_page_columns(step, max_pages: int) -> tuple:
+    """The block-table columns of a step's two pages (``page_boxes``), clamped into the table:
+    with an even ``max_pages``, the step (so that the two stay adjacent), else each page."""
+    if max_pages % 2 == 0:
+        pair = jnp.minimum(step, max_pages // 2 - 1) * 2
+        return pair, pair + 1
+    return tuple(jnp.minimum(step * 2 + half, max_pages - 1) for half in range(2))
+
+
 def page_boxes(bt_ref, b, step, layer_offset, num_pages: int):
     """TMA boxes of a step, yielding (parity, source token pairs, destination rows):
     per page of the step and token parity, the pairs ``pl.ds`` in the [N/2, 2, ...]
@@ -308,10 +317,17 @@ def page_boxes(bt_ref, b, step, layer_offset, num_pages: int):
     Pages past the table's end (only in a partial last step) are clamped; their
     tokens are masked. Page ids are clipped into [0, num_pages) (a traced block
     table is not validated), as the XLA reference's gather clips them.
+
+    With an even number of table columns the step is clamped, not each page
+    (``step_page_columns``): the step's two ids are then adjacent, and ptxas reads them in one
+    64-bit load. Clamped one by one, they took two 32-bit loads, the second issued once the
+    first had arrived, and the consumers waited ~135 SM cycles a step longer for each step's
+    data (on the work-item grid, where the batch row is a loaded value): the FP8 kernel
+    2.9-3.5% slower at 32 x 16k-64k x 128 on an H100 (docs/mosaic_gpu_decode_plan.md,
+    thirtieth session).
     """
-    max_pages = bt_ref.shape[1]
-    for half in range(2):
-        page = jnp.clip(bt_ref[b, jnp.minimum(step * 2 + half, max_pages - 1)], 0, num_pages - 1)
+    for half, column in enumerate(step_page_columns(step, bt_ref.shape[1])):
+        page = jnp.clip(bt_ref[b, column], 0, num_pages - 1)
         # layer_offset is a multiple of PAGE: the TMA boxes start on whole pages.
         first_pair = _aligned((layer_offset + page * PAGE) // 2, PAGE // 2)
         for parity in range(2):

@@ -20,6 +20,11 @@ output (when "baseline" runs first) says whether they still compute the same.
 ``--compare-file PATH`` also times the 64-row kernel of another copy of
 mla_decode_mgpu.py (e.g. the last commit's, for a change no helper swap can
 express) as variant "file:<stem>", compiled and timed with the rest.
+``--kernel-trace-rounds N`` also reports each variant's kernel alone: the median GPU duration of
+its decode kernel over N rounds of interleaved calls in one profiler trace
+(``timing.interleaved_kernel_us``), which neither the launches around it nor the clock a
+wall-clock sample inherits from the one before move (the thirtieth session's 4% was clear there
+and not in the wall-clock ratios).
 Writes probe_costs.json.
 """
 
@@ -46,6 +51,10 @@ from pallas_kernels.mla_decode_mgpu import BLOCK_M, CHUNK, HALF, NUM_CHUNKS
 from snapmla_jax.bench import timing
 
 ROOT = pathlib.Path(__file__).resolve().parent
+# The decode kernel of each --kernel in a profiler trace (a substring of its launch's name; the
+# 16-row kernel's name extends the 64-row one's, hence "_mosaic").
+KERNEL_NAMES = {"mgpu": "snapmla_decode_fp8_mgpu_mosaic", "small": "snapmla_decode_fp8_mgpu_small",
+                "bf16": "snapmla_decode_bf16_mgpu"}
 ORIGINAL = {name: getattr(mgpu_kernel, name) for name in
             ("step_scores", "qk8_promoted", "ISSUE_BY_WARPS", "PRODUCER_WG", "PRODUCER_REGISTERS", "CONSUMER_REGISTERS",
              "PRODUCER_ISSUE_BY_WARPS", "page_boxes", "APPROX_MATH",
@@ -206,12 +215,16 @@ def gather_stats_local(other_ref, bar, log_pv_max):
     return log_pv_max
 
 
-def page_boxes_unclipped(bt_ref, b, step, layer_offset, num_pages):
+def page_boxes_unclipped(bt_ref, b, step, layer_offset, num_pages, *, clamp_each_page: bool = False):
     """The TMA boxes without the page ids' clip into [0, num_pages) (the kernels before the
-    fourteenth session): what the clip costs."""
+    fourteenth session): what the clip costs. ``clamp_each_page``: each page's table column
+    clamped on its own, as before the thirtieth session (two dependent 32-bit loads a step
+    where the batch row is a loaded value, against one 64-bit load)."""
     max_pages = bt_ref.shape[1]
-    for half in range(2):
-        page = bt_ref[b, jnp.minimum(step * 2 + half, max_pages - 1)]
+    columns = ([jnp.minimum(step * 2 + half, max_pages - 1) for half in range(2)] if clamp_each_page
+               else mgpu_kernel.step_page_columns(step, max_pages))
+    for half, column in enumerate(columns):
+        page = bt_ref[b, column]
         first_pair = mgpu_kernel._aligned((layer_offset + page * mgpu_kernel.PAGE) // 2, mgpu_kernel.PAGE // 2)
         for parity in range(2):
             yield (parity, pl.ds(first_pair, mgpu_kernel.PAGE // 2),
@@ -234,6 +247,7 @@ VARIANTS = {
     "registers_40_232": {"PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
     "producer_by_warps": {"PRODUCER_ISSUE_BY_WARPS": True},
     "pages_unclipped": {"page_boxes": page_boxes_unclipped},
+    "pages_unclipped_each_clamped": {"page_boxes": functools.partial(page_boxes_unclipped, clamp_each_page=True)},
     "precise_math": {"APPROX_MATH": False},
     # Stand-ins of the transposed P'.V's step (the shipped path): what each part costs.
     "no_softmax_t": {"softmax_frame": softmax_t_none},
@@ -342,6 +356,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds over the variants")
     parser.add_argument("--min-sample-ms", type=float, default=10.0,
                         help="the shortest timed sample (of at least 10 calls), ms")
+    parser.add_argument("--kernel-trace-rounds", type=int, default=0,
+                        help="also the decode kernel's median GPU duration over this many rounds of "
+                             "interleaved calls in one profiler trace (0: not measured)")
     parser.add_argument("--compare-file", action="append", default=[],
                         help="another mla_decode_mgpu.py whose kernel is timed as variant file:<stem>")
     args = parser.parse_args(argv)
@@ -406,6 +423,13 @@ def main(argv=None) -> int:
     for name, ms in times.items():
         results["ms"][name] = ms if isinstance(ms, float) else f"{type(ms).__name__}: {ms}"
         print(name, results["ms"][name], results["rel_l2_to_baseline"].get(name), flush=True)
+    if args.kernel_trace_rounds:
+        kernel = KERNEL_NAMES[args.kernel]
+        results["kernel_us"] = timing.interleaved_kernel_us(
+            {name: (executable, call_args) for name, executable in compiled.items()}, kernel=kernel,
+            rounds=args.kernel_trace_rounds)
+        for name, us in results["kernel_us"].items():
+            print(f"{name}: {kernel} {us:.1f} us (median of {args.kernel_trace_rounds}, interleaved)", flush=True)
     (out_dir / "probe_costs.json").write_text(json.dumps(results, indent=1))
     return 0
 

@@ -319,6 +319,18 @@ def test_qk_precision_probe_runs_interpreted(tmp_path):
         assert 5e-3 < summary["vs_exact_rel_l2_max"] < 0.1, (name, summary)
 
 
+@pytest.mark.parametrize("max_pages", [1, 2, 5, 8])
+def test_step_page_columns_are_the_pages_of_the_step_in_the_table(max_pages):
+    """A step's two block-table columns (``step_page_columns``): pages 2s and 2s + 1, the one past
+    an odd table's end clamped onto its last page; with an even width, adjacent (one 64-bit load)."""
+    from pallas_kernels.mla_decode_mgpu import step_page_columns
+    for step in range(-(-max_pages // 2)):  # the steps a row of the table's capacity walks
+        columns = [int(c) for c in step_page_columns(jnp.int32(step), max_pages)]
+        assert columns == [min(2 * step, max_pages - 1), min(2 * step + 1, max_pages - 1)], (step, columns)
+        if max_pages % 2 == 0:
+            assert columns[1] == columns[0] + 1
+
+
 def test_64_row_kernel_reduces_within_warps():
     """Pallas Mosaic GPU lowers a reduction across warps through an SMEM scratch at one static
     offset, and both warpgroups run the same program: two warpgroups reducing at once

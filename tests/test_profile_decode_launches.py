@@ -1,5 +1,6 @@
 """scripts/profile_decode_launches.py and scripts/tune_combine_splits.py: their case parsing,
-a clean exit without a GPU, and the profiler helper they share (timing.kernel_times_us)."""
+a clean exit without a GPU, and the profiler helpers (timing.kernel_times_us, timeline_us,
+kernel_us_by_call)."""
 
 import argparse
 
@@ -56,3 +57,29 @@ def test_merge_tuning_cases_parse_and_exit_without_a_gpu(tmp_path):
     with pytest.raises(argparse.ArgumentTypeError, match="B x splits x rows"):
         script.parse_case("1x66")
     assert script.main(["--out", str(tmp_path)]) == 2
+
+
+def test_kernel_durations_follow_the_call_order():
+    from snapmla_jax.bench.timing import GpuEvent, kernel_us_by_call
+    order = ["a", "b", "b", "a"]
+    events = [GpuEvent("s", "prep", 0, 1000)]
+    for k, us in enumerate([10.0, 20.0, 21.0, 11.0]):
+        start = 5000 * (k + 1)
+        events.append(GpuEvent("stream", "snapmla_decode_fp8_mgpu_mosaic_gpu_kernel", start, int(us * 1000)))
+        events.append(GpuEvent("other", "snapmla_combine_items", start + 3000, 500))
+    events.append(GpuEvent("aggregate", "snapmla_decode_fp8_mgpu_mosaic_gpu_kernel", 10000, 20000))  # a repeat
+    assert kernel_us_by_call(events, order, "decode_fp8_mgpu") == {"a": [10.0, 11.0], "b": [20.0, 21.0]}
+    with pytest.raises(ValueError, match="one launch of 'decode_bf16' a call"):
+        kernel_us_by_call(events, order, "decode_bf16")
+
+
+def test_interleaved_kernel_times_say_when_no_gpu_ran():
+    import jax
+    import jax.numpy as jnp
+
+    from snapmla_jax.bench import timing
+
+    fn = jax.jit(lambda x: x + 1)
+    with pytest.raises(ValueError, match="is there a GPU"):
+        timing.interleaved_kernel_us({"one": (fn, (jnp.ones(3),)), "two": (fn, (jnp.ones(3),))},
+                                     kernel="snapmla", rounds=2)

@@ -132,20 +132,70 @@ class GpuEvent(NamedTuple):
 def gpu_events(fn: Callable[..., Any], args: tuple, *, calls: int = 3) -> list[GpuEvent]:
     """The GPU activities of ``calls`` warm ``fn(*args)`` calls run back to back under the JAX
     profiler, by start time (none on a machine without a GPU)."""
+    jax.block_until_ready(fn(*args))  # compiled and warm before the trace
+    return traced_events(lambda: [fn(*args) for _ in range(calls)][-1])
+
+
+def traced_events(body: Callable[[], Any]) -> list[GpuEvent]:
+    """The GPU activities of ``body()`` (whose result is waited for) under the JAX profiler, by
+    start time (none on a machine without a GPU)."""
     from jax.profiler import ProfileData
 
-    jax.block_until_ready(fn(*args))  # compiled and warm before the trace
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
-            for _ in range(calls):
-                result = fn(*args)
-            jax.block_until_ready(result)
+            jax.block_until_ready(body())
         [path] = pathlib.Path(trace_dir).rglob("*.xplane.pb")
         planes = ProfileData.from_file(str(path)).planes
     events = [GpuEvent(line.name, event.name, event.start_ns, event.duration_ns)
               for plane in planes if plane.name.startswith("/device:GPU")
               for line in plane.lines for event in line.events]
     return sorted(events, key=lambda e: e.start_ns)
+
+
+def kernel_us_by_call(events: Sequence[GpuEvent], order: Sequence[str], kernel: str) -> dict[str, list[float]]:
+    """Durations in us of the launch of ``kernel`` (a substring of its name) of each call, by the
+    name in ``order`` of the run that made it: ``events`` are a trace's (``traced_events``) of
+    calls made in that order on one stream, each launching ``kernel`` once. An activity the trace
+    repeats on another line (same name and start) counts once."""
+    launches = sorted({(e.name, e.start_ns): e for e in events if kernel in e.name}.values(),
+                      key=lambda e: e.start_ns)
+    if len(launches) != len(order):
+        raise ValueError(f"kernel: expected one launch of {kernel!r} a call ({len(order)}), the trace has "
+                         f"{len(launches)}" + (" (no GPU activity: is there a GPU?)" if not events else ""))
+    durations: dict[str, list[float]] = {name: [] for name in dict.fromkeys(order)}
+    for name, launch in zip(order, launches):
+        durations[name].append(launch.duration_ns / 1e3)
+    return durations
+
+
+def interleaved_kernel_us(runs: dict[str, tuple[Callable[..., Any], tuple]], *, kernel: str, rounds: int = 25,
+                          warmup: int = 3) -> dict[str, float]:
+    """Median GPU duration in us of ``kernel``'s launch (a substring of its name) in each of
+    ``runs`` (name -> (fn, args), each call launching it once), from one profiler trace of
+    ``rounds`` rounds, each calling every run once in an order shuffled per round, back to back.
+
+    The kernels' own durations, side by side under the same clocks: what wall-clock samples
+    (``time_round_robin``) cannot separate from the launches around a kernel, and from the clock
+    a sample inherits from the one before it. On an H100 under its power cap this separated a
+    3.7-4.2% difference between two FP8 kernels whose wall-clock ratios had moved between -2%
+    and +5% from run to run (thirtieth session, docs/mosaic_gpu_decode_plan.md).
+    """
+    for fn, args in runs.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+    order = []
+    for r in range(rounds):
+        names = list(runs)
+        random.Random(r).shuffle(names)
+        order += names
+
+    def body():
+        for name in order:  # one stream: the last call's result is ready once all are
+            result = runs[name][0](*runs[name][1])
+        return result
+
+    durations = kernel_us_by_call(traced_events(body), order, kernel)
+    return {name: statistics.median(values) for name, values in durations.items()}
 
 
 def kernel_totals_us(events: Sequence[GpuEvent], calls: int) -> dict[str, float]:
