@@ -722,14 +722,14 @@ def initial_carry(acc_shape=(BLOCK_M, CHUNK), rows_axis: int = 0, num_accs: int 
                plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), layout)))
 
 
-def walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar, *, issuer: int | None = 0,
+def walk_steps(step, carry, where: Where, consumed_bar, *, issuer: int | None = 0,
                relocate: Callable[[], Where] | None = None) -> tuple:
-    """Run ``step(j, carry, masked=...)`` over a CTA's steps: the unmasked ones, then the masked
-    tail (``split_plan.item_steps``); then ``drain_consumed`` (``issuer`` None: a producer warpgroup drains).
-    Returns the final carry.
+    """Run ``step(j, carry, where=..., masked=...)`` over the steps of the CTA at ``where``
+    (``locate_cta``): the unmasked ones, then the masked tail (``split_plan.item_steps``); then
+    ``drain_consumed`` (``issuer`` None: a producer warpgroup drains). Returns the final carry.
 
     ``relocate``: None, or ``locate_cta`` over the same refs, called again after the unmasked
-    loop: the masked tail then takes its bounds from it and ``step`` gets it as ``where=``.
+    loop: the masked tail then takes its bounds from it and ``step`` gets it as ``where``.
     For a step whose unmasked calls read none of the item's values (the consumers of a kernel
     with a producer warpgroup), nothing loaded from the plan then stays live across the
     unmasked loop. The old grid's row and split were block indices, which ptxas recomputes
@@ -738,15 +738,13 @@ def walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar, *, issu
     where the old grid's read 7, and 9 with its tail relocated (ptxas 13.0; 1-2% of the call
     side by side on an H100; docs/benchmarks/mgpu.md, twenty-ninth session).
     """
-    carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), carry)
-    masked_step = functools.partial(step, masked=True)
+    carry = lax.fori_loop(0, where.unmasked_steps, functools.partial(step, where=where, masked=False), carry)
     if relocate is not None:
         where = relocate()
-        unmasked_steps, num_steps = where.unmasked_steps, where.num_steps
-        masked_step = functools.partial(step, masked=True, where=where)
-    carry = lax.fori_loop(unmasked_steps, num_steps, masked_step, carry)
+    carry = lax.fori_loop(where.unmasked_steps, where.num_steps, functools.partial(step, where=where, masked=True),
+                          carry)
     if issuer is not None:
-        drain_consumed(wg, num_steps, consumed_bar, issuer=issuer)
+        drain_consumed(where.wg, where.num_steps, consumed_bar, issuer=issuer)
     return carry
 
 
@@ -927,7 +925,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
         seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q,
         num_pages=num_pages, issuer=NUM_WGS if PRODUCER_WG else 0, by_warps=PRODUCER_ISSUE_BY_WARPS if PRODUCER_WG else None)
-    _, wg, seq_len, row0, first_step, num_steps, unmasked_steps = where
+    _, wg, _, row0, first_step, num_steps, _ = where
     # With a producer warpgroup the consumers' unmasked steps read nothing of the item: its
     # masked tail locates the CTA again (``walk_steps``).
     relocate = (functools.partial(locate_cta, seq_lens_ref, items_ref, bt_ref, q8_s.shape[1], s_q=s_q)
@@ -983,16 +981,15 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
                 plgpu.barrier_arrive(consumed_bar.at[slot])
             return (*new_accs, *row_state)
 
-        def step(j, carry, *, masked: bool, where: Where | None = None):
+        def step(j, carry, *, where: Where, masked: bool):
             accs, m, l_part = carry[:num_accs], carry[num_accs], carry[num_accs + 1]
-            step_seq_len, step_first = (seq_len, first_step) if where is None else (where.seq_len, where.first_step)
-            t0 = (step_first + j) * STEP
+            t0 = (where.first_step + j) * STEP
             # The named scopes are the phases ``scripts/profile_mgpu_steps.py`` times
             # on the GPU (the on-device profiler records them when ``COMPILER_PARAMS``
             # asks for it; otherwise they only name MLIR locations).
             with jax.named_scope("wait_step"):
-                slot = begin_step(j, wg, first_step, num_steps, None if PRODUCER_WG else issue, step_bar,
-                              consumed_bar)
+                slot = begin_step(j, wg, where.first_step, where.num_steps, None if PRODUCER_WG else issue,
+                                  step_bar, consumed_bar)
 
             with jax.named_scope("qk"):
                 k_scale = plgpu.load(ksc_scales.at[slot, pl.ds(my_rows, HALF)], layout=COL)
@@ -1002,7 +999,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
                     plgpu.barrier_arrive(qk_done_bar.at[slot])
 
             with jax.named_scope("stats"):
-                visible = (step_visibility(row0, t0, step_seq_len, wg, s_q=s_q, num_heads=num_heads)
+                visible = (step_visibility(row0, t0, where.seq_len, wg, s_q=s_q, num_heads=num_heads)
                            if masked else None)
                 log2_k_scale = plgpu.load(ksc_s.at[slot, 1, pl.ds(my_rows, HALF)], layout=COL)
                 log_pv, log_pv_max = local_stats(scores, log2_k_scale, scale_log2, visible)
@@ -1015,12 +1012,12 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
                 m_new, l_part, frame, p_scaled, ratio = softmax_frame(
                     log_pv, inv_k_scale, m, l_part, carry[-1], log_pv_max, visible)
 
-            return step_tail_t(slot, accs, (m_new, l_part, frame), ratio, p_scaled, t0, step_seq_len, masked=masked)
+            return step_tail_t(slot, accs, (m_new, l_part, frame), ratio, p_scaled, t0, where.seq_len,
+                               masked=masked)
 
         carry = initial_carry((BLOCK_M, HALF), num_accs=num_accs)
         carry = carry + (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), ROW),)  # frame
-        carry = walk_steps(step, carry, wg, unmasked_steps, num_steps, consumed_bar,
-                           issuer=None if PRODUCER_WG else 0, relocate=relocate)
+        carry = walk_steps(step, carry, where, consumed_bar, issuer=None if PRODUCER_WG else 0, relocate=relocate)
         accs, l_part = carry[:num_accs], carry[num_accs + 1]
         lsum_s[wg] = l_part
         # Both warpgroups are past their last QK (Q8's bytes become the output

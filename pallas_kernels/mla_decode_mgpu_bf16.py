@@ -64,7 +64,7 @@ from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, CHUNKS_PER_WG, NUM_C
                                             ROPE, _aligned, check_launch, check_registers, grid_params, initial_carry,
                                             for_used_items, issue_query, locate_cta, merge_items, output_target,
                                             output_types, plan_items, produce_steps, specialize_warpgroups,
-                                            start_cta, step_visibility, walk_steps, write_outputs)
+                                            start_cta, step_visibility, walk_steps, write_outputs, Where)
 
 STEP = PAGE  # tokens a step: one page (see the module docstring)
 COPIES_STEP = NUM_CHUNKS + 1  # TMA copies arriving on a slot's barrier: latent chunks, RoPE rows
@@ -145,18 +145,17 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
     interpreter only, interpreter_p = (P tiles bf16 [2, 64, 64], one a warpgroup,).
     """
     q_s, o_s = q_union
-    b, wg, seq_len, row0, first_step, num_steps, unmasked_steps = locate_cta(
-        seq_lens_ref, items_ref, bt_ref, BLOCK_M, s_q=s_q, step_tokens=STEP)
+    where = locate_cta(seq_lens_ref, items_ref, bt_ref, BLOCK_M, s_q=s_q, step_tokens=STEP)
+    b, wg, _, row0, first_step, num_steps, _ = where
     issue = step_issuer(bt_ref, lat_ref, rope_ref, b, off_ref[0], kv_s, rope_s, step_bar, num_pages=num_pages)
     start_cta(wg, first_step, num_steps, issue,
               functools.partial(issue_query, q_ref, qr_ref, None, b, row0, q_s, qr_s, None), q_bar, issuer=NUM_WGS)
 
     def consume():
-        def step(j, carry, *, masked: bool, where=None):
+        def step(j, carry, *, where: Where, masked: bool):
             accs, m, l = carry[:CHUNKS_PER_WG], carry[-2], carry[-1]
-            # The masked tail's values come from ``where`` (``walk_steps``' relocate).
-            step_seq_len, step_first = (seq_len, first_step) if where is None else (where.seq_len, where.first_step)
-            t0 = (step_first + j) * STEP
+            # The masked tail's ``where`` is ``walk_steps``' relocated one.
+            t0 = (where.first_step + j) * STEP
             slot = lax.rem(j, NUM_SLOTS)
             with jax.named_scope("wait_step"):
                 plgpu.barrier_wait(step_bar.at[slot])
@@ -164,7 +163,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
                 scores = step_scores(q_s, qr_s, kv_s.at[slot], rope_s.at[slot]) * scale_log2
             with jax.named_scope("softmax"):
                 if masked:  # masked slots may hold any bytes, NaN included
-                    visible = step_visibility(row0, t0, step_seq_len, 0, s_q=s_q, num_heads=num_heads,
+                    visible = step_visibility(row0, t0, where.seq_len, 0, s_q=s_q, num_heads=num_heads,
                                               token_stride=1)
                     scores = jnp.where(visible, scores, -jnp.inf)
                 m_new = jnp.maximum(m, scores.max(axis=1))
@@ -179,7 +178,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
                 # and the same bytes below seq_len (rewritten unchanged).
                 with jax.named_scope("v_mask"):
                     for v_chunk in v_chunks:
-                        zero_past_seq_len(v_chunk, t0, step_seq_len)
+                        zero_past_seq_len(v_chunk, t0, where.seq_len)
                     plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma
             with jax.named_scope("pv"):
                 p_ref = interpreter_p[0].at[wg] if interpret else None
@@ -187,7 +186,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
                 plgpu.barrier_arrive(consumed_bar.at[slot])
             return (*new_accs, m_new, l)
 
-        *accs, m, l = walk_steps(step, initial_carry(), wg, unmasked_steps, num_steps, consumed_bar, issuer=None,
+        *accs, m, l = walk_steps(step, initial_carry(), where, consumed_bar, issuer=None,
                                  relocate=functools.partial(locate_cta, seq_lens_ref, items_ref, bt_ref, BLOCK_M,
                                                             s_q=s_q, step_tokens=STEP))
         # Both warpgroups are past their last Q.K: the query's bytes become the output staging.

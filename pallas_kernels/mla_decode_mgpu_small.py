@@ -78,7 +78,7 @@ from pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPI
                                             NUM_SLOTS, NUM_WGS, ROPE, STEP, OutputTarget, begin_cta, begin_step,
                                             grid_params, initial_carry, merge_items, output_target, output_types,
                                             for_used_items, plan_items, prepare_inputs, store_rows, walk_steps,
-                                            write_lse_and_wait)
+                                            write_lse_and_wait, Where)
 
 ROWS = 16  # query rows per CTA by default: the wgmma N of every product
 # Features per fp32 promotion of the FP8 S^T product, as the 64-row kernel's
@@ -297,7 +297,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
     where, issue = begin_cta(
         seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_pages=num_pages, issuer=ISSUER)
-    _, wg, seq_len, row0, first_step, num_steps, unmasked_steps = where
+    _, wg, _, row0, _, _, _ = where
     *_, m0, l0 = initial_carry((CHUNK, rows), rows_axis=1)
 
     @pl.when(wg == 0)
@@ -306,7 +306,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
         ml_s[1] = l0
         plgpu.commit_smem()  # the warpgroup's barrier: every thread sees them before its first load
 
-    def softmax_step(j, slot, t0, *, masked: bool) -> None:
+    def softmax_step(j, slot, t0, seq_len, *, masked: bool) -> None:
         """Warpgroup 0: step j's scores and online softmax; P'^T, alpha and pv_max to the slot."""
         k_scales = [plgpu.load(ksc_s.at[slot, pl.ds(half * HALF, HALF)], layout=TOKENS) for half in range(2)]
         q_scale = plgpu.load(qsc_s, layout=QROWS)
@@ -326,10 +326,10 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
         plgpu.commit_smem()  # generic-proxy stores -> visible to both warpgroups' wgmma
         plgpu.barrier_arrive(p_ready_bar.at[slot])
 
-    def step(j, accs, *, masked: bool):
-        t0 = (first_step + j) * STEP
-        slot = begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, issuer=ISSUER)
-        pl.when(wg == 0)(functools.partial(softmax_step, j, slot, t0, masked=masked))
+    def step(j, accs, *, where: Where, masked: bool):
+        t0 = (where.first_step + j) * STEP
+        slot = begin_step(j, wg, where.first_step, where.num_steps, issue, step_bar, consumed_bar, issuer=ISSUER)
+        pl.when(wg == 0)(functools.partial(softmax_step, j, slot, t0, where.seq_len, masked=masked))
 
         @pl.when(wg == 1)
         def _():
@@ -337,13 +337,13 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
 
         alpha = plgpu.load(stats_s.at[slot, 0], layout=QROWS)
         pv_max = plgpu.load(stats_s.at[slot, 1], layout=QROWS)
-        new_accs = pv_update_t(accs, kv8_s.at[slot], wg, pt_s.at[slot, 0], v16_s.at[wg], alpha, pv_max, t0, seq_len,
-                               masked=masked)
+        new_accs = pv_update_t(accs, kv8_s.at[slot], wg, pt_s.at[slot, 0], v16_s.at[wg], alpha, pv_max, t0,
+                               where.seq_len, masked=masked)
         plgpu.barrier_arrive(consumed_bar.at[slot])
         return tuple(new_accs)
 
-    accs = walk_steps(step, initial_carry((CHUNK, rows), rows_axis=1)[:CHUNKS_PER_WG], wg, unmasked_steps,
-                      num_steps, consumed_bar, issuer=ISSUER)
+    accs = walk_steps(step, initial_carry((CHUNK, rows), rows_axis=1)[:CHUNKS_PER_WG], where, consumed_bar,
+                      issuer=ISSUER)
     # The output staging reuses the V tiles' bytes: wait until both warpgroups are past their
     # last step (and warpgroup 0's final m and l are in ml_s).
     plgpu.barrier_arrive(end_bar)

@@ -8,10 +8,11 @@ Runs ``mla_decode_mgpu`` once with Mosaic GPU's profiler on
 start and end of every ``jax.named_scope`` of the step body (``wait_step``,
 ``qk``, ``stats``, ``wait_stats``, ``softmax``, ``p_store``, ``wait_p``, ``pv``; untransposed
 also ``wait_qk_done``, ``v_transpose``). The stamps live in SMEM next to the
-kernel's 224 KB, which leaves room for ~80 ranges a warpgroup (about 8 steps;
+kernel's 224 KB, which leaves room for ~56 ranges a warpgroup (about 6 steps;
 the trace is truncated there; 150 no longer fit once the producer warpgroup
-came, 90 no longer once the transposed P'.V's factor scratch did): hence short contexts (2048 tokens = 16
-steps a CTA). The per-step behaviour does not depend on the context; the first
+came, 90 no longer once the transposed P'.V's factor scratch did, 80 no longer by the
+thirtieth session: 233312 bytes of SMEM against the H100's 232448): hence short contexts
+(2048 tokens = 16 steps a CTA). The per-step behaviour does not depend on the context; the first
 two steps and the last one recorded are left out. ``--kernel bf16`` profiles the
 BF16 twin (``mla_decode_mgpu_bf16``: phases ``wait_step``, ``qk``, ``softmax``,
 ``v_mask``, ``pv`` of a 64-token step) on the bf16 cache instead (written in the
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
                         help="the FP8 64-row kernel or the BF16 twin (same grid, producer and helpers)")
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=INT",
                         help="kernel module constants to profile a variant with (e.g. ISSUE_BY_WARPS=0)")
-    parser.add_argument("--space", type=int, default=80,
+    parser.add_argument("--space", type=int, default=56,
                         help="profiler ranges a warpgroup (16 B of SMEM each; a trace past it is truncated)")
     args = parser.parse_args(argv)
     if timing.missing_gpu("profile_mgpu_steps"):

@@ -176,9 +176,9 @@ def interleaved_kernel_us(runs: dict[str, tuple[Callable[..., Any], tuple]], *, 
 
     The kernels' own durations, side by side under the same clocks: what wall-clock samples
     (``time_round_robin``) cannot separate from the launches around a kernel, and from the clock
-    a sample inherits from the one before it. On an H100 under its power cap this separated a
-    3.7-4.2% difference between two FP8 kernels whose wall-clock ratios had moved between -2%
-    and +5% from run to run (thirtieth session, docs/mosaic_gpu_decode_plan.md).
+    a sample inherits from the one before it. On an H100 under its power cap two FP8 kernels
+    4% apart here (32 x 16k and 64k x 128) measured wall-clock ratios from 1.00 to 1.05 over
+    12 medians of round-robin runs (thirtieth session, docs/benchmarks/mgpu.md).
     """
     for fn, args in runs.values():
         for _ in range(warmup):
