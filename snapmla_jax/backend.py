@@ -38,3 +38,31 @@ def lower_for_cuda(fn, *args):
     device = jax.sharding.AbstractDevice(device_kind=ABSTRACT_GPU_KIND, num_cores=None, platform="cuda")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def mosaic_module_texts(lowered) -> list[str]:
+    """The Mosaic GPU modules in a lowering (``lower_for_cuda``'s), in program order, as MLIR text
+    without debug info: what a Mosaic kernel compiles from, so two versions of its Python code can
+    be compared on CPU (the same text, the same kernel on the GPU)."""
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib.mlir import ir
+    from jax.experimental.mosaic.gpu import dialect as mosaic_gpu_dialect
+
+    modules = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.name == "stablehlo.custom_call":
+                        config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
+                        if "module" in config:
+                            modules.append(ir.StringAttr(config["module"]).value_bytes)
+                    walk(inner)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    context = jax_mlir.make_ir_context()
+    mosaic_gpu_dialect.register_dialect(context)
+    context.allow_unregistered_dialects = True
+    with context:
+        return [ir.Module.parse(module).operation.get_asm(enable_debug_info=False) for module in modules]

@@ -28,7 +28,7 @@ import pallas_kernels.mla_decode_mgpu as mgpu_kernel
 from pallas_kernels.fp8 import quantize_per_token
 from pallas_kernels.mla_decode import mla_decode_reference
 from script_loader import load_script
-from snapmla_jax.backend import lower_for_cuda
+from snapmla_jax.backend import lower_for_cuda, mosaic_module_texts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -209,31 +209,10 @@ def test_cost_probe_variants_lower_for_cuda(monkeypatch, kernel):
 
 def _mosaic_module_text(kernel: str) -> str:
     """The Mosaic GPU module a kernel lowers to for CUDA (MLIR text without debug info), no GPU needed."""
-    from jax._src.interpreters import mlir as jax_mlir
-    from jax._src.lib.mlir import ir
-    from jax.experimental.mosaic.gpu import dialect as mosaic_gpu_dialect
-
     args = _inputs(0, batch=2, heads=64 if kernel == "mgpu" else 16, pages_per_row=3, seq_lens=[100, 0])
-    lowered = lower_for_cuda(lambda *a: _call_kernel(*a, 0.1, num_splits=2, kernel=kernel), *args)
-    modules = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    if inner.name == "stablehlo.custom_call":
-                        config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
-                        if "module" in config:
-                            modules.append(ir.StringAttr(config["module"]).value_bytes)
-                    walk(inner)
-
-    walk(lowered.compiler_ir("stablehlo").operation)
+    modules = mosaic_module_texts(lower_for_cuda(lambda *a: _call_kernel(*a, 0.1, num_splits=2, kernel=kernel), *args))
     assert len(modules) == 1, len(modules)
-    context = jax_mlir.make_ir_context()
-    mosaic_gpu_dialect.register_dialect(context)
-    context.allow_unregistered_dialects = True
-    with context:
-        return ir.Module.parse(modules[0]).operation.get_asm(enable_debug_info=False)
+    return modules[0]
 
 
 def test_consumers_meet_at_their_own_named_barriers(monkeypatch):
