@@ -28,7 +28,7 @@ import pallas_kernels.mla_decode_mgpu as mgpu_kernel
 from pallas_kernels.fp8 import quantize_per_token
 from pallas_kernels.mla_decode import mla_decode_reference
 from script_loader import load_script
-from snapmla_jax.backend import lower_for_cuda, mosaic_module_texts
+from snapmla_jax.backend import lower_for_cuda
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -208,11 +208,9 @@ def test_cost_probe_variants_lower_for_cuda(monkeypatch, kernel):
 
 
 def _mosaic_module_text(kernel: str) -> str:
-    """The Mosaic GPU module a kernel lowers to for CUDA (MLIR text without debug info), no GPU needed."""
-    args = _inputs(0, batch=2, heads=64 if kernel == "mgpu" else 16, pages_per_row=3, seq_lens=[100, 0])
-    modules = mosaic_module_texts(lower_for_cuda(lambda *a: _call_kernel(*a, 0.1, num_splits=2, kernel=kernel), *args))
-    assert len(modules) == 1, len(modules)
-    return modules[0]
+    """The Mosaic GPU module a kernel ("mgpu" or "small") lowers to for CUDA with a uniform plan
+    (MLIR text without debug info; scripts/mosaic_module_text.py), no GPU needed."""
+    return _load_script("mosaic_module_text").lowered_module(kernel, "uniform")
 
 
 def test_consumers_meet_at_their_own_named_barriers(monkeypatch):
