@@ -20,6 +20,13 @@ short contexts a fifth of a decode call (B=1 x 1k x 16 heads: 17.6 us a call, ~4
 us of it these; docs/benchmarks/mgpu.md). Here one grid does both jobs: its first
 programs quantize 16 query rows each, the others gather up to 1024 scales each.
 
+The balanced split plan too (``decode_inputs_and_plan``): its programs
+(``split_plan_kernel.plan_program``) go first in the same grid, one launch fewer a call
+than the plan's own (``split_plan_kernel.balanced_plan_kernel``, 1.7-2.6 us on an H100;
+the BF16 twin, which has no inputs launch, keeps that one). Not yet timed on a GPU:
+the launch it saves against the programs it adds (thirtieth session, branch
+``fused-inputs-plan``).
+
 Backend: Pallas' Triton lowering (masked gathers; interpret mode on the CPU).
 """
 
@@ -29,11 +36,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_tr
 
 from pallas_kernels.fp8 import FP8_DTYPE, quantize_per_token
 from pallas_kernels.mla_decode import resolve_num_pages
+from pallas_kernels.split_plan import SplitPlan
+from pallas_kernels.split_plan_kernel import PlanLaunch, as_split_plan, plan_launch, plan_out_shapes, plan_program
 
 PAGE = 64  # the Mosaic kernels' page size
 STEP = 128  # their tokens a step: two pages, even tokens first, then the odd ones
@@ -109,7 +119,7 @@ def decode_inputs_reference(q_rows: jax.Array, scale: jax.Array, block_table: ja
     return q8, q_scale, with_scale_planes(scales) if scale_planes else scales
 
 
-def _inputs_kernel(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, *, q_programs: int,
+def inputs_program(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, b, j, *, q_programs: int,
                    num_tokens: int, scales_block: int, num_pages: int, scale_planes: bool):
     """Program (b, j): j < ``q_programs`` quantizes query rows [16 j, 16 j + 16) of batch row
     b; j >= it gathers b's step-ordered scales [n i, n i + n), n = ``scales_block``,
@@ -120,7 +130,6 @@ def _inputs_kernel(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref
     q8_ref [B * rows, 512] e4m3, qsc_ref [B * rows], steps_ref [B * num_tokens] (or
     [B * num_tokens * 3] with ``scale_planes``) (whole).
     """
-    b, j = pl.program_id(0), pl.program_id(1)
     num_rows = q_ref.shape[0] // bt_ref.shape[0]
     rank = q_ref.shape[1]
 
@@ -160,6 +169,67 @@ def scales_block(num_tokens: int) -> int:
     return block
 
 
+def _launch(q_rows, scale, block_table, layer_offset, seq_lens, *, num_pages, scale_planes: bool,
+            plan: PlanLaunch | None, interpret: bool) -> tuple:
+    """``decode_inputs``' Pallas call, with ``plan``'s programs (``split_plan_kernel``) first in
+    its grid when one is asked for: (q8, q_scale, scales[, items, item_start, item_count])."""
+    batch, num_rows, rank = q_rows.shape
+    num_pages = resolve_num_pages(num_pages, scale.shape[0], PAGE)
+    if num_rows % Q_ROWS:
+        raise ValueError(f"q_rows: expected rows padded to a multiple of {Q_ROWS}, got {num_rows}")
+    num_tokens = num_step_tokens(block_table.shape[1])
+    q_programs = num_rows // Q_ROWS
+    block = scales_block(num_tokens)
+    per_row = q_programs + num_tokens // block
+    plan_programs = 0 if plan is None else plan.programs
+    inputs = functools.partial(inputs_program, q_programs=q_programs, num_tokens=num_tokens, scales_block=block,
+                               num_pages=num_pages, scale_planes=scale_planes)
+
+    def kernel(q_ref, scale_ref, bt_ref, off_ref, *refs):
+        if plan is None:
+            inputs(q_ref, scale_ref, bt_ref, off_ref, *refs, pl.program_id(0), pl.program_id(1))
+            return
+        seq_lens_ref, (q8_ref, qsc_ref, steps_ref, *plan_refs) = refs[0], refs[1:]
+        program = pl.program_id(0)
+
+        @pl.when(program < plan_programs)
+        def _():
+            plan_program(seq_lens_ref, *plan_refs, program, plan, step_tokens=STEP,
+                         capacity=block_table.shape[1] * PAGE)
+
+        @pl.when(program >= plan_programs)
+        def _():
+            index = program - plan_programs
+            inputs(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, lax.div(index, per_row),
+                   lax.rem(index, per_row))
+
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    out_shape = [jax.ShapeDtypeStruct((batch * num_rows, rank), FP8_DTYPE),
+                 jax.ShapeDtypeStruct((batch * num_rows,), jnp.float32),
+                 jax.ShapeDtypeStruct((batch * num_tokens * (3 if scale_planes else 1),), jnp.float32)]
+    args = [q_rows.reshape(batch * num_rows, rank), scale, block_table, layer_offset]
+    if plan is not None:
+        out_shape += plan_out_shapes(plan)
+        args.append(seq_lens)
+    # Without a plan the grid is (batch row, program of the row); with one, flat: the plan's
+    # programs, then the rows' (a 2-d grid would repeat the plan's programs in every row).
+    grid = (batch, per_row) if plan is None else (plan_programs + batch * per_row,)
+    outputs = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[whole] * len(args),
+        out_specs=[whole] * len(out_shape),
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=plgpu_tr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        name="snapmla_mgpu_decode_inputs",
+    )(*args)
+    q8, q_scale, scales = outputs[:3]
+    scales_shape = (batch, num_tokens // STEP, 3, STEP) if scale_planes else (batch, num_tokens)
+    return (q8.reshape(batch, num_rows, rank), q_scale.reshape(batch, num_rows), scales.reshape(scales_shape),
+            *outputs[3:])
+
+
 @functools.partial(jax.jit, static_argnames=("num_pages", "scale_planes", "interpret"))
 def decode_inputs(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array, *,
                   num_pages: int | None = None, scale_planes: bool = False,
@@ -169,26 +239,20 @@ def decode_inputs(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, l
     num_pages: pages in one layer (None: N / 64) -> (q8 [B, rows, 512] e4m3, q_scale [B, rows]
     f32, scales [B, steps * 128] f32, or [B, steps, 3, 128] with their base-2 logarithms and
     reciprocals if ``scale_planes``)."""
-    batch, num_rows, rank = q_rows.shape
-    num_pages = resolve_num_pages(num_pages, scale.shape[0], PAGE)
-    if num_rows % Q_ROWS:
-        raise ValueError(f"q_rows: expected rows padded to a multiple of {Q_ROWS}, got {num_rows}")
-    num_tokens = num_step_tokens(block_table.shape[1])
-    q_programs = num_rows // Q_ROWS
-    block = scales_block(num_tokens)
-    whole = pl.BlockSpec(memory_space=pl.ANY)
-    q8, q_scale, scales = pl.pallas_call(
-        functools.partial(_inputs_kernel, q_programs=q_programs, num_tokens=num_tokens, scales_block=block,
-                          num_pages=num_pages, scale_planes=scale_planes),
-        grid=(batch, q_programs + num_tokens // block),
-        in_specs=[whole] * 4,
-        out_specs=[whole] * 3,
-        out_shape=[jax.ShapeDtypeStruct((batch * num_rows, rank), FP8_DTYPE),
-                   jax.ShapeDtypeStruct((batch * num_rows,), jnp.float32),
-                   jax.ShapeDtypeStruct((batch * num_tokens * (3 if scale_planes else 1),), jnp.float32)],
-        interpret=interpret,
-        compiler_params=plgpu_tr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-        name="snapmla_mgpu_decode_inputs",
-    )(q_rows.reshape(batch * num_rows, rank), scale, block_table, layer_offset)
-    scales_shape = (batch, num_tokens // STEP, 3, STEP) if scale_planes else (batch, num_tokens)
-    return q8.reshape(batch, num_rows, rank), q_scale.reshape(batch, num_rows), scales.reshape(scales_shape)
+    return _launch(q_rows, scale, block_table, layer_offset, None, num_pages=num_pages, scale_planes=scale_planes,
+                   plan=None, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("num_items", "num_pages", "scale_planes", "interpret"))
+def decode_inputs_and_plan(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array,
+                           seq_lens: jax.Array, *, num_items: int, num_pages: int | None = None,
+                           scale_planes: bool = False,
+                           interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, SplitPlan]:
+    """``decode_inputs`` and the balanced split plan of seq_lens [B] int32 in W = ``num_items``
+    items of 128-token steps (``split_plan.balanced_plan`` with the table's capacity, the same
+    values as ``split_plan_kernel.balanced_plan_kernel``) in the same launch: one launch a decode
+    call fewer. Returns (q8, q_scale, scales, SplitPlan)."""
+    q8, q_scale, scales, *plan = _launch(q_rows, scale, block_table, layer_offset, seq_lens, num_pages=num_pages,
+                                         scale_planes=scale_planes, plan=plan_launch(seq_lens, num_items),
+                                         interpret=interpret)
+    return q8, q_scale, scales, as_split_plan(*plan)

@@ -151,7 +151,7 @@ from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms, store_feature_pairs,
                                        store_quads)
 from pallas_kernels.combine_splits import combine_items, combine_splits, partial_dtype
-from pallas_kernels.mgpu_decode_inputs import decode_inputs
+from pallas_kernels.mgpu_decode_inputs import decode_inputs, decode_inputs_and_plan
 from pallas_kernels.mgpu_fresh_acc import SUPPORTED as FRESH_SUPPORTED
 from pallas_kernels.mgpu_fresh_acc import chain_overwriting, product_overwriting
 from pallas_kernels.mla_decode import LN2, LOG2E, resolve_num_pages
@@ -1084,25 +1084,33 @@ def check_launch(kernel: str, q_rows, q_rope_rows, cache_arrays: tuple, *, page_
         raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
 
 
-def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, *, page_size: int,
-                   num_splits: int, num_pages: int, block_rows: int = BLOCK_M, scale_planes: bool = False,
-                   interpret: bool = False):
+def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, *, page_size: int,
+                   num_splits: int, balanced: bool, num_pages: int, block_rows: int = BLOCK_M,
+                   scale_planes: bool = False, interpret: bool = False):
     """Checks and launcher-side inputs (``block_rows``: the query rows of a CTA; ``num_pages``:
-    pages in one layer, resolved by ``resolve_num_pages``).
+    pages in one layer, resolved by ``resolve_num_pages``), and the call's split plan
+    (``plan_items``: ``num_splits`` items a row, or ``balanced``).
 
     Returns (q8 e4m3 [B, rows, 512], q_scale f32 [B, rows], latent pairs e4m3
     [N/2, 2, 512], rope pairs bf16 [N/2, 2, 64] (free reshapes), step-ordered
-    token scales f32 [B, steps * 128], or [B, steps, 2, 128] with their base-2 logarithms
-    if ``scale_planes``, [B, steps, 3, 128] with their base-2 logarithms and reciprocals); the
-    quantized rows and the scales in one launch (``decode_inputs``).
+    token scales f32 [B, steps * 128], or [B, steps, 3, 128] with their base-2 logarithms and
+    reciprocals if ``scale_planes``, SplitPlan); the quantized rows, the scales and a balanced
+    plan in one launch (``decode_inputs_and_plan``; a uniform plan is a constant).
     """
     check_launch("mla_decode_mgpu: FP8 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
                  num_arrays=3, block_rows=block_rows, num_splits=num_splits)
     latent, scale, rope = cache_arrays
-    q8, q_scale, scales = decode_inputs(q_rows, scale, block_table, layer_offset, num_pages=num_pages,
-                                        scale_planes=scale_planes, interpret=interpret)
+    batch = q_rows.shape[0]
+    if balanced and batch > 1:
+        q8, q_scale, scales, plan = decode_inputs_and_plan(
+            q_rows, scale, block_table, layer_offset, seq_lens, num_items=balanced_items(batch, num_splits),
+            num_pages=num_pages, scale_planes=scale_planes, interpret=interpret)
+    else:
+        q8, q_scale, scales = decode_inputs(q_rows, scale, block_table, layer_offset, num_pages=num_pages,
+                                            scale_planes=scale_planes, interpret=interpret)
+        plan = uniform_plan(batch, num_splits)
     return (q8, q_scale, latent.reshape(latent.shape[0] // 2, 2, RANK),
-            rope.reshape(rope.shape[0] // 2, 2, ROPE), scales)
+            rope.reshape(rope.shape[0] // 2, 2, ROPE), scales, plan)
 
 
 def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, *, softmax_scale: float,
@@ -1113,11 +1121,9 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
     batch, num_rows, _ = q_rows.shape
     check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
     num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
-    q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
-        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
-        num_pages=num_pages, scale_planes=True, interpret=interpret)
-    plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP,
-                      interpret=interpret)
+    q8, q_scale, latent_pairs, rope_pairs, scales, plan = prepare_inputs(
+        q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, page_size=page_size,
+        num_splits=num_splits, balanced=balanced, num_pages=num_pages, scale_planes=True, interpret=interpret)
     out_dtype = partial_dtype(q_rows.dtype)
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
     kernel = plgpu.kernel(

@@ -77,7 +77,7 @@ from pallas_kernels.mla_decode import LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
 from pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, HALF, NUM_CHUNKS,
                                             NUM_SLOTS, NUM_WGS, ROPE, STEP, OutputTarget, begin_cta, begin_step,
                                             grid_params, initial_carry, merge_items, output_target, output_types,
-                                            for_used_items, plan_items, prepare_inputs, store_rows, walk_steps,
+                                            for_used_items, prepare_inputs, store_rows, walk_steps,
                                             write_lse_and_wait, Where)
 
 ROWS = 16  # query rows per CTA by default: the wgmma N of every product
@@ -368,11 +368,9 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
     rows = block_rows
     num_rows = q_rows.shape[1]
     num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
-    q8, q_scale, latent_pairs, rope_pairs, scales = prepare_inputs(
-        q_rows, q_rope_rows, cache_arrays, block_table, layer_offset, page_size=page_size, num_splits=num_splits,
-        num_pages=num_pages, block_rows=rows, interpret=interpret)
-    plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP,
-                      interpret=interpret)
+    q8, q_scale, latent_pairs, rope_pairs, scales, plan = prepare_inputs(
+        q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, page_size=page_size,
+        num_splits=num_splits, balanced=balanced, num_pages=num_pages, block_rows=rows, interpret=interpret)
     # Output and partials are bf16 for a bf16 output, else float32 (``partial_dtype``). Float32 ones
     # leave the kernel as [features, rows] (``write_outputs_t``: Mosaic GPU cannot store 32-bit
     # values transposed).

@@ -15,6 +15,7 @@ the CPU. The reference is ``split_plan.balanced_plan``, which the tests compare 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,14 +41,39 @@ def items_per_program(rows: int) -> int:
     return max(16, min(128, MASK_VALUES // rows))
 
 
-def _plan_kernel(seq_lens_ref, items_ref, start_ref, count_ref, *, batch: int, rows: int, num_items: int,
-                 block: int, step_tokens: int, capacity: int):
-    """Program i fills items [block i, block i + block) of items_ref [3 * W] (row, split, count
-    planes one after the other); program 0 also writes start_ref and count_ref [B].
+class PlanLaunch(NamedTuple):
+    """How the plan's programs split W items over B batch rows (``plan_launch``)."""
+    batch: int
+    rows: int  # B padded to a power of two, at least ``MIN_ROWS``
+    num_items: int
+    block: int  # items a program fills (``items_per_program``)
+    programs: int
 
-    seq_lens_ref [B] int32 (whole). ``rows``: B padded to a power of two; padded rows get no
-    items (count 0, so no item falls in their empty [start, end)).
+
+def plan_launch(seq_lens: jax.Array, num_items: int) -> PlanLaunch:
+    """The programs of a plan of ``num_items`` items over seq_lens [B]; ValueError unless
+    seq_lens is a 1-d int32 array and W > B."""
+    if seq_lens.ndim != 1 or seq_lens.dtype != jnp.int32:
+        raise ValueError(f"seq_lens: expected a 1-d int32 array, got {seq_lens.dtype}{list(seq_lens.shape)}")
+    batch = seq_lens.shape[0]
+    if num_items <= batch:
+        raise ValueError(f"num_items: expected more items than batch rows ({batch}), got {num_items}")
+    rows = pl.next_power_of_2(max(batch, MIN_ROWS))
+    block = items_per_program(rows)
+    return PlanLaunch(batch, rows, num_items, block, pl.cdiv(num_items, block))
+
+
+def plan_program(seq_lens_ref, items_ref, start_ref, count_ref, program, launch: PlanLaunch, *, step_tokens: int,
+                 capacity: int) -> None:
+    """Program ``program`` of ``launch`` fills items [block i, block i + block) of items_ref
+    [3 * W] (row, split, count planes one after the other); program 0 also writes start_ref and
+    count_ref [B]. A Pallas Triton program body: ``balanced_plan_kernel``'s, and a part of
+    ``mgpu_decode_inputs.decode_inputs``' launch.
+
+    seq_lens_ref [B] int32 (whole). Rows past B (``launch.rows`` pads B to a power of two) get
+    no items (count 0, so no item falls in their empty [start, end)).
     """
+    batch, rows, num_items, block = launch.batch, launch.rows, launch.num_items, launch.block
     row = jnp.arange(rows, dtype=jnp.int32)
     real_row = row < batch
     seq_len = plgpu_tr.load(seq_lens_ref.at[jnp.minimum(row, batch - 1)])
@@ -57,7 +83,7 @@ def _plan_kernel(seq_lens_ref, items_ref, start_ref, count_ref, *, batch: int, r
     end = jnp.cumsum(count)
     start = end - count
 
-    item = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)
+    item = program * block + jnp.arange(block, dtype=jnp.int32)
     mine = (start[None, :] <= item[:, None]) & (item[:, None] < end[None, :])
     pick = lambda values: jnp.sum(jnp.where(mine, values, 0), axis=1)
     real_item = item < num_items
@@ -65,10 +91,23 @@ def _plan_kernel(seq_lens_ref, items_ref, start_ref, count_ref, *, batch: int, r
     plgpu_tr.store(items_ref.at[num_items + item], pick(item[:, None] - start[None, :]), mask=real_item)
     plgpu_tr.store(items_ref.at[2 * num_items + item], pick(count[None, :]), mask=real_item)
 
-    @pl.when(pl.program_id(0) == 0)
+    @pl.when(program == 0)
     def _():
         plgpu_tr.store(start_ref.at[row], start, mask=real_row)
         plgpu_tr.store(count_ref.at[row], count, mask=real_row)
+
+
+def plan_out_shapes(launch: PlanLaunch) -> list[jax.ShapeDtypeStruct]:
+    """The plan's three outputs as a Pallas call writes them: items [3 W], item_start [B],
+    item_count [B], int32."""
+    return [jax.ShapeDtypeStruct((3 * launch.num_items,), jnp.int32),
+            jax.ShapeDtypeStruct((launch.batch,), jnp.int32),
+            jax.ShapeDtypeStruct((launch.batch,), jnp.int32)]
+
+
+def as_split_plan(items: jax.Array, start: jax.Array, count: jax.Array) -> SplitPlan:
+    """``plan_out_shapes``' arrays as a ``SplitPlan``."""
+    return SplitPlan(items.reshape(3, -1), start, count)
 
 
 @functools.partial(jax.jit, static_argnames=("num_items", "step_tokens", "capacity", "interpret"))
@@ -79,25 +118,21 @@ def balanced_plan_kernel(seq_lens: jax.Array, *, num_items: int, step_tokens: in
 
     Raises ValueError unless seq_lens is a 1-d int32 array and W (``num_items``) > B.
     """
-    if seq_lens.ndim != 1 or seq_lens.dtype != jnp.int32:
-        raise ValueError(f"seq_lens: expected a 1-d int32 array, got {seq_lens.dtype}{list(seq_lens.shape)}")
-    batch = seq_lens.shape[0]
-    if num_items <= batch:
-        raise ValueError(f"num_items: expected more items than batch rows ({batch}), got {num_items}")
-    rows = pl.next_power_of_2(max(batch, MIN_ROWS))
-    block = items_per_program(rows)
+    launch = plan_launch(seq_lens, num_items)
+
+    def kernel(seq_lens_ref, items_ref, start_ref, count_ref):
+        plan_program(seq_lens_ref, items_ref, start_ref, count_ref, pl.program_id(0), launch,
+                     step_tokens=step_tokens, capacity=capacity)
+
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    items, start, count = pl.pallas_call(
-        functools.partial(_plan_kernel, batch=batch, rows=rows, num_items=num_items, block=block,
-                          step_tokens=step_tokens, capacity=capacity),
-        grid=(pl.cdiv(num_items, block),),
+    outputs = pl.pallas_call(
+        kernel,
+        grid=(launch.programs,),
         in_specs=[whole],
         out_specs=[whole] * 3,
-        out_shape=[jax.ShapeDtypeStruct((3 * num_items,), jnp.int32),
-                   jax.ShapeDtypeStruct((batch,), jnp.int32),
-                   jax.ShapeDtypeStruct((batch,), jnp.int32)],
+        out_shape=plan_out_shapes(launch),
         interpret=interpret,
         compiler_params=plgpu_tr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         name="snapmla_split_plan",
     )(seq_lens)
-    return SplitPlan(items.reshape(3, num_items), start, count)
+    return as_split_plan(*outputs)

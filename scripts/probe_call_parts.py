@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels.mla_decode_mgpu as mgpu_kernel
+from pallas_kernels.split_plan import uniform_plan
 from snapmla_jax.bench import timing
 
 
@@ -46,13 +47,15 @@ def main(argv=None) -> int:
         layer_offset = jnp.zeros((1,), jnp.int32)
         full = jax.jit(lambda q, qr, c, bt, n: bench.mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                 num_splits=splits))
-        prepared = mgpu_kernel.prepare_inputs(q_rows, qr_rows, flat, block_table, layer_offset, page_size=64,
-                                              num_splits=splits, num_pages=flat[0].shape[0] // 64,
-                                              scale_planes=True)
+        # The inputs without the plan (a uniform plan is a constant of the traced call, rebuilt there).
+        prepared = mgpu_kernel.prepare_inputs(q_rows, qr_rows, flat, block_table, seq_lens, layer_offset,
+                                              page_size=64, num_splits=splits, balanced=False,
+                                              num_pages=flat[0].shape[0] // 64, scale_planes=True)[:-1]
 
         def kernel_only(prepared, qr_rows, cache, bt, lens):
             original = mgpu_kernel.prepare_inputs
-            mgpu_kernel.prepare_inputs = lambda *a, **k: prepared  # while this traces
+            # While this traces:
+            mgpu_kernel.prepare_inputs = lambda *a, **k: (*prepared, uniform_plan(batch, splits))
             try:
                 return mgpu_kernel.launch(q_rows, qr_rows, cache, bt, lens, layer_offset, softmax_scale=scale,
                                           page_size=64, s_q=s_q, num_heads=heads, num_splits=splits,

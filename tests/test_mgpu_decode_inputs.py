@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.fp8 import fp8_round_trip_np
-from pallas_kernels.mgpu_decode_inputs import (PAGE, SCALE_FLOOR, STEP, decode_inputs, decode_inputs_reference,
-                                               scales_block, step_scales)
+from pallas_kernels.mgpu_decode_inputs import (PAGE, SCALE_FLOOR, STEP, decode_inputs, decode_inputs_and_plan,
+                                               decode_inputs_reference, scales_block, step_scales)
+from pallas_kernels.split_plan import balanced_plan
 
 
 def expected_step_scales(scale: np.ndarray, block_table: np.ndarray, layer_offset: int) -> np.ndarray:
@@ -117,6 +118,35 @@ def test_step_scales_reference_matches_the_loop():
                                   expected_step_scales(scale, block_table, int(offset[0])))
 
 
+# (batch, rows, max_pages, seq_lens, items): ragged rows (seq_len 0, a partial page, the full
+# table); an odd batch; rows past the plan kernel's 16 padded ones; budgets of 1 to 3 items a row.
+PLAN_CASES = [(3, 16, 5, [0, 200, 320], 6), (1, 64, 4, [256], 3), (17, 16, 3, list(range(0, 17 * 11, 11)), 51)]
+
+
+@pytest.mark.parametrize("batch,rows,max_pages,seq_lens,items", PLAN_CASES)
+def test_inputs_and_plan_in_one_launch_are_both_exact(batch, rows, max_pages, seq_lens, items):
+    """The fused launch's inputs are ``decode_inputs``' bit for bit, its plan the jnp
+    ``balanced_plan``'s (integer arithmetic: exact)."""
+    q, scale, block_table, offset = random_inputs(batch + rows, batch, rows, max_pages)
+    args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
+    lens = jnp.asarray(seq_lens, jnp.int32)
+    *inputs, plan = decode_inputs_and_plan(*args, lens, num_items=items, scale_planes=True, interpret=True)
+    for got, want in zip(inputs, decode_inputs(*args, scale_planes=True, interpret=True)):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    want = balanced_plan(lens, num_items=items, step_tokens=STEP, capacity=max_pages * PAGE)
+    for got_part, want_part in zip(plan[:3], want[:3]):
+        np.testing.assert_array_equal(np.asarray(got_part), np.asarray(want_part))
+
+
+def test_fused_plan_checks_its_arguments():
+    q, scale, block_table, offset = random_inputs(7, 2, 16, 2)
+    args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
+    with pytest.raises(ValueError, match="num_items"):
+        decode_inputs_and_plan(*args, jnp.asarray([1, 2], jnp.int32), num_items=2, interpret=True)
+    with pytest.raises(ValueError, match="seq_lens"):
+        decode_inputs_and_plan(*args, jnp.asarray([1.0, 2.0]), num_items=4, interpret=True)
+
+
 def test_rows_must_be_padded():
     q, scale, block_table, offset = random_inputs(6, 1, 16, 2)
     with pytest.raises(ValueError, match="q_rows"):
@@ -145,3 +175,17 @@ def test_compiled_inputs_match_the_reference(shape):
     np.testing.assert_array_equal(np.asarray(planes[:, :, 0]).reshape(want_scales.shape), np.asarray(want_scales))
     np.testing.assert_allclose(np.asarray(planes[:, :, 1]), np.log2(scales64), rtol=2.0 ** -22, atol=2.0 ** -22)
     np.testing.assert_allclose(np.asarray(planes[:, :, 2]), 1.0 / scales64, rtol=2.0 ** -22, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,rows,max_pages,seq_lens,items", PLAN_CASES)
+def test_compiled_inputs_and_plan_match_the_separate_launches(batch, rows, max_pages, seq_lens, items):
+    q, scale, block_table, offset = random_inputs(batch + rows + 1, batch, rows, max_pages)
+    args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
+    lens = jnp.asarray(seq_lens, jnp.int32)
+    *inputs, plan = jax.jit(functools.partial(decode_inputs_and_plan, num_items=items, scale_planes=True))(*args, lens)
+    for got, want in zip(inputs, jax.jit(functools.partial(decode_inputs, scale_planes=True))(*args)):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    want = balanced_plan(lens, num_items=items, step_tokens=STEP, capacity=max_pages * PAGE)
+    for got_part, want_part in zip(plan[:3], want[:3]):
+        np.testing.assert_array_equal(np.asarray(got_part), np.asarray(want_part))
