@@ -22,10 +22,11 @@ programs quantize 16 query rows each, the others gather up to 1024 scales each.
 
 The balanced split plan too (``decode_inputs_and_plan``): its programs
 (``split_plan_kernel.plan_program``) go first in the same grid, one launch fewer a call
-than the plan's own (``split_plan_kernel.balanced_plan_kernel``, 1.7-2.6 us on an H100;
-the BF16 twin, which has no inputs launch, keeps that one). Not yet timed on a GPU:
-the launch it saves against the programs it adds (thirtieth session, branch
-``fused-inputs-plan``).
+than the plan's own (``split_plan_kernel.balanced_plan_kernel``, 1.6-2.6 us on an H100;
+the BF16 twin, which has no inputs launch, keeps that one). Measured against the two
+launches (H100, thirty-first session, docs/benchmarks/fused_plan_s31/): the same bits,
+the inputs launch no longer (2.3-5.9 us either way), the FP8 call 0.5-10% faster
+(8 x 1k x 128: 0.906x; 32 x 16k x 128: 0.986x).
 
 Backend: Pallas' Triton lowering (masked gathers; interpret mode on the CPU).
 """
@@ -33,6 +34,7 @@ Backend: Pallas' Triton lowering (masked gathers; interpret mode on the CPU).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,39 +109,75 @@ def with_scale_planes(scales: jax.Array) -> jax.Array:
     return jnp.concatenate([by_step, jnp.log2(floored), 1.0 / floored], axis=2)
 
 
+class DecodeInputs(NamedTuple):
+    """The Mosaic FP8 kernels' inputs from one launch (``decode_inputs``), query rows padded to
+    P = ``padded_rows`` (the padding rows zero, as ``jnp.pad`` would leave them).
+
+    q8 [B, P, 512] e4m3 and q_scale [B, P] f32: the query rows quantized per row;
+    scales [B, steps * 128] f32, or [B, steps, 3, 128] with their base-2 logarithms and
+    reciprocals (``scale_planes``): the token scales in step order;
+    q_rope [B, P, 64] bf16: the RoPE rows padded, when they were passed (else None);
+    plan: the balanced ``SplitPlan``, when ``num_items`` was given (else None).
+    """
+    q8: jax.Array
+    q_scale: jax.Array
+    scales: jax.Array
+    q_rope: jax.Array | None = None
+    plan: SplitPlan | None = None
+
+
+def pad_rows(rows: jax.Array, padded_rows: int) -> jax.Array:
+    """[B, rows, D] -> [B, padded_rows, D], zero rows appended (jnp)."""
+    return jnp.pad(rows, [(0, 0), (0, padded_rows - rows.shape[1]), (0, 0)])
+
+
 def decode_inputs_reference(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array,
                             layer_offset: jax.Array, num_pages: int | None = None, *,
-                            scale_planes: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q_rows [B, rows, 512] (bf16/f32), scale [N] f32, block_table [B, max_pages] int32,
-    layer_offset [1] int32, num_pages (``step_scales``) -> (q8 [B, rows, 512] e4m3,
-    q_scale [B, rows] f32, scales [B, steps * 128] f32, or [B, steps, 3, 128] with their
-    logarithms and reciprocals if ``scale_planes``: ``with_scale_planes``), in jnp."""
-    q8, q_scale = quantize_per_token(q_rows.astype(jnp.float32))
+                            scale_planes: bool = False, q_rope_rows: jax.Array | None = None,
+                            padded_rows: int | None = None) -> DecodeInputs:
+    """``decode_inputs`` in jnp (no plan): q_rows [B, rows, 512] (bf16/f32), scale [N] f32,
+    block_table [B, max_pages] int32, layer_offset [1] int32, num_pages (``step_scales``),
+    q_rope_rows [B, rows, 64] or None, padded_rows (None: rows) -> ``DecodeInputs``."""
+    padded_rows = q_rows.shape[1] if padded_rows is None else padded_rows
+    q8, q_scale = quantize_per_token(pad_rows(q_rows, padded_rows).astype(jnp.float32))
     scales = step_scales(scale, block_table, layer_offset, num_pages)
-    return q8, q_scale, with_scale_planes(scales) if scale_planes else scales
+    q_rope = None if q_rope_rows is None else pad_rows(q_rope_rows, padded_rows).astype(jnp.bfloat16)
+    return DecodeInputs(q8, q_scale, with_scale_planes(scales) if scale_planes else scales, q_rope)
 
 
-def inputs_program(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, b, j, *, q_programs: int,
-                   num_tokens: int, scales_block: int, num_pages: int, scale_planes: bool):
-    """Program (b, j): j < ``q_programs`` quantizes query rows [16 j, 16 j + 16) of batch row
-    b; j >= it gathers b's step-ordered scales [n i, n i + n), n = ``scales_block``,
-    i = j - q_programs (with ``scale_planes`` also their logarithms and reciprocals, each step's
-    after its scales).
+def inputs_program(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, b, j, *, qr_ref=None,
+                   qr_out_ref=None, q_programs: int, num_rows: int, num_tokens: int, scales_block: int,
+                   num_pages: int, scale_planes: bool):
+    """Program (b, j): j < ``q_programs`` quantizes padded query rows [16 j, 16 j + 16) of batch
+    row b (rows from ``num_rows`` on are padding: zero, as ``jnp.pad`` leaves them; with
+    ``qr_ref`` it also copies those RoPE rows, zero-padded, to ``qr_out_ref``); j >= it gathers
+    b's step-ordered scales [n i, n i + n), n = ``scales_block``, i = j - q_programs (with
+    ``scale_planes`` also their logarithms and reciprocals, each step's after its scales).
 
-    q_ref [B * rows, 512], scale_ref [N], bt_ref [B, max_pages], off_ref [1] (whole);
-    q8_ref [B * rows, 512] e4m3, qsc_ref [B * rows], steps_ref [B * num_tokens] (or
+    q_ref [B * num_rows, 512], scale_ref [N], bt_ref [B, max_pages], off_ref [1], qr_ref
+    [B * num_rows, 64] (whole); q8_ref [B * P, 512] e4m3, qsc_ref [B * P], qr_out_ref [B * P, 64]
+    bf16 with P = 16 ``q_programs`` the padded rows, steps_ref [B * num_tokens] (or
     [B * num_tokens * 3] with ``scale_planes``) (whole).
     """
-    num_rows = q_ref.shape[0] // bt_ref.shape[0]
+    padded_rows = q_programs * Q_ROWS
     rank = q_ref.shape[1]
 
     @pl.when(j < q_programs)
     def _():
-        rows = b * num_rows + j * Q_ROWS + jnp.arange(Q_ROWS, dtype=jnp.int32)
-        columns = jnp.arange(rank, dtype=jnp.int32)
-        q8, q_scale = quantize_per_token(plgpu_tr.load(q_ref.at[rows[:, None], columns[None, :]]).astype(jnp.float32))
-        plgpu_tr.store(q8_ref.at[rows[:, None], columns[None, :]], q8)
-        plgpu_tr.store(qsc_ref.at[rows], q_scale)
+        row = j * Q_ROWS + jnp.arange(Q_ROWS, dtype=jnp.int32)
+        real = row < num_rows
+        # Padding rows read (masked) the row's last real one: addresses stay inside q_ref.
+        source = (b * num_rows + jnp.minimum(row, num_rows - 1))[:, None]
+        target = (b * padded_rows + row)[:, None]
+        columns = jnp.arange(rank, dtype=jnp.int32)[None, :]
+        values = plgpu_tr.load(q_ref.at[source, columns], mask=real[:, None], other=0.0)
+        q8, q_scale = quantize_per_token(values.astype(jnp.float32))
+        plgpu_tr.store(q8_ref.at[target, columns], q8)
+        plgpu_tr.store(qsc_ref.at[target[:, 0]], q_scale)
+        if qr_ref is not None:
+            rope_columns = jnp.arange(qr_ref.shape[1], dtype=jnp.int32)[None, :]
+            rope = plgpu_tr.load(qr_ref.at[source, rope_columns], mask=real[:, None], other=0.0)
+            plgpu_tr.store(qr_out_ref.at[target, rope_columns], rope.astype(jnp.bfloat16))
 
     @pl.when(j >= q_programs)
     def _():
@@ -169,27 +207,46 @@ def scales_block(num_tokens: int) -> int:
     return block
 
 
-def _launch(q_rows, scale, block_table, layer_offset, seq_lens, *, num_pages, scale_planes: bool,
-            plan: PlanLaunch | None, interpret: bool) -> tuple:
-    """``decode_inputs``' Pallas call, with ``plan``'s programs (``split_plan_kernel``) first in
-    its grid when one is asked for: (q8, q_scale, scales[, items, item_start, item_count])."""
+def _check_rows(q_rows, q_rope_rows, padded_rows: int) -> None:
     batch, num_rows, rank = q_rows.shape
+    if num_rows < 1:
+        raise ValueError(f"q_rows: expected at least one query row, got shape {q_rows.shape}")
+    if padded_rows < num_rows or padded_rows % Q_ROWS:
+        raise ValueError(f"padded_rows: expected a multiple of {Q_ROWS} of at least q_rows' {num_rows} rows, "
+                         f"got {padded_rows}")
+    if q_rope_rows is not None and (q_rope_rows.ndim != 3 or q_rope_rows.shape[:2] != (batch, num_rows)):
+        raise ValueError(f"q_rope_rows: expected shape ({batch}, {num_rows}, D) like q_rows, got {q_rope_rows.shape}")
+
+
+def _launch(q_rows, scale, block_table, layer_offset, seq_lens, q_rope_rows, *, padded_rows: int | None,
+            num_pages, scale_planes: bool, plan: PlanLaunch | None, interpret: bool) -> DecodeInputs:
+    """``decode_inputs``' Pallas call, with ``plan``'s programs (``split_plan_kernel``) first in
+    its grid when one is asked for."""
+    batch, num_rows, rank = q_rows.shape
+    padded_rows = pl.cdiv(num_rows, Q_ROWS) * Q_ROWS if padded_rows is None else padded_rows
+    _check_rows(q_rows, q_rope_rows, padded_rows)
     num_pages = resolve_num_pages(num_pages, scale.shape[0], PAGE)
-    if num_rows % Q_ROWS:
-        raise ValueError(f"q_rows: expected rows padded to a multiple of {Q_ROWS}, got {num_rows}")
     num_tokens = num_step_tokens(block_table.shape[1])
-    q_programs = num_rows // Q_ROWS
+    q_programs = padded_rows // Q_ROWS
     block = scales_block(num_tokens)
     per_row = q_programs + num_tokens // block
     plan_programs = 0 if plan is None else plan.programs
-    inputs = functools.partial(inputs_program, q_programs=q_programs, num_tokens=num_tokens, scales_block=block,
-                               num_pages=num_pages, scale_planes=scale_planes)
+    rope = q_rope_rows is not None
+    inputs = functools.partial(inputs_program, q_programs=q_programs, num_rows=num_rows, num_tokens=num_tokens,
+                               scales_block=block, num_pages=num_pages, scale_planes=scale_planes)
 
     def kernel(q_ref, scale_ref, bt_ref, off_ref, *refs):
+        refs = list(refs)
+        seq_lens_ref = refs.pop(0) if plan is not None else None
+        qr_ref = refs.pop(0) if rope else None
+        q8_ref, qsc_ref, steps_ref = refs[:3]
+        qr_out_ref = refs[3] if rope else None
+        plan_refs = refs[3 + rope:]
+        run_inputs = lambda b, j: inputs(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, b, j,
+                                         qr_ref=qr_ref, qr_out_ref=qr_out_ref)
         if plan is None:
-            inputs(q_ref, scale_ref, bt_ref, off_ref, *refs, pl.program_id(0), pl.program_id(1))
+            run_inputs(pl.program_id(0), pl.program_id(1))
             return
-        seq_lens_ref, (q8_ref, qsc_ref, steps_ref, *plan_refs) = refs[0], refs[1:]
         program = pl.program_id(0)
 
         @pl.when(program < plan_programs)
@@ -200,17 +257,20 @@ def _launch(q_rows, scale, block_table, layer_offset, seq_lens, *, num_pages, sc
         @pl.when(program >= plan_programs)
         def _():
             index = program - plan_programs
-            inputs(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, lax.div(index, per_row),
-                   lax.rem(index, per_row))
+            run_inputs(lax.div(index, per_row), lax.rem(index, per_row))
 
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    out_shape = [jax.ShapeDtypeStruct((batch * num_rows, rank), FP8_DTYPE),
-                 jax.ShapeDtypeStruct((batch * num_rows,), jnp.float32),
+    out_shape = [jax.ShapeDtypeStruct((batch * padded_rows, rank), FP8_DTYPE),
+                 jax.ShapeDtypeStruct((batch * padded_rows,), jnp.float32),
                  jax.ShapeDtypeStruct((batch * num_tokens * (3 if scale_planes else 1),), jnp.float32)]
     args = [q_rows.reshape(batch * num_rows, rank), scale, block_table, layer_offset]
     if plan is not None:
-        out_shape += plan_out_shapes(plan)
         args.append(seq_lens)
+    if rope:
+        args.append(q_rope_rows.reshape(batch * num_rows, q_rope_rows.shape[2]))
+        out_shape.append(jax.ShapeDtypeStruct((batch * padded_rows, q_rope_rows.shape[2]), jnp.bfloat16))
+    if plan is not None:
+        out_shape += plan_out_shapes(plan)
     # Without a plan the grid is (batch row, program of the row); with one, flat: the plan's
     # programs, then the rows' (a 2-d grid would repeat the plan's programs in every row).
     grid = (batch, per_row) if plan is None else (plan_programs + batch * per_row,)
@@ -226,33 +286,38 @@ def _launch(q_rows, scale, block_table, layer_offset, seq_lens, *, num_pages, sc
     )(*args)
     q8, q_scale, scales = outputs[:3]
     scales_shape = (batch, num_tokens // STEP, 3, STEP) if scale_planes else (batch, num_tokens)
-    return (q8.reshape(batch, num_rows, rank), q_scale.reshape(batch, num_rows), scales.reshape(scales_shape),
-            *outputs[3:])
+    q_rope = outputs[3].reshape(batch, padded_rows, -1) if rope else None
+    return DecodeInputs(q8.reshape(batch, padded_rows, rank), q_scale.reshape(batch, padded_rows),
+                        scales.reshape(scales_shape), q_rope,
+                        as_split_plan(*outputs[3 + rope:]) if plan is not None else None)
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages", "scale_planes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("padded_rows", "num_pages", "scale_planes", "interpret"))
 def decode_inputs(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array, *,
+                  q_rope_rows: jax.Array | None = None, padded_rows: int | None = None,
                   num_pages: int | None = None, scale_planes: bool = False,
-                  interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``decode_inputs_reference`` in one Pallas launch: q_rows [B, rows, 512] (rows a multiple
-    of 16), scale [N] f32, block_table [B, max_pages] int32, layer_offset [1] int32,
-    num_pages: pages in one layer (None: N / 64) -> (q8 [B, rows, 512] e4m3, q_scale [B, rows]
-    f32, scales [B, steps * 128] f32, or [B, steps, 3, 128] with their base-2 logarithms and
-    reciprocals if ``scale_planes``)."""
-    return _launch(q_rows, scale, block_table, layer_offset, None, num_pages=num_pages, scale_planes=scale_planes,
-                   plan=None, interpret=interpret)
+                  interpret: bool = False) -> DecodeInputs:
+    """``decode_inputs_reference`` in one Pallas launch: q_rows [B, rows, 512], scale [N] f32,
+    block_table [B, max_pages] int32, layer_offset [1] int32, q_rope_rows [B, rows, 64] or
+    None, padded_rows: the rows of the outputs (a multiple of 16, at least rows; None: rows
+    rounded up to one), num_pages: pages in one layer (None: N / 64) -> ``DecodeInputs``
+    (plan None).
+
+    Padding here (the kernels take rows in blocks of 16 or 64) saves the call the XLA pads of
+    q and q_rope, a launch each (2-3 us on an H100 at 64 x 32 rows)."""
+    return _launch(q_rows, scale, block_table, layer_offset, None, q_rope_rows, padded_rows=padded_rows,
+                   num_pages=num_pages, scale_planes=scale_planes, plan=None, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("num_items", "num_pages", "scale_planes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_items", "padded_rows", "num_pages", "scale_planes", "interpret"))
 def decode_inputs_and_plan(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array,
-                           seq_lens: jax.Array, *, num_items: int, num_pages: int | None = None,
-                           scale_planes: bool = False,
-                           interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, SplitPlan]:
+                           seq_lens: jax.Array, *, num_items: int, q_rope_rows: jax.Array | None = None,
+                           padded_rows: int | None = None, num_pages: int | None = None,
+                           scale_planes: bool = False, interpret: bool = False) -> DecodeInputs:
     """``decode_inputs`` and the balanced split plan of seq_lens [B] int32 in W = ``num_items``
     items of 128-token steps (``split_plan.balanced_plan`` with the table's capacity, the same
     values as ``split_plan_kernel.balanced_plan_kernel``) in the same launch: one launch a decode
-    call fewer. Returns (q8, q_scale, scales, SplitPlan)."""
-    q8, q_scale, scales, *plan = _launch(q_rows, scale, block_table, layer_offset, seq_lens, num_pages=num_pages,
-                                         scale_planes=scale_planes, plan=plan_launch(seq_lens, num_items),
-                                         interpret=interpret)
-    return q8, q_scale, scales, as_split_plan(*plan)
+    call fewer. Returns ``DecodeInputs`` with its plan."""
+    return _launch(q_rows, scale, block_table, layer_offset, seq_lens, q_rope_rows, padded_rows=padded_rows,
+                   num_pages=num_pages, scale_planes=scale_planes, plan=plan_launch(seq_lens, num_items),
+                   interpret=interpret)

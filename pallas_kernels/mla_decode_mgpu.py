@@ -9,7 +9,8 @@ measurements and history in docs/mosaic_gpu_decode_plan.md.
 Same inputs and outputs as ``pallas_kernels.mla_decode.mla_decode_pallas`` with
 an FP8 cache and ``page_size == 64``:
 
-  q_rows       [B, rows, 512] bf16/f32, rows = s_q * H padded to a multiple of 64
+  q_rows       [B, rows, 512] bf16/f32, rows = s_q * H (padded to whole blocks of 64 rows in
+               the inputs launch, pallas_kernels/mgpu_decode_inputs.py)
   q_rope_rows  [B, rows, 64]
   cache_arrays (latent [N, 512] e4m3, scale [N] f32, rope [N, 64] bf16), flat rows
   block_table  [B, max_pages] int32, seq_lens [B] int32,
@@ -1071,46 +1072,70 @@ def check_registers(producer: int, consumer: int) -> None:
 
 
 def check_launch(kernel: str, q_rows, q_rope_rows, cache_arrays: tuple, *, page_size: int, num_arrays: int,
-                 block_rows: int, num_splits) -> None:
+                 block_rows: int | None, num_splits) -> None:
     """ValueError unless a Mosaic decode kernel (``kernel``: its name and cache, for the message)
     takes these: page_size ``PAGE``, rank ``RANK``, rope ``ROPE``, ``num_arrays`` cache arrays,
-    query rows padded to ``block_rows``, a positive int ``num_splits``."""
-    num_rows, rank = q_rows.shape[1:]
+    query rows padded to ``block_rows`` (None: any number, the kernel pads them), q_rope_rows
+    with q_rows' batch and rows, a positive int ``num_splits``."""
+    batch, num_rows, rank = q_rows.shape
     if page_size != PAGE or rank != RANK or q_rope_rows.shape[2] != ROPE or len(cache_arrays) != num_arrays:
         raise ValueError(f"{kernel}, page_size {PAGE}, rank {RANK}, rope {ROPE} only")
-    if num_rows % block_rows:
+    if q_rope_rows.shape[:2] != (batch, num_rows):
+        raise ValueError(f"q_rope_rows: expected shape ({batch}, {num_rows}, {ROPE}) like q_rows, got "
+                         f"{q_rope_rows.shape}")
+    if block_rows is not None and num_rows % block_rows:
         raise ValueError(f"q_rows: expected rows padded to a multiple of {block_rows}, got {num_rows}")
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
 
 
+def padded_rows(num_rows: int, block_rows: int) -> int:
+    """``num_rows`` rounded up to whole blocks of ``block_rows``."""
+    return -(-num_rows // block_rows) * block_rows
+
+
+class KernelInputs(NamedTuple):
+    """What ``prepare_inputs`` hands a Mosaic FP8 kernel, query rows padded to P (whole blocks)."""
+    q8: jax.Array  # [B, P, 512] e4m3
+    q_scale: jax.Array  # [B, P] f32
+    q_rope: jax.Array  # [B, P, 64] bf16
+    latent_pairs: jax.Array  # [N/2, 2, 512] e4m3 (a free reshape of the cache's latent)
+    rope_pairs: jax.Array  # [N/2, 2, 64] bf16
+    scales: jax.Array  # [B, steps * 128] f32, or [B, steps, 3, 128] (``scale_planes``)
+    plan: SplitPlan
+
+
 def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, *, page_size: int,
                    num_splits: int, balanced: bool, num_pages: int, block_rows: int = BLOCK_M,
-                   scale_planes: bool = False, interpret: bool = False):
+                   scale_planes: bool = False, interpret: bool = False) -> KernelInputs:
     """Checks and launcher-side inputs (``block_rows``: the query rows of a CTA; ``num_pages``:
     pages in one layer, resolved by ``resolve_num_pages``), and the call's split plan
     (``plan_items``: ``num_splits`` items a row, or ``balanced``).
 
-    Returns (q8 e4m3 [B, rows, 512], q_scale f32 [B, rows], latent pairs e4m3
-    [N/2, 2, 512], rope pairs bf16 [N/2, 2, 64] (free reshapes), step-ordered
-    token scales f32 [B, steps * 128], or [B, steps, 3, 128] with their base-2 logarithms and
-    reciprocals if ``scale_planes``, SplitPlan); the quantized rows, the scales and a balanced
-    plan in one launch (``decode_inputs_and_plan``; a uniform plan is a constant).
+    q_rows [B, rows, 512] and q_rope_rows [B, rows, 64], any rows: padded here to whole blocks.
+    Returns ``KernelInputs``: the quantized rows, the padded RoPE rows, the step-ordered token
+    scales (with their base-2 logarithms and reciprocals if ``scale_planes``) and a balanced plan
+    in one launch (``mgpu_decode_inputs.decode_inputs_and_plan``; a uniform plan is a constant).
     """
     check_launch("mla_decode_mgpu: FP8 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
-                 num_arrays=3, block_rows=block_rows, num_splits=num_splits)
+                 num_arrays=3, block_rows=None, num_splits=num_splits)
     latent, scale, rope = cache_arrays
-    batch = q_rows.shape[0]
+    batch, num_rows, _ = q_rows.shape
+    rows = padded_rows(num_rows, block_rows)
+    # Rows already whole blocks need no copy of q_rope; others are padded in the same launch.
+    rope_rows = q_rope_rows if rows != num_rows else None
+    common = dict(q_rope_rows=rope_rows, padded_rows=rows, num_pages=num_pages, scale_planes=scale_planes,
+                  interpret=interpret)
     if balanced and batch > 1:
-        q8, q_scale, scales, plan = decode_inputs_and_plan(
-            q_rows, scale, block_table, layer_offset, seq_lens, num_items=balanced_items(batch, num_splits),
-            num_pages=num_pages, scale_planes=scale_planes, interpret=interpret)
+        inputs = decode_inputs_and_plan(q_rows, scale, block_table, layer_offset, seq_lens,
+                                        num_items=balanced_items(batch, num_splits), **common)
+        plan = inputs.plan
     else:
-        q8, q_scale, scales = decode_inputs(q_rows, scale, block_table, layer_offset, num_pages=num_pages,
-                                            scale_planes=scale_planes, interpret=interpret)
+        inputs = decode_inputs(q_rows, scale, block_table, layer_offset, **common)
         plan = uniform_plan(batch, num_splits)
-    return (q8, q_scale, latent.reshape(latent.shape[0] // 2, 2, RANK),
-            rope.reshape(rope.shape[0] // 2, 2, ROPE), scales, plan)
+    q_rope = q_rope_rows.astype(jnp.bfloat16) if rope_rows is None else inputs.q_rope
+    return KernelInputs(inputs.q8, inputs.q_scale, q_rope, latent.reshape(latent.shape[0] // 2, 2, RANK),
+                        rope.reshape(rope.shape[0] // 2, 2, ROPE), inputs.scales, plan)
 
 
 def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, *, softmax_scale: float,
@@ -1118,12 +1143,12 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
            interpret: bool) -> tuple[jax.Array, jax.Array]:
     """``_kernel`` on its grid (work item, row block) with its warpgroups, its SMEM and barriers,
     and the merge of split-KV partials."""
-    batch, num_rows, _ = q_rows.shape
     check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
     num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
-    q8, q_scale, latent_pairs, rope_pairs, scales, plan = prepare_inputs(
+    q8, q_scale, q_rope, latent_pairs, rope_pairs, scales, plan = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, page_size=page_size,
         num_splits=num_splits, balanced=balanced, num_pages=num_pages, scale_planes=True, interpret=interpret)
+    num_rows = q8.shape[1]  # padded to whole blocks
     out_dtype = partial_dtype(q_rows.dtype)
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
     kernel = plgpu.kernel(
@@ -1153,9 +1178,15 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
         **grid_params(plan, num_rows // BLOCK_M, "snapmla_decode_fp8_mgpu", interpret,
                       num_threads=NUM_WGS + int(PRODUCER_WG)),
     )
-    outs = kernel(seq_lens, plan.items, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
-                  latent_pairs, scales, rope_pairs)
-    return merge_items(outs, plan, q_rows.dtype, num_splits=num_splits, interpret=interpret)
+    outs = kernel(seq_lens, plan.items, block_table, layer_offset, q8, q_scale, q_rope, latent_pairs, scales,
+                  rope_pairs)
+    out, lse = merge_items(outs, plan, q_rows.dtype, num_splits=num_splits, interpret=interpret)
+    return unpadded(out, lse, q_rows.shape[1])
+
+
+def unpadded(out: jax.Array, lse: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """A kernel's out [B, P, 512] and lse [B, P] without the padding rows past ``num_rows``."""
+    return out[:, :num_rows], lse[:, :num_rows]
 
 
 def grid_params(plan: SplitPlan, row_blocks: int, kernel_name: str, interpret: bool,

@@ -78,7 +78,7 @@ from pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPI
                                             NUM_SLOTS, NUM_WGS, ROPE, STEP, OutputTarget, begin_cta, begin_step,
                                             grid_params, initial_carry, merge_items, output_target, output_types,
                                             for_used_items, prepare_inputs, store_rows, walk_steps,
-                                            write_lse_and_wait, Where)
+                                            unpadded, write_lse_and_wait, Where)
 
 ROWS = 16  # query rows per CTA by default: the wgmma N of every product
 # Features per fp32 promotion of the FP8 S^T product, as the 64-row kernel's
@@ -361,16 +361,16 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
                           block_rows: int = ROWS, num_pages: int | None = None,
                           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """FP8 decode for blocks of ``block_rows`` (16 or 32) query rows; arguments and results as
-    ``mla_decode_mgpu``'s (``num_splits``, ``balanced`` and ``num_pages`` included), with q_rows
-    [B, rows, 512] padded to a multiple of ``block_rows``."""
+    ``mla_decode_mgpu``'s (``num_splits``, ``balanced`` and ``num_pages`` included): q_rows
+    [B, rows, 512] of any rows (padded to whole blocks of ``block_rows`` in the inputs launch)."""
     if block_rows not in BLOCK_ROWS:
         raise ValueError(f"block_rows: expected one of {BLOCK_ROWS}, got {block_rows!r}")
     rows = block_rows
-    num_rows = q_rows.shape[1]
     num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
-    q8, q_scale, latent_pairs, rope_pairs, scales, plan = prepare_inputs(
+    q8, q_scale, q_rope, latent_pairs, rope_pairs, scales, plan = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, page_size=page_size,
         num_splits=num_splits, balanced=balanced, num_pages=num_pages, block_rows=rows, interpret=interpret)
+    num_rows = q8.shape[1]  # padded to whole blocks
     # Output and partials are bf16 for a bf16 output, else float32 (``partial_dtype``). Float32 ones
     # leave the kernel as [features, rows] (``write_outputs_t``: Mosaic GPU cannot store 32-bit
     # values transposed).
@@ -403,7 +403,8 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
         ],
         **grid_params(plan, num_rows // rows, "snapmla_decode_fp8_mgpu_small", interpret),
     )
-    outs = kernel(seq_lens, plan.items, block_table, layer_offset, q8, q_scale, q_rope_rows.astype(jnp.bfloat16),
-                  latent_pairs, scales, rope_pairs)
-    return merge_items(outs, plan, q_rows.dtype, num_splits=num_splits, transposed=transposed,
-                       interpret=interpret)
+    outs = kernel(seq_lens, plan.items, block_table, layer_offset, q8, q_scale, q_rope, latent_pairs, scales,
+                  rope_pairs)
+    out, lse = merge_items(outs, plan, q_rows.dtype, num_splits=num_splits, transposed=transposed,
+                           interpret=interpret)
+    return unpadded(out, lse, q_rows.shape[1])

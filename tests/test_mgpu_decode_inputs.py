@@ -31,6 +31,16 @@ def expected_step_scales(scale: np.ndarray, block_table: np.ndarray, layer_offse
     return out
 
 
+def assert_same_inputs(got, want):
+    """Two ``DecodeInputs`` equal bit for bit (their plans aside), fields absent in both."""
+    for name in ("q8", "q_scale", "scales", "q_rope"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)),
+                                          err_msg=name)
+
+
 def random_inputs(seed: int, batch: int, rows: int, max_pages: int, layers: int = 2):
     """Query rows with an outlier row (1000x) and a tiny one; a layered cache's token scales
     (all distinct) and a block table of shuffled pages; layer 1 selected."""
@@ -52,8 +62,9 @@ SHAPES = [(3, 16, 5), (1, 64, 64), (2, 32, 33)]
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_inputs_match_their_definitions(shape):
     q, scale, block_table, offset = random_inputs(sum(shape), *shape)
-    q8, q_scale, scales = decode_inputs(jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table),
-                                        jnp.asarray(offset), interpret=True)
+    q8, q_scale, scales, q_rope, plan = decode_inputs(jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale),
+                                                      jnp.asarray(block_table), jnp.asarray(offset), interpret=True)
+    assert q_rope is None and plan is None  # neither asked for
     q_bf16 = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
     # The gather moves values: exact.
     np.testing.assert_array_equal(np.asarray(scales), expected_step_scales(scale, block_table, int(offset[0])))
@@ -73,8 +84,7 @@ def test_inputs_match_their_definitions(shape):
 def test_kernel_equals_the_jnp_reference(shape):
     q, scale, block_table, offset = random_inputs(sum(shape) + 1, *shape)
     args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
-    for got, want in zip(decode_inputs(*args, interpret=True), decode_inputs_reference(*args)):
-        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    assert_same_inputs(decode_inputs(*args, interpret=True), decode_inputs_reference(*args))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -86,7 +96,7 @@ def test_scale_planes_match_their_definition(shape):
     scale[offset[0] + block_table[0, 0] * PAGE + 2] = 0.0  # layer 1, row 0's token 2: step row 1
     scale[offset[0] + block_table[0, 0] * PAGE + 4] = 1e-30 / 448  # token 4: step row 2
     args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
-    _, _, planes = decode_inputs(*args, scale_planes=True, interpret=True)
+    planes = decode_inputs(*args, scale_planes=True, interpret=True).scales
     want = expected_step_scales(scale, block_table, int(offset[0]))
     steps = want.shape[1] // STEP
     assert planes.shape == (shape[0], steps, 3, STEP)
@@ -100,7 +110,7 @@ def test_scale_planes_match_their_definition(shape):
     # reciprocal correctly rounded.
     np.testing.assert_allclose(logs, np.log2(floored), rtol=2.0 ** -23, atol=2.0 ** -23)
     np.testing.assert_allclose(inverses, 1.0 / floored, rtol=2.0 ** -24, atol=0)
-    _, _, want_planes = decode_inputs_reference(*args, scale_planes=True)
+    want_planes = decode_inputs_reference(*args, scale_planes=True).scales
     np.testing.assert_array_equal(np.asarray(planes), np.asarray(want_planes))
 
 
@@ -130,9 +140,9 @@ def test_inputs_and_plan_in_one_launch_are_both_exact(batch, rows, max_pages, se
     q, scale, block_table, offset = random_inputs(batch + rows, batch, rows, max_pages)
     args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
     lens = jnp.asarray(seq_lens, jnp.int32)
-    *inputs, plan = decode_inputs_and_plan(*args, lens, num_items=items, scale_planes=True, interpret=True)
-    for got, want in zip(inputs, decode_inputs(*args, scale_planes=True, interpret=True)):
-        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    inputs = decode_inputs_and_plan(*args, lens, num_items=items, scale_planes=True, interpret=True)
+    assert_same_inputs(inputs, decode_inputs(*args, scale_planes=True, interpret=True))
+    plan = inputs.plan
     want = balanced_plan(lens, num_items=items, step_tokens=STEP, capacity=max_pages * PAGE)
     for got_part, want_part in zip(plan[:3], want[:3]):
         np.testing.assert_array_equal(np.asarray(got_part), np.asarray(want_part))
@@ -147,11 +157,46 @@ def test_fused_plan_checks_its_arguments():
         decode_inputs_and_plan(*args, jnp.asarray([1.0, 2.0]), num_items=4, interpret=True)
 
 
-def test_rows_must_be_padded():
-    q, scale, block_table, offset = random_inputs(6, 1, 16, 2)
-    with pytest.raises(ValueError, match="q_rows"):
-        decode_inputs(jnp.asarray(q[:, :8]), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset),
-                      interpret=True)
+# (batch, rows, padded rows): rows short of one 16-row program, a block of 64 with a partial
+# program (H = 20), s_q = 2 x H = 16 in a 64-row block, and 16 rows already whole (no padding).
+PAD_CASES = [(3, 8, 16), (2, 20, 64), (1, 32, 64), (2, 16, 16)]
+
+
+@pytest.mark.parametrize("batch,rows,padded", PAD_CASES)
+def test_rows_are_padded_in_the_launch(batch, rows, padded):
+    """Query rows padded in the launch are ``jnp.pad``'s then quantized, bit for bit (zero rows:
+    q8 0 and the quantizer's floor scale); the RoPE rows come back padded with zeros, in bf16;
+    the real rows are those of the unpadded call."""
+    q, scale, block_table, offset = random_inputs(batch * rows + padded, batch, rows, 5)
+    q_rope = np.random.default_rng(rows).standard_normal((batch, rows, 64)).astype(np.float32)
+    args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
+    got = decode_inputs(*args, q_rope_rows=jnp.asarray(q_rope), padded_rows=padded, scale_planes=True,
+                        interpret=True)
+    want = decode_inputs_reference(*args, q_rope_rows=jnp.asarray(q_rope), padded_rows=padded, scale_planes=True)
+    assert got.q8.shape == (batch, padded, 512) and got.q_rope.shape == (batch, padded, 64)
+    assert got.q_rope.dtype == jnp.bfloat16
+    assert_same_inputs(got, want)
+    np.testing.assert_array_equal(np.asarray(got.q_rope[:, rows:], np.float32), 0.0)
+    np.testing.assert_array_equal(np.asarray(got.q8[:, rows:].astype(jnp.float32)), 0.0)
+    np.testing.assert_array_equal(np.asarray(got.q_rope[:, :rows], np.float32),
+                                  np.asarray(jnp.asarray(q_rope, jnp.bfloat16), np.float32))
+    if rows % 16 == 0:  # the real rows as an unpadded launch gives them
+        unpadded = decode_inputs(*args, scale_planes=True, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got.q8[:, :rows].astype(jnp.float32)),
+                                      np.asarray(unpadded.q8.astype(jnp.float32)))
+
+
+def test_padding_arguments_are_checked():
+    q, scale, block_table, offset = random_inputs(6, 1, 20, 2)
+    args = jnp.asarray(q), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
+    with pytest.raises(ValueError, match="padded_rows"):
+        decode_inputs(*args, padded_rows=16, interpret=True)  # fewer than the rows
+    with pytest.raises(ValueError, match="padded_rows"):
+        decode_inputs(*args, padded_rows=40, interpret=True)  # not whole 16-row programs
+    with pytest.raises(ValueError, match="q_rope_rows"):
+        decode_inputs(*args, q_rope_rows=jnp.zeros((1, 16, 64)), padded_rows=32, interpret=True)
+    # Rows not given a padding are rounded up to whole programs.
+    assert decode_inputs(*args, interpret=True).q8.shape == (1, 32, 512)
 
 
 @pytest.mark.gpu
@@ -159,8 +204,8 @@ def test_rows_must_be_padded():
 def test_compiled_inputs_match_the_reference(shape):
     q, scale, block_table, offset = random_inputs(sum(shape) + 2, *shape)
     args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
-    q8, q_scale, scales = jax.jit(decode_inputs)(*args)
-    want_q8, want_scale, want_scales = decode_inputs_reference(*args)
+    q8, q_scale, scales, _, _ = jax.jit(decode_inputs)(*args)
+    want_q8, want_scale, want_scales, _, _ = decode_inputs_reference(*args)
     np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
     np.testing.assert_allclose(np.asarray(q_scale), np.asarray(want_scale), rtol=2e-7)
     # The GPU's float32 division may differ from XLA's by an ulp, moving a rare value that
@@ -170,7 +215,7 @@ def test_compiled_inputs_match_the_reference(shape):
     np.testing.assert_allclose(got, want, rtol=2.0 ** -3, atol=2.0 ** -9)
     # The logarithms' and reciprocals' planes: the GPU's log2 may differ from XLA's by an ulp
     # (2**-23 here, |log2| <= 1), its division (``div.full``, approximate) by 2 ulps.
-    _, _, planes = jax.jit(functools.partial(decode_inputs, scale_planes=True))(*args)
+    planes = jax.jit(functools.partial(decode_inputs, scale_planes=True))(*args).scales
     scales64 = np.maximum(np.asarray(planes[:, :, 0]).astype(np.float64), SCALE_FLOOR)
     np.testing.assert_array_equal(np.asarray(planes[:, :, 0]).reshape(want_scales.shape), np.asarray(want_scales))
     np.testing.assert_allclose(np.asarray(planes[:, :, 1]), np.log2(scales64), rtol=2.0 ** -22, atol=2.0 ** -22)
@@ -183,9 +228,28 @@ def test_compiled_inputs_and_plan_match_the_separate_launches(batch, rows, max_p
     q, scale, block_table, offset = random_inputs(batch + rows + 1, batch, rows, max_pages)
     args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
     lens = jnp.asarray(seq_lens, jnp.int32)
-    *inputs, plan = jax.jit(functools.partial(decode_inputs_and_plan, num_items=items, scale_planes=True))(*args, lens)
-    for got, want in zip(inputs, jax.jit(functools.partial(decode_inputs, scale_planes=True))(*args)):
-        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    inputs = jax.jit(functools.partial(decode_inputs_and_plan, num_items=items, scale_planes=True))(*args, lens)
+    assert_same_inputs(inputs, jax.jit(functools.partial(decode_inputs, scale_planes=True))(*args))
+    plan = inputs.plan
     want = balanced_plan(lens, num_items=items, step_tokens=STEP, capacity=max_pages * PAGE)
     for got_part, want_part in zip(plan[:3], want[:3]):
         np.testing.assert_array_equal(np.asarray(got_part), np.asarray(want_part))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,rows,padded", PAD_CASES)
+def test_compiled_padding_matches_the_reference(batch, rows, padded):
+    q, scale, block_table, offset = random_inputs(batch * rows + padded + 1, batch, rows, 5)
+    q_rope = np.random.default_rng(rows + 1).standard_normal((batch, rows, 64)).astype(np.float32)
+    args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
+    run = functools.partial(decode_inputs, padded_rows=padded, scale_planes=True)
+    got = jax.jit(run)(*args, q_rope_rows=jnp.asarray(q_rope))
+    want = decode_inputs_reference(*args, q_rope_rows=jnp.asarray(q_rope), padded_rows=padded)
+    np.testing.assert_array_equal(np.asarray(got.q_rope, np.float32), np.asarray(want.q_rope, np.float32))
+    # The padding rows exactly; the real rows' quantization as test_compiled_inputs_match_the_reference.
+    np.testing.assert_array_equal(np.asarray(got.q8[:, rows:].astype(jnp.float32)), 0.0)
+    np.testing.assert_array_equal(np.asarray(got.q_scale[:, rows:]), np.asarray(want.q_scale[:, rows:]))
+    np.testing.assert_allclose(np.asarray(got.q_scale), np.asarray(want.q_scale), rtol=2e-7)
+    g, w = np.asarray(got.q8.astype(jnp.float32)), np.asarray(want.q8.astype(jnp.float32))
+    assert np.mean(g == w) > 0.999
+    np.testing.assert_allclose(g, w, rtol=2.0 ** -3, atol=2.0 ** -9)

@@ -125,9 +125,10 @@ def _kernel_and_rows(kernel: str):
 
 
 def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_scale, *, layer_pages=0, num_splits=1,
-                 balanced=False, interpret=False, kernel="mgpu"):
-    """A Mosaic kernel (``_kernel_and_rows``) on the API's shapes: rows padded to its block,
-    the cache flattened; ``balanced``: its split plan follows the rows' seq_lens
+                 balanced=False, interpret=False, kernel="mgpu", pad_rows=False):
+    """A Mosaic kernel (``_kernel_and_rows``) on the API's shapes: s_q x H rows (padded to its
+    block here with ``pad_rows``; else the kernel's inputs launch pads them), the cache
+    flattened; ``balanced``: its split plan follows the rows' seq_lens
     (``split_plan.balanced_plan``, sized for ``num_splits`` a row).
 
     ``layer_pages`` > 0 puts a layer of NaN pages in front of the cache and reads
@@ -136,7 +137,7 @@ def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_
     kernel_fn, block_rows = _kernel_and_rows(kernel)
     batch, s_q, heads, rank = q.shape
     rows = s_q * heads
-    padded = -(-rows // block_rows) * block_rows
+    padded = -(-rows // block_rows) * block_rows if pad_rows else rows
     to_rows = lambda a: jnp.pad(a.reshape(batch, rows, a.shape[-1]), [(0, 0), (0, padded - rows), (0, 0)])
     n = latent.shape[0] * latent.shape[1]
     cache = [latent.reshape(n, rank), scale.reshape(n), rope.reshape(n, 64)]
@@ -557,6 +558,20 @@ def test_balanced_plan_matches_reference(kernel, heads, s_q, seq_lens, splits, d
                                      balanced=True, pages_per_row=10)
     assert err < MGPU_TOL, err  # the compiled kernels' bound (test_kernel_matches_reference)
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel,heads,s_q,balanced", [
+    ("mgpu", 16, 2, True), ("mgpu", 24, 2, False), ("small", 8, 1, True), ("small32", 16, 1, False)])
+def test_rows_padded_in_the_launch_give_the_callers_bits(kernel, heads, s_q, balanced):
+    """Rows short of whole blocks, padded by the FP8 kernels' inputs launch (with the plan's
+    programs, or without), give the bits of the same rows padded by the caller with jnp.pad."""
+    args = _inputs(5, batch=3, heads=heads, pages_per_row=5, seq_lens=[300, 0, 129], s_q=s_q)
+    run = lambda pad: _call_kernel(*args, 0.1, num_splits=2, balanced=balanced, kernel=kernel, pad_rows=pad)
+    (out, lse), (want, want_lse) = run(False), run(True)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+    assert np.isfinite(np.asarray(out, np.float32)).all()
 
 
 # Through the public API: (heads, s_q) with 48 and 32 rows (the 64-row kernel, rows
