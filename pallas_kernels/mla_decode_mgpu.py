@@ -1109,8 +1109,9 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, lay
                    num_splits: int, balanced: bool, num_pages: int, block_rows: int = BLOCK_M,
                    scale_planes: bool = False, interpret: bool = False) -> KernelInputs:
     """Checks and launcher-side inputs (``block_rows``: the query rows of a CTA; ``num_pages``:
-    pages in one layer, resolved by ``resolve_num_pages``), and the call's split plan
-    (``plan_items``: ``num_splits`` items a row, or ``balanced``).
+    pages in one layer, resolved by ``resolve_num_pages``), and the call's split plan:
+    ``num_splits`` items a row (``uniform_plan``), or with ``balanced`` (and B > 1)
+    ``split_plan.balanced_plan``'s, computed in the inputs launch.
 
     q_rows [B, rows, 512] and q_rope_rows [B, rows, 64], any rows: padded here to whole blocks.
     Returns ``KernelInputs``: the quantized rows, the padded RoPE rows, the step-ordered token
