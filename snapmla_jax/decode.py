@@ -19,7 +19,8 @@ from pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG, D
 from pallas_kernels.mla_decode_mgpu import BLOCK_M as MOSAIC_BLOCK_M
 from pallas_kernels.mla_decode_mgpu import PAGE as MOSAIC_PAGE
 from pallas_kernels.mla_decode_mgpu import STEP as MOSAIC_STEP
-from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
+from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu, padded_rows
+from pallas_kernels.mgpu_decode_inputs import pad_rows
 from pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
 from pallas_kernels.mla_decode_mgpu_small import ROWS as MOSAIC_SMALL_MAX_ROWS
 from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
@@ -290,8 +291,8 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     # The Mosaic FP8 kernels pad the rows to whole blocks in their inputs launch (no XLA pad
     # launches: 2-3 us each at 64 x 32 rows on an H100); the others take them padded.
     pads_own_rows = mosaic and cache.dtype == "fp8"
-    padded_rows = num_rows if pads_own_rows else -(-num_rows // block_m) * block_m
-    to_rows = lambda q: jnp.pad(q.reshape(batch, num_rows, q.shape[-1]), [(0, 0), (0, padded_rows - num_rows), (0, 0)])
+    rows = num_rows if pads_own_rows else padded_rows(num_rows, block_m)
+    to_rows = lambda q: pad_rows(q.reshape(batch, num_rows, q.shape[-1]), rows)
     flat = lambda a: None if a is None else a.reshape(-1, *a.shape[cache.latent.ndim - 1:])
     cache_arrays = tuple(a for a in (flat(cache.latent), flat(cache.scale), flat(cache.rope)) if a is not None)
     layer_offset = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32) * cache.num_slots, (1,))
