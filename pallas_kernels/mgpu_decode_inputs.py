@@ -145,6 +145,24 @@ def decode_inputs_reference(q_rows: jax.Array, scale: jax.Array, block_table: ja
     return DecodeInputs(q8, q_scale, with_scale_planes(scales) if scale_planes else scales, q_rope)
 
 
+def _row_block(b, j, num_rows: int, padded_rows: int):
+    """Rows [16 j, 16 j + 16) of batch row b padded to ``padded_rows``: (source [16, 1] rows of
+    a [B * num_rows, D] array, target [16, 1] rows of a [B * padded_rows, D] one, real [16, 1]:
+    not padding). Padding rows' sources are the row's last real one (their loads are masked):
+    addresses stay inside the source."""
+    row = j * Q_ROWS + jnp.arange(Q_ROWS, dtype=jnp.int32)
+    source = b * num_rows + jnp.minimum(row, num_rows - 1)
+    return source[:, None], (b * padded_rows + row)[:, None], (row < num_rows)[:, None]
+
+
+def _copy_rows(src_ref, dst_ref, source, target, real) -> None:
+    """dst_ref[target] = src_ref[source] in dst_ref's dtype, zero where not ``real``
+    (``_row_block``'s rows)."""
+    columns = jnp.arange(src_ref.shape[1], dtype=jnp.int32)[None, :]
+    values = plgpu_tr.load(src_ref.at[source, columns], mask=real, other=0.0)
+    plgpu_tr.store(dst_ref.at[target, columns], values.astype(dst_ref.dtype))
+
+
 def inputs_program(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, b, j, *, qr_ref=None,
                    qr_out_ref=None, q_programs: int, num_rows: int, num_tokens: int, scales_block: int,
                    num_pages: int, scale_planes: bool):
@@ -160,24 +178,17 @@ def inputs_program(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref
     [B * num_tokens * 3] with ``scale_planes``) (whole).
     """
     padded_rows = q_programs * Q_ROWS
-    rank = q_ref.shape[1]
 
     @pl.when(j < q_programs)
     def _():
-        row = j * Q_ROWS + jnp.arange(Q_ROWS, dtype=jnp.int32)
-        real = row < num_rows
-        # Padding rows read (masked) the row's last real one: addresses stay inside q_ref.
-        source = (b * num_rows + jnp.minimum(row, num_rows - 1))[:, None]
-        target = (b * padded_rows + row)[:, None]
-        columns = jnp.arange(rank, dtype=jnp.int32)[None, :]
-        values = plgpu_tr.load(q_ref.at[source, columns], mask=real[:, None], other=0.0)
+        source, target, real = _row_block(b, j, num_rows, padded_rows)
+        columns = jnp.arange(q_ref.shape[1], dtype=jnp.int32)[None, :]
+        values = plgpu_tr.load(q_ref.at[source, columns], mask=real, other=0.0)
         q8, q_scale = quantize_per_token(values.astype(jnp.float32))
         plgpu_tr.store(q8_ref.at[target, columns], q8)
         plgpu_tr.store(qsc_ref.at[target[:, 0]], q_scale)
         if qr_ref is not None:
-            rope_columns = jnp.arange(qr_ref.shape[1], dtype=jnp.int32)[None, :]
-            rope = plgpu_tr.load(qr_ref.at[source, rope_columns], mask=real[:, None], other=0.0)
-            plgpu_tr.store(qr_out_ref.at[target, rope_columns], rope.astype(jnp.bfloat16))
+            _copy_rows(qr_ref, qr_out_ref, source, target, real)
 
     @pl.when(j >= q_programs)
     def _():
@@ -321,3 +332,74 @@ def decode_inputs_and_plan(q_rows: jax.Array, scale: jax.Array, block_table: jax
     return _launch(q_rows, scale, block_table, layer_offset, seq_lens, q_rope_rows, padded_rows=padded_rows,
                    num_pages=num_pages, scale_planes=scale_planes, plan=plan_launch(seq_lens, num_items),
                    interpret=interpret)
+
+
+class TwinInputs(NamedTuple):
+    """The BF16 twin's query rows padded to P rows in one launch (``bf16_rows_and_plan``)."""
+    q: jax.Array  # [B, P, 512] bf16
+    q_rope: jax.Array  # [B, P, 64] bf16
+    plan: SplitPlan | None  # the balanced plan, when ``num_items`` was given
+
+
+@functools.partial(jax.jit, static_argnames=("padded_rows", "num_items", "capacity", "interpret"))
+def bf16_rows_and_plan(q_rows: jax.Array, q_rope_rows: jax.Array, seq_lens: jax.Array | None = None, *,
+                       padded_rows: int, num_items: int | None = None, capacity: int | None = None,
+                       interpret: bool = False) -> TwinInputs:
+    """The BF16 twin's inputs in one launch: q_rows [B, rows, 512] and q_rope_rows [B, rows, 64]
+    (bf16/f32) cast to bf16 and padded with zero rows to ``padded_rows`` (a multiple of 16, at
+    least rows), and with ``num_items`` the balanced split plan of seq_lens [B] int32 over a
+    block table of ``capacity`` tokens (the values of ``split_plan_kernel.balanced_plan_kernel``).
+    Where XLA pads q and q_rope in a launch each (and the plan takes its own)."""
+    batch, num_rows, _ = q_rows.shape
+    _check_rows(q_rows, q_rope_rows, padded_rows)
+    if (num_items is None) != (capacity is None) or (num_items is not None and seq_lens is None):
+        raise ValueError("num_items: a plan needs num_items, capacity and seq_lens together, got "
+                         f"num_items={num_items!r}, capacity={capacity!r}, seq_lens {'given' if seq_lens is not None else None}")
+    programs = padded_rows // Q_ROWS
+    plan = None if num_items is None else plan_launch(seq_lens, num_items)
+    plan_programs = 0 if plan is None else plan.programs
+
+    def kernel(*refs):
+        refs = list(refs)
+        seq_lens_ref = refs.pop(0) if plan is not None else None
+        q_ref, qr_ref, q_out_ref, qr_out_ref, *plan_refs = refs
+
+        def rows(b, j):
+            source, target, real = _row_block(b, j, num_rows, padded_rows)
+            _copy_rows(q_ref, q_out_ref, source, target, real)
+            _copy_rows(qr_ref, qr_out_ref, source, target, real)
+
+        if plan is None:
+            rows(pl.program_id(0), pl.program_id(1))
+            return
+        program = pl.program_id(0)
+
+        @pl.when(program < plan_programs)
+        def _():
+            plan_program(seq_lens_ref, *plan_refs, program, plan, step_tokens=STEP, capacity=capacity)
+
+        @pl.when(program >= plan_programs)
+        def _():
+            index = program - plan_programs
+            rows(lax.div(index, programs), lax.rem(index, programs))
+
+    rope = q_rope_rows.shape[2]
+    args = [q_rows.reshape(batch * num_rows, -1), q_rope_rows.reshape(batch * num_rows, rope)]
+    out_shape = [jax.ShapeDtypeStruct((batch * padded_rows, q_rows.shape[2]), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((batch * padded_rows, rope), jnp.bfloat16)]
+    if plan is not None:
+        args.insert(0, seq_lens)
+        out_shape += plan_out_shapes(plan)
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    outputs = pl.pallas_call(
+        kernel,
+        grid=(batch, programs) if plan is None else (plan_programs + batch * programs,),
+        in_specs=[whole] * len(args),
+        out_specs=[whole] * len(out_shape),
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=plgpu_tr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        name="snapmla_mgpu_bf16_rows",
+    )(*args)
+    return TwinInputs(outputs[0].reshape(batch, padded_rows, -1), outputs[1].reshape(batch, padded_rows, rope),
+                      None if plan is None else as_split_plan(*outputs[2:]))

@@ -7,7 +7,8 @@ program in Triton's registers. This kernel is built like the FP8 Mosaic kernel
 (``mla_decode_mgpu``: grid, producer warpgroup, split-KV, outputs) with what
 16-bit operands allow, and nothing the FP8 kernel needs for 8-bit ones:
 
-  q_rows       [B, rows, 512] bf16/f32, rows = s_q * H padded to a multiple of 64
+  q_rows       [B, rows, 512] bf16/f32, rows = s_q * H (padded here to whole blocks of 64,
+               with the split plan in one launch: ``mgpu_decode_inputs.bf16_rows_and_plan``)
   q_rope_rows  [B, rows, 64]
   cache_arrays (latent [N, 512] bf16, rope [N, 64] bf16), flat rows
   block_table  [B, max_pages] int32, seq_lens [B] int32,
@@ -63,8 +64,11 @@ from pallas_kernels.mla_decode import LOG2E, resolve_num_pages
 from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, CHUNKS_PER_WG, NUM_CHUNKS, NUM_SLOTS, NUM_WGS, PAGE,
                                             ROPE, _aligned, check_launch, check_registers, grid_params, initial_carry,
                                             for_used_items, issue_query, locate_cta, merge_items, output_target,
-                                            output_types, plan_items, produce_steps, specialize_warpgroups,
-                                            start_cta, step_visibility, walk_steps, write_outputs, Where)
+                                            output_types, padded_rows, plan_items, produce_steps,
+                                            specialize_warpgroups, start_cta, step_visibility, unpadded, walk_steps,
+                                            write_outputs, Where)
+from pallas_kernels.mgpu_decode_inputs import bf16_rows_and_plan
+from pallas_kernels.split_plan import balanced_items, uniform_plan
 
 STEP = PAGE  # tokens a step: one page (see the module docstring)
 COPIES_STEP = NUM_CHUNKS + 1  # TMA copies arriving on a slot's barrier: latent chunks, RoPE rows
@@ -214,14 +218,27 @@ def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays
     and seq_lens into the table's capacity, so that no read leaves the cache. ValueError for
     a cache or row count this kernel does not take.
     """
-    num_rows = q_rows.shape[1]
     check_launch("mla_decode_mgpu_bf16: bf16 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
-                 num_arrays=2, block_rows=BLOCK_M, num_splits=num_splits)
+                 num_arrays=2, block_rows=None, num_splits=num_splits)
     check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
     latent, rope = cache_arrays
     num_pages = resolve_num_pages(num_pages, latent.shape[0], page_size)
-    plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP,
-                      interpret=interpret)
+    batch, num_rows = q_rows.shape[:2]
+    rows = padded_rows(num_rows, BLOCK_M)
+    if rows == num_rows:
+        q, q_rope = q_rows.astype(jnp.bfloat16), q_rope_rows.astype(jnp.bfloat16)
+        plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP,
+                          interpret=interpret)
+    else:
+        # Rows short of whole blocks: padded (and the balanced plan computed) in one launch,
+        # as the FP8 kernels' inputs launch does, where XLA would pad q and q_rope in two.
+        with_plan = balanced and batch > 1
+        q, q_rope, plan = bf16_rows_and_plan(
+            q_rows, q_rope_rows, seq_lens if with_plan else None, padded_rows=rows,
+            num_items=balanced_items(batch, num_splits) if with_plan else None,
+            capacity=block_table.shape[1] * PAGE if with_plan else None, interpret=interpret)
+        plan = plan if with_plan else uniform_plan(batch, num_splits)
+    num_rows = rows
     out_dtype = partial_dtype(q_rows.dtype)
     stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # a warpgroup's staging tile: 16 KB
     kernel = plgpu.kernel(
@@ -243,6 +260,6 @@ def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays
         ],
         **grid_params(plan, num_rows // BLOCK_M, "snapmla_decode_bf16_mgpu", interpret, num_threads=NUM_WGS + 1),
     )
-    outs = kernel(seq_lens, plan.items, block_table, layer_offset, q_rows.astype(jnp.bfloat16),
-                  q_rope_rows.astype(jnp.bfloat16), latent, rope)
-    return merge_items(outs, plan, q_rows.dtype, num_splits=num_splits, interpret=interpret)
+    outs = kernel(seq_lens, plan.items, block_table, layer_offset, q, q_rope, latent, rope)
+    out, lse = merge_items(outs, plan, q_rows.dtype, num_splits=num_splits, interpret=interpret)
+    return unpadded(out, lse, q_rows.shape[1])

@@ -288,10 +288,10 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     check_kernel_addressable(cache)
     num_rows = s_q * heads
     block_m = block_rows(num_rows, config, cache.dtype)
-    # The Mosaic FP8 kernels pad the rows to whole blocks in their inputs launch (no XLA pad
-    # launches: 2-3 us each at 64 x 32 rows on an H100); the others take them padded.
-    pads_own_rows = mosaic and cache.dtype == "fp8"
-    rows = num_rows if pads_own_rows else padded_rows(num_rows, block_m)
+    # The Mosaic kernels pad the rows to whole blocks themselves, in one launch with other inputs
+    # (the FP8 kernels' query quantization, the BF16 twin's split plan): no XLA pad launches of
+    # q and q_rope (2-3 us each at 64 x 32 rows on an H100). The Triton kernels take them padded.
+    rows = num_rows if mosaic else padded_rows(num_rows, block_m)
     to_rows = lambda q: pad_rows(q.reshape(batch, num_rows, q.shape[-1]), rows)
     flat = lambda a: None if a is None else a.reshape(-1, *a.shape[cache.latent.ndim - 1:])
     cache_arrays = tuple(a for a in (flat(cache.latent), flat(cache.scale), flat(cache.rope)) if a is not None)

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.fp8 import fp8_round_trip_np
-from pallas_kernels.mgpu_decode_inputs import (PAGE, SCALE_FLOOR, STEP, decode_inputs, decode_inputs_and_plan,
-                                               decode_inputs_reference, scales_block, step_scales)
+from pallas_kernels.mgpu_decode_inputs import (PAGE, SCALE_FLOOR, STEP, bf16_rows_and_plan, decode_inputs,
+                                               decode_inputs_and_plan, decode_inputs_reference, pad_rows,
+                                               scales_block, step_scales)
 from pallas_kernels.split_plan import balanced_plan
 
 
@@ -199,6 +200,51 @@ def test_padding_arguments_are_checked():
     assert decode_inputs(*args, interpret=True).q8.shape == (1, 32, 512)
 
 
+# (batch, rows, padded rows, seq_lens or None (no plan), items): the BF16 twin's launch.
+TWIN_CASES = [(3, 48, 64, [0, 200, 320], 6), (2, 32, 64, None, None), (17, 16, 64, list(range(0, 17 * 11, 11)), 51),
+              (1, 8, 16, None, None)]
+
+
+def _twin_rows(batch, rows, seed, dtype):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, rows, 512)).astype(np.float32)
+    q[0, 0] *= 1e4  # an outlier row: copied, not scaled
+    q_rope = rng.standard_normal((batch, rows, 64)).astype(np.float32)
+    return jnp.asarray(q, dtype), jnp.asarray(q_rope, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("batch,rows,padded,seq_lens,items", TWIN_CASES)
+def test_twin_rows_and_plan_in_one_launch(batch, rows, padded, seq_lens, items, dtype):
+    """The BF16 twin's rows: ``jnp.pad`` of the bf16 rows, bit for bit (zero padding rows;
+    float32 queries rounded to bf16 as ``astype`` does), and the jnp ``balanced_plan``."""
+    q, q_rope = _twin_rows(batch, rows, batch + rows, dtype)
+    lens = None if seq_lens is None else jnp.asarray(seq_lens, jnp.int32)
+    capacity = 5 * PAGE
+    got = bf16_rows_and_plan(q, q_rope, lens, padded_rows=padded, num_items=items,
+                             capacity=None if items is None else capacity, interpret=True)
+    assert got.q.dtype == got.q_rope.dtype == jnp.bfloat16
+    for have, want in ((got.q, pad_rows(q, padded)), (got.q_rope, pad_rows(q_rope, padded))):
+        np.testing.assert_array_equal(np.asarray(have, np.float32),
+                                      np.asarray(want.astype(jnp.bfloat16), np.float32))
+    if items is None:
+        assert got.plan is None
+        return
+    want = balanced_plan(lens, num_items=items, step_tokens=STEP, capacity=capacity)
+    for got_part, want_part in zip(got.plan[:3], want[:3]):
+        np.testing.assert_array_equal(np.asarray(got_part), np.asarray(want_part))
+
+
+def test_twin_rows_check_their_arguments():
+    q, q_rope = _twin_rows(2, 20, 0, "bfloat16")
+    with pytest.raises(ValueError, match="padded_rows"):
+        bf16_rows_and_plan(q, q_rope, padded_rows=24, interpret=True)
+    with pytest.raises(ValueError, match="q_rope_rows"):
+        bf16_rows_and_plan(q, q_rope[:, :16], padded_rows=32, interpret=True)
+    with pytest.raises(ValueError, match="num_items"):  # a plan without its capacity
+        bf16_rows_and_plan(q, q_rope, jnp.asarray([1, 2], jnp.int32), padded_rows=32, num_items=4, interpret=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_compiled_inputs_match_the_reference(shape):
@@ -253,3 +299,20 @@ def test_compiled_padding_matches_the_reference(batch, rows, padded):
     g, w = np.asarray(got.q8.astype(jnp.float32)), np.asarray(want.q8.astype(jnp.float32))
     assert np.mean(g == w) > 0.999
     np.testing.assert_allclose(g, w, rtol=2.0 ** -3, atol=2.0 ** -9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,rows,padded,seq_lens,items", TWIN_CASES)
+def test_compiled_twin_rows_and_plan(batch, rows, padded, seq_lens, items):
+    q, q_rope = _twin_rows(batch, rows, batch + rows + 1, "float32")
+    lens = None if seq_lens is None else jnp.asarray(seq_lens, jnp.int32)
+    capacity = None if items is None else 5 * PAGE
+    got = jax.jit(functools.partial(bf16_rows_and_plan, padded_rows=padded, num_items=items,
+                                    capacity=capacity))(q, q_rope, lens)
+    for have, want in ((got.q, pad_rows(q, padded)), (got.q_rope, pad_rows(q_rope, padded))):
+        np.testing.assert_array_equal(np.asarray(have, np.float32),
+                                      np.asarray(want.astype(jnp.bfloat16), np.float32))
+    if items is not None:
+        want = balanced_plan(lens, num_items=items, step_tokens=STEP, capacity=capacity)
+        for got_part, want_part in zip(got.plan[:3], want[:3]):
+            np.testing.assert_array_equal(np.asarray(got_part), np.asarray(want_part))
