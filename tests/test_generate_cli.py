@@ -190,6 +190,31 @@ def test_shard_experts_runs_the_demo_model_over_two_devices_with_the_same_tokens
     assert two["completions"][0]["tokens"] == one["completions"][0]["tokens"]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache", ["fp8", "bf16"])
+def test_shard_experts_over_the_gpus_gives_the_tokens_of_one_gpu(capsys, kv_cache):
+    # The CPU test above runs the partitioned program with the interpreted kernels; here the
+    # compiled write and decode kernels run inside the expert-parallel program, their operands
+    # replicated over the GPUs, and the 8 experts split over 2, 4 or 8 of them.
+    import jax
+
+    gpus = len(jax.devices("gpu"))
+    if gpus < 2:
+        pytest.skip(f"needs two or more GPUs, found {gpus}")
+    argv = ["--prompt", "def ", "--max-new-tokens", "16", "--json", "--dtype", "float32", "--kv-cache", kv_cache]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err[-3000:]
+    code, sharded, err = _run(capsys, *argv, "--shard-experts")
+    assert code == 0, err[-3000:]
+    one, every = json.loads(out), json.loads(sharded)
+    assert (one["devices"], every["devices"]) == (1, gpus)
+    # Greedy tokens of one float32 model: the split reorders the experts' sums (float32
+    # rounding), far below the margins between the top logits, and the attention kernels see
+    # the same inputs on every GPU.
+    assert every["completions"][0]["tokens"] == one["completions"][0]["tokens"]
+    assert len(set(one["completions"][0]["tokens"])) >= 3  # not a constant stream
+
+
 def test_shard_experts_that_do_not_divide_over_the_devices_exit_2_naming_the_flag():
     result = _cli_on_cpu_devices(3, "--prompt", "def ", "--shard-experts")  # 8 experts, 3 devices
     assert result.returncode == 2
