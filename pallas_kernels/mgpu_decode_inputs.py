@@ -163,6 +163,26 @@ def _copy_rows(src_ref, dst_ref, source, target, real) -> None:
     plgpu_tr.store(dst_ref.at[target, columns], values.astype(dst_ref.dtype))
 
 
+def _plan_then_rows(run_rows, programs_per_row: int, plan: PlanLaunch | None, run_plan) -> None:
+    """The program body of a launch that may also compute the split plan: without a plan the grid
+    is (batch, programs_per_row) and every program runs ``run_rows(b, j)``; with one it is 1-D,
+    its first ``plan.programs`` programs run ``run_plan(program)`` and the rest ``run_rows``
+    in (batch row, block) order."""
+    if plan is None:
+        run_rows(pl.program_id(0), pl.program_id(1))
+        return
+    program = pl.program_id(0)
+
+    @pl.when(program < plan.programs)
+    def _():
+        run_plan(program)
+
+    @pl.when(program >= plan.programs)
+    def _():
+        index = program - plan.programs
+        run_rows(lax.div(index, programs_per_row), lax.rem(index, programs_per_row))
+
+
 def inputs_program(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, b, j, *, qr_ref=None,
                    qr_out_ref=None, q_programs: int, num_rows: int, num_tokens: int, scales_block: int,
                    num_pages: int, scale_planes: bool):
@@ -255,20 +275,9 @@ def _launch(q_rows, scale, block_table, layer_offset, seq_lens, q_rope_rows, *, 
         plan_refs = refs[3 + rope:]
         run_inputs = lambda b, j: inputs(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, b, j,
                                          qr_ref=qr_ref, qr_out_ref=qr_out_ref)
-        if plan is None:
-            run_inputs(pl.program_id(0), pl.program_id(1))
-            return
-        program = pl.program_id(0)
-
-        @pl.when(program < plan_programs)
-        def _():
-            plan_program(seq_lens_ref, *plan_refs, program, plan, step_tokens=STEP,
-                         capacity=block_table.shape[1] * PAGE)
-
-        @pl.when(program >= plan_programs)
-        def _():
-            index = program - plan_programs
-            run_inputs(lax.div(index, per_row), lax.rem(index, per_row))
+        run_plan = lambda program: plan_program(seq_lens_ref, *plan_refs, program, plan, step_tokens=STEP,
+                                                capacity=block_table.shape[1] * PAGE)
+        _plan_then_rows(run_inputs, per_row, plan, run_plan)
 
     whole = pl.BlockSpec(memory_space=pl.ANY)
     out_shape = [jax.ShapeDtypeStruct((batch * padded_rows, rank), FP8_DTYPE),
@@ -369,19 +378,8 @@ def bf16_rows_and_plan(q_rows: jax.Array, q_rope_rows: jax.Array, seq_lens: jax.
             _copy_rows(q_ref, q_out_ref, source, target, real)
             _copy_rows(qr_ref, qr_out_ref, source, target, real)
 
-        if plan is None:
-            rows(pl.program_id(0), pl.program_id(1))
-            return
-        program = pl.program_id(0)
-
-        @pl.when(program < plan_programs)
-        def _():
-            plan_program(seq_lens_ref, *plan_refs, program, plan, step_tokens=STEP, capacity=capacity)
-
-        @pl.when(program >= plan_programs)
-        def _():
-            index = program - plan_programs
-            rows(lax.div(index, programs), lax.rem(index, programs))
+        _plan_then_rows(rows, programs, plan, lambda program: plan_program(
+            seq_lens_ref, *plan_refs, program, plan, step_tokens=STEP, capacity=capacity))
 
     rope = q_rope_rows.shape[2]
     args = [q_rows.reshape(batch * num_rows, -1), q_rope_rows.reshape(batch * num_rows, rope)]
