@@ -6,6 +6,7 @@ A tiny random model (float32 weights, one dense and one MoE layer, backend
 
 import functools
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -273,6 +274,8 @@ def test_e2e_bench_runs_tiny(tmp_path, moe_flags, dispatch):
     header = (tmp_path / "e2e.md").read_text()
     assert ("ragged (`jax.lax.ragged_dot`) at every token count" in header) == (want == (None, 0))
     assert ("gathered up to 2 tokens" in header) == (want[1] == 2)
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    assert (f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction} of the GPU" if fraction else "XLA's default 75%") in header
     rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
     assert {(r["kv_cache"], r["status"]) for r in rows} == {("fp8", "ok"), ("bf16", "ok")}
     assert all(r["tokens_per_s"] > 0 and 0 < r["attention_share"] for r in rows)

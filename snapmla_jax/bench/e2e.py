@@ -36,6 +36,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import gc
+import os
 import statistics
 import time
 import traceback
@@ -96,6 +97,15 @@ def cache_bytes_per_token(cfg: MLAConfig, kv_cache: str) -> int:
     """All layers: fp8 512 + 4 + 128 = 644 B per layer, bf16 1024 + 128 = 1152 B."""
     per_layer = cfg.kv_lora_rank * (1 if kv_cache == "fp8" else 2) + cfg.qk_rope_head_dim * 2
     return cfg.num_hidden_layers * (per_layer + (4 if kv_cache == "fp8" else 0))
+
+
+def memory_text(env: dict) -> str:
+    """The sentence saying what memory the cache had room in ("" for runs that did not record it)."""
+    if "xla_mem_fraction" not in env:
+        return ""
+    fraction = env["xla_mem_fraction"]
+    setting = f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}" if fraction else "XLA's default 75%"
+    return f" Device memory for weights and caches: {setting} of the GPU."
 
 
 def free_device_bytes() -> int | None:
@@ -372,7 +382,8 @@ def markdown(env: dict, rows: list[dict], batches, contexts) -> str:
         f"{env['weights_gib']:.1f} GiB). Greedy decoding in the compiled `lax.while_loop` of "
         f"`snapmla_jax.generate` ({env['steps']} steps per call, median of {env['iters']} calls), every row "
         f"holding `context` cached tokens; backend `{env['backend']}`. Copy bandwidth measured in this run: "
-        f"{env['copy_gbps']:.0f} GB/s. MoE routed experts: {moe_dispatch_text(env.get('dense_moe_tokens'), env.get('gather_moe_tokens', 0))}.\n",
+        f"{env['copy_gbps']:.0f} GB/s. MoE routed experts: {moe_dispatch_text(env.get('dense_moe_tokens'), env.get('gather_moe_tokens', 0))}."
+        f"{memory_text(env)}\n",
         f"Columns: generated tokens/s (= batch / step time); attention = {env['layers']} x (write_kv + "
         f"mla_decode) timed alone, as a share of the step; FFN = the {env['layers']} feed-forward blocks "
         f"(dense MLP / MoE) timed alone; floor = (weight bytes the step reads + cache bytes) / copy bandwidth.\n",
@@ -457,6 +468,9 @@ def run(args: argparse.Namespace) -> int:
             grid[key] = tuple(getattr(args, key))
     env = timing.environment()
     env["copy_gbps"] = timing.measure_copy_gbps((64 << 20) if args.tiny else (2 << 30))
+    # What fits is read from the device's memory limit, which this variable sets (XLA's default
+    # preallocation: 75%); recorded so that a table's "no room" cells can be read.
+    env["xla_mem_fraction"] = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     model = random_model(cfg, jnp.bfloat16)
     if args.dense_moe is not None or args.ragged_moe:
         models.moe.set_dense_token_range(model, None if args.ragged_moe else tuple(args.dense_moe))
