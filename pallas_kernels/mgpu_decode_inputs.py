@@ -183,6 +183,25 @@ def _plan_then_rows(run_rows, programs_per_row: int, plan: PlanLaunch | None, ru
         run_rows(lax.div(index, programs_per_row), lax.rem(index, programs_per_row))
 
 
+
+def _call_plan_then_rows(kernel, args: list, out_shape: list, batch: int, programs_per_row: int,
+                         plan: PlanLaunch | None, *, name: str, interpret: bool) -> list:
+    """The ``pallas_call`` of a body built on ``_plan_then_rows``, over whole-array refs, with the
+    grid that function reads: (batch row, program of the row) without a plan; with one, flat,
+    the plan's programs first (a 2-d grid would repeat them in every row)."""
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    grid = (batch, programs_per_row) if plan is None else (plan.programs + batch * programs_per_row,)
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[whole] * len(args),
+        out_specs=[whole] * len(out_shape),
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=plgpu_tr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        name=name,
+    )(*args)
+
 def inputs_program(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, b, j, *, qr_ref=None,
                    qr_out_ref=None, q_programs: int, num_rows: int, num_tokens: int, scales_block: int,
                    num_pages: int, scale_planes: bool):
@@ -261,7 +280,6 @@ def _launch(q_rows, scale, block_table, layer_offset, seq_lens, q_rope_rows, *, 
     q_programs = padded_rows // Q_ROWS
     block = scales_block(num_tokens)
     per_row = q_programs + num_tokens // block
-    plan_programs = 0 if plan is None else plan.programs
     rope = q_rope_rows is not None
     inputs = functools.partial(inputs_program, q_programs=q_programs, num_rows=num_rows, num_tokens=num_tokens,
                                scales_block=block, num_pages=num_pages, scale_planes=scale_planes)
@@ -279,7 +297,6 @@ def _launch(q_rows, scale, block_table, layer_offset, seq_lens, q_rope_rows, *, 
                                                 capacity=block_table.shape[1] * PAGE)
         _plan_then_rows(run_inputs, per_row, plan, run_plan)
 
-    whole = pl.BlockSpec(memory_space=pl.ANY)
     out_shape = [jax.ShapeDtypeStruct((batch * padded_rows, rank), FP8_DTYPE),
                  jax.ShapeDtypeStruct((batch * padded_rows,), jnp.float32),
                  jax.ShapeDtypeStruct((batch * num_tokens * (3 if scale_planes else 1),), jnp.float32)]
@@ -291,19 +308,8 @@ def _launch(q_rows, scale, block_table, layer_offset, seq_lens, q_rope_rows, *, 
         out_shape.append(jax.ShapeDtypeStruct((batch * padded_rows, q_rope_rows.shape[2]), jnp.bfloat16))
     if plan is not None:
         out_shape += plan_out_shapes(plan)
-    # Without a plan the grid is (batch row, program of the row); with one, flat: the plan's
-    # programs, then the rows' (a 2-d grid would repeat the plan's programs in every row).
-    grid = (batch, per_row) if plan is None else (plan_programs + batch * per_row,)
-    outputs = pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=[whole] * len(args),
-        out_specs=[whole] * len(out_shape),
-        out_shape=out_shape,
-        interpret=interpret,
-        compiler_params=plgpu_tr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-        name="snapmla_mgpu_decode_inputs",
-    )(*args)
+    outputs = _call_plan_then_rows(kernel, args, out_shape, batch, per_row, plan,
+                                   name="snapmla_mgpu_decode_inputs", interpret=interpret)
     q8, q_scale, scales = outputs[:3]
     scales_shape = (batch, num_tokens // STEP, 3, STEP) if scale_planes else (batch, num_tokens)
     q_rope = outputs[3].reshape(batch, padded_rows, -1) if rope else None
@@ -366,7 +372,6 @@ def bf16_rows_and_plan(q_rows: jax.Array, q_rope_rows: jax.Array, seq_lens: jax.
                          f"num_items={num_items!r}, capacity={capacity!r}, seq_lens {'given' if seq_lens is not None else None}")
     programs = padded_rows // Q_ROWS
     plan = None if num_items is None else plan_launch(seq_lens, num_items)
-    plan_programs = 0 if plan is None else plan.programs
 
     def kernel(*refs):
         refs = list(refs)
@@ -388,16 +393,7 @@ def bf16_rows_and_plan(q_rows: jax.Array, q_rope_rows: jax.Array, seq_lens: jax.
     if plan is not None:
         args.insert(0, seq_lens)
         out_shape += plan_out_shapes(plan)
-    whole = pl.BlockSpec(memory_space=pl.ANY)
-    outputs = pl.pallas_call(
-        kernel,
-        grid=(batch, programs) if plan is None else (plan_programs + batch * programs,),
-        in_specs=[whole] * len(args),
-        out_specs=[whole] * len(out_shape),
-        out_shape=out_shape,
-        interpret=interpret,
-        compiler_params=plgpu_tr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-        name="snapmla_mgpu_bf16_rows",
-    )(*args)
+    outputs = _call_plan_then_rows(kernel, args, out_shape, batch, programs, plan,
+                                   name="snapmla_mgpu_bf16_rows", interpret=interpret)
     return TwinInputs(outputs[0].reshape(batch, padded_rows, -1), outputs[1].reshape(batch, padded_rows, rope),
                       None if plan is None else as_split_plan(*outputs[2:]))
