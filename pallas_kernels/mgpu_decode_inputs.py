@@ -183,7 +183,6 @@ def _plan_then_rows(run_rows, programs_per_row: int, plan: PlanLaunch | None, ru
         run_rows(lax.div(index, programs_per_row), lax.rem(index, programs_per_row))
 
 
-
 def _call_plan_then_rows(kernel, args: list, out_shape: list, batch: int, programs_per_row: int,
                          plan: PlanLaunch | None, *, name: str, interpret: bool) -> list:
     """The ``pallas_call`` of a body built on ``_plan_then_rows``, over whole-array refs, with the
@@ -201,6 +200,7 @@ def _call_plan_then_rows(kernel, args: list, out_shape: list, batch: int, progra
         compiler_params=plgpu_tr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         name=name,
     )(*args)
+
 
 def inputs_program(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, b, j, *, qr_ref=None,
                    qr_out_ref=None, q_programs: int, num_rows: int, num_tokens: int, scales_block: int,

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -196,8 +197,6 @@ def test_shard_experts_over_the_gpus_gives_the_tokens_of_one_gpu(capsys, kv_cach
     # The CPU test above runs the partitioned program with the interpreted kernels; here the
     # compiled write and decode kernels run inside the expert-parallel program, their operands
     # replicated over the GPUs, and the 8 experts split over 2, 4 or 8 of them.
-    import jax
-
     gpus = len(jax.devices("gpu"))
     if gpus < 2:
         pytest.skip(f"needs two or more GPUs, found {gpus}")
