@@ -1127,9 +1127,10 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, lay
     rope_rows = q_rope_rows if rows != num_rows else None
     common = dict(q_rope_rows=rope_rows, padded_rows=rows, num_pages=num_pages, scale_planes=scale_planes,
                   interpret=interpret)
-    if balanced and batch > 1:
-        inputs = decode_inputs_and_plan(q_rows, scale, block_table, layer_offset, seq_lens,
-                                        num_items=balanced_items(batch, num_splits), **common)
+    num_items = balanced_plan_size(batch, num_splits, balanced)
+    if num_items is not None:
+        inputs = decode_inputs_and_plan(q_rows, scale, block_table, layer_offset, seq_lens, num_items=num_items,
+                                        **common)
         plan = inputs.plan
     else:
         inputs = decode_inputs(q_rows, scale, block_table, layer_offset, **common)
@@ -1203,16 +1204,23 @@ def grid_params(plan: SplitPlan, row_blocks: int, kernel_name: str, interpret: b
                 interpret=plgpu.InterpretGPUParams() if interpret else None, **extra)
 
 
+def balanced_plan_size(batch: int, num_splits: int, balanced: bool) -> int | None:
+    """The item count W of a call's balanced plan: the budget that gives rows of equal length
+    ``num_splits`` items each (``balanced_items``), or None where the call's plan is
+    ``uniform_plan`` (not ``balanced``, or one row, whose balanced plan equals the uniform one)."""
+    return balanced_items(batch, num_splits) if balanced and batch > 1 else None
+
+
 def plan_items(seq_lens, block_table, *, num_splits: int, balanced: bool, step_tokens: int,
                interpret: bool = False) -> SplitPlan:
     """The work items of a call over seq_lens [B] and block_table [B, max_pages]:
-    ``split_plan.balanced_plan`` (in one launch: ``balanced_plan_kernel``) with the budget that
-    gives rows of equal length ``num_splits`` items each, or ``uniform_plan`` (``num_splits``
-    items a row; also for a balanced plan of one row, which it equals)."""
+    ``split_plan.balanced_plan`` (in one launch: ``balanced_plan_kernel``) of
+    ``balanced_plan_size`` items, or ``uniform_plan`` (``num_splits`` items a row)."""
     batch = seq_lens.shape[0]
-    if not balanced or batch == 1:
+    num_items = balanced_plan_size(batch, num_splits, balanced)
+    if num_items is None:
         return uniform_plan(batch, num_splits)
-    return balanced_plan_kernel(seq_lens, num_items=balanced_items(batch, num_splits), step_tokens=step_tokens,
+    return balanced_plan_kernel(seq_lens, num_items=num_items, step_tokens=step_tokens,
                                 capacity=block_table.shape[1] * PAGE, interpret=interpret)
 
 

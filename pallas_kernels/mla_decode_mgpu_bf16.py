@@ -62,13 +62,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.combine_splits import partial_dtype
 from pallas_kernels.mla_decode import LOG2E, resolve_num_pages
 from pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, CHUNKS_PER_WG, NUM_CHUNKS, NUM_SLOTS, NUM_WGS, PAGE,
-                                            ROPE, _aligned, check_launch, check_registers, grid_params, initial_carry,
-                                            for_used_items, issue_query, locate_cta, merge_items, output_target,
-                                            output_types, padded_rows, plan_items, produce_steps,
-                                            specialize_warpgroups, start_cta, step_visibility, unpadded, walk_steps,
-                                            write_outputs, Where)
+                                            ROPE, _aligned, balanced_plan_size, check_launch, check_registers,
+                                            grid_params, initial_carry, for_used_items, issue_query, locate_cta,
+                                            merge_items, output_target, output_types, padded_rows, plan_items,
+                                            produce_steps, specialize_warpgroups, start_cta, step_visibility,
+                                            unpadded, walk_steps, write_outputs, Where)
 from pallas_kernels.mgpu_decode_inputs import bf16_rows_and_plan
-from pallas_kernels.split_plan import balanced_items, uniform_plan
+from pallas_kernels.split_plan import uniform_plan
 
 STEP = PAGE  # tokens a step: one page (see the module docstring)
 COPIES_STEP = NUM_CHUNKS + 1  # TMA copies arriving on a slot's barrier: latent chunks, RoPE rows
@@ -232,10 +232,10 @@ def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays
     else:
         # Rows short of whole blocks: padded (and the balanced plan computed) in one launch,
         # as the FP8 kernels' inputs launch does, where XLA would pad q and q_rope in two.
-        with_plan = balanced and batch > 1
+        num_items = balanced_plan_size(batch, num_splits, balanced)
+        with_plan = num_items is not None
         q, q_rope, plan = bf16_rows_and_plan(
-            q_rows, q_rope_rows, seq_lens if with_plan else None, padded_rows=rows,
-            num_items=balanced_items(batch, num_splits) if with_plan else None,
+            q_rows, q_rope_rows, seq_lens if with_plan else None, padded_rows=rows, num_items=num_items,
             capacity=block_table.shape[1] * PAGE if with_plan else None, interpret=interpret)
         plan = plan if with_plan else uniform_plan(batch, num_splits)
     num_rows = rows
