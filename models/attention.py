@@ -23,8 +23,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import MLAConfig
-from models.layers import RMSNorm, RotaryEmbedding, linear
+from snapmla_jax.decode import mla_decode
+from snapmla_jax.models.config import MLAConfig
+from snapmla_jax.models.layers import RMSNorm, RotaryEmbedding, linear
+from snapmla_jax.write import write_kv
 
 # The full form's attention runs in query blocks whose float32 scores [B, H, C, S] stay
 # under SCORE_BLOCK_BYTES: the compiled program holds about three such temporaries (scores,
@@ -136,11 +138,6 @@ class MLAAttention(nnx.Module):
         ``mla_decode``. Returns (out [B, s_q, hidden], new cache,
         latent attention output [B, s_q, H, R] before W_UV).
         """
-        # Imported here: snapmla_jax re-exports this package, so a module-level
-        # import would be circular.
-        from snapmla_jax.decode import mla_decode
-        from snapmla_jax.write import write_kv
-
         cfg = self.cfg
         q_nope, q_pe = self.queries(x, positions)
         q_latent = jnp.einsum("bshn,rhn->bshr", q_nope, self.w_uk[...])

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx, traverse_util
 
-from models.config import MLAConfig
-from models.sharding import ParamSharding, merge_placed, param_path, resolve_sharding
-from models.transformer import MLAModel
+from snapmla_jax.models.config import MLAConfig
+from snapmla_jax.models.sharding import ParamSharding, merge_placed, param_path, resolve_sharding
+from snapmla_jax.models.transformer import MLAModel
 
 CHECKPOINT_FORMAT = "snapmla-jax/mla-model/1"
 CONFIG_FILE = "config.json"

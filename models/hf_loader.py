@@ -36,9 +36,9 @@ import numpy as np
 from flax import nnx, traverse_util
 from tqdm.auto import tqdm
 
-from models.config import MLAConfig, read_hf_config
-from models.sharding import ParamSharding, merge_placed, param_path, resolve_sharding
-from models.transformer import MLAModel
+from snapmla_jax.models.config import MLAConfig, read_hf_config
+from snapmla_jax.models.sharding import ParamSharding, merge_placed, param_path, resolve_sharding
+from snapmla_jax.models.transformer import MLAModel
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

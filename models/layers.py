@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import MLAConfig
+from snapmla_jax.models.config import MLAConfig
 
 
 class Linear(nnx.Linear):

@@ -48,9 +48,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import MLAConfig
-from models.layers import MLP
-from pallas_kernels.grouped_experts import combine_assignments, grouped_experts, grouped_experts_reference
+from snapmla_jax.backend import resolve_backend
+from snapmla_jax.models.config import MLAConfig
+from snapmla_jax.models.layers import MLP
+from snapmla_jax.pallas_kernels.grouped_experts import combine_assignments, grouped_experts, grouped_experts_reference
 
 # The default ``MoE.dense_token_range`` of new layers: token counts T (tokens in one call:
 # batch x sequence) for which the routed experts run dense (module docstring), as an
@@ -227,8 +228,6 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, *, backend: str = "xla") -> jax.Array:
         """x [..., hidden] -> same; ``backend`` (snapmla_jax.backend) runs the gathered dispatch:
         "xla" in jnp (differentiable), "pallas" / "interpret" as the grouped-experts kernel."""
-        from snapmla_jax.backend import resolve_backend  # not at module level: snapmla_jax re-exports models
-
         backend = resolve_backend(backend)
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)

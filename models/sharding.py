@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from flax import nnx, traverse_util
 
-from models.moe import match_dispatch_to_placement
+from snapmla_jax.models.moe import match_dispatch_to_placement
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # the MoE's stacked [E, ...] expert weights
 

@@ -14,10 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.attention import MLAAttention
-from models.config import MLAConfig
-from models.layers import MLP, RMSNorm, linear
-from models.moe import MoE
+from snapmla_jax.cache import LatentCache
+from snapmla_jax.models.attention import MLAAttention
+from snapmla_jax.models.config import MLAConfig
+from snapmla_jax.models.layers import MLP, RMSNorm, linear
+from snapmla_jax.models.moe import MoE
+from snapmla_jax.write import write_kv
 
 
 class DecoderLayer(nnx.Module):
@@ -40,8 +42,6 @@ class DecoderLayer(nnx.Module):
 
     def prefill(self, x, positions, cache, slots, *, backend: str):
         """Full attention over the prompt, writing its latents into ``cache`` at ``slots`` [B*S]."""
-        from snapmla_jax.write import write_kv  # not at module level: snapmla_jax re-exports models
-
         attn, c_kv, k_pe = self.self_attn.full_attention(self.input_layernorm(x), positions)
         cache = write_kv(cache, c_kv.reshape(-1, c_kv.shape[-1]), k_pe.reshape(-1, k_pe.shape[-1]), slots,
                          backend=backend)
@@ -119,8 +119,6 @@ class MLAModel(nnx.Module):
     def init_cache(self, num_pages: int, page_size: int = 64, kv_cache: str = "fp8") -> tuple:
         """One empty ``LatentCache`` per layer (no layer axis, so each array stays
         under 2**31 elements for large batches): kv_cache "fp8" or "bf16"."""
-        from snapmla_jax.cache import LatentCache  # not at module level: snapmla_jax re-exports models
-
         return tuple(LatentCache.create(num_pages, page_size, kv_lora_rank=self.cfg.kv_lora_rank,
                                         rope_dim=self.cfg.qk_rope_head_dim, dtype=kv_cache)
                      for _ in range(self.cfg.num_hidden_layers))

@@ -60,8 +60,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_tr
 
-from pallas_kernels.combine_splits import combine_splits
-from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, quantize_per_token
+from snapmla_jax.pallas_kernels.combine_splits import combine_splits
+from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, quantize_per_token
 
 LOG2E = math.log2(math.e)  # folded into the softmax scale: exp(x) = exp2(x * log2(e))
 LN2 = math.log(2.0)  # converts the kernel's base-2 log-sum-exp back to natural log

@@ -148,16 +148,16 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir.dialects import nvvm
 
-from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
-from pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms, store_feature_pairs,
+from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
+from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms, store_feature_pairs,
                                        store_quads)
-from pallas_kernels.combine_splits import combine_items, combine_splits, partial_dtype
-from pallas_kernels.mgpu_decode_inputs import decode_inputs, decode_inputs_and_plan
-from pallas_kernels.mgpu_fresh_acc import SUPPORTED as FRESH_SUPPORTED
-from pallas_kernels.mgpu_fresh_acc import chain_overwriting, product_overwriting
-from pallas_kernels.mla_decode import LN2, LOG2E, resolve_num_pages
-from pallas_kernels.split_plan import SplitPlan, balanced_items, item_steps, uniform_plan
-from pallas_kernels.split_plan_kernel import balanced_plan_kernel
+from snapmla_jax.pallas_kernels.combine_splits import combine_items, combine_splits, partial_dtype
+from snapmla_jax.pallas_kernels.mgpu_decode_inputs import decode_inputs, decode_inputs_and_plan
+from snapmla_jax.pallas_kernels.mgpu_fresh_acc import SUPPORTED as FRESH_SUPPORTED
+from snapmla_jax.pallas_kernels.mgpu_fresh_acc import chain_overwriting, product_overwriting
+from snapmla_jax.pallas_kernels.mla_decode import LN2, LOG2E, resolve_num_pages
+from snapmla_jax.pallas_kernels.split_plan import SplitPlan, balanced_items, item_steps, uniform_plan
+from snapmla_jax.pallas_kernels.split_plan_kernel import balanced_plan_kernel
 
 PAGE = 64  # cache page size this kernel supports
 STEP = 128  # tokens per inner step: two pages (see the module docstring)

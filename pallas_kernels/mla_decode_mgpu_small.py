@@ -71,10 +71,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.combine_splits import partial_dtype
-from pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
-from pallas_kernels.mla_decode import LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
-from pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, HALF, NUM_CHUNKS,
+from snapmla_jax.pallas_kernels.combine_splits import partial_dtype
+from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
+from snapmla_jax.pallas_kernels.mla_decode import LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
+from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, HALF, NUM_CHUNKS,
                                             NUM_SLOTS, NUM_WGS, ROPE, STEP, OutputTarget, begin_cta, begin_step,
                                             grid_params, initial_carry, merge_items, output_target, output_types,
                                             for_used_items, prepare_inputs, store_rows, walk_steps,

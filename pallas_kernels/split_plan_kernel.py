@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_tr
 
-from pallas_kernels.split_plan import SplitPlan
+from snapmla_jax.pallas_kernels.split_plan import SplitPlan
 
 MIN_ROWS = 16  # Triton's smallest block; the row axis is padded to a power of two at least this
 # Values of a program's [items, rows] mask. Its three sums cost ~0.5 ns a value past a base of

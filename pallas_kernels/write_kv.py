@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_tr
 
-from pallas_kernels.fp8 import quantize_per_token
+from snapmla_jax.pallas_kernels.fp8 import quantize_per_token
 
 @dataclasses.dataclass(frozen=True)
 class WriteKVConfig:

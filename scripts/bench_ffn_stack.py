@@ -27,7 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import models.moe
+import snapmla_jax.models.moe
+
+from snapmla_jax import models
 from snapmla_jax.bench import timing
 from snapmla_jax.bench.e2e import V2_LITE, feed_forward_stack, random_model, weight_bytes_touched
 

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG
-from pallas_kernels.mla_decode_mgpu import BLOCK_M, mla_decode_mgpu
-from pallas_kernels.mla_decode_mgpu_small import ROWS as SMALL_ROWS
-from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
+from snapmla_jax.pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG
+from snapmla_jax.pallas_kernels.mla_decode_mgpu import BLOCK_M, mla_decode_mgpu
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import ROWS as SMALL_ROWS
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
 from snapmla_jax.bench import timing
 from snapmla_jax.bench.decode import make_caches, make_queries
 from snapmla_jax.decode import _sm_count, choose_num_splits, min_tokens_per_split, mla_decode

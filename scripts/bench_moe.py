@@ -27,10 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import models.moe
-from models.config import MLAConfig
-from models.moe import MoE
-from models.sharding import EXPERT_WEIGHTS
+import snapmla_jax.models.moe
+
+from snapmla_jax import models
+from snapmla_jax.models.config import MLAConfig
+from snapmla_jax.models.moe import MoE
+from snapmla_jax.models.sharding import EXPERT_WEIGHTS
 from snapmla_jax.bench import timing
 
 

@@ -25,9 +25,9 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
-from pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
-from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
+from snapmla_jax.pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
 from snapmla_jax.backend import lower_for_cuda, mosaic_module_texts
 
 KERNELS = ("mgpu", "small", "bf16")

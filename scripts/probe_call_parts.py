@@ -21,8 +21,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels.mla_decode_mgpu as mgpu_kernel
-from pallas_kernels.split_plan import uniform_plan
+import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_kernel
+from snapmla_jax.pallas_kernels.split_plan import uniform_plan
 from snapmla_jax.bench import timing
 
 

@@ -43,11 +43,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-import pallas_kernels.mla_decode_mgpu as mgpu_kernel
-import pallas_kernels.mla_decode_mgpu_bf16 as bf16_kernel
-import pallas_kernels.mla_decode_mgpu_small as small_kernel
-from pallas_kernels.mgpu_bytes import load_vt_quads
-from pallas_kernels.mla_decode_mgpu import BLOCK_M, CHUNK, HALF, NUM_CHUNKS
+import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_kernel
+import snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 as bf16_kernel
+import snapmla_jax.pallas_kernels.mla_decode_mgpu_small as small_kernel
+from snapmla_jax.pallas_kernels.mgpu_bytes import load_vt_quads
+from snapmla_jax.pallas_kernels.mla_decode_mgpu import BLOCK_M, CHUNK, HALF, NUM_CHUNKS
 from snapmla_jax.bench import timing
 
 ROOT = pathlib.Path(__file__).resolve().parent

@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels.mla_decode_mgpu as mgpu_kernel
-from pallas_kernels.fp8 import quantize_per_token
-from pallas_kernels.mla_decode import mla_decode_reference
+import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_kernel
+from snapmla_jax.pallas_kernels.fp8 import quantize_per_token
+from snapmla_jax.pallas_kernels.mla_decode import mla_decode_reference
 from snapmla_jax.bench import timing
 
 VARIANTS = {

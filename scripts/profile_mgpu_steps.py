@@ -42,8 +42,8 @@ import tempfile
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-import pallas_kernels.mla_decode_mgpu as mgpu_kernel
-from pallas_kernels.mla_decode import MOSAIC_CONFIG
+import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_kernel
+from snapmla_jax.pallas_kernels.mla_decode import MOSAIC_CONFIG
 from snapmla_jax.bench import timing
 from snapmla_jax.decode import mla_decode
 

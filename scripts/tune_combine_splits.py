@@ -20,7 +20,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels.combine_splits as combine
+import snapmla_jax.pallas_kernels.combine_splits as combine
 from snapmla_jax.bench import timing
 
 DEFAULT_CASES = ("1x8x16T", "1x33x16T", "1x128x16T", "8x16x32T", "64x2x32T", "1x8x128", "1x17x128", "1x33x128",

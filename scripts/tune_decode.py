@@ -21,7 +21,7 @@ import time
 import jax
 import numpy as np
 
-from pallas_kernels.mla_decode import DecodeConfig
+from snapmla_jax.pallas_kernels.mla_decode import DecodeConfig
 from snapmla_jax.bench import timing
 from snapmla_jax.bench.decode import make_caches, make_queries
 from snapmla_jax.decode import mla_decode

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels.grouped_experts as kernel
+import snapmla_jax.pallas_kernels.grouped_experts as kernel
 from snapmla_jax.bench import timing
 
 ROOT = pathlib.Path(__file__).resolve().parent

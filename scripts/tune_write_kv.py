@@ -7,7 +7,7 @@ import functools
 
 import jax
 
-from pallas_kernels.write_kv import WriteKVConfig, write_kv_pallas
+from snapmla_jax.pallas_kernels.write_kv import WriteKVConfig, write_kv_pallas
 from snapmla_jax.bench.timing import measure_copy_gbps, time_ms
 from snapmla_jax.bench.write import _bytes_moved, _inputs
 from snapmla_jax.cache import LatentCache

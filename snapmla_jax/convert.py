@@ -50,9 +50,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the conversion; returns the process exit code (0 ok, 2 bad input)."""
-    from models import expert_sharding, load_hf_checkpoint, save_checkpoint
-    from models.sharding import PlacementError
-    from models.transformer import param_count
+    from snapmla_jax.models import expert_sharding, load_hf_checkpoint, save_checkpoint
+    from snapmla_jax.models.sharding import PlacementError
+    from snapmla_jax.models.transformer import param_count
 
     try:
         args = _parser().parse_args(argv)

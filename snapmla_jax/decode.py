@@ -14,16 +14,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG, DecodeConfig, mla_decode_pallas,
+from snapmla_jax.pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG, DecodeConfig, mla_decode_pallas,
                                       mla_decode_reference, rows_per_block, tokens_per_block)
-from pallas_kernels.mla_decode_mgpu import BLOCK_M as MOSAIC_BLOCK_M
-from pallas_kernels.mla_decode_mgpu import PAGE as MOSAIC_PAGE
-from pallas_kernels.mla_decode_mgpu import STEP as MOSAIC_STEP
-from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu, padded_rows
-from pallas_kernels.mgpu_decode_inputs import pad_rows
-from pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
-from pallas_kernels.mla_decode_mgpu_small import ROWS as MOSAIC_SMALL_MAX_ROWS
-from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
+from snapmla_jax.pallas_kernels.mla_decode_mgpu import BLOCK_M as MOSAIC_BLOCK_M
+from snapmla_jax.pallas_kernels.mla_decode_mgpu import PAGE as MOSAIC_PAGE
+from snapmla_jax.pallas_kernels.mla_decode_mgpu import STEP as MOSAIC_STEP
+from snapmla_jax.pallas_kernels.mla_decode_mgpu import mla_decode_mgpu, padded_rows
+from snapmla_jax.pallas_kernels.mgpu_decode_inputs import pad_rows
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import ROWS as MOSAIC_SMALL_MAX_ROWS
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
 from snapmla_jax.backend import resolve_backend
 from snapmla_jax.cache import LatentCache, check_kernel_addressable, check_layer
 

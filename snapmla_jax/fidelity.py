@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import MLAModel, load_checkpoint
+from snapmla_jax.models import MLAModel, load_checkpoint
 from snapmla_jax import byte_corpus
 from snapmla_jax.backend import resolve_backend
 from snapmla_jax.cache import dequantize

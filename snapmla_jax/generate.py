@@ -410,8 +410,8 @@ def _load_model(model_dir: pathlib.Path, dtype_name: str | None, shard_experts: 
     """An orbax checkpoint (``<dir>/state`` beside config.json) or a Hugging Face
     directory (config.json + safetensors); ``shard_experts``: the expert weights split
     over all devices, the rest replicated (``expert_sharding``)."""
-    from models import expert_sharding, load_checkpoint, load_hf_checkpoint
-    from models.sharding import PlacementError
+    from snapmla_jax.models import expert_sharding, load_checkpoint, load_hf_checkpoint
+    from snapmla_jax.models.sharding import PlacementError
 
     dtype = PARAM_DTYPES[dtype_name] if dtype_name else None
     sharding = expert_sharding() if shard_experts else None

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import MLAConfig, MLAModel, save_checkpoint
+from snapmla_jax.models import MLAConfig, MLAModel, save_checkpoint
 from snapmla_jax import byte_corpus
 
 LN2 = math.log(2.0)

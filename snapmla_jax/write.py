@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.write_kv import write_kv_pallas, write_kv_reference
+from snapmla_jax.pallas_kernels.write_kv import write_kv_pallas, write_kv_reference
 from snapmla_jax.backend import resolve_backend
 from snapmla_jax.cache import LatentCache, check_kernel_addressable, check_layer
 

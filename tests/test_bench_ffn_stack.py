@@ -7,7 +7,9 @@ import numpy as np
 from flax import nnx
 from script_loader import load_script
 
-import models.moe
+import snapmla_jax.models.moe
+
+from snapmla_jax import models
 from snapmla_jax.bench.e2e import TINY, feed_forward_stack, random_model
 
 bench = load_script("bench_ffn_stack")

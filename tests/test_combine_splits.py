@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels.combine_splits import (combine_items, combine_items_reference, combine_splits,
+from snapmla_jax.pallas_kernels.combine_splits import (combine_items, combine_items_reference, combine_splits,
                                            combine_splits_reference, max_tile, partial_dtype, tile_size,
                                            transposed_columns)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import MLAModel
+from snapmla_jax.models import MLAModel
 from snapmla_jax import byte_corpus as bc
 from snapmla_jax import fidelity
 from snapmla_jax import train_demo as td

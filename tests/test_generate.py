@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 
 from cpu_devices import run_with_cpu_devices
-from models.config import MLAConfig
-from models.transformer import MLAModel
+from snapmla_jax.models.config import MLAConfig
+from snapmla_jax.models.transformer import MLAModel
 from snapmla_jax.cache import dequantize
 from snapmla_jax.generate import generate, generate_with_stats, stream
 from snapmla_jax.paging import allocate_pages
@@ -261,7 +261,8 @@ def test_pallas_kernels_in_the_loop_match_the_xla_path(model, prompts, greedy_bf
                                                 # (their steps must fit the decode state): still ok
                                                 (["--profile"], "default")])
 def test_e2e_bench_runs_tiny(tmp_path, moe_flags, dispatch):
-    import models.moe
+    import snapmla_jax.models.moe
+    from snapmla_jax import models
     from snapmla_jax.bench import e2e
 
     assert e2e.main(["--tiny", "--batches", "2", "--contexts", "64", "--steps", "2", "--iters", "1",

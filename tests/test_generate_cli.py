@@ -15,7 +15,7 @@ from flax import nnx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from cpu_devices import run_with_cpu_devices
-from models import MLAConfig, MLAModel, load_checkpoint, save_checkpoint
+from snapmla_jax.models import MLAConfig, MLAModel, load_checkpoint, save_checkpoint
 from snapmla_jax.generate import generate, main
 from snapmla_jax.tokenizer import load_tokenizer
 

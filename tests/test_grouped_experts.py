@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models.moe
-import pallas_kernels.grouped_experts as grouped_experts_module
-from pallas_kernels.grouped_experts import (COLUMNS, FEW_ASSIGNMENTS, FEW_SETTING, NUM_STAGES, NUM_WARPS, RUN,
+import snapmla_jax.models.moe
+
+from snapmla_jax import models
+import snapmla_jax.pallas_kernels.grouped_experts as grouped_experts_module
+from snapmla_jax.pallas_kernels.grouped_experts import (COLUMNS, FEW_ASSIGNMENTS, FEW_SETTING, NUM_STAGES, NUM_WARPS, RUN,
                                             SPLIT_PROGRAMS, contraction_splits, grouped_experts,
                                             grouped_experts_reference, launch_setting)
 from snapmla_jax.backend import lower_for_cuda
@@ -143,7 +145,7 @@ def test_kernels_lower_for_cuda_at_model_shapes():
 
 
 def _moe_layer(dtype):
-    from models.config import MLAConfig
+    from snapmla_jax.models.config import MLAConfig
     cfg = MLAConfig(vocab_size=16, hidden_size=96, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                     kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8,
                     moe_intermediate_size=80, num_experts_per_tok=3, n_shared_experts=1, topk_method="greedy",

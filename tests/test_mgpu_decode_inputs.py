@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.fp8 import fp8_round_trip_np
-from pallas_kernels.mgpu_decode_inputs import (PAGE, SCALE_FLOOR, STEP, bf16_rows_and_plan, decode_inputs,
+from snapmla_jax.pallas_kernels.fp8 import fp8_round_trip_np
+from snapmla_jax.pallas_kernels.mgpu_decode_inputs import (PAGE, SCALE_FLOOR, STEP, bf16_rows_and_plan, decode_inputs,
                                                decode_inputs_and_plan, decode_inputs_reference, pad_rows,
                                                scales_block, step_scales)
-from pallas_kernels.split_plan import balanced_plan
+from snapmla_jax.pallas_kernels.split_plan import balanced_plan
 
 
 def expected_step_scales(scale: np.ndarray, block_table: np.ndarray, layer_offset: int) -> np.ndarray:

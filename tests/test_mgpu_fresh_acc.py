@@ -6,7 +6,7 @@ from jax._src.interpreters import mlir as jax_mlir
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import llvm
 
-from pallas_kernels import mgpu_fresh_acc
+from snapmla_jax.pallas_kernels import mgpu_fresh_acc
 
 
 def test_the_wrapper_is_installed_on_the_pinned_jax():

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import snapmla_jax.decode as decode_module
-from pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG, DecodeConfig, resolve_pv_mma,
+from snapmla_jax.pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG, DecodeConfig, resolve_pv_mma,
                                       rows_per_block, tokens_per_block)
 from snapmla_jax.cache import LatentCache
 from snapmla_jax.decode import (MAX_SPLITS, choose_num_splits, min_tokens_per_split, mla_decode, planned_num_splits,

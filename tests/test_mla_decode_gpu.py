@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG
+from snapmla_jax.pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG
 from test_mla_decode import (make_cache, make_latent, make_queries, out_of_range_inputs, rel_err, run,
                              scrambled_block_table)
 
@@ -76,7 +76,7 @@ def test_compiled_layered_cache_with_traced_layer():
     dict(block_m=32, num_warps=4, pv_mma="bf16"),
 ], ids=str)
 def test_compiled_fp8_config_variants_match_interpret(config):
-    from pallas_kernels.mla_decode import DecodeConfig
+    from snapmla_jax.pallas_kernels.mla_decode import DecodeConfig
     latent, rope, block_table, seq_lens, q, q_rope = _inputs(
         11, batch=3, heads=128, s_q=2, page_size=64, pages_per_row=9)
     cache = make_cache(latent, rope, "fp8")

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-import pallas_kernels.mla_decode_mgpu as mgpu_kernel
-from pallas_kernels.fp8 import quantize_per_token
-from pallas_kernels.mla_decode import mla_decode_reference
+import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_kernel
+from snapmla_jax.pallas_kernels.fp8 import quantize_per_token
+from snapmla_jax.pallas_kernels.mla_decode import mla_decode_reference
 from script_loader import load_script
 from snapmla_jax.backend import lower_for_cuda
 
@@ -117,7 +117,7 @@ def _kernel_and_rows(kernel: str):
     """"mgpu": pallas_kernels/mla_decode_mgpu.py (64-row blocks); "small":
     pallas_kernels/mla_decode_mgpu_small.py (16-row blocks, transposed products); "small32":
     the same kernel in 32-row blocks."""
-    from pallas_kernels import mla_decode_mgpu, mla_decode_mgpu_small
+    from snapmla_jax.pallas_kernels import mla_decode_mgpu, mla_decode_mgpu_small
     small = mla_decode_mgpu_small.mla_decode_mgpu_small
     return {"mgpu": (mla_decode_mgpu.mla_decode_mgpu, mla_decode_mgpu.BLOCK_M),
             "small": (small, mla_decode_mgpu_small.ROWS),
@@ -190,8 +190,8 @@ def test_cost_probe_variants_lower_for_cuda(monkeypatch, kernel):
     """scripts/probe_mgpu_costs.py swaps a kernel's step helpers (or module constants) for
     stand-ins: each variant still matches the helpers' signatures and lowers (the probe
     itself needs a GPU)."""
-    import pallas_kernels.mla_decode_mgpu as mgpu_module
-    import pallas_kernels.mla_decode_mgpu_small as small_module
+    import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_module
+    import snapmla_jax.pallas_kernels.mla_decode_mgpu_small as small_module
     probe = _load_script("probe_mgpu_costs")
     module, original, variants = ((mgpu_module, probe.ORIGINAL, probe.VARIANTS) if kernel == "mgpu" else
                                   (small_module, probe.SMALL_ORIGINAL, probe.SMALL_VARIANTS))
@@ -218,7 +218,7 @@ def test_consumers_meet_at_their_own_named_barriers(monkeypatch):
     """``NAMED_SYNC``: the two consumer warpgroups exchange statistics and P' at hardware named
     barriers of their 256 threads, whose ids Mosaic GPU does not use itself (0 is the CTA's,
     1..3 the warpgroups' own): each step meets at both, and without the flag at neither."""
-    import pallas_kernels.mla_decode_mgpu as mgpu_module
+    import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_module
     ids = (mgpu_module.STATS_SYNC_ID, mgpu_module.P_SYNC_ID)
     assert len(set(ids)) == 2 and all(mgpu_module.NUM_WGS + 1 < i < 16 for i in ids), ids
     text = _mosaic_module_text("mgpu")
@@ -240,7 +240,7 @@ def test_step_hands_over_behind_named_barriers_only(monkeypatch):
     loop fewer (the row max, the fold's ratio, the commit), the named barriers that order them
     instead. Each flag removes its own."""
     import re
-    import pallas_kernels.mla_decode_mgpu as mgpu_module
+    import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_module
 
     def warpgroup_barriers(rows: bool, commit: bool) -> int:
         monkeypatch.setattr(mgpu_module, "UNSYNCED_ROW_STORES", rows)
@@ -263,7 +263,7 @@ def test_small_kernel_stores_its_row_vectors_without_warpgroup_barriers(monkeypa
     and the fold's alpha and pv_max) take none of the two warpgroup barriers Pallas puts around
     each: 8 a step loop fewer (``softmax_step`` says what orders them instead)."""
     import re
-    import pallas_kernels.mla_decode_mgpu_small as small_module
+    import snapmla_jax.pallas_kernels.mla_decode_mgpu_small as small_module
 
     def warpgroup_barriers(unsynced: bool) -> int:
         monkeypatch.setattr(small_module, "UNSYNCED_ROW_STORES", unsynced)
@@ -301,7 +301,7 @@ def test_qk_precision_probe_runs_interpreted(tmp_path):
 def test_step_page_columns_are_the_pages_of_the_step_in_the_table(max_pages):
     """A step's two block-table columns (``step_page_columns``): pages 2s and 2s + 1, the one past
     an odd table's end clamped onto its last page; with an even width, adjacent (one 64-bit load)."""
-    from pallas_kernels.mla_decode_mgpu import step_page_columns
+    from snapmla_jax.pallas_kernels.mla_decode_mgpu import step_page_columns
     for step in range(-(-max_pages // 2)):  # the steps a row of the table's capacity walks
         columns = [int(c) for c in step_page_columns(jnp.int32(step), max_pages)]
         assert columns == [min(2 * step, max_pages - 1), min(2 * step + 1, max_pages - 1)], (step, columns)
@@ -476,7 +476,7 @@ def test_overwriting_fresh_products_give_the_same_bits(monkeypatch, s_q, seq_len
     """P'.V's fresh products overwritten by their first wgmma (``FRESH_OVERWRITE``,
     ``mgpu_fresh_acc``) against Pallas's zeroed accumulators: 0 + x is x, so the outputs and lse
     match bit for bit (ragged rows, a masked last step, s_q = 2, splits)."""
-    from pallas_kernels import mgpu_fresh_acc, mla_decode_mgpu
+    from snapmla_jax.pallas_kernels import mgpu_fresh_acc, mla_decode_mgpu
 
     assert mgpu_fresh_acc.SUPPORTED
     q, q_rope, latent, scale, rope, block_table, lens = _inputs(11, batch=3, heads=64, pages_per_row=5,
@@ -580,8 +580,8 @@ API_SHAPES = pytest.mark.parametrize("heads,s_q", [(24, 2), (16, 1), (16, 2)])
 
 
 def test_mosaic_kernel_routes_by_rows():
-    from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
-    from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
+    from snapmla_jax.pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
+    from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
     from snapmla_jax.decode import mosaic_kernel
     def small(num_rows):
         fn, rows = mosaic_kernel(num_rows)
@@ -637,7 +637,7 @@ def _api_check(seed: int, backend: str = "interpret", heads: int = 24, s_q: int 
     ragged lengths incl. 0, 2 KV splits. Returns (max output error / max |xla|,
     max lse error, max |lse|).
     """
-    from pallas_kernels.mla_decode import DecodeConfig
+    from snapmla_jax.pallas_kernels.mla_decode import DecodeConfig
     from snapmla_jax.decode import mla_decode
 
     rng = np.random.default_rng(seed)
@@ -683,7 +683,7 @@ def _clip_check(seed: int, backend: str = "interpret", heads: int = 64, s_q: int
     seq_lens into the capacity). A 2-layer cache read at layer 0: an unclipped page past the
     end reads layer 1, or nothing. Returns [max |difference| of outputs, of lse
     values, whether all outputs are finite]."""
-    from pallas_kernels.mla_decode import DecodeConfig
+    from snapmla_jax.pallas_kernels.mla_decode import DecodeConfig
     from snapmla_jax.decode import mla_decode
 
     rng = np.random.default_rng(seed)
@@ -719,7 +719,7 @@ def test_mosaic_kernels_clip_traced_pages_and_lengths_compiled(heads, s_q):
 
 
 def test_mla_decode_mosaic_config_refuses_what_it_cannot_run():
-    from pallas_kernels.mla_decode import DecodeConfig
+    from snapmla_jax.pallas_kernels.mla_decode import DecodeConfig
     from snapmla_jax.cache import LatentCache
     from snapmla_jax.decode import mla_decode
 
@@ -737,7 +737,7 @@ def test_mla_decode_balances_splits_unless_num_splits_is_given(monkeypatch):
     """Left to ``mla_decode``, the Mosaic kernels get the balanced split plan sized for the planned
     count; an explicit ``num_splits`` keeps every row at that count."""
     import snapmla_jax.decode as decode
-    from pallas_kernels.mla_decode import MOSAIC_CONFIG
+    from snapmla_jax.pallas_kernels.mla_decode import MOSAIC_CONFIG
     from snapmla_jax.cache import LatentCache
 
     calls = []
@@ -759,7 +759,7 @@ def test_mla_decode_balances_splits_unless_num_splits_is_given(monkeypatch):
 
 def test_default_config_picks_mosaic_for_compiled_decoding_with_64_token_pages(monkeypatch):
     import snapmla_jax.decode as decode
-    from pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG
+    from snapmla_jax.pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG
     from snapmla_jax.cache import LatentCache
     from snapmla_jax.decode import default_config
 
@@ -805,7 +805,7 @@ def test_mla_decode_routes_small_fp8_problems_to_the_triton_kernel(monkeypatch):
 
 
 def test_small_kernel_refuses_other_row_blocks():
-    from pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
+    from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
     q, q_rope, latent, scale, rope, block_table, lens = _inputs(0, batch=1, heads=16, pages_per_row=2, seq_lens=[70])
     with pytest.raises(ValueError, match="block_rows"):
         mla_decode_mgpu_small(q[:, 0], q_rope[:, 0], (latent.reshape(-1, 512), scale.reshape(-1), rope.reshape(-1, 64)),

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.mla_decode import MOSAIC_CONFIG
-from pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
+from snapmla_jax.pallas_kernels.mla_decode import MOSAIC_CONFIG
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
 from snapmla_jax.backend import lower_for_cuda
 from snapmla_jax.cache import LatentCache
 from snapmla_jax.decode import mla_decode, mosaic_kernel

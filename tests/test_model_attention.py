@@ -6,8 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import models.attention
-from models import MLAConfig, MLAModel
+import snapmla_jax.models.attention
+
+from snapmla_jax import models
+from snapmla_jax.models import MLAConfig, MLAModel
 
 
 def _tiny_config():

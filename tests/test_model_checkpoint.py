@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 from cpu_devices import run_with_cpu_devices
-from models import MLAConfig, MLAModel, load_checkpoint, save_checkpoint
-from models.checkpoint import CheckpointError
+from snapmla_jax.models import MLAConfig, MLAModel, load_checkpoint, save_checkpoint
+from snapmla_jax.models.checkpoint import CheckpointError
 
 CFG = MLAConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, q_lora_rank=24,
@@ -84,7 +84,7 @@ SHARDED_RESTORE = """
 import sys, jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from flax import nnx
-from models import load_checkpoint
+from snapmla_jax.models import load_checkpoint
 mesh = Mesh(np.array(jax.devices()), ("model",))
 def by_path(path, leaf):
     # Split the output axis of every 2-D kernel over both devices; replicate the rest.

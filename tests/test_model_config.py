@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from models.config import MLAConfig
+from snapmla_jax.models.config import MLAConfig
 
 # The fields of DeepSeek's published config.json files (values as released),
 # minus keys the reader ignores (auto_map, aux_loss_alpha, torch_dtype, ...).

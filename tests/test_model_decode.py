@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import MLAConfig, MLAModel
+from snapmla_jax.models import MLAConfig, MLAModel
 from snapmla_jax.cache import dequantize
 
 PAGE_SIZE = 4

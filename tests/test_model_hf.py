@@ -24,8 +24,8 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from cpu_devices import run_with_cpu_devices
-from models import MLAConfig, load_checkpoint, load_hf_checkpoint
-from models.hf_loader import INDEX_FILE, SafetensorsFile
+from snapmla_jax.models import MLAConfig, load_checkpoint, load_hf_checkpoint
+from snapmla_jax.models.hf_loader import INDEX_FILE, SafetensorsFile
 from snapmla_jax.convert import main as convert_main
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -152,7 +152,7 @@ def test_decode_path_matches_full_forward_within_cache_rounding(hf_reference, va
 SHARDED_HF_LOAD = """
 import sys, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from models import load_checkpoint, load_hf_checkpoint, save_checkpoint
+from snapmla_jax.models import load_checkpoint, load_hf_checkpoint, save_checkpoint
 variant = sys.argv[1]
 mesh = Mesh(np.array(jax.devices()), ("model",))
 def by_path(path, leaf):
@@ -197,7 +197,9 @@ def test_hf_checkpoint_loads_onto_a_two_device_mesh_runs_and_saves_from_it(hf_re
 def test_hf_loader_rejects_a_placement_that_does_not_fit_before_reading(hf_reference, monkeypatch):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    import models.hf_loader
+    import snapmla_jax.models.hf_loader
+
+    from snapmla_jax import models
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
     too_long = NamedSharding(mesh, P(None, None, None, None))  # more axes than any weight has

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.layers import Linear, linear
+from snapmla_jax.models.layers import Linear, linear
 
 
 def _dot_lhs_shapes(layer, x) -> list[tuple[int, ...]]:

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models.moe
+import snapmla_jax.models.moe
+
+from snapmla_jax import models
 from cpu_devices import run_with_cpu_devices
-from models.config import MLAConfig
-from models.moe import MoE
+from snapmla_jax.models.config import MLAConfig
+from snapmla_jax.models.moe import MoE
 
 HIDDEN, INNER, EXPERTS, TOKENS = 48, 24, 8, 40
 
@@ -233,10 +235,11 @@ def test_moe_in_bfloat16_stays_within_bfloat16_rounding(dispatch):
 EXPERT_PARALLEL_HLO = """
 import json, re, jax, jax.numpy as jnp, numpy as np
 from flax import nnx
-import models.moe
-from models.config import MLAConfig
-from models.moe import MoE
-from models.sharding import expert_sharding, shard_model
+import snapmla_jax.models.moe
+from snapmla_jax import models
+from snapmla_jax.models.config import MLAConfig
+from snapmla_jax.models.moe import MoE
+from snapmla_jax.models.sharding import expert_sharding, shard_model
 cfg = MLAConfig(vocab_size=16, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8,
                 num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128)

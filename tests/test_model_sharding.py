@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models.sharding import PlacementError, expert_sharding, param_path, resolve_sharding, shard_model
+from snapmla_jax.models.sharding import PlacementError, expert_sharding, param_path, resolve_sharding, shard_model
 
 MESH = Mesh(np.array(jax.devices()[:1]), ("model",))
 

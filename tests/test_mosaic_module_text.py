@@ -3,7 +3,7 @@
 import jax
 from script_loader import load_script
 
-import pallas_kernels.mla_decode_mgpu_bf16 as bf16_kernel
+import snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 as bf16_kernel
 
 
 def test_same_code_same_text_and_a_change_is_told(tmp_path, monkeypatch, capsys):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import load_checkpoint
+from snapmla_jax.models import load_checkpoint
 from snapmla_jax import byte_corpus as bc
 from snapmla_jax import train_demo as td
 from snapmla_jax.tokenizer import load_tokenizer

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 from script_loader import load_script
 
-import pallas_kernels.grouped_experts as kernel
+import snapmla_jax.pallas_kernels.grouped_experts as kernel
 from snapmla_jax.backend import lower_for_cuda
 
 tune = load_script("tune_grouped_experts")

@@ -41,7 +41,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mla_decode import FP8_CONFIG
+from snapmla_jax.pallas_kernels.mla_decode import FP8_CONFIG
 from snapmla_jax.bench import timing
 from snapmla_jax.cache import INT32_LIMIT, LatentCache, kernel_addressable
 from snapmla_jax.decode import mla_decode

@@ -46,8 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import models.moe
-from models import MLAConfig, MLAModel
+import snapmla_jax.models.moe
+
+from snapmla_jax import models
+from snapmla_jax.models import MLAConfig, MLAModel
 from snapmla_jax.bench import timing
 from snapmla_jax.cache import LatentCache, kernel_addressable
 from snapmla_jax.decode import mla_decode
