@@ -56,22 +56,41 @@ def _sm_count() -> int:
     return getattr(device, "core_count", None) or H100_SMS
 
 
+# choose_num_splits' cost model, in steps of one CTA: a work item's fixed cost (its query's
+# load, the pipeline's fill, its output's store), and the merge's launch and its read of the
+# partials (about one step a wave of partial tiles: a 64 x 512 bf16 tile against a 128-token
+# FP8 step of 82 KB a CTA).
+ITEM_STEPS = 2.0
+MERGE_STEPS = 1.5
+MERGE_STEPS_PER_WAVE = 1.0
+
+
+def split_cost(batch: int, row_blocks: int, steps: int, splits: int, slots: int) -> float:
+    """Modelled time, in steps of one CTA, of a call whose ``batch`` x ``row_blocks`` CTAs each
+    walk ``steps`` steps cut into ``splits`` items, ``slots`` CTAs running at a time: whole waves
+    of items (a partial wave costs as much as a full one), each item its steps plus
+    ``ITEM_STEPS``, and the merge of the partials when there are splits."""
+    ctas = batch * row_blocks * splits
+    cost = -(-ctas // slots) * (-(-steps // splits) + ITEM_STEPS)
+    if splits > 1:
+        cost += MERGE_STEPS + MERGE_STEPS_PER_WAVE * ctas / slots
+    return cost
+
+
 def choose_num_splits(batch: int, row_blocks: int, max_tokens: int, num_sms: int, min_tokens: int,
                       waves: int = 1) -> int:
-    """Split-KV count: enough (batch x row-block x split) programs to fill ``num_sms`` SMs
-    ``waves`` times, no split shorter than ``min_tokens`` (the kernel's tokens a step), at most
-    MAX_SPLITS.
+    """Split-KV count: the one of least ``split_cost`` for rows of ``max_tokens`` tokens in steps
+    of ``min_tokens`` (no split shorter than a step), at most MAX_SPLITS, with ``waves`` x
+    ``num_sms`` CTAs running at a time (``waves_per_split_plan``).
 
-    Every program costs a fixed start (query tiles, the first TMA or load round trip) and its
-    float32 partials, which the merge reads back. ``waves`` is what the kernel prefers
-    (``waves_per_split_plan``): measured on an H100 with scripts/sweep_splits.py
-    (docs/benchmarks/mgpu.md, ninth session).
+    Counting whole waves is what keeps the time smooth in the batch size: one more row than a
+    wave holds would otherwise cost a second wave as long as the first (H=128 x 16k: B=72 runs
+    144 CTAs on 132 SMs); cut into five, its 720 items fill six waves of a fifth of the steps.
     """
-    programs = batch * row_blocks
-    target = waves * num_sms
-    if programs >= target:
-        return 1
-    return max(1, min(target // programs, max_tokens // min_tokens, MAX_SPLITS))
+    steps = max(1, -(-max_tokens // min_tokens))
+    slots = waves * num_sms
+    candidates = range(1, min(MAX_SPLITS, steps) + 1)
+    return min(candidates, key=lambda splits: (split_cost(batch, row_blocks, steps, splits, slots), splits))
 
 
 def min_tokens_per_split(page_size: int, config: DecodeConfig) -> int:

@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from snapmla_jax.bench import decode, timing
+from snapmla_jax.bench import decode, flashmla, timing
 
 ENV = {"device": "test device", "jax": "0", "python": "3", "date": "2026-11-23"}
 CEILINGS = {"copy_gbps": 1000.0, "bf16_tflops": 500.0, "fp8_tflops": 900.0}
+COMMAND = "python -m snapmla_jax.bench decode --preset vs-flashmla --out /tmp/x"
 
 
 def _row(batch, measured=None):
@@ -23,7 +24,7 @@ def _row(batch, measured=None):
 
 def test_decode_table_says_when_each_row_was_measured():
     rows = [_row(8, "2026-11-23 16:49"), _row(32, "2026-11-23 17:30"), _row(64)]
-    lines = decode.to_markdown(ENV, CEILINGS, rows, "no", merged=True).splitlines()
+    lines = decode.to_markdown(ENV, CEILINGS, rows, "no", COMMAND, merged=True).splitlines()
     header = next(line for line in lines if line.startswith("| B |"))
     assert header.rstrip(" |").endswith("measured (UTC)")
     body = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ") and line[2].isdigit()}
@@ -31,11 +32,12 @@ def test_decode_table_says_when_each_row_was_measured():
     assert body["32"].rstrip(" |").endswith("2026-11-23 17:30")
     assert body["64"].rstrip(" |").endswith("-")  # rows from before the column existed
     assert "1.50x" in body["8"]
-    assert any("kernels of their time" in line for line in lines)
+    assert any("code of their time" in line for line in lines)
+    assert f"Regenerate: `{COMMAND}`." in lines
 
 
 def test_decode_table_without_merged_rows_has_no_merge_note():
-    text = decode.to_markdown(ENV, CEILINGS, [_row(8, "2026-11-23 16:49")], "no")
+    text = decode.to_markdown(ENV, CEILINGS, [_row(8, "2026-11-23 16:49")], "no", COMMAND)
     assert "earlier invocations" not in text
 
 
@@ -141,7 +143,7 @@ def test_kept_rows_keep_the_ceilings_of_the_run_that_timed_them():
     fresh = decode.with_run_ceilings(dict(_row(128, "2026-11-26 20:00"), fp8_roofline=0.6), newer, "GPU B")
     runs = decode.ceiling_runs([kept_own, kept_legacy, fresh])
     assert [(name, len(members)) for name, _, members in runs] == [("c1", 1), ("c2", 2)]
-    lines = decode.to_markdown(ENV, newer, [kept_own, kept_legacy, fresh], "no", merged=True).splitlines()
+    lines = decode.to_markdown(ENV, newer, [kept_own, kept_legacy, fresh], "no", COMMAND, merged=True).splitlines()
     body = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ") and line[2].isdigit()}
     assert "| 61% |" in body["32"] and body["32"].split("|")[-3].strip() == "c1"
     assert body["64"].split("|")[-3].strip() == "c2" and body["128"].split("|")[-3].strip() == "c2"
@@ -237,3 +239,42 @@ def test_a_row_times_its_methods_side_by_side(monkeypatch):
     assert row["stock_mqa_ms"] is None and row["stock_mqa_note"] == "does not run: does not fit"
     nbytes, f8, f16 = decode.method_work("fp8", 2, 128, 16, 1)
     assert row["fp8_roofline"] == pytest.approx(decode.roofline_ms(nbytes, f8, f16, ceilings) / 0.5)
+
+
+def test_flashmla_columns_appear_only_where_it_was_timed():
+    without = decode.to_markdown(ENV, CEILINGS, [_row(8)], "no", COMMAND)
+    assert "FlashMLA" not in without
+    timed = dict(_row(8), flashmla_ms=0.6, flashmla_over_fp8=1.2, flashmla_over_bf16=0.75,
+                 flashmla_agreement={"rel_to_max": 0.004, "cos_diff": 1e-6})
+    text = decode.to_markdown(ENV, CEILINGS, [timed], "no", COMMAND, flashmla_name="extension x.so")
+    header = next(line for line in text.splitlines() if line.startswith("| B |"))
+    assert "| FlashMLA ms |" in header and "| FlashMLA/FP8 |" in header
+    assert "1.20x" in text and "extension x.so" in text and "<= 0.004" in text
+
+
+def test_flashmla_is_absent_without_the_package_and_a_bad_path_names_the_flag(tmp_path):
+    assert flashmla.load("none") is None
+    assert flashmla.load("auto") is None  # no flash_mla package (nor a GPU) on the test machine
+    with pytest.raises(ValueError, match="^--flashmla: .*nope"):
+        flashmla.load(str(tmp_path / "nope.so"))
+
+
+def test_smoothness_finds_a_cliff_past_a_wave():
+    rows = [{"batch": b, "context": 16384, "heads": 128, "s_q": 1, "fp8_ms": ms, "flashmla_ms": 0.01 * b}
+            for b, ms in ((1, 0.05), (66, 0.48), (72, 0.87), (256, 1.8))]
+    by_method = {g["method"]: g for g in decode.smoothness(rows)}
+    line_72 = 0.05 + (1.8 - 0.05) * 71 / 255
+    assert by_method["fp8"]["worst_batch"] == 72
+    assert by_method["fp8"]["worst_ratio"] == pytest.approx(0.87 / line_72)
+    assert by_method["flashmla"]["worst_ratio"] == pytest.approx(1.0)
+    assert "bf16" not in by_method  # not timed
+    assert decode.smoothness(rows[:2]) == []  # two batch sizes draw no line to leave
+
+
+@pytest.mark.parametrize("text", ["64x16384x128", "64x16384x128x0", "ax1x1x1", ""])
+def test_a_bad_shape_is_refused_with_the_form_expected(text):
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match="BxCTXxHxSQ"):
+        decode.parse_shape(text)
+    assert decode.parse_shape("64x16384x128x2") == (64, 16384, 128, 2)

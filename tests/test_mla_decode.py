@@ -20,8 +20,8 @@ import snapmla_jax.decode as decode_module
 from snapmla_jax.pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG, DecodeConfig, resolve_pv_mma,
                                       rows_per_block, tokens_per_block)
 from snapmla_jax.cache import LatentCache
-from snapmla_jax.decode import (MAX_SPLITS, choose_num_splits, min_tokens_per_split, mla_decode, planned_num_splits,
-                                waves_per_split_plan)
+from snapmla_jax.decode import (ITEM_STEPS, MAX_SPLITS, MERGE_STEPS, choose_num_splits, min_tokens_per_split, mla_decode,
+                                planned_num_splits, split_cost, waves_per_split_plan)
 from snapmla_jax.quantization import AMAX_FLOOR, FP8_E4M3_EPS, FP8_E4M3_MAX, quantize_per_token
 
 RANK, ROPE = 512, 64
@@ -445,16 +445,38 @@ def test_split_heuristic_fills_the_gpu_down_to_one_step_a_split():
     assert step == 128 and min_tokens_per_split(64, BF16_CONFIG) == 64  # Triton: its 64-token block
     assert waves_per_split_plan(MOSAIC_CONFIG) == 1 and waves_per_split_plan(BF16_CONFIG) == 2
     plan = functools.partial(choose_num_splits, num_sms=132, min_tokens=step)
-    assert plan(batch=128, row_blocks=2, max_tokens=16384) == 1
+    assert plan(batch=128, row_blocks=2, max_tokens=16384) == 1  # 256 CTAs: two full waves
+    assert plan(batch=66, row_blocks=2, max_tokens=16384) == 1  # one full wave
     assert plan(batch=8, row_blocks=2, max_tokens=16384) == 8
     assert plan(batch=1, row_blocks=1, max_tokens=65536) == MAX_SPLITS == 128  # the cap
     assert plan(batch=1, row_blocks=2, max_tokens=4096) == 32  # one step a split
     assert plan(batch=1, row_blocks=1, max_tokens=100) == 1
-    assert plan(batch=40, row_blocks=2, max_tokens=4096) == 1  # 80 CTAs: a second wave costs more
+    # 80 CTAs of 32 steps leave 52 SMs idle; 240 CTAs of 11 steps fill two waves.
+    assert plan(batch=40, row_blocks=2, max_tokens=4096) == 3
     # Two waves (the Triton kernels): 128 programs get 2 splits, 256 none.
     assert plan(batch=32, row_blocks=4, max_tokens=16384, waves=2) == 2
     assert plan(batch=64, row_blocks=4, max_tokens=16384, waves=2) == 1
     assert plan(batch=8, row_blocks=4, max_tokens=16384, waves=2) == 8
+
+
+@pytest.mark.parametrize("row_blocks, max_tokens", [(2, 16384), (1, 32768), (2, 65536)])
+def test_split_count_has_no_cliff_past_a_wave(row_blocks, max_tokens):
+    """At long contexts a batch one row past a wave of CTAs (B=67 at two row blocks) does not cost
+    a second wave as long as the first: at every batch size the modelled time stays within 1.35x
+    of the work divided over the SMs plus an item's and the merge's fixed costs (unsplit, one row
+    past a wave costs ~2x), and no other split count models faster."""
+    steps = max_tokens // 128
+    for batch in range(1, 257):
+        splits = choose_num_splits(batch, row_blocks, max_tokens, 132, 128)
+        ideal = batch * row_blocks * steps / 132 + ITEM_STEPS + MERGE_STEPS
+        assert split_cost(batch, row_blocks, steps, splits, 132) <= 1.35 * max(ideal, steps / MAX_SPLITS + 4), batch
+        assert split_cost(batch, row_blocks, steps, splits, 132) == min(
+            split_cost(batch, row_blocks, steps, s, 132) for s in range(1, min(MAX_SPLITS, steps) + 1))
+    wave = 132 // row_blocks
+    one_more = wave + 1
+    assert split_cost(one_more, row_blocks, steps, 1, 132) > 1.9 * split_cost(wave, row_blocks, steps, 1, 132)
+    chosen = choose_num_splits(one_more, row_blocks, max_tokens, 132, 128)
+    assert split_cost(one_more, row_blocks, steps, chosen, 132) < 1.4 * split_cost(wave, row_blocks, steps, 1, 132)
 
 
 def test_planned_num_splits_is_what_mla_decode_runs(paged_setup, monkeypatch):

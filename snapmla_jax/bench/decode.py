@@ -1,31 +1,32 @@
-"""``python -m snapmla_jax.bench decode``: MLA decode, FP8 kernel vs its BF16 twin,
-the plain-XLA path and JAX's stock Pallas decode kernel, with roofline fractions.
+"""``python -m snapmla_jax.bench decode``: MLA decode, our FP8 kernel beside FlashMLA's BF16
+kernel, our BF16 twin, the plain-XLA path and JAX's stock Pallas decode kernel, with roofline
+fractions.
 
-For every (batch B, context, heads H, s_q) the same random cache contents are
-stored as fp8 and bf16 LatentCaches (page_size 64, each row's pages in order),
-and each method is timed as the median of synchronised samples of back-to-back
-calls (at least 10, and enough to last ``MIN_SAMPLE_MS``), the methods' samples
-taken round-robin (``timing.time_round_robin``: by default one sample of every method
-a round) so that a drift of the GPU's clocks during the row falls on all of them
-alike. Columns:
+For every (batch B, context, heads H, s_q) the same random cache contents are stored as fp8 and
+bf16 LatentCaches (page_size 64, each row's pages in order), and each method is timed as the
+median of synchronised samples of back-to-back calls (at least 10, and enough to last
+``MIN_SAMPLE_MS``), the methods' samples taken round-robin (``timing.time_round_robin``: one
+sample of every method a round, in a shuffled order) so that a drift of the GPU's clocks during
+the row falls on all of them alike. Columns:
 
   ms           median time of one decode call (all B rows, one layer)
-  layers       calls a timed sample chains inside one jit (``chain_layers``), each
-               over its own layer of a layered cache and taking the previous
-               call's output as its query, as a model's layers do; ms is the
-               chain's time / layers. Small problems need it: one call from
-               Python costs ~0.06 ms of host dispatch, more than the kernel
-               at B = 1, and one layer's cache would sit in L2 between calls
+  layers       calls a timed sample chains inside one jit (``chain_layers``), each over its own
+               layer of a layered cache and taking the previous call's output as its query, as
+               a model's layers do; ms is the chain's time / layers. Small problems need it: one
+               call from Python costs ~0.06 ms of host dispatch, more than the kernel at B = 1,
+               and one layer's cache would sit in L2 between calls
   GB/s         cache bytes + query/output bytes moved, per second
   TFLOP/s      2 * B * s_q * H * ctx * (576 + 512) per second
-  % roof       roofline time / measured time, from ceilings measured in the run
-               that timed the row (``ceil``): copy bandwidth, and the FP8 / BF16 GEMM rates (the FP8
-               kernel's 512-dim products are e4m3, its 64-dim RoPE product bf16).
+  % roof       roofline time / measured time, from ceilings measured in the same run (copy
+               bandwidth, FP8 and BF16 GEMM rates; the FP8 kernel's 512-dim products are e4m3,
+               its 64-dim RoPE product bf16)
+  FlashMLA     FlashMLA's dense BF16 decode (``bench.flashmla``) on the bf16 cache's contents, in
+               the same process, its layers replayed from one CUDA graph; present only when
+               ``--flashmla`` finds it. "FlashMLA/FP8" = FlashMLA's time / ours (> 1: ours faster)
 
-Writes ``decode.json`` and ``decode.md`` under ``--out`` (docs/benchmarks).
-``--merge`` keeps rows of an earlier run whose shapes this run does not cover,
-so a long grid can be measured in several invocations; the "measured" column
-says when each row was (a kernel change between invocations shows there).
+Writes ``decode.json`` and ``decode.md`` under ``--out``. ``--merge`` keeps rows of an earlier
+run whose shapes this run does not cover, so a long grid can be measured in several
+invocations; the "measured" column says when each row was.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import sys
 import time
 import traceback
 
@@ -42,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from snapmla_jax.pallas_kernels.mla_decode import FP8_CONFIG
+from snapmla_jax.bench import flashmla as flashmla_lib
 from snapmla_jax.bench import timing
 from snapmla_jax.cache import INT32_LIMIT, LatentCache, kernel_addressable
 from snapmla_jax.decode import mla_decode
@@ -161,7 +164,10 @@ BF16_BYTES_PER_TOKEN = 2 * (RANK + ROPE)
 # The measured methods: the cache each reads (bytes a token) and whether its QK content
 # and PV products run in FP8 (the RoPE product is bf16 in all).
 METHODS = {"fp8": (FP8_BYTES_PER_TOKEN, True), "fp8_triton": (FP8_BYTES_PER_TOKEN, True),
-           "bf16": (BF16_BYTES_PER_TOKEN, False), "xla_bf16": (BF16_BYTES_PER_TOKEN, False)}
+           "bf16": (BF16_BYTES_PER_TOKEN, False), "xla_bf16": (BF16_BYTES_PER_TOKEN, False),
+           "flashmla": (BF16_BYTES_PER_TOKEN, False)}
+# What ``--methods`` selects from (JAX's stock kernel is "stock_mqa").
+METHOD_NAMES = (*METHODS, "stock_mqa")
 
 
 def method_work(method: str, batch: int, context: int, heads: int, s_q: int) -> tuple[int, int, int]:
@@ -205,7 +211,10 @@ def make_queries(batch: int, context: int, heads: int, s_q: int) -> tuple[jax.Ar
 
 
 def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_reason, memory,
-                   rounds: int | None = None):
+                   rounds: int | None = None, methods: tuple[str, ...] = METHOD_NAMES,
+                   flashmla: flashmla_lib.FlashMLA | None = None):
+    """One row: every method of ``methods`` (``METHOD_NAMES``) timed side by side on these
+    caches; FlashMLA too where ``flashmla`` is given and "flashmla" is among ``methods``."""
     fp8, bf16, block_table = caches
     layers = fp8.num_layers or 1
     q, q_rope, seq_lens, scale = make_queries(batch, context, heads, s_q)
@@ -225,16 +234,28 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
     xla_bytes = batch * context * bf16.nbytes_per_token + 3 * batch * s_q * heads * context * 4
     runs = {}
     for name, (cache, backend, config) in plans.items():
+        if name not in methods:
+            continue
         assert cache.nbytes_per_token == METHODS[name][0], (name, cache.nbytes_per_token)
         if name == "xla_bf16" and xla_bytes > MEMORY_FRACTION * memory / 2:
             row[f"{name}_ms"] = None
             row[f"{name}_note"] = "skipped: does not fit memory"
             continue
         runs[name] = (run(backend, config), [(q, q_rope, cache, block_table, seq_lens)])
-    if stock_reason is None:
+    flash_run = None
+    if flashmla is not None and "flashmla" in methods:
+        try:
+            flash_run = flashmla_lib.FlashMLARun(flashmla, q, q_rope, bf16, block_table, seq_lens, scale)
+            runs["flashmla"] = (flash_run.run, [()])
+            if layers == 1 and "bf16" in runs:
+                row["flashmla_agreement"] = flashmla_agreement(flash_run, runs["bf16"][0], runs["bf16"][1][0])
+        except Exception as err:  # reported in the row; our methods are still timed
+            row["flashmla_ms"] = None
+            row["flashmla_note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    if "stock_mqa" in methods and stock_reason is None:
         stock_fn, stock_args = stock_mqa(q, q_rope, first_layer(bf16), block_table, seq_lens, scale)
         runs["stock_mqa"] = (stock_fn, [stock_args])
-    else:
+    elif "stock_mqa" in methods:
         row["stock_mqa_ms"] = None
         row["stock_mqa_note"] = "does not run: " + stock_reason
     # Side by side, round-robin (``timing.time_round_robin``): the ratios between the methods
@@ -253,147 +274,146 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
         row[f"{name}_gbps"] = nbytes / (ms * 1e-3) / 1e9
         row[f"{name}_tflops"] = (f8 + f16) / (ms * 1e-3) / 1e12
         row[f"{name}_roofline"] = roofline_ms(nbytes, f8, f16, ceilings) / ms
-    if row.get("fp8_ms") and row.get("bf16_ms"):
-        row["fp8_over_bf16"] = row["bf16_ms"] / row["fp8_ms"]
-    if row.get("fp8_ms") and row.get("xla_bf16_ms"):
-        row["fp8_over_xla"] = row["xla_bf16_ms"] / row["fp8_ms"]
-    if row.get("fp8_triton_ms") and row.get("bf16_ms"):
-        row["fp8_triton_over_bf16"] = row["bf16_ms"] / row["fp8_triton_ms"]
+    for num, den, key in (("bf16", "fp8", "fp8_over_bf16"), ("xla_bf16", "fp8", "fp8_over_xla"),
+                          ("bf16", "fp8_triton", "fp8_triton_over_bf16"), ("flashmla", "fp8", "flashmla_over_fp8"),
+                          ("flashmla", "bf16", "flashmla_over_bf16")):
+        if row.get(f"{num}_ms") and row.get(f"{den}_ms"):
+            row[key] = row[f"{num}_ms"] / row[f"{den}_ms"]
+    del flash_run
     return row
 
 
-def shape_key(row: dict) -> tuple[int, int, int, int]:
-    return row["batch"], row["context"], row["heads"], row["s_q"]
+def flashmla_agreement(flash_run, bf16_fn, bf16_args: tuple) -> dict:
+    """How far our BF16 twin's output (``bf16_fn(*bf16_args)``, one layer) is from FlashMLA's on
+    the same inputs (both bf16 products with float32 accumulation: ~1e-2 of the largest output
+    at most), a check that the two columns time the same problem: max |ours - FlashMLA| /
+    max |FlashMLA| and 1 - cosine."""
+    import numpy as np
+
+    ref = np.asarray(flash_run.first_layer_output().cpu())
+    ours = np.asarray(bf16_fn(*bf16_args), np.float32)
+    cosine = float(np.sum(ours * ref) / (np.linalg.norm(ours) * np.linalg.norm(ref)))
+    return {"rel_to_max": float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref))), "cos_diff": 1.0 - cosine}
 
 
-def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str | None,
-                merged: bool = False) -> str:
-    fmt = lambda v, spec="{:.3g}": "-" if v is None else spec.format(v)
-    pct = lambda v: "-" if v is None else f"{100 * v:.0f}%"
-    cols = ["B", "ctx", "H", "s_q", "layers", "FP8 ms", "BF16 ms", "XLA bf16 ms", "FP8/BF16", "FP8/XLA",
-            "FP8 GB/s", "FP8 TFLOP/s", "FP8 % roof", "BF16 GB/s", "BF16 TFLOP/s", "BF16 % roof", "XLA % roof",
-            "Triton FP8 ms", "Triton/BF16", "Triton % roof", "ceil", "measured (UTC)"]
+# Columns of the markdown table: (header, row key, format); a column whose key no row has is left out.
+COLUMNS = [
+    ("FP8 ms", "fp8_ms", "ms"), ("FlashMLA ms", "flashmla_ms", "ms"), ("BF16 ms", "bf16_ms", "ms"),
+    ("XLA bf16 ms", "xla_bf16_ms", "ms"), ("FlashMLA/FP8", "flashmla_over_fp8", "x"),
+    ("FlashMLA/BF16", "flashmla_over_bf16", "x"), ("FP8/BF16", "fp8_over_bf16", "x"), ("FP8/XLA", "fp8_over_xla", "x"),
+    ("FP8 GB/s", "fp8_gbps", "int"), ("FP8 TFLOP/s", "fp8_tflops", "int"), ("FP8 % roof", "fp8_roofline", "%"),
+    ("FlashMLA % roof", "flashmla_roofline", "%"), ("BF16 % roof", "bf16_roofline", "%"),
+    ("XLA % roof", "xla_bf16_roofline", "%"), ("Triton FP8 ms", "fp8_triton_ms", "ms"),
+    ("Triton/BF16", "fp8_triton_over_bf16", "x"), ("Triton % roof", "fp8_triton_roofline", "%"),
+]
+FORMATS = {"ms": "{:.3g}", "x": "{:.2f}x", "int": "{:.0f}"}
+# Methods whose time over batch sizes ``smoothness`` reports.
+SMOOTH_METHODS = ("fp8", "flashmla", "bf16")
+
+
+def cell(value, kind: str) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:.0f}%" if kind == "%" else FORMATS[kind].format(value)
+
+
+def smoothness(rows: list[dict]) -> list[dict]:
+    """Per (context, H, s_q) measured at three or more batch sizes, and per method: the largest
+    ratio of a row's time to the line through the smallest and the largest batch's times, and
+    the batch where it falls. 1.0 is a time linear in B; a cliff past a wave of CTAs shows as
+    ~2 just past it."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["context"], row["heads"], row["s_q"]), []).append(row)
+    result = []
+    for (context, heads, s_q), members in sorted(groups.items()):
+        for method in SMOOTH_METHODS:
+            timed = sorted((r["batch"], r[f"{method}_ms"]) for r in members if r.get(f"{method}_ms"))
+            if len(timed) < 3:
+                continue
+            (b0, t0), (b1, t1) = timed[0], timed[-1]
+            line = lambda b: t0 + (t1 - t0) * (b - b0) / (b1 - b0)
+            worst = max(timed, key=lambda bt: bt[1] / line(bt[0]))
+            result.append(dict(context=context, heads=heads, s_q=s_q, method=method, batches=len(timed),
+                               worst_batch=worst[0], worst_ratio=worst[1] / line(worst[0])))
+    return result
+
+
+def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str | None, command: str,
+                merged: bool = False, flashmla_name: str | None = None) -> str:
+    columns = [c for c in COLUMNS if any(r.get(c[1]) is not None for r in rows)]
     runs = ceiling_runs(rows)
     label = {id(row): name for name, run, members in runs if run["ceilings"] for row in members}
-    body = [[r["batch"], r["context"], r["heads"], r["s_q"], r.get("layers", "-"), fmt(r.get("fp8_ms")),
-             fmt(r.get("bf16_ms")), fmt(r.get("xla_bf16_ms")), fmt(r.get("fp8_over_bf16"), "{:.2f}x"),
-             fmt(r.get("fp8_over_xla"), "{:.2f}x"),
-             fmt(r.get("fp8_gbps"), "{:.0f}"), fmt(r.get("fp8_tflops"), "{:.0f}"), pct(r.get("fp8_roofline")),
-             fmt(r.get("bf16_gbps"), "{:.0f}"), fmt(r.get("bf16_tflops"), "{:.0f}"), pct(r.get("bf16_roofline")),
-             pct(r.get("xla_bf16_roofline")), fmt(r.get("fp8_triton_ms")),
-             fmt(r.get("fp8_triton_over_bf16"), "{:.2f}x"), pct(r.get("fp8_triton_roofline")),
-             label.get(id(r), "-"), r.get("measured_utc", "-")] for r in rows]
+    body = [[r["batch"], r["context"], r["heads"], r["s_q"], r.get("layers", "-"),
+             *(cell(r.get(key), kind) for _, key, kind in columns), label.get(id(r), "-"),
+             r.get("measured_utc", "-")] for r in rows]
     stamps = lambda members: sorted(m["measured_utc"] for m in members if m.get("measured_utc"))
     legend = [f"- {name}: {run['device']}, copy {run['ceilings']['copy_gbps']:.0f} GB/s, BF16 GEMM "
               f"{run['ceilings']['bf16_tflops']:.0f} TFLOP/s, FP8 GEMM {run['ceilings']['fp8_tflops']:.0f} TFLOP/s"
               + (f" (rows measured {stamps(members)[0]} to {stamps(members)[-1]} UTC)" if stamps(members) else "")
               for name, run, members in runs if run["ceilings"]]
     notes = sorted({f"{k[:-5]}: {r[k]}" for r in rows for k in r if k.endswith("_note") and k != "stock_mqa_note"})
-    stock = ("runs (times in decode.json)" if stock_reason is None else f"does not run: {stock_reason}")
+    agreement = [r["flashmla_agreement"]["rel_to_max"] for r in rows if r.get("flashmla_agreement")]
     lines = [
         "# MLA decode benchmark",
         "",
         f"Device: {env['device']}, jax {env['jax']}, Python {env['python']}, date {env['date']}.",
+        f"Regenerate: `{command}`.",
         f"Ceilings measured in this run: copy {ceilings['copy_gbps']:.0f} GB/s, "
         f"BF16 GEMM {ceilings['bf16_tflops']:.0f} TFLOP/s, FP8 GEMM {ceilings['fp8_tflops']:.0f} TFLOP/s.",
-        *(["Rows kept from earlier invocations (--merge) were measured with the kernels of their time (the",
+        *(["Rows kept from earlier invocations (--merge) were measured with the code of their time (the",
            "\"measured\" column)."] if merged else []),
-        "Each row's % roof is against the ceilings its own run measured (column \"ceil\"; the rates differ",
-        "between GPUs of one model and between runs, FP8 GEMM 1401-1487 TFLOP/s on H100s on 2026-11-26).",
-        "Rows saved before rows carried their ceilings (twenty-seventh session, 2026-11-26) were restated at",
-        "every save with the saving run's ceilings: theirs are the last such run's.",
+        "Each row's % roof is against the ceilings its own run measured (column \"ceil\"):",
         *legend,
         "",
-        "One decode call over one layer, page_size 64, all rows at the full context; times are medians.",
-        "Rows measured from 2026-11-26 11:05 UTC take the methods' samples round-robin (5 rounds, each",
-        "timing every method in turn), so that the GPU's clocks drifting during a row fall on all methods",
-        "alike; earlier rows timed one method after the other (the BF16 twin, timed after the FP8 kernel,",
-        "then moved ~5% between runs). Rows measured from 2026-11-26 11:50 UTC run samples of at least",
-        f"{MIN_SAMPLE_MS:g} ms (of at least 10 calls) instead of 10 calls, so that a sample's host dispatch",
-        "and synchronisation weigh ~1% of it (samples of 10 calls of 0.24 ms charged the FP8 path ~5 us a",
-        "call at B=32 x 16k x 128).",
-        "Rows measured from 2026-11-26 13:30 UTC run the kernels of the twenty-fourth session: the split",
-        "merge computes each split's weight once a row instead of once a value (1.3-2x faster, both",
-        "methods), split partials are bf16 for a bf16 output (`combine_splits.partial_dtype`), and the",
-        "64-row FP8 kernel reads its token scales' logarithms from the inputs launch and casts P' without",
-        "a clamp (1-4%; docs/benchmarks/mgpu.md).",
-        "Rows measured from 2026-11-26 17:40 UTC run the twenty-sixth session's 64-row FP8 kernel: its",
-        "softmax in the log domain of P * k_scale, one row statistic a step instead of two (1-7%, the",
-        "same P' roundings; docs/benchmarks/mgpu.md).",
-        "Rows measured from 2026-11-26 19:50 UTC run the twenty-seventh session's 64-row FP8 kernel: its",
-        "fresh Q.K and P'.V accumulators overwritten by their first wgmma instead of zeroed first",
-        "(`pallas_kernels/mgpu_fresh_acc.py`; the same bits, 18% fewer instructions a step, -1% to +4%",
-        "side by side), and each row's % roof against its own run's ceilings (column \"ceil\").",
-        "Rows measured before 2026-11-26 22:30 UTC predate the twenty-eighth session's split plan",
-        "(`pallas_kernels/split_plan.py`: each row's CTAs in proportion to its seq_len, the Mosaic kernels'",
-        "default since). On these uniform batches it makes a call 4-7% slower, the kernels themselves as",
-        "fast as before (H100, side by side, 22:17 UTC: 32 x 16k x 128 0.228 vs 0.212 ms, 128 x 16k x 128",
-        "0.895 vs 0.852, 64 x 16k x 128 x 2 0.838 vs 0.796; docs/benchmarks/mgpu.md, twenty-eighth session);",
-        "over ragged batches 1.5-7.3x faster (ragged.md).",
-        "Rows measured from 2026-11-27 00:15 UTC run the twenty-ninth session's plan and sampling: the",
-        "plan in one launch (`pallas_kernels/split_plan_kernel.py`, 1.7-2.6 us, instead of five XLA",
-        "launches, ~7 us), the consumers' masked tail locating its CTA again (`walk_steps`' relocate:",
-        "1-2% on the FP8 kernel), and samples taken one of each method a round in a shuffled order",
-        "(`timing.time_round_robin`; under the H100's software power cap the SM clock moved between 1740",
-        "and 1980 MHz within 0.5 s, and what a sample follows sets its clock: the same code measured",
-        "FP8/BF16 1.63x and 1.60x at 32 x 16k x 128 under 5 rounds of two samples and one sample a round",
-        "in a fixed rotation). Side by side with the code before the plan (H100, 2026-11-27 00:15 UTC),",
-        "FP8 is still 3-5% slower a call on these uniform batches (32 x 16k x 128 0.223-0.226 vs",
-        "0.212-0.214 ms, 32 x 64k 0.843-0.880 vs 0.817-0.829; docs/benchmarks/mgpu.md, twenty-ninth",
-        "session); the rows' ratios come out of one run each and moved by up to 4% between runs.",
-        "Rows measured from 2026-11-27 02:20 UTC run the thirtieth session's FP8 kernels: the producer",
-        "reads a step's two page ids in one 64-bit load (the step clamped, not each page: `page_boxes`).",
-        "That was the plan's cost on uniform batches: on the work-item grid the batch row is a loaded",
-        "value, ptxas then emitted two dependent 32-bit loads a step, and the consumers waited ~135 SM",
-        "cycles a step longer for their data. Side by side, GPU kernel durations from one trace of",
-        "interleaved calls (H100, 02:10 UTC): the FP8 kernel 1.002-1.006x the code before the plan, was",
-        "1.036-1.039x (32 x 16k and 64k x 128; docs/mosaic_gpu_decode_plan.md, thirtieth session).",
-        "Rows measured from 2026-11-27 04:50 UTC run the thirty-first session's FP8 launches: the balanced",
-        "plan computed in the inputs launch (one launch a call fewer: 0.5-10% a call) and query rows",
-        "short of whole blocks (H = 16 at s_q = 2, H = 24, 32) padded there too, where XLA padded q and",
-        "q_rope in two launches (1-6%); the BF16 twin still pads in XLA. Same bits; side by side in",
-        "docs/benchmarks/fused_plan_s31/.",
-        "Rows measured from 2026-11-27 06:23 UTC run the thirty-second session's BF16 twin, which pads",
-        "its query rows and computes its plan in one launch (`mgpu_decode_inputs.bf16_rows_and_plan`)",
-        "as the FP8 path does, where XLA padded q and q_rope in two launches and the plan had a third.",
-        "Same bits; side by side (H100, 06:21 UTC) the twin's call 0.974x at 64 x 4k x 16 x 2, 0.99-1.01x",
-        "at 128 x 16k x 16 x 2 and 32 x 16k x 32 (docs/benchmarks/fused_plan_s31/twin_rows.json).",
-        "layers: each timed sample runs that many calls in one jit, each over its own layer of a layered",
-        "cache and taking the last call's output as its query (as a model's layers do), ms = its time /",
-        "layers; enough layers that they read >= 256 MiB of fp8 cache (5x the L2), 1 from B x ctx = 400k",
-        "tokens up. \"-\": measured before this, one call at a time from Python, whose ~0.06 ms of host",
-        "dispatch set the time of the smallest problems.",
-        "Shapes whose cache exceeds the kernels' int32 offsets (2**31 - 1 latent elements, e.g. B=128 x 64k)",
-        "are not run: one decode call cannot address them (mla_decode raises ValueError).",
-        "FP8 = the default SnapMLA FP8 kernel on the fp8 cache (644 B/token): with page_size 64 a",
-        "Mosaic GPU kernel (`snapmla_jax.decode.mosaic_kernel`): up to 16 query rows (H=16, s_q=1)",
-        "pallas_kernels/mla_decode_mgpu_small.py (16 rows on the wgmma N dimension; rows of 32 measured",
-        "before 2026-11-25 22:50 UTC ran it in 32-row blocks), above that",
-        "pallas_kernels/mla_decode_mgpu.py (64-row blocks; two consumer warpgroups, each scoring half of a",
-        "step's tokens and owning half of the output columns, and a TMA producer warpgroup; rows measured",
-        "before 2026-11-26 04:50 UTC ran its P'.V untransposed, V^T written to SMEM, 4-8% slower side by",
-        "side: docs/benchmarks/mgpu.md, twentieth session; rows measured before 2026-11-26 07:25 UTC ran",
-        "its Q.K as two 256-feature chains and its exchanges through mbarriers, 11-16% slower side by side:",
-        "twenty-first session; rows measured before 2026-11-26 10:00 UTC ran its step with Pallas's",
-        "warpgroup barriers around the exchanged stores, 3-5% slower side by side: twenty-second session;",
-        "rows of the 16-row kernel measured before 2026-11-26 09:45 UTC promoted S^T every 128 features,",
-        "1.5-3% slower); up to 32 query",
-        "rows and 16k tokens of block-table capacity over the batch the Triton FP8 kernel",
-        "(`snapmla_jax.decode.TRITON_FP8_MAX_TOKENS`; rows measured before 2026-11-26 03:00 UTC ran the",
-        "Mosaic kernels there, 1.0-1.4x slower). BF16 = the default",
-        "BF16 twin on the bf16 cache (1152 B/token): above 16 query rows the Mosaic GPU twin",
-        "(pallas_kernels/mla_decode_mgpu_bf16.py, 64-row blocks; rows measured before 2026-11-25 22:30 UTC",
-        "ran the Triton twin there, 1.3-2.2x slower at H=128), up to 16 the Triton twin. XLA bf16 =",
-        "`mla_decode(..., backend=\"xla\")` on the bf16 cache (gather + einsum + softmax, what a JAX user",
-        "writes today). Triton FP8 = the Triton FP8 kernel (`FP8_CONFIG`), the Triton BF16 twin's sibling;",
-        "Triton/BF16 divides by the BF16 column; \"-\" where not measured or failed (notes).",
-        f"JAX stock `pallas.ops.gpu.decode_attention.mqa` (the 576-dim [latent, rope] as K and V): {stock}.",
+        "One decode call over one layer, page_size 64, all rows at the full context; times are medians of",
+        f"samples of at least {MIN_SAMPLE_MS:g} ms, every method sampled once a round in a shuffled order.",
+        "layers: calls a timed sample chains in one jit, each over its own layer (>= 256 MiB of fp8 cache",
+        "in all, 5x the L2); ms = the chain's time / layers.",
+        "FP8 = `mla_decode` on the fp8 cache (644 B/token) with its default kernel and split plan. BF16 = the",
+        "same on the bf16 cache (1152 B/token): our BF16 twin. XLA bf16 = `mla_decode(..., backend=\"xla\")`.",
+        "Triton FP8 = the Triton FP8 kernel (`FP8_CONFIG`).",
+        *([f"FlashMLA = {flashmla_name}: FlashMLA's dense BF16 decode on the bf16 cache's contents (576 bf16 a",
+           "token), same process, its calls replayed from one CUDA graph; FlashMLA/FP8 = its time / ours",
+           "(> 1: ours faster). Its layer-0 output against our BF16 twin's: max |diff| / max |FlashMLA| "
+           f"<= {max(agreement):.3g}." if agreement else ""] if flashmla_name else []),
+        "JAX stock `pallas.ops.gpu.decode_attention.mqa` (the 576-dim [latent, rope] as K and V): "
+        + ("runs (times in decode.json)." if stock_reason is None else f"does not run: {stock_reason}."),
         "",
-        timing.markdown_table(cols, body),
+        timing.markdown_table(["B", "ctx", "H", "s_q", "layers", *(c[0] for c in columns), "ceil", "measured (UTC)"],
+                              body),
     ]
+    smooth = smoothness(rows)
+    if smooth:
+        lines += ["", "Time over batch size: the largest ratio of a row's time to the line through the smallest",
+                  "and the largest batch's (1.00: linear in B).", "",
+                  timing.markdown_table(["ctx", "H", "s_q", "method", "batches", "worst B", "time / line"],
+                                        [[g["context"], g["heads"], g["s_q"], g["method"], g["batches"],
+                                          g["worst_batch"], f"{g['worst_ratio']:.2f}"] for g in smooth])]
     if notes:
-        lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
-    return "\n".join(lines)
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    """"BxCTXxHxSQ" -> (batch, context, heads, s_q), all positive."""
+    try:
+        shape = tuple(int(v) for v in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected BxCTXxHxSQ of positive ints (e.g. 64x16384x128x1), got {text!r}")
+    return shape
+
+
+# Against FlashMLA: the rows users compare on (H = 128 at s_q 1 and 2, H = 16), and batch sweeps
+# at one context each (H = 128 x 16k, H = 16 x 32k) past the multiples of a wave of CTAs.
+SWEEP_BATCHES = (1, 8, 32, 40, 64, 66, 67, 72, 100, 128, 132, 140, 200, 256)
+VS_FLASHMLA = [*((b, 16384, 128, 1) for b in SWEEP_BATCHES), (32, 65536, 128, 1), (1, 65536, 128, 1),
+               (128, 4096, 128, 1), (32, 16384, 128, 2), (64, 16384, 128, 2), (128, 16384, 128, 2),
+               *((b, 32768, 16, 1) for b in SWEEP_BATCHES), (64, 16384, 16, 1), (128, 16384, 16, 1)]
+PRESETS = {"vs-flashmla": ("the rows compared with FlashMLA and batch sweeps at 16k x 128 and 32k x 16 heads",
+                           VS_FLASHMLA)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,14 +429,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int, nargs="*", help="override the context lengths")
     parser.add_argument("--heads", type=int, nargs="*", help="override the head counts")
     parser.add_argument("--s-q", type=int, nargs="*", dest="s_qs", help="override the query lengths")
+    parser.add_argument("--shapes", nargs="*", type=parse_shape, metavar="BxCTXxHxSQ",
+                        help="explicit shapes instead of the grid, e.g. 64x16384x128x1 (batch, context, heads, s_q)")
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="a named list of shapes: " + "; ".join(f"{k}: {v[0]}" for k, v in PRESETS.items()))
+    parser.add_argument("--methods", nargs="*", choices=METHOD_NAMES, default=list(METHOD_NAMES),
+                        help="methods to time (default: all); flashmla needs --flashmla to find FlashMLA")
+    parser.add_argument("--flashmla", default="auto",
+                        help="FlashMLA to time beside ours: 'auto' (the flash_mla package if importable), 'none', "
+                             "or the path of an extension .so with FlashMLA's dense_decode_fwd")
     parser.add_argument("--merge", action="store_true", help="keep earlier rows of shapes not measured now")
     args = parser.parse_args(argv)
     if timing.missing_gpu("decode benchmark"):
         return 2
+    try:
+        flashmla = flashmla_lib.load(args.flashmla) if "flashmla" in args.methods else None
+    except ValueError as err:
+        parser.error(str(err))
+    shapes = args.shapes or (PRESETS[args.preset][1] if args.preset else None)
     grid = dict(QUICK if args.quick else FULL)
     for key in grid:
         if getattr(args, key):
             grid[key] = tuple(getattr(args, key))
+    if shapes is None:
+        shapes = [(b, c, h, s) for b in grid["batches"] for c in grid["contexts"] for h in grid["heads"]
+                  for s in grid["s_qs"]]
+    command = " ".join(["python -m snapmla_jax.bench decode", *(argv if argv is not None else sys.argv[1:])])
+    print(f"FlashMLA: {flashmla.name if flashmla else 'absent'}", flush=True)
     env = timing.environment()
     ceilings = timing.measure_ceilings()
     memory = _device_memory()
@@ -437,41 +476,44 @@ def main(argv: list[str] | None = None) -> int:
         kept = [with_run_ceilings(r, *earlier_ceilings) for r in earlier if shape_key(r) not in done]
         merged = sorted(kept + measured, key=lambda r: (r["heads"], r["s_q"], r["batch"], r["context"]))
         ceil = dataclasses.asdict(ceilings)
-        markdown = to_markdown(env, ceil, merged, stock_reason, merged=bool(kept))
+        markdown = to_markdown(env, ceil, merged, stock_reason, command, merged=bool(kept),
+                               flashmla_name=flashmla.name if flashmla else None)
         timing.write_results(out, "decode", {**env, "ceilings": ceil, "stock_mqa": stock_reason or "runs"}, merged,
                              markdown)
         return markdown
 
-    stock_probed = False
-    for batch in grid["batches"]:
-        for context in grid["contexts"]:
-            cache_bytes = batch * context * (644 + 1152)
-            if not kernel_addressable(batch * context, RANK):
-                print(f"skip B={batch} ctx={context}: {batch * context * RANK} latent elements, {INT32_LIMIT}",
-                      flush=True)
+    stock_probed = "stock_mqa" not in args.methods
+    # Shapes sharing (batch, context) share their caches.
+    by_cache: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for batch, context, heads, s_q in shapes:
+        by_cache.setdefault((batch, context), []).append((heads, s_q))
+    for (batch, context), head_shapes in by_cache.items():
+        cache_bytes = batch * context * (644 + 1152)
+        if not kernel_addressable(batch * context, RANK):
+            print(f"skip B={batch} ctx={context}: {batch * context * RANK} latent elements, {INT32_LIMIT}",
+                  flush=True)
+            continue
+        if cache_bytes > MEMORY_FRACTION * memory:
+            print(f"skip B={batch} ctx={context}: caches need {cache_bytes / 2**30:.1f} GiB", flush=True)
+            continue
+        caches = make_caches(batch, context, layers=chain_layers(batch, context))
+        if not stock_probed:
+            q = jnp.ones((batch, 1, head_shapes[0][0], RANK), jnp.bfloat16)
+            stock_reason = _probe_stock(q, q[..., :ROPE], first_layer(caches[1]), caches[2],
+                                        jnp.full((batch,), context, jnp.int32), 0.04)
+            stock_probed = True
+            print(f"stock mqa: {stock_reason or 'runs'}", flush=True)
+        for heads, s_q in head_shapes:
+            try:
+                row = measure_config(batch, context, heads, s_q, caches, ceilings, args.iters, stock_reason,
+                                     memory, rounds=args.rounds, methods=tuple(args.methods), flashmla=flashmla)
+            except Exception:
+                traceback.print_exc()
                 continue
-            if cache_bytes > MEMORY_FRACTION * memory:
-                print(f"skip B={batch} ctx={context}: caches need {cache_bytes / 2**30:.1f} GiB", flush=True)
-                continue
-            caches = make_caches(batch, context, layers=chain_layers(batch, context))
-            if not stock_probed:
-                q = jnp.ones((batch, 1, grid["heads"][0], RANK), jnp.bfloat16)
-                stock_reason = _probe_stock(q, q[..., :ROPE], first_layer(caches[1]), caches[2],
-                                            jnp.full((batch,), context, jnp.int32), 0.04)
-                stock_probed = True
-                print(f"stock mqa: {stock_reason or 'runs'}", flush=True)
-            for heads in grid["heads"]:
-                for s_q in grid["s_qs"]:
-                    try:
-                        row = measure_config(batch, context, heads, s_q, caches, ceilings, args.iters,
-                                             stock_reason, memory, rounds=args.rounds)
-                    except Exception:
-                        traceback.print_exc()
-                        continue
-                    row = with_run_ceilings(row, dataclasses.asdict(ceilings), env["device"])
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    save(rows)  # after every row: a run cut short keeps what it measured
-            del caches
+            row = with_run_ceilings(row, dataclasses.asdict(ceilings), env["device"])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            save(rows)  # after every row: a run cut short keeps what it measured
+        del caches
     print(save(rows))
     return 0
