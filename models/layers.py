@@ -20,8 +20,7 @@ class Linear(nnx.Linear):
     an elementwise multiply and a reduce fusion, which at these shapes runs ~3x slower
     than its GEMM: in the 27-layer feed-forward stack of V2-Lite shapes on an H100 the
     dense and shared-expert MLPs took ~1.7 ms at one token against ~0.55 at two, and the
-    stack 3.64 ms against 2.39 with this class (scripts/bench_ffn_stack.py --profile,
-    docs/benchmarks/ffn_stack_one_row_linear_profile_h100.json). A one-row input is
+    stack 3.64 ms against 2.39 with this class (scripts/bench_ffn_stack.py --profile). A one-row input is
     duplicated into two rows and the first row of the product kept.
 
     inputs [..., in_features] -> [..., out_features], as ``nnx.Linear``.

@@ -38,8 +38,8 @@ of three ways (``MoE.__call__`` picks by the token count T, a static shape):
 The choice is two static attributes of each layer, ``MoE.dense_token_range`` and
 ``MoE.gather_max_tokens`` (``set_dense_token_range`` and ``set_gather_max_tokens`` set
 them on every layer of a model), so it is part of the layer's graph definition: a jit
-keyed on ``nnx.split``'s graphdef, or ``nnx.jit``, compiles a new program when it changes. (A module-level switch
-read while tracing was not: a jit cache hit kept the old dispatch.)
+keyed on ``nnx.split``'s graphdef, or ``nnx.jit``, compiles a new program when it changes (a
+module-level switch read while tracing would not be: a jit cache hit would keep the old dispatch).
 """
 
 from __future__ import annotations
@@ -58,10 +58,8 @@ from snapmla_jax.pallas_kernels.grouped_experts import combine_assignments, grou
 # inclusive (low, high) range; None: always ragged. By arithmetic, dense reads every expert
 # and ragged only the chosen ones; measured, XLA's ragged_dot on Hopper reads every expert's
 # weights at any T and runs far below the matrix rate (11 TFLOP/s at T = 512), so dense wins
-# nearly everywhere (scripts/bench_moe.py, docs/benchmarks/moe_h200.md, H200, one layer, bf16):
-# V2-Lite shapes 1.14x at T = 4 to 4.5x at T = 512, but 0.72x at T = 1; V3 shapes 1.02x at
-# T = 1 to 2.8x at T = 64. End to end (V2-Lite shapes, B = 64 x 16k on an H100,
-# docs/benchmarks/e2e_b64_16k_moe_*.md): 3100 vs 2270 generated tokens/s with the FP8 cache.
+# nearly everywhere (H200, one layer, bf16): V2-Lite shapes 1.14x at T = 4 to 4.5x at T = 512,
+# but 0.72x at T = 1; V3 shapes 1.02x at T = 1 to 2.8x at T = 64 (scripts/bench_moe.py).
 # The top, 512, is the largest T measured; the [E, T, inner] activations of dense grow with T
 # (1 GB at V3 shapes and T = 512), so prefill-sized calls stay ragged.
 DENSE_TOKEN_RANGE: tuple[int, int] | None = (4, 512)
@@ -84,13 +82,11 @@ def check_token_range(token_range) -> tuple[int, int] | None:
 # The default ``MoE.gather_max_tokens`` of new layers: calls of at most this many tokens run
 # the gathered dispatch (module docstring); 0: never. Set for a decode step on a GPU, where it
 # runs as the grouped-experts kernel (backend "pallas"): in the 27-layer feed-forward stack of
-# V2-Lite shapes on an H100 (scripts/bench_ffn_stack.py, docs/benchmarks/ffn_stack_grouped_h100.md)
-# the kernel took 2.36 / 3.11 / 4.69 / 7.31 ms at T = 1 / 2 / 4 / 8 against the jnp gathered
-# dispatch's 6.70 / 11.7 / 22.0 / 42.7 (XLA compiles its gathers into slow reduce fusions there)
-# and ragged / dense's 11.4 / 11.4 / 10.6 / 10.8: 1.47x the best other at T = 8 (2026-11-26).
-# (One layer alone the jnp gather ran as fast: docs/benchmarks/moe_grouped_h100.md.) With backend "xla"
-# (a CPU, or a caller's choice) the same range runs the jnp gather, slower than ragged/dense
-# from T = 2 on a GPU; the CPU's speed is not a target.
+# V2-Lite shapes on an H100 the kernel took 2.36 / 3.11 / 4.69 / 7.31 ms at T = 1 / 2 / 4 / 8
+# against the jnp gathered dispatch's 6.70 / 11.7 / 22.0 / 42.7 (XLA compiles its gathers into
+# slow reduce fusions there) and ragged / dense's 11.4 / 11.4 / 10.6 / 10.8
+# (scripts/bench_ffn_stack.py). With backend "xla" (a CPU, or a caller's choice) the same range
+# runs the jnp gather, slower than ragged/dense from T = 2 on a GPU; the CPU's speed is not a target.
 GATHER_MAX_TOKENS = 8
 
 

@@ -15,7 +15,7 @@ Why a kernel. Written in jnp (``combine_splits_reference``) XLA runs it as four
 or five fusions (the max, the exponentials and their sum, the weighted sum, the
 division and the cast), each a launch of ~1 us on an H100 whatever its size. At
 short contexts that is a third of a decode call (H100, B=1 x 1k x 16 heads, 8
-splits: 17.6 us a call, the merge's fusions ~5 us of it; docs/benchmarks/mgpu.md).
+splits: ~5 of 17.6 us; scripts/profile_decode_launches.py).
 Here one program per (batch row, run of values) loads every split's values of
 that run at once (S padded to a power of two, masked), so no loop over splits
 serialises the loads' latency, and writes the merged values in the caller's dtype.
@@ -43,12 +43,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_tr
 
-# Partial values one program holds (S padded x its run of a split's slab), so that the
-# loads of every split are issued at once: ``max_tile``. H100, kernel us, 4096 vs 2048 vs 8192
-# at 4 warps (scripts/tune_combine_splits.py, docs/benchmarks/combine_tune_2026-11-25.json; T:
-# the 16-row kernel's transposed partials; weights then computed once a value): 1 x 128 x 16T
-# 3.56 / 4.39 / 3.51; 1 x 66 x 128 9.76 / 14.10 / 7.98; 64 x 2 x 32T 4.05 / 3.96 / 5.01;
-# 1 x 8 x 128 2.84 / 3.29 / 3.31.
+# Partial values one program holds (S padded x its run of a split's slab), so that the loads of
+# every split are issued at once: ``max_tile``. H100, kernel us, 4096 / 2048 / 8192 at 4 warps:
+# 1 x 8 x 128 2.84 / 3.29 / 3.31 (scripts/tune_combine_splits.py --cases 1x8x128 ...).
 MAX_TILE = 4096
 
 
@@ -56,10 +53,8 @@ def max_tile(num_splits: int) -> int:
     """Partial values a merge program holds at most: 2 x ``MAX_TILE`` from 33 splits (S padded
     >= 64), else ``MAX_TILE``.
 
-    H100, bf16 partials, weights once a split and row (twenty-fourth session,
-    docs/benchmarks/combine_tune_2026-11-26_bf16.json), kernel us, 8192 vs 4096 values at 2
-    warps: 1 x 66 x 128 4.00 vs 5.27, 1 x 33 x 128 2.65 vs 2.78; below, 4096 (8 x 16 x 128
-    5.04 vs 5.00; 32 x 2 x 128 at 4 warps 4.47 vs 3.78).
+    H100, bf16 partials, kernel us, 8192 vs 4096 values at 2 warps: 1 x 66 x 128 4.00 vs 5.27
+    (scripts/tune_combine_splits.py --partial-dtype bfloat16).
     """
     return 2 * MAX_TILE if pl.next_power_of_2(num_splits) >= 64 else MAX_TILE
 
@@ -67,11 +62,8 @@ def max_tile(num_splits: int) -> int:
 def num_warps(num_splits: int) -> int:
     """Warps a merge program runs: 2 from 9 splits (S padded >= 16), else 4.
 
-    H100, bf16 partials, weights once a split and row (twenty-fourth session), kernel us, 2 vs
-    4 warps at ``max_tile``: 8 x 16 x 128 5.00 vs 7.27, 8 x 16 x 16 2.11 vs 2.26, 1 x 66 x 128
-    4.00 vs 4.22; with few splits 4 (32 x 2 x 128 3.78 vs 3.89, 16 x 4 x 128 3.34 vs 3.57,
-    1 x 8 x 128 1.83 vs 3.01). (Before, with a weight a value, 2 warps paid from 17 splits:
-    1 x 33 x 128 5.09 vs 6.10, 1 x 8 x 128 2.84 vs 3.02; combine_tune_2026-11-25.json.)
+    H100, bf16 partials, kernel us at ``max_tile``: 2 vs 4 warps at 8 x 16 x 128 5.00 vs 7.27; 4 vs
+    2 at 1 x 8 x 128 1.83 vs 3.01 (scripts/tune_combine_splits.py --partial-dtype bfloat16).
     """
     return 2 if pl.next_power_of_2(num_splits) >= 16 else 4
 
@@ -85,8 +77,7 @@ def partial_dtype(out_dtype) -> jnp.dtype:
     the output's own rounding does (half an ulp, <= 2**-8 of the largest partial). At small
     batches the partials outweigh the cache: at B=1 x 16k x 128 heads (66 splits of ~250 tokens)
     float32 ones are 17 MB written and read back against 10.5 MB of FP8 cache. H100: the merge
-    5-15% faster from bf16 (1 x 66 x 128 5.10 vs 5.39 us, 8 x 16 x 128 7.28 vs 8.10;
-    docs/benchmarks/combine_weights_once_2026-11-26.json).
+    5-15% faster from bf16 (scripts/tune_combine_splits.py --partial-dtype bfloat16 vs float32).
     """
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
 

@@ -7,9 +7,8 @@ chosen ids, which XLA runs as a copy of T*k experts' matrices and then products
 over the copy: each chosen byte read twice and written once, and inside a whole
 feed-forward stack XLA compiles it into slow reduce fusions. Here two Pallas launches
 read every chosen expert's matrices in place, once an assignment. The 27-layer
-feed-forward stack of V2-Lite shapes on an H100 (scripts/bench_ffn_stack.py,
-docs/benchmarks/ffn_stack_grouped_h100.md, 2026-11-26): 2.36 ms at T = 1 (jnp gather 6.70,
-weight-read floor 1.27), 3.11 at T = 2 (11.7), 7.31 at T = 8 (42.7; dense 10.8). The launches:
+feed-forward stack of V2-Lite shapes on an H100: 2.36 ms at T = 1 (jnp gather 6.70,
+weight-read floor 1.27), 7.31 at T = 8 (42.7; dense 10.8) (scripts/bench_ffn_stack.py). The launches:
 
 1. ``hidden[a, i] = silu(x[t] . w_gate[e, :, i]) * (x[t] . w_up[e, :, i])`` for
    assignment a = t * k + s of token t to expert e = ids[t, s]; grid (assignment,
@@ -52,20 +51,17 @@ NUM_STAGES = 4
 # The setting (COLUMNS, RUN, NUM_WARPS, NUM_STAGES) for calls of at most FEW_ASSIGNMENTS
 # assignments (T x k: a decode step of one or two tokens). There the grid has 132-256
 # programs, and a program's latency-bound walk along the contraction sets the time: longer
-# runs and 8 warps keep more bytes in flight. On an H100 (scripts/tune_grouped_experts.py,
-# docs/benchmarks/grouped_experts_tune_h100.json), one call at V2-Lite shapes: T = 1 0.076 vs
-# 0.112 ms (46% vs 31% of its weight-read floor), T = 2 0.092 vs 0.120; V3 shapes T = 1 0.332 vs
-# 0.370. From 24 assignments up the setting above is as fast or faster (T = 8: 0.263 vs 0.279).
+# runs and 8 warps keep more bytes in flight. One call at V2-Lite shapes on an H100: T = 1 0.076
+# vs 0.112 ms; from 24 assignments up the setting above is as fast or faster (T = 8: 0.263 vs
+# 0.279) (scripts/tune_grouped_experts.py).
 FEW_ASSIGNMENTS = 16
 FEW_SETTING = (64, 128, 8, 3)
 # Launch 1 splits its contraction (``contraction_splits``) while its grid has fewer programs than
 # SPLIT_PROGRAMS: each split writes float32 partial gate and up sums, and XLA adds them and
 # applies the activation. At one token (6 assignments x 22 column blocks at V2-Lite shapes: one
 # program an SM) each program walks a 2048-long contraction; split, four programs share it.
-# On an H100 (scripts/tune_grouped_experts.py --split-programs 0 512 1024 2048,
-# docs/benchmarks/grouped_experts_split_tune_h100.json), with ``FEW_SETTING``: V2-Lite T = 1
-# 0.062 ms vs 0.075 unsplit (57% vs 47% of the weight-read floor), T = 2 0.089 vs 0.097; V3
-# T = 1 0.293 vs 0.294 (512 ran 0.328 there); 2048 no faster than 1024.
+# V2-Lite T = 1 on an H100: 0.062 ms vs 0.075 unsplit; 2048 no faster than 1024
+# (scripts/tune_grouped_experts.py --split-programs 0 512 1024 2048).
 SPLIT_PROGRAMS = 1024
 MAX_SPLITS = 8
 

@@ -16,11 +16,7 @@ between threads (the section comment below has the layouts):
 
 They run in a warpgroup context and exist on the GPU only: the interpreter has
 no inline PTX, so the kernel's interpreter path reads V transposed as an SMEM
-operand and stores P' unpacked instead. (Until the twenty-first session this
-module also held the untransposed path's helpers, which packed V's token pairs
-into 16-bit words for V^T written in SMEM and P' byte by byte: ``interleave_bytes``,
-``interleave_quads``, ``store_byte_lane``; their measurements are in
-docs/benchmarks/mgpu.md.)
+operand and stores P' unpacked instead.
 """
 
 from __future__ import annotations

@@ -16,17 +16,14 @@ The Mosaic FP8 kernels (mla_decode_mgpu.py, mla_decode_mgpu_small.py) take
 
 Why a kernel. In jnp XLA runs these as four launches (the row maxima, the scales,
 the quantized rows, the gather), ~1 us each on an H100 whatever their size: at
-short contexts a fifth of a decode call (B=1 x 1k x 16 heads: 17.6 us a call, ~4.6
-us of it these; docs/benchmarks/mgpu.md). Here one grid does both jobs: its first
+short contexts a fifth of a decode call (B=1 x 1k x 16 heads: ~4.6 of 17.6 us;
+scripts/profile_decode_launches.py). Here one grid does both jobs: its first
 programs quantize 16 query rows each, the others gather up to 1024 scales each.
 
 The balanced split plan too (``decode_inputs_and_plan``): its programs
 (``split_plan_kernel.plan_program``) go first in the same grid, one launch fewer a call
-than the plan's own (``split_plan_kernel.balanced_plan_kernel``, 1.6-2.6 us on an H100;
-the BF16 twin, which has no inputs launch, keeps that one). Measured against the two
-launches (H100, thirty-first session, docs/benchmarks/fused_plan_s31/): the same bits,
-the inputs launch no longer (2.3-5.9 us either way), the FP8 call 0.5-10% faster
-(8 x 1k x 128: 0.906x; 32 x 16k x 128: 0.986x).
+than the plan's own (``split_plan_kernel.balanced_plan_kernel``; the BF16 twin, which has
+no inputs launch, keeps that one).
 
 Backend: Pallas' Triton lowering (masked gathers; interpret mode on the CPU).
 """
@@ -54,13 +51,11 @@ SCALES = 1024  # token scales a gathering program takes
 # Floor on the token scales behind the logarithm and reciprocal planes (``with_scale_planes``).
 # The 64-row kernel's softmax sums P' / k_scale with P' = 2^(score + log2 k_scale - frame + log2
 # 448). A slot never written holds scale 0: log2 -inf, 1 / 0 = inf, and 0 * inf = NaN in every
-# output row that reads it (the kernels before kept such a token's softmax weight, with a zero
-# value). Floored, its P' is 2^(score - 60 - frame + log2 448), a normal float32 (so its weight
-# counts) while its softmax weight is within ~2^-70 of the step's heaviest token's (whose log2
-# k_scale is rarely above 0), and rounds to 0 in e4m3 beside a zero latent, as before. A scale
-# below the floor but not 0 (``quantize_per_token``'s own floor gives 2^-108 to an all-zero
-# latent) then carries its value 2^-60 / scale too large: at most 2^-60 x 448 in absolute terms.
-# The scales' own plane (the scores' dequantization) stays exact.
+# output row that reads it. Floored, its P' is 2^(score - 60 - frame + log2 448), a normal
+# float32 (so its softmax weight counts, as the reference's does) and rounds to 0 in e4m3 beside
+# a zero latent. A scale below the floor but not 0 (``quantize_per_token``'s own floor gives
+# 2^-108 to an all-zero latent) then carries its value 2^-60 / scale too large: at most
+# 2^-60 x 448 in absolute terms. The scales' own plane (the scores' dequantization) stays exact.
 SCALE_FLOOR = 2.0 ** -60
 NUM_WARPS = 4
 

@@ -40,13 +40,10 @@ Split-KV (flash-decoding): with ``num_splits > 1`` each split writes its fp32
 partial output and log-sum-exp; ``combine_splits`` merges them (one Pallas launch,
 reading B x splits x rows x 512 floats; pallas_kernels/combine_splits.py).
 
-Backend: Pallas' Triton lowering (deprecated in JAX, but the one that compiles
-this whole pipeline today). Mosaic GPU would give wgmma with explicit warpgroup
-specialisation and TMA, but its FP8 wgmma needs both 8-bit operands K-major,
-and P.V with the token-major FP8 latent as B is not (see DESIGN.md): it needs a
-hand-written shared-memory transpose of every V tile. Triton's ``tt.dot``
-accepts that operand and re-lays it itself, correctly but slowly: measured, the
-FP8 body is register-bound and slower than its BF16 twin (docs/decode_kernel.md).
+Backend: Pallas' Triton lowering. Compiled decoding uses these kernels for small FP8 problems
+and for the bf16 cache at few query rows; the Mosaic GPU kernels (mla_decode_mgpu*.py) take the
+rest on Hopper (``snapmla_jax.decode.default_config``). Triton's ``tt.dot`` re-lays the
+token-major FP8 latent for P.V through registers, so the FP8 body is register-bound.
 """
 
 from __future__ import annotations
@@ -73,7 +70,7 @@ MIN_BLOCK = 16  # smallest matrix dimension Triton's dot accepts
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Tuning knobs of the decode kernel (chosen by measurement, see docs/decode_kernel.md).
+    """Tuning knobs of the decode kernel (chosen by measurement: scripts/tune_decode.py).
 
     block_m: largest number of query rows (heads x s_q) per program; a power of
              two >= 16 (Triton's dot minimum). The fp32 accumulator is
@@ -84,16 +81,14 @@ class DecodeConfig:
              B operand Triton re-lays through registers), "bf16" (both operands
              widened to bf16 first), or "auto": "bf16" for 64-row blocks, "fp8"
              for smaller ones (the faster of the two on an H100 at each size,
-             docs/decode_kernel.md). e4m3 -> bf16 is exact and both MMAs
+             scripts/tune_decode.py). e4m3 -> bf16 is exact and both MMAs
              accumulate the exact products in fp32, so the math is the same
              (measured: bit-identical outputs).
     kernel:  "triton" (this file's kernels) or "mosaic": the FP8 kernel on
              Mosaic GPU with two warpgroups per CTA
              (pallas_kernels/mla_decode_mgpu.py; fp8 cache, page_size 64;
              block_m, block_n, num_warps, num_stages and pv_mma do not apply).
-             Checked on an H100 and in the interpreter; speed and status in
-             docs/mosaic_gpu_decode_plan.md. With
-             backend="interpret" on a machine with few cores, start Python
+             With backend="interpret" on a machine with few cores, start Python
              with JAX_NUM_CPU_DEVICES=8: the interpreter runs the two
              warpgroups as threads and can otherwise stall.
     """
@@ -112,7 +107,7 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.kernel: expected 'triton' or 'mosaic', got {self.kernel!r}")
 
 
-# Measured on an H100 at B=64, ctx=16k, H=128 (docs/decode_kernel.md). The FP8
+# Measured on an H100 at B=64, ctx=16k, H=128 (scripts/tune_decode.py). The FP8
 # body holds its latent tile in registers (Triton re-lays 8-bit tiles for the
 # P.V product through registers), so it needs 8 warps to fit 64 rows x 512
 # fp32 and the tile; the BF16 twin feeds both products from shared memory and
@@ -323,7 +318,7 @@ def mla_decode_pallas(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: t
     # seq_lens are clipped here, not in the kernel: the same clip of the loaded seq_len inside
     # the kernel (as jnp.clip, min/max or where) made the BF16 twin 1.24-1.27x slower at
     # B = 64 x 4k-16k x 128 heads on an H100 (1.58 vs 1.27 ms; outputs identical), and this
-    # XLA clip costs 1% there (1.28 ms; docs/benchmarks/mgpu.md, fifteenth session).
+    # XLA clip costs 1% there (1.28 ms).
     seq_lens = jnp.clip(seq_lens, 0, block_table.shape[1] * page_size)
     kernel = functools.partial(
         _mla_decode_kernel, quantized=quantized, block_n=tokens_per_block(page_size, config), page_size=page_size,

@@ -1,135 +1,58 @@
-"""SnapMLA FP8 MLA decode on Mosaic GPU (Hopper wgmma + TMA): two consumer warpgroups and a TMA producer per CTA.
+"""SnapMLA FP8 MLA decode on Mosaic GPU (Hopper wgmma + TMA), 64 query rows a CTA.
 
-Status (2026-11-23): runs on an H100 and matches ``mla_decode_reference``
-there and in the Mosaic GPU interpreter on CPU. The default for compiled FP8
-decoding with 64-token pages on Hopper (``snapmla_jax.decode.default_config``),
-and reachable as ``mla_decode(..., config=DecodeConfig(kernel="mosaic"))``;
-measurements and history in docs/mosaic_gpu_decode_plan.md.
+The default for compiled FP8 decoding with 64-token pages on Hopper
+(``snapmla_jax.decode.default_config``). Its reference is ``mla_decode_reference(...,
+block_n=128)``; ``interpret=True`` runs it in the Mosaic GPU interpreter on CPU.
 
-Same inputs and outputs as ``pallas_kernels.mla_decode.mla_decode_pallas`` with
-an FP8 cache and ``page_size == 64``:
+Arguments of ``mla_decode_mgpu`` (those of ``mla_decode.mla_decode_pallas`` with an FP8 cache and
+``page_size == 64``):
 
-  q_rows       [B, rows, 512] bf16/f32, rows = s_q * H (padded to whole blocks of 64 rows in
-               the inputs launch, pallas_kernels/mgpu_decode_inputs.py)
-  q_rope_rows  [B, rows, 64]
-  cache_arrays (latent [N, 512] e4m3, scale [N] f32, rope [N, 64] bf16), flat rows
-  block_table  [B, max_pages] int32, seq_lens [B] int32,
-  layer_offset [1] int32, a multiple of 64 (layer x pages x 64)
-  -> out [B, rows, 512] (q_rows' dtype), lse [B, rows] f32 (natural log)
+  q_rows       [B, rows, 512] bf16 or f32, rows = s_q * H (query position major)
+  q_rope_rows  [B, rows, 64] bf16 or f32
+  cache_arrays (latent [N, 512] e4m3, scale [N] f32, rope [N, 64] bf16): flat token rows
+  block_table  [B, max_pages] int32; seq_lens [B] int32
+  layer_offset [1] int32: the layer's first token row, a multiple of 64
+  -> out [B, rows, 512] in q_rows' dtype, lse [B, rows] f32 (natural log)
 
-Math (as the Triton FP8 kernel, so ``mla_decode_reference(..., block_n=128)``
-is its reference): Q quantized per row (``quantize_per_token``, before the kernel
-in one launch with the token scales' gather: pallas_kernels/mgpu_decode_inputs.py);
-scores = (Q8.K8^T * q_scale * k_scale + Qr.Kr^T) * softmax_scale * log2(e), FP8
-and BF16 wgmma with fp32 accumulation; online softmax on exp2; P' = P * k_scale per token, scaled per row by 448 / its max
-over the 128-token step, cast to e4m3, FP8 wgmma with V^T, the factor undone
-in fp32. The softmax runs on log_pv = score + log2 k_scale, so that P' is one exp2 of it
-(``softmax_frame``). On the GPU the RoPE wgmma accumulates onto the scaled FP8 scores
-(``step_scores``), so one score tile is live, not two; the FP8 product is one
-512-feature wgmma chain (``QK_PROMOTION``).
+Scaling math, per 128-token step and query row, in base 2. Q8, q_scale: the query quantized
+per row by the inputs launch (``mgpu_decode_inputs``); K8 = V8 the cached latent, k_scale its
+per-token scale:
 
-Layout of the work (FlashMLA's). Grid (work item: a run of steps of one batch row,
-``split_plan``; block of 64 query rows), two consumer warpgroups per CTA (and the producer, below): both read
-each cache tile the TMA brings in once. Warpgroup w owns output columns [256 w, 256 w + 256) (two 128-column
-chunks, two fp32 accumulators of 64 x 128: 128 registers a thread) and scores
-only the step's SMEM rows [64 w, 64 w + 64) (its even tokens for w = 0, the
-odd ones for w = 1): half the Q.K product and half the softmax each, on a
-64 x 64 score tile (32 registers). What crosses between them, per step,
-through SMEM:
+  score  = (Q8.K8^T * q_scale * k_scale + Qr.Kr^T) * softmax_scale * log2(e)
+  log_pv = score + log2 k_scale                       the log of P * k_scale
+  m      = max(m, max_t log_pv)                       over the whole step
+  frame  = max(max_t log_pv, m - FRAME_DROP)          what O' and l' are relative to
+  ratio  = 2^(frame_old - frame)
+  P'     = 2^(log_pv - frame + log2 448)              the step's largest P * k_scale is 448
+  O'     = O' * ratio + e4m3(P').V8                   FP8 wgmma, f32 accumulators
+  l'     = l' * ratio + sum_t P' / k_scale
+  out    = O' / l',   lse = (frame + log2 l' - log2 448) * ln 2
 
-1. Row statistics (``stats_s``): each warpgroup's row max of log_pv = score
-   (base 2) + log2(token scale). Both then hold the step's row max of log_pv,
-   the log of the largest P * k_scale over all 128 tokens, and with it the
-   frame and the ratio (``softmax_frame``), the same in both, as their two
-   column halves of one output require. The running l stays per warpgroup and
-   is summed once, after the loop.
-2. P' (``p8_s``, one e4m3 [64, 128] tile a ring slot, the B operand of both
-   warpgroups' P'.V): each stores its 64 columns as 4-byte words in the token
-   order of V^T's registers (``store_quads``, below), and both multiply once
-   the ``pexch`` barrier says both halves are in.
+Work layout. Grid: (work item of the split plan, ``split_plan``; block of 64 query rows). A CTA
+runs three warpgroups: a producer that only issues the TMA ring (``produce_steps``) and two
+consumers. Consumer w owns output features [256 w, 256 w + 256) and scores half of each step's
+tokens, SMEM rows [64 w, 64 w + 64); per step the consumers exchange through SMEM the row max of
+log_pv (``publish_stats``, ``gather_stats``) and their halves of P' (``publish_p``,
+``gather_p``), at hardware named barriers of their 256 threads.
 
-On the GPU both exchanges meet at hardware named barriers of the 256 consumer
-threads (``NAMED_SYNC``, ``consumers_sync``: one ``bar.sync`` each) rather than
-the ``stats`` and ``pexch`` mbarriers, which the interpreter keeps; those barriers
-alone order the stores they hand over (``UNSYNCED_ROW_STORES``, ``FENCE_ONLY_COMMIT``:
-none of the warpgroup barriers Pallas puts around SMEM stores and after
-``commit_smem``).
+Step order. The TMA brings a step's even tokens to SMEM rows 0..63 and its odd ones to rows
+64..127 (strided boxes of a free [N/2, 2, 512] view of the cache, ``page_boxes``). Scores, RoPE
+rows and token scales follow that order; the inputs launch gathers the token scales per batch row
+in it, with their log2 and reciprocals (``scale_planes``).
 
-(A FlashMLA-style seesaw, each warpgroup quantizing its own P' with its own factor and
-handing it over one way, ran 1.8x slower: twice the P'.V round trips and folds, and
-ptxas spilled 1.1-1.7 KB and serialized the wgmmas; docs/benchmarks/mgpu.md,
-twenty-second session, commit a36efde.)
+P'.V, transposed. An FP8 wgmma takes SMEM operands K-major only and the ring holds V token-major,
+so each consumer computes O^T = V^T.P'^T: V^T is the register A operand, built from the slot
+(``mgpu_bytes.load_vt_quads``), and P' the SMEM B operand (``store_quads``). A thread then holds
+16 query rows' columns: hence one factor a step (the frame), products waited for one at a time
+(``pv_update_t``) and an output store that puts features and rows back (``store_feature_pairs``).
 
-(Before this, both warpgroups computed the whole 64 x 128 score tile and no
-statistic crossed: 1.5x the MMA work, twice the softmax, and 64 score
-registers; this layout measured 2-12% faster on an H100.)
+Masking: only a row's last step, or last two with s_q > 1, can hold tokens a query row must not
+see; the steps before them run a loop without masks (``walk_steps``).
 
-Step order. A step covers 128 tokens = two 64-token pages (an order made for
-V^T's former in-place store, whose 16-bit layout needed 64 rows of token pairs;
-``load_vt_quads`` and ``store_quads`` build on it). The TMA brings
-the even tokens of the step to SMEM rows 0..63 and the odd ones to rows
-64..127 (strided boxes from a free [N/2, 2, 512] reshape of the cache), so
-row c holds token 2c (c < 64) or 2(c - 64) + 1 (``step_token_order``). Scores,
-RoPE rows and token scales all follow that order; the token scales are
-gathered per batch row in step order by the launcher (a TMA cannot read every
-other float), with their base-2 logarithms and reciprocals (``softmax_frame``; 24 B a
-token of the inputs launch's writes and the kernel's TMA against the cache's 644 B).
-
-P'.V, transposed. An FP8 wgmma needs both SMEM operands K-major (tokens contiguous for P'.V),
-and the ring holds V token-major. Its A operand may come from registers, so each warpgroup
-computes O^T = V^T.P'^T instead: four [64 features, 64 rows] tiles, V^T the register A operand
-built straight from the token-major slot (``mgpu_bytes.load_vt_quads``: ``ldmatrix.trans`` and
-``prmt``, features and tokens relabelled within groups of 16), P' the SMEM B operand as stored
-([64 rows, 128 tokens], tokens contiguous; each warpgroup stores its 64 columns as 4-byte words
-in the same relabelled token order, ``store_quads``). Nothing is written over the slot, so a
-2-slot ring of whole steps (128 KB) fits next to Q (40 KB), RoPE keys (2 x 16 KB) and P'
-(2 x 8 KB). The price is the layout of the output: a thread holds 16 query rows' columns, so a
-per-row factor is 16 registers; hence one factor a step (the frame of ``softmax_frame``), the
-products waited for one at a time (``pv_update_t``), 24 / 240 registers, and an output store
-that puts features and rows back in place (``store_feature_pairs``). (Until the twentieth
-session each warpgroup wrote its chunks' V^T over the slot, in place, once both had read it as
-K, and P'.V read it back as an SMEM operand: 4-8% slower side by side on an H100,
-docs/benchmarks/mgpu.md. That path left the code in the twenty-first session.)
-
-Masking. Only a row's last step or two (s_q > 1) can hold tokens a query row
-must not see; every step before them runs without masks or their index
-arithmetic (two loops over one step body).
-
-Split-KV (``split_plan``): the CTA of work item w reads its batch row, its index among
-the row's items and their count from the plan's items [3, W] (``locate_cta``), and walks
-its run of whole steps. A row of one item writes its output directly; an item of a row
-of several writes normalised partials with their lse to its slot (bf16 for a bf16
-output, else float32: ``combine_splits.partial_dtype``; ``OutputTarget``), merged by
-``combine_splits.combine_items`` (one launch); an unused item writes nothing. The
-caller picks the plan: every row in ``num_splits`` items, or (``balanced``) items in
-proportion to the rows' seq_lens from a budget sized by ``num_splits``
-(``snapmla_jax.decode.choose_num_splits``).
-
-Pipelining (``PRODUCER_WG``, FA3's warp specialization): a third warpgroup,
-the producer, holds 24 registers a thread and only issues TMAs: the query
-tiles and step 0, then step j into ring slot j % 2 once both consumers have
-finished step j - 2's P'.V there (a "consumed" barrier with 2 arrivals;
-``produce_steps``); each step is latent chunks, RoPE rows and token scales on
-one barrier a slot. The two consumer warpgroups (240 registers) only compute.
-Without the producer, consumer 0 issued step j + 1 at the start of step j, each
-of its warps one (page, parity) box (``ISSUE_BY_WARPS``), about 1k SM cycles a
-step that consumer 1 then waited out; with the producer, 0.817 vs 0.861 ms at
-B=64 x 16k x 128 and 0.726 vs 0.838 ms at 32 x 16k x 128, s_q=2 on an H100. Each consumer's P'.V runs as
-four products waited for one at a time (``pv_update_t``). The consumers meet twice a step
-(statistics, P'), so they run nearly in lockstep: their wgmmas and their elementwise work do not
-overlap much (docs/mosaic_gpu_decode_plan.md has the cost attribution).
-
-Layout inference: every dynamic TMA start is marked with ``pl.multiple_of``
-(``_aligned``). Without it, Mosaic GPU cannot prove that a box starts on a
-whole SMEM tile and its layout search runs out of fuel ("Layout inference
-failed to find a solution").
-
-Interpreter (``interpret=True``): it runs no inline PTX and no pre-initialised
-accumulators, so there the slot's V chunks are read transposed as an SMEM A operand
-(its FP8 wgmma accepts that; hardware does not), masked in place once both warpgroups
-have read the slot as K (the ``qk_done`` barrier), P' is stored unpacked in step order,
-the RoPE product is added in registers and the O^T tiles leave through a transpose.
-Everything else, barriers and ring included, is the hardware code.
+Interpreter: it runs no inline PTX and has no pre-initialised accumulators. There V is read
+transposed as an SMEM A operand (masked in place once both consumers' Q.K have read the slot,
+``qk_done``), P' is stored unpacked, the RoPE product is added in registers, the consumers meet at
+mbarriers and the O^T tiles leave through a transpose. Ring and barriers are the hardware code.
 """
 
 from __future__ import annotations
@@ -153,120 +76,75 @@ from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt
                                        store_quads)
 from snapmla_jax.pallas_kernels.combine_splits import combine_items, combine_splits, partial_dtype
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import decode_inputs, decode_inputs_and_plan
-from snapmla_jax.pallas_kernels.mgpu_fresh_acc import SUPPORTED as FRESH_SUPPORTED
-from snapmla_jax.pallas_kernels.mgpu_fresh_acc import chain_overwriting, product_overwriting
 from snapmla_jax.pallas_kernels.mla_decode import LN2, LOG2E, resolve_num_pages
 from snapmla_jax.pallas_kernels.split_plan import SplitPlan, balanced_items, item_steps, uniform_plan
 from snapmla_jax.pallas_kernels.split_plan_kernel import balanced_plan_kernel
 
 PAGE = 64  # cache page size this kernel supports
-STEP = 128  # tokens per inner step: two pages (see the module docstring)
-HALF = STEP // 2
-BLOCK_M = 64  # query rows per CTA (one wgmma M)
-CHUNK = 128  # output columns per accumulator, and the K width of each QK wgmma
+STEP = 128  # tokens a step: two pages
+HALF = STEP // 2  # a consumer's tokens a step
+BLOCK_M = 64  # query rows a CTA (one wgmma M)
+CHUNK = 128  # output features an accumulator, and the K width of each Q.K wgmma
 RANK = 512
 ROPE = 64
 NUM_CHUNKS = RANK // CHUNK
-NUM_WGS = 2
+NUM_WGS = 2  # consumer warpgroups
 CHUNKS_PER_WG = NUM_CHUNKS // NUM_WGS
-NUM_SLOTS = 2
-# TMA copies arriving on a slot's barrier per step: per page and token parity,
-# the 4 latent chunks and the RoPE rows; plus one box of token scales.
+NUM_SLOTS = 2  # TMA ring slots, a whole step each
+# TMA copies arriving on a slot's barrier a step: per page and token parity, the 4 latent chunks
+# and the RoPE rows; plus one box of token scales.
 COPIES_STEP = 2 * 2 * (NUM_CHUNKS + 1) + 1
 COPIES_Q = NUM_CHUNKS + 2  # Q8 chunks, Q rope, q scale
-# Features per fp32 promotion of the FP8 Q.K product: Hopper's FP8 wgmma keeps
-# only ~14 significant bits in its accumulator, so a long chain loses precision
-# on large scores (``step_scores``); 512 is one chain. Each chain is waited for and
-# summed in registers, so each promotion costs a wgmma round trip and a second live
-# accumulator. 256 (two chains) against 128: 0.688 vs 0.803 ms at B=64 x 16k x 128
-# (H100, tenth session). 512 against 256 (twenty-first session,
-# scripts/probe_mgpu_costs.py, H100): 0.467 vs 0.508 ms at 64 x 16k x 128 and 0.456
-# vs 0.492 at 32 x 16k x 128 x 2, 7-8% faster (an H200 the same); it holds 32 registers fewer
-# across the chain (two chains issued together, one round trip but both accumulators
-# live, gained nothing). What it costs in accuracy (scripts/probe_qk_precision.py,
-# H200, 16 cases up to 4k tokens): against the e4m3 emulation, relative L2 4.1e-3
-# vs 2.6e-3 mean, max error 0.048 vs 0.028 with 300x outlier tokens; against exact
-# attention, which the e4m3 roundings of Q and P dominate, relative L2 2.066% vs
-# 2.067% without outliers and 17.17% vs 17.13% with them (the tenth session found
-# 256 vs 128 unmeasurable in the demo model's held-out bits per byte too).
+# Features a fp32 promotion of the FP8 Q.K product (Hopper's FP8 wgmma accumulates in ~14 bits;
+# ``qk8_promoted``). One 512-feature chain: 0.467 vs 0.508 ms for two of 256 at 64 x 16k x 128
+# (H100, tools/time_mgpu_variants.py --variants baseline promotion_256); error against exact
+# attention 2.066% vs 2.067% (tools/qk_precision.py).
 QK_PROMOTION = 512
-# Whether the four warps of the issuing warpgroup share a step's TMA issue
-# (``step_issuer``). One thread issuing all 21 copies took ~2000 SM cycles of a
-# ~14000-cycle step (scripts/profile_mgpu_steps.py), on the path of both
-# warpgroups, and ran 1.06-1.09x slower at B=64-128 x 16k x 128 (H100); for the
-# 16-row kernel, whose warpgroup 1 issues off the critical path, it is neutral.
+# Whether the four warps of the issuing warpgroup share a step's TMA issue (``step_issuer``):
+# one thread issuing all 21 copies ran 1.06-1.09x slower without a producer warpgroup
+# (H100, tools/time_mgpu_variants.py --variants no_producer issue_by_one_thread).
 ISSUE_BY_WARPS = True
-# Whether a third warpgroup, the producer, issues the ring's TMAs (query tiles,
-# then each step once both consumers have finished P'.V on its slot) while the two
-# consumer warpgroups only compute (FA3's warp specialization). Without it,
-# consumer 0 issues step j + 1 at the start of step j: ~1k SM cycles a step on
-# its path (scripts/profile_mgpu_steps.py), which consumer 1 then waits out at the
-# statistics exchange. With it: 0.817 vs 0.861 ms at B=64 x 16k x 128, s_q=1 and
-# 0.726 vs 0.838 at 32 x 16k x 128, s_q=2 (H100, scripts/probe_mgpu_costs.py, 5
-# rounds round-robin; docs/benchmarks/probe_producer_*.json).
+# Whether a third warpgroup, the producer, issues the TMA ring while the two consumers only
+# compute (FA3's warp specialization): 0.817 vs 0.861 ms at 64 x 16k x 128 without it (H100,
+# tools/time_mgpu_variants.py --variants baseline no_producer).
 PRODUCER_WG = True
-# Registers a thread (``plgpu.set_max_registers``, multiples of 8) with the
-# producer. The kernel starts with 168 a thread (65536 over 384 threads, rounded down
-# to a multiple of 8), and the consumers' increase waits until the producer's decrease
-# has freed enough: producer + 2 x consumer must stay <= 3 x 168 = 504, or the
-# consumers wait forever (48 / 232 hung an H100; ``check_registers``). The producer only computes addresses;
-# the consumers hold the 64 x 256 fp32 output (128 a thread) plus the step's tiles
-# and spill some. Which split spills least inside the step loop is ptxas's call, not a
-# count: the ninth session measured 40 / 232 slower than 24 / 240 (0.857 vs 0.817 ms);
-# the eighteenth session's untransposed P'.V the other way round (0.52 vs 0.63 ms at
-# 64 x 16k x 128); the transposed one 24 / 240 again (0.512 vs 0.562 ms, twentieth session).
+# Registers a thread (``plgpu.set_max_registers``) of the producer and the consumers: the kernel
+# starts at 168 (65536 over 384 threads) and producer + 2 x consumer must stay <= 504
+# (``check_registers``). 24 / 240 spills least: 0.512 vs 0.562 ms for 40 / 232 at
+# 64 x 16k x 128 (H100, tools/time_mgpu_variants.py --variants baseline registers_40_232).
 PRODUCER_REGISTERS = 24
 CONSUMER_REGISTERS = 240
-# Whether the producer's four warps share a step's TMA issue, as ``ISSUE_BY_WARPS``
-# does for an issuing consumer: in the producer it ran 0.873 and 0.836 ms in the
-# same probe: the issue is off the consumers' path there, and sharing it costs them.
+# Whether the producer's four warps share a step's TMA issue: the issue is off the consumers' path
+# there, and sharing it cost 0.873 vs 0.836 ms (tools/time_mgpu_variants.py --variants producer_by_warps).
 PRODUCER_ISSUE_BY_WARPS = False
-# Extra ``plgpu.CompilerParams`` for both Mosaic decode kernels (``grid_params``):
-# None in the library; ``scripts/profile_mgpu_steps.py`` sets the on-device
-# profiler's here.
+# Extra ``plgpu.CompilerParams`` for the Mosaic decode kernels (``grid_params``): None in the
+# library; tools/profile_mgpu_steps.py sets the on-device profiler's here.
 COMPILER_PARAMS: plgpu.CompilerParams | None = None
-# Whether both Mosaic decode kernels compile exp2 and log2 to the GPU's one-instruction
-# approximations (``ex2.approx.ftz`` / ``lg2.approx.ftz``; ``CompilerParams.approx_math``).
-# Without it, the log2 of a step's token scales (``local_stats``) compiled to a polynomial of
-# ~28 instructions a value: 480 of the unmasked step body's 1897 PTX instructions a thread
-# (the kernel's PTX, MOSAIC_GPU_DUMP_PTX; exp2 was an approximation already). The log only
-# picks P''s scaling factor, which is undone exactly, and lg2.approx's ~2^-22 relative error
-# is far below e4m3's 2^-4 rounding of P'; flushing subnormal P or scales to zero changes no
-# sum at fp32 (its smallest normal is 2^-126).
+# Whether the Mosaic decode kernels compile exp2 and log2 to ``ex2.approx.ftz`` / ``lg2.approx.ftz``:
+# the precise log2 of the token scales was a ~28-instruction polynomial, 480 of the unmasked step's
+# 1897 PTX instructions (tools/ptx_line_costs.py). lg2.approx's ~2^-22 error is far below e4m3's
+# 2^-4, and flushed subnormals change no fp32 sum.
 APPROX_MATH = True
-# Whether P' goes to e4m3 by the GPU's saturating cast alone (Mosaic GPU lowers f32 -> e4m3 to
-# ``cvt.rn.satfinite``, which maps values above 448 to 448), without the clamp to 448 before it
-# (32 ``min`` a thread a step). P' is never NaN (invisible tokens are zeroed before the factor).
+# Whether P' goes to e4m3 by the GPU's saturating cast (``cvt.rn.satfinite``) alone, without a
+# clamp to 448 before it (32 ``min`` a thread a step); P' is never NaN.
 SATURATING_P_CAST = True
-# How far (base 2) a row's frame may sit below its running max (``softmax_frame``).
-FRAME_DROP = 64.0
-LOG2_FP8_MAX = math.log2(FP8_E4M3_MAX)  # P' = 2^(score + log2 k_scale - frame + this) <= 448
-# Whether the two consumer warpgroups exchange a step's row statistics and P' (transposed P'.V)
-# through hardware named barriers (``consumers_sync``: one ``bar.sync`` of their 256 threads)
-# instead of an mbarrier each (every thread's ``mbarrier.arrive``, then a ``try_wait`` loop). GPU
-# only; the interpreter keeps the mbarriers. Barrier ids 0 (the CTA) and 1..3 (one per warpgroup)
-# are Mosaic GPU's.
+FRAME_DROP = 64.0  # how far (base 2) a row's frame may sit below its running max (``softmax_frame``)
+LOG2_FP8_MAX = math.log2(FP8_E4M3_MAX)  # P' = 2^(log_pv - frame + this) <= 448
+# Whether the consumers exchange a step's statistics and P' at hardware named barriers
+# (``consumers_sync``: one ``bar.sync`` of 256 threads) instead of mbarriers (each thread's arrive,
+# then a try_wait loop). GPU only. Ids 0 (the CTA) and 1..3 (one per warpgroup) are Mosaic GPU's.
 NAMED_SYNC = True
 STATS_SYNC_ID, P_SYNC_ID = 8, 9
-# Whether the step's per-row SMEM stores (the published statistics, the fold's factors) skip the
-# warpgroup barriers Pallas puts before and after every SMEM store (``store_rows``): the named
-# barrier each of them is read behind (``NAMED_SYNC``) already orders them for every reader and
-# after every earlier read. GPU only, with ``NAMED_SYNC``. Six barriers of the warpgroup a step
-# fewer then (four since the statistics are one row max a step): 0.432 vs 0.457 ms at 64 x 16k
-# x 128, 0.419 vs 0.428 at 32 x 16k x 128 x 2, 0.230 vs 0.236 at 32 x 16k x 128 (H100,
-# twenty-second session, scripts/probe_mgpu_costs.py, 5 rounds; the same output bits).
+# Whether the step's per-row SMEM stores (published statistics, the fold's factors) skip the
+# warpgroup barriers Pallas puts around every SMEM store (``store_rows``): the named barrier
+# behind which each is read orders them. GPU only, with ``NAMED_SYNC``. 0.432 vs 0.457 ms at
+# 64 x 16k x 128 (H100, tools/time_mgpu_variants.py --variants baseline synced_row_stores).
 UNSYNCED_ROW_STORES = True
 # Whether P''s stores reach the wgmma behind a proxy fence and the P' exchange's named barrier
-# alone (``publish_p``), without the warpgroup barrier ``plgpu.commit_smem`` adds after its fence.
-# GPU only, with ``NAMED_SYNC``. With ``UNSYNCED_ROW_STORES`` (same probe, another H100): 0.422
-# vs 0.432 ms at 32 x 16k x 128 x 2, 0.244 vs 0.246 at 32 x 16k x 128, 0.447 either way at
-# 64 x 16k x 128; both flags against neither 3-5%.
+# alone (``publish_p``), without the warpgroup barrier ``plgpu.commit_smem`` adds. GPU only, with
+# ``NAMED_SYNC``. 0.422 vs 0.432 ms at 32 x 16k x 128 x 2 (H100, tools/time_mgpu_variants.py
+# --shape 32x16384x128x2 --variants baseline commit_with_barrier).
 FENCE_ONLY_COMMIT = True
-# Whether the fresh accumulators of a step (its Q.K chain's, its four P'.V tiles') start undefined
-# and their first wgmma instruction overwrites them (scale-d 0, ``mgpu_fresh_acc``) instead of
-# starting from 32 zeroing moves a thread each (160 of the unmasked step's 875 PTX instructions).
-# GPU only; the same bits (test_overwriting_fresh_products_give_the_same_bits).
-FRESH_OVERWRITE = True
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
@@ -320,12 +198,9 @@ def page_boxes(bt_ref, b, step, layer_offset, num_pages: int):
     table is not validated), as the XLA reference's gather clips them.
 
     With an even number of table columns the step is clamped, not each page
-    (``step_page_columns``): the step's two ids are then adjacent, and ptxas reads them in one
-    64-bit load. Clamped one by one, they took two 32-bit loads, the second issued once the
-    first had arrived, and the consumers waited ~135 SM cycles a step longer for each step's
-    data (on the work-item grid, where the batch row is a loaded value): the FP8 kernel
-    2.9-3.5% slower at 32 x 16k-64k x 128 on an H100 (docs/mosaic_gpu_decode_plan.md,
-    thirtieth session).
+    (``step_page_columns``): the step's two ids are then adjacent and ptxas reads them in one
+    64-bit load, not two dependent 32-bit ones (2.9-3.5% of the kernel at 32 x 16k-64k x 128 on
+    an H100).
     """
     for half, column in enumerate(step_page_columns(step, bt_ref.shape[1])):
         page = jnp.clip(bt_ref[b, column], 0, num_pages - 1)
@@ -347,24 +222,14 @@ def issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, bar) -> Non
         plgpu.copy_gmem_to_smem(qsc_ref.at[b, pl.ds(row0, rows)], qsc_s, bar)
 
 
-def overwrites_fresh(interpret: bool) -> bool:
-    """Whether the step's fresh products go through ``mgpu_fresh_acc`` (``FRESH_OVERWRITE``, the
-    installed jax supporting it, and the GPU: the interpreter zeroes them as Pallas does)."""
-    return FRESH_OVERWRITE and FRESH_SUPPORTED and not interpret
-
-
-def qk8_promoted(q8_s, kv_slot, rows, *, interpret: bool = False) -> jax.Array:
+def qk8_promoted(q8_s, kv_slot, rows) -> jax.Array:
     """Q8.K8^T of a slot's step rows ``rows`` (64), f32 [64, 64]: q8_s e4m3 [4, 64, 128], kv_slot
     e4m3 [4, 128, 128].
 
-    Hopper's FP8 wgmma keeps only ~14 significant bits in its accumulator, so
-    the product is promoted to fp32 every ``QK_PROMOTION`` features: one wgmma
-    chain per promotion into a fresh accumulator (on the GPU one its first wgmma overwrites,
-    ``FRESH_OVERWRITE``), summed in registers. (Keeping two chains in flight, the
-    next one issued before the previous one is summed, measured slower on an
-    H100 with 128-feature chains: 0.838 vs 0.803 ms at B=64 x 16k, H=128, as two
-    more accumulators are live beside the output's; with 256-feature chains, the
-    same as one after the other.)
+    Hopper's FP8 wgmma keeps only ~14 significant bits in its accumulator, so the product is
+    promoted to fp32 every ``QK_PROMOTION`` features: one wgmma chain a promotion into a fresh
+    accumulator, the chains summed in registers one after the other (chains in flight together
+    keep two more accumulators live beside the output's).
     """
     per_chain = QK_PROMOTION // CHUNK
 
@@ -373,14 +238,8 @@ def qk8_promoted(q8_s, kv_slot, rows, *, interpret: bool = False) -> jax.Array:
             plgpu.wgmma(acc_ref, q8_s.at[ch], kv_slot.at[ch, rows].transpose((1, 0)))
         return acc_ref[...]
 
-    if overwrites_fresh(interpret):
-        parts = [chain_overwriting(q8_s.at[pl.ds(first, per_chain)], kv_slot.at[pl.ds(first, per_chain), rows],
-                                   BYTE_TILE_TRANSFORMS)
-                 for first in range(0, NUM_CHUNKS, per_chain)]
-    else:
-        parts = [pl.run_scoped(functools.partial(chain_value, first=first),
-                               plgpu.ACC((BLOCK_M, HALF), jnp.float32))
-                 for first in range(0, NUM_CHUNKS, per_chain)]
+    parts = [pl.run_scoped(functools.partial(chain_value, first=first), plgpu.ACC((BLOCK_M, HALF), jnp.float32))
+             for first in range(0, NUM_CHUNKS, per_chain)]
     return functools.reduce(jnp.add, parts)
 
 
@@ -399,7 +258,7 @@ def step_scores(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, 
     product in registers.
     """
     rows = pl.ds(first_row, HALF)
-    s8 = qk8_promoted(q8_s, kv_slot, rows, interpret=interpret)
+    s8 = qk8_promoted(q8_s, kv_slot, rows)
     scaled = (s8 * lax.broadcast_in_dim(q_scale, (BLOCK_M, HALF), [0])
               * lax.broadcast_in_dim(k_scale, (BLOCK_M, HALF), [1]))
 
@@ -523,13 +382,9 @@ def softmax_frame(log_pv, inv_k_scale, m, l_part, frame, log_pv_max, visible=Non
     O' = O' * ratio + V^T.P'^T with ratio = 2^(frame - frame_new) (``pv_update_t``), and l as
     l' = l' * ratio + sum_t P' / k_scale = 448 * sum_t 2^(score - frame): so O = O' / l' and
     lse = frame + log2(l') - log2 448, with no row max of the plain scores and no second
-    statistic. (Until the twenty-sixth session the step exchanged both the row max of the scores
-    and of log_pv, computed P = 2^(score - m), P * k_scale and P' = P * k_scale * factor: 3
-    instructions an element and one reduction more. A frame from the row max and the step's
-    largest scale instead of log_pv_max, which needs no log_pv at all, doubled the attention
-    error on the demo model: docs/benchmarks/mgpu.md.) The clamp bounds O' and l' by 2^64 x 448
-    x tokens x the largest value; a step whose every log_pv is 64 below m loses its tokens in
-    e4m3, as fp32 would lose them beside m's token.
+    statistic. The clamp bounds O' and l' by 2^64 x 448 x tokens x the largest value; a step
+    whose every log_pv is 64 below m loses its tokens in e4m3, as fp32 would lose them beside m's
+    token.
 
     Returns (m_new, l_part_new, frame_new, P' f32 [64, 64] (0 where not ``visible``), ratio [64]).
     """
@@ -677,20 +532,17 @@ def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool)
     (``softmax_frame``).
 
     fac_ref f32 [1, 64]: the ratio per query row (the tiles' columns), read once in the
-    ``COL`` layout: a thread holds 16 query rows' columns, so each factor is 16 registers (the
-    frame exists to need one: two, alpha and the P' factor's undo, ran 0.600 against 0.562 ms in
-    the twentieth session). p8_ref e4m3 [64 rows, 128]: P' in
+    ``COL`` layout: a thread holds 16 query rows' columns, so each factor is 16 registers (one
+    factor a step is why ``softmax_frame`` keeps a frame). p8_ref e4m3 [64 rows, 128]: P' in
     ``vt_step_row`` order, the K-major B operand as it is. ``visible``: None (every token of the
     step is below seq_len) or int32 [64] (``ROW``) the number that is (``load_vt_quads``).
 
     On the GPU each tile's V^T is the register A operand (``load_vt_quads``); the interpreter,
     which has no inline PTX, reads the slot's V chunk transposed as an SMEM A operand (masked in
-    place by the caller) and P' in step-row order. Each tile's product goes to a fresh accumulator
-    (on the GPU one its first wgmma overwrites, ``FRESH_OVERWRITE``), is waited for and folded in
-    before the next one is issued: the 128 output registers leave no room for a second 32-register
-    product in flight. Measured on an H100 at 64 x 16k x 128 (twentieth session; consumers at 232
-    registers): tiles pipelined (two products in flight) 0.750 ms, in halves of 32 query rows
-    0.690, one at a time 0.562 (0.512 with 240 registers, ``CONSUMER_REGISTERS``).
+    place by the caller) and P' in step-row order. Each tile's product goes to a fresh accumulator,
+    is waited for and folded in before the next one is issued: the 128 output registers leave no
+    room for a second 32-register product in flight (two in flight ran 0.750 against 0.562 ms at
+    64 x 16k x 128 on an H100).
     """
     ratio = lax.broadcast_in_dim(plgpu.load(fac_ref.at[0], layout=COL), (BLOCK_M, HALF), [1])
     new_accs = []
@@ -700,14 +552,11 @@ def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool)
         a_operand = (chunk.at[:, pl.ds(t * HALF, HALF)].transpose((1, 0)) if interpret
                      else load_vt_quads(chunk, t, visible))
 
-        if overwrites_fresh(interpret):
-            fresh = product_overwriting(a_operand, p8_ref, BYTE_TILE_TRANSFORMS)
-        else:
-            def product(acc_ref, a_operand=a_operand):
-                plgpu.wgmma(acc_ref, a_operand, p8_ref.transpose((1, 0)))
-                return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
+        def product(acc_ref, a_operand=a_operand):
+            plgpu.wgmma(acc_ref, a_operand, p8_ref.transpose((1, 0)))
+            return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
 
-            fresh = pl.run_scoped(product, plgpu.ACC((BLOCK_M, HALF), jnp.float32))
+        fresh = pl.run_scoped(product, plgpu.ACC((BLOCK_M, HALF), jnp.float32))
         new_accs.append(acc * ratio + fresh)
     return new_accs
 
@@ -733,11 +582,8 @@ def walk_steps(step, carry, where: Where, consumed_bar, *, issuer: int | None = 
     loop: the masked tail then takes its bounds from it and ``step`` gets it as ``where``.
     For a step whose unmasked calls read none of the item's values (the consumers of a kernel
     with a producer warpgroup), nothing loaded from the plan then stays live across the
-    unmasked loop. The old grid's row and split were block indices, which ptxas recomputes
-    from special registers; the plan's are loads, which it keeps in registers or spills:
-    the 64-row FP8 kernel's unmasked step loop read 11 words of spilled registers a step
-    where the old grid's read 7, and 9 with its tail relocated (ptxas 13.0; 1-2% of the call
-    side by side on an H100; docs/benchmarks/mgpu.md, twenty-ninth session).
+    unmasked loop, where ptxas would keep it in registers or spill it (2 spilled words a step
+    fewer in the 64-row FP8 kernel).
     """
     carry = lax.fori_loop(0, where.unmasked_steps, functools.partial(step, where=where, masked=False), carry)
     if relocate is not None:
@@ -756,7 +602,7 @@ def produce_steps(issue, first_step, num_steps, consumed_bar) -> None:
     def body(j, carry):
         slot = lax.rem(j, NUM_SLOTS)
 
-        # Named scopes: phases for scripts/profile_mgpu_steps.py, as in the consumers' step.
+        # Named scopes: phases for tools/profile_mgpu_steps.py, as in the consumers' step.
         with jax.named_scope("produce_wait"):
             @pl.when(j >= NUM_SLOTS)
             def _():
@@ -816,8 +662,7 @@ def output_target(o_ref, lse_ref, part_o_ref, part_lse_ref, items_ref, *, partia
 
     Call it where the outputs are written, after the step loop: it reads the item's row and
     count from items_ref [3, W] again rather than keeping ``locate_cta``'s values live across
-    the consumers' loop (the old grid's batch row and split were block indices, which ptxas can
-    rematerialize).
+    the consumers' loop.
     """
     item = lax.axis_index("w")
     return OutputTarget(o_ref, lse_ref, part_o_ref if partials else None, part_lse_ref if partials else None,
@@ -891,9 +736,8 @@ def write_lse_and_wait(wg, m, l_safe, seen, lse_s, target: OutputTarget, row0) -
 def for_used_items(cta: Callable) -> Callable:
     """A Mosaic decode kernel that runs ``cta`` (refs, then keyword parameters; its second ref is
     the plan's items_ref [3, W]) for used work items only: an unused one (``split_plan``: count 0)
-    returns at once, without loading its query or waiting on a barrier (H100: 0.6-12 us less
-    kernel time at 32-128 x 16k x 128 x 1-2, where the balanced plan's budget leaves a third to
-    a half of its items unused; docs/benchmarks/mgpu.md, twenty-eighth session)."""
+    returns at once, without loading its query or waiting on a barrier (a balanced plan's budget
+    may leave a third to a half of its items unused)."""
     @functools.wraps(cta)
     def kernel(*refs, **params):
         items_ref = refs[1]
@@ -976,18 +820,14 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
             with jax.named_scope("pv"):
                 new_accs = pv_update_t(accs, p8_s.at[slot], kv8_s.at[slot], wg, fac_s.at[wg], visible,
                                        interpret=interpret)
-                # (Arriving once the last tile's V^T is in registers, before its product, measured
-                # the same on an H100: 0.601 vs 0.598 ms at 128 x 16k x 16 x 2, 0.473 vs 0.478 at
-                # 32 x 16k x 128 x 2.)
                 plgpu.barrier_arrive(consumed_bar.at[slot])
             return (*new_accs, *row_state)
 
         def step(j, carry, *, where: Where, masked: bool):
             accs, m, l_part = carry[:num_accs], carry[num_accs], carry[num_accs + 1]
             t0 = (where.first_step + j) * STEP
-            # The named scopes are the phases ``scripts/profile_mgpu_steps.py`` times
-            # on the GPU (the on-device profiler records them when ``COMPILER_PARAMS``
-            # asks for it; otherwise they only name MLIR locations).
+            # The named scopes are the phases tools/profile_mgpu_steps.py times on the GPU (the
+            # on-device profiler records them when ``COMPILER_PARAMS`` asks for it).
             with jax.named_scope("wait_step"):
                 slot = begin_step(j, wg, where.first_step, where.num_steps, None if PRODUCER_WG else issue,
                                   step_bar, consumed_bar)

@@ -1,63 +1,35 @@
-"""SnapMLA FP8 MLA decode on Mosaic GPU in blocks of 16 or 32 query rows (for H = 16), transposed products.
+"""SnapMLA FP8 MLA decode on Mosaic GPU in blocks of 16 or 32 query rows, transposed products.
 
-Status (2026-11-23): the default for up to 32 query rows a batch row
-(``snapmla_jax.decode.mosaic_kernel``: 16-row blocks for H = 16 at s_q = 1,
-32-row blocks (``block_rows=32``) for H = 16 at s_q = 2 or H = 32, where they
-ran 1.07-1.15x the 64-row kernel and 1.04-1.13x the BF16 twin). On an H100 it
-passes its GPU cases (float32 output included) and the API checks, and runs
-1.43-1.56x the BF16 twin at H = 16 from 16k tokens of cache (B >= 32), 64-83%
-of the copy roofline, where the 64-row kernel ran 0.74-0.79x
-(docs/benchmarks/decode.md, mgpu.md). Its TMA ring alone runs at 95% of the
-copy ceiling; what remains is warpgroup 0's work per step (scores, softmax,
-its half of the products), which sets the step time (``ISSUER``).
+The default for up to 32 query rows a batch row (``snapmla_jax.decode.mosaic_kernel``: 16-row
+blocks for H = 16 at s_q = 1, 32-row blocks for H = 16 at s_q = 2 or H = 32). ``mla_decode_mgpu``
+puts a CTA's query rows on the wgmma M dimension, 64 a warpgroup: at H = 16 48 of them would be
+padding. Here the query rows are the N dimension (R = 16 or 32) and tokens or features are M:
 
-Why. ``mla_decode_mgpu`` puts a CTA's query rows on the wgmma M dimension,
-which is 64 per warpgroup: with H=16 (DeepSeek-V2-Lite; V3 split over 8 GPUs
-by heads) 48 of its 64 rows are padding, and the kernel ran at 0.74-0.79x the
-BF16 twin (H100, docs/benchmarks/decode.md). Here the query rows are the N
-dimension (R = 16 or 32, legal wgmma Ns) and the tokens or features are M:
+* S^T = K.Q^T, [64 tokens, R] a half step: A = the K tile as the TMA lays it (K-major, as FP8
+  needs), B = Q8's chunk through ``.transpose``; the RoPE product likewise in BF16. fp32
+  promotion every ``QK_PROMOTION`` features, every chain of a step in flight under one wait
+  (``step_scores_t``).
+* The online softmax runs per column (query row), reducing along the tokens (``softmax_t``):
+  the math of ``mla_decode_reference(..., block_n=128)``, as the 64-row kernel.
+* O^T = V^T.P'^T, [128 features, R] a chunk, in f16: P' rounds to e4m3 and then to f16
+  exactly; V's e4m3 bytes convert to f16 exactly into a [64 tokens, 128] tile, the MN-major A
+  operand; P'^T is stored as it sits in registers, the MN-major B operand. 16-bit operands may
+  be MN-major, so no 8-bit transpose is needed.
 
-* S^T = K.Q^T, [64 tokens, R] per half step: A = the K tile as the TMA lays it
-  (tokens x features, features contiguous: K-major, as FP8 needs), B = Q8's
-  chunk through ``.transpose`` (K-major too); the RoPE product likewise in
-  BF16. fp32 promotion every ``QK_PROMOTION`` (512: one chain a half step) features, with
-  all chains of a step in flight at once (``step_scores_t``).
-* The online softmax runs per column (query row): maxima and sums reduce along
-  the tokens (axis 0, across warps).
-* O^T = V^T.P'^T, [128 features, R] per chunk, in f16 on converted tiles:
-  P' rounds to e4m3 as in the big kernel (same ``mla_decode_reference(...,
-  block_n=128)`` math) and then to f16, exactly; V's e4m3 bytes convert to
-  f16 exactly, into a [64 tokens, 128 features] tile read as the MN-major A
-  operand, and P'^T is stored as it sits in registers ([tokens, R], the
-  MN-major B operand). 16-bit operands may be MN-major; FP8 ones may not, so
-  no 8-bit transpose is needed anywhere. At R = 16 the MMA work is small
-  (about 7 MFLOP a 128-token step, QK counted twice, against 82 KB of
-  cache), so f16 rates instead of FP8 ones should not matter: to be measured.
+Warpgroup 0 alone computes the scores and the softmax and hands P'^T, the step's alpha and P'
+factor to warpgroup 1 through SMEM (``p_ready``); each warpgroup converts and multiplies the V
+chunks of output features [256 w, 256 w + 256). Only one warpgroup reduces across warps because
+Pallas Mosaic GPU lowers such a reduction through an SMEM scratch at one static offset, shared by
+both warpgroups: two reducing at once overwrite each other's partials (only the GPU shows it;
+test_64_row_kernel_reduces_within_warps checks the lowering). Warpgroup 1 issues the TMA ring.
 
-Registers are no longer the limit: O^T is 256 x 16 fp32 per warpgroup (32 a
-thread), a half step's scores 64 x 16 (8). Warpgroup 0 alone computes the
-score tile and the softmax (a few MFLOP a step at R = 16) and hands P'^T and
-the step's alpha and P' factor to warpgroup 1 through SMEM (``p_ready``); each
-warpgroup converts and multiplies the V chunks of output columns [256 w,
-256 w + 256). Why only one warpgroup: the softmax reduces along the tokens,
-across warps, and Pallas Mosaic GPU lowers such a reduction through an SMEM
-scratch at one static offset, the same for both warpgroups (the kernel body is
-one program). When both computed the softmax, as this kernel first did, their
-reductions overwrote each other's partials whenever the warpgroups drifted
-apart: its first H100 run returned wrong maxima and sums, up to 1e34 in the
-output. (Moving warpgroup 1's scratch, by running its softmax under
-``lax.cond`` inside an unused allocation, hung the GPU; not pursued.) The
-interpreter does not share that scratch, so only the GPU test can see this.
+Shared with ``mla_decode_mgpu`` (its docstring has the shapes): the inputs and outputs (rows
+padded to a multiple of R instead of 64), the step order (even tokens of a step in SMEM rows
+0..63, odd ones in 64..127), the TMA ring of whole steps, the token scales gathered in step order,
+masks only in a row's last steps, split-KV by the plan of work items (``split_plan``).
 
-Shared with ``mla_decode_mgpu`` (read its docstring first): the inputs and
-outputs (rows padded to a multiple of 16 instead of 64), the step order (even
-tokens of a 128-token step in SMEM rows 0..63, odd ones in 64..127), the TMA
-ring of whole steps, the token scales gathered in step order, masks only in a
-row's last steps, split-KV by the plan of work items (``split_plan``, ``OutputTarget``).
-
-SMEM: ring 2 x 80.5 KB (P'^T, 4 or 8 KB a step, lives in the step's RoPE
-rows once warpgroup 0's QK has read them), Q 10 or 20 KB, the V f16 tiles
-2 x 16 KB (reused as the output staging after the loop), and a few
+SMEM: ring 2 x 80.5 KB (P'^T lives in the step's RoPE rows once warpgroup 0's Q.K has read them),
+Q 10 or 20 KB, the V f16 tiles 2 x 16 KB (the output staging after the loop), and a few
 [R]-vectors: 203 KB at R = 16, 214 KB at R = 32.
 """
 
@@ -80,33 +52,25 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, CO
                                             for_used_items, prepare_inputs, store_rows, walk_steps,
                                             unpadded, write_lse_and_wait, Where)
 
-ROWS = 16  # query rows per CTA by default: the wgmma N of every product
-# Features per fp32 promotion of the FP8 S^T product, as the 64-row kernel's
-# ``mla_decode_mgpu.QK_PROMOTION`` (its precision is discussed there: against exact
-# attention the chain length is unmeasurable beside the e4m3 roundings of Q and P). Here all
-# chains are in flight under one wait, so fewer chains save accumulators and adds, not
-# waits: 512 against 128 on an H100 (twenty-second session, scripts/probe_mgpu_costs.py
-# --kernel small, 5 rounds), 0.515 vs 0.523 ms at 128 x 16k x 16, 0.151 vs 0.155 at
-# 32 x 16k and 8 x 64k (256: half of that), relative L2 to the 128-feature output 3e-3.
+ROWS = 16  # query rows a CTA by default: the wgmma N of every product
+# Features a fp32 promotion of the FP8 S^T product, as ``mla_decode_mgpu.QK_PROMOTION``: with all
+# chains under one wait, fewer chains save accumulators and adds: 0.515 vs 0.523 ms for 128 at
+# 128 x 16k x 16 (H100, tools/time_mgpu_variants.py --kernel small --variants baseline promotion_128).
 QK_PROMOTION = 512
 BLOCK_ROWS = (16, 32)  # the row blocks the kernel takes (``block_rows``)
 TOKENS = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per token (axis 0 of a [64, R] tile)
 QROWS = plgpu.Layout.WGMMA.reduce(0)  # an [R] vector with one value per query row (axis 1)
-# The warpgroup that issues the ring's TMAs: warpgroup 1, which waits for warpgroup 0's
-# softmax at the start of every step anyway (warpgroup 0's work sets the step time).
+# The warpgroup that issues the ring's TMAs: warpgroup 1, which waits for warpgroup 0's softmax at
+# the start of every step anyway (warpgroup 0's work sets the step time).
 ISSUER = 1
-# Whether warpgroup 0 stores a step's running m and l (``ml_s``) and the fold's factors
-# (``stats_s``) without the warpgroup barriers Pallas puts before and after every SMEM store
-# (``mla_decode_mgpu.store_rows``), as the 64-row kernel does (its ``UNSYNCED_ROW_STORES``). What
-# orders them instead (``softmax_step``): between this step's loads of m and l and the stores
-# lie the softmax's cross-warp reductions, each behind a barrier of the warpgroup; the
-# ``commit_smem`` after the stores (a barrier of the warpgroup) precedes every read of them,
-# warpgroup 1's behind the ``p_ready`` mbarrier; a slot's factors are overwritten two steps
-# later, behind the TMA of that step, which warpgroup 1 issued only after both warpgroups
-# consumed the slot. GPU only. Eight barriers a step fewer on warpgroup 0's path, which sets
-# the step time.
+# Whether warpgroup 0 stores a step's m, l (``ml_s``) and the fold's factors (``stats_s``) without
+# the warpgroup barriers Pallas puts around every SMEM store (``mla_decode_mgpu.store_rows``):
+# eight barriers a step fewer on warpgroup 0's path. GPU only. What orders them instead: the
+# softmax's cross-warp reductions lie between this step's loads of m and l and the stores; the
+# ``commit_smem`` after them precedes every read (warpgroup 1's behind ``p_ready``); a slot's
+# factors are overwritten two steps later, behind that step's TMA, issued once both warpgroups
+# consumed the slot.
 UNSYNCED_ROW_STORES = True
-
 
 def step_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpret: bool) -> list[jax.Array]:
     """S^T of a step before the softmax scale, (K8.Q8^T * k_scale * q_scale + Kr.Qr^T), as two
@@ -287,9 +251,8 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
     warpgroups to consume step j - 2. (Every member of a ``RefUnion`` starts at
     its first byte: pt_s has the RoPE slot's stride, 16 KB, so pt_s[slot] lies
     in rope_s[slot]. With a shorter stride pt_s[1] would lie in the second half
-    of rope_s[0], over the RoPE keys of the next step: the 64-row kernel once
-    did that with its P' bytes, wrong on the H100 and right in the interpreter,
-    which does not alias union members.)
+    of rope_s[0], over the RoPE keys of the next step: wrong on the GPU and right
+    in the interpreter, which does not alias union members.)
     """
     rope_s, pt_s = rope_union
     rows = q8_s.shape[1]

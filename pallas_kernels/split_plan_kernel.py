@@ -2,10 +2,9 @@
 
 In jnp XLA runs the balanced plan as three to five small launches (the steps' sum, the items'
 cumulative sum, the [W, B] mask's sums, the stack), ~1.1-2 us each on an H100: 6.3 us of GPU
-time in a B=32 x 16k x 128 decode call of ~0.21 ms, 4.3 us of an 8 x 16k x 128 one of ~0.076 ms
-(docs/benchmarks/mgpu.md, twenty-ninth session). This kernel: 1.7-2.6 us at B = 8-256. Here each program recomputes the
-per-row counts from seq_lens (B <= a few hundred values: cheaper than a second launch to
-share them) and fills a block of items from the same [items, B] mask as the reference, the
+time in a B=32 x 16k x 128 decode call of ~0.21 ms (scripts/profile_decode_launches.py). This
+kernel: 1.7-2.6 us at B = 8-256. Here each program recomputes the per-row counts from seq_lens
+(B <= a few hundred values: cheaper than a second launch to share them) and fills a block of items from the same [items, B] mask as the reference, the
 block small enough that the mask stays near ``MASK_VALUES`` values (``items_per_program``).
 
 Backend: Pallas' Triton lowering (masked loads and stores, ``cumsum``); interpret mode on
@@ -26,8 +25,8 @@ from snapmla_jax.pallas_kernels.split_plan import SplitPlan
 
 MIN_ROWS = 16  # Triton's smallest block; the row axis is padded to a power of two at least this
 # Values of a program's [items, rows] mask. Its three sums cost ~0.5 ns a value past a base of
-# ~2 us a launch (H100, one program of [128, 32] 2.1 us, of [128, 64] 4.2, of [128, 128] 10.2;
-# twenty-ninth session): programs of fewer items run side by side instead.
+# ~2 us a launch (H100, one program of [128, 32] 2.1 us, of [128, 64] 4.2, of [128, 128] 10.2):
+# programs of fewer items run side by side instead.
 MASK_VALUES = 2048
 NUM_WARPS = 4
 

@@ -30,10 +30,10 @@ from snapmla_jax.pallas_kernels.fp8 import quantize_per_token
 
 @dataclasses.dataclass(frozen=True)
 class WriteKVConfig:
-    """Launch knobs (measured on an H100: see docs/benchmarks/write.md)."""
+    """Launch knobs, measured on an H100 (scripts/tune_write_kv.py)."""
 
-    # H100, fp8 cache, 256k tokens (scripts/tune_write_kv.py, 2026-11-23): 4 tokens x 1 warp
-    # reached 0.81 of copy bandwidth; 1 token x 2 warps 0.74; 4 warps 0.59-0.64.
+    # H100, fp8 cache, 256k tokens: 4 tokens x 1 warp reached 0.81 of copy bandwidth; 1 token x
+    # 2 warps 0.74; 4 warps 0.59-0.64 (scripts/tune_write_kv.py).
     tokens_per_program: int = 4  # tokens handled in turn by one program (unrolled)
     num_warps: int = 1  # one warp holds a token's 512 values (16 per thread); amax by shuffles
 

@@ -1,6 +1,6 @@
-"""The Mosaic GPU FP8 decode kernel (pallas_kernels/mla_decode_mgpu.py).
+"""The Mosaic GPU FP8 decode kernels (pallas_kernels/mla_decode_mgpu.py, mla_decode_mgpu_small.py).
 
-CPU: the V-transpose probe and the kernel lower for CUDA (Mosaic GPU layout
+CPU: the kernels lower for CUDA (Mosaic GPU layout
 inference and SMEM allocation run without a GPU), and the interpreter runs the
 kernel against ``mla_decode_reference(..., block_n=128)``. The interpreter
 neither aliases ``RefUnion`` views nor runs inline PTX, so there the kernel
@@ -33,15 +33,11 @@ from snapmla_jax.backend import lower_for_cuda
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _load_script(name: str = "probe_mgpu_transpose"):
-    return load_script(name)
-
-
 def test_step_profile_summary_times_phases_per_warpgroup():
-    """scripts/profile_mgpu_steps.py's summary of an on-device profiler trace (Chrome events, one
+    """tools/profile_mgpu_steps.py's summary of an on-device profiler trace (Chrome events, one
     trace a warpgroup, ts in SM clocks / 1000): per warpgroup the median over CTAs of each phase's
     cycles a step, over the steps after the first two and before the last."""
-    profile = _load_script("profile_mgpu_steps")
+    profile = load_script("profile_mgpu_steps", "tools")
     rng = np.random.default_rng(0)
     phases = {0: {"wait_step": 300.0, "qk": 1700.0, "pv": 2000.0}, 1: {"wait_step": 90.0, "qk": 1800.0, "pv": 2100.0}}
     traces, num_ctas, num_steps = [], 3, 9
@@ -70,22 +66,6 @@ def test_step_profile_summary_times_phases_per_warpgroup():
             assert got[name] == pytest.approx(cycles * 1.01, rel=1e-3), (wg, name)  # the median CTA
         assert got["(sum of phases)"] == pytest.approx(sum(expected.values()) * 1.01, rel=1e-3)
         assert got["(step period)"] == pytest.approx(sum(expected.values()) * 1.01 + 50.0, rel=1e-3)
-
-
-def test_transpose_probe_lowers_for_cuda():
-    probe = _load_script()
-    p = jnp.zeros((64, 128), jnp.float8_e4m3fn)
-    vp = jnp.zeros((64, 2, 128), jnp.uint8)
-    jax.jit(lambda a, b: probe.build()(a, b)).trace(p, vp).lower(lowering_platforms=("cuda",))
-
-
-def test_kslice_probe_lowers_for_cuda():
-    """scripts/probe_mgpu_kslice.py (FP8 wgmmas on 64-byte K-slices of 128-byte-swizzled
-    tiles, the seesaw layout's operands) lowers; its numbers come from the GPU."""
-    probe = _load_script("probe_mgpu_kslice")
-    tile = jnp.zeros((64, 128), jnp.float8_e4m3fn)
-    jax.jit(lambda a, b: probe.build()(a, b)).trace(tile, jnp.zeros((128, 128), tile.dtype)).lower(
-        lowering_platforms=("cuda",))
 
 
 def _inputs(seed, *, batch, heads, pages_per_row, seq_lens, s_q=1):
@@ -169,7 +149,7 @@ def test_kernel_lowers_for_cuda(kernel, s_q, num_splits, dtype, balanced):
 def test_register_split_must_fit_the_kernels_registers(monkeypatch):
     """The consumers' ``set_max_registers`` increase waits for registers the producer's decrease
     frees: a split above 3 x 168 a thread hung an H100 (48 / 232), so it is refused, and the
-    shipped split and the probe's 24 / 240 are within it."""
+    shipped split is within it."""
     mgpu_kernel.check_registers(mgpu_kernel.PRODUCER_REGISTERS, mgpu_kernel.CONSUMER_REGISTERS)
     mgpu_kernel.check_registers(24, 240)
     for producer, consumer in [(48, 232), (24, 248), (28, 240)]:
@@ -185,33 +165,10 @@ def test_register_split_must_fit_the_kernels_registers(monkeypatch):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("kernel", ["mgpu", "small"])
-def test_cost_probe_variants_lower_for_cuda(monkeypatch, kernel):
-    """scripts/probe_mgpu_costs.py swaps a kernel's step helpers (or module constants) for
-    stand-ins: each variant still matches the helpers' signatures and lowers (the probe
-    itself needs a GPU)."""
-    import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_module
-    import snapmla_jax.pallas_kernels.mla_decode_mgpu_small as small_module
-    probe = _load_script("probe_mgpu_costs")
-    module, original, variants = ((mgpu_module, probe.ORIGINAL, probe.VARIANTS) if kernel == "mgpu" else
-                                  (small_module, probe.SMALL_ORIGINAL, probe.SMALL_VARIANTS))
-    args = _inputs(0, batch=2, heads=64 if kernel == "mgpu" else 16, pages_per_row=3, seq_lens=[100, 0])
-    for name, swaps in variants.items():
-        for helper, value in original.items():
-            monkeypatch.setattr(module, helper, swaps.get(helper, value))
-        # The shared TMA issue's constant lives in the 64-row kernel's module.
-        monkeypatch.setattr(mgpu_module, "ISSUE_BY_WARPS",
-                            swaps.get("ISSUE_BY_WARPS", probe.ORIGINAL["ISSUE_BY_WARPS"]))
-        jax.clear_caches()  # the kernel's jit cache would hand back the previous variant
-        lower_for_cuda(lambda *a: _call_kernel(*a, 0.1, kernel=kernel), *args)
-    monkeypatch.undo()
-    jax.clear_caches()  # later tests must trace the real helpers again
-
-
 def _mosaic_module_text(kernel: str) -> str:
     """The Mosaic GPU module a kernel ("mgpu" or "small") lowers to for CUDA with a uniform plan
     (MLIR text without debug info; scripts/mosaic_module_text.py), no GPU needed."""
-    return _load_script("mosaic_module_text").lowered_module(kernel, "uniform")
+    return load_script("mosaic_module_text").lowered_module(kernel, "uniform")
 
 
 def test_consumers_meet_at_their_own_named_barriers(monkeypatch):
@@ -276,15 +233,15 @@ def test_small_kernel_stores_its_row_vectors_without_warpgroup_barriers(monkeypa
     jax.clear_caches()
 
 
-def test_qk_precision_probe_runs_interpreted(tmp_path):
-    """scripts/probe_qk_precision.py (its GPU run sets ``QK_PROMOTION``) on the interpreter, one
+def test_qk_precision_tool_runs_interpreted(tmp_path):
+    """tools/qk_precision.py (its GPU run sets ``QK_PROMOTION``) on the interpreter, one
     case: the interpreter's wgmma is exact, so every chain setting matches the e4m3 emulation
     within the interpreted kernel's bound, and the emulation sits at e4m3's few percent from exact
     float64 attention (with no outliers: 2.7e-2 measured)."""
     # The interpreter runs each warpgroup as a thread: a fresh process with 8 CPU devices, as
     # ``_in_subprocess`` explains.
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_qk_precision.py"), "--interpret",
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "qk_precision.py"), "--interpret",
                            "--seeds", "1", "--cases", "1", "--outlier-scale", "1",
                            "--variants", "promotion_256", "promotion_512", "--out", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=600)
@@ -312,8 +269,7 @@ def test_step_page_columns_are_the_pages_of_the_step_in_the_table(max_pages):
 def test_64_row_kernel_reduces_within_warps():
     """Pallas Mosaic GPU lowers a reduction across warps through an SMEM scratch at one static
     offset, and both warpgroups run the same program: two warpgroups reducing at once
-    overwrite each other's partials (the 16-row kernel's first GPU run; the interpreter cannot
-    show it). The 64-row kernel, both of whose warpgroups reduce, must reduce along its rows,
+    overwrite each other's partials (on the GPU only; the interpreter cannot show it). The 64-row kernel, both of whose warpgroups reduce, must reduce along its rows,
     inside warps: no such scratch. The 16-row kernel has one (warpgroup 0 alone reduces),
     which shows that the check sees it."""
     scratch_view = f"memref<{plgpu.CompilerParams().reduction_scratch_bytes // 4}xf32"
@@ -462,36 +418,12 @@ def test_kernel_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
     # scores (~300x the others) shift P' roundings and softmax weights most.
     # Measured on an H100 over these cases with 6 seeds each (and 128-row cases),
     # max over cases: 0.056 (256-feature chains 0.030, 128 0.020); on an H200 over
-    # 16 cases of up to 4k tokens (scripts/probe_qk_precision.py): 0.048 (256:
-    # 0.028). Against exact attention the three settings differ by < 0.3% of their
-    # own error (docs/benchmarks/mgpu.md, twenty-first session). 7e-2: a wrong page,
+    # 16 cases of up to 4k tokens (tools/qk_precision.py): 0.048 (256: 0.028).
+    # Against exact attention the three settings differ by < 0.3% of their own
+    # error. 7e-2: a wrong page,
     # scale or mask moves outputs by O(1).
     assert err < MGPU_TOL, err
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("s_q,seq_lens,splits", [(1, [100, 320, 0], 1), (2, [257, 40, 320], 2)])
-def test_overwriting_fresh_products_give_the_same_bits(monkeypatch, s_q, seq_lens, splits):
-    """P'.V's fresh products overwritten by their first wgmma (``FRESH_OVERWRITE``,
-    ``mgpu_fresh_acc``) against Pallas's zeroed accumulators: 0 + x is x, so the outputs and lse
-    match bit for bit (ragged rows, a masked last step, s_q = 2, splits)."""
-    from snapmla_jax.pallas_kernels import mgpu_fresh_acc, mla_decode_mgpu
-
-    assert mgpu_fresh_acc.SUPPORTED
-    q, q_rope, latent, scale, rope, block_table, lens = _inputs(11, batch=3, heads=64, pages_per_row=5,
-                                                                seq_lens=seq_lens, s_q=s_q)
-    latent, scale, rope = _nan_past_seq_lens(latent, scale, rope, block_table, seq_lens)
-    results = []
-    for overwrite in (True, False):
-        monkeypatch.setattr(mla_decode_mgpu, "FRESH_OVERWRITE", overwrite)
-        jax.clear_caches()  # the kernel's jit cache would hand back the other variant
-        results.append([np.asarray(a, np.float32) for a in _call_kernel(
-            q, q_rope, latent, scale, rope, block_table, lens, 576 ** -0.5, num_splits=splits)])
-    (out, lse), (want, want_lse) = results
-    assert np.isfinite(out[np.asarray(lens) > 0]).all()
-    np.testing.assert_array_equal(out, want)
-    np.testing.assert_array_equal(lse, want_lse)
 
 
 @SMALL_CASES

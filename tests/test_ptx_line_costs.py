@@ -1,4 +1,4 @@
-"""scripts/ptx_line_costs.py on a small hand-written PTX: blocks, source lines, opcodes."""
+"""tools/ptx_line_costs.py on a small hand-written PTX: blocks, source lines, opcodes."""
 
 import pytest
 
@@ -29,7 +29,7 @@ $L__BB0_2:
 
 
 def test_counts_the_largest_blocks_instructions_per_source_line_and_opcode():
-    script = load_script("ptx_line_costs")
+    script = load_script("ptx_line_costs", "tools")
     blocks = script.basic_blocks(PTX)
     assert {name: len(body) for name, body in blocks.items()} == {"entry": 1, "$L__BB0_1": 5, "$L__BB0_2": 1}
     block, per_line, per_opcode = script.line_costs(PTX)

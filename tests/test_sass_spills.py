@@ -1,4 +1,4 @@
-"""scripts/sass_spills.py on a small hand-written SASS listing: loops, spills, wgmmas."""
+"""tools/sass_spills.py on a small hand-written SASS listing: loops, spills, wgmmas."""
 
 import pytest
 
@@ -26,7 +26,7 @@ SASS = """
 
 
 def test_counts_spills_and_wgmmas_per_loop_with_a_wgmma():
-    script = load_script("sass_spills")
+    script = load_script("sass_spills", "tools")
     instructions, labels = script.parse(SASS)
     assert len(instructions) == 14 and labels == {"L_x_1": 0x10, "L_x_2": 0x80, "L_x_3": 0xd0}
     # The barrier-wait retry loop (0x80-0x90) has no wgmma, the forward branch is no loop.
@@ -37,7 +37,7 @@ def test_counts_spills_and_wgmmas_per_loop_with_a_wgmma():
 
 
 def test_a_ptx_needs_the_tools_directory(tmp_path):
-    script = load_script("sass_spills")
+    script = load_script("sass_spills", "tools")
     ptx = tmp_path / "kernel.ptx"
     ptx.write_text("//")
     with pytest.raises(SystemExit):

@@ -498,7 +498,7 @@ def run(args: argparse.Namespace) -> int:
                 ffns[plan.batch] = runner.submit_ffn(plan.batch)
     # Every program compiled before anything is timed: XLA autotunes on the GPU while it
     # compiles, and a timing beside other programs' compilations ran up to 3x slow (H100,
-    # 2026-11-26: B=16 x 16k BF16 51.7 ms a step in one such run, 15-17 ms alone).
+    # B=16 x 16k BF16: 51.7 ms a step in one such run, 15-17 ms alone).
     concurrent.futures.wait([future for futures in programs.values() for future in futures.values()]
                             + list(ffns.values()))
     rows = []

@@ -72,7 +72,7 @@ def time_round_robin(runs: dict[str, tuple[Callable[..., Any], Sequence[tuple]]]
     two runs of the decode benchmark, the FP8 kernel 0.437 and 0.428). The drift is fast: an
     H100 under its software power cap (nvidia-smi clock event reason 0x4) moved its SM clock
     between 1740 and 1980 MHz within 0.5 s, and samples of one FP8 decode call (128 x 16k x
-    128) from 0.76 to 0.87 ms over consecutive samples (twenty-ninth session); so by default
+    128) from 0.76 to 0.87 ms over consecutive samples; so by default
     each round takes a single sample of each run. A run whose warm-up raises gets its
     exception instead of a time, and the others go on.
 
@@ -178,7 +178,7 @@ def interleaved_kernel_us(runs: dict[str, tuple[Callable[..., Any], tuple]], *, 
     (``time_round_robin``) cannot separate from the launches around a kernel, and from the clock
     a sample inherits from the one before it. On an H100 under its power cap two FP8 kernels
     4% apart here (32 x 16k and 64k x 128) measured wall-clock ratios from 1.00 to 1.05 over
-    12 medians of round-robin runs (thirtieth session, docs/benchmarks/mgpu.md).
+    12 medians of round-robin runs.
     """
     for fn, args in runs.values():
         for _ in range(warmup):

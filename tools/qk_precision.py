@@ -1,6 +1,6 @@
 """What the 64-row FP8 kernel's Q.K chain settings cost in accuracy, on the GPU.
 
-    PYTHONPATH=. python scripts/probe_qk_precision.py --out $OUT [--seeds 6]
+    python tools/qk_precision.py --out $OUT [--seeds 6]
 
 Hopper's FP8 wgmma adds each K = 32 slice of products to its accumulator with
 only ~14 significant bits, so the longer a chain of wgmmas, the larger the
@@ -113,7 +113,7 @@ def errors(out: np.ndarray, ref: np.ndarray, seen: np.ndarray) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="/tmp/probe_qk_precision")
+    parser.add_argument("--out", default="/tmp/qk_precision")
     parser.add_argument("--seeds", type=int, default=6)
     parser.add_argument("--variants", nargs="*", help="default: all of VARIANTS")
     parser.add_argument("--cases", type=int, help="only the first this many of CASES")

@@ -1,10 +1,9 @@
 """Where ptxas spills in a Mosaic GPU kernel: its PTX dump compiled and disassembled here, per loop.
 
-The device has no ``nvdisasm``, but the package registry has the CUDA 13 tools as wheels, and
-they run on a CPU machine (sixteenth session). Take the device's ptxas version: register
-allocation, and so the spills, differ between versions (the device has CUDA 13.0; the
-eighteenth session's V_QUAD_LOADS kernel with the 24 / 240 split spilled 556 bytes under
-13.0.88, as on the device, and 312 under 13.4-13.5):
+A GPU machine may lack ``nvdisasm``, but the package registry has the CUDA 13 tools as wheels,
+and they run on a CPU machine. Take the device's ptxas version: register allocation, and so the
+spills, differ between versions (one kernel spilled 556 bytes under 13.0.88, as on the device,
+and 312 under 13.4):
 
     pip download --no-deps nvidia-cuda-nvcc==13.0.88 nvidia-cuda-nvdisasm -d /tmp/cuda_wheels
     unzip -j /tmp/cuda_wheels/nvidia_cuda_nvcc-*.whl 'nvidia/cu13/bin/ptxas' -d /tmp/cuda_bin
@@ -12,22 +11,21 @@ eighteenth session's V_QUAD_LOADS kernel with the 24 / 240 split spilled 556 byt
     chmod +x /tmp/cuda_bin/*
 
 then, with a PTX dump from the GPU (``MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=...``; see
-scripts/ptx_line_costs.py):
+tools/ptx_line_costs.py):
 
-    python scripts/sass_spills.py DUMP.ptx --bin /tmp/cuda_bin [--arch sm_90a]
+    python tools/sass_spills.py DUMP.ptx --bin /tmp/cuda_bin [--arch sm_90a]
 
 or on a listing already made (``nvdisasm -c kernel.cubin > kernel.sass``):
 
-    python scripts/sass_spills.py kernel.sass
+    python tools/sass_spills.py kernel.sass
 
 ptxas's own summary (its spill bytes matched the device's dump within 3%) is printed, then every
 loop of the SASS (a backward branch and its target) holding a tensor-core instruction, smallest
 first (retry loops of barrier waits make some ranges overlap); the 64-row kernel's unmasked step
 loop is the smallest with 36 wgmmas. Per loop: instructions, spill stores (``STL``) and
 loads (``LDL``), wgmmas (``HGMMA``/``QGMMA``), shared loads, stores and ``STSM``, barriers.
-A spill inside the step loop is what the register budget costs; the sixteenth session found the
-candidate V^T helper's slowdown there (40 of the output accumulator's registers kept in local
-memory, loaded and stored around every P'.V fold), invisible in the PTX.
+A spill inside the step loop is what the register budget costs (e.g. output accumulator
+registers kept in local memory, loaded and stored around every P'.V fold), invisible in the PTX.
 """
 
 from __future__ import annotations

@@ -1,23 +1,19 @@
 """Where a step of the Mosaic GPU decode kernel spends its cycles, per warpgroup, from the on-device profiler.
 
-    PYTHONPATH=. python scripts/profile_mgpu_steps.py --out $OUT [--shape 64x2048x128x1] [--kernel bf16]
+    python tools/profile_mgpu_steps.py --out $OUT [--shape 64x2048x128x1] [--kernel bf16] [--set NAME=INT ...]
 
 Runs ``mla_decode_mgpu`` once with Mosaic GPU's profiler on
 (``plgpu.CompilerParams(profile_space=...)`` through the kernel module's
 ``COMPILER_PARAMS``): thread 0 of each warpgroup stores an SM clock stamp at the
 start and end of every ``jax.named_scope`` of the step body (``wait_step``,
-``qk``, ``stats``, ``wait_stats``, ``softmax``, ``p_store``, ``wait_p``, ``pv``; untransposed
-also ``wait_qk_done``, ``v_transpose``). The stamps live in SMEM next to the
-kernel's 224 KB, which leaves room for ~56 ranges a warpgroup (about 6 steps;
-the trace is truncated there; 150 no longer fit once the producer warpgroup
-came, 90 no longer once the transposed P'.V's factor scratch did, 80 no longer by the
-thirtieth session: 233312 bytes of SMEM against the H100's 232448): hence short contexts
-(2048 tokens = 16 steps a CTA). The per-step behaviour does not depend on the context; the first
-two steps and the last one recorded are left out. ``--kernel bf16`` profiles the
-BF16 twin (``mla_decode_mgpu_bf16``: phases ``wait_step``, ``qk``, ``softmax``,
-``v_mask``, ``pv`` of a 64-token step) on the bf16 cache instead (written in the
-seventeenth session without device time left: not yet run on a GPU; the
-profiler's host callback keeps it from lowering on the CPU machine).
+``qk``, ``stats``, ``wait_stats``, ``softmax``, ``p_store``, ``wait_p``, ``pv``; the
+producer's ``produce_wait``, ``produce_issue``). The stamps live in SMEM next to the
+kernel's, which leaves room for ~56 ranges a warpgroup (about 6 steps; the trace is
+truncated there; 80 do not fit an H100): hence short contexts (2048 tokens = 16 steps a
+CTA). The per-step behaviour does not depend on the context; the first two steps and the
+last one recorded are left out. ``--kernel bf16`` profiles the BF16 twin
+(``mla_decode_mgpu_bf16``: phases ``wait_step``, ``qk``, ``softmax``, ``v_mask``, ``pv`` of a
+64-token step) on the bf16 cache instead (not yet run on a GPU).
 
 Reports, per warpgroup, the median over CTAs of each phase's cycles per step,
 their sum, and the step period (first to last ``wait_step`` start, over the
@@ -47,7 +43,7 @@ from snapmla_jax.pallas_kernels.mla_decode import MOSAIC_CONFIG
 from snapmla_jax.bench import timing
 from snapmla_jax.decode import mla_decode
 
-ROOT = pathlib.Path(__file__).resolve().parent
+SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 STEP_START = "wait_step"  # the first phase of a step
 
 
@@ -103,7 +99,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if timing.missing_gpu("profile_mgpu_steps"):
         return 2
-    spec = importlib.util.spec_from_file_location("bench_mgpu", ROOT / "bench_mgpu.py")
+    spec = importlib.util.spec_from_file_location("bench_mgpu", SCRIPTS / "bench_mgpu.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     batch, context, heads, s_q = map(int, args.shape.split("x"))

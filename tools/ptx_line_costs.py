@@ -1,16 +1,15 @@
 """Which source lines a Mosaic GPU kernel's hot loop spends its instructions on, from its PTX.
 
-On the GPU (the dump needs the compiler; no timing needed). The dump directory must exist:
-Mosaic GPU does not create it, and otherwise prints the dumps to stdout (most likely why the
-twenty-fourth session's run found no file; with the directory made, H100, 2026-11-26, it did):
+The dump comes from the GPU (it needs the compiler; no timing needed). Its directory must exist:
+Mosaic GPU does not create it, and otherwise prints the dumps to stdout:
 
     mkdir -p $OUT/dump
-    MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$OUT/dump PYTHONPATH=. \\
-        python scripts/probe_mgpu_costs.py --variants baseline --rounds 1 --out $OUT/probe
+    MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$OUT/dump \\
+        python tools/time_mgpu_variants.py --variants baseline --rounds 1 --out $OUT/time
 
 then anywhere:
 
-    python scripts/ptx_line_costs.py $OUT/dump/snapmla_decode_fp8_mgpu_0.ptx [--top 25]
+    python tools/ptx_line_costs.py $OUT/dump/snapmla_decode_fp8_mgpu_0.ptx [--top 25]
 
 The PTX is split into basic blocks at its labels, and the largest ones are listed: a
 kernel's step bodies (the 64-row kernel's masked step is the largest, with the masks'
@@ -18,9 +17,8 @@ selects; its unmasked step, which nearly every step runs, is the next). The larg
 instructions, or ``--block LABEL``'s, are counted per ``.loc`` source line and per opcode;
 the line's text is shown from the file as it is here, so run it on the source the PTX was
 compiled from. A PTX instruction is not a
-SASS one, but the counts find what to look at: in the fifteenth session they showed the
-token scales' log2 compiled to a ~28-instruction polynomial, 480 of the step's 1897
-instructions a thread (``mla_decode_mgpu.APPROX_MATH``).
+SASS one, but the counts find what to look at (e.g. a log2 compiled to a ~28-instruction
+polynomial: ``mla_decode_mgpu.APPROX_MATH``).
 """
 
 from __future__ import annotations
