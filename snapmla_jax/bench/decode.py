@@ -296,6 +296,10 @@ def flashmla_agreement(flash_run, bf16_fn, bf16_args: tuple) -> dict:
     return {"rel_to_max": float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref))), "cos_diff": 1.0 - cosine}
 
 
+def shape_key(row: dict) -> tuple[int, int, int, int]:
+    return row["batch"], row["context"], row["heads"], row["s_q"]
+
+
 # Columns of the markdown table: (header, row key, format); a column whose key no row has is left out.
 COLUMNS = [
     ("FP8 ms", "fp8_ms", "ms"), ("FlashMLA ms", "flashmla_ms", "ms"), ("BF16 ms", "bf16_ms", "ms"),
@@ -438,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flashmla", default="auto",
                         help="FlashMLA to time beside ours: 'auto' (the flash_mla package if importable), 'none', "
                              "or the path of an extension .so with FlashMLA's dense_decode_fwd")
+    parser.add_argument("--flashmla-label", default=None,
+                        help="what the page calls the FlashMLA it timed (e.g. its commit); default: its module")
     parser.add_argument("--merge", action="store_true", help="keep earlier rows of shapes not measured now")
     args = parser.parse_args(argv)
     if timing.missing_gpu("decode benchmark"):
@@ -477,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         merged = sorted(kept + measured, key=lambda r: (r["heads"], r["s_q"], r["batch"], r["context"]))
         ceil = dataclasses.asdict(ceilings)
         markdown = to_markdown(env, ceil, merged, stock_reason, command, merged=bool(kept),
-                               flashmla_name=flashmla.name if flashmla else None)
+                               flashmla_name=(args.flashmla_label or flashmla.name) if flashmla else None)
         timing.write_results(out, "decode", {**env, "ceilings": ceil, "stock_mqa": stock_reason or "runs"}, merged,
                              markdown)
         return markdown
