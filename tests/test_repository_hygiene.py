@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Work periods ("session", "twenty-first") and tracker issues ("issue 41") named in the text.
+# Work periods and tracker issues named in the text (``test_diary_lines_are_found`` has examples).
 DIARY = re.compile(r"\bsessions?\b|\b(twenty|thirty|forty)[- ]?(first|second|third|fourth|fifth|sixth|seventh|eighth"
                    r"|ninth)\b|\bissue\s+#?[0-9]+\b", re.IGNORECASE)
 # The shipped demo model's checkpoint and recipe: data, not prose.
@@ -39,7 +39,8 @@ def tracked_texts():
 
 
 def test_diary_lines_are_found():
-    period, issue = "the twentieth " + "session", "see issue" + " #41"
+    # Each example is split so that this file does not match itself.
+    period, issue = "the twentieth ses" + "sion", "see issue" + " #41"
     text = "\n".join(["Kernel comments say why.", period, "Measured in the thirty" + "-first run.", issue,
                       "the loss decays to a tenth; an issue of 3 tokens"])
     assert diary_lines("x.py", text) == [f"x.py:2: {period}", "x.py:3: Measured in the thirty" + "-first run.",
