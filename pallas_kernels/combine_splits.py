@@ -136,7 +136,7 @@ def _combine_kernel(out_ref, lse_ref, o_ref, lse_out_ref, *, num_splits: int, nu
     arrays. The run is ``size`` // R whole rows, or a piece of one row (``size`` and R are powers
     of two): the program reads its [S, rows of the run, columns] values at once and each
     split's weight once a row (not once a value: with many splits a run is a few dozen values
-    of one row, and a weight a value was an exp and an lse load a value). The program that
+    of one row, and a weight a value would be an exp and an lse load a value). The program that
     starts a row writes its merged lse.
     """
     b, run = pl.program_id(0), pl.program_id(1)

@@ -365,26 +365,16 @@ def gather_stats(other_ref, bar, log_pv_max):
 
 
 def softmax_frame(log_pv, inv_k_scale, m, l_part, frame, log_pv_max, visible=None):
-    """Online softmax of a warpgroup's 64 columns of a step in the log domain of P * k_scale, given
-    the step's row max of log_pv over all 128 tokens (``gather_stats``).
+    """Online softmax of a warpgroup's 64 columns of a step: the module docstring's math. The
+    frame is the step's row max of log_pv over all 128 tokens (``gather_stats``), never more than
+    ``FRAME_DROP`` below m: the step's largest P * k_scale lands on 448 exactly (the reference's
+    block factor 448 / max P', ``mla_decode_reference``), so the heaviest token carries no P'
+    rounding. The clamp bounds O' and l' by 2^64 x 448 x tokens x the largest value; a step whose
+    every log_pv is 64 below m loses its tokens in e4m3, as fp32 would lose them beside m's token.
 
-    log_pv [64, 64]: score (base 2) + log2 k_scale (``local_stats``); inv_k_scale [64]
-    (``COL``): 1 / k_scale; running per row [64] (``ROW``): m, the largest log_pv so far; this
-    warpgroup's partial l; frame, the base-2 log the accumulators are kept relative to.
-
-    The frame is the step's log_pv_max, but never more than ``FRAME_DROP`` below m. Then
-
-      P' = 2^(log_pv - frame + log2 448) = 448 * P * k_scale / max_t (P * k_scale)
-
-    (where frame = log_pv_max): the step's largest P * k_scale lands on 448 exactly (an e4m3
-    value: the block's heaviest token carries no P' rounding), the reference's P'
-    (``mla_decode_reference``, its block factor 448 / max P'). The output accumulates as
-    O' = O' * ratio + V^T.P'^T with ratio = 2^(frame - frame_new) (``pv_update_t``), and l as
-    l' = l' * ratio + sum_t P' / k_scale = 448 * sum_t 2^(score - frame): so O = O' / l' and
-    lse = frame + log2(l') - log2 448, with no row max of the plain scores and no second
-    statistic. The clamp bounds O' and l' by 2^64 x 448 x tokens x the largest value; a step
-    whose every log_pv is 64 below m loses its tokens in e4m3, as fp32 would lose them beside m's
-    token.
+    log_pv [64, 64]: score (base 2) + log2 k_scale (``local_stats``), -inf where not visible;
+    inv_k_scale [64] (``COL``): 1 / k_scale; per row [64] (``ROW``): m, the running max of log_pv;
+    l_part, this warpgroup's partial l'; frame; log_pv_max, the step's max of log_pv.
 
     Returns (m_new, l_part_new, frame_new, P' f32 [64, 64] (0 where not ``visible``), ratio [64]).
     """

@@ -1,9 +1,9 @@
 """Time a decode step's whole feed-forward stack (DeepSeek-V2-Lite shapes) per MoE dispatch and token count.
 
-    PYTHONPATH=. python scripts/bench_ffn_stack.py --out /tmp/bench_ffn_stack [--tokens 1 2 4 8]
+    python scripts/bench_ffn_stack.py --out /tmp/bench_ffn_stack [--tokens 1 2 4 8]
 
-One layer alone (scripts/bench_moe.py) did not predict the stack: inside the 27-layer program
-XLA compiled the jnp gathered dispatch differently (docs/benchmarks/moe_gathered_in_model_h100.md).
+One layer alone (scripts/bench_moe.py) does not predict the stack: inside the 27-layer program
+XLA compiles the jnp gathered dispatch differently.
 Here the stack itself (``snapmla_jax.bench.e2e.feed_forward_stack``: one dense MLP, 26 MoE
 layers, random bf16 weights) runs on x [T, 1, 2048], one jit each, side by side:
 

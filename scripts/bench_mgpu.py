@@ -1,6 +1,6 @@
 """Time the Mosaic GPU FP8 decode kernel against the Triton FP8 kernel and the BF16 twin.
 
-    PYTHONPATH=. python scripts/bench_mgpu.py --out /tmp/bench_mgpu [--shapes 64x16384x128x1 ...]
+    python scripts/bench_mgpu.py --out /tmp/bench_mgpu [--shapes 64x16384x128x1 ...]
 
 Same caches and queries as ``python -m snapmla_jax.bench decode`` (page 64, every
 row at the full context), each variant timed with warm-up and a median

@@ -6,7 +6,7 @@ tokens: "gathered" in jnp (backend "xla": XLA's gather copies the chosen experts
 as the grouped-experts kernel (backend "pallas", the model's decode path on a GPU:
 pallas_kernels/grouped_experts.py; interpreted on a CPU, for the tests).
 
-    PYTHONPATH=. python scripts/bench_moe.py --out /tmp/bench_moe [--shapes v2_lite v3] [--tokens 1 8 64 ...]
+    python scripts/bench_moe.py --out /tmp/bench_moe [--shapes v2_lite v3] [--tokens 1 8 64 ...]
 
 One layer (router, routed experts, shared experts) with random bf16 weights and random
 tokens, each dispatch compiled ahead of time and timed with warm-up and a median

@@ -1,6 +1,6 @@
 """The roofline's ceilings on this GPU, each way we can reach them: XLA per operand layout, and cuBLAS.
 
-    PYTHONPATH=. python scripts/measure_ceilings.py --out $OUT [--sizes 4096 8192]
+    python scripts/measure_ceilings.py --out $OUT [--sizes 4096 8192]
 
 The decode benchmarks divide by ``timing.measure_ceilings()`` (XLA GEMMs, the faster
 of ``timing.GEMM_LAYOUTS``). This script shows what that leaves out: each XLA layout's

@@ -1,8 +1,8 @@
 """The Mosaic GPU decode kernels as the modules they lower to, on a machine without a GPU.
 
-    PYTHONPATH=. python scripts/mosaic_module_text.py --out /tmp/modules_before
+    python scripts/mosaic_module_text.py --out /tmp/modules_before
     ... change the kernels' Python code ...
-    PYTHONPATH=. python scripts/mosaic_module_text.py --out /tmp/modules_after --compare /tmp/modules_before
+    python scripts/mosaic_module_text.py --out /tmp/modules_after --compare /tmp/modules_before
 
 Lowers the 64-row FP8 kernel (``mgpu``), the 16-row one (``small``) and the BF16 twin (``bf16``),
 each with a uniform and a balanced split plan, for CUDA (``backend.lower_for_cuda``: layout
@@ -11,8 +11,7 @@ info (``backend.mosaic_module_texts``) to ``<kernel>_<plan>.mlir`` under --out. 
 says which differ from an earlier dump and exits 1 if any does.
 
 A refactor whose modules are the same text is the same kernel on the GPU: no device time needed
-to check it (the thirtieth session's ``walk_steps`` change). A different text says nothing about
-speed; that takes the GPU.
+to check it. A different text says nothing about speed; that takes the GPU.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where a decode call's time goes, launch by launch: GPU kernel durations from the JAX profiler.
 
-    PYTHONPATH=. python scripts/profile_decode_launches.py --out $OUT [--cases 1x1024x16x1 1x16384x128x1 ...]
+    python scripts/profile_decode_launches.py --out $OUT [--cases 1x1024x16x1 1x16384x128x1 ...]
 
 For each case (B x ctx x H x s_q) it builds the benchmark's chain of layers
 (``python -m snapmla_jax.bench decode``: the same caches, queries and
@@ -13,7 +13,7 @@ calls' span, busy and idle time (``timing.timeline_us``: the gaps between
 launches). At small problems a call is a handful of ~1-3 us launches, and this
 shows which ones. A timed median far above the traced span is the clock, not
 the code: the traced calls follow a pause, the timed samples run under the
-GPU's power cap (docs/benchmarks/mgpu.md, twenty-ninth session).
+GPU's power cap.
 Writes launches.json under --out.
 """
 

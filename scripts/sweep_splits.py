@@ -1,6 +1,6 @@
 """Split-KV counts for ``mla_decode``'s kernels at small batch: time each count given, side by side.
 
-    PYTHONPATH=. python scripts/sweep_splits.py --out $OUT [--cases 1x4096x128x1:4,8,16,32 ...]
+    python scripts/sweep_splits.py --out $OUT [--cases 1x4096x128x1:4,8,16,32 ...]
         [--caches fp8 bf16] [--rounds 3]
 
 Same caches and queries as ``python -m snapmla_jax.bench decode`` (page 64, every

@@ -1,6 +1,6 @@
 """The split merge's tile size and warps (pallas_kernels/combine_splits.py), side by side.
 
-    PYTHONPATH=. python scripts/tune_combine_splits.py --out $OUT [--cases 1x66x128 1x8x16T ...]
+    python scripts/tune_combine_splits.py --out $OUT [--cases 1x66x128 1x8x16T ...]
 
 A case is B x splits x rows, "T" for the 16-row Mosaic kernel's transposed
 float32 partials ([B, S, 512, rows]); ``--partial-dtype bfloat16`` for the bf16

@@ -1,6 +1,6 @@
 """Time candidate DecodeConfigs of the decode kernel side by side on a CUDA GPU.
 
-    PYTHONPATH=. python scripts/tune_decode.py --out /tmp/tune [--shapes 64x16384x128x1 ...]
+    python scripts/tune_decode.py --out /tmp/tune [--shapes 64x16384x128x1 ...]
 
 For each shape B x ctx x H x s_q (page_size 64, every row at the full context),
 every candidate runs on the same random cache (fp8 candidates on the fp8 cache,

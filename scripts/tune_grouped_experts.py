@@ -1,6 +1,6 @@
 """The grouped-experts kernel's block sizes, warps and pipeline depth (pallas_kernels/grouped_experts.py), side by side.
 
-    PYTHONPATH=. python scripts/tune_grouped_experts.py --out $OUT [--cases v2_lite:1 v3:8 ...]
+    python scripts/tune_grouped_experts.py --out $OUT [--cases v2_lite:1 v3:8 ...]
         [--settings 64/128/8/3 ...] [--split-programs 0 512 1024]
 
 A case is an expert shape of scripts/bench_moe.py and a token count T. For each setting
@@ -9,10 +9,9 @@ A case is an expert shape of scripts/bench_moe.py and a token count T. For each 
 ``grouped_experts`` on random bf16 experts and distinct random experts a token is timed
 (``timing.time_ms`` median), with its fraction of the floor: the chosen experts' matrix bytes
 over the copy bandwidth measured in the run. Every call takes the swept setting
-(``FEW_ASSIGNMENTS`` is set to 0 meanwhile). The nineteenth session's sweeps chose
-``FEW_SETTING`` and ``SPLIT_PROGRAMS`` (docs/benchmarks/grouped_experts_tune_h100.json,
-grouped_experts_split_tune_h100.json): at T = 1 with V2-Lite shapes 6 assignments x 22 column
-blocks are 132 programs, each walking a 2048-long contraction, 31% of that floor; now 57%.
+(``FEW_ASSIGNMENTS`` is set to 0 meanwhile). Its sweeps set ``FEW_SETTING`` and
+``SPLIT_PROGRAMS``: at T = 1 with V2-Lite shapes 6 assignments x 22 column blocks are 132
+programs, each walking a 2048-long contraction, 31% of that floor unsplit, 57% split.
 Writes grouped_experts_tune.json under --out.
 """
 

@@ -1,6 +1,6 @@
 """Time write_kv's launch configurations side by side on a GPU (fp8 cache, 256k tokens).
 
-Usage (GPU): PYTHONPATH=. python scripts/tune_write_kv.py
+    python scripts/tune_write_kv.py
 """
 
 import functools

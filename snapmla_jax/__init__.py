@@ -1,6 +1,6 @@
 """snapmla-jax: SnapMLA FP8 decoding for Multi-head Latent Attention in JAX/Pallas.
 
-Public API (see DESIGN.md): LatentCache, dequantize, write_kv, mla_decode,
+Public API: LatentCache, dequantize, write_kv, mla_decode,
 quant_error_report, the model (MLAConfig, MLAModel, load_hf_checkpoint,
 save_checkpoint, load_checkpoint; expert_sharding for their ``sharding=``, shard_model)
 and generate.

@@ -44,9 +44,9 @@ def mosaic_module_texts(lowered) -> list[str]:
     """The Mosaic GPU modules in a lowering (``lower_for_cuda``'s), in program order, as MLIR text
     without debug info: what a Mosaic kernel compiles from, so two versions of its Python code can
     be compared on CPU (the same text, the same kernel on the GPU)."""
-    from jax._src.interpreters import mlir as jax_mlir
-    from jax._src.lib.mlir import ir
     from jax.experimental.mosaic.gpu import dialect as mosaic_gpu_dialect
+    from jax.interpreters import mlir as jax_mlir
+    from jaxlib.mlir import ir
 
     modules = []
 

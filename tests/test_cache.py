@@ -68,8 +68,8 @@ def test_dequantize_checks_layer():
 
 
 def test_kernels_refuse_a_cache_beyond_int32_offsets():
-    """A cache assembled from arrays larger than 2**31 - 1 latent elements (the
-    decode benchmark's B=128 x 64k once was) must fail with a ValueError naming
+    """A cache assembled from arrays larger than 2**31 - 1 latent elements (e.g. B=128 x 64k
+    tokens of one layer) must fail with a ValueError naming
     the cache, not run off the end of the kernels' int32 offsets on the GPU.
     Checked on shapes only (eval_shape: nothing is allocated)."""
     from snapmla_jax.decode import mla_decode

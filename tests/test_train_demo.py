@@ -94,7 +94,7 @@ def test_cli_writes_a_checkpoint_that_loads_with_its_metadata(tmp_path):
 
 
 SHIPPED = pathlib.Path(td.__file__).resolve().parent / "assets" / "demo_model"
-MAX_SHIPPED_BYTES = 20 * 1024 * 1024  # the package-size budget of issue 6
+MAX_SHIPPED_BYTES = 20 * 1024 * 1024  # the package-size budget of the shipped assets
 
 
 def test_shipped_model_fits_the_size_budget():
