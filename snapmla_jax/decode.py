@@ -31,13 +31,14 @@ H100_SMS = 132  # SM count assumed when no GPU is visible (interpret mode, plann
 # Query rows (s_q x H) a batch row up to which a compiled bf16 cache keeps the Triton BF16
 # twin: with fewer rows than its 64-row block the Mosaic BF16 twin pads them (H200, H=16,
 # B=128 x 16k: Triton 0.58 ms vs Mosaic 0.70); from 64 rows up the Mosaic one is 1.8x faster
-# (0.69 vs 1.26 ms at B=64 x 16k x 128; docs/benchmarks/mgpu.md, seventeenth session).
+# (0.69 vs 1.26 ms at B=64 x 16k x 128; `python -m snapmla_jax.bench decode --methods bf16`
+# with `config=BF16_CONFIG` against the default).
 TRITON_BF16_MAX_ROWS = 16
 # Small fp8 problems keep the Triton FP8 kernel: up to TRITON_FP8_MAX_ROWS query rows a batch
 # row and TRITON_FP8_MAX_TOKENS tokens of block-table capacity over the batch (B x max_pages x
 # page_size: the static bound on what a call reads). There the Mosaic kernels' fixed costs (the
 # launch of their query inputs, the prologue of their 128-token steps) outweigh their speed.
-# H100, H = 16, side by side in one run (docs/benchmarks/decode.md): s_q = 1 at 1 x 1k / 4k /
+# H100, H = 16, side by side in one run (docs/benchmarks/decode.md, its Triton FP8 column): s_q = 1 at 1 x 1k / 4k /
 # 16k and 8 x 1k 12.9 / 13.8 / 21.4 / 15.2 us vs the small Mosaic kernel's 15.1 / 16.3 / 21.9 /
 # 17.6; s_q = 2 17.1 / 19.5 / 31.1 / 22.0 vs 23.9 / 26.4 / 39.0 / 29.0. From 32k tokens (8 x
 # 4k, 32 x 1k) the Mosaic kernels win (26.5 vs 36.8 us at 8 x 4k, s_q = 1). At H = 128 (128
@@ -194,7 +195,7 @@ def default_config(cache: LatentCache, backend: str, num_rows: int | None = None
     Compiled (backend "pallas") on a Hopper GPU over an fp8 cache with
     page_size 64: the Mosaic GPU kernels (``mosaic_kernel`` picks one by the
     query rows), faster than the Triton FP8 kernel at every shape measured on
-    an H100 (docs/benchmarks/decode.md, scripts/bench_mgpu.py) but the small
+    an H100 (docs/benchmarks/decode.md's Triton FP8 column) but the small
     ones: up to ``TRITON_FP8_MAX_ROWS`` rows and ``TRITON_FP8_MAX_TOKENS`` tokens
     of capacity the Triton FP8 kernel stays (both known only). Over a bf16
     cache there, the Mosaic BF16 twin above ``TRITON_BF16_MAX_ROWS`` rows (known
@@ -230,15 +231,11 @@ def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8"):
     A bf16 cache: the BF16 twin ``mla_decode_mgpu_bf16`` in 64-row blocks. An fp8 cache: up to
     ``MOSAIC_SMALL_MAX_ROWS`` rows (H = 16 at s_q = 1: DeepSeek-V2-Lite, V3 over 8 GPUs by heads),
     ``mla_decode_mgpu_small``, the query rows on the wgmma N dimension; above, the 64-row
-    ``mla_decode_mgpu``, its rows padded. All compute the same math. Measured on an H100
-    (docs/benchmarks/mgpu.md, decode.md; 16k-64k contexts): at 16 rows the small kernel ran
-    1.43-1.56x the BF16 twin where the 64-row one, 48 of its rows padding, ran 0.74-0.79x
-    (seventh session; H200, seventeenth: 0.549 vs 0.575 ms at B = 128 x 16k). At 32 rows (H = 16
-    at s_q = 2, multi-token prediction; H = 32) the small kernel's 32-row blocks
-    (``block_rows=32``) ran 1.07-1.15x the 64-row kernel in the seventh session, which routed
-    them there; since then the 64-row kernel got 1.7x faster and the small one did not: 0.589 vs
-    0.901 ms at B = 128 x 16k x 16 x 2, 0.321 vs 0.501 at 64 x 16k x 32 x 1 (H100, seventeenth
-    session), so 17-32 rows now take the 64-row kernel too.
+    ``mla_decode_mgpu``, its rows padded. All compute the same math. Measured on an H100 at
+    16k-64k contexts: at 16 rows the small kernel runs 1.43-1.56x the BF16 twin where the
+    64-row one, 48 of its rows padding, runs 0.74-0.79x; at 32 rows (H = 16 at s_q = 2,
+    multi-token prediction; H = 32) the 64-row kernel beats the small kernel's 32-row blocks
+    (0.589 vs 0.901 ms at B = 128 x 16k x 16 x 2, 0.321 vs 0.501 at 64 x 16k x 32 x 1).
     """
     if cache_dtype == "bf16":
         return mla_decode_mgpu_bf16, MOSAIC_BLOCK_M

@@ -1,4 +1,4 @@
-"""The documentation's relative links resolve, and its pages describe the code, not a work diary.
+"""The documentation's relative links resolve inside the repository.
 
 Pages: README.md and every docs/**/*.md. A link is a markdown link or image, inline
 (``[text](target)``, ``![alt](target)``) or a reference definition (``[name]: target``),
@@ -21,9 +21,6 @@ INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s
 REFERENCE_DEFINITION = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)", re.MULTILINE)
 EXTERNAL = re.compile(r"^(?:[a-zA-Z][a-zA-Z0-9+.-]*:|//)")
 
-# Labels of numbered work periods and issue numbers: history, which belongs in git log.
-DIARY = re.compile(r"\bsessions?\b|\b(twenty|thirty|forty)[- ]?(first|second|third|fourth|fifth|sixth|seventh|eighth"
-                   r"|ninth)\b|\b(twentieth|thirtieth|fortieth)\b|\bissue[ \t\n]+#?[0-9]+\b", re.IGNORECASE)
 
 
 def doc_pages(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
@@ -67,16 +64,3 @@ def test_the_link_check_reports_broken_links_and_images(tmp_path):
         "[ref]: benchmarks/absent.json\n")
     assert broken_links(page, root=tmp_path) == ["benchmarks/mgpu.md", "missing.png", "../../outside.md",
                                                  "benchmarks/absent.json"]
-
-
-@pytest.mark.parametrize("page", doc_pages(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_pages_carry_no_work_diary(page):
-    text = page.read_text(encoding="utf-8")
-    assert [text[max(0, m.start() - 40):m.end() + 20] for m in DIARY.finditer(text)] == []
-
-
-def test_the_diary_check_catches_period_labels():
-    for line in ("measured in the thirty-second session", "Until the twentieth, H=128 was slower",
-                 "closes Issue 3", "see issue #41"):
-        assert DIARY.search(line), line
-    assert not DIARY.search("the step runs 128 tokens; issue the TMA first")

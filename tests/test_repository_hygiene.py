@@ -11,7 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Work periods and tracker issues named in the text (``test_diary_lines_are_found`` has examples).
 DIARY = re.compile(r"\bsessions?\b|\b(twenty|thirty|forty)[- ]?(first|second|third|fourth|fifth|sixth|seventh|eighth"
-                   r"|ninth)\b|\bissue\s+#?[0-9]+\b", re.IGNORECASE)
+                   r"|ninth)\b|\b(twen|thir|for)tieth\b|\bissue\s+#?[0-9]+\b", re.IGNORECASE)
 # The shipped demo model's checkpoint and recipe: data, not prose.
 DATA = ("snapmla_jax/assets/",)
 
@@ -40,11 +40,12 @@ def tracked_texts():
 
 def test_diary_lines_are_found():
     # Each example is split so that this file does not match itself.
-    period, issue = "the twentieth ses" + "sion", "see issue" + " #41"
+    period, issue = "the twen" + "tieth ses" + "sion", "see issue" + " #41"
+    ordinal = "Until the twen" + "tieth, H=128 was slower"
     text = "\n".join(["Kernel comments say why.", period, "Measured in the thirty" + "-first run.", issue,
-                      "the loss decays to a tenth; an issue of 3 tokens"])
+                      "the loss decays to a tenth; an issue of 3 tokens", ordinal])
     assert diary_lines("x.py", text) == [f"x.py:2: {period}", "x.py:3: Measured in the thirty" + "-first run.",
-                                         f"x.py:4: {issue}"]
+                                         f"x.py:4: {issue}", f"x.py:6: {ordinal}"]
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout")

@@ -36,6 +36,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import shlex
 import sys
 import time
 import traceback
@@ -57,9 +58,8 @@ QUICK = dict(batches=(1, 64), contexts=(4096, 16384), heads=(128,), s_qs=(1,))
 MEMORY_FRACTION = 0.7
 # How long a timed sample of back-to-back calls lasts at least (``timing.time_round_robin``):
 # the host's dispatch before a sample's first launch and the synchronisation after its last
-# (~50-100 us) stay within ~1% of it. Samples of 10 calls of 0.24 ms had charged the FP8 path at
-# B=32 x 16k x 128 ~5 us a call for its first call's host gap (docs/benchmarks/mgpu.md,
-# twenty-third session).
+# (~50-100 us) stay within ~1% of it (samples of 10 calls of 0.24 ms charge the FP8 path at
+# B=32 x 16k x 128 ~5 us a call for a sample's first host gap).
 MIN_SAMPLE_MS = 10.0
 # FP8 cache bytes a chain of layers reads at least (``chain_layers``): 5x an H100's or
 # H200's 50 MB L2, so that no layer's pages are still cached when the chain comes back.
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     if shapes is None:
         shapes = [(b, c, h, s) for b in grid["batches"] for c in grid["contexts"] for h in grid["heads"]
                   for s in grid["s_qs"]]
-    command = " ".join(["python -m snapmla_jax.bench decode", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join(["python", "-m", "snapmla_jax.bench", "decode", *(argv if argv is not None else sys.argv[1:])])
     print(f"FlashMLA: {flashmla.name if flashmla else 'absent'}", flush=True)
     env = timing.environment()
     ceilings = timing.measure_ceilings()
