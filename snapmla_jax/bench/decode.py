@@ -22,7 +22,8 @@ alike. Columns:
                that timed the row (``ceil``): copy bandwidth, and the FP8 / BF16 GEMM rates (the FP8
                kernel's 512-dim products are e4m3, its 64-dim RoPE product bf16).
 
-Writes ``decode.json`` and ``decode.md`` under ``--out`` (docs/benchmarks).
+Writes ``decode.json`` and ``decode.md`` under ``--out`` (default: outside the source tree,
+printed; ``--publish``: the repository's docs/benchmarks/).
 ``--merge`` keeps rows of an earlier run whose shapes this run does not cover,
 so a long grid can be measured in several invocations; the "measured" column
 says when each row was (a kernel change between invocations shows there).
@@ -34,7 +35,6 @@ import argparse
 import dataclasses
 import json
 import math
-import pathlib
 import time
 import traceback
 
@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from snapmla_jax.pallas_kernels.mla_decode import FP8_CONFIG
+from snapmla_jax import cli
 from snapmla_jax.bench import timing
 from snapmla_jax.cache import INT32_LIMIT, LatentCache, kernel_addressable
 from snapmla_jax.decode import mla_decode
@@ -397,10 +398,10 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m snapmla_jax.bench decode", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(prog="python -m snapmla_jax.bench decode", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--out", default="docs/benchmarks", help="directory for decode.json / decode.md")
+    cli.add_bench_output_flags(parser, "decode.json / decode.md")
     parser.add_argument("--iters", type=int, default=10, help="timed samples (of 10 calls) per measurement")
     parser.add_argument("--rounds", type=int, default=None,
                         help="round-robin rounds the samples are spread over (timing.time_round_robin; "
@@ -411,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s-q", type=int, nargs="*", dest="s_qs", help="override the query lengths")
     parser.add_argument("--merge", action="store_true", help="keep earlier rows of shapes not measured now")
     args = parser.parse_args(argv)
+    out = cli.bench_output_dir(args)
     if timing.missing_gpu("decode benchmark"):
         return 2
     grid = dict(QUICK if args.quick else FULL)
@@ -422,7 +424,6 @@ def main(argv: list[str] | None = None) -> int:
     memory = _device_memory()
     print(f"{env}\n{ceilings}", flush=True)
     rows, stock_reason = [], None
-    out = pathlib.Path(args.out)
     earlier, earlier_ceilings = [], None
     if args.merge and (out / "decode.json").exists():
         saved = json.loads((out / "decode.json").read_text())
