@@ -77,7 +77,7 @@ def check_paths(hf_dir: str, out: str, overwrite: bool) -> None:
         raise cli.UsageError(f"--out: {out} {where} the --hf-dir directory {hf_dir}; choose a directory outside it")
     if _within(source, resolved):
         raise cli.UsageError(f"--out: {out} contains the --hf-dir directory {hf_dir}; choose a directory outside it")
-    problem = target_problem(target, overwrite=overwrite)
+    problem = target_problem(out, overwrite=overwrite)
     if problem is not None:
         raise cli.UsageError(problem.message("--out", "--overwrite"))
 
