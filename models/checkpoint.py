@@ -94,7 +94,8 @@ def target_problem(ckpt_dir: str | os.PathLike, *, overwrite: bool) -> TargetPro
     shown = os.fspath(ckpt_dir)  # as the caller wrote it
     path = os.path.abspath(shown)
     if os.path.lexists(path) and not os.path.isdir(path):
-        return TargetProblem(shown, "is a file; expected a new or empty directory, or a snapmla-jax checkpoint to replace")
+        return TargetProblem(shown, "is a file; expected a new or empty directory, or a snapmla-jax checkpoint "
+                                    "to replace")
     if os.path.isdir(path) and os.listdir(path):
         if not is_checkpoint(path):
             return TargetProblem(shown, f"is a non-empty directory and not a snapmla-jax checkpoint (no {CONFIG_FILE} "

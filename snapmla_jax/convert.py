@@ -42,7 +42,8 @@ def _parser() -> cli.Parser:
     parser.add_argument("--out", required=True,
                         help="output checkpoint directory: new or empty (or, with --overwrite, a snapmla-jax "
                              "checkpoint); never inside or around --hf-dir")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="parameter dtype (default bfloat16)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                        help="parameter dtype (default bfloat16)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the snapmla-jax checkpoint at --out (only one of ours; once the new one is "
                              "complete)")

@@ -455,7 +455,6 @@ PROG = "snapmla_jax.generate"
 FLAGS = {"max_new_tokens": "--max-new-tokens", "kv_cache": "--kv-cache", "temperature": "--temperature",
          "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "eos_id": "--eos-id", "chunk_size": "--chunk-size",
          "backend": "--backend", "ckpt_dir": "--model", "hf_dir": "--model"}
-_UsageError = cli.UsageError
 
 
 def _parser() -> cli.Parser:
@@ -492,19 +491,19 @@ def _parser() -> cli.Parser:
 def _read_prompts(args) -> list[str]:
     if args.prompt is not None:
         if not args.prompt:
-            raise _UsageError("--prompt: the prompt is empty")
+            raise cli.UsageError("--prompt: the prompt is empty")
         return [args.prompt]
     if args.batch_file is None:
-        raise _UsageError("one of --prompt or --batch-file is required")
+        raise cli.UsageError("one of --prompt or --batch-file is required")
     try:
         lines = pathlib.Path(args.batch_file).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as err:
-        raise _UsageError(f"--batch-file: cannot read {args.batch_file} ({err})") from err
+        raise cli.UsageError(f"--batch-file: cannot read {args.batch_file} ({err})") from err
     if not lines:
-        raise _UsageError(f"--batch-file: {args.batch_file} holds no prompt")
+        raise cli.UsageError(f"--batch-file: {args.batch_file} holds no prompt")
     for number, line in enumerate(lines, 1):
         if not line.strip():
-            raise _UsageError(f"--batch-file: line {number} of {args.batch_file} is an empty prompt")
+            raise cli.UsageError(f"--batch-file: line {number} of {args.batch_file} is an empty prompt")
     return lines
 
 
@@ -513,14 +512,14 @@ def _model_dir(args) -> pathlib.Path:
     ``_load_model`` reads, before the tokenizer is looked for."""
     if args.model is None:
         if not DEFAULT_MODEL_DIR.is_dir():
-            raise _UsageError(f"--model: not given, and the bundled demo model is not installed at "
+            raise cli.UsageError(f"--model: not given, and the bundled demo model is not installed at "
                               f"{DEFAULT_MODEL_DIR}; pass --model DIR")
         return DEFAULT_MODEL_DIR
     path = pathlib.Path(args.model)
     if not path.is_dir():
-        raise _UsageError(f"--model: {path} is not a directory")
+        raise cli.UsageError(f"--model: {path} is not a directory")
     if not ((path / "state").is_dir() or any(path.glob("*.safetensors"))):
-        raise _UsageError(f"--model: {path} is neither a snapmla-jax checkpoint (no state/) nor a Hugging Face "
+        raise cli.UsageError(f"--model: {path} is neither a snapmla-jax checkpoint (no state/) nor a Hugging Face "
                           "directory (no *.safetensors)")
     return path
 
@@ -532,11 +531,11 @@ def _load_tokenizer(args, model_dir: pathlib.Path):
         return load_tokenizer(args.tokenizer or model_dir)
     except TokenizerNotFound as err:
         if args.tokenizer:
-            raise _UsageError(f"--tokenizer: {err}") from err
-        raise _UsageError(f"--model: {model_dir} holds no tokenizer (tokenizer.json, or a tokenizer_config.json "
+            raise cli.UsageError(f"--tokenizer: {err}") from err
+        raise cli.UsageError(f"--model: {model_dir} holds no tokenizer (tokenizer.json, or a tokenizer_config.json "
                           "declaring a byte-level one); pass --tokenizer DIR") from err
     except ValueError as err:  # a malformed tokenizer file
-        raise _UsageError(f"{'--tokenizer' if args.tokenizer else '--model'}: {err}") from err
+        raise cli.UsageError(f"{'--tokenizer' if args.tokenizer else '--model'}: {err}") from err
 
 
 def _load_model(model_dir: pathlib.Path, dtype_name: str | None, shard_experts: bool = False):
@@ -553,7 +552,7 @@ def _load_model(model_dir: pathlib.Path, dtype_name: str | None, shard_experts: 
             return load_checkpoint(model_dir, dtype=dtype, sharding=sharding)
         return load_hf_checkpoint(model_dir, dtype=dtype or jnp.bfloat16, progress=False, sharding=sharding)
     except PlacementError as err:  # the placement --shard-experts asked for, not the checkpoint
-        raise _UsageError(f"--shard-experts: {jax.device_count()} devices: {err}") from err
+        raise cli.UsageError(f"--shard-experts: {jax.device_count()} devices: {err}") from err
     except ValueError as err:  # what the directory holds: config, weights
         raise cli.flag_error(err, FLAGS, default=f"--model: {model_dir}") from err
 
@@ -573,21 +572,21 @@ def _check_prompts(args, prompts: list[list[int]], model) -> None:
     for number, ids in enumerate(prompts, 1):
         name = _prompt_name(args, number)
         if not ids:
-            raise _UsageError(f"{name} encodes to no tokens")
+            raise cli.UsageError(f"{name} encodes to no tokens")
         if max(ids) >= vocab:
-            raise _UsageError(f"{name} encodes to token id {max(ids)}, outside the model's vocabulary of {vocab}: "
+            raise cli.UsageError(f"{name} encodes to token id {max(ids)}, outside the model's vocabulary of {vocab}: "
                               "the tokenizer (--tokenizer) is not the model's")
         if len(ids) >= context:
-            raise _UsageError(f"{name} has {len(ids)} tokens, not fewer than the model's context of {context}")
+            raise cli.UsageError(f"{name} has {len(ids)} tokens, not fewer than the model's context of {context}")
         if len(ids) + args.max_new_tokens > context:
             _, _, which = name.partition(": ")
-            raise _UsageError(f"--max-new-tokens: {which} has {len(ids)} tokens; {args.max_new_tokens} new ones "
+            raise cli.UsageError(f"--max-new-tokens: {which} has {len(ids)} tokens; {args.max_new_tokens} new ones "
                               f"would pass the model's context of {context} tokens (at most {context - len(ids)})")
     if args.eos_id is not None and args.eos_id != -1 and not 0 <= args.eos_id < vocab:
-        raise _UsageError(f"--eos-id: expected -1 (none) or a token id in [0, {vocab}), got {args.eos_id}")
+        raise cli.UsageError(f"--eos-id: expected -1 (none) or a token id in [0, {vocab}), got {args.eos_id}")
 
 
-def _too_large(err: BatchTooLarge, args, count: int) -> _UsageError:
+def _too_large(err: BatchTooLarge, args, count: int) -> cli.UsageError:
     """BatchTooLarge in the command line's terms: the flag that sets the batch, and what fits."""
     if count == 1:
         source, what = "--max-new-tokens", "the prompt"
@@ -598,7 +597,7 @@ def _too_large(err: BatchTooLarge, args, count: int) -> _UsageError:
         parts = ([f"the first {err.fit_prompts} prompts"] if err.fit_prompts else []) + (
             [f"all {count} with --max-new-tokens {err.fit_new_tokens}"] if err.fit_new_tokens else [])
         fits = " or ".join(parts) + " would fit" if parts else "not even the first prompt fits"
-    return _UsageError(f"{source}: {what} with --max-new-tokens {args.max_new_tokens} need "
+    return cli.UsageError(f"{source}: {what} with --max-new-tokens {args.max_new_tokens} need "
                        f"{err.needed_bytes / GIB:.2f} GiB of {args.kv_cache} KV cache, more than {err.budget}; {fits}")
 
 
@@ -637,9 +636,9 @@ class _TextStream:
 def _generate_cli(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.max_new_tokens < 1:
-        raise _UsageError(f"--max-new-tokens: expected an int >= 1, got {args.max_new_tokens}")
+        raise cli.UsageError(f"--max-new-tokens: expected an int >= 1, got {args.max_new_tokens}")
     if args.chunk_size < 1:
-        raise _UsageError(f"--chunk-size: expected an int >= 1, got {args.chunk_size}")
+        raise cli.UsageError(f"--chunk-size: expected an int >= 1, got {args.chunk_size}")
     try:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     except ValueError as err:

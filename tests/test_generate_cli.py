@@ -143,7 +143,8 @@ def test_module_runs_as_a_program(checkpoint):
     ([], "--prompt or --batch-file"),
     (["--prompt", "the " * CONTEXT], "--prompt: the prompt has"),
     (["--prompt", "the quick brown fox", "--max-new-tokens", str(CONTEXT)],
-     "--max-new-tokens: the prompt has 14 tokens; 64 new ones would pass the model's context of 64 tokens (at most 50)"),
+     "--max-new-tokens: the prompt has 14 tokens; 64 new ones would pass the model's context of 64 tokens "
+     "(at most 50)"),
     (["--prompt", "x", "--max-new-tokens", "4", "--eos-id", "999"],
      "--eos-id: expected -1 (none) or a token id in [0, 320), got 999"),
     (["--prompt", "x", "--max-new-tokens", "4", "--eos-id", "-5"], "--eos-id: expected -1 (none) or a token id"),

@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 65536, 262144],
                         help=f"new tokens per write, multiples of {PAGE_SIZE} (default 4096 65536 262144)")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement (default 20)")
-    parser.add_argument("--repeat", type=int, default=20, help="writes per timed call, looped on the device (default 20)")
+    parser.add_argument("--repeat", type=int, default=20,
+                        help="writes per timed call, looped on the device (default 20)")
     parser.add_argument("--backends", nargs="+", default=["pallas", "xla"],
                         choices=["pallas", "interpret", "xla"],
                         help="write_kv backends to compare (default pallas xla; pallas needs a CUDA GPU)")
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
           f"Device {env['device']}, jax {env['jax']}, {env['date']}. Device-to-device copy in the same run: "
           f"{env['copy_gbps']:.0f} GB/s (read + write). Bytes: bf16 inputs read once + cache bytes written once; "
           f"cache donated (in place) for both backends; each call loops the write {env['repeat']} times on the "
-          f"device. Produced by `python -m snapmla_jax.bench write` (the published table with `--publish`).\n\n" + table)
+          f"device. Produced by `python -m snapmla_jax.bench write` (the published table with `--publish`)."
+          f"\n\n" + table)
     write_results(out, "write", env, rows, md)
     print(md)
     print(f"wrote {out / 'write.json'} and {out / 'write.md'}")
