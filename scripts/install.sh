@@ -9,10 +9,12 @@
 #                                     project never imports torch; without it those tests skip)
 #   --dry-run                         print the interpreters and steps chosen, change nothing
 #
-# Python: $PYTHON if set, else the first of python3.12, python3.11, python3 on PATH that is
-# at least 3.11 (pyproject.toml's requires-python). 3.12 is tried first: the Python the
-# project's GPU measurements ran on; any Python >= 3.11 with jax wheels works.
-# The reference environment uses $REF_PYTHON if set, else python3.11 when on PATH (the
+# Python: $PYTHON if set, else the first of python3.12, python3.13, python3.14, python3 on
+# PATH that runs and is at least pyproject.toml's requires-python (3.12: the pinned jax
+# release needs it), else the oldest such interpreter installed with pyenv, if pyenv is on
+# PATH (its shims answer only for the versions selected there). 3.12 is tried first: the
+# Python the project's GPU measurements ran on.
+# The reference environment uses $REF_PYTHON if set, else python3.11 when it runs (the
 # version the reference side was validated with), else the project's Python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,26 +30,43 @@ for arg in "$@"; do
     esac
 done
 
-at_least_311() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
+# "3.12" from `requires-python = ">=3.12"`: one source for the minimum.
+minimum=$(sed -n 's/^requires-python = ">=\([0-9]*\.[0-9]*\)".*/\1/p' pyproject.toml)
+[ -n "$minimum" ] || { echo "install.sh: error: no requires-python = \">=X.Y\" in pyproject.toml" >&2; exit 2; }
+at_least_minimum() {
+    "$1" -c "import sys; sys.exit(sys.version_info < tuple(map(int, '$minimum'.split('.'))))" 2>/dev/null
+}
+
+pyenv_pythons() {  # pyenv's interpreters, oldest version first
+    command -v pyenv >/dev/null || return 0
+    local root version
+    root=$(pyenv root 2>/dev/null) || return 0
+    for version in $(pyenv versions --bare 2>/dev/null | sort -V); do
+        [ -x "$root/versions/$version/bin/python" ] && echo "$root/versions/$version/bin/python"
+    done
+    return 0
+}
 
 pick_python() {
     if [ -n "${PYTHON:-}" ]; then
-        at_least_311 "$PYTHON" || { echo "install.sh: error: PYTHON=$PYTHON is not a Python >= 3.11" >&2; exit 2; }
+        at_least_minimum "$PYTHON" || {
+            echo "install.sh: error: PYTHON=$PYTHON is not a Python >= $minimum" >&2; exit 2; }
         echo "$PYTHON"; return
     fi
-    for candidate in python3.12 python3.11 python3; do
-        if command -v "$candidate" >/dev/null && at_least_311 "$candidate"; then
+    for candidate in python3.12 python3.13 python3.14 python3 $(pyenv_pythons); do
+        if command -v "$candidate" >/dev/null && at_least_minimum "$candidate"; then
             echo "$candidate"; return
         fi
     done
-    echo "install.sh: error: no Python >= 3.11 on PATH (tried python3.12, python3.11, python3); set PYTHON=..." >&2
+    echo "install.sh: error: no Python >= $minimum on PATH (tried python3.12, python3.13, python3.14, python3" \
+         "and pyenv's); set PYTHON=..." >&2
     exit 2
 }
 
 python=$(pick_python)
 ref_python=${REF_PYTHON:-}
 if [ -z "$ref_python" ]; then
-    if command -v python3.11 >/dev/null; then ref_python=python3.11; else ref_python=$python; fi
+    if python3.11 -c pass 2>/dev/null; then ref_python=python3.11; else ref_python=$python; fi
 fi
 if [ "$dry_run" = 1 ]; then
     echo ".venv: $python ($("$python" --version 2>&1)), pip install -e .[test,train]"

@@ -382,7 +382,8 @@ def markdown(env: dict, rows: list[dict], batches, contexts) -> str:
     by_key = {(r["batch"], r["context"], r["kv_cache"]): r for r in rows}
     lines = [
         "# End-to-end decode: FP8 vs BF16 latent cache\n",
-        f"Device {env['device']}, jax {env['jax']}, {env['date']}. Produced by `python -m snapmla_jax.bench e2e`.\n",
+        f"Device {env['device']}, jax {env['jax']}, {env['date']}. Produced by `python -m snapmla_jax.bench e2e` "
+        "(the published table with `--publish`).\n",
         f"Model: {env['model']} with random bf16 weights ({env['params_b']:.2f} B parameters, "
         f"{env['weights_gib']:.1f} GiB). Greedy decoding in the compiled `lax.while_loop` of "
         f"`snapmla_jax.generate` ({env['steps']} steps per call, median of {env['iters']} calls), every row "

@@ -143,7 +143,8 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict]) -> str:
     return "\n".join([
         "# MLA decode over ragged batches",
         "",
-        f"Device: {env['device']}, jax {env['jax']}, Python {env['python']}, date {env['date']}.",
+        f"Device: {env['device']}, jax {env['jax']}, Python {env['python']}, date {env['date']}. Produced by "
+        "`python -m snapmla_jax.bench ragged` (the published table with `--publish`).",
         f"Ceilings measured in this run: copy {ceilings['copy_gbps']:.0f} GB/s, BF16 GEMM "
         f"{ceilings['bf16_tflops']:.0f} TFLOP/s, FP8 GEMM {ceilings['fp8_tflops']:.0f} TFLOP/s.",
         "",
