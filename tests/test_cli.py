@@ -3,6 +3,9 @@ input and out-of-memory, exit code 0 for --help, flags named as typed, and a hel
 every flag of every command."""
 
 import argparse
+import os
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -93,3 +96,20 @@ def test_every_flag_of_every_command_has_a_description(monkeypatch):
     missing = [f"{prog} {action.option_strings[-1]}" for prog, parser in parsers.items() for action in parser._actions
                if action.option_strings and not (action.help or "").strip()]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("module, bad_argv", [
+    ("snapmla_jax.generate", ["--bogus"]), ("snapmla_jax.convert", ["--hf-dir", "h", "--out", "o", "--bogus"]),
+    ("snapmla_jax.fidelity", ["--bogus"]), ("snapmla_jax.train_demo", ["--out", "o", "--bogus"]),
+    ("snapmla_jax.bench", ["bogus"]),
+])
+def test_each_program_exits_2_on_a_bad_flag_and_0_on_help(module, bad_argv, tmp_path):
+    # The process's exit code, as a shell sees it.
+    run = lambda *argv: subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
+                                       timeout=300, cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    bad = run(*bad_argv)
+    assert bad.returncode == 2 and bad.stdout == "", bad.stderr
+    assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr and "bogus" in bad.stderr
+    ok = run("--help")
+    assert ok.returncode == 0 and "usage: python -m " + module.removesuffix(".__main__") in ok.stdout
+    assert list(tmp_path.iterdir()) == []
