@@ -11,12 +11,25 @@ Layout::
 config.json is written last, so a save that did not finish leaves a
 directory ``load_checkpoint`` rejects as incomplete. The array manifest lets
 the loader name a missing or mis-shaped array instead of failing inside orbax.
+
+A directory is one of our checkpoints when its config.json has ``"format":
+CHECKPOINT_FORMAT``: only such a directory is ever replaced (``overwrite=True``).
+Saves are staged: the checkpoint is written into a new directory beside the
+target (``.<name>.partial-<hex>``) and renamed into place once complete, so a
+save that is interrupted leaves the target as it was (and the partial directory,
+which can be deleted).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
+import pathlib
+import secrets
+import shutil
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +46,8 @@ STATE_DIR = "state"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory that is missing, incomplete, corrupted or does not fit the model."""
+    """A checkpoint directory that is missing, incomplete, corrupted or does not fit the model,
+    or a path a checkpoint may not be saved to."""
 
 
 def _flat_pure(state: nnx.State) -> dict[str, jax.Array]:
@@ -41,24 +55,112 @@ def _flat_pure(state: nnx.State) -> dict[str, jax.Array]:
     return {param_path(path): var.get_value() for path, var in nnx.to_flat_state(state)}
 
 
-def save_checkpoint(model: MLAModel, ckpt_dir: str | os.PathLike, *, overwrite: bool = False) -> None:
-    """Save ``model``'s state and config to ``ckpt_dir`` (created; must not exist unless ``overwrite``).
+@dataclasses.dataclass(frozen=True)
+class TargetProblem:
+    """Why a path cannot receive a checkpoint: ``path`` followed by ``reason`` reads as a
+    sentence; ``overwrite_helps``: replacing is allowed there when asked for."""
 
-    Raises ValueError for a non-MLAModel or an existing directory without ``overwrite``.
+    path: str
+    reason: str
+    overwrite_helps: bool = False
+
+    def message(self, name: str, overwrite: str) -> str:
+        """One line naming the argument ``name`` ("ckpt_dir", "--out") and, where it would
+        help, how to ask for a replacement (``overwrite``: "overwrite=True", "--overwrite")."""
+        hint = f" (pass {overwrite} to replace it)" if self.overwrite_helps else ""
+        return f"{name}: {self.path} {self.reason}{hint}"
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory whose config.json declares ``CHECKPOINT_FORMAT``: one of
+    our checkpoints, complete or not (the only kind of directory a save may replace)."""
+    try:
+        with open(os.path.join(os.fspath(path), CONFIG_FILE)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("format") == CHECKPOINT_FORMAT
+
+
+def target_problem(ckpt_dir: str | os.PathLike, *, overwrite: bool) -> TargetProblem | None:
+    """None when a checkpoint can be saved to ``ckpt_dir``, else why not.
+
+    Accepted: a path that does not exist (its parents are created), an empty directory,
+    and with ``overwrite`` a directory holding one of our checkpoints (``is_checkpoint``).
+    Refused: a file, a path below a file, an unwritable parent, a non-empty directory that
+    is not one of our checkpoints (whatever ``overwrite`` says), and without ``overwrite``
+    one of our checkpoints.
     """
-    if not isinstance(model, MLAModel):
-        raise ValueError(f"model: expected an MLAModel, got {type(model).__name__}")
-    ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
-    if os.path.exists(ckpt_dir) and os.listdir(ckpt_dir):
+    shown = os.fspath(ckpt_dir)  # as the caller wrote it
+    path = os.path.abspath(shown)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        return TargetProblem(shown, "is a file; expected a new or empty directory, or a snapmla-jax checkpoint "
+                                    "to replace")
+    if os.path.isdir(path) and os.listdir(path):
+        if not is_checkpoint(path):
+            return TargetProblem(shown, f"is a non-empty directory and not a snapmla-jax checkpoint (no {CONFIG_FILE} "
+                                       f"with \"format\": \"{CHECKPOINT_FORMAT}\"); only those are replaced: "
+                                       "choose a new or empty directory")
         if not overwrite:
-            raise ValueError(f"ckpt_dir: {ckpt_dir} exists and is not empty (pass overwrite=True to replace it)")
-        config_path = os.path.join(ckpt_dir, CONFIG_FILE)
-        if os.path.exists(config_path):
-            os.remove(config_path)  # first, so an interrupted overwrite reads as incomplete
-    os.makedirs(ckpt_dir, exist_ok=True)
+            return TargetProblem(shown, "holds a snapmla-jax checkpoint", overwrite_helps=True)
+    existing = path if os.path.isdir(path) else next(p for p in map(str, pathlib.Path(path).parents)
+                                                    if os.path.lexists(p))
+    if not os.path.isdir(existing):
+        return TargetProblem(shown, f"cannot be created: {existing} is a file")
+    parent = os.path.dirname(path) if existing == path else existing
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return TargetProblem(shown, f"cannot be written: {parent} is not writable")
+    return None
+
+
+@contextlib.contextmanager
+def staged_checkpoint_dir(ckpt_dir: str | os.PathLike, *, overwrite: bool = False) -> Iterator[pathlib.Path]:
+    """A new empty directory beside ``ckpt_dir`` to write a checkpoint (and files to keep with
+    it) into. Leaving the block normally renames it to ``ckpt_dir``, which an existing
+    checkpoint there leaves only then; an exception deletes it and leaves ``ckpt_dir`` as it
+    was. Raises CheckpointError (a ValueError) naming ``ckpt_dir`` when ``target_problem``
+    refuses it, before anything is created."""
+    problem = target_problem(ckpt_dir, overwrite=overwrite)
+    if problem is not None:
+        raise CheckpointError(problem.message("ckpt_dir", "overwrite=True"))
+    target = os.path.abspath(os.fspath(ckpt_dir))
+    parent, name = os.path.split(target)
+    os.makedirs(parent, exist_ok=True)
+    while True:
+        tag = secrets.token_hex(4)
+        staging = os.path.join(parent, f".{name}.partial-{tag}")
+        try:
+            os.mkdir(staging)
+            break
+        except FileExistsError:
+            continue
+    try:
+        yield pathlib.Path(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if not os.path.lexists(target):
+        os.rename(staging, target)
+        return
+    # Two renames: a directory cannot atomically replace a non-empty one. Between them the
+    # old checkpoint sits at `old`, complete.
+    old = os.path.join(parent, f".{name}.old-{tag}")
+    os.rename(target, old)
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_checkpoint(model: MLAModel, directory: str | os.PathLike) -> None:
+    """Write ``model``'s state and config into ``directory``, an existing empty directory
+    (``staged_checkpoint_dir`` gives one). No checks: ``save_checkpoint`` is the safe entry."""
+    directory = os.fspath(directory)
     flat = _flat_pure(nnx.state(model))
     with ocp.StandardCheckpointer() as checkpointer:  # leaving the block waits for the write
-        checkpointer.save(os.path.join(ckpt_dir, STATE_DIR), flat, force=overwrite)
+        checkpointer.save(os.path.join(directory, STATE_DIR), flat)
         checkpointer.wait_until_finished()
     record = {
         "format": CHECKPOINT_FORMAT,
@@ -66,8 +168,23 @@ def save_checkpoint(model: MLAModel, ckpt_dir: str | os.PathLike, *, overwrite: 
         "config": model.cfg.to_dict(),
         "arrays": {path: [list(a.shape), jnp.dtype(a.dtype).name] for path, a in flat.items()},
     }
-    with open(os.path.join(ckpt_dir, CONFIG_FILE), "w") as f:
+    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
         json.dump(record, f, indent=1)
+
+
+def save_checkpoint(model: MLAModel, ckpt_dir: str | os.PathLike, *, overwrite: bool = False) -> None:
+    """Save ``model``'s state and config to ``ckpt_dir``.
+
+    ``ckpt_dir`` must be new or an empty directory, or with ``overwrite`` hold one of our
+    checkpoints (``is_checkpoint``), which is replaced only once the new one is complete
+    (``staged_checkpoint_dir``). Raises ValueError for a non-MLAModel, and CheckpointError
+    (a ValueError) naming ``ckpt_dir`` for any other target (``target_problem``) before
+    writing anything.
+    """
+    if not isinstance(model, MLAModel):
+        raise ValueError(f"model: expected an MLAModel, got {type(model).__name__}")
+    with staged_checkpoint_dir(ckpt_dir, overwrite=overwrite) as staging:
+        write_checkpoint(model, staging)
 
 
 def _read_record(ckpt_dir: str) -> dict:

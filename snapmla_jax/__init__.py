@@ -3,8 +3,12 @@
 Public API: LatentCache, dequantize, write_kv, mla_decode,
 quant_error_report, the model (MLAConfig, MLAModel, load_hf_checkpoint,
 save_checkpoint, load_checkpoint; expert_sharding for their ``sharding=``, shard_model)
-and generate.
+and generation: ``generate`` (the module ``snapmla_jax.generate``, callable as its
+function: ``generate(model, prompts, max_new_tokens=...)``), ``stream`` and
+``generate_with_stats``. ``__version__`` is the installed distribution's version.
 """
+
+from importlib import metadata as _metadata
 
 from snapmla_jax.cache import LatentCache, dequantize
 from snapmla_jax.quant_report import quant_error_report
@@ -16,10 +20,18 @@ from snapmla_jax.models import (MLAConfig, MLAModel, expert_sharding, load_check
 import warnings
 
 # `python -m snapmla_jax.generate` runs a module this package has already
-# imported (for the generate function); that is intended, so runpy's warning
+# imported (it is the package's `generate`); that is intended, so runpy's warning
 # about it is silenced, for this module only.
 warnings.filterwarnings("ignore", message=r"'snapmla_jax\.generate' found in sys\.modules", category=RuntimeWarning)
-from snapmla_jax.generate import generate  # noqa: E402
+# Importing from the submodule binds the package attribute `generate` to the module itself
+# (callable as its generate function), which must not be rebound to the function here.
+from snapmla_jax.generate import generate_with_stats, stream  # noqa: E402
+
+try:
+    __version__ = _metadata.version("snapmla-jax")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = ["LatentCache", "dequantize", "quant_error_report", "write_kv", "mla_decode", "MLAConfig", "MLAModel",
-           "expert_sharding", "load_checkpoint", "load_hf_checkpoint", "save_checkpoint", "shard_model", "generate"]
+           "expert_sharding", "load_checkpoint", "load_hf_checkpoint", "save_checkpoint", "shard_model", "generate",
+           "stream", "generate_with_stats"]

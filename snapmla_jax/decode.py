@@ -274,13 +274,16 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
 
     Returns out [B, s_q, H, R] in q_latent's dtype, and with ``return_lse``
     also lse [B, s_q, H] float32 (natural log of the softmax denominator).
-    Raises ValueError naming the argument on a shape/dtype mismatch, and when
-    concrete, on seq_lens outside the block table's capacity or page ids out of range.
+    Raises ValueError naming the argument on a shape/dtype mismatch or a num_splits that is
+    not a positive int (on every backend), and when concrete, on seq_lens outside the block
+    table's capacity or page ids out of range.
     Traced (under jit) they cannot be checked: every backend then clips seq_lens into
     [0, max_pages * page_size] and page ids into [0, num_pages), so no read leaves the
     cache and all backends agree; such a row's output is that of the clipped input.
     """
     _validate(q_latent, q_rope, cache, block_table, seq_lens, softmax_scale, layer)
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits: expected None or a positive int, got {num_splits!r}")
     backend = resolve_backend(backend)
     batch, s_q, heads, rank = q_latent.shape
     config = config_for(config, cache, backend, q_latent, block_table)
@@ -317,8 +320,6 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     balanced = num_splits is None
     if num_splits is None:
         num_splits = planned_num_splits(q_latent, cache, block_table, config=config)
-    elif not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits: expected None or a positive int, got {num_splits!r}")
     if mosaic:
         out, lse = mosaic_kernel(num_rows, cache.dtype)[0](
             to_rows(q_latent), to_rows(q_rope), cache_arrays, block_table, seq_lens, layer_offset,

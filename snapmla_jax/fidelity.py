@@ -45,14 +45,15 @@ import numpy as np
 from flax import nnx
 
 from snapmla_jax.models import MLAModel, load_checkpoint
-from snapmla_jax import byte_corpus
-from snapmla_jax.backend import resolve_backend
+from snapmla_jax import byte_corpus, cli
+from snapmla_jax.backend import BACKENDS
 from snapmla_jax.cache import dequantize
 from snapmla_jax.generate import generate
 from snapmla_jax.paging import allocate_pages
 from snapmla_jax.quant_report import QuantErrorReport, quant_error_report
 from snapmla_jax.train_demo import cast_model
 
+PROG = "snapmla_jax.fidelity"
 DEFAULT_MODEL_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "demo_model"
 HELDOUT_LIST = "heldout_files.json"
 LN2 = float(np.log(2.0))
@@ -351,43 +352,83 @@ def plot_ablation(results: dict, path: str | pathlib.Path) -> None:
     plt.close(fig)
 
 
-def _parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m snapmla_jax.fidelity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="train_demo output directory")
+def _parser() -> cli.Parser:
+    p = cli.Parser(prog="python -m snapmla_jax.fidelity", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR),
+                   help="train_demo output directory (a checkpoint with heldout_files.json; default: the shipped "
+                        "demo model)")
     p.add_argument("--windows", type=int, default=32, help="held-out windows scored (spread over the held-out text)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per window")
-    p.add_argument("--chunk", type=int, default=64, help="tokens per decode call (divides --seq-len)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per window (at most the model's context)")
+    p.add_argument("--chunk", type=int, default=64, help="tokens per decode call (a divisor of --seq-len)")
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts for greedy generation")
     p.add_argument("--prompt-bytes", type=int, default=64, help="bytes of each prompt")
     p.add_argument("--gen-tokens", type=int, default=300, help="greedy tokens per prompt")
-    p.add_argument("--backend", default="auto", help="auto | pallas | interpret | xla")
-    p.add_argument("--json", help="write all numbers here")
-    p.add_argument("--markdown", help="write the tables here")
-    p.add_argument("--plot", help="write the per-layer attention-error PNG here")
-    p.add_argument("--plot-ablation", help="write the quantization-ablation PNG here")
-    return p.parse_args(argv)
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help="write_kv/mla_decode backend (default auto)")
+    p.add_argument("--json", help="write all numbers to this file")
+    p.add_argument("--markdown", help="write the tables to this file")
+    p.add_argument("--plot", help="write the per-layer attention-error PNG to this file")
+    p.add_argument("--plot-ablation", help="write the quantization-ablation PNG to this file")
+    return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse_args(argv)
-    model, heldout = load_model_dir(args.model)
+def _check_args(args) -> None:
+    """UsageError naming the flag for a bad count or output path (before any work)."""
+    for flag in ("windows", "seq_len", "chunk", "prompts", "prompt_bytes", "gen_tokens"):
+        if getattr(args, flag) < 1:
+            raise cli.UsageError(f"--{flag.replace('_', '-')}: expected an int >= 1, got {getattr(args, flag)}")
+    if args.seq_len % args.chunk:
+        raise cli.UsageError(f"--chunk: expected a divisor of --seq-len {args.seq_len}, got {args.chunk}")
+    for flag in ("json", "markdown", "plot", "plot_ablation"):
+        cli.check_output_file(f"--{flag.replace('_', '-')}", getattr(args, flag))
+
+
+def _load(args) -> tuple[MLAModel, list[str]]:
+    """The model and held-out list of --model, checked against the other flags."""
+    model_dir = pathlib.Path(args.model)
+    if not model_dir.is_dir():
+        raise cli.UsageError(f"--model: {args.model} is not a directory")
+    try:
+        model, heldout = load_model_dir(model_dir)
+    except ValueError as err:  # not a train_demo directory, or an unreadable checkpoint
+        raise cli.flag_error(err, {"model": "--model", "ckpt_dir": "--model"}, default="--model") from err
+    context = model.cfg.max_position_embeddings
+    if args.seq_len > context:
+        raise cli.UsageError(f"--seq-len: expected at most the model's context of {context} tokens, got {args.seq_len}")
+    # A prompt of --prompt-bytes bytes encodes to that many tokens plus BOS.
+    if args.prompt_bytes + 1 + args.gen_tokens > context:
+        raise cli.UsageError(f"--gen-tokens: {args.gen_tokens} tokens after prompts of {args.prompt_bytes} bytes pass "
+                             f"the model's context of {context} tokens; expected at most "
+                             f"{max(context - args.prompt_bytes - 1, 0)}")
+    return model, heldout
+
+
+def _fidelity(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    _check_args(args)
+    backend = cli.backend(args.backend)
+    model, heldout = _load(args)
     root = byte_corpus.stdlib_root()
     present, missing = byte_corpus.present_files(root, heldout)
     if not present:
-        raise SystemExit(f"none of the {len(heldout)} held-out files exist under {root} (another Python version?)")
+        raise cli.UsageError(f"--model: none of the {len(heldout)} held-out files its {HELDOUT_LIST} lists exist "
+                             f"under {root} (another Python version?)")
     stream = byte_corpus.token_stream(root, present)
+    if stream.shape[0] < args.windows * (args.seq_len + 1):
+        raise cli.UsageError(f"--windows: the held-out text ({stream.shape[0]} tokens) holds at most "
+                             f"{stream.shape[0] // (args.seq_len + 1)} disjoint windows of --seq-len {args.seq_len} "
+                             f"+ 1 tokens, not {args.windows}")
     windows = spread_windows(stream, args.seq_len, args.windows)
-    if not 1 <= args.prompts <= len(present):
-        raise SystemExit(f"--prompts: expected 1..{len(present)} (one per held-out file present), got {args.prompts}")
+    if args.prompts > len(present):
+        raise cli.UsageError(f"--prompts: expected 1..{len(present)} (one per held-out file present), "
+                             f"got {args.prompts}")
     stride = len(present) // args.prompts
     prompts = [byte_corpus.encode((root / present[i * stride]).read_bytes()[:args.prompt_bytes]).tolist()
                for i in range(args.prompts)]
-    backend = resolve_backend(args.backend)
     results = evaluate(model, windows, chunk=args.chunk, backend=backend, prompts=prompts, gen_tokens=args.gen_tokens)
     results.update(backend=backend, device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
                    python_version=sys.version.split()[0], heldout_files_missing=missing,
                    date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-                   command="python -m snapmla_jax.fidelity " + " ".join(sys.argv[1:] if argv is None else argv))
+                   command="python -m snapmla_jax.fidelity " + " ".join(argv))
     markdown = to_markdown(results)
     print(markdown)
     if args.json:
@@ -399,6 +440,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot_ablation:
         plot_ablation(results, args.plot_ablation)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 2 bad input or out of memory)."""
+    return cli.run(PROG, _fidelity, argv, out_of_memory_hint="try fewer --windows or a shorter --seq-len")
 
 
 if __name__ == "__main__":

@@ -20,20 +20,30 @@ Pages for each row cover its prompt plus ``max_new_tokens``
 ``jax.random.key(seed)`` folded with the step index, so a run repeats exactly
 for a fixed seed.
 
+Before allocating anything, a batch is checked against the memory its cache needs
+(``cache_budget``): ``BatchTooLarge`` says how many of the prompts, or how many new
+tokens, would fit.
+
+The package exports this module as ``snapmla_jax.generate``, callable as the function
+``generate`` (``snapmla_jax.generate(model, prompts, ...)``), with ``stream`` and
+``generate_with_stats`` beside it.
+
 Command line: ``python -m snapmla_jax.generate --model DIR --prompt TEXT``
 (see ``main``; docs/generation.md has the details).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import functools
+import inspect
 import json
+import os
 import pathlib
 import sys
 import time
+import types
 from typing import Iterator, Sequence
 
 import jax
@@ -41,8 +51,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from snapmla_jax import cli
 from snapmla_jax.backend import BACKENDS, resolve_backend
-from snapmla_jax.cache import CACHE_DTYPES
+from snapmla_jax.cache import CACHE_DTYPES, MAX_CACHE_ELEMENTS
 from snapmla_jax.paging import allocate_pages
 from snapmla_jax.sampling import SamplingConfig, sample
 
@@ -52,6 +63,15 @@ DEFAULT_PAGE_SIZE = 64
 MIN_PROMPT_BUCKET = 16
 DEFAULT_CHUNK_SIZE = 8  # decode steps between two streamed outputs
 MAX_COMPILED = 16  # compiled programs kept for reuse (each holds device code)
+# Share of a GPU's free memory (memory_stats: bytes_limit - bytes_in_use, the weights already
+# counted) the KV cache may take; the rest is left to the prefill's activations and XLA's
+# temporaries.
+DEVICE_MEMORY_SHARE = 0.9
+# On a device that reports no memory statistics (JAX's CPU backend), the share of the host's
+# available memory (MemAvailable) the KV cache may take: its arrays live in host memory beside
+# the process, the weights and XLA's temporaries.
+HOST_MEMORY_SHARE = 0.5
+GIB = 1 << 30
 
 
 @jax.tree_util.register_dataclass
@@ -179,11 +199,104 @@ def _validate_prompts(prompts, vocab_size: int) -> list[list[int]]:
     for i, prompt in enumerate(prompts):
         row = np.asarray(prompt)
         if row.ndim != 1 or row.size == 0 or not np.issubdtype(row.dtype, np.integer):
-            raise ValueError(f"prompts: expected row {i} to be a non-empty list of ints, got {prompt!r:.80}")
+            raise ValueError(f"prompts: expected prompts[{i}] to be a non-empty list of ints, got {prompt!r:.80}")
         if (row < 0).any() or (row >= vocab_size).any():
-            raise ValueError(f"prompts: row {i} holds ids outside [0, {vocab_size}) (the model's vocabulary)")
+            raise ValueError(f"prompts: prompts[{i}] holds ids outside [0, {vocab_size}) (the model's vocabulary)")
         rows.append([int(t) for t in row])
     return rows
+
+
+class BatchTooLarge(ValueError):
+    """A batch whose KV cache does not fit (see ``check_cache_fits``).
+
+    needed_bytes: the cache it needs; budget_bytes, budget: what it may take and why (text);
+    fit_prompts: how many of the prompts, from the first, fit with the same max_new_tokens;
+    fit_new_tokens: the largest max_new_tokens with which all of them fit (0: none).
+    """
+
+    def __init__(self, message: str, *, needed_bytes: int, budget_bytes: int, budget: str, fit_prompts: int,
+                 fit_new_tokens: int):
+        super().__init__(message)
+        self.needed_bytes, self.budget_bytes, self.budget = needed_bytes, budget_bytes, budget
+        self.fit_prompts, self.fit_new_tokens = fit_prompts, fit_new_tokens
+
+
+def _host_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def cache_budget(devices: Sequence | None = None) -> tuple[int, str] | None:
+    """(bytes a KV cache may take on each of ``devices``, an explanation) or None when unknown.
+
+    A device reporting ``memory_stats()`` (GPUs) gives DEVICE_MEMORY_SHARE of its free
+    memory, ``bytes_limit - bytes_in_use``; one reporting none (CPU) gives HOST_MEMORY_SHARE
+    of the host's available memory. The smallest over ``devices`` (default: the local devices).
+    """
+    best = None
+    for device in jax.local_devices() if devices is None else devices:
+        try:
+            stats = device.memory_stats()
+        except Exception:  # backends without the call raise their own errors
+            stats = None
+        if stats and "bytes_limit" in stats:
+            free = max(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), 0)
+            budget = (int(free * DEVICE_MEMORY_SHARE),
+                      f"{DEVICE_MEMORY_SHARE:.0%} of the {free / GIB:.2f} GiB free on {device.device_kind}")
+        else:
+            available = _host_available_bytes()
+            if available is None:
+                continue
+            budget = (int(available * HOST_MEMORY_SHARE),
+                      f"{HOST_MEMORY_SHARE:.0%} of the host's {available / GIB:.2f} GiB of available memory "
+                      f"({device.platform} device)")
+        if best is None or budget[0] < best[0]:
+            best = budget
+    return best
+
+
+def _pages(lengths: np.ndarray, new_tokens: int, page_size: int) -> np.ndarray:
+    return -(-(lengths + new_tokens) // page_size)
+
+
+def check_cache_fits(model, lengths: Sequence[int], max_new_tokens: int, kv_cache: str, page_size: int,
+                     budget: tuple[int, str] | None) -> None:
+    """BatchTooLarge unless the per-layer caches for prompts of ``lengths`` plus ``max_new_tokens``
+    fit ``budget`` (``cache_budget()``; None: not checked) and the kernels' int32 offsets
+    (one layer's latent array at most 2**31 - 1 elements, whatever the memory)."""
+    lengths = np.asarray(lengths, np.int64)
+    one_page = jax.eval_shape(lambda: model.init_cache(1, page_size, kv_cache=kv_cache))
+    page_bytes = sum(c.nbytes for c in one_page)
+    rank = model.cfg.kv_lora_rank
+    fit_pages = MAX_CACHE_ELEMENTS // (page_size * rank)
+    limit = f"{fit_pages} pages of {page_size} tokens (one layer's latent array holds at most 2**31 - 1 elements)"
+    if budget is not None and budget[0] // page_bytes < fit_pages:
+        fit_pages, limit = budget[0] // page_bytes, budget[1]
+    pages = _pages(lengths, max_new_tokens, page_size)
+    if pages.sum() <= fit_pages:
+        return
+    fit_prompts = int(np.searchsorted(np.cumsum(pages), fit_pages, side="right"))
+    low, high = 0, max_new_tokens  # the largest new-token count whose pages fit (0 if none)
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if _pages(lengths, mid, page_size).sum() <= fit_pages else (low, mid - 1)
+    fit_new = low if _pages(lengths, low, page_size).sum() <= fit_pages else 0
+    needed = int(pages.sum()) * page_bytes
+    raise BatchTooLarge(
+        f"prompts: {len(lengths)} prompts with max_new_tokens={max_new_tokens} need {needed / GIB:.2f} GiB of "
+        f"{kv_cache} KV cache, more than {limit}; the first {fit_prompts} fit"
+        + (f", or all of them with max_new_tokens={fit_new}" if fit_new else ""),
+        needed_bytes=needed, budget_bytes=fit_pages * page_bytes, budget=limit, fit_prompts=fit_prompts,
+        fit_new_tokens=fit_new)
 
 
 def _prompt_bucket(max_len: int) -> int:
@@ -219,10 +332,11 @@ class GenerationStream:
         context = cfg.max_position_embeddings
         if max(lengths) + max_new_tokens > context:
             row = int(np.argmax(lengths))
-            raise ValueError(f"max_new_tokens: prompt {row} has {lengths[row]} tokens; with {max_new_tokens} new "
+            raise ValueError(f"max_new_tokens: prompts[{row}] has {lengths[row]} tokens; with {max_new_tokens} new "
                              f"ones it exceeds the model's context of {context} tokens")
         resolve_backend(backend)  # a bad name fails here, not at the first trace
         self.pages = allocate_pages(lengths, max_new_tokens, page_size=page_size)
+        check_cache_fits(model, lengths, max_new_tokens, kv_cache, page_size, cache_budget())
         self.model = model
         self.max_new_tokens = max_new_tokens
         self.kv_cache = kv_cache
@@ -322,7 +436,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, kv
     Returns B lists of new token ids, EOS excluded. The decode loop runs as
     one compiled ``lax.while_loop`` (no per-token host round trip).
     Raises ValueError naming the argument for bad values, and when a prompt
-    plus ``max_new_tokens`` exceeds the model's ``max_position_embeddings``.
+    plus ``max_new_tokens`` exceeds the model's ``max_position_embeddings``;
+    BatchTooLarge (a ValueError) when the KV cache would not fit in memory.
     """
     return generate_with_stats(model, prompts, max_new_tokens=max_new_tokens, kv_cache=kv_cache,
                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id,
@@ -335,18 +450,16 @@ DEFAULT_MODEL_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "demo_m
 PARAM_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
-class _UsageError(Exception):
-    """A bad command line or input: main() prints it on one line and returns 2."""
+PROG = "snapmla_jax.generate"
+# Library argument names -> the flags that set them, for errors raised below the command line.
+FLAGS = {"max_new_tokens": "--max-new-tokens", "kv_cache": "--kv-cache", "temperature": "--temperature",
+         "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "eos_id": "--eos-id", "chunk_size": "--chunk-size",
+         "backend": "--backend", "ckpt_dir": "--model", "hf_dir": "--model"}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise _UsageError(message)
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m snapmla_jax.generate",
-                     description="Generate text with an MLA model over the FP8 (or BF16) latent cache.")
+def _parser() -> cli.Parser:
+    parser = cli.Parser(prog="python -m snapmla_jax.generate",
+                        description="Generate text with an MLA model over the FP8 (or BF16) latent cache.")
     parser.add_argument("--model", help="orbax checkpoint (snapmla_jax.convert) or Hugging Face directory "
                                         f"(default: the bundled demo model, {DEFAULT_MODEL_DIR})")
     source = parser.add_mutually_exclusive_group()
@@ -378,32 +491,51 @@ def _parser() -> argparse.ArgumentParser:
 def _read_prompts(args) -> list[str]:
     if args.prompt is not None:
         if not args.prompt:
-            raise _UsageError("--prompt: the prompt is empty")
+            raise cli.UsageError("--prompt: the prompt is empty")
         return [args.prompt]
     if args.batch_file is None:
-        raise _UsageError("one of --prompt or --batch-file is required")
+        raise cli.UsageError("one of --prompt or --batch-file is required")
     try:
         lines = pathlib.Path(args.batch_file).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as err:
-        raise _UsageError(f"--batch-file: cannot read {args.batch_file} ({err})") from err
+        raise cli.UsageError(f"--batch-file: cannot read {args.batch_file} ({err})") from err
     if not lines:
-        raise _UsageError(f"--batch-file: {args.batch_file} holds no prompt")
+        raise cli.UsageError(f"--batch-file: {args.batch_file} holds no prompt")
     for number, line in enumerate(lines, 1):
         if not line.strip():
-            raise _UsageError(f"--batch-file: line {number} of {args.batch_file} is an empty prompt")
+            raise cli.UsageError(f"--batch-file: line {number} of {args.batch_file} is an empty prompt")
     return lines
 
 
 def _model_dir(args) -> pathlib.Path:
+    """--model (default: the bundled demo model), checked to be a model directory of a kind
+    ``_load_model`` reads, before the tokenizer is looked for."""
     if args.model is None:
         if not DEFAULT_MODEL_DIR.is_dir():
-            raise _UsageError(f"--model: not given, and the bundled demo model is not installed at "
+            raise cli.UsageError(f"--model: not given, and the bundled demo model is not installed at "
                               f"{DEFAULT_MODEL_DIR}; pass --model DIR")
         return DEFAULT_MODEL_DIR
     path = pathlib.Path(args.model)
     if not path.is_dir():
-        raise _UsageError(f"--model: {path} is not a directory")
+        raise cli.UsageError(f"--model: {path} is not a directory")
+    if not ((path / "state").is_dir() or any(path.glob("*.safetensors"))):
+        raise cli.UsageError(f"--model: {path} is neither a snapmla-jax checkpoint (no state/) nor a Hugging Face "
+                          "directory (no *.safetensors)")
     return path
+
+
+def _load_tokenizer(args, model_dir: pathlib.Path):
+    from snapmla_jax.tokenizer import TokenizerNotFound, load_tokenizer
+
+    try:
+        return load_tokenizer(args.tokenizer or model_dir)
+    except TokenizerNotFound as err:
+        if args.tokenizer:
+            raise cli.UsageError(f"--tokenizer: {err}") from err
+        raise cli.UsageError(f"--model: {model_dir} holds no tokenizer (tokenizer.json, or a tokenizer_config.json "
+                          "declaring a byte-level one); pass --tokenizer DIR") from err
+    except ValueError as err:  # a malformed tokenizer file
+        raise cli.UsageError(f"{'--tokenizer' if args.tokenizer else '--model'}: {err}") from err
 
 
 def _load_model(model_dir: pathlib.Path, dtype_name: str | None, shard_experts: bool = False):
@@ -418,12 +550,55 @@ def _load_model(model_dir: pathlib.Path, dtype_name: str | None, shard_experts: 
     try:
         if (model_dir / "state").is_dir():
             return load_checkpoint(model_dir, dtype=dtype, sharding=sharding)
-        if any(model_dir.glob("*.safetensors")):
-            return load_hf_checkpoint(model_dir, dtype=dtype or jnp.bfloat16, progress=False, sharding=sharding)
+        return load_hf_checkpoint(model_dir, dtype=dtype or jnp.bfloat16, progress=False, sharding=sharding)
     except PlacementError as err:  # the placement --shard-experts asked for, not the checkpoint
-        raise _UsageError(f"--shard-experts: {jax.device_count()} devices: {err}") from err
-    raise _UsageError(f"--model: {model_dir} is neither an orbax checkpoint (no state/) nor a Hugging Face "
-                      "directory (no *.safetensors)")
+        raise cli.UsageError(f"--shard-experts: {jax.device_count()} devices: {err}") from err
+    except ValueError as err:  # what the directory holds: config, weights
+        raise cli.flag_error(err, FLAGS, default=f"--model: {model_dir}") from err
+
+
+def _prompt_name(args, number: int) -> str:
+    """How a message names prompt ``number`` (from 1): by its flag, and its line in --batch-file."""
+    if args.batch_file is None:
+        return "--prompt: the prompt"
+    return f"--batch-file: prompt {number} (line {number} of {args.batch_file})"
+
+
+def _check_prompts(args, prompts: list[list[int]], model) -> None:
+    """UsageError naming the prompt (counted from 1, as the lines of --batch-file) that is
+    empty, holds ids the model does not have, or leaves no room for --max-new-tokens, and
+    for an --eos-id outside the vocabulary."""
+    vocab, context = model.cfg.vocab_size, model.cfg.max_position_embeddings
+    for number, ids in enumerate(prompts, 1):
+        name = _prompt_name(args, number)
+        if not ids:
+            raise cli.UsageError(f"{name} encodes to no tokens")
+        if max(ids) >= vocab:
+            raise cli.UsageError(f"{name} encodes to token id {max(ids)}, outside the model's vocabulary of {vocab}: "
+                              "the tokenizer (--tokenizer) is not the model's")
+        if len(ids) >= context:
+            raise cli.UsageError(f"{name} has {len(ids)} tokens, not fewer than the model's context of {context}")
+        if len(ids) + args.max_new_tokens > context:
+            _, _, which = name.partition(": ")
+            raise cli.UsageError(f"--max-new-tokens: {which} has {len(ids)} tokens; {args.max_new_tokens} new ones "
+                              f"would pass the model's context of {context} tokens (at most {context - len(ids)})")
+    if args.eos_id is not None and args.eos_id != -1 and not 0 <= args.eos_id < vocab:
+        raise cli.UsageError(f"--eos-id: expected -1 (none) or a token id in [0, {vocab}), got {args.eos_id}")
+
+
+def _too_large(err: BatchTooLarge, args, count: int) -> cli.UsageError:
+    """BatchTooLarge in the command line's terms: the flag that sets the batch, and what fits."""
+    if count == 1:
+        source, what = "--max-new-tokens", "the prompt"
+        fits = (f"--max-new-tokens {err.fit_new_tokens} would fit" if err.fit_new_tokens
+                else "not even the prompt alone fits")
+    else:
+        source, what = "--batch-file", f"{count} prompts"
+        parts = ([f"the first {err.fit_prompts} prompts"] if err.fit_prompts else []) + (
+            [f"all {count} with --max-new-tokens {err.fit_new_tokens}"] if err.fit_new_tokens else [])
+        fits = " or ".join(parts) + " would fit" if parts else "not even the first prompt fits"
+    return cli.UsageError(f"{source}: {what} with --max-new-tokens {args.max_new_tokens} need "
+                       f"{err.needed_bytes / GIB:.2f} GiB of {args.kv_cache} KV cache, more than {err.budget}; {fits}")
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -458,42 +633,32 @@ class _TextStream:
             self.printed = text
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0 ok, 2 bad flags or input)."""
-    from snapmla_jax.tokenizer import load_tokenizer
-
+def _generate_cli(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise cli.UsageError(f"--max-new-tokens: expected an int >= 1, got {args.max_new_tokens}")
+    if args.chunk_size < 1:
+        raise cli.UsageError(f"--chunk-size: expected an int >= 1, got {args.chunk_size}")
     try:
-        args = _parser().parse_args(argv)
-    except _UsageError as err:
-        print(f"snapmla_jax.generate: error: {err}", file=sys.stderr)
-        return 2
-    except SystemExit as exit_:  # --help
-        return int(exit_.code or 0)
-    try:
-        if args.max_new_tokens < 1:
-            raise _UsageError(f"--max-new-tokens: expected an int >= 1, got {args.max_new_tokens}")
-        if args.chunk_size < 1:
-            raise _UsageError(f"--chunk-size: expected an int >= 1, got {args.chunk_size}")
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-        texts = _read_prompts(args)
-        model_dir = _model_dir(args)
-        tokenizer = load_tokenizer(args.tokenizer or model_dir)
-        prompts = [tokenizer.encode(text) for text in texts]
-        model = _load_model(model_dir, args.dtype, args.shard_experts)
-        context = model.cfg.max_position_embeddings
-        for number, ids in enumerate(prompts, 1):
-            if not ids:
-                raise _UsageError(f"prompt {number}: encodes to no tokens")
-            if len(ids) >= context:
-                raise _UsageError(f"prompt {number}: {len(ids)} tokens, longer than the model's context of "
-                                  f"{context} tokens")
-        eos_id = tokenizer.eos_id if args.eos_id is None else (None if args.eos_id == -1 else args.eos_id)
+    except ValueError as err:
+        raise cli.flag_error(err, FLAGS) from err
+    cli.backend(args.backend)
+    texts = _read_prompts(args)
+    model_dir = _model_dir(args)
+    tokenizer = _load_tokenizer(args, model_dir)
+    prompts = [tokenizer.encode(text) for text in texts]
+    model = _load_model(model_dir, args.dtype, args.shard_experts)
+    _check_prompts(args, prompts, model)
+    eos_id = tokenizer.eos_id if args.eos_id is None else (None if args.eos_id == -1 else args.eos_id)
+    try:
         gen = GenerationStream(model, prompts, max_new_tokens=args.max_new_tokens, kv_cache=args.kv_cache,
                                sampling=sampling, seed=args.seed, eos_id=eos_id, chunk_size=args.chunk_size,
                                backend=args.backend)
-    except (_UsageError, ValueError, OSError) as err:
-        print(f"snapmla_jax.generate: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+    except BatchTooLarge as err:
+        raise _too_large(err, args, len(prompts)) from err
+    except ValueError as err:
+        raise cli.flag_error(err, FLAGS) from err
 
     streaming = len(prompts) == 1 and not (args.json or args.no_stream)
     text_stream = _TextStream(tokenizer, eos_id, sys.stdout) if streaming else None
@@ -534,5 +699,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 2 bad flags or input, or out of memory)."""
+    return cli.run(PROG, _generate_cli, argv, out_of_memory_hint="try fewer prompts or a smaller --max-new-tokens")
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as its function ``generate``.
+
+    The package exports the module itself as ``snapmla_jax.generate``, so that
+    ``snapmla_jax.generate.stream`` and ``import snapmla_jax.generate as m`` reach the
+    module (a function of the same name would hide it), while
+    ``snapmla_jax.generate(model, prompts, ...)`` still calls ``generate``.
+    """
+
+    def __call__(self, *args, **kwargs) -> list[list[int]]:
+        return generate(*args, **kwargs)
+
+
+__signature__ = inspect.signature(generate)  # what inspect.signature shows for the callable module
+
 if __name__ == "__main__":
     sys.exit(main())
+else:
+    sys.modules[__name__].__class__ = _CallableModule

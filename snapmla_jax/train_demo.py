@@ -1,6 +1,6 @@
 """Train the small byte-level MLA model shipped as the CLI's default.
 
-    python -m snapmla_jax.train_demo --out DIR [--steps 4000] [--max-seconds 240]
+    python -m snapmla_jax.train_demo --out DIR [--overwrite] [--config demo|tiny] [--steps 4000] [--max-seconds 240]
 
 The model is DeepSeek-shaped where SnapMLA cares (kv_lora_rank 512, RoPE head
 dim 64, so the real cache layout and kernels run; a first dense layer, then
@@ -17,7 +17,13 @@ DIR becomes an orbax checkpoint (``models.save_checkpoint``: config.json and
 state/) that ``python -m snapmla_jax.generate --model DIR`` loads, with beside
 it the byte-level ``tokenizer_config.json``, the held-out file list
 ``heldout_files.json`` and ``train_recipe.json`` (flags, steps, seconds,
-losses, device).
+losses, device). Its config's ``max_position_embeddings`` is ``--seq-len``: the
+context the model was trained for, and so the longest generation allowed.
+
+Every flag and ``--out`` are checked before any work: ``--out`` must be new or an
+empty directory, or with ``--overwrite`` hold a snapmla-jax checkpoint, which is
+replaced only once the new one is complete. Exit code 0 on success, 2 with a one-line
+message on bad input.
 """
 
 from __future__ import annotations
@@ -37,15 +43,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from snapmla_jax.models import MLAConfig, MLAModel, save_checkpoint
-from snapmla_jax import byte_corpus
+from snapmla_jax.models import MLAConfig, MLAModel
+from snapmla_jax.models.checkpoint import staged_checkpoint_dir, target_problem, write_checkpoint
+from snapmla_jax import byte_corpus, cli
 
+PROG = "snapmla_jax.train_demo"
 LN2 = math.log(2.0)
 FINAL_LR_FRACTION = 0.1  # the cosine ends at 10% of the peak rather than 0: the last steps still learn
 
 
-def demo_config(max_position_embeddings: int = 2048) -> MLAConfig:
-    """The shipped model: ~8M parameters, 16 MB in bfloat16.
+def demo_config(max_position_embeddings: int = 512) -> MLAConfig:
+    """The shipped model: ~8M parameters, 16 MB in bfloat16; its context is the 512 tokens
+    it was trained on (``TrainRecipe.seq_len``).
 
     Attention dims are DeepSeek's (latent 512, RoPE 64, nope 64) so the cache
     and decode kernels see production shapes; 4 heads keep kv_b_proj (W_UK,
@@ -70,26 +79,62 @@ def tiny_config() -> MLAConfig:
 
 
 CONFIGS = {"demo": demo_config, "tiny": tiny_config}
+# The window length a config trains on when --seq-len is not given: the demo's recipe, and
+# short windows for the tiny config's CPU runs.
+DEFAULT_SEQ_LEN = {"demo": 512, "tiny": 64}
+
+
+def _field(default, help_text: str, minimum=None, *, above=None, below=None):
+    """A TrainRecipe field: its default, its --help text and its allowed range (checked in
+    ``TrainRecipe.__post_init__``): ``>= minimum``, ``> above``, ``< below``."""
+    return dataclasses.field(default=default, metadata=dict(help=help_text, minimum=minimum, above=above,
+                                                            below=below))
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainRecipe:
-    """Hyperparameters of one run (stored in train_recipe.json)."""
+    """Hyperparameters of one run (stored in train_recipe.json).
 
-    config: str = "demo"
-    steps: int = 4000
-    max_seconds: float = 240.0
-    batch_size: int = 64
-    seq_len: int = 512
-    peak_lr: float = 2e-3
-    warmup_steps: int = 200
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    beta2: float = 0.95
-    steps_per_call: int = 50
-    heldout_fraction: float = byte_corpus.DEFAULT_HELDOUT_FRACTION
-    eval_windows: int = 256
-    seed: int = 0
+    Raises ValueError naming the field for a value of the wrong type or outside its range.
+    """
+
+    config: str = dataclasses.field(default="demo", metadata=dict(help="model size: demo (the shipped model) or "
+                                                                      "tiny (a few-second CPU run)"))
+    steps: int = _field(4000, "optimizer steps at most", 1)
+    max_seconds: float = _field(240.0, "training time budget in seconds, after compilation", above=0)
+    batch_size: int = _field(64, "windows per step", 1)
+    seq_len: int = _field(512, "tokens per training window; the saved model's context "
+                               "(default: 512 for demo, 64 for tiny)", 1)
+    peak_lr: float = _field(2e-3, "learning rate after warmup", above=0)
+    warmup_steps: int = _field(200, "steps of linear learning-rate warmup", 0)
+    weight_decay: float = _field(0.1, "decoupled weight decay on matrices", 0)
+    grad_clip: float = _field(1.0, "global gradient-norm clip", above=0)
+    beta2: float = _field(0.95, "Adam's second-moment decay", above=0, below=1)
+    steps_per_call: int = _field(50, "optimizer steps per compiled call", 1)
+    heldout_fraction: float = _field(byte_corpus.DEFAULT_HELDOUT_FRACTION, "share of stdlib files held out",
+                                     above=0, below=1)
+    eval_windows: int = _field(256, "held-out windows scored after training", 1)
+    seed: int = _field(0, "seed of the initialization and the batches", 0)
+
+    def __post_init__(self):
+        if self.config not in CONFIGS:
+            raise ValueError(f"config: expected one of {sorted(CONFIGS)}, got {self.config!r}")
+        for field in dataclasses.fields(self):
+            if field.name == "config":
+                continue
+            value, meta = getattr(self, field.name), field.metadata
+            kind = int if field.type in (int, "int") else float
+            if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+                raise ValueError(f"{field.name}: expected {'an int' if kind is int else 'a number'}, got {value!r}")
+            wrong = ((meta["minimum"] is not None and not value >= meta["minimum"])
+                     or (meta["above"] is not None and not value > meta["above"])
+                     or (meta["below"] is not None and not value < meta["below"]))
+            if wrong or not math.isfinite(value):
+                bounds = [f">= {meta['minimum']}" if meta["minimum"] is not None else None,
+                          f"> {meta['above']}" if meta["above"] is not None else None,
+                          f"< {meta['below']}" if meta["below"] is not None else None]
+                raise ValueError(f"{field.name}: expected a value {' and '.join(b for b in bounds if b)}, "
+                                 f"got {value!r}")
 
 
 def learning_rate(recipe: TrainRecipe, step: int, elapsed_s: float) -> float:
@@ -113,7 +158,7 @@ def _import_optax():
     try:
         import optax
     except ImportError as err:
-        raise SystemExit("train_demo needs optax: pip install -e '.[train]'") from err
+        raise cli.UsageError("train_demo needs optax, which is not installed: pip install -e '.[train]'") from err
     return optax
 
 
@@ -148,8 +193,9 @@ def train(cfg: MLAConfig, train_stream: np.ndarray, recipe: TrainRecipe, *, log=
     ``loss`` (mean nats per token of the chunk), ``lr`` and ``seconds``, and
     ``compile_seconds``.
     """
-    if recipe.seq_len + 1 > cfg.max_position_embeddings:
-        raise ValueError(f"seq_len: expected <= max_position_embeddings - 1 = {cfg.max_position_embeddings - 1}, "
+    # The model reads the first seq_len tokens of each window (positions 0..seq_len-1).
+    if recipe.seq_len > cfg.max_position_embeddings:
+        raise ValueError(f"seq_len: expected <= max_position_embeddings = {cfg.max_position_embeddings}, "
                          f"got {recipe.seq_len}")
     optax = _import_optax()
     model = MLAModel(cfg, rngs=nnx.Rngs(recipe.seed), dtype=jnp.float32)
@@ -236,25 +282,50 @@ def cast_model(model: MLAModel, dtype) -> MLAModel:
     return out
 
 
-def _parse_args(argv):
-    defaults = TrainRecipe()
-    p = argparse.ArgumentParser(prog="python -m snapmla_jax.train_demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="directory for the checkpoint and its metadata")
-    p.add_argument("--config", choices=sorted(CONFIGS), default=defaults.config)
+def _parser() -> cli.Parser:
+    p = cli.Parser(prog="python -m snapmla_jax.train_demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True,
+                   help="directory for the checkpoint and its metadata: new or empty (or, with --overwrite, a "
+                        "snapmla-jax checkpoint)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the snapmla-jax checkpoint at --out (only one of ours; once the new one is complete)")
     for field in dataclasses.fields(TrainRecipe):
-        if field.name != "config":
-            p.add_argument("--" + field.name.replace("_", "-"), type=type(field.default), default=field.default)
-    return p.parse_args(argv)
+        flag = "--" + field.name.replace("_", "-")
+        if field.name == "config":
+            p.add_argument(flag, choices=sorted(CONFIGS), default=field.default, help=field.metadata["help"])
+        elif field.name == "seq_len":
+            p.add_argument(flag, type=int, default=None, help=field.metadata["help"])
+        else:
+            p.add_argument(flag, type=type(field.default), default=field.default,
+                           help=f"{field.metadata['help']} (default {field.default})")
+    return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse_args(argv)
-    recipe = TrainRecipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainRecipe)})
+def _flags() -> dict[str, str]:
+    return {field.name: "--" + field.name.replace("_", "-") for field in dataclasses.fields(TrainRecipe)}
+
+
+def _train_demo(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.seq_len is None:
+        args.seq_len = DEFAULT_SEQ_LEN[args.config]
+    try:
+        recipe = TrainRecipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainRecipe)})
+    except ValueError as err:
+        raise cli.flag_error(err, _flags()) from err
     out = pathlib.Path(args.out)
-    cfg = CONFIGS[recipe.config]()
+    problem = target_problem(out, overwrite=args.overwrite)
+    if problem is not None:
+        raise cli.UsageError(problem.message("--out", "--overwrite"))
+    _import_optax()
+    # The saved config states the context the model was trained for: generation stops there.
+    cfg = dataclasses.replace(CONFIGS[recipe.config](), max_position_embeddings=recipe.seq_len)
     split = byte_corpus.split_files(heldout_fraction=recipe.heldout_fraction)
     train_stream = byte_corpus.token_stream(split.root, split.train_files)
     held_stream = byte_corpus.token_stream(split.root, split.heldout_files)
+    if held_stream.size <= recipe.seq_len:
+        raise cli.UsageError(f"--seq-len: the held-out text has {held_stream.size} tokens; expected at most "
+                             f"{held_stream.size - 1} for one evaluation window")
     print(f"corpus: {len(split.train_files)} train files ({train_stream.size} tokens), "
           f"{len(split.heldout_files)} held-out files ({held_stream.size} tokens) from {split.root}")
 
@@ -272,10 +343,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print(json.dumps(results, indent=1))
 
-    save_checkpoint(shipped, out)  # first: it wants an empty or new directory
-    byte_corpus.write_file_list(out / "heldout_files.json", split.heldout_files,
-                                heldout_fraction=recipe.heldout_fraction)
-    byte_corpus.write_tokenizer_config(out / "tokenizer_config.json")
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(shipped, nnx.Param)))
     record = {
         "recipe": dataclasses.asdict(recipe), "model_config": cfg.to_dict(), "num_params": num_params,
@@ -285,11 +352,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__,
         "python_version": sys.version.split()[0],
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-        "command": "python -m snapmla_jax.train_demo " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m snapmla_jax.train_demo " + " ".join(argv),
     }
-    (out / "train_recipe.json").write_text(json.dumps(record, indent=1) + "\n")
+    # Checkpoint and metadata appear at --out together, once all are written.
+    with staged_checkpoint_dir(out, overwrite=args.overwrite) as staging:
+        write_checkpoint(shipped, staging)
+        byte_corpus.write_file_list(staging / "heldout_files.json", split.heldout_files,
+                                    heldout_fraction=recipe.heldout_fraction)
+        byte_corpus.write_tokenizer_config(staging / "tokenizer_config.json")
+        (staging / "train_recipe.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}: {num_params} parameters, {history['steps'][-1]} steps in {history['seconds'][-1]:.0f}s")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 2 bad input or out of memory)."""
+    return cli.run(PROG, _train_demo, argv, out_of_memory_hint="try a smaller --batch-size or --seq-len")
 
 
 if __name__ == "__main__":

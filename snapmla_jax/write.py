@@ -44,16 +44,28 @@ def _validate(cache: LatentCache, latent, k_rope, slot_mapping, layer) -> None:
             raise ValueError(f"{name}: expected a bfloat16/float16/float32 array, got {arr.dtype}")
     if slot_mapping.ndim != 1 or slot_mapping.shape[0] != latent.shape[0]:
         raise ValueError(f"slot_mapping: expected shape [{latent.shape[0]}], got {list(slot_mapping.shape)}")
-    if slot_mapping.dtype != jnp.int32:
-        raise ValueError(f"slot_mapping: expected int32, got {slot_mapping.dtype}")
+    if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise ValueError(f"slot_mapping: expected integer slot ids (int32; other integer types are converted), "
+                         f"got {slot_mapping.dtype}")
     check_layer(cache, layer)
     if not isinstance(slot_mapping, jax.core.Tracer):
-        slots = np.asarray(slot_mapping)
+        slots = np.asarray(slot_mapping)  # in its own dtype: an int64 id past int32 is caught, not wrapped
         bad = (slots < -1) | (slots >= cache.num_slots)
         if bad.any():
             raise ValueError(
                 f"slot_mapping: expected slots in [-1, {cache.num_slots}) (-1 = padding), "
                 f"got {int(slots[bad][0])} at index {int(np.flatnonzero(bad)[0])}")
+
+
+def _int32_slots(slot_mapping, num_slots: int) -> jax.Array:
+    """slot_mapping (any integer dtype) as int32, an id outside [-1, num_slots) becoming -1
+    before the cast (a traced int64 id past int32 must not wrap into a valid slot)."""
+    if slot_mapping.dtype == jnp.int32:
+        return jnp.asarray(slot_mapping)
+    if not isinstance(slot_mapping, jax.core.Tracer):  # numpy int64 (np.arange), validated above
+        return jnp.asarray(np.asarray(slot_mapping).astype(np.int32))
+    inside = (slot_mapping >= -1) & (slot_mapping < num_slots)
+    return jnp.where(inside, slot_mapping, -1).astype(jnp.int32)
 
 
 def write_kv(cache: LatentCache, latent: jax.Array, k_rope: jax.Array, slot_mapping: jax.Array, *,
@@ -65,7 +77,8 @@ def write_kv(cache: LatentCache, latent: jax.Array, k_rope: jax.Array, slot_mapp
       latent: [T, kv_lora_rank] bfloat16/float16/float32, the tokens' compressed KV.
       k_rope: [T, rope_dim] bfloat16/float16/float32, the already-rotated RoPE keys.
       slot_mapping: [T] int32, slot = page * page_size + offset per token; -1 marks
-        a padding token, for which nothing is written.
+        a padding token, for which nothing is written. Other integer dtypes (int64 from
+        ``np.arange``, uint8, ...) are converted; floats are refused.
       layer: None for a cache without layer axis; else the layer (int or traced
         int32 scalar) to write.
       backend: "auto" | "pallas" | "interpret" | "xla" (see snapmla_jax.backend).
@@ -77,14 +90,15 @@ def write_kv(cache: LatentCache, latent: jax.Array, k_rope: jax.Array, slot_mapp
     Under ``jax.jit`` with the cache donated the write is in place; an eager call
     copies the cache once.
 
-    Raises ValueError naming the argument for wrong shapes/dtypes, a layer out
-    of range, or (when slot_mapping is concrete) a slot outside [-1, num_slots).
+    Raises ValueError naming the argument for wrong shapes/dtypes (a non-integer
+    slot_mapping), a layer out of range, or (when slot_mapping is concrete) a slot outside
+    [-1, num_slots).
     Under jit, a slot or traced layer out of range writes nothing (never out of
     bounds).
     """
     _validate(cache, latent, k_rope, slot_mapping, layer)
     backend = resolve_backend(backend)
-    slots = slot_mapping.astype(jnp.int32)
+    slots = _int32_slots(slot_mapping, cache.num_slots)
     valid = (slots >= 0) & (slots < cache.num_slots)
     if layer is not None:
         layer = jnp.asarray(layer, jnp.int32)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hf_tiny import tree_snapshot
 from snapmla_jax.models import MLAModel
 from snapmla_jax import byte_corpus as bc
 from snapmla_jax import fidelity
@@ -104,7 +105,7 @@ def cli_results(tmp_path_factory):
     root = tmp_path_factory.mktemp("fidelity")
     model_dir = root / "model"
     assert td.main(["--out", str(model_dir), "--config", "tiny", "--steps", "2", "--batch-size", "2", "--seq-len",
-                    "32", "--steps-per-call", "2", "--warmup-steps", "1", "--eval-windows", "1"]) == 0
+                    "64", "--steps-per-call", "2", "--warmup-steps", "1", "--eval-windows", "1"]) == 0
     paths = {"json": root / "f.json", "markdown": root / "f.md", "plot": root / "f.png",
              "plot-ablation": root / "a.png"}
     assert fidelity.main(["--model", str(model_dir), "--windows", "2", "--seq-len", "64", "--chunk", "32",
@@ -151,3 +152,36 @@ def test_cli_writes_markdown_and_png(cli_results):
 def test_missing_model_dir_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="model"):
         fidelity.load_model_dir(tmp_path)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--backend", "bogus"], "--backend: expected one of"),
+    (["--backend", "pallas"], "--backend: \"pallas\" compiles for a CUDA GPU"),
+    (["--model", "/nope"], "--model: /nope is not a directory"),
+    (["--model", "."], "--model: expected a train_demo directory"),
+    (["--chunk", "100"], "--chunk: expected a divisor of --seq-len 512, got 100"),
+    (["--chunk", "0"], "--chunk: expected an int >= 1"),
+    (["--windows", "0"], "--windows: expected an int >= 1"),
+    (["--windows", "many"], "--windows: expected an int, got 'many'"),
+    (["--windows", "100000"], "--windows: the held-out text"),
+    (["--prompts", "1000"], "--prompts: expected 1.."),
+    (["--seq-len", "1024", "--chunk", "64"], "--seq-len: expected at most the model's context of 512"),
+    (["--gen-tokens", "500"], "--gen-tokens: 500 tokens after prompts of 64 bytes pass the model's context"),
+    (["--json", "."], "--json: . is a directory"),
+    (["--plot", "nowhere/f.png"], "--plot: the directory nowhere does not exist"),
+    (["--bogus"], "--bogus"),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fidelity, "evaluate", lambda *_, **__: pytest.fail("evaluation started on bad input"))
+    before = tree_snapshot(tmp_path)
+    code = fidelity.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("snapmla_jax.fidelity: error: ") and needle in err, err
+    assert tree_snapshot(tmp_path) == before
+
+
+def test_help_exits_0(capsys):
+    assert fidelity.main(["--help"]) == 0
+    assert "--chunk" in capsys.readouterr().out

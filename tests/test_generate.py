@@ -221,6 +221,65 @@ def test_bad_arguments_raise_naming_them(model, prompts, kwargs, name):
         generate(model, **args)
 
 
+def test_errors_name_a_prompt_by_its_index_in_prompts(model, prompts):
+    with pytest.raises(ValueError, match=r"prompts\[1\]"):
+        generate(model, [[1, 2], []], max_new_tokens=2, backend="xla")
+    longest = int(np.argmax(PROMPT_LENGTHS))
+    with pytest.raises(ValueError, match=rf"max_new_tokens: prompts\[{longest}\] has {max(PROMPT_LENGTHS)} tokens"):
+        generate(model, prompts, max_new_tokens=CONTEXT, backend="xla")
+
+
+def test_a_batch_whose_cache_does_not_fit_is_refused_saying_what_fits(model, monkeypatch):
+    import snapmla_jax.generate as module
+
+    page_bytes = sum(c.nbytes for c in model.init_cache(1, 64, kv_cache="fp8"))
+    monkeypatch.setattr(module, "cache_budget", lambda devices=None: (2 * page_bytes, "a 2-page test budget"))
+    # Rows of 10 + 60 and 30 + 60 tokens take 2 pages of 64 each: 4 in all.
+    with pytest.raises(module.BatchTooLarge, match=r"^prompts: 2 prompts with max_new_tokens=60 need .* more than "
+                                                   r"a 2-page test budget; the first 1 fit, or all of them with "
+                                                   r"max_new_tokens=34$") as caught:
+        generate(model, [[1] * 10, [2] * 30], max_new_tokens=60, backend="xla")
+    assert (caught.value.fit_prompts, caught.value.fit_new_tokens) == (1, 34)
+    assert caught.value.needed_bytes == 4 * page_bytes and caught.value.budget_bytes == 2 * page_bytes
+    assert generate(model, [[1] * 10, [2] * 30], max_new_tokens=34, backend="xla")  # what it said fits
+
+
+def test_cache_budget_reads_free_device_memory_or_half_the_hosts():
+    import snapmla_jax.generate as module
+
+    class Gpu:
+        device_kind, platform = "test GPU", "gpu"
+
+        def memory_stats(self):
+            return {"bytes_limit": 10 << 30, "bytes_in_use": 2 << 30}
+
+    class Cpu:
+        device_kind, platform = "cpu", "cpu"
+
+        def memory_stats(self):
+            return None
+
+    budget, why = module.cache_budget([Gpu()])
+    assert budget == int((8 << 30) * module.DEVICE_MEMORY_SHARE) and "8.00 GiB free on test GPU" in why
+    host = module._host_available_bytes()
+    if host is not None:
+        budget, why = module.cache_budget([Cpu()])
+        assert budget == int(host * module.HOST_MEMORY_SHARE) and "host's" in why
+    assert module.cache_budget([Gpu(), Cpu()])[0] <= module.cache_budget([Gpu()])[0]
+
+
+def test_the_package_exports_the_generate_module_callable_as_the_function(model, prompts, greedy_bf16):
+    import sys
+
+    import snapmla_jax as sm
+    import snapmla_jax.generate as module
+
+    assert sm.generate is sys.modules["snapmla_jax.generate"] is module
+    assert sm.generate.stream is sm.stream is stream and sm.generate_with_stats is generate_with_stats
+    assert sm.generate(model, prompts, max_new_tokens=MAX_NEW, kv_cache="bf16", backend="xla") == greedy_bf16
+    assert {"generate", "stream", "generate_with_stats"} <= set(sm.__all__)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
 def test_pallas_kernels_in_the_loop_match_the_xla_path(model, prompts, greedy_bf16, kv_cache):

@@ -5,6 +5,7 @@ import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ from flax import nnx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from cpu_devices import run_with_cpu_devices
+from hf_tiny import tree_snapshot
 from snapmla_jax.models import MLAConfig, MLAModel, load_checkpoint, save_checkpoint
 from snapmla_jax.generate import generate, main
 from snapmla_jax.tokenizer import load_tokenizer
@@ -127,21 +129,34 @@ def test_module_runs_as_a_program(checkpoint):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--prompt", "x", "--bogus"], "--bogus"),
-    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
-    (["--prompt", "x", "--max-new-tokens", "many"], "--max-new-tokens"),
-    (["--prompt", "x", "--top-p", "0"], "top_p"),
-    (["--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens: expected an int >= 1, got 0"),
+    (["--prompt", "x", "--max-new-tokens", "many"], "--max-new-tokens: expected an int, got 'many'"),
+    (["--prompt", "x", "--top-p", "0"], "--top-p: expected a float in (0, 1]"),
+    (["--prompt", "x", "--temperature", "-1"], "--temperature: expected a float >= 0"),
+    (["--prompt", "x", "--top-k", "-1"], "--top-k: expected an int >= 0"),
+    (["--prompt", "x", "--kv-cache", "int4"], "--kv-cache: expected one of"),
+    (["--prompt", "x", "--chunk-size", "0"], "--chunk-size: expected an int >= 1"),
+    (["--prompt", "x", "--dtype", "int8"], "--dtype: expected one of"),
+    (["--prompt", "x", "--backend", "pallas"], "--backend: \"pallas\" compiles for a CUDA GPU"),
+    (["--prompt", "x", "--batch-file", "b.txt"], "--batch-file: not allowed with argument --prompt"),
     (["--prompt", ""], "--prompt"),
     ([], "--prompt or --batch-file"),
-    (["--prompt", "the " * CONTEXT], "context"),
-    (["--prompt", "the quick brown fox", "--max-new-tokens", str(CONTEXT)], "context"),
-    (["--prompt", "x", "--eos-id", "999"], "eos_id"),
+    (["--prompt", "the " * CONTEXT], "--prompt: the prompt has"),
+    (["--prompt", "the quick brown fox", "--max-new-tokens", str(CONTEXT)],
+     "--max-new-tokens: the prompt has 14 tokens; 64 new ones would pass the model's context of 64 tokens "
+     "(at most 50)"),
+    (["--prompt", "x", "--max-new-tokens", "4", "--eos-id", "999"],
+     "--eos-id: expected -1 (none) or a token id in [0, 320), got 999"),
+    (["--prompt", "x", "--max-new-tokens", "4", "--eos-id", "-5"], "--eos-id: expected -1 (none) or a token id"),
 ])
-def test_bad_input_exits_2_with_one_line(checkpoint, capsys, argv, needle):
+def test_bad_input_exits_2_with_one_line(checkpoint, tmp_path, monkeypatch, capsys, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    before = tree_snapshot(tmp_path)
     code, out, err = _run(capsys, "--model", checkpoint, "--backend", "xla", *argv)
     assert code == 2
-    assert out == ""
+    assert out == "" and "Traceback" not in err
     assert err.count("\n") == 1 and err.startswith("snapmla_jax.generate: error:") and needle in err, err
+    assert tree_snapshot(tmp_path) == before
 
 
 def test_bad_batch_files_exit_2(checkpoint, tmp_path, capsys):
@@ -155,17 +170,79 @@ def test_bad_batch_files_exit_2(checkpoint, tmp_path, capsys):
 def test_missing_model_or_tokenizer_exits_2(checkpoint, tmp_path, capsys, monkeypatch):
     code, _, err = _run(capsys, "--model", tmp_path / "nowhere", "--prompt", "x")
     assert code == 2 and "--model" in err and err.count("\n") == 1
+    # A directory that is no model is named as such, whatever tokenizer files it lacks.
     empty = tmp_path / "empty"
     empty.mkdir()
     code, _, err = _run(capsys, "--model", empty, "--prompt", "x")
-    assert code == 2 and "no tokenizer" in err and err.count("\n") == 1
+    assert code == 2 and err.count("\n") == 1
+    assert "--model: " in err and "is neither a snapmla-jax checkpoint" in err and "tokenizer" not in err
     code, _, err = _run(capsys, "--model", empty, "--tokenizer", checkpoint, "--prompt", "x")
-    assert code == 2 and "neither an orbax checkpoint" in err
+    assert code == 2 and "neither a snapmla-jax checkpoint" in err
+    # A checkpoint without a tokenizer: the flag that supplies one.
+    bare = tmp_path / "bare"
+    shutil.copytree(checkpoint, bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    code, _, err = _run(capsys, "--model", bare, "--prompt", "x")
+    assert code == 2 and err.count("\n") == 1 and "holds no tokenizer" in err and "--tokenizer DIR" in err
+    code, _, err = _run(capsys, "--model", bare, "--tokenizer", empty, "--prompt", "x")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("snapmla_jax.generate: error: --tokenizer: ")
     # The module, not the package's generate function of the same name.
     module = importlib.import_module("snapmla_jax.generate")
     monkeypatch.setattr(module, "DEFAULT_MODEL_DIR", tmp_path / "no_demo_model")
     code, _, err = _run(capsys, "--prompt", "x")
     assert code == 2 and "demo model is not installed" in err and err.count("\n") == 1
+
+
+def test_prompts_are_counted_from_1_as_the_lines_of_the_batch_file(checkpoint, tmp_path, capsys):
+    batch = tmp_path / "prompts.txt"
+    batch.write_text("a cache\n" + "the " * CONTEXT + "\nmulti head\n")
+    code, _, err = _run(capsys, "--model", checkpoint, "--batch-file", batch, "--max-new-tokens", 4)
+    assert code == 2 and err.count("\n") == 1
+    assert f"--batch-file: prompt 2 (line 2 of {batch}) has" in err, err
+    batch.write_text("the quick brown fox jumps over the lazy dog\na cache\n")
+    code, _, err = _run(capsys, "--model", checkpoint, "--batch-file", batch, "--max-new-tokens", CONTEXT - 3)
+    assert code == 2 and f"--max-new-tokens: prompt 1 (line 1 of {batch}) has" in err, err
+
+
+def test_a_batch_of_100k_prompts_is_refused_before_allocating_saying_what_fits(checkpoint, tmp_path, capsys):
+    batch = tmp_path / "prompts.txt"
+    batch.write_text("a cache\n" * 100_000)
+    code, out, err = _run(capsys, "--model", checkpoint, "--batch-file", batch, "--max-new-tokens", 8)
+    assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("snapmla_jax.generate: error: --batch-file: 100000 prompts with --max-new-tokens 8 need ")
+    fit = int(re.search(r"the first (\d+) prompts would fit", err).group(1))
+    assert 0 < fit < 100_000
+
+
+def test_a_batch_larger_than_the_memory_budget_is_refused_saying_what_fits(checkpoint, tmp_path, capsys,
+                                                                          monkeypatch):
+    module = importlib.import_module("snapmla_jax.generate")
+    model = load_checkpoint(checkpoint)
+    page_bytes = sum(c.nbytes for c in model.init_cache(1, module.DEFAULT_PAGE_SIZE, kv_cache="fp8"))
+    # Room for 2 pages; each of these prompts with 8 new tokens takes one (64 tokens a page).
+    monkeypatch.setattr(module, "cache_budget", lambda devices=None: (2 * page_bytes, "a 2-page test budget"))
+    batch = tmp_path / "prompts.txt"
+    batch.write_text("a cache\nthe quick\nmulti head\n")
+    code, out, err = _run(capsys, "--model", checkpoint, "--batch-file", batch, "--max-new-tokens", 8)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "--batch-file: 3 prompts with --max-new-tokens 8 need" in err and "more than a 2-page test budget" in err
+    assert err.rstrip().endswith("the first 2 prompts would fit"), err
+    batch.write_text("a cache\nthe quick\n")
+    assert _run(capsys, "--model", checkpoint, "--batch-file", batch, "--max-new-tokens", 8, "--backend", "xla",
+                "--json")[0] == 0
+
+
+def test_device_out_of_memory_is_one_line(checkpoint, capsys, monkeypatch):
+    module = importlib.import_module("snapmla_jax.generate")
+
+    def out_of_memory(self):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.00GiB.\n"
+                                         "BufferAssignment OOM Debugging.")
+        yield
+
+    monkeypatch.setattr(module.GenerationStream, "__iter__", out_of_memory)
+    code, _, err = _run(capsys, "--model", checkpoint, "--prompt", "a cache", "--max-new-tokens", 4)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "out of device memory (RESOURCE_EXHAUSTED: Out of memory" in err and "--max-new-tokens" in err
 
 
 def test_help_exits_0(capsys):

@@ -524,3 +524,12 @@ def test_bad_input_raises_value_error_naming_the_argument(small_args, change, na
                 softmax_scale=SCALE)
     with pytest.raises(ValueError, match=name):
         mla_decode(**change(args), backend="interpret")
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("num_splits", [0, -1, 1.5, True])
+def test_num_splits_that_is_not_a_positive_int_is_refused_on_every_backend(small_args, backend, num_splits):
+    q, q_rope, cache, block_table, seq_lens = small_args
+    with pytest.raises(ValueError, match="num_splits: expected None or a positive int"):
+        mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=SCALE, backend=backend,
+                   num_splits=num_splits)

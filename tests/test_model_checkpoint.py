@@ -163,3 +163,50 @@ def test_saving_over_an_existing_checkpoint_needs_overwrite(model, saved, tmp_pa
     save_checkpoint(model, target, overwrite=True)
     np.testing.assert_array_equal(np.asarray(load_checkpoint(target)(jnp.asarray(TOKENS))),
                                   np.asarray(model(jnp.asarray(TOKENS))))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"]  # no staging directory left
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda p: p.write_text("a file"), "is a file"),
+    (lambda p: (p.mkdir(), (p / "notes.txt").write_text("someone's")), "is a non-empty directory and not a "
+                                                                       "snapmla-jax checkpoint"),
+    (lambda p: (p.mkdir(), (p / "config.json").write_text('{"model_type": "deepseek_v2"}')),
+     "is a non-empty directory and not a snapmla-jax checkpoint"),
+])
+def test_overwrite_replaces_only_our_own_checkpoints(model, tmp_path, make, reason):
+    target = tmp_path / "target"
+    make(target)
+    before = sorted((p.name, p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*"))
+    with pytest.raises(CheckpointError, match=f"ckpt_dir: .*target {reason}"):
+        save_checkpoint(model, target, overwrite=True)
+    assert sorted((p.name, p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_path_below_a_file_is_refused_before_writing(model, tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="cannot be created: .*file is a file"):
+        save_checkpoint(model, tmp_path / "file" / "ckpt")
+
+
+def test_an_interrupted_overwrite_leaves_the_old_checkpoint_loadable(model, saved, tmp_path, monkeypatch):
+    import snapmla_jax.models.checkpoint as ckpt
+
+    target = copy_checkpoint(saved, tmp_path / "existing")
+    before = sorted(str(p.relative_to(target)) for p in target.rglob("*"))
+
+    def interrupted(model, directory):
+        (pathlib.Path(directory) / "state").mkdir()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt, "write_checkpoint", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(model, target, overwrite=True)
+    assert sorted(str(p.relative_to(target)) for p in target.rglob("*")) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"]
+    np.testing.assert_array_equal(np.asarray(load_checkpoint(target)(jnp.asarray(TOKENS))),
+                                  np.asarray(model(jnp.asarray(TOKENS))))
+
+
+def test_a_new_nested_directory_is_created(model, tmp_path):
+    save_checkpoint(model, tmp_path / "a" / "b")
+    load_checkpoint(tmp_path / "a" / "b")

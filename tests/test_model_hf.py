@@ -38,9 +38,8 @@ FULL_FORWARD_VARIANTS = ("v2_lite", "v2", "v3")
 def hf_reference(tmp_path_factory) -> pathlib.Path:
     """Directory with one subdirectory per variant (checkpoint, input_ids.npy, logits.npy)."""
     if not os.path.isfile(REF_PYTHON):
-        message = (f"reference venv missing: {REF_PYTHON} (set SNAPMLA_REF_PYTHON, or build it with "
-                   "python3.11 -m venv .venv-ref && .venv-ref/bin/pip install torch==2.13.0 transformers "
-                   "safetensors numpy)")
+        message = (f"reference venv missing: {REF_PYTHON} (build it with `bash scripts/install.sh --tests`, "
+                   "or set SNAPMLA_REF_PYTHON)")
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(message)
         pytest.skip(message)

@@ -1,5 +1,6 @@
 """The demo-model trainer: a few CPU steps on a tiny config learn, and the CLI writes a loadable checkpoint."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -14,7 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from snapmla_jax.models import load_checkpoint
+from hf_tiny import tree_snapshot
+from snapmla_jax.models import MLAModel, load_checkpoint
 from snapmla_jax import byte_corpus as bc
 from snapmla_jax import train_demo as td
 from snapmla_jax.tokenizer import load_tokenizer
@@ -78,19 +80,86 @@ def test_unigram_bits_per_byte_matches_hand_count():
 
 @needs_optax
 def test_cli_writes_a_checkpoint_that_loads_with_its_metadata(tmp_path):
+    # No --seq-len: the tiny config trains on its own default window (64 tokens).
     out = tmp_path / "demo"
-    rc = td.main(["--out", str(out), "--config", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len", "32",
+    rc = td.main(["--out", str(out), "--config", "tiny", "--steps", "4", "--batch-size", "2",
                   "--steps-per-call", "2", "--warmup-steps", "2", "--eval-windows", "2"])
     assert rc == 0
     model = load_checkpoint(out)
-    assert model.cfg == td.tiny_config()
+    # The saved context is the trained one: what generate then allows.
+    assert model.cfg == dataclasses.replace(td.tiny_config(), max_position_embeddings=td.DEFAULT_SEQ_LEN["tiny"])
     assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     record = json.loads((out / "train_recipe.json").read_text())
     assert record["steps_done"] == 4 and record["recipe"]["config"] == "tiny"
+    assert record["recipe"]["seq_len"] == td.DEFAULT_SEQ_LEN["tiny"]
     assert record["heldout_bits_per_byte_bf16"] > 0
     files, _ = bc.read_file_list(out / "heldout_files.json")
     assert files == list(bc.split_files().heldout_files)
     assert load_tokenizer(out).eos_id == bc.EOS_ID
+
+
+def _fake_train(cfg, train_stream, recipe, *, log=print):
+    """td.train without the training: a random float32 model of ``cfg`` and one chunk's history."""
+    model = MLAModel(cfg, rngs=nnx.Rngs(recipe.seed), dtype=jnp.float32)
+    return model, {"steps": [recipe.steps], "loss": [5.0], "lr": [recipe.peak_lr], "seconds": [0.1],
+                   "compile_seconds": 0.0}
+
+
+def _no_training(*_, **__):
+    raise AssertionError("training started on bad input")
+
+
+QUICK = ["--config", "tiny", "--steps", "2", "--batch-size", "2", "--eval-windows", "1", "--seq-len", "16"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--out", "taken"], "--out: taken is a non-empty directory and not a snapmla-jax checkpoint"),
+    (["--out", "taken", "--overwrite"], "--out: taken is a non-empty directory and not a snapmla-jax checkpoint"),
+    (["--out", "file.txt"], "--out: file.txt is a file"),
+    (["--out", "file.txt/sub"], "--out: file.txt/sub cannot be created"),
+    (["--out", "new", "--steps", "-1"], "--steps: expected a value >= 1, got -1"),
+    (["--out", "new", "--steps", "many"], "--steps: expected an int, got 'many'"),
+    (["--out", "new", "--seq-len", "0"], "--seq-len: expected a value >= 1"),
+    (["--out", "new", "--max-seconds", "0"], "--max-seconds: expected a value > 0"),
+    (["--out", "new", "--beta2", "1.5"], "--beta2: expected a value > 0 and < 1"),
+    (["--out", "new", "--heldout-fraction", "0"], "--heldout-fraction: expected a value > 0 and < 1"),
+    (["--out", "new", "--config", "huge"], "--config: expected one of"),
+    (["--config", "tiny"], "--out"),
+])
+def test_bad_input_exits_2_with_one_line_before_any_work(tmp_path, monkeypatch, capsys, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(td, "train", _no_training)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("someone's files")
+    (tmp_path / "file.txt").write_text("a file")
+    before = tree_snapshot(tmp_path)
+    code = td.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("snapmla_jax.train_demo: error: ") and needle in err, err
+    assert tree_snapshot(tmp_path) == before
+
+
+@needs_optax
+def test_existing_checkpoint_is_replaced_only_with_overwrite(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(td, "train", _fake_train)
+    out = tmp_path / "run"
+    assert td.main(["--out", str(out), *QUICK, "--seed", "1"]) == 0
+    first = tree_snapshot(out)
+    assert td.main(["--out", str(out), *QUICK, "--seed", "2"]) == 2
+    assert "--out: " in capsys.readouterr().err and tree_snapshot(out) == first
+    assert td.main(["--out", str(out), *QUICK, "--seed", "2", "--overwrite"]) == 0
+    assert json.loads((out / "train_recipe.json").read_text())["recipe"]["seed"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no staging directory left
+    load_checkpoint(out)
+
+
+def test_help_exits_0_and_describes_every_recipe_flag(capsys):
+    assert td.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for field in dataclasses.fields(td.TrainRecipe):
+        assert "--" + field.name.replace("_", "-") in out
+    assert "--overwrite" in out
 
 
 SHIPPED = pathlib.Path(td.__file__).resolve().parent / "assets" / "demo_model"
@@ -110,6 +179,19 @@ def test_shipped_model_predicts_heldout_python_far_better_than_byte_frequencies(
     # The unigram byte model scores ~4.8 bits per byte on stdlib source and the trained model ~0.8-1.4
     # (docs/train_demo.md); 2.5 fails any model that has not learned context, passes the shipped one.
     assert td.bits_per_byte(model, windows) < 2.5
+
+
+def test_shipped_model_states_the_context_it_was_trained_for():
+    recipe = json.loads((SHIPPED / "train_recipe.json").read_text())["recipe"]
+    assert load_checkpoint(SHIPPED).cfg.max_position_embeddings == recipe["seq_len"] == 512
+
+
+def test_generating_past_the_shipped_models_context_is_refused_naming_it(capsys):
+    from snapmla_jax.generate import main as generate_main
+
+    assert generate_main(["--prompt", "def ", "--max-new-tokens", "600"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--max-new-tokens" in err and "context of 512 tokens" in err, err
 
 
 def test_generate_cli_runs_the_shipped_model_by_default_on_cpu():

@@ -162,6 +162,32 @@ def test_bad_input_raises_value_error_naming_the_argument(change, name):
                  jnp.asarray(args["slot_mapping"]), layer=args["layer"], backend=args["backend"])
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.uint16, np.int16])
+def test_other_integer_slot_ids_are_converted(dtype):
+    # np.arange gives int64: the same bytes as int32 ids, eagerly and under jit.
+    latent, rope = jnp.ones((4, 512), jnp.float32), jnp.ones((4, 64), jnp.float32)
+    want = write_kv(_poisoned("fp8"), latent, rope, jnp.arange(4, dtype=jnp.int32), backend="xla")
+    got = write_kv(_poisoned("fp8"), latent, rope, np.arange(4).astype(dtype), backend="xla")
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(_np(a), _np(b))
+    traced = jax.jit(lambda c, s: write_kv(c, latent, rope, s, backend="xla"))(_poisoned("fp8"),
+                                                                                 jnp.arange(4, dtype=jnp.int16))
+    for a, b in zip(jax.tree.leaves(traced), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(_np(a), _np(b))
+
+
+@pytest.mark.parametrize("slots, message", [
+    (np.array([0, 1, 2, 2**40]), r"slot_mapping: expected slots in \[-1, \d+\) .* got 1099511627776 at index 3"),
+    (np.array([0, 1, 2, -2]), r"slot_mapping: expected slots in"),
+    (np.arange(4, dtype=np.float64), r"slot_mapping: expected integer slot ids"),
+    (np.array([True, False, True, False]), r"slot_mapping: expected integer slot ids"),
+])
+def test_int64_slot_ids_are_range_checked_before_conversion_and_floats_refused(slots, message):
+    with pytest.raises(ValueError, match=message):
+        write_kv(_poisoned("fp8"), jnp.ones((4, 512), jnp.float32), jnp.ones((4, 64), jnp.float32), slots,
+                 backend="xla")
+
+
 def test_layered_cache_rejects_missing_or_out_of_range_layer():
     cache = _poisoned("bf16", num_layers=2)
     latent, rope = jnp.ones((1, 512)), jnp.ones((1, 64))

@@ -24,9 +24,10 @@ the row falls on all of them alike. Columns:
                the same process, its layers replayed from one CUDA graph; present only when
                ``--flashmla`` finds it. "FlashMLA/FP8" = FlashMLA's time / ours (> 1: ours faster)
 
-Writes ``decode.json`` and ``decode.md`` under ``--out``. ``--merge`` keeps rows of an earlier
-run whose shapes this run does not cover, so a long grid can be measured in several
-invocations; the "measured" column says when each row was.
+Writes ``decode.json`` and ``decode.md`` (``--name``: other file names) under ``--out``
+(default: outside the source tree, printed; ``--publish``: the repository's docs/benchmarks/).
+``--merge`` keeps rows of an earlier run whose shapes this run does not cover, so a long grid can
+be measured in several invocations; the "measured" column says when each row was.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import argparse
 import dataclasses
 import json
 import math
-import pathlib
 import shlex
 import sys
 import time
@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from snapmla_jax.pallas_kernels.mla_decode import FP8_CONFIG
+from snapmla_jax import cli
 from snapmla_jax.bench import flashmla as flashmla_lib
 from snapmla_jax.bench import timing
 from snapmla_jax.cache import INT32_LIMIT, LatentCache, kernel_addressable
@@ -382,7 +383,7 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
            "(> 1: ours faster). Its layer-0 output against our BF16 twin's: max |diff| / max |FlashMLA| "
            f"<= {max(agreement):.3g}." if agreement else ""] if flashmla_name else []),
         "JAX stock `pallas.ops.gpu.decode_attention.mqa` (the 576-dim [latent, rope] as K and V): "
-        + ("runs (times in decode.json)." if stock_reason is None else f"does not run: {stock_reason}."),
+        + ("runs (times in the JSON beside this page)." if stock_reason is None else f"does not run: {stock_reason}."),
         "",
         timing.markdown_table(["B", "ctx", "H", "s_q", "layers", *(c[0] for c in columns), "ceil", "measured (UTC)"],
                               body),
@@ -420,11 +421,18 @@ PRESETS = {"vs-flashmla": ("the rows compared with FlashMLA and batch sweeps at 
                            VS_FLASHMLA)}
 
 
+def file_stem(text: str) -> str:
+    """A file name without a directory: letters, digits, '.', '_' and '-'."""
+    if not text or not all(c.isalnum() or c in "._-" for c in text) or text.startswith("."):
+        raise argparse.ArgumentTypeError(f"expected a file name of letters, digits, '.', '_' and '-', got {text!r}")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m snapmla_jax.bench decode", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(prog="python -m snapmla_jax.bench decode", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--out", default="docs/benchmarks", help="directory for decode.json / decode.md")
+    cli.add_bench_output_flags(parser, "decode.json / decode.md")
     parser.add_argument("--iters", type=int, default=10, help="timed samples (of 10 calls) per measurement")
     parser.add_argument("--rounds", type=int, default=None,
                         help="round-robin rounds the samples are spread over (timing.time_round_robin; "
@@ -444,8 +452,11 @@ def main(argv: list[str] | None = None) -> int:
                              "or the path of an extension .so with FlashMLA's dense_decode_fwd")
     parser.add_argument("--flashmla-label", default=None,
                         help="what the page calls the FlashMLA it timed (e.g. its commit); default: its module")
+    parser.add_argument("--name", default="decode", type=file_stem,
+                        help="the results' file names, NAME.json and NAME.md (default: decode)")
     parser.add_argument("--merge", action="store_true", help="keep earlier rows of shapes not measured now")
     args = parser.parse_args(argv)
+    out = cli.bench_output_dir(args)
     if timing.missing_gpu("decode benchmark"):
         return 2
     try:
@@ -467,10 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     memory = _device_memory()
     print(f"{env}\n{ceilings}", flush=True)
     rows, stock_reason = [], None
-    out = pathlib.Path(args.out)
     earlier, earlier_ceilings = [], None
-    if args.merge and (out / "decode.json").exists():
-        saved = json.loads((out / "decode.json").read_text())
+    if args.merge and (out / f"{args.name}.json").exists():
+        saved = json.loads((out / f"{args.name}.json").read_text())
         earlier = saved["rows"]
         earlier_ceilings = (saved["environment"]["ceilings"], saved["environment"]["device"])
 
@@ -484,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         ceil = dataclasses.asdict(ceilings)
         markdown = to_markdown(env, ceil, merged, stock_reason, command, merged=bool(kept),
                                flashmla_name=(args.flashmla_label or flashmla.name) if flashmla else None)
-        timing.write_results(out, "decode", {**env, "ceilings": ceil, "stock_mqa": stock_reason or "runs"}, merged,
+        timing.write_results(out, args.name, {**env, "ceilings": ceil, "stock_mqa": stock_reason or "runs"}, merged,
                              markdown)
         return markdown
 

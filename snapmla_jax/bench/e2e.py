@@ -23,7 +23,8 @@ One compiled program per (batch, cache format) serves every context: the
 cache and block table are sized for the largest context that fits, and the
 kernels stop at each row's seq_len. Programs are compiled in parallel threads
 before the runs; results are written after every run, so a run cut short
-still leaves its table. ``--tiny`` runs a 2-layer model on any backend (CPU test).
+still leaves its table (``--out``; default: outside the source tree, printed; ``--publish``:
+the repository's docs/benchmarks/). ``--tiny`` runs a 2-layer model on any backend (CPU test).
 ``--profile`` adds each row's GPU time per launch and decode step (``timing.kernel_times_us``)
 to the JSON; XLA runs the decode loop's body as a CUDA graph, which the profiler does not see
 into, so profile with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``.
@@ -50,6 +51,8 @@ import snapmla_jax.models.moe
 
 from snapmla_jax import models
 from snapmla_jax.models import MLAConfig, MLAModel
+from snapmla_jax import cli
+from snapmla_jax.backend import BACKENDS
 from snapmla_jax.bench import timing
 from snapmla_jax.cache import LatentCache, kernel_addressable
 from snapmla_jax.decode import mla_decode
@@ -379,7 +382,8 @@ def markdown(env: dict, rows: list[dict], batches, contexts) -> str:
     by_key = {(r["batch"], r["context"], r["kv_cache"]): r for r in rows}
     lines = [
         "# End-to-end decode: FP8 vs BF16 latent cache\n",
-        f"Device {env['device']}, jax {env['jax']}, {env['date']}. Produced by `python -m snapmla_jax.bench e2e`.\n",
+        f"Device {env['device']}, jax {env['jax']}, {env['date']}. Produced by `python -m snapmla_jax.bench e2e` "
+        "(the published table with `--publish`).\n",
         f"Model: {env['model']} with random bf16 weights ({env['params_b']:.2f} B parameters, "
         f"{env['weights_gib']:.1f} GiB). Greedy decoding in the compiled `lax.while_loop` of "
         f"`snapmla_jax.generate` ({env['steps']} steps per call, median of {env['iters']} calls), every row "
@@ -420,19 +424,23 @@ def markdown(env: dict, rows: list[dict], batches, contexts) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m snapmla_jax.bench e2e", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer model and small shapes (CPU test)")
+    """The benchmark; raises cli.UsageError for bad flags (``python -m snapmla_jax.bench e2e``
+    prints it on one line, exit code 2); exit code 2 without a CUDA GPU unless ``--tiny``."""
+    parser = cli.Parser(prog="python -m snapmla_jax.bench e2e", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true",
+                        help="a 2-layer model and small shapes, on any backend (a CPU test of the plumbing)")
     parser.add_argument("--batches", type=int, nargs="*", help="override the batch sizes")
     parser.add_argument("--contexts", type=int, nargs="*", help="override the context lengths")
     parser.add_argument("--steps", type=int, default=8, help="decode steps per timed call (default 8)")
     parser.add_argument("--iters", type=int, default=3, help="timed calls per measurement (default 3)")
-    parser.add_argument("--backend", default="auto", help="write_kv/mla_decode backend (default auto)")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="write_kv/mla_decode backend (default auto)")
     parser.add_argument("--threads", type=int, default=8, help="parallel compilations (default 8)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each row's GPU time per launch and decode step (JAX profiler) in the JSON")
-    parser.add_argument("--budget-s", type=float, default=None, help="stop starting new runs after this long")
-    parser.add_argument("--out", default="docs/benchmarks", help="directory for e2e.json / e2e.md")
+    parser.add_argument("--budget-s", type=float, default=None, help="stop starting new runs after this many seconds")
+    cli.add_bench_output_flags(parser, "e2e.json / e2e.md")
     moe = parser.add_mutually_exclusive_group()
     moe.add_argument("--dense-moe", type=int, nargs=2, metavar=("LOW", "HIGH"), default=None,
                      help="run the routed experts dense for LOW..HIGH tokens a call "
@@ -445,18 +453,26 @@ def main(argv: list[str] | None = None) -> int:
                              "most MAX tokens (MoE.gather_max_tokens; 0: never; default: the library's, "
                              "models.moe.GATHER_MAX_TOKENS)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.iters < 1:
-        parser.error("--steps and --iters: expected ints >= 1")
-    if not args.tiny and timing.missing_gpu("e2e benchmark",
-                                            "the V2-Lite-sized model needs a CUDA GPU (use --tiny elsewhere)"):
-        return 2
+    for flag in ("steps", "iters", "threads"):
+        if getattr(args, flag) < 1:
+            raise cli.UsageError(f"--{flag}: expected an int >= 1, got {getattr(args, flag)}")
+    for flag in ("batches", "contexts"):
+        if any(v < 1 for v in getattr(args, flag) or []):
+            raise cli.UsageError(f"--{flag}: expected ints >= 1, got {' '.join(map(str, getattr(args, flag)))}")
+    if args.budget_s is not None and not args.budget_s > 0:
+        raise cli.UsageError(f"--budget-s: expected a number of seconds > 0, got {args.budget_s}")
     if args.dense_moe is not None:
         try:
             models.moe.check_token_range(args.dense_moe)
         except ValueError as err:
-            parser.error(f"--dense-moe: {err}")
+            raise cli.UsageError(f"--dense-moe: {cli.one_line(err)}") from err
     if args.gather_moe is not None and (args.gather_moe < 0 or args.ragged_moe):
-        parser.error("--gather-moe: expected an int >= 0, and not with --ragged-moe")
+        raise cli.UsageError("--gather-moe: expected an int >= 0, and not with --ragged-moe")
+    cli.backend(args.backend)
+    args.out = cli.bench_output_dir(args)
+    if not args.tiny and timing.missing_gpu("e2e benchmark",
+                                            "the V2-Lite-sized model needs a CUDA GPU (use --tiny elsewhere)"):
+        return 2
     return run(args)
 
 
@@ -528,5 +544,6 @@ def run(args: argparse.Namespace) -> int:
                 row["floor_ms"] = (touched + cache) / (env["copy_gbps"] * 1e9) * 1e3
         timing.write_results(args.out, "e2e", env, rows, markdown(env, rows, grid["batches"], grid["contexts"]))
     runner.pool.shutdown(wait=False, cancel_futures=True)
-    print(f"done in {time.perf_counter() - start:.0f} s; wrote {args.out}/e2e.md", flush=True)
+    print(f"done in {time.perf_counter() - start:.0f} s; wrote {args.out / 'e2e.json'} and {args.out / 'e2e.md'}",
+          flush=True)
     return 0

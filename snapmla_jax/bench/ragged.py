@@ -22,7 +22,8 @@ chain / layers. Columns:
   % roof       roofline time of the tokens read (``decode.roofline_ms``, ceilings measured in
                the run) / FP8 ms
 
-Writes ``ragged.json`` and ``ragged.md`` under ``--out`` (docs/benchmarks).
+Writes ``ragged.json`` and ``ragged.md`` under ``--out`` (default: outside the source tree,
+printed; ``--publish``: the repository's docs/benchmarks/).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from snapmla_jax import cli
 from snapmla_jax.bench import timing
 from snapmla_jax.bench.decode import (MIN_SAMPLE_MS, PAGE, RANK, ROPE, chain_layers, decode_chain, method_work,
                                       random_caches, roofline_ms)
@@ -141,7 +143,8 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict]) -> str:
     return "\n".join([
         "# MLA decode over ragged batches",
         "",
-        f"Device: {env['device']}, jax {env['jax']}, Python {env['python']}, date {env['date']}.",
+        f"Device: {env['device']}, jax {env['jax']}, Python {env['python']}, date {env['date']}. Produced by "
+        "`python -m snapmla_jax.bench ragged` (the published table with `--publish`).",
         f"Ceilings measured in this run: copy {ceilings['copy_gbps']:.0f} GB/s, BF16 GEMM "
         f"{ceilings['bf16_tflops']:.0f} TFLOP/s, FP8 GEMM {ceilings['fp8_tflops']:.0f} TFLOP/s.",
         "",
@@ -165,16 +168,25 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m snapmla_jax.bench ragged", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="docs/benchmarks", help="directory for ragged.json / ragged.md")
-    parser.add_argument("--scenarios", nargs="*", default=list(SCENARIOS), choices=SCENARIOS)
-    parser.add_argument("--heads", type=int, nargs="*", default=[128, 16])
-    parser.add_argument("--s-q", type=int, nargs="*", dest="s_qs", default=[1])
-    parser.add_argument("--iters", type=int, default=10, help="timed samples per method")
+    """The benchmark; raises cli.UsageError for bad flags (``python -m snapmla_jax.bench ragged``
+    prints it on one line, exit code 2); exit code 2 without a CUDA GPU."""
+    parser = cli.Parser(prog="python -m snapmla_jax.bench ragged", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_bench_output_flags(parser, "ragged.json / ragged.md")
+    parser.add_argument("--scenarios", nargs="*", default=list(SCENARIOS), choices=SCENARIOS,
+                        help="scenarios to measure (default: all, listed above)")
+    parser.add_argument("--heads", type=int, nargs="*", default=[128, 16], help="head counts (default 128 16)")
+    parser.add_argument("--s-q", type=int, nargs="*", dest="s_qs", default=[1],
+                        help="query tokens per row (default 1)")
+    parser.add_argument("--iters", type=int, default=10, help="timed samples per method (default 10)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="round-robin rounds (timing.time_round_robin; default: --iters, one sample a round)")
     args = parser.parse_args(argv)
+    for flag, values in (("--heads", args.heads), ("--s-q", args.s_qs), ("--iters", [args.iters]),
+                         ("--rounds", [] if args.rounds is None else [args.rounds])):
+        if any(v < 1 for v in values):
+            raise cli.UsageError(f"{flag}: expected ints >= 1, got {' '.join(map(str, values))}")
+    out = cli.bench_output_dir(args)
     if timing.missing_gpu("ragged decode benchmark"):
         return 2
     env = dict(timing.environment(), samples=f"--iters {args.iters} --rounds {args.rounds or args.iters}")
@@ -194,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                timing.write_results(args.out, "ragged", {**env, "ceilings": ceil}, rows,
+                timing.write_results(out, "ragged", {**env, "ceilings": ceil}, rows,
                                      to_markdown(env, ceil, rows))
     print(to_markdown(env, ceil, rows))
+    print(f"wrote {out / 'ragged.json'} and {out / 'ragged.md'}")
     return 0

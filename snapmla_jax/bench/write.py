@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from snapmla_jax import cli
 from snapmla_jax.bench.timing import environment, markdown_table, measure_copy_gbps, time_ms, write_results
 from snapmla_jax.cache import LatentCache
 from snapmla_jax.write import write_kv
@@ -77,20 +78,30 @@ def run(token_counts, iters: int, repeat: int, backends, copy_mib: int = 2048) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m snapmla_jax.bench write", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 65536, 262144])
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--repeat", type=int, default=20, help="writes per timed call, looped on the device")
+    """The benchmark; raises cli.UsageError for bad flags, or the pallas backend without a
+    CUDA GPU (``python -m snapmla_jax.bench write`` prints it on one line, exit code 2)."""
+    parser = cli.Parser(prog="python -m snapmla_jax.bench write", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 65536, 262144],
+                        help=f"new tokens per write, multiples of {PAGE_SIZE} (default 4096 65536 262144)")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement (default 20)")
+    parser.add_argument("--repeat", type=int, default=20,
+                        help="writes per timed call, looped on the device (default 20)")
     parser.add_argument("--backends", nargs="+", default=["pallas", "xla"],
-                        choices=["pallas", "interpret", "xla"], help="write_kv backends to compare")
-    parser.add_argument("--copy-mib", type=int, default=2048, help="size of the reference copy (MiB)")
-    parser.add_argument("--out", default="docs/benchmarks", help="directory for write.json / write.md")
+                        choices=["pallas", "interpret", "xla"],
+                        help="write_kv backends to compare (default pallas xla; pallas needs a CUDA GPU)")
+    parser.add_argument("--copy-mib", type=int, default=2048, help="size of the reference copy in MiB (default 2048)")
+    cli.add_bench_output_flags(parser, "write.json / write.md")
     args = parser.parse_args(argv)
-    if any(t % PAGE_SIZE for t in args.tokens):
-        parser.error(f"--tokens: expected multiples of {PAGE_SIZE}")
-    if args.repeat < 1 or args.iters < 1:
-        parser.error("--repeat/--iters: expected positive counts")
+    if any(t < PAGE_SIZE or t % PAGE_SIZE for t in args.tokens):
+        raise cli.UsageError(f"--tokens: expected positive multiples of {PAGE_SIZE}, got {args.tokens}")
+    for flag in ("iters", "repeat", "copy_mib"):
+        if getattr(args, flag) < 1:
+            raise cli.UsageError(f"--{flag.replace('_', '-')}: expected an int >= 1, got {getattr(args, flag)}")
+    if "pallas" in args.backends and jax.default_backend() != "gpu":
+        raise cli.UsageError("--backends: pallas compiles for a CUDA GPU and none is present; "
+                             "use --backends interpret xla on this machine")
+    out = cli.bench_output_dir(args)
     env, rows = run(args.tokens, args.iters, args.repeat, args.backends, args.copy_mib)
     table = markdown_table(
         ["tokens", "cache", "backend", "median ms", "GB/s", "fraction of copy"],
@@ -99,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
           f"Device {env['device']}, jax {env['jax']}, {env['date']}. Device-to-device copy in the same run: "
           f"{env['copy_gbps']:.0f} GB/s (read + write). Bytes: bf16 inputs read once + cache bytes written once; "
           f"cache donated (in place) for both backends; each call loops the write {env['repeat']} times on the "
-          f"device. Produced by `python -m snapmla_jax.bench write`.\n\n" + table)
-    write_results(args.out, "write", env, rows, md)
+          f"device. Produced by `python -m snapmla_jax.bench write` (the published table with `--publish`)."
+          f"\n\n" + table)
+    write_results(out, "write", env, rows, md)
     print(md)
+    print(f"wrote {out / 'write.json'} and {out / 'write.md'}")
     return 0

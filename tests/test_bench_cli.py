@@ -1,0 +1,92 @@
+"""``python -m snapmla_jax.bench``'s command line on a machine without a GPU: --help, bad input
+(one line, exit 2, nothing written), and where results go (never the published tables unless
+--publish)."""
+
+import json
+import shutil
+
+import pytest
+
+from hf_tiny import tree_snapshot
+from snapmla_jax import cli
+from snapmla_jax.bench.__main__ import SUITES, main
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    """A working directory holding a copy of the published e2e tables, as a source checkout
+    does, and a cache directory for the default output."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "docs" / "benchmarks").mkdir(parents=True)
+    for name in ("e2e.json", "e2e.md"):
+        shutil.copy(cli.PUBLISHED_BENCH_DIR / name, tmp_path / "docs" / "benchmarks" / name)
+    (tmp_path / "file.txt").write_text("a file")
+    return tmp_path
+
+
+def test_help_exits_0_and_lists_every_suite(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in SUITES) and "--publish" in out
+
+
+@pytest.mark.parametrize("suite", list(SUITES))
+def test_each_suites_help_exits_0_and_documents_out_and_publish(capsys, suite):
+    assert main([suite, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--out" in out and "--publish" in out and "docs/benchmarks/" in out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([], "snapmla_jax.bench: error: expected a suite, one of decode, ragged, write, e2e"),
+    (["bogus"], "snapmla_jax.bench: error: bogus: expected a suite"),
+    (["write"], "snapmla_jax.bench write: error: --backends: pallas compiles for a CUDA GPU"),
+    (["write", "--backends", "cuda"], "--backends: expected one of"),
+    (["write", "--backends", "xla", "--tokens", "100"], "--tokens: expected positive multiples of 64"),
+    (["write", "--backends", "xla", "--iters", "0"], "--iters: expected an int >= 1, got 0"),
+    (["write", "--backends", "xla", "--out", "file.txt"], "--out: file.txt is a file"),
+    (["write", "--backends", "xla", "--out", "file.txt/sub"], "--out: file.txt is a file"),
+    (["write", "--backends", "xla", "--out", "x", "--publish"], "--publish: "),
+    (["decode"], "decode benchmark: needs a CUDA GPU"),
+    (["decode", "--bogus"], "unrecognized arguments: --bogus"),
+    (["decode", "--out", "file.txt"], "--out: file.txt is a file"),
+    (["ragged"], "ragged decode benchmark: needs a CUDA GPU"),
+    (["ragged", "--heads", "0"], "--heads: expected ints >= 1, got 0"),
+    (["ragged", "--scenarios", "nope"], "--scenarios: expected one of"),
+    (["e2e"], "the V2-Lite-sized model needs a CUDA GPU (use --tiny elsewhere)"),
+    (["e2e", "--tiny", "--steps", "0"], "--steps: expected an int >= 1, got 0"),
+    (["e2e", "--tiny", "--batches", "0"], "--batches: expected ints >= 1"),
+    (["e2e", "--tiny", "--backend", "pallas"], "--backend: \"pallas\" compiles for a CUDA GPU"),
+    (["e2e", "--tiny", "--backend", "cuda"], "--backend: expected one of"),
+    (["e2e", "--tiny", "--gather-moe", "-1"], "--gather-moe: expected an int >= 0"),
+    (["e2e", "--tiny", "--dense-moe", "5", "2"], "--dense-moe: "),
+    (["e2e", "--tiny", "--budget-s", "0"], "--budget-s: expected a number of seconds > 0"),
+    (["e2e", "--tiny", "--out", "file.txt"], "--out: file.txt is a file"),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(work, capsys, argv, needle):
+    before, published = tree_snapshot(work), tree_snapshot(cli.PUBLISHED_BENCH_DIR)
+    code = main(argv)
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert needle in err, err
+    assert tree_snapshot(work) == before and tree_snapshot(cli.PUBLISHED_BENCH_DIR) == published
+
+
+def test_e2e_tiny_writes_outside_the_source_tree_and_says_where(work, capsys):
+    # The published tables in the working directory (a checkout) and in the package's own
+    # repository stay as they are; the run's tables go to the cache directory it prints.
+    before, published = tree_snapshot(work / "docs"), tree_snapshot(cli.PUBLISHED_BENCH_DIR)
+    assert main(["e2e", "--tiny", "--batches", "2", "--contexts", "64", "--steps", "2", "--iters", "1"]) == 0
+    assert tree_snapshot(work / "docs") == before and tree_snapshot(cli.PUBLISHED_BENCH_DIR) == published
+    results = work / "cache" / "snapmla-jax" / "bench"
+    assert cli.default_bench_dir() == results
+    assert {r["status"] for r in json.loads((results / "e2e.json").read_text())["rows"]} == {"ok"}
+    out = capsys.readouterr().out
+    assert f"results go to {results}" in out and str(results / "e2e.md") in out
+
+
+def test_publish_names_the_repositorys_tables():
+    args = type("Args", (), {"out": None, "publish": True})()
+    assert cli.bench_output_dir(args) == cli.PUBLISHED_BENCH_DIR
+    assert (cli.PUBLISHED_BENCH_DIR / "e2e.md").is_file()
