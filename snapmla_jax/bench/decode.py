@@ -457,12 +457,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", action="store_true", help="keep earlier rows of shapes not measured now")
     args = parser.parse_args(argv)
     out = cli.bench_output_dir(args)
-    if timing.missing_gpu("decode benchmark"):
-        return 2
     try:
+        flashmla_lib.check_spec(args.flashmla)  # before the GPU check: a typo is reported anywhere
+        if timing.missing_gpu("decode benchmark"):
+            return 2
         flashmla = flashmla_lib.load(args.flashmla) if "flashmla" in args.methods else None
     except ValueError as err:
-        parser.error(str(err))
+        raise cli.UsageError(str(err)) from None
     shapes = args.shapes or (PRESETS[args.preset][1] if args.preset else None)
     grid = dict(QUICK if args.quick else FULL)
     for key in grid:

@@ -62,6 +62,12 @@ class FlashMLA:
         return self.module.dense_decode_fwd(q, k_cache, RANK, seq_lens, block_table, scale, causal, *meta)[0]
 
 
+def check_spec(spec: str) -> None:
+    """ValueError naming ``--flashmla`` unless ``spec`` is "auto", "none" or an existing file."""
+    if spec not in ("auto", "none") and not pathlib.Path(spec).is_file():
+        raise ValueError(f"--flashmla: expected 'auto', 'none' or a FlashMLA extension .so, got {spec!r}")
+
+
 def load(spec: str) -> FlashMLA | None:
     """``spec``: "none"; "auto" (the ``flash_mla`` package if importable with torch and a CUDA
     device, else None); or a path to an extension ``.so`` with ``dense_decode_fwd``. Raises
@@ -77,9 +83,8 @@ def load(spec: str) -> FlashMLA | None:
             return None
         module = importlib.import_module("flash_mla")
         return FlashMLA(f"flash_mla {getattr(module, '__version__', '')}".strip(), module, package=True)
+    check_spec(spec)
     path = pathlib.Path(spec)
-    if not path.is_file():
-        raise ValueError(f"--flashmla: expected 'auto', 'none' or a FlashMLA extension .so, got {spec!r}")
     try:
         import torch  # noqa: F401  (the extension links against torch's libraries)
 
