@@ -278,3 +278,11 @@ def test_a_bad_shape_is_refused_with_the_form_expected(text):
     with pytest.raises(argparse.ArgumentTypeError, match="BxCTXxHxSQ"):
         decode.parse_shape(text)
     assert decode.parse_shape("64x16384x128x2") == (64, 16384, 128, 2)
+
+
+def test_the_page_says_which_shapes_were_not_run_and_why():
+    skipped = (("B=256 x 16384", "int32 offsets"), ("B=128 x 32768", "int32 offsets"), ("B=512 x 1024", "memory"))
+    lines = decode.to_markdown(ENV, CEILINGS, [_row(8)], "no", COMMAND, skipped=skipped).splitlines()
+    assert "Not run (int32 offsets): B=256 x 16384, B=128 x 32768." in lines
+    assert "Not run (memory): B=512 x 1024." in lines
+    assert not any("Not run" in line for line in decode.to_markdown(ENV, CEILINGS, [_row(8)], "no", COMMAND).splitlines())

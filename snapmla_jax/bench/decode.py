@@ -345,7 +345,12 @@ def smoothness(rows: list[dict]) -> list[dict]:
 
 
 def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str | None, command: str,
-                merged: bool = False, flashmla_name: str | None = None) -> str:
+                merged: bool = False, flashmla_name: str | None = None,
+                skipped: tuple[tuple[str, str], ...] = ()) -> str:
+    """The page: how the rows were measured, their table and the time-over-batch summary.
+    ``skipped``: (shape, why) of shapes asked for that have no row (e.g. past the kernels' int32
+    offsets)."""
+    timed = lambda method: any(r.get(f"{method}_ms") is not None for r in rows)
     columns = [c for c in COLUMNS if any(r.get(c[1]) is not None for r in rows)]
     runs = ceiling_runs(rows)
     label = {id(row): name for name, run, members in runs if run["ceilings"] for row in members}
@@ -376,14 +381,18 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         "layers: calls a timed sample chains in one jit, each over its own layer (>= 256 MiB of fp8 cache",
         "in all, 5x the L2); ms = the chain's time / layers.",
         "FP8 = `mla_decode` on the fp8 cache (644 B/token) with its default kernel and split plan. BF16 = the",
-        "same on the bf16 cache (1152 B/token): our BF16 twin. XLA bf16 = `mla_decode(..., backend=\"xla\")`.",
-        "Triton FP8 = the Triton FP8 kernel (`FP8_CONFIG`).",
+        "same on the bf16 cache (1152 B/token): our BF16 twin.",
+        *(["XLA bf16 = `mla_decode(..., backend=\"xla\")` on the bf16 cache."] if timed("xla_bf16") else []),
+        *(["Triton FP8 = the Triton FP8 kernel (`FP8_CONFIG`)."] if timed("fp8_triton") else []),
         *([f"FlashMLA = {flashmla_name}: FlashMLA's dense BF16 decode on the bf16 cache's contents (576 bf16 a",
            "token), same process, its calls replayed from one CUDA graph; FlashMLA/FP8 = its time / ours",
            "(> 1: ours faster). Its layer-0 output against our BF16 twin's: max |diff| / max |FlashMLA| "
            f"<= {max(agreement):.3g}." if agreement else ""] if flashmla_name else []),
-        "JAX stock `pallas.ops.gpu.decode_attention.mqa` (the 576-dim [latent, rope] as K and V): "
-        + ("runs (times in the JSON beside this page)." if stock_reason is None else f"does not run: {stock_reason}."),
+        *(["JAX stock `pallas.ops.gpu.decode_attention.mqa` (the 576-dim [latent, rope] as K and V): "
+           + ("runs (times in the JSON beside this page)." if stock_reason is None else f"does not run: {stock_reason}.")]
+          if any("stock_mqa_ms" in r for r in rows) else []),
+        *(f"Not run ({reason}): {', '.join(shape for shape, why in skipped if why == reason)}."
+          for reason in dict.fromkeys(why for _, why in skipped)),
         "",
         timing.markdown_table(["B", "ctx", "H", "s_q", "layers", *(c[0] for c in columns), "ceil", "measured (UTC)"],
                               body),
@@ -478,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = timing.measure_ceilings()
     memory = _device_memory()
     print(f"{env}\n{ceilings}", flush=True)
-    rows, stock_reason = [], None
+    rows, stock_reason, skipped = [], None, []
     earlier, earlier_ceilings = [], None
     if args.merge and (out / f"{args.name}.json").exists():
         saved = json.loads((out / f"{args.name}.json").read_text())
@@ -494,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         merged = sorted(kept + measured, key=lambda r: (r["heads"], r["s_q"], r["batch"], r["context"]))
         ceil = dataclasses.asdict(ceilings)
         markdown = to_markdown(env, ceil, merged, stock_reason, command, merged=bool(kept),
-                               flashmla_name=(args.flashmla_label or flashmla.name) if flashmla else None)
+                               flashmla_name=(args.flashmla_label or flashmla.name) if flashmla else None,
+                               skipped=tuple(skipped))
         timing.write_results(out, args.name, {**env, "ceilings": ceil, "stock_mqa": stock_reason or "runs"}, merged,
                              markdown)
         return markdown
@@ -507,11 +517,12 @@ def main(argv: list[str] | None = None) -> int:
     for (batch, context), head_shapes in by_cache.items():
         cache_bytes = batch * context * (644 + 1152)
         if not kernel_addressable(batch * context, RANK):
-            print(f"skip B={batch} ctx={context}: {batch * context * RANK} latent elements, {INT32_LIMIT}",
-                  flush=True)
+            skipped.append((f"B={batch} x {context}", INT32_LIMIT))
+            print("skip {}: {}".format(*skipped[-1]), flush=True)
             continue
         if cache_bytes > MEMORY_FRACTION * memory:
-            print(f"skip B={batch} ctx={context}: caches need {cache_bytes / 2**30:.1f} GiB", flush=True)
+            skipped.append((f"B={batch} x {context}", f"caches over {MEMORY_FRACTION:.0%} of the device memory"))
+            print("skip {}: {}".format(*skipped[-1]), flush=True)
             continue
         caches = make_caches(batch, context, layers=chain_layers(batch, context))
         if not stock_probed:
