@@ -47,15 +47,3 @@ def write_tiny_hf_checkpoint(path: pathlib.Path, seed: int = 0) -> MLAModel:
     (path / "config.json").write_text(json.dumps(HF_CONFIG))
     save_file(hf_tensors(model), str(path / "model.safetensors"))
     return model
-
-
-def tree_snapshot(root: pathlib.Path) -> dict[str, tuple]:
-    """Every file and directory under ``root``: relative path -> (kind, size, mtime_ns, bytes of a
-    small file), to show that a command created, removed or changed nothing."""
-    snapshot = {}
-    for item in sorted(root.rglob("*")):
-        stat = item.lstat()
-        data = item.read_bytes() if item.is_file() and stat.st_size <= 1 << 16 else None
-        snapshot[str(item.relative_to(root))] = ("dir" if item.is_dir() else "file", stat.st_size,
-                                                  stat.st_mtime_ns, data)
-    return snapshot

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from hf_tiny import tree_snapshot
+from cli_checks import assert_usage_error, tree_snapshot
 from snapmla_jax import cli
 from snapmla_jax.bench.__main__ import SUITES, main
 
@@ -73,8 +73,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(work, capsys, argv, 
     before, published = tree_snapshot(work), tree_snapshot(cli.PUBLISHED_BENCH_DIR)
     code = main(argv)
     _, err = capsys.readouterr()
-    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
-    assert needle in err, err
+    assert_usage_error(code, err, needle)
     assert tree_snapshot(work) == before and tree_snapshot(cli.PUBLISHED_BENCH_DIR) == published
 
 

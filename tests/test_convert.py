@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_tiny import tree_snapshot, write_tiny_hf_checkpoint
+from cli_checks import tree_snapshot
+from hf_tiny import write_tiny_hf_checkpoint
 from snapmla_jax.convert import main
 from snapmla_jax.models import load_checkpoint
 from snapmla_jax.models import checkpoint as ckpt

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hf_tiny import tree_snapshot
+from cli_checks import assert_usage_error, tree_snapshot
 from snapmla_jax.models import MLAModel
 from snapmla_jax import byte_corpus as bc
 from snapmla_jax import fidelity
@@ -177,8 +177,8 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, monkeypatc
     before = tree_snapshot(tmp_path)
     code = fidelity.main(argv)
     out, err = capsys.readouterr()
-    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
-    assert err.startswith("snapmla_jax.fidelity: error: ") and needle in err, err
+    assert_usage_error(code, err, needle)
+    assert err.startswith("snapmla_jax.fidelity: error: "), err
     assert tree_snapshot(tmp_path) == before
 
 
