@@ -52,8 +52,9 @@ class FlashMLA:
         """Scheduler metadata for these lengths (reusable while they stay the same)."""
         if self.package:
             return self.module.get_mla_metadata(seq_lens, s_q * heads, 1)
-        return self.module.get_sched_meta(seq_lens, s_q, heads, 1) if hasattr(self.module, "get_sched_meta") \
-            else (None, None)
+        if hasattr(self.module, "get_sched_meta"):
+            return self.module.get_sched_meta(seq_lens, s_q, heads, 1)
+        return None, None  # dense_decode_fwd then schedules at every call
 
     def decode(self, q, k_cache, block_table, seq_lens, scale: float, causal: bool, meta):
         if self.package:
