@@ -2,16 +2,25 @@
 # Build the project's environments from the package registry.
 #
 #   bash scripts/install.sh           .venv: this package, editable, with its test and train
-#                                     extras (all the README's generate command needs)
+#                                     extras (all the README's generate command needs), on the
+#                                     lowest jax pyproject.toml accepts (0.11.2: the release the
+#                                     GPU measurements in docs/ were taken with)
 #   bash scripts/install.sh --tests   the same, plus .venv-ref: CPU PyTorch and Hugging Face
 #                                     transformers, the reference side of the model parity tests
 #                                     (tests/test_model_hf.py runs it as a subprocess; the
 #                                     project never imports torch; without it those tests skip)
+#   --jax newest                      instead of .venv, .venv-jax-newest: the same install on the
+#                                     newest jax and jaxlib pyproject.toml accepts (CI runs the
+#                                     suite in both)
+#   --jax VERSION                     likewise, .venv-jax-VERSION on jax and jaxlib VERSION
+#   --cuda13                          add the cuda13 extra: jax's CUDA 13 plugin of the same version
+#                                     and CUDA's libraries as wheels, for NVIDIA GPUs (needs only
+#                                     the driver on the machine)
 #   --dry-run                         print the interpreters and steps chosen, change nothing
 #
 # Python: $PYTHON if set, else the first of python3.12, python3.13, python3.14, python3 on
-# PATH that runs and is at least pyproject.toml's requires-python (3.12: the pinned jax
-# release needs it), else the oldest such interpreter installed with pyenv, if pyenv is on
+# PATH that runs and is at least pyproject.toml's requires-python (3.12: jax 0.11 and 0.12
+# need it), else the oldest such interpreter installed with pyenv, if pyenv is on
 # PATH (its shims answer only for the versions selected there). 3.12 is tried first: the
 # Python the project's GPU measurements ran on.
 # The reference environment uses $REF_PYTHON if set, else python3.11 when it runs (the
@@ -21,13 +30,21 @@ cd "$(dirname "$0")/.."
 
 tests=0
 dry_run=0
-for arg in "$@"; do
-    case "$arg" in
+jax=
+extras=test,train
+while [ $# -gt 0 ]; do
+    case "$1" in
         --tests) tests=1 ;;
         --dry-run) dry_run=1 ;;
+        --cuda13) extras=test,train,cuda13 ;;
+        --jax)
+            [ $# -gt 1 ] && [[ "$2" =~ ^(newest|[0-9]+(\.[0-9]+)+)$ ]] || {
+                echo "install.sh: error: --jax: expected newest or a version such as 0.12.0" >&2; exit 2; }
+            jax=$2; shift ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
-        *) echo "install.sh: error: $arg: expected --tests, --dry-run or --help" >&2; exit 2 ;;
+        *) echo "install.sh: error: $1: expected --tests, --jax, --cuda13, --dry-run or --help" >&2; exit 2 ;;
     esac
+    shift
 done
 
 # "3.12" from `requires-python = ">=3.12"`: one source for the minimum.
@@ -63,21 +80,32 @@ pick_python() {
     exit 2
 }
 
+# "0.11.2" from `"jax>=0.11.2,<0.13",`: the lowest jax pyproject.toml accepts, .venv's.
+lowest_jax=$(sed -n 's/^ *"jax>=\([0-9.]*[0-9]\),.*/\1/p' pyproject.toml)
+[ -n "$lowest_jax" ] || { echo "install.sh: error: no \"jax>=X.Y.Z,...\" in pyproject.toml" >&2; exit 2; }
+case "$jax" in
+    "") venv=.venv; pins=("jax==$lowest_jax" "jaxlib==$lowest_jax") ;;
+    # Named with --upgrade: pip takes the newest releases within pyproject.toml's range, also
+    # into an environment built before they came out.
+    newest) venv=.venv-jax-newest; pins=(--upgrade jax jaxlib) ;;
+    *) venv=.venv-jax-$jax; pins=("jax==$jax" "jaxlib==$jax") ;;
+esac
+
 python=$(pick_python)
 ref_python=${REF_PYTHON:-}
 if [ -z "$ref_python" ]; then
     if python3.11 -c pass 2>/dev/null; then ref_python=python3.11; else ref_python=$python; fi
 fi
 if [ "$dry_run" = 1 ]; then
-    echo ".venv: $python ($("$python" --version 2>&1)), pip install -e .[test,train]"
+    echo "$venv: $python ($("$python" --version 2>&1)), pip install -e .[$extras] ${pins[*]}"
     [ "$tests" = 1 ] && echo ".venv-ref: $ref_python ($("$ref_python" --version 2>&1)), pip install torch transformers"
     exit 0
 fi
 
-[ -x .venv/bin/python ] || "$python" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test,train]"
-echo "ready: .venv ($(.venv/bin/python --version))"
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip install -q -e ".[$extras]" "${pins[@]}"
+echo "ready: $venv ($("$venv/bin/python" --version), jax $("$venv/bin/python" -c 'import jax; print(jax.__version__)'))"
 
 [ "$tests" = 1 ] || exit 0
 

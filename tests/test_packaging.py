@@ -91,15 +91,20 @@ def _install(tmp_path: pathlib.Path, pythons: dict[str, str], *args: str,
                           text=True, timeout=60, env={"PATH": str(bin_dir), "HOME": str(tmp_path)})
 
 
-def test_install_requires_the_python_pyproject_and_the_jax_pin_require():
-    assert MINIMUM == "3.12"  # jax 0.11's wheels start at 3.12
-    assert any(dep.startswith("jax==0.11.") for dep in PYPROJECT["project"]["dependencies"])
+def test_install_requires_the_python_pyproject_and_the_jax_range_require():
+    assert MINIMUM == "3.12"  # jax's and jaxlib's 0.11 and 0.12 wheels start at 3.12
+    dependencies = PYPROJECT["project"]["dependencies"]
+    # A range, jaxlib's the same as jax's: the kernels import jaxlib.mlir themselves.
+    assert "jax>=0.11.2,<0.13" in dependencies and "jaxlib>=0.11.2,<0.13" in dependencies
+    # The GPU extra is jax's own, within the same range: it holds the plugin to jax's version.
+    assert PYPROJECT["project"]["optional-dependencies"]["cuda13"] == ["jax[cuda13]>=0.11.2,<0.13"]
 
 
 def test_install_takes_the_first_python_on_path_that_is_new_enough(tmp_path):
     only = _install(tmp_path / "a", {"python3.12": "3.12.4"}, "--dry-run")
     assert only.returncode == 0, only.stderr
-    assert only.stdout.splitlines() == [".venv: python3.12 (Python 3.12.4), pip install -e .[test,train]"]
+    assert only.stdout.splitlines() == [".venv: python3.12 (Python 3.12.4), pip install -e .[test,train] "
+                                        "jax==0.11.2 jaxlib==0.11.2"]
     newer = _install(tmp_path / "b", {"python3.11": "3.11.2", "python3": "3.13.1"}, "--dry-run")
     assert newer.stdout.startswith(".venv: python3 (Python 3.13.1)"), newer.stderr
 
@@ -125,8 +130,25 @@ def test_install_builds_the_torch_reference_only_for_the_tests(tmp_path):
     tests = _install(tmp_path / "b", {"python3.12": "3.12.4", "python3.11": "3.11.2"}, "--dry-run", "--tests")
     assert tests.stdout.splitlines()[1] == ".venv-ref: python3.11 (Python 3.11.2), pip install torch transformers"
     bad = _install(tmp_path / "c", {"python3.12": "3.12.4"}, "--test")
-    assert bad.returncode == 2 and bad.stderr.strip() == ("install.sh: error: --test: expected --tests, --dry-run "
-                                                          "or --help")
+    assert bad.returncode == 2 and bad.stderr.strip() == ("install.sh: error: --test: expected --tests, --jax, "
+                                                          "--cuda13, --dry-run or --help")
+
+
+def test_install_builds_a_second_environment_on_another_jax(tmp_path):
+    """.venv stays on the lowest jax pyproject.toml accepts; --jax puts another in its own folder."""
+    python = {"python3.12": "3.12.4"}
+    newest = _install(tmp_path / "a", python, "--jax", "newest", "--dry-run")
+    assert newest.stdout.splitlines() == [".venv-jax-newest: python3.12 (Python 3.12.4), pip install -e .[test,train] "
+                                          "--upgrade jax jaxlib"], newest.stderr
+    exact = _install(tmp_path / "b", python, "--dry-run", "--cuda13", "--jax", "0.12.0")
+    assert exact.stdout.splitlines() == [".venv-jax-0.12.0: python3.12 (Python 3.12.4), "
+                                         "pip install -e .[test,train,cuda13] jax==0.12.0 jaxlib==0.12.0"], exact.stderr
+    for i, args in enumerate((["--jax"], ["--jax", "--tests"], ["--jax", "latest"])):
+        bad = _install(tmp_path / f"c{i}", python, "--dry-run", *args)
+        assert bad.returncode == 2 and bad.stdout == ""
+        assert bad.stderr.strip() == "install.sh: error: --jax: expected newest or a version such as 0.12.0"
+    for venv in (".venv-jax-newest", ".venv-jax-0.12.0"):  # never committed
+        assert subprocess.run(["git", "check-ignore", "-q", venv], cwd=ROOT).returncode == 0, venv
 
 
 def test_install_comments_make_no_claim_about_this_machine():
@@ -135,9 +157,12 @@ def test_install_comments_make_no_claim_about_this_machine():
     assert re.search(r"torch==\d", text) and "transformers==" in text  # pinned, each with its reason above
 
 
-def test_ci_runs_the_install_with_the_reference_then_the_whole_suite():
+def test_ci_runs_the_readmes_test_command_then_the_suite_on_the_newest_jax():
     lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
-    assert lines[-1] == "bash scripts/install.sh --tests && .venv/bin/python -m pytest -q"
+    readme_command = "bash scripts/install.sh --tests && .venv/bin/python -m pytest -q -n 2"
+    assert lines[-2:] == [readme_command,
+                          "bash scripts/install.sh --jax newest && .venv-jax-newest/bin/python -m pytest -q -n 2"]
+    assert f"\n{readme_command}\n" in (ROOT / "README.md").read_text()
 
 
 def test_parity_tests_skip_with_a_reason_without_the_reference_environment(tmp_path):
