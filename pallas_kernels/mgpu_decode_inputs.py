@@ -42,7 +42,8 @@ from jax.experimental.pallas import triton as plgpu_tr
 from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, quantize_per_token
 from snapmla_jax.pallas_kernels.mla_decode import resolve_num_pages
 from snapmla_jax.pallas_kernels.split_plan import SplitPlan
-from snapmla_jax.pallas_kernels.split_plan_kernel import PlanLaunch, as_split_plan, plan_launch, plan_out_shapes, plan_program
+from snapmla_jax.pallas_kernels.split_plan_kernel import (PlanLaunch, as_split_plan, plan_launch, plan_out_shapes,
+                                                          plan_program)
 
 PAGE = 64  # the Mosaic kernels' page size
 STEP = 128  # their tokens a step: two pages, even tokens first, then the odd ones

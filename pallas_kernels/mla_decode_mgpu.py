@@ -72,8 +72,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir.dialects import nvvm
 
 from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
-from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms, store_feature_pairs,
-                                       store_quads)
+from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms,
+                                                   store_feature_pairs, store_quads)
 from snapmla_jax.pallas_kernels.combine_splits import combine_items, combine_splits, partial_dtype
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import decode_inputs, decode_inputs_and_plan
 from snapmla_jax.pallas_kernels.mla_decode import LN2, LOG2E, resolve_num_pages

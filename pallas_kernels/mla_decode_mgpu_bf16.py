@@ -61,12 +61,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from snapmla_jax.pallas_kernels.combine_splits import partial_dtype
 from snapmla_jax.pallas_kernels.mla_decode import LOG2E, resolve_num_pages
-from snapmla_jax.pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, CHUNKS_PER_WG, NUM_CHUNKS, NUM_SLOTS, NUM_WGS, PAGE,
-                                            ROPE, _aligned, balanced_plan_size, check_launch, check_registers,
-                                            grid_params, initial_carry, for_used_items, issue_query, locate_cta,
-                                            merge_items, output_target, output_types, padded_rows, plan_items,
-                                            produce_steps, specialize_warpgroups, start_cta, step_visibility,
-                                            unpadded, walk_steps, write_outputs, Where)
+from snapmla_jax.pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, CHUNKS_PER_WG, NUM_CHUNKS, NUM_SLOTS, NUM_WGS,
+                                                        PAGE, ROPE, _aligned, balanced_plan_size, check_launch,
+                                                        check_registers, grid_params, initial_carry, for_used_items,
+                                                        issue_query, locate_cta, merge_items, output_target,
+                                                        output_types, padded_rows, plan_items, produce_steps,
+                                                        specialize_warpgroups, start_cta, step_visibility, unpadded,
+                                                        walk_steps, write_outputs, Where)
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import bf16_rows_and_plan
 from snapmla_jax.pallas_kernels.split_plan import uniform_plan
 

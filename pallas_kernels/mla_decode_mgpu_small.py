@@ -47,10 +47,10 @@ from snapmla_jax.pallas_kernels.combine_splits import partial_dtype
 from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from snapmla_jax.pallas_kernels.mla_decode import LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, HALF, NUM_CHUNKS,
-                                            NUM_SLOTS, NUM_WGS, ROPE, STEP, OutputTarget, begin_cta, begin_step,
-                                            grid_params, initial_carry, merge_items, output_target, output_types,
-                                            for_used_items, prepare_inputs, store_rows, walk_steps,
-                                            unpadded, write_lse_and_wait, Where)
+                                                        NUM_SLOTS, NUM_WGS, ROPE, STEP, OutputTarget, begin_cta,
+                                                        begin_step, grid_params, initial_carry, merge_items,
+                                                        output_target, output_types, for_used_items, prepare_inputs,
+                                                        store_rows, walk_steps, unpadded, write_lse_and_wait, Where)
 
 ROWS = 16  # query rows a CTA by default: the wgmma N of every product
 # Features a fp32 promotion of the FP8 S^T product, as ``mla_decode_mgpu.QK_PROMOTION``: with all

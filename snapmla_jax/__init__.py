@@ -14,8 +14,8 @@ from snapmla_jax.cache import LatentCache, dequantize
 from snapmla_jax.quant_report import quant_error_report
 from snapmla_jax.write import write_kv
 from snapmla_jax.decode import mla_decode
-from snapmla_jax.models import (MLAConfig, MLAModel, expert_sharding, load_checkpoint, load_hf_checkpoint, save_checkpoint,
-                    shard_model)
+from snapmla_jax.models import (MLAConfig, MLAModel, expert_sharding, load_checkpoint, load_hf_checkpoint,
+                                save_checkpoint, shard_model)
 
 import warnings
 

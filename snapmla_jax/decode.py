@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from snapmla_jax.pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG, DecodeConfig, mla_decode_pallas,
-                                      mla_decode_reference, rows_per_block, tokens_per_block)
+from snapmla_jax.pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG, DecodeConfig,
+                                                   mla_decode_pallas, mla_decode_reference, rows_per_block,
+                                                   tokens_per_block)
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import BLOCK_M as MOSAIC_BLOCK_M
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import PAGE as MOSAIC_PAGE
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import STEP as MOSAIC_STEP
@@ -31,15 +32,14 @@ H100_SMS = 132  # SM count assumed when no GPU is visible (interpret mode, plann
 # Query rows (s_q x H) a batch row up to which a compiled bf16 cache keeps the Triton BF16
 # twin: with fewer rows than its 64-row block the Mosaic BF16 twin pads them (H200, H=16,
 # B=128 x 16k: Triton 0.58 ms vs Mosaic 0.70); from 64 rows up the Mosaic one is 1.8x faster
-# (0.69 vs 1.26 ms at B=64 x 16k x 128; `python -m snapmla_jax.bench decode --methods bf16`
-# with `config=BF16_CONFIG` against the default).
+# (0.69 vs 1.26 ms at B=64 x 16k x 128; mla_decode with config=BF16_CONFIG and with the default).
 TRITON_BF16_MAX_ROWS = 16
 # Small fp8 problems keep the Triton FP8 kernel: up to TRITON_FP8_MAX_ROWS query rows a batch
 # row and TRITON_FP8_MAX_TOKENS tokens of block-table capacity over the batch (B x max_pages x
 # page_size: the static bound on what a call reads). There the Mosaic kernels' fixed costs (the
 # launch of their query inputs, the prologue of their 128-token steps) outweigh their speed.
-# H100, H = 16, side by side in one run (docs/benchmarks/decode.md, its Triton FP8 column): s_q = 1 at 1 x 1k / 4k /
-# 16k and 8 x 1k 12.9 / 13.8 / 21.4 / 15.2 us vs the small Mosaic kernel's 15.1 / 16.3 / 21.9 /
+# H100, H = 16, side by side in one run (docs/benchmarks/decode.md's Triton FP8 column): s_q = 1
+# at 1 x 1k / 4k / 16k and 8 x 1k 12.9 / 13.8 / 21.4 / 15.2 us vs the small Mosaic kernel's 15.1 / 16.3 / 21.9 /
 # 17.6; s_q = 2 17.1 / 19.5 / 31.1 / 22.0 vs 23.9 / 26.4 / 39.0 / 29.0. From 32k tokens (8 x
 # 4k, 32 x 1k) the Mosaic kernels win (26.5 vs 36.8 us at 8 x 4k, s_q = 1). At H = 128 (128
 # rows) they win from the smallest problem (19.4 vs 24.4 us at 1 x 1k).

@@ -9,8 +9,8 @@ import pytest
 from jax.experimental import pallas as pl
 
 from snapmla_jax.pallas_kernels.combine_splits import (combine_items, combine_items_reference, combine_splits,
-                                           combine_splits_reference, max_tile, partial_dtype, tile_size,
-                                           transposed_columns)
+                                                       combine_splits_reference, max_tile, partial_dtype, tile_size,
+                                                       transposed_columns)
 
 
 def merge_float64(out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -14,9 +14,9 @@ import snapmla_jax.models.moe
 
 from snapmla_jax import models
 import snapmla_jax.pallas_kernels.grouped_experts as grouped_experts_module
-from snapmla_jax.pallas_kernels.grouped_experts import (COLUMNS, FEW_ASSIGNMENTS, FEW_SETTING, NUM_STAGES, NUM_WARPS, RUN,
-                                            SPLIT_PROGRAMS, contraction_splits, grouped_experts,
-                                            grouped_experts_reference, launch_setting)
+from snapmla_jax.pallas_kernels.grouped_experts import (COLUMNS, FEW_ASSIGNMENTS, FEW_SETTING, NUM_STAGES, NUM_WARPS,
+                                                        RUN, SPLIT_PROGRAMS, contraction_splits, grouped_experts,
+                                                        grouped_experts_reference, launch_setting)
 from snapmla_jax.backend import lower_for_cuda
 
 

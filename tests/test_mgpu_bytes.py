@@ -18,8 +18,8 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms, store_feature_pairs,
-                                       store_quads, vt_feature, vt_step_row)
+from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms,
+                                                   store_feature_pairs, store_quads, vt_feature, vt_step_row)
 
 # --- V^T as the register A operand (``load_vt_quads``, ``store_quads``, ``store_feature_pairs``) ---
 

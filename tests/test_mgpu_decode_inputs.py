@@ -10,8 +10,8 @@ import pytest
 
 from snapmla_jax.pallas_kernels.fp8 import fp8_round_trip_np
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import (PAGE, SCALE_FLOOR, STEP, bf16_rows_and_plan, decode_inputs,
-                                               decode_inputs_and_plan, decode_inputs_reference, pad_rows,
-                                               scales_block, step_scales)
+                                                           decode_inputs_and_plan, decode_inputs_reference, pad_rows,
+                                                           scales_block, step_scales)
 from snapmla_jax.pallas_kernels.split_plan import balanced_plan
 
 

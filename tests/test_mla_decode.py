@@ -18,7 +18,7 @@ import pytest
 
 import snapmla_jax.decode as decode_module
 from snapmla_jax.pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG, DecodeConfig, resolve_pv_mma,
-                                      rows_per_block, tokens_per_block)
+                                                   rows_per_block, tokens_per_block)
 from snapmla_jax.cache import LatentCache
 from snapmla_jax.decode import (ITEM_STEPS, MAX_SPLITS, MERGE_STEPS, choose_num_splits, min_tokens_per_split, mla_decode,
                                 planned_num_splits, split_cost, waves_per_split_plan)
