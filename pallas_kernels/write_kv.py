@@ -53,7 +53,7 @@ from snapmla_jax.pallas_kernels.fp8 import per_token_scale, quantize_per_token, 
 WARPS = 4  # warps of the CTA's warpgroup: one token row each per quantize step
 LANES = 32
 VECTOR_BYTES = 16  # a lane's share of a row per load: one 128-bit shared-memory access
-TMA_MULTIPLE = 128  # bytes: a TMA load's size must divide by the warpgroup's 128 threads
+TMA_MULTIPLE = 128  # bytes: a TMA load's size is a multiple of it (its 128 threads share the arrival)
 # R and Dr: multiples of 64, so that [n, R] and [n, Dr] rows of 2-byte values are whole TMA
 # transfers for any token count n (the load of a call with fewer than block_tokens tokens).
 DIM_MULTIPLE = TMA_MULTIPLE // 2
@@ -105,9 +105,9 @@ def _write_block(rows_ref, latent_ref, rope_ref, *refs, quantize: bool, stage_la
     rows_ref   [grid x bt] int32: cache row per token, -1 = skip (padded with -1 to whole blocks)
     latent_ref [T, R], rope_ref [T, Dr]: the new tokens (bf16/f16/f32)
     refs       the cache arrays, written in place: latent_out [N, R] (e4m3 or bf16),
-               [scale_out [N] f32,] rope_out [N, Dr] bf16; then SMEM: latent_s [bt, R] and rope_s [bt, Dr] (the inputs), rows_s [bt] int32,
-               [latent_stage [bt, R] (the cache's dtype),] [scale_s [bt] f32,]
-               [rope_stage [bt, Dr] bf16,] and the loads' barrier
+               [scale_out [N] f32,] rope_out [N, Dr] bf16; then SMEM: latent_s [bt, R] and
+               rope_s [bt, Dr] (the inputs' dtypes), rows_s [bt] int32, [latent_stage [bt, R] (the
+               cache's dtype),] [scale_s [bt] f32,] [rope_stage [bt, Dr] bf16,] and the loads' barrier
     """
     n_cache = 3 if quantize else 2
     outs, scratch = refs[:n_cache], list(refs[n_cache:])
@@ -178,8 +178,9 @@ def write_kv_pallas(cache_arrays: tuple, latent: jax.Array, k_rope: jax.Array, r
     cache_arrays: (latent [N, R] e4m3, scale [N] f32, rope [N, Dr] bf16) for an fp8
                   cache, or (latent [N, R] bf16, rope [N, Dr] bf16) for a bf16 one.
     latent [T, R], k_rope [T, Dr] (bf16/f16/f32); rows [T] int32 in [-1, N).
-    Returns the updated arrays (aliased to the inputs). Two tokens naming one row leave one of
-    them. ValueError for R or Dr not multiples of 64 (``kernel_takes``).
+    Returns the updated arrays (aliased to the inputs). Two tokens naming one row leave it
+    holding bytes of either (their stores are not ordered). ValueError for R or Dr not
+    multiples of 64 (``kernel_takes``).
     """
     quantize = len(cache_arrays) == 3
     num_tokens, rank = latent.shape
@@ -206,9 +207,11 @@ def write_kv_pallas(cache_arrays: tuple, latent: jax.Array, k_rope: jax.Array, r
                           stage_rope=stage_rope, num_tokens=num_tokens, config=config),
         out_type=(),
         mesh=plgpu.Mesh(grid=(num_blocks,), grid_names=("block",)),
-        # No automatic barriers around SMEM accesses: no thread reads what it wrote, and
-        # commit_smem orders the staging stores before the reads and TMA stores that follow.
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True),
+        # Lane semantics: the row layout and the per-row copies are written for it. No automatic
+        # barriers around SMEM accesses: commit_smem orders the staging stores before the reads
+        # and TMA stores that follow, and nothing else is shared between threads.
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                             unsafe_no_auto_barriers=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
         name="snapmla_write_kv",
     )
