@@ -32,14 +32,18 @@ def per_token_scale(x: jnp.ndarray) -> jnp.ndarray:
     return jnp.maximum(amax, AMAX_FLOOR) / FP8_E4M3_MAX
 
 
-def quantize_with_scale(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
-    """``x`` [..., D] / ``scale`` [...] -> float8_e4m3fn [..., D], saturating at +-448.
+def saturate_to_e4m3(y: jnp.ndarray) -> jnp.ndarray:
+    """float32 ``y`` (already divided by its scale) -> float8_e4m3fn, saturating at +-448.
 
     Saturation matters: e4m3fn has no inf, and an unclipped value past 448
     would become NaN.
     """
-    y = x.astype(jnp.float32) / scale[..., None]
     return jnp.clip(y, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(FP8_DTYPE)
+
+
+def quantize_with_scale(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
+    """``x`` [..., D] / ``scale`` [...] -> float8_e4m3fn [..., D] (``saturate_to_e4m3``)."""
+    return saturate_to_e4m3(x.astype(jnp.float32) / scale[..., None])
 
 
 def quantize_per_token(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:

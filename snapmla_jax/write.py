@@ -3,11 +3,13 @@ quantizing the latent to per-token FP8 on the way for an fp8 cache."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from snapmla_jax.pallas_kernels.write_kv import write_kv_pallas, write_kv_reference
+from snapmla_jax.pallas_kernels.write_kv import kernel_takes, write_kv_pallas, write_kv_reference
 from snapmla_jax.backend import resolve_backend
 from snapmla_jax.cache import LatentCache, check_kernel_addressable, check_layer
 
@@ -81,12 +83,14 @@ def write_kv(cache: LatentCache, latent: jax.Array, k_rope: jax.Array, slot_mapp
         ``np.arange``, uint8, ...) are converted; floats are refused.
       layer: None for a cache without layer axis; else the layer (int or traced
         int32 scalar) to write.
-      backend: "auto" | "pallas" | "interpret" | "xla" (see snapmla_jax.backend).
+      backend: "auto" | "pallas" | "interpret" | "xla" (see snapmla_jax.backend). The
+        kernel takes kv_lora_rank and rope_dim multiples of 64; other widths run the XLA
+        scatter under every backend (the same bytes).
 
     An fp8 cache receives the e4m3 latent with one float32 scale per token
     (``max(amax, 1e-30) / 448``, saturating: never inf/NaN for finite input) and
     the RoPE key in bf16; a bf16 cache receives both in bf16. Slots not named are
-    untouched. Two tokens naming the same slot leave one of them (unspecified).
+    untouched. Two tokens naming the same slot leave it unspecified (bytes of either).
     Under ``jax.jit`` with the cache donated the write is in place; an eager call
     copies the cache once.
 
@@ -98,6 +102,19 @@ def write_kv(cache: LatentCache, latent: jax.Array, k_rope: jax.Array, slot_mapp
     """
     _validate(cache, latent, k_rope, slot_mapping, layer)
     backend = resolve_backend(backend)
+    if backend != "xla":
+        check_kernel_addressable(cache)
+    if backend == "xla" or not kernel_takes(cache.kv_lora_rank, cache.rope_dim):
+        scatter = write_kv_reference
+    else:
+        scatter = functools.partial(write_kv_pallas, interpret=backend == "interpret")
+    return write_rows(cache, latent, k_rope, slot_mapping, layer, scatter)
+
+
+def write_rows(cache: LatentCache, latent: jax.Array, k_rope: jax.Array, slot_mapping, layer, scatter) -> LatentCache:
+    """``write_kv`` after validation, with the scatter given: ``scatter(flat cache arrays, latent,
+    k_rope, rows [T] int32)`` -> arrays, rows being flat cache rows (-1: nothing). The benchmark
+    passes other kernels through it, so that they run inside the same XLA program as write_kv's."""
     slots = _int32_slots(slot_mapping, cache.num_slots)
     valid = (slots >= 0) & (slots < cache.num_slots)
     if layer is not None:
@@ -105,10 +122,4 @@ def write_kv(cache: LatentCache, latent: jax.Array, k_rope: jax.Array, slot_mapp
         valid &= (layer >= 0) & (layer < cache.num_layers)
         slots = slots + layer * cache.num_slots
     rows = jnp.where(valid, slots, -1)
-    arrays = _flat_arrays(cache)
-    if backend == "xla":
-        new = write_kv_reference(arrays, latent, k_rope, rows)
-    else:
-        check_kernel_addressable(cache)
-        new = write_kv_pallas(arrays, latent, k_rope, rows, interpret=backend == "interpret")
-    return _unflatten(cache, tuple(new))
+    return _unflatten(cache, tuple(scatter(_flat_arrays(cache), latent, k_rope, rows)))

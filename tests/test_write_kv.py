@@ -1,8 +1,9 @@
 """write_kv: fused per-token FP8 quantize + paged cache write.
 
-The Pallas kernel (interpret mode here, compiled under -m gpu) must write the
-same bytes as the jnp reference, reconstruct within FP8 rounding of a float64
-computation, write exactly the named slots, and reject bad input by name.
+The Mosaic GPU kernel (pallas_kernels/write_kv.py; the Mosaic GPU interpreter here, compiled
+under -m gpu) must write the same bytes as the jnp reference, reconstruct within FP8 rounding
+of a float64 computation, write exactly the named slots, and reject bad input by name. On the
+CPU the compiled path is also lowered for CUDA (no GPU needed).
 """
 
 import functools
@@ -14,6 +15,9 @@ import numpy as np
 import pytest
 
 from snapmla_jax import LatentCache, dequantize, write_kv
+from snapmla_jax.backend import lower_for_cuda, mosaic_module_texts
+from snapmla_jax.pallas_kernels.write_kv import WriteKVConfig, write_kv_pallas, write_kv_reference
+from snapmla_jax.write import _flat_arrays
 
 POISON_LATENT = -3.0  # an e4m3- and bf16-exact value no write produces at these scales
 POISON_SCALE = -1.0
@@ -46,6 +50,15 @@ def _np(a):
     return np.asarray(a.astype(jnp.float32) if a.dtype == jnp.float8_e4m3fn else a)
 
 
+def _assert_same_bytes(got, want):
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def _flat(dtype, num_pages=5, page_size=16, num_layers=None):
+    return _flat_arrays(_poisoned(dtype, num_pages, page_size, num_layers))
+
+
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])
 @pytest.mark.parametrize("t", [1, 37])  # one token; several blocks with a ragged last one
 def test_interpret_kernel_writes_the_same_bytes_as_reference(dtype, t):
@@ -56,6 +69,102 @@ def test_interpret_kernel_writes_the_same_bytes_as_reference(dtype, t):
     out = write_kv(_poisoned(dtype), latent, rope, slots, backend="interpret")
     for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+# Token counts against the CTA's block (config): one token, a block less one, a block, a block
+# and one (the last block's window overlaps the first), several blocks with a ragged last one.
+@pytest.mark.parametrize("t", [1, 31, 32, 33, 70])
+@pytest.mark.parametrize("config", [WriteKVConfig(), WriteKVConfig(block_tokens=64, group_rows=16)])
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_kernel_matches_reference_for_token_counts_around_the_block(t, config, dtype):
+    rng = np.random.default_rng(t)
+    latent, rope = _tokens(rng, t)
+    rows = _slots(rng, t, 80, n_pad=min(3, t - 1))
+    got = write_kv_pallas(_flat(dtype), latent, rope, rows, interpret=True, config=config)
+    _assert_same_bytes(got, write_kv_reference(_flat(dtype), latent, rope, rows))
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+@pytest.mark.parametrize("in_dtype", [jnp.float32, jnp.float16])
+def test_kernel_converts_float32_and_float16_inputs_like_the_reference(dtype, in_dtype):
+    # float32: amax and x / s of the unrounded values; float16 passes through float32 exactly.
+    rng = np.random.default_rng(3)
+    latent, rope = _tokens(rng, 37, dtype=jnp.float32)
+    latent, rope = latent.astype(in_dtype), (rope / 8).astype(in_dtype)  # RoPE within float16's range
+    rows = _slots(rng, 37, 80)
+    got = write_kv_pallas(_flat(dtype), latent, rope, rows, interpret=True)
+    _assert_same_bytes(got, write_kv_reference(_flat(dtype), latent, rope, rows))
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_all_rows_minus_one_write_nothing(dtype):
+    latent, rope = _tokens(np.random.default_rng(4), 40)
+    got = write_kv_pallas(_flat(dtype), latent, rope, jnp.full((40,), -1, jnp.int32), interpret=True)
+    _assert_same_bytes(got, _flat(dtype))
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_rows_at_the_last_slot_of_the_last_layer_are_written(dtype):
+    # The flat arrays' last rows: the end of every cache array, no store past it.
+    latent, rope = _tokens(np.random.default_rng(8), 3)
+    before = _poisoned(dtype, num_layers=3)
+    slots = jnp.array([79, 0, 78], jnp.int32)
+    got = write_kv(before, latent, rope, slots, layer=2, backend="interpret")
+    _assert_same_bytes(got, write_kv(before, latent, rope, slots, layer=2, backend="xla"))
+
+
+def test_outlier_and_zero_tokens_keep_their_own_scales():
+    latent = np.random.default_rng(9).standard_normal((6, 512)).astype(np.float32)
+    latent[1] *= 1e4  # an outlier token
+    latent[2] = 0.0  # all zeros: the floor scale, zeros stored
+    latent[3, 7] = -3e4  # one outlier channel
+    latent[4] = 1e-30  # amax at the floor
+    latent = jnp.asarray(latent, jnp.bfloat16)
+    rope = jnp.full((6, 64), 300.0, jnp.bfloat16)
+    rows = jnp.arange(6, dtype=jnp.int32)
+    got = write_kv_pallas(_flat("fp8"), latent, rope, rows, interpret=True)
+    want = write_kv_reference(_flat("fp8"), latent, rope, rows)
+    _assert_same_bytes(got, want)
+    scale = np.asarray(got[1])[:6]
+    assert np.all(np.asarray(got[0].astype(jnp.float32))[2] == 0) and scale[2] == np.float32(1e-30) / np.float32(448)
+    assert np.all(np.isfinite(np.asarray(got[0].astype(jnp.float32))[:6]))
+    assert scale[1] > 1e3 * scale[0]
+
+
+def test_widths_the_kernel_does_not_take_run_the_xla_scatter():
+    # kv_lora_rank 16, rope_dim 8 (tiny test models): write_kv writes the reference's bytes under
+    # every backend; the kernel itself refuses them by name.
+    cache = LatentCache.create(2, 16, kv_lora_rank=16, rope_dim=8)
+    latent, rope = jnp.ones((3, 16), jnp.float32), jnp.ones((3, 8), jnp.float32)
+    slots = jnp.array([0, 5, -1], jnp.int32)
+    _assert_same_bytes(write_kv(cache, latent, rope, slots, backend="interpret"),
+                       write_kv(cache, latent, rope, slots, backend="xla"))
+    with pytest.raises(ValueError, match="multiples of 64"):
+        write_kv_pallas(_flat_arrays(cache), latent, rope, slots)
+
+
+@pytest.mark.parametrize("config", [dict(block_tokens=0), dict(block_tokens=48), dict(group_rows=6),
+                                    dict(block_tokens=32, group_rows=64)])
+def test_config_rejects_blocks_the_kernel_cannot_launch(config):
+    with pytest.raises(ValueError, match="block_tokens|group_rows"):
+        WriteKVConfig(**config)
+
+
+@pytest.mark.parametrize("dtype, in_dtype, t", [("fp8", jnp.bfloat16, 4103), ("fp8", jnp.float32, 5),
+                                                ("bf16", jnp.bfloat16, 1), ("bf16", jnp.float32, 70)])
+def test_compiled_kernel_lowers_for_cuda(dtype, in_dtype, t):
+    """Lowering on the CPU: layouts, SMEM, TMA copies; the cache arrays aliased to the outputs."""
+    arrays = jax.eval_shape(lambda: _flat_arrays(LatentCache.create(64 * 2, 64, dtype=dtype)))
+    tokens = (jax.ShapeDtypeStruct((t, 512), in_dtype), jax.ShapeDtypeStruct((t, 64), in_dtype),
+              jax.ShapeDtypeStruct((t,), jnp.int32))
+    lowered = lower_for_cuda(write_kv_pallas, arrays, *tokens)
+    [module] = mosaic_module_texts(lowered)
+    # Whole-row bulk copies in both directions, no tensor maps.
+    assert "cp.async.bulk.global.shared::cta.bulk_group" in module
+    assert "cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes" in module
+    assert "cp.async.bulk.tensor" not in module
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in module) == (dtype == "fp8")
+    assert lowered.as_text().count("output_operand_alias<") == len(arrays)
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
@@ -199,6 +308,19 @@ def test_layered_cache_rejects_missing_or_out_of_range_layer():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+@pytest.mark.parametrize("t", [1, 37, 1000, 4096 + 5])
+@pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float32])
+def test_compiled_kernel_writes_the_same_bytes_as_the_xla_path(dtype, t, in_dtype):
+    rng = np.random.default_rng(t)
+    latent, rope = _tokens(rng, t, dtype=in_dtype)
+    slots = _slots(rng, t, 128 * 64, n_pad=min(50, t - 1))
+    make = lambda: _poisoned(dtype, num_pages=128, page_size=64, num_layers=2)
+    gpu = write_kv(make(), latent, rope, slots, layer=1, backend="pallas")
+    _assert_same_bytes(gpu, write_kv(make(), latent, rope, slots, layer=1, backend="xla"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
 def test_compiled_kernel_matches_interpret_bytes(dtype):
     rng = np.random.default_rng(99)
     latent, rope = _tokens(rng, 1000)
@@ -208,5 +330,16 @@ def test_compiled_kernel_matches_interpret_bytes(dtype):
     cpu = jax.device_put(write_kv(jax.device_put(make(), jax.devices("cpu")[0]),
                                   *jax.device_put((latent, rope, slots), jax.devices("cpu")[0]),
                                   layer=1, backend="interpret"), jax.devices("cpu")[0])
-    for a, b in zip(jax.tree_util.tree_leaves(gpu), jax.tree_util.tree_leaves(cpu)):
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    _assert_same_bytes(gpu, cpu)
+
+
+@pytest.mark.gpu
+def test_compiled_kernel_writes_a_donated_cache_in_place():
+    rng = np.random.default_rng(12)
+    latent, rope = _tokens(rng, 300)
+    slots = _slots(rng, 300, 64 * 64)
+    cache = _poisoned("fp8", num_pages=64, page_size=64)
+    pointers = [a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(cache)]
+    step = jax.jit(lambda c: write_kv(c, latent, rope, slots, backend="pallas"), donate_argnums=0)
+    after = step(cache)
+    assert [a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(after)] == pointers
