@@ -1,36 +1,12 @@
-"""Merging split-KV partials in one launch, and its jnp reference.
+"""The merge of split-KV partials on Pallas' Triton backend, kept only to be timed against its
+Mosaic GPU port (pallas_kernels/combine_splits.py, which every caller uses):
 
-A split-KV decode call (flash decoding) leaves, per batch row, split and query
-row, a normalised partial output and its log-sum-exp:
+    python scripts/tune_combine_splits.py --out $OUT --compare
 
-  out [B, S, rows, R] f32 or bf16 (``partial_dtype``), lse [B, S, rows] f32 (natural log;
-  -inf: the split saw nothing)
-
-and the result is their average weighted by exp(lse):
-
-  merged[b, r] = sum_s exp(lse[b, s, r] - M) out[b, s, r] / sum_s exp(lse[b, s, r] - M)
-  lse[b, r]    = M + log(sum_s exp(lse[b, s, r] - M)),   M = max_s lse[b, s, r]
-
-Why a kernel. Written in jnp (``combine_splits_reference``) XLA runs it as four
-or five fusions (the max, the exponentials and their sum, the weighted sum, the
-division and the cast), each a launch of ~1 us on an H100 whatever its size. At
-short contexts that is a third of a decode call (H100, B=1 x 1k x 16 heads, 8
-splits: ~5 of 17.6 us; scripts/profile_decode_launches.py).
-Here one program per (batch row, run of values) loads every split's values of
-that run at once (S padded to a power of two, masked), so no loop over splits
-serialises the loads' latency, and writes the merged values in the caller's dtype.
-
-Two entry points:
-
-- ``combine_splits``: every batch row in the same S splits, out [B, S, ...] (the Triton
-  decode kernels).
-- ``combine_items``: a load-balanced split plan (pallas_kernels/split_plan.py), batch row b in
-  a dynamic number of work items, item_count[b], laid out flat from item_start[b] in out [W,
-  ...]. It updates the decode call's own outputs in place (rows of one item were written there
-  directly) and loads ``chunk`` items at a time, looping over chunks with a running max.
-
-Backend: Pallas' Triton lowering, as the Triton decode kernels (masked
-gathers of arbitrary rows; interpret mode on the CPU).
+The same entry points, arguments and math as combine_splits.py (whose docstrings and jnp
+references hold for both). One program per (batch row, run of values) loads every split's
+values of that run at once (S padded to a power of two, masked) and each split's weight once a
+row; ``combine_items`` updates the decode call's outputs in place, ``chunk`` items a step.
 """
 
 from __future__ import annotations
