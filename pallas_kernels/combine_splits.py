@@ -41,6 +41,8 @@ weights are computed once per (item, query row) as scalars, not once per value.
   rows, one row per thread), so each weight is a per-thread value, built from the rows'
   scalar weights by a select per row. The merged tile goes through SMEM (padded to an odd
   row stride: no bank conflicts) to be stored as [rows, run_cols], contiguous runs again.
+  The weights cost rows x items scalar loads, exponentials and selects a CTA: made for the
+  16-row kernel's partials (a 64-row tile of 66 items is ~4k of each).
 
 Backend: Pallas Mosaic GPU (``plgpu``), one launch; interpret mode on the CPU.
 """
