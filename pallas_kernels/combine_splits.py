@@ -1,4 +1,4 @@
-"""Merging split-KV partials in one Mosaic GPU launch, and its jnp reference.
+"""Merging split-KV partials in one launch, and its jnp reference.
 
 A split-KV decode call (flash decoding) leaves, per batch row, split and query
 row, a normalised partial output and its log-sum-exp:
@@ -16,63 +16,56 @@ or five fusions (the max, the exponentials and their sum, the weighted sum, the
 division and the cast), each a launch of ~1 us on an H100 whatever its size. At
 short contexts that is a third of a decode call (H100, B=1 x 1k x 16 heads, 8
 splits: ~5 of 17.6 us; scripts/profile_decode_launches.py).
+Here one program per (batch row, run of values) loads every split's values of
+that run at once (S padded to a power of two, masked), so no loop over splits
+serialises the loads' latency, and writes the merged values in the caller's dtype.
 
 Two entry points:
 
 - ``combine_splits``: every batch row in the same S splits, out [B, S, ...] (the Triton
-  decode kernels, the Mosaic ones' uniform plan).
+  decode kernels).
 - ``combine_items``: a load-balanced split plan (pallas_kernels/split_plan.py), batch row b in
   a dynamic number of work items, item_count[b], laid out flat from item_start[b] in out [W,
   ...]. It updates the decode call's own outputs in place (rows of one item were written there
-  directly).
+  directly) and loads ``chunk`` items at a time, looping over chunks with a running max.
 
-Layout of the work. One CTA of one warpgroup (128 threads) per (batch row, run of values of
-its [rows, R] slab). Its items' partials of that run are read straight from global memory
-into registers (coalesced vector loads: the merge reads each partial once, so staging them
-in SMEM would buy nothing), ``chunk`` items a step with the loads of a step issued together
-(a static loop: no serialised latency), merged online across steps (a running max). The
-weights are computed once per (item, query row) as scalars, not once per value.
-
-- Partials [.., rows, R]: the run is ``run_rows`` query rows x ``run_cols`` columns, each row a
-  [run_cols] vector (``run_cols`` / 128 contiguous values a thread), scaled by its row's weight.
-- Partials [.., R, rows] (``transposed``, the 16-row Mosaic kernel's): the run is
-  ``run_cols`` columns of every query row, an item's [run_cols, rows] tile contiguous. A
-  thread loads values of fixed rows (one value per thread and load: with 128 a multiple of
-  rows, one row per thread), so each weight is a per-thread value, built from the rows'
-  scalar weights by a select per row. The merged tile goes through SMEM (padded to an odd
-  row stride: no bank conflicts) to be stored as [rows, run_cols], contiguous runs again.
-  The weights cost rows x items scalar loads, exponentials and selects a CTA: made for the
-  16-row kernel's partials (a 64-row tile of 66 items is ~4k of each).
-
-Backend: Pallas Mosaic GPU (``plgpu``), one launch; interpret mode on the CPU.
+Backend: Pallas' Triton lowering, as the Triton decode kernels (masked
+gathers of arbitrary rows; interpret mode on the CPU).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as plgpu_tr
 
-WARPGROUP = 128  # threads of a CTA; a register array of n values needs n % 128 == 0
-# Partial values a CTA loads in one step (its ``chunk`` items x its run): 32 a thread, 64 from
-# 33 items (S padded >= 64: a run of one row's 512 values would otherwise be cut below 128).
-# Starting point taken from the Triton merge's tuning; scripts/tune_combine_splits.py --compare.
+# Partial values one program holds (S padded x its run of a split's slab), so that the loads of
+# every split are issued at once: ``max_tile``. H100, kernel us, 4096 / 2048 / 8192 at 4 warps:
+# 1 x 8 x 128 2.84 / 3.29 / 3.31 (scripts/tune_combine_splits.py --cases 1x8x128 ...).
 MAX_TILE = 4096
-MAX_VECTOR_BYTES = 16  # widest load or store a thread issues (ld.global.v4.b32)
-# Values of an item a transposed-partials CTA loads at least (16 a thread): its rows' weights
-# cost rows x items scalars and selects a CTA whatever its run, so a wider run amortises them.
-MIN_TRANSPOSED_VALUES = 2048
 
 
 def max_tile(num_splits: int) -> int:
-    """Partial values a merge CTA loads in one step: 2 x ``MAX_TILE`` from 33 items (S padded
-    >= 64), else ``MAX_TILE``; at least one value a thread and split whatever S."""
+    """Partial values a merge program holds at most: 2 x ``MAX_TILE`` from 33 splits (S padded
+    >= 64), else ``MAX_TILE``.
+
+    H100, bf16 partials, kernel us, 8192 vs 4096 values at 2 warps: 1 x 66 x 128 4.00 vs 5.27
+    (scripts/tune_combine_splits.py --partial-dtype bfloat16).
+    """
     return 2 * MAX_TILE if pl.next_power_of_2(num_splits) >= 64 else MAX_TILE
+
+
+def num_warps(num_splits: int) -> int:
+    """Warps a merge program runs: 2 from 9 splits (S padded >= 16), else 4.
+
+    H100, bf16 partials, kernel us at ``max_tile``: 2 vs 4 warps at 8 x 16 x 128 5.00 vs 7.27; 4 vs
+    2 at 1 x 8 x 128 1.83 vs 3.01 (scripts/tune_combine_splits.py --partial-dtype bfloat16).
+    """
+    return 2 if pl.next_power_of_2(num_splits) >= 16 else 4
 
 
 def partial_dtype(out_dtype) -> jnp.dtype:
@@ -83,7 +76,8 @@ def partial_dtype(out_dtype) -> jnp.dtype:
     average (weights summing to 1), so partials rounded to bf16 move the result by at most what
     the output's own rounding does (half an ulp, <= 2**-8 of the largest partial). At small
     batches the partials outweigh the cache: at B=1 x 16k x 128 heads (66 splits of ~250 tokens)
-    float32 ones are 17 MB written and read back against 10.5 MB of FP8 cache.
+    float32 ones are 17 MB written and read back against 10.5 MB of FP8 cache. H100: the merge
+    5-15% faster from bf16 (scripts/tune_combine_splits.py --partial-dtype bfloat16 vs float32).
     """
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
@@ -99,6 +93,149 @@ def combine_splits_reference(out: jax.Array, lse: jax.Array) -> tuple[jax.Array,
     merged = jnp.einsum("bsr,bsrd->brd", weight, out) / jnp.where(total > 0, total, 1.0)[..., None]
     merged_lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + lse_max[:, 0], -jnp.inf)
     return merged, merged_lse
+
+
+def tile_size(num_splits: int, slab: int) -> int:
+    """Values of each split's slab (its rows x R partials, ``slab`` floats) a program merges:
+    a power of two dividing ``slab``, with S padded to a power of two at most ``max_tile`` in all."""
+    size = max(1, max_tile(num_splits) // pl.next_power_of_2(num_splits))
+    while slab % size:
+        size //= 2
+    return size
+
+
+def _split_weights(lse_ref, b, num_splits: int, num_rows: int, rows):
+    """Per split and row: (flat partial index [S'], real split [S'] bool, weight [S', n],
+    lse max [n], total [n]) of batch row ``b``'s query rows ``rows`` [n], S' = S padded to a
+    power of two.
+
+    Padding splits read split 0 (in bounds) and are masked to lse -inf, weight 0; a row no
+    split saw keeps lse max 0 and total 0."""
+    splits = jnp.arange(pl.next_power_of_2(num_splits), dtype=jnp.int32)
+    real = splits < num_splits
+    partial_index = b * num_splits + jnp.where(real, splits, 0)
+    mask = jnp.broadcast_to(real[:, None], (splits.shape[0], rows.shape[0]))
+    lse = plgpu_tr.load(lse_ref.at[partial_index[:, None] * num_rows + rows[None, :]], mask=mask, other=-jnp.inf)
+    lse_max = jnp.max(lse, axis=0)
+    lse_max = jnp.where(lse_max == -jnp.inf, 0.0, lse_max)
+    weight = jnp.exp(lse - lse_max[None, :])  # 0 for empty and padding splits
+    return partial_index, real, weight, lse_max, jnp.sum(weight, axis=0)
+
+
+def _merged_lse(total, lse_max):
+    """The merged log-sum-exp of a row from its weights' total and max (-inf: no split saw it)."""
+    return jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + lse_max, -jnp.inf)
+
+
+def _combine_kernel(out_ref, lse_ref, o_ref, lse_out_ref, *, num_splits: int, num_rows: int, rank: int,
+                    size: int):
+    """One (batch row, run of ``size`` values of a split's [rows, R] slab) program.
+
+    out_ref [B * S * rows * R] f32 or bf16 and lse_ref [B * S * rows] f32: the partials, flat;
+    o_ref [B * rows * R] (the caller's dtype) and lse_out_ref [B * rows] f32, flat. All whole
+    arrays. The run is ``size`` // R whole rows, or a piece of one row (``size`` and R are powers
+    of two): the program reads its [S, rows of the run, columns] values at once and each
+    split's weight once a row (not once a value: with many splits a run is a few dozen values
+    of one row, and a weight a value would be an exp and an lse load a value). The program that
+    starts a row writes its merged lse.
+    """
+    b, run = pl.program_id(0), pl.program_id(1)
+    run_rows, run_cols = max(1, size // rank), min(size, rank)
+    first = run * size  # in the slab
+    rows = first // rank + jnp.arange(run_rows, dtype=jnp.int32)
+    columns = first % rank + jnp.arange(run_cols, dtype=jnp.int32)
+    partial_index, real, weight, lse_max, total = _split_weights(lse_ref, b, num_splits, num_rows, rows)
+    offsets = (partial_index[:, None, None] * num_rows + rows[None, :, None]) * rank + columns[None, None, :]
+    partials = plgpu_tr.load(out_ref.at[offsets], mask=jnp.broadcast_to(real[:, None, None], offsets.shape),
+                             other=0.0).astype(jnp.float32)
+    merged = jnp.sum(partials * weight[:, :, None], axis=0) / jnp.where(total > 0, total, 1.0)[:, None]
+    plgpu_tr.store(o_ref.at[(b * num_rows + rows[:, None]) * rank + columns[None, :]], merged.astype(o_ref.dtype))
+
+    @pl.when(first % rank == 0)
+    def _():
+        plgpu_tr.store(lse_out_ref.at[b * num_rows + rows], _merged_lse(total, lse_max))
+
+
+def _combine_transposed_kernel(out_ref, lse_ref, o_ref, lse_out_ref, *, num_splits: int, num_rows: int,
+                               rank: int, size: int):
+    """One (batch row, block of columns) program, partials [B, S, R, rows].
+
+    The program reads, per split, its columns' [columns, rows] tile (contiguous) and writes the
+    merged [rows, columns] tile through a transpose, so that both its loads and its stores are
+    contiguous runs (with the transposed tile stored as it lies, each lane's store would land
+    in another output row). Triton tiles have power-of-two sides: rows pad to R' =
+    next_power_of_2(rows) (``size`` // R' columns a program); the padding rows read row 0 and
+    store into a spare tail of o_ref, each at its own place (a masked store must not name one
+    address twice: interpret mode stores the old value back where the mask is off). Refs as
+    ``_combine_kernel``'s, lse_out_ref with a spare tail of ``size`` for the padding rows' lse.
+    """
+    b, run = pl.program_id(0), pl.program_id(1)
+    padded_rows = pl.next_power_of_2(num_rows)
+    num_cols = size // padded_rows
+    lanes = jnp.arange(padded_rows, dtype=jnp.int32)
+    real_row = lanes < num_rows
+    rows = jnp.where(real_row, lanes, 0)
+    columns = run * num_cols + jnp.arange(num_cols, dtype=jnp.int32)
+    partial_index, real, weight, lse_max, total = _split_weights(lse_ref, b, num_splits, num_rows, rows)
+    offsets = (partial_index[:, None, None] * rank + columns[None, :, None]) * num_rows + rows[None, None, :]
+    partials = plgpu_tr.load(out_ref.at[offsets], mask=jnp.broadcast_to(real[:, None, None], offsets.shape),
+                             other=0.0).astype(jnp.float32)
+    merged_t = jnp.sum(partials * weight[:, None, :], axis=0) / jnp.where(total > 0, total, 1.0)[None, :]
+    spare = (o_ref.shape[0] - (padded_rows - num_rows) * num_cols
+             + (jnp.maximum(lanes - num_rows, 0) * num_cols)[:, None] + jnp.arange(num_cols, dtype=jnp.int32)[None, :])
+    out_offsets = jnp.where(real_row[:, None], (b * num_rows + rows[:, None]) * rank + columns[None, :], spare)
+    plgpu_tr.store(o_ref.at[out_offsets], merged_t.T.astype(o_ref.dtype),
+                   mask=jnp.broadcast_to(real_row[:, None], out_offsets.shape))
+
+    @pl.when(run == 0)
+    def _():
+        tail = lse_out_ref.shape[0] - size + jnp.maximum(lanes - num_rows, 0)  # the padding rows' places
+        plgpu_tr.store(lse_out_ref.at[jnp.where(real_row, b * num_rows + rows, tail)], _merged_lse(total, lse_max),
+                       mask=real_row)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "transposed", "interpret"))
+def combine_splits(out: jax.Array, lse: jax.Array, dtype=jnp.float32, *, transposed: bool = False,
+                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Merge split partials in one Pallas launch, the math of ``combine_splits_reference``
+    (summed in another order: equal to fp32 rounding).
+
+    out [B, S, rows, R] f32 or bf16 (``partial_dtype``; [B, S, R, rows] with ``transposed``: as
+    the Mosaic kernel with the query rows on the wgmma N dimension writes it, merged without a
+    transposing copy), lse [B, S, rows] f32 -> (merged [B, rows, R] in ``dtype``, lse [B, rows]
+    f32). The sums are float32 either way.
+    """
+    if out.ndim != 4 or lse.ndim != 3:
+        raise ValueError(f"out, lse: expected 4 and 3 dimensions, got {out.shape} and {lse.shape}")
+    batch, num_splits = out.shape[:2]
+    num_rows, rank = (out.shape[3], out.shape[2]) if transposed else out.shape[2:]
+    if lse.shape != (batch, num_splits, num_rows):
+        raise ValueError(f"lse: expected shape {(batch, num_splits, num_rows)} to match out {out.shape}"
+                         f"{' (transposed)' if transposed else ''}, got {lse.shape}")
+    if out.dtype not in (jnp.float32, jnp.bfloat16) or lse.dtype != jnp.float32:
+        raise ValueError(f"out, lse: expected float32 or bfloat16 partials and a float32 lse, got {out.dtype} "
+                         f"and {lse.dtype}")
+    size = tile_size(num_splits, num_rows * rank)
+    spare = 0
+    if transposed:
+        padded_rows = pl.next_power_of_2(num_rows)
+        size = max(size, padded_rows)  # at least one column a program
+        spare = (padded_rows - num_rows) * (size // padded_rows)  # the padding rows' tail
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = _combine_transposed_kernel if transposed else _combine_kernel
+    merged, merged_lse = pl.pallas_call(
+        functools.partial(kernel, num_splits=num_splits, num_rows=num_rows, rank=rank, size=size),
+        grid=(batch, (pl.next_power_of_2(num_rows) if transposed else num_rows) * rank // size),
+        in_specs=[whole, whole],
+        out_specs=[whole, whole],
+        out_shape=[jax.ShapeDtypeStruct((batch * num_rows * rank + spare,), dtype),
+                   jax.ShapeDtypeStruct((batch * num_rows + (size if transposed else 0),), jnp.float32)],
+        interpret=interpret,
+        compiler_params=plgpu_tr.CompilerParams(num_warps=num_warps(num_splits), num_stages=1),
+        name="snapmla_combine_splits",
+    )(out.reshape(-1), lse.reshape(-1))
+    return (merged[:batch * num_rows * rank].reshape(batch, num_rows, rank),
+            merged_lse[:batch * num_rows].reshape(batch, num_rows))
 
 
 def combine_items_reference(out: jax.Array, lse: jax.Array, item_start: jax.Array, item_count: jax.Array,
@@ -126,274 +263,124 @@ def combine_items_reference(out: jax.Array, lse: jax.Array, item_start: jax.Arra
             jnp.where(several, _merged_lse(total, lse_max), merged_lse))
 
 
-def _merged_lse(total, lse_max):
-    """The merged log-sum-exp of a row from its weights' total and max (-inf: no item saw it)."""
-    return jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + lse_max, -jnp.inf)
+def transposed_columns(chunk: int, num_rows: int, rank: int) -> int:
+    """Columns of R a transposed-partials ``combine_items`` program merges: a power of two
+    dividing ``rank``, with ``chunk`` items of the largest row piece (``_row_pieces``) at most
+    ``max_tile`` values, at least one column."""
+    top_piece = 1 << (num_rows.bit_length() - 1)
+    return max(tile_size(chunk, top_piece * rank), top_piece) // top_piece
 
 
-def _largest_divisor(n: int, at_most: int) -> int:
-    """The largest divisor of ``n`` that is <= ``at_most`` (1 at least)."""
-    return max(d for d in range(1, max(1, min(n, at_most)) + 1) if n % d == 0)
+def _row_pieces(num_rows: int) -> tuple[tuple[int, int], ...]:
+    """(first row, rows) of the power-of-two pieces ``num_rows`` splits into, largest first.
+
+    Triton tiles have power-of-two sides. ``combine_splits`` pads the rows instead and parks
+    the padding rows' masked stores in a spare tail of its output (interpret mode writes the old
+    value back where a store is masked, so two lanes must never name one address); updating the
+    caller's arrays in place there is no spare tail, and pieces need no padding rows."""
+    bits = [bit for bit in reversed(range(num_rows.bit_length())) if num_rows >> bit & 1]
+    return tuple((num_rows & ~((2 << bit) - 1), 1 << bit) for bit in bits)  # a piece starts after the larger ones
 
 
-def run_shape(chunk: int, num_rows: int, rank: int, transposed: bool) -> tuple[int, int]:
-    """(run_rows, run_cols): the query rows and columns of R a merge CTA covers.
+def _merge_items(out_ref, lse_ref, start, count, rows, within, row_axis: int, *, chunk: int, num_rows: int,
+                 rank: int):
+    """Merge one batch row's ``count`` items (from item ``start``) over a tile of their slabs.
 
-    At most ``max_tile(chunk)`` values for ``chunk`` items, but at least one value a thread
-    and item (transposed: ``MIN_TRANSPOSED_VALUES``). [.., rows, R] partials: ``run_cols`` a power of two dividing R, >= 128 (a
-    thread's share of a row is contiguous), then whole rows dividing ``rows``.
-    ``transposed``: every row (``run_rows`` = rows) and ``run_cols`` a power of two dividing
-    R, with run_cols x rows a multiple of 128 and of the rows' period (``row_period``).
+    rows [n] int32: the tile's query rows; within [a, b] int32: the tile's offsets inside an
+    item's [rows, R] (or [R, rows]) slab, its query rows on axis ``row_axis`` (0 or 1). Returns
+    (merged [a, b] f32, merged lse [n] f32).
+
+    ``chunk`` items a step, their loads issued together (those past ``count`` masked, reading
+    the row's first item: in bounds), merged online: a running max of the lse's, the weights'
+    total and the weighted sum are rescaled by exp(old max - new max) when the max grows (each
+    step one more rounding of the weights: exact to float32 rounding). A row of at most
+    ``chunk`` items takes one step, the work of ``combine_splits``' program. Item indices are
+    clamped into out, so a bad item_start or item_count can not read past it.
     """
-    values = max(WARPGROUP, max_tile(chunk) // pl.next_power_of_2(chunk))
-    if transposed:
-        values = max(values, MIN_TRANSPOSED_VALUES)
-        cols = row_period(num_rows) // num_rows  # columns of one period of the thread-row pattern
-        while cols * 2 <= rank and rank % (cols * 2) == 0 and cols * 2 * num_rows <= values:
-            cols *= 2
-        return num_rows, cols
-    cols = min(rank, pl.next_power_of_2(values))
-    while rank % cols:
-        cols //= 2
-    return _largest_divisor(num_rows, values // cols), cols
-
-
-def row_period(num_rows: int) -> int:
-    """Values of a transposed tile after which the rows of a thread's values repeat: the
-    least multiple of 128 (a load of the warpgroup) and of ``num_rows``."""
-    return WARPGROUP * num_rows // math.gcd(WARPGROUP, num_rows)
-
-
-def _vector(num_values: int, dtype) -> int:
-    """Contiguous values a thread loads of a row's ``num_values``: up to 16 bytes."""
-    return max(1, min(num_values // WARPGROUP, MAX_VECTOR_BYTES // jnp.dtype(dtype).itemsize))
-
-
-def _merge(load_tile, load_lse, scale, start, count, *, chunk: int, num_items: int, num_rows: int,
-           static_count: bool):
-    """Merge one batch row's ``count`` items from item ``start`` over one CTA's run.
-
-    load_tile(item) -> the item's partials of the run (a list of f32 arrays); load_lse(item, r)
-    -> scalar f32, lse of the run's query row r (of ``num_rows``); scale(tile, weights) -> the
-    tile with each query row's values times its scalar of ``weights`` (a list, one a row).
-    Returns (merged tile f32, the rows' merged lse: a list of scalars).
-
-    ``chunk`` items a step, their loads issued together; with ``static_count`` count is a
-    Python int (every item real: one step when count <= chunk), else items past ``count`` read
-    the row's first item again (finite, unlike another row's unused slots) weighted 0, and
-    every index is clamped into [0, num_items): a bad start or count can not read past out. Steps after the first rescale the
-    running total and sum by exp(old max - new max) (one more rounding of the weights: exact
-    to float32 rounding).
-    """
-    def items_of(k):
-        offsets = [k * chunk + j for j in range(chunk)]
-        if static_count:
-            return [(start + o, True) for o in offsets if o < count]
-        return [(jnp.clip(jnp.where(o < count, start + o, start), 0, num_items - 1), o < count) for o in offsets]
-
-    def weigh(k, top):
-        """(item, per-row lse) of step k and the rows' new max (``top``: the running one)."""
-        members = items_of(k)
-        lses = [[jnp.where(real, load_lse(item, r), -jnp.inf) for r in range(num_rows)] for item, real in members]
-        new_top = [functools.reduce(jnp.maximum, [row[r] for row in lses], top[r]) for r in range(num_rows)]
-        return members, lses, new_top
+    num_items = lse_ref.shape[0] // num_rows
+    lanes = jnp.arange(chunk, dtype=jnp.int32)
 
     def step(k, carry):
         top, total, acc = carry
-        members, lses, new_top = weigh(k, top)
-        shift = [jnp.where(t == -jnp.inf, 0.0, t) for t in new_top]  # no item saw the row yet: weights 0
-        rescale = [jnp.exp(t - s) for t, s in zip(top, shift)]  # 0 on the first step, 1 while the max holds
-        weights = [[jnp.exp(row[r] - shift[r]) for r in range(num_rows)] for row in lses]
-        acc = scale(acc, rescale)
-        total = [t * c for t, c in zip(total, rescale)]
-        for (item, _), w in zip(members, weights):
-            acc = [a + x for a, x in zip(acc, scale(load_tile(item), w))]
-            total = [t + x for t, x in zip(total, w)]
-        return new_top, total, acc
+        real = k * chunk + lanes < count
+        index = jnp.minimum(jnp.maximum(start + jnp.where(real, k * chunk + lanes, 0), 0), num_items - 1)
+        lse = plgpu_tr.load(lse_ref.at[index[:, None] * num_rows + rows[None, :]],
+                            mask=jnp.broadcast_to(real[:, None], (chunk, rows.shape[0])), other=-jnp.inf)
+        offsets = index[:, None, None] * (num_rows * rank) + within[None]
+        partials = plgpu_tr.load(out_ref.at[offsets], mask=jnp.broadcast_to(real[:, None, None], offsets.shape),
+                                 other=0.0).astype(jnp.float32)
+        new_top = jnp.maximum(top, jnp.max(lse, axis=0))
+        shift = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # no item saw the row yet: weights all 0
+        rescale = jnp.exp(top - shift)  # 0 on the first step (top -inf), 1 while the max holds
+        weight = jnp.exp(lse - shift[None, :])  # 0 for masked and empty items
+        acc = acc * jnp.expand_dims(rescale, 1 - row_axis) + jnp.sum(
+            partials * jnp.expand_dims(weight, 2 - row_axis), axis=0)
+        return new_top, total * rescale + jnp.sum(weight, axis=0), acc
 
-    def first_step():
-        members, lses, top = weigh(0, [jnp.float32(-jnp.inf)] * num_rows)
-        shift = [jnp.where(t == -jnp.inf, 0.0, t) for t in top]
-        weights = [[jnp.exp(row[r] - shift[r]) for r in range(num_rows)] for row in lses]
-        acc = total = None
-        for (item, _), w in zip(members, weights):
-            term = scale(load_tile(item), w)
-            acc = term if acc is None else [a + x for a, x in zip(acc, term)]
-            total = w if total is None else [t + x for t, x in zip(total, w)]
-        return top, total, acc
-
-    carry = first_step()
-    if static_count:
-        for k in range(1, -(-count // chunk)):
-            carry = step(k, carry)
-    else:
-        carry = lax.fori_loop(1, lax.div(count + (chunk - 1), chunk), step, carry)
-    top, total, acc = carry
-    inverse = [1.0 / jnp.where(t > 0, t, 1.0) for t in total]
-    return scale(acc, inverse), [_merged_lse(t, jnp.where(m == -jnp.inf, 0.0, m)) for t, m in zip(total, top)]
+    init = (jnp.full(rows.shape, -jnp.inf, jnp.float32), jnp.zeros(rows.shape, jnp.float32),
+            jnp.zeros(within.shape, jnp.float32))
+    # The first chunk outside the loop: rows of at most ``chunk`` items (a uniform batch) skip
+    # it. H200, bf16 partials, kernel us, first chunk outside vs inside the loop: 32 x 2 x 128
+    # 4.47 vs 4.77, 8 x 16 x 128 6.04 vs 6.66, 1 x 66 x 128 7.07 vs 7.43.
+    top, total, acc = lax.fori_loop(1, lax.div(count + (chunk - 1), chunk), step, step(0, init))
+    merged = acc / jnp.expand_dims(jnp.where(total > 0, total, 1.0), 1 - row_axis)
+    return merged, _merged_lse(total, jnp.where(top == -jnp.inf, 0.0, top))
 
 
-def _flat_run(out_ref, lse_ref, o_ref, lse_out_ref, b, start, count, *, chunk: int, run_rows: int, run_cols: int,
-              static_count: bool):
-    """Merge and store one CTA's run of [.., rows, R] partials: out_ref [W, rows, R], lse_ref
-    [W, rows]; o_ref [B, rows, R], lse_out_ref [B, rows]. The run is ``run_rows`` rows x
-    ``run_cols`` columns (program 1 numbers the runs row-major); the CTA of a row's first
-    columns writes its merged lse."""
-    num_items, num_rows, rank = out_ref.shape
-    runs_per_row = rank // run_cols
-    run = lax.axis_index("run")
-    row0 = run // runs_per_row * run_rows
-    col0 = pl.multiple_of(run % runs_per_row * run_cols, run_cols)
-    layout = plgpu.Layout.WG_STRIDED((run_cols,), _vector(run_cols, out_ref.dtype))
+def _items_kernel(out_ref, lse_ref, start_ref, count_ref, _merged_in, _merged_lse_in, o_ref, lse_out_ref, *,
+                  chunk: int, num_rows: int, rank: int, size: int):
+    """One (batch row, run of ``size`` values of its [rows, R] slab) program, partials [W, rows, R].
 
-    def load_tile(item):
-        return [plgpu.load(out_ref.at[item, row0 + r, pl.ds(col0, run_cols)], layout=layout).astype(jnp.float32)
-                for r in range(run_rows)]
-
-    merged, merged_lse = _merge(load_tile, lambda item, r: lse_ref[item, row0 + r],
-                                lambda tile, weights: [x * w for x, w in zip(tile, weights)], start, count,
-                                chunk=chunk, num_items=num_items, num_rows=run_rows, static_count=static_count)
-    for r in range(run_rows):
-        o_ref[b, row0 + r, pl.ds(col0, run_cols)] = merged[r].astype(o_ref.dtype)
-
-    @pl.when(col0 == 0)
-    def _():
-        for r in range(run_rows):
-            lse_out_ref[b, row0 + r] = merged_lse[r]
-
-
-def _transposed_run(out_ref, lse_ref, o_ref, lse_out_ref, stage_ref, b, start, count, *, chunk: int,
-                    run_cols: int, static_count: bool):
-    """Merge and store one CTA's run of [.., R, rows] partials: out_ref [W, R, rows], lse_ref
-    [W, rows]; o_ref [B, rows, R], lse_out_ref [B, rows]; stage_ref SMEM [run_cols, rows + pad]
-    in o_ref's dtype. The run is columns [col0, col0 + run_cols) of every query row.
-
-    An item's [run_cols, rows] tile is contiguous: loaded one value a thread and load, as
-    [tiles, period // 128, 128] (``row_period``), so that the query row of each value depends
-    only on its place in a period, the same for every period: the rows' scalar weights become
-    one [period // 128, 128] array (a select per row), broadcast over the periods. The merged
-    tile is stored to SMEM as it lies and read back as [rows, run_cols]."""
-    num_items, rank, num_rows = out_ref.shape
-    period = row_period(num_rows)
-    shape = (run_cols * num_rows // period, period // WARPGROUP, WARPGROUP)
-    col0 = pl.multiple_of(lax.axis_index("run") * run_cols, run_cols)
-    tile_layout = plgpu.Layout.WG_STRIDED((run_cols, num_rows), 1)
-    row_of = lax.rem(plgpu.broadcasted_iota(jnp.int32, shape[1:], 0, layout=plgpu.Layout.WG_STRIDED(shape[1:], 1))
-                     * WARPGROUP
-                     + plgpu.broadcasted_iota(jnp.int32, shape[1:], 1, layout=plgpu.Layout.WG_STRIDED(shape[1:], 1)),
-                     num_rows)
-
-    def load_tile(item):
-        tile = plgpu.load(out_ref.at[item, pl.ds(col0, run_cols)], layout=tile_layout)
-        return [tile.astype(jnp.float32).reshape(shape)]
-
-    def scale(tile, weights):
-        per_value = jnp.zeros(shape[1:], jnp.float32)
-        for r, w in enumerate(weights):
-            per_value = jnp.where(row_of == r, w, per_value)
-        return [tile[0] * lax.broadcast_in_dim(per_value, shape, (1, 2))]
-
-    merged, merged_lse = _merge(load_tile, lambda item, r: lse_ref[item, r], scale, start, count, chunk=chunk,
-                                num_items=num_items, num_rows=num_rows, static_count=static_count)
-    stage = stage_ref.at[:, pl.ds(0, num_rows)]
-    stage[...] = merged[0].reshape(run_cols, num_rows).astype(stage_ref.dtype)
-    plgpu.commit_smem()  # a warpgroup barrier: every thread's part of the tile is in SMEM
-    rows_first = plgpu.load(stage.T, layout=plgpu.Layout.WG_STRIDED((num_rows, run_cols), 1))
-    o_ref[b, :, pl.ds(col0, run_cols)] = rows_first
-
-    @pl.when(col0 == 0)
-    def _():
-        for r in range(num_rows):
-            lse_out_ref[b, r] = merged_lse[r]
-
-
-def _stage_type(run_cols: int, num_rows: int, dtype):
-    """The SMEM staging tile of a transposed run: [run_cols, rows + pad], the row stride odd in
-    4-byte words (a column read back touches every bank once)."""
-    words = num_rows * jnp.dtype(dtype).itemsize / 4
-    pad = 1 if jnp.dtype(dtype).itemsize == 4 else 2
-    return plgpu.SMEM((run_cols, num_rows + (pad if words == int(words) and int(words) % 2 == 0 else 0)), dtype)
-
-
-def _check_partials(out, lse, transposed: bool):
-    """Raise ValueError unless out [.., rows, R] (or [.., R, rows]) and lse [.., rows] agree;
-    return (rows, R)."""
-    num_rows, rank = (out.shape[-1], out.shape[-2]) if transposed else out.shape[-2:]
-    if out.dtype not in (jnp.float32, jnp.bfloat16) or lse.dtype != jnp.float32:
-        raise ValueError(f"out, lse: expected float32 or bfloat16 partials and a float32 lse, got {out.dtype} and "
-                         f"{lse.dtype}")
-    if rank % WARPGROUP or rank & (rank - 1):
-        raise ValueError(f"out: expected R a power of two >= {WARPGROUP} (a thread's share of a row), got {rank}")
-    return num_rows, rank
-
-
-def _launch(body, operands, out_type, *, batch: int, runs: int, scratch: list, name: str, interpret: bool):
-    """One Mosaic GPU launch of a merge kernel: grid (batch row "b", run "run"), one warpgroup a
-    CTA, every operand whole in global memory (a ``jax.Ref`` operand is written in place)."""
-    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(batch, runs), grid_names=("b", "run"),
-                        kernel_name=name, interpret=plgpu.InterpretGPUParams() if interpret else None)(*operands)
-
-
-def _splits_kernel(out_ref, lse_ref, o_ref, lse_out_ref, *scratch, num_splits: int, transposed: bool, **run):
-    """One (batch row b, run) CTA of ``combine_splits``: out_ref [B * S, rows, R] (or [B * S, R,
-    rows]) and lse_ref [B * S, rows], row b's splits at b * S ...; o_ref [B, rows, R], lse_out_ref
-    [B, rows] f32; scratch: the SMEM staging tile of a transposed run."""
-    b = lax.axis_index("b")
-    if transposed:
-        _transposed_run(out_ref, lse_ref, o_ref, lse_out_ref, *scratch, b, b * num_splits, num_splits,
-                        static_count=True, **run)
-    else:
-        _flat_run(out_ref, lse_ref, o_ref, lse_out_ref, b, b * num_splits, num_splits, static_count=True, **run)
-
-
-@functools.partial(jax.jit, static_argnames=("dtype", "transposed", "interpret"))
-def combine_splits(out: jax.Array, lse: jax.Array, dtype=jnp.float32, *, transposed: bool = False,
-                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Merge split partials in one Mosaic GPU launch, the math of ``combine_splits_reference``
-    (summed in another order: equal to fp32 rounding).
-
-    out [B, S, rows, R] f32 or bf16 (``partial_dtype``; [B, S, R, rows] with ``transposed``: as
-    the Mosaic kernel with the query rows on the wgmma N dimension writes it, merged without a
-    transposing copy), lse [B, S, rows] f32 -> (merged [B, rows, R] in ``dtype``, lse [B, rows]
-    f32). The sums are float32 either way.
-
-    Raises ValueError when the shapes or dtypes disagree (named in the message) or R is not a
-    power of two >= 128.
+    out_ref [W * rows * R] f32 or bf16 and lse_ref [W * rows] f32: the items' partials, flat;
+    start_ref, count_ref [B] int32; o_ref [B * rows * R] (the output's dtype) and lse_out_ref
+    [B * rows] f32: the merged outputs, flat, aliased to _merged_in and _merged_lse_in (the
+    caller's values, left as they are in rows of at most one item). The run is split as in
+    ``_combine_kernel``; the program that starts a query row writes its merged lse.
     """
-    if out.ndim != 4 or lse.ndim != 3:
-        raise ValueError(f"out, lse: expected 4 and 3 dimensions, got {out.shape} and {lse.shape}")
-    batch, num_splits = out.shape[:2]
-    num_rows, rank = (out.shape[3], out.shape[2]) if transposed else out.shape[2:]
-    if lse.shape != (batch, num_splits, num_rows):
-        raise ValueError(f"lse: expected shape {(batch, num_splits, num_rows)} to match out {out.shape}"
-                         f"{' (transposed)' if transposed else ''}, got {lse.shape}")
-    _check_partials(out, lse, transposed)
-    run_rows, run_cols = run_shape(num_splits, num_rows, rank, transposed)
-    run = dict(chunk=num_splits, run_cols=run_cols) | ({} if transposed else dict(run_rows=run_rows))
-    return _launch(functools.partial(_splits_kernel, num_splits=num_splits, transposed=transposed, **run),
-                   (out.reshape(batch * num_splits, *out.shape[2:]), lse.reshape(batch * num_splits, num_rows)),
-                   (jax.ShapeDtypeStruct((batch, num_rows, rank), dtype),
-                    jax.ShapeDtypeStruct((batch, num_rows), jnp.float32)),
-                   batch=batch, runs=num_rows * rank // (run_rows * run_cols),
-                   scratch=[_stage_type(run_cols, num_rows, dtype)] if transposed else [],
-                   name="snapmla_combine_splits", interpret=interpret)
-
-
-def _items_kernel(out_ref, lse_ref, start_ref, count_ref, o_ref, lse_out_ref, *scratch, transposed: bool, **run):
-    """One (batch row b, run) CTA of ``combine_items``: out_ref [W, rows, R] (or [W, R, rows]),
-    lse_ref [W, rows] f32, start_ref and count_ref [B] int32; o_ref [B, rows, R] and lse_out_ref
-    [B, rows] f32: the caller's outputs, written in place (rows of at most one item left as
-    they are); scratch: the SMEM staging tile of a transposed run."""
-    b = lax.axis_index("b")
+    b, run = pl.program_id(0), pl.program_id(1)
     start, count = start_ref[b], count_ref[b]
+    run_rows, run_cols = max(1, size // rank), min(size, rank)
+    first = run * size  # in the slab
+    rows = first // rank + jnp.arange(run_rows, dtype=jnp.int32)
+    columns = first % rank + jnp.arange(run_cols, dtype=jnp.int32)
 
     @pl.when(count >= 2)
     def _():
-        if transposed:
-            _transposed_run(out_ref, lse_ref, o_ref, lse_out_ref, *scratch, b, start, count, static_count=False,
-                            **run)
-        else:
-            _flat_run(out_ref, lse_ref, o_ref, lse_out_ref, b, start, count, static_count=False, **run)
+        merged, merged_lse = _merge_items(out_ref, lse_ref, start, count, rows, rows[:, None] * rank + columns[None, :],
+                                          0, chunk=chunk, num_rows=num_rows, rank=rank)
+        plgpu_tr.store(o_ref.at[(b * num_rows + rows[:, None]) * rank + columns[None, :]], merged.astype(o_ref.dtype))
+
+        @pl.when(first % rank == 0)
+        def _():
+            plgpu_tr.store(lse_out_ref.at[b * num_rows + rows], merged_lse)
+
+
+def _items_transposed_kernel(out_ref, lse_ref, start_ref, count_ref, _merged_in, _merged_lse_in, o_ref,
+                             lse_out_ref, *, chunk: int, num_rows: int, rank: int, num_cols: int):
+    """One (batch row, block of ``num_cols`` columns) program, partials [W, R, rows].
+
+    As ``_combine_transposed_kernel``, each item's [columns, rows] tile is loaded contiguous and
+    the merged [rows, columns] tile stored through a transpose; the rows go in power-of-two
+    pieces (``_row_pieces``: one for 16 rows), each merged on its own. Refs as ``_items_kernel``'s;
+    the program of the first block writes the merged lse.
+    """
+    b, run = pl.program_id(0), pl.program_id(1)
+    start, count = start_ref[b], count_ref[b]
+    columns = run * num_cols + jnp.arange(num_cols, dtype=jnp.int32)
+
+    @pl.when(count >= 2)
+    def _():
+        for first_row, piece in _row_pieces(num_rows):
+            rows = first_row + jnp.arange(piece, dtype=jnp.int32)
+            merged_t, merged_lse = _merge_items(out_ref, lse_ref, start, count, rows,
+                                                columns[:, None] * num_rows + rows[None, :], 1, chunk=chunk,
+                                                num_rows=num_rows, rank=rank)
+            plgpu_tr.store(o_ref.at[(b * num_rows + rows[:, None]) * rank + columns[None, :]],
+                           merged_t.T.astype(o_ref.dtype))
+
+            @pl.when(run == 0)
+            def _():
+                plgpu_tr.store(lse_out_ref.at[b * num_rows + rows], merged_lse)
 
 
 def _check_items_args(out, lse, item_start, item_count, merged, merged_lse, chunk, transposed: bool):
@@ -413,6 +400,9 @@ def _check_items_args(out, lse, item_start, item_count, merged, merged_lse, chun
     if merged.shape != (batch, num_rows, rank) or merged_lse.shape != (batch, num_rows):
         raise ValueError(f"merged, merged_lse: expected shapes {(batch, num_rows, rank)} and {(batch, num_rows)} "
                          f"for B={batch} and out {out.shape}{layout}, got {merged.shape} and {merged_lse.shape}")
+    if out.dtype not in (jnp.float32, jnp.bfloat16) or lse.dtype != jnp.float32:
+        raise ValueError(f"out, lse: expected float32 or bfloat16 partials and a float32 lse, got {out.dtype} and "
+                         f"{lse.dtype}")
     if item_start.dtype != jnp.int32 or item_count.dtype != jnp.int32:
         raise ValueError(f"item_start, item_count: expected int32, got {item_start.dtype} and {item_count.dtype}")
     if merged.dtype not in (jnp.bfloat16, jnp.float32, jnp.float16) or merged_lse.dtype != jnp.float32:
@@ -420,16 +410,18 @@ def _check_items_args(out, lse, item_start, item_count, merged, merged_lse, chun
                          f"got {merged.dtype} and {merged_lse.dtype}")
     if not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
         raise ValueError(f"chunk: expected a power of two >= 1, got {chunk!r}")
+    if rank & (rank - 1):
+        raise ValueError(f"out: expected R a power of two (runs of values tile it), got {rank}")
     if out.size >= 2 ** 31:
         raise ValueError(f"out: expected fewer than 2**31 values (int32 offsets), got {out.size}")
-    return _check_partials(out, lse, transposed)
+    return num_rows, rank
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "transposed", "interpret"))
 def combine_items(out: jax.Array, lse: jax.Array, item_start: jax.Array, item_count: jax.Array, merged: jax.Array,
                   merged_lse: jax.Array, *, chunk: int, transposed: bool = False,
                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Merge each batch row's work items into the decode call's outputs, in one Mosaic GPU launch.
+    """Merge each batch row's work items into the decode call's outputs, in one Pallas launch.
 
     out [W, rows, R] f32 or bf16: normalised partials of W work items ([W, R, rows] with
     ``transposed``, as the 16-row Mosaic kernel writes them); lse [W, rows] f32 (natural log,
@@ -444,22 +436,46 @@ def combine_items(out: jax.Array, lse: jax.Array, item_start: jax.Array, item_co
     where those are intermediates (the decode kernel's outputs) they are updated in place,
     untouched rows not copied; an array passed from outside is copied first unless donated.
 
-    ``chunk`` (static, a power of two): items a CTA loads in one step (``_merge``); a row of
-    more loops over ceil(count / chunk) steps. Runs follow ``combine_splits``' with ``chunk``
-    as S, so with every count <= chunk a row takes one step; counts short of ``chunk`` still
-    load ``chunk`` items (the last ones again, weighted 0).
+    ``chunk`` (static, a power of two): items a program loads at once (``_merge_items``); a row
+    of more loops over ceil(count / chunk) chunks. Tiles and warps follow ``combine_splits``'
+    with ``chunk`` as S, so with every count <= chunk a row takes one step.
+
+    Cost, H200, bf16 partials and output, kernel us from the profiler, uniform batches (B x
+    count x rows, chunk = count rounded up) against ``combine_splits``: 1 x 8 x 128 1.82 vs 1.73,
+    16 x 4 x 128 3.81 vs 3.33, 8 x 16 x 128 6.04 vs 5.01, 1 x 64 x 128 3.88 vs 3.38, 1 x 8 x 16T
+    1.88 vs 1.47, 8 x 16 x 32T 3.01 vs 2.53: the row's item_start and item_count are loaded
+    before its partials' addresses are known (one more memory latency). Counts short of
+    ``chunk`` leave lanes masked at run time where ``combine_splits`` compiles them out: 1 x 66
+    x 128 7.07 at chunk 128 (6.31 at 64, two steps) vs 4.25. Each chunk past the first adds
+    ~2.3 us to a long row (7 rows of one item and one of 128 at chunk 16: 19.4 us; 32 rows of 8
+    items and one of 64 at chunk 8: 25.7 us). Prefetching the next chunk in the loop saved 18%
+    on such rows but cost 7-8% on uniform batches; pipelining (``num_stages`` 2, 3) changed
+    nothing.
 
     Raises ValueError when shapes or dtypes disagree (named in the message), chunk is not a
-    power of two, R is not one >= 128 or out has 2**31 values or more. item_start and
-    item_count are data, not checked: out-of-range items are clamped into out, never read past it.
+    power of two, R is not one or out has 2**31 values or more. item_start and item_count are
+    data, not checked: out-of-range items are clamped into out, never read past it.
     """
     num_rows, rank = _check_items_args(out, lse, item_start, item_count, merged, merged_lse, chunk, transposed)
-    run_rows, run_cols = run_shape(chunk, num_rows, rank, transposed)
-    run = dict(chunk=chunk, run_cols=run_cols) | ({} if transposed else dict(run_rows=run_rows))
-    merged_ref, merged_lse_ref = jax.new_ref(merged), jax.new_ref(merged_lse)
-    _launch(functools.partial(_items_kernel, transposed=transposed, **run),
-            (out, lse, item_start, item_count, merged_ref, merged_lse_ref), (),
-            batch=item_start.shape[0], runs=num_rows * rank // (run_rows * run_cols),
-            scratch=[_stage_type(run_cols, num_rows, merged.dtype)] if transposed else [],
-            name="snapmla_combine_items", interpret=interpret)
-    return merged_ref[...], merged_lse_ref[...]
+    if transposed:
+        num_cols = transposed_columns(chunk, num_rows, rank)
+        kernel = functools.partial(_items_transposed_kernel, num_cols=num_cols)
+        runs = rank // num_cols
+    else:
+        size = tile_size(chunk, num_rows * rank)
+        kernel = functools.partial(_items_kernel, size=size)
+        runs = num_rows * rank // size
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    new_merged, new_lse = pl.pallas_call(
+        functools.partial(kernel, chunk=chunk, num_rows=num_rows, rank=rank),
+        grid=(item_start.shape[0], runs),
+        in_specs=[whole] * 6,
+        out_specs=[whole, whole],
+        out_shape=[jax.ShapeDtypeStruct((merged.size,), merged.dtype),
+                   jax.ShapeDtypeStruct((merged_lse.size,), jnp.float32)],
+        input_output_aliases={4: 0, 5: 1},
+        interpret=interpret,
+        compiler_params=plgpu_tr.CompilerParams(num_warps=num_warps(chunk), num_stages=1),
+        name="snapmla_combine_items",
+    )(out.reshape(-1), lse.reshape(-1), item_start, item_count, merged.reshape(-1), merged_lse.reshape(-1))
+    return new_merged.reshape(merged.shape), new_lse.reshape(merged_lse.shape)

@@ -1,5 +1,4 @@
-"""The split-KV merge kernels (pallas_kernels/combine_splits.py) against a float64 merge, in the
-Mosaic GPU interpreter (compiled on a GPU: ``-m gpu``), and their lowering for CUDA on the CPU."""
+"""The split-KV merge kernels (pallas_kernels/combine_splits.py) against a float64 merge."""
 
 import functools
 
@@ -9,11 +8,9 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from snapmla_jax.backend import lower_for_cuda
-from snapmla_jax.pallas_kernels.combine_splits import (MIN_TRANSPOSED_VALUES, WARPGROUP, combine_items,
-                                                       combine_items_reference, combine_splits,
-                                                       combine_splits_reference, max_tile, partial_dtype, row_period,
-                                                       run_shape)
+from snapmla_jax.pallas_kernels.combine_splits import (combine_items, combine_items_reference, combine_splits,
+                                                       combine_splits_reference, max_tile, partial_dtype, tile_size,
+                                                       transposed_columns)
 
 
 def merge_float64(out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -29,13 +26,7 @@ def merge_float64(out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndar
     return merged, merged_lse
 
 
-# R of the interpret-mode cases: the smallest the kernels take (a thread's share of a row is
-# whole values); the interpreter's cost grows with the CTAs, one a run of 128 or more values.
-# Compiled cases take the model's 512.
-RANK = 128
-
-
-def random_partials(seed: int, batch: int, splits: int, rows: int, rank: int = RANK):
+def random_partials(seed: int, batch: int, splits: int, rows: int, rank: int = 512):
     """Partials as a split decode leaves them: normalised outputs with outlier rows, log-sum-exps
     spread over +-40 (weights down to e^-80 next to 1), some splits that saw nothing (lse -inf,
     out 0: the tail splits of a short row) and one query row no split saw."""
@@ -51,9 +42,9 @@ def random_partials(seed: int, batch: int, splits: int, rows: int, rank: int = R
     return out, lse
 
 
-# (batch, splits, rows): odd batch, split counts that are and are not powers of two, up to the
-# planner's 128; 16/32/64-row blocks, and 48 rows (three 16-row blocks: 128 is no multiple of
-# 48, so a transposed tile's rows repeat only every 384 values, three loads).
+# (batch, splits, rows): odd batch, split counts that are and are not powers of two (padded
+# to one in the kernel), up to the planner's 128; 16/32/64-row blocks, and 48 rows (three
+# 16-row blocks: the transposed tile pads them to 64).
 SHAPES = [(3, 5, 16), (1, 66, 64), (2, 128, 16), (1, 2, 32), (5, 3, 64), (3, 3, 48)]
 
 
@@ -117,21 +108,12 @@ def test_reference_agrees_with_float64():
     np.testing.assert_allclose(np.asarray(merged_lse), want_lse, rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_run_shape_fits_and_divides(transposed):
+def test_tile_size_fits_and_divides():
     for splits in (1, 2, 3, 8, 33, 66, 128, 256):
-        for rows in (16, 20, 48, 64, 128):
-            run_rows, run_cols = run_shape(splits, rows, 512, transposed)
-            values = run_rows * run_cols
-            # Runs tile the slab; every thread holds whole values of each split, at most
-            # ``max_tile`` values in all unless one value a thread and split is already more.
-            assert rows % run_rows == 0 and 512 % run_cols == 0 and values % WARPGROUP == 0
-            least = MIN_TRANSPOSED_VALUES if transposed else WARPGROUP
-            assert values <= max(max_tile(splits) // pl.next_power_of_2(splits), least, row_period(rows))
-            if transposed:
-                assert run_rows == rows
-            else:
-                assert run_cols % WARPGROUP == 0
+        for rows in (16, 48, 64):
+            size = tile_size(splits, rows * 512)
+            # Every split's run in one load of at most ``max_tile`` values; runs tile the slab.
+            assert size * pl.next_power_of_2(splits) <= max_tile(splits) and (rows * 512) % size == 0
 
 
 @pytest.mark.parametrize("out_shape, lse_shape, dtype, transposed, match", [
@@ -150,7 +132,7 @@ def test_bad_partials_raise(out_shape, lse_shape, dtype, transposed, match):
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_compiled_combine_matches_float64(shape, transposed):
-    out, lse = random_partials(sum(shape), *shape, rank=512)
+    out, lse = random_partials(sum(shape), *shape)
     want, want_lse = merge_float64(out, lse)
     stored = out.transpose(0, 1, 3, 2) if transposed else out
     merged, merged_lse = jax.jit(combine_splits, static_argnames=("dtype", "transposed"))(
@@ -216,9 +198,9 @@ def merge_items_float64(out, lse, starts, counts):
 # counts per batch row (odd B) for a chunk of 4: none, one, two, fewer than, exactly and more than a
 # chunk, and four chunks (13).
 RAGGED = (0, 5, 1, 2, 4, 13, 3)
-# (transposed, rows, partial dtype, output dtype, chunk, counts): 128 and 64 rows flat, 20 rows (no
-# divisor of 128: the rows of a thread's values repeat every 640 values) and 16 transposed; a uniform
-# batch (every count == chunk: one chunk); chunk 1 (a chunk an item) and 2 (seven chunks).
+# (transposed, rows, partial dtype, output dtype, chunk, counts): 128 and 64 rows flat, 20 rows (two
+# power-of-two pieces, 16 + 4) and 16 transposed; a uniform batch (every count == chunk: one chunk);
+# chunk 1 (a chunk an item) and 2 (seven chunks).
 ITEM_CASES = [
     (False, 128, jnp.float32, jnp.float32, 4, RAGGED),
     (False, 64, jnp.bfloat16, jnp.bfloat16, 4, RAGGED),
@@ -233,6 +215,7 @@ ITEM_IDS = ["{}{}-{}-{}-c{}-{}".format("T" if t else "", r, jnp.dtype(p).name, j
 # Half an ulp of the output (8 and 11 significant bits): its rounding moves a value by at most
 # 2**-8 (bf16) or 2**-11 (f16) of itself; float32 outputs are not rounded again.
 OUTPUT_RTOL = {jnp.dtype(jnp.float32): 0.0, jnp.dtype(jnp.bfloat16): 2.0 ** -8, jnp.dtype(jnp.float16): 2.0 ** -11}
+RANK = 64  # small R: interpret mode's cost grows with it
 
 
 @functools.lru_cache(maxsize=None)
@@ -294,7 +277,16 @@ def test_combine_items_reference_agrees_with_float64():
     assert np.array_equal(np.asarray(got)[kept], inputs[4][kept])
 
 
-def item_args(width=6, batch=3, rows=16, rank=128, transposed=False, **changes):
+def test_transposed_columns_fit_and_divide():
+    for chunk in (1, 2, 8, 64, 128):
+        for rows in (16, 20, 48, 64):
+            columns = transposed_columns(chunk, rows, 512)
+            top_piece = 1 << (rows.bit_length() - 1)  # the largest power-of-two piece of the rows
+            # A chunk of the largest piece's columns within ``max_tile`` (or one column), tiling R.
+            assert 512 % columns == 0 and (columns == 1 or chunk * columns * top_piece <= max_tile(chunk))
+
+
+def item_args(width=6, batch=3, rows=16, rank=64, transposed=False, **changes):
     """Valid ``combine_items`` arguments (zeros), with ``changes`` replacing some."""
     args = dict(out=jnp.zeros((width, rank, rows) if transposed else (width, rows, rank), jnp.float32),
                 lse=jnp.zeros((width, rows), jnp.float32), item_start=jnp.zeros((batch,), jnp.int32),
@@ -312,15 +304,13 @@ def item_args(width=6, batch=3, rows=16, rank=128, transposed=False, **changes):
     (dict(item_count=jnp.zeros((4,), jnp.int32)), 4, False, "item_start, item_count: expected two"),
     (dict(merged=jnp.zeros((3, 16, 32), jnp.bfloat16)), 4, False, "merged, merged_lse: expected shapes"),
     (dict(merged_lse=jnp.zeros((2, 16), jnp.float32)), 4, False, "merged, merged_lse: expected shapes"),
-    (dict(out=jnp.zeros((6, 16, 128), jnp.float16)), 4, False, "float32 or bfloat16 partials"),
+    (dict(out=jnp.zeros((6, 16, 64), jnp.float16)), 4, False, "float32 or bfloat16 partials"),
     (dict(lse=jnp.zeros((6, 16), jnp.bfloat16)), 4, False, "float32 lse"),
     (dict(item_count=jnp.zeros((3,), jnp.uint32)), 4, False, "item_start, item_count: expected int32"),
-    (dict(merged=jnp.zeros((3, 16, 128), jnp.int32)), 4, False, "bfloat16, float32 or float16 output"),
+    (dict(merged=jnp.zeros((3, 16, 64), jnp.int32)), 4, False, "bfloat16, float32 or float16 output"),
     (dict(merged_lse=jnp.zeros((3, 16), jnp.bfloat16)), 4, False, "bfloat16, float32 or float16 output"),
     (dict(out=jnp.zeros((6, 16, 48), jnp.float32), merged=jnp.zeros((3, 16, 48), jnp.float32)), 4, False,
      "R a power of two"),
-    (dict(out=jnp.zeros((6, 16, 64), jnp.float32), merged=jnp.zeros((3, 16, 64), jnp.float32)), 4, False,
-     "R a power of two >= 128"),
     ({}, 3, False, "chunk: expected a power of two"),
     ({}, 0, False, "chunk: expected a power of two"),
 ])
@@ -347,33 +337,3 @@ def test_compiled_combine_items_matches_float64(case_index):
     kept = counts <= 1
     assert np.array_equal(got[kept].view(bits), merged[kept].view(bits))
     assert np.array_equal(got_lse[kept].view(np.uint32), merged_lse[kept].view(np.uint32))
-
-
-# --- the compiled kernels' lowering, on the CPU -----------------------------------------------
-
-# (transposed, B, splits or chunk, rows, partial dtype): the decode calls' shapes (128 rows of
-# one batch row in 8 and 66 splits, a batch of 2 splits; the 16-row kernel's transposed partials).
-LOWERING_CASES = [(False, 1, 8, 128, jnp.bfloat16), (False, 1, 66, 128, jnp.float32), (False, 32, 2, 128, jnp.bfloat16),
-                  (True, 1, 8, 16, jnp.float32), (True, 64, 4, 16, jnp.bfloat16)]
-LOWERING_IDS = ["{}{}x{}x{}-{}".format("T" if t else "", b, s, r, jnp.dtype(p).name) for t, b, s, r, p in LOWERING_CASES]
-
-
-@pytest.mark.parametrize("transposed, batch, splits, rows, partial", LOWERING_CASES, ids=LOWERING_IDS)
-def test_combine_splits_lowers_for_cuda(transposed, batch, splits, rows, partial):
-    # Layouts, register arrays and SMEM are checked while lowering: what interpret mode skips.
-    out = jnp.zeros((batch, splits, 512, rows) if transposed else (batch, splits, rows, 512), partial)
-    lse = jnp.zeros((batch, splits, rows), jnp.float32)
-    lower_for_cuda(lambda o, l: combine_splits(o, l, jnp.bfloat16, transposed=transposed), out, lse)
-
-
-@pytest.mark.parametrize("transposed, batch, splits, rows, partial", LOWERING_CASES, ids=LOWERING_IDS)
-def test_combine_items_lowers_for_cuda(transposed, batch, splits, rows, partial):
-    width = batch * splits
-    out = jnp.zeros((width, 512, rows) if transposed else (width, rows, 512), partial)
-    text = lower_for_cuda(
-        lambda o, l, s, c, m, ml: combine_items(o, l, s, c, m, ml, chunk=pl.next_power_of_2(splits),
-                                                transposed=transposed),
-        out, jnp.zeros((width, rows), jnp.float32), jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32),
-        jnp.zeros((batch, rows, 512), partial), jnp.zeros((batch, rows), jnp.float32)).as_text()
-    # The merged outputs are updated in place: the launch's results alias its operands 4 and 5.
-    assert "output_operand_aliases" in text
