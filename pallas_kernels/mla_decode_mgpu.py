@@ -104,10 +104,17 @@ QK_PROMOTION = 512
 # one thread issuing all 21 copies ran 1.06-1.09x slower without a producer warpgroup
 # (H100, tools/time_mgpu_variants.py --variants no_producer issue_by_one_thread).
 ISSUE_BY_WARPS = True
+# ptxas honours ``setmaxnreg`` (the producer / consumer register split below) only when it compiles
+# a kernel whole. Under jax 0.12 Mosaic GPU kernels are JIT-linked, and ptxas reports "(C7504)
+# 'setmaxnreg' ignored to maintain compatibility across compilation units": every thread keeps 168
+# registers and the consumers spill 1560 bytes (392 under 0.11.2). No public option turns the
+# linking off. H200, 64 x 16k x 128: jax 0.11.2 with a producer 0.384 ms; jax 0.12.0.1 with one
+# 0.805, without 0.487 (tools/time_mgpu_variants.py --variants baseline no_producer).
+SETMAXNREG_HONOURED = jax.__version_info__ < (0, 12)
 # Whether a third warpgroup, the producer, issues the TMA ring while the two consumers only
 # compute (FA3's warp specialization): 0.817 vs 0.861 ms at 64 x 16k x 128 without it (H100,
-# tools/time_mgpu_variants.py --variants baseline no_producer).
-PRODUCER_WG = True
+# tools/time_mgpu_variants.py --variants baseline no_producer). It needs the register split.
+PRODUCER_WG = SETMAXNREG_HONOURED
 # Registers a thread (``plgpu.set_max_registers``) of the producer and the consumers: the kernel
 # starts at 168 (65536 over 384 threads) and producer + 2 x consumer must stay <= 504
 # (``check_registers``). 24 / 240 spills least: 0.512 vs 0.562 ms for 40 / 232 at

@@ -46,6 +46,7 @@ VARIANTS = {
     "baseline": {},
     "promotion_256": {"QK_PROMOTION": 256},
     "no_producer": {"PRODUCER_WG": False},
+    "with_producer": {"PRODUCER_WG": True},
     "issue_by_one_thread": {"ISSUE_BY_WARPS": False, "PRODUCER_WG": False},
     "registers_40_232": {"PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
     "producer_by_warps": {"PRODUCER_ISSUE_BY_WARPS": True},
