@@ -41,7 +41,7 @@ import datetime
 import json
 import pathlib
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +83,7 @@ class CacheScheme:
     """How a scheme runs: the cache dtype (``LatentCache``) and the transform of (c_kv, k_pe) before writing."""
 
     cache_dtype: str
-    kv_transform: object = None
+    kv_transform: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
 
 
 CACHE_SCHEMES = {

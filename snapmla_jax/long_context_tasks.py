@@ -164,14 +164,14 @@ def make_task(kind: str, context: int, depth: float, seed: int, *, text: np.ndar
     question, answer, needles, alphabet = build(rng, key_digits=key_digits, num_hops=num_hops,
                                                 copy_cue=copy_cue, copy_span=copy_span)
     body_len = context - 1 - len(question) - len(answer)
-    least = sum(len(n) for n in needles) if needles else 0
-    if kind == "kv":
-        least = len(needles[0]) * 2
+    # kv: the asked line and at least one other; else every needle once.
+    least = 2 * len(needles[0]) if kind == "kv" else sum(len(n) for n in needles)
     if body_len < least:
         raise ValueError(f"context: {context} tokens are too short for a {kind} task "
                          f"(at least {context - body_len + least} needed)")
     if kind == "kv":
-        body, needle_offset = _kv_body(rng, needles[0], body_len, depth)
+        body, needle_offset = _kv_body(rng, question[len(_KV_QUESTION):-len(_KV_QUESTION_END)], needles[0],
+                                       body_len, depth)
     else:
         body = _filler(body_len, rng, text)
         needle_offset = _depth_offset(depth, body_len, len(needles[0]))
@@ -197,18 +197,21 @@ def _kv_line(key: bytes, value: bytes) -> bytes:
     return b'table["' + key + b'"] = "' + value + b'"\n'
 
 
+_KV_QUESTION, _KV_QUESTION_END = b'\nassert table["', b'"] == "'
+
+
 def _kv(rng, **_):
     key, value = _random_bytes(HEX, 6, rng), _random_bytes(HEX, 6, rng)
-    return b'\nassert table["' + key + b'"] == "', value, [_kv_line(key, value)], HEX
+    return _KV_QUESTION + key + _KV_QUESTION_END, value, [_kv_line(key, value)], HEX
 
 
-def _kv_body(rng, needle: bytes, body_len: int, depth: float) -> tuple[np.ndarray, int]:
-    """A body of distinct-key table lines (spaces pad the start) with ``needle`` the line nearest depth."""
+def _kv_body(rng, asked_key: bytes, needle: bytes, body_len: int, depth: float) -> tuple[np.ndarray, int]:
+    """A body of table lines with keys distinct from each other and from ``asked_key`` (spaces pad the
+    start), ``needle`` being the line nearest the depth: (int32 [body_len], the needle's offset)."""
     width = len(needle)
     lines = body_len // width
     pad = body_len - lines * width
     index = min(lines - 1, max(0, int(round((_depth_offset(depth, body_len, width) - pad) / width))))
-    asked_key = needle[7:13]
     keys = set()
     parts = [b" " * pad]
     for i in range(lines):

@@ -93,6 +93,15 @@ def test_every_scheme_scores_a_tiny_model_near_its_bf16_bits(tiny_model, tasks, 
     assert abs(score.bits_per_byte / bf16.bits_per_byte - 1) < 0.01
 
 
+def test_an_emulated_scheme_changes_what_the_cache_holds(tiny_model, tasks):
+    tokens, starts = np.stack([t.tokens for t in tasks]), [t.answer_start for t in tasks]
+    bf16 = fl.answer_logprobs(tiny_model, tokens, starts, "bf16", backend="xla", chunk=100)
+    emulated = fl.answer_logprobs(tiny_model, tokens, starts, "emulated_per_token_576", backend="xla", chunk=100)
+    # Same BF16 cache, so any difference is the FP8 round trip applied before the write.
+    diff = np.abs(np.concatenate(bf16) - np.concatenate(emulated))
+    assert 0 < diff.max() < 0.5
+
+
 def test_unknown_scheme_and_bad_answer_starts_are_value_errors(tiny_model, tasks):
     tokens = np.stack([t.tokens for t in tasks])
     with pytest.raises(ValueError, match="scheme: expected one of"):
