@@ -128,7 +128,7 @@ class MLAAttention(nnx.Module):
         return jnp.einsum("bhqk,bkhv->bqhv", probs, values)
 
     def absorbed_decode(self, x: jax.Array, positions: jax.Array, cache, block_table: jax.Array,
-                        seq_lens: jax.Array, slots: jax.Array, *, backend: str):
+                        seq_lens: jax.Array, slots: jax.Array, *, backend: str, kv_transform=None):
         """Decode step in absorbed form over the paged latent cache.
 
         x [B, s_q, hidden]; positions [B, s_q] int32; cache a single-layer
@@ -136,12 +136,15 @@ class MLAAttention(nnx.Module):
         (cached tokens including these s_q); slots [B * s_q] int32 (-1: skip).
         Writes the new tokens' latents at ``slots`` and attends with
         ``mla_decode``. Returns (out [B, s_q, hidden], new cache,
-        latent attention output [B, s_q, H, R] before W_UV).
+        latent attention output [B, s_q, H, R] before W_UV). ``kv_transform``
+        (see ``MLAModel.decode``) maps (c_kv, k_pe) before they are written.
         """
         cfg = self.cfg
         q_nope, q_pe = self.queries(x, positions)
         q_latent = jnp.einsum("bshn,rhn->bshr", q_nope, self.w_uk[...])
         c_kv, k_pe = self.latents(x, positions)
+        if kv_transform is not None:
+            c_kv, k_pe = kv_transform(c_kv, k_pe)
         cache = write_kv(cache, c_kv.reshape(-1, cfg.kv_lora_rank), k_pe.reshape(-1, cfg.qk_rope_head_dim),
                          slots, backend=backend)
         latent_out = mla_decode(q_latent, q_pe, cache, block_table, seq_lens,
