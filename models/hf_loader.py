@@ -41,7 +41,8 @@ from tqdm.auto import tqdm
 
 from snapmla_jax.models.config import MLAConfig, read_hf_config
 from snapmla_jax.models.layers import fp8_eligible_kernels, quantize_weights
-from snapmla_jax.models.sharding import ParamSharding, fill_arrays, flat_arrays, merge_placed, param_path, resolve_sharding
+from snapmla_jax.models.sharding import (ParamSharding, fill_arrays, flat_arrays, merge_placed, param_path,
+                                         resolve_sharding)
 from snapmla_jax.models.transformer import MLAModel
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -291,8 +292,8 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
     kept_fp8 = {}
     if fp8_weights:
         eligible = fp8_eligible_kernels(abstract)
-        for name, placements in plan.items():
-            path = param_path(placements[0].path)
+        for name, planned in plan.items():
+            path = param_path(planned[0].path)
             if (path in eligible and name + SCALE_SUFFIX in index
                     and files[index[name]].dtype(name) == np.dtype(ml_dtypes.float8_e4m3fn)):
                 kept_fp8[name] = path

@@ -42,7 +42,7 @@ class Linear(nnx.Linear):
     def _product(self, inputs: jax.Array) -> jax.Array:
         kernel = self.kernel.get_value()
         if isinstance(kernel, BlockFP8Weight):
-            return fp8_matmul(inputs.astype(self.dtype), kernel)
+            return fp8_matmul(inputs if self.dtype is None else inputs.astype(self.dtype), kernel)
         return super().__call__(inputs)
 
 

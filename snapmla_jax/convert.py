@@ -5,7 +5,8 @@
 
 FP8 block-quantized releases are dequantized to ``--dtype``, or with
 ``--fp8-weights`` their linear kernels are kept FP8 with their block scales
-(``load_hf_checkpoint(fp8_weights=True)``); multi-token prediction layers are dropped. The tokenizer files found beside the weights
+(``load_hf_checkpoint(fp8_weights=True)``); multi-token prediction layers are
+dropped. The tokenizer files found beside the weights
 are copied into ``--out`` so that ``python -m snapmla_jax.generate --model OUT``
 needs nothing else. ``--shard-experts`` loads the expert weights split over all
 devices (the rest replicated) and saves each device's shards from there: the way

@@ -100,11 +100,12 @@ def fp8_matmul(x: jax.Array, w: BlockFP8Weight) -> jax.Array:
     """x [..., in] @ W^T for a block-FP8 weight W [out, in] -> [..., out] in x's dtype.
 
     Computed in plain XLA: the weight is dequantized inside the caller's jitted program (one
-    float32 multiply by the tile's scale, one rounding to x's dtype) and fed to an ordinary
-    dot accumulating in float32 (rounded once to x's dtype at the end, on every platform), so no dense copy of the weight outlives the call; XLA may still hold one as a
-    temporary of the program (whether the dequantization fuses into the GEMM's operand is up to
-    the GPU compiler). The FP8 GEMM proper (activations quantized per token and 128 channels,
-    FP8 x FP8 products with the block scales applied to the float32 partial sums, as
+    float32 multiply by the tile's scale, one rounding to x's dtype) and fed to an ordinary dot
+    accumulating in float32 (rounded once to x's dtype at the end, on every platform), so no
+    dense copy of the weight outlives the call; XLA may still hold one as a temporary of the
+    program (whether the dequantization fuses into the GEMM's operand is up to the GPU
+    compiler). The FP8 GEMM proper (activations quantized per token and 128 channels, FP8 x FP8
+    products with the block scales applied to the float32 partial sums, as
     DeepGEMM) is the next step and has not been built.
     """
     if x.shape[-1] != w.shape[1]:
