@@ -3,6 +3,7 @@ FP8 kernels in the model (quantize_weights, the Hugging Face loader's fp8_weight
 the convert CLI)."""
 
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -213,3 +214,30 @@ def test_convert_cli_fp8_weights_writes_an_fp8_checkpoint(hf_fp8_dir, hf_models,
     assert isinstance(restored.layers[0].mlp.down_proj.kernel.get_value(), BlockFP8Weight)
     np.testing.assert_array_equal(np.asarray(restored(TOKENS)), np.asarray(hf_models[True](TOKENS)))
 
+
+
+SHARDED_FP8 = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+sys.path.insert(0, sys.argv[2])  # tests/
+from test_fp8_weights import BLOCK, CFG, TOKENS
+from snapmla_jax.models import (MLAModel, expert_sharding, load_checkpoint, quantize_weights, save_checkpoint,
+                                shard_model)
+model = quantize_weights(MLAModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.float32), BLOCK)
+placed = shard_model(model, expert_sharding())
+w = placed.layers[0].self_attn.o_proj.kernel.get_value()
+assert w.values.sharding.is_fully_replicated and w.scales.sharding.is_fully_replicated
+assert not placed.layers[1].mlp.w_gate[...].sharding.is_fully_replicated
+want = np.asarray(model(TOKENS))
+np.testing.assert_allclose(np.asarray(placed(TOKENS)), want, rtol=1e-5, atol=1e-5)
+save_checkpoint(placed, sys.argv[1])
+restored = load_checkpoint(sys.argv[1], sharding=expert_sharding())
+np.testing.assert_array_equal(np.asarray(restored(TOKENS)), np.asarray(placed(TOKENS)))
+print("ok")
+"""
+
+
+def test_fp8_model_splits_its_experts_over_two_devices_and_saves_from_there(tmp_path):
+    from cpu_devices import run_with_cpu_devices
+    result = run_with_cpu_devices(2, ["-c", SHARDED_FP8, tmp_path / "ckpt", pathlib.Path(__file__).parent])
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
