@@ -4,8 +4,9 @@ conversion and orbax checkpoints. Users import these names from snapmla_jax."""
 from snapmla_jax.models.checkpoint import load_checkpoint, save_checkpoint
 from snapmla_jax.models.config import MLAConfig
 from snapmla_jax.models.hf_loader import load_hf_checkpoint
+from snapmla_jax.models.layers import quantize_weights
 from snapmla_jax.models.sharding import expert_sharding, shard_model
 from snapmla_jax.models.transformer import MLAModel
 
 __all__ = ["MLAConfig", "MLAModel", "load_hf_checkpoint", "save_checkpoint", "load_checkpoint", "expert_sharding",
-           "shard_model"]
+           "shard_model", "quantize_weights"]

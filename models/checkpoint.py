@@ -6,7 +6,12 @@ Layout::
     <dir>/state/        orbax StandardCheckpointer save of the model's state
                         (every nnx Variable, as a nested dict of arrays)
     <dir>/config.json   {"format": ..., "dtype": ..., "config": MLAConfig.to_dict(),
-                         "arrays": {path: [shape, dtype]}}
+                         "arrays": {path: [shape, dtype]},
+                         "fp8_weights": {"block": [rows, cols], "kernels": [path, ...]}}
+
+"fp8_weights" is present only for a model holding block-FP8 kernels
+(``models.layers.quantize_weights``): each such kernel is saved as two arrays,
+``<path>/values`` (float8_e4m3fn) and ``<path>/scales`` (float32), and restored as FP8.
 
 config.json is written last, so a save that did not finish leaves a
 directory ``load_checkpoint`` rejects as incomplete. The array manifest lets
@@ -34,10 +39,12 @@ from typing import Iterator
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from flax import nnx, traverse_util
+from flax import nnx
 
+from snapmla_jax.fp8_weights import BlockFP8Weight
 from snapmla_jax.models.config import MLAConfig
-from snapmla_jax.models.sharding import ParamSharding, merge_placed, param_path, resolve_sharding
+from snapmla_jax.models.layers import fp8_eligible_kernels, quantize_weights
+from snapmla_jax.models.sharding import ParamSharding, fill_arrays, flat_arrays, merge_placed, resolve_sharding
 from snapmla_jax.models.transformer import MLAModel
 
 CHECKPOINT_FORMAT = "snapmla-jax/mla-model/1"
@@ -50,9 +57,17 @@ class CheckpointError(ValueError):
     or a path a checkpoint may not be saved to."""
 
 
-def _flat_pure(state: nnx.State) -> dict[str, jax.Array]:
-    """State -> {"layers/0/self_attn/w_uk": array, ...} (string keys: orbax wants them)."""
-    return {param_path(path): var.get_value() for path, var in nnx.to_flat_state(state)}
+def fp8_kernel_record(model: nnx.Module) -> dict | None:
+    """{"block": [rows, cols], "kernels": [path, ...]} of ``model``'s block-FP8 kernels, or None
+    when it holds none. ValueError when they do not share one block shape."""
+    kernels = {path: linear.kernel.get_value() for path, linear in fp8_eligible_kernels(model).items()
+               if isinstance(linear.kernel.get_value(), BlockFP8Weight)}
+    if not kernels:
+        return None
+    blocks = {w.block for w in kernels.values()}
+    if len(blocks) != 1:
+        raise ValueError(f"model: FP8 kernels with different block shapes {sorted(blocks)}; one is supported")
+    return {"block": list(blocks.pop()), "kernels": sorted(kernels)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +173,7 @@ def write_checkpoint(model: MLAModel, directory: str | os.PathLike) -> None:
     """Write ``model``'s state and config into ``directory``, an existing empty directory
     (``staged_checkpoint_dir`` gives one). No checks: ``save_checkpoint`` is the safe entry."""
     directory = os.fspath(directory)
-    flat = _flat_pure(nnx.state(model))
+    flat = flat_arrays(nnx.state(model))
     with ocp.StandardCheckpointer() as checkpointer:  # leaving the block waits for the write
         checkpointer.save(os.path.join(directory, STATE_DIR), flat)
         checkpointer.wait_until_finished()
@@ -168,6 +183,9 @@ def write_checkpoint(model: MLAModel, directory: str | os.PathLike) -> None:
         "config": model.cfg.to_dict(),
         "arrays": {path: [list(a.shape), jnp.dtype(a.dtype).name] for path, a in flat.items()},
     }
+    fp8 = fp8_kernel_record(model)
+    if fp8 is not None:
+        record["fp8_weights"] = fp8
     with open(os.path.join(directory, CONFIG_FILE), "w") as f:
         json.dump(record, f, indent=1)
 
@@ -202,6 +220,9 @@ def _read_record(ckpt_dir: str) -> dict:
                                   f"expected {CHECKPOINT_FORMAT!r}")
         record["config"] = MLAConfig.from_dict(record["config"])
         record["arrays"] = dict(record["arrays"])
+        if "fp8_weights" in record:
+            record["fp8_weights"] = {"block": tuple(int(n) for n in record["fp8_weights"]["block"]),
+                                     "kernels": [str(p) for p in record["fp8_weights"]["kernels"]]}
         jnp.dtype(record["dtype"])
     except CheckpointError:
         raise
@@ -218,7 +239,8 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, *, dtype=None, sharding: ParamS
     Args:
       ckpt_dir: the checkpoint directory.
       dtype: parameter dtype to restore into (None: the saved one). The V3
-        router's correction bias stays float32.
+        router's correction bias stays float32, and block-FP8 kernels stay FP8
+        (their values float8_e4m3fn, their scales float32).
       sharding: where the arrays go: None (default device), one
         ``jax.sharding.Sharding`` for every array, or a function
         ``(path "layers/0/mlp/w_gate", ShapeDtypeStruct) -> Sharding``
@@ -233,9 +255,18 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, *, dtype=None, sharding: ParamS
     record = _read_record(ckpt_dir)
     cfg: MLAConfig = record["config"]
     dtype = jnp.dtype(record["dtype"] if dtype is None else dtype)
-    abstract = nnx.eval_shape(lambda: MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    fp8 = record.get("fp8_weights")
+
+    def build():
+        model = MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype)
+        return model if fp8 is None else quantize_weights(model, fp8["block"], paths=fp8["kernels"])
+
+    try:
+        abstract = nnx.eval_shape(build)
+    except ValueError as err:  # kernels the config's model does not have
+        raise CheckpointError(f"ckpt_dir: {ckpt_dir}: fp8_weights does not fit the config: {err}") from err
     graphdef, abstract_state = nnx.split(abstract)
-    wanted = _flat_pure(abstract_state)
+    wanted = flat_arrays(abstract_state)
     saved = record["arrays"]
     missing = sorted(set(wanted) - set(saved))
     misshaped = sorted(p for p in wanted if p in saved and list(wanted[p].shape) != saved[p][0])
@@ -257,7 +288,5 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, *, dtype=None, sharding: ParamS
         first_line = first_line.split(" See full TensorStore details")[0]
         raise CheckpointError(f"ckpt_dir: {ckpt_dir}: cannot read the saved weights "
                               f"({type(err).__name__}: {first_line[:300]})") from err
-    pure = traverse_util.unflatten_dict({tuple(int(k) if k.isdigit() else k for k in path.split("/")): value
-                                         for path, value in restored.items()})
-    nnx.replace_by_pure_dict(abstract_state, pure)
+    fill_arrays(abstract_state, restored)
     return merge_placed(graphdef, abstract_state)

@@ -13,7 +13,10 @@ linear layer (transposed to [in, out]), ``scale`` for an RMSNorm and
 DeepSeek's FP8 releases store linear weights as float8_e4m3fn with a float32
 ``<name>_scale_inv`` [ceil(out/128), ceil(in/128)]: each 128x128 block of the
 weight is multiplied by its scale (edge blocks cropped) and cast to the
-compute dtype. Multi-token-prediction layers (indices >= num_hidden_layers)
+compute dtype; with ``fp8_weights=True`` the ones that are ``Linear`` kernels
+(``models.layers.quantize_weights`` lists them) stay FP8 instead: the stored
+e4m3 values [out, in] and their scales become a ``BlockFP8Weight``, unchanged.
+Multi-token-prediction layers (indices >= num_hidden_layers)
 are skipped. Every name, shape and scale (and the requested placement) is
 checked from the safetensors headers before any data is read. Tensors are then
 read one at a time from memory-mapped files, converted, and placed on the
@@ -33,11 +36,13 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from flax import nnx, traverse_util
+from flax import nnx
 from tqdm.auto import tqdm
 
 from snapmla_jax.models.config import MLAConfig, read_hf_config
-from snapmla_jax.models.sharding import ParamSharding, merge_placed, param_path, resolve_sharding
+from snapmla_jax.models.layers import fp8_eligible_kernels, quantize_weights
+from snapmla_jax.models.sharding import (ParamSharding, fill_arrays, flat_arrays, merge_placed, param_path,
+                                         resolve_sharding)
 from snapmla_jax.models.transformer import MLAModel
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -241,7 +246,7 @@ def _check_and_plan(hf_dir: str, cfg: MLAConfig, expected: dict[tuple, tuple], n
 
 
 def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progress: bool = True,
-                       sharding: ParamSharding = None) -> MLAModel:
+                       sharding: ParamSharding = None, fp8_weights: bool = False) -> MLAModel:
     """Read a Hugging Face DeepSeek-V2/V2-Lite/V3 checkpoint directory into an ``MLAModel``.
 
     Args:
@@ -256,6 +261,12 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         ``(path "layers/0/mlp/w_gate", ShapeDtypeStruct) -> Sharding``
         (``models.sharding``). Each array is placed as soon as it is converted,
         so a model larger than one device loads straight onto a mesh.
+      fp8_weights: keep the checkpoint's float8_e4m3fn block-quantized weights
+        that are linear kernels (attention projections, dense MLPs, shared
+        experts) as ``BlockFP8Weight`` (values [out, in] as stored, float32
+        scales), half the bytes of bf16; the routed experts, ``kv_b_proj``
+        (split into w_uk / w_uv) and every unquantized tensor are converted to
+        ``dtype`` as without it. False: every weight in ``dtype``.
 
     Raises ValueError naming the tensors that are missing, unexpected or
     mis-shaped (checked from the headers before any data is read), an FP8
@@ -269,8 +280,7 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
     hf_config = read_hf_config(hf_dir)
     cfg = MLAConfig.from_hf(hf_config)
     abstract = nnx.eval_shape(lambda: MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype))
-    graphdef, abstract_state = nnx.split(abstract)
-    targets = dict(nnx.to_flat_state(abstract_state))
+    targets = dict(nnx.to_flat_state(nnx.state(abstract)))
     expected = {path: tuple(var.shape) for path, var in targets.items()}
     index = _index(hf_dir)
     files = {path: SafetensorsFile(path) for path in sorted(set(index.values()))}
@@ -278,28 +288,48 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         if name not in files[path].entries:
             raise ValueError(f"hf_dir: the index places tensor {name} in {path}, which does not hold it")
     plan = _check_and_plan(hf_dir, cfg, expected, int(hf_config.get("num_nextn_predict_layers") or 0), index, files)
-    placements = {path: resolve_sharding(sharding, param_path(path), var.shape, var.dtype)
-                  for path, var in targets.items()}
+    # Checkpoint tensor -> kernel path, for the FP8 weights that stay FP8.
+    kept_fp8 = {}
+    if fp8_weights:
+        eligible = fp8_eligible_kernels(abstract)
+        for name, planned in plan.items():
+            path = param_path(planned[0].path)
+            if (path in eligible and name + SCALE_SUFFIX in index
+                    and files[index[name]].dtype(name) == np.dtype(ml_dtypes.float8_e4m3fn)):
+                kept_fp8[name] = path
+        block = cfg.weight_block_size
+        abstract = nnx.eval_shape(lambda: quantize_weights(MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype), block,
+                                                           paths=kept_fp8.values()))
+    graphdef, abstract_state = nnx.split(abstract)
+    leaves = flat_arrays(abstract_state)
+    placements = {path: resolve_sharding(sharding, path, leaf.shape, leaf.dtype) for path, leaf in leaves.items()}
 
-    arrays: dict[tuple, jax.Array] = {}
-    stacks: dict[tuple, tuple[np.ndarray, int]] = {}  # expert weights being filled: (buffer, rows filled)
+    arrays: dict[str, jax.Array] = {}
+    stacks: dict[str, tuple[np.ndarray, int]] = {}  # expert weights being filled: (buffer, rows filled)
     ordered = sorted(plan, key=lambda n: (index[n], files[index[n]].entries[n]["data_offsets"][0]))
     for name in tqdm(ordered, desc="loading weights", unit="tensor", disable=not progress):
         weight = files[index[name]].read(name)
+        if name in kept_fp8:
+            scale = files[index[name + SCALE_SUFFIX]].read(name + SCALE_SUFFIX).astype(np.float32)
+            for leaf, value in (("values", weight), ("scales", scale)):
+                path = f"{kept_fp8[name]}/{leaf}"
+                arrays[path] = jax.device_put(np.asarray(value), placements[path])
+            continue
         if name + SCALE_SUFFIX in index:
             scale = files[index[name + SCALE_SUFFIX]].read(name + SCALE_SUFFIX)
             weight = dequantize_blocks(weight, scale, cfg.weight_block_size)
         for p in plan[name]:
+            path = param_path(p.path)
             value = np.asarray(p.transform(weight)).astype(targets[p.path].dtype)
             if p.expert is None:
-                arrays[p.path] = jax.device_put(value, placements[p.path])
+                arrays[path] = jax.device_put(value, placements[path])
                 continue
-            buffer, filled = stacks.pop(p.path, None) or (np.empty(expected[p.path], value.dtype), 0)
+            buffer, filled = stacks.pop(path, None) or (np.empty(expected[p.path], value.dtype), 0)
             buffer[p.expert] = value
             if filled + 1 == expected[p.path][0]:
                 # Stack complete: onto the devices, and the host copy is dropped.
-                arrays[p.path] = jax.device_put(buffer, placements[p.path])
+                arrays[path] = jax.device_put(buffer, placements[path])
             else:
-                stacks[p.path] = (buffer, filled + 1)
-    nnx.replace_by_pure_dict(abstract_state, traverse_util.unflatten_dict(arrays))
+                stacks[path] = (buffer, filled + 1)
+    fill_arrays(abstract_state, arrays)
     return merge_placed(graphdef, abstract_state)

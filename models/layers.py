@@ -1,5 +1,6 @@
 """Small building blocks of the MLA model: RMSNorm, rotary embeddings (with
-YaRN), the SwiGLU MLP, and the bias-free linear layer they all use."""
+YaRN), the SwiGLU MLP, and the bias-free linear layer they all use (with a
+plain or a block-FP8 kernel, ``quantize_weights``)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from snapmla_jax.fp8_weights import DEFAULT_BLOCK, BlockFP8Weight, fp8_matmul, quantize_blocks
 from snapmla_jax.models.config import MLAConfig
 
 
 class Linear(nnx.Linear):
-    """``nnx.Linear`` that never multiplies a single row.
+    """``nnx.Linear`` whose kernel may be block-FP8, and that never multiplies a single row.
+
+    The kernel is a plain [in, out] array, or a ``BlockFP8Weight`` (values float8_e4m3fn
+    [out, in], float32 block scales; ``quantize_weights``) multiplied by ``fp8_matmul``, which
+    dequantizes it inside the program.
 
     XLA's GPU compiler rewrites a one-row product (a decode step of one token) into
     an elementwise multiply and a reduce fusion, which at these shapes runs ~3x slower
@@ -28,10 +34,16 @@ class Linear(nnx.Linear):
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         if math.prod(inputs.shape[:-1]) != 1:
-            return super().__call__(inputs)
+            return self._product(inputs)
         row = inputs.reshape(1, inputs.shape[-1])
-        out = super().__call__(jnp.concatenate([row, row]))[:1]
+        out = self._product(jnp.concatenate([row, row]))[:1]
         return out.reshape(*inputs.shape[:-1], out.shape[-1])
+
+    def _product(self, inputs: jax.Array) -> jax.Array:
+        kernel = self.kernel.get_value()
+        if isinstance(kernel, BlockFP8Weight):
+            return fp8_matmul(inputs if self.dtype is None else inputs.astype(self.dtype), kernel)
+        return super().__call__(inputs)
 
 
 def linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs) -> Linear:
@@ -41,6 +53,42 @@ def linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs) -> Lin
     than false are refused by ``MLAConfig.from_hf``).
     """
     return Linear(in_features, out_features, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+def fp8_eligible_kernels(model: nnx.Module) -> dict[str, Linear]:
+    """The ``Linear`` layers ``quantize_weights`` may convert, by kernel path
+    ("layers/0/self_attn/q_a_proj/kernel"): every one but the LM head, which DeepSeek's FP8
+    releases keep in BF16 (as the embedding and the router)."""
+    found = {}
+    for path, module in nnx.iter_graph(model):
+        if isinstance(module, Linear) and path[:1] != ("lm_head",):
+            found["/".join(map(str, (*path, "kernel")))] = module
+    return found
+
+
+def quantize_weights(model: nnx.Module, block: tuple[int, int] = DEFAULT_BLOCK, *,
+                     paths=None) -> nnx.Module:
+    """Convert ``model``'s linear kernels to ``BlockFP8Weight`` in place; returns ``model``.
+
+    Converted: the attention projections (q / q_a / q_b, kv_a_proj_with_mqa, o_proj), the dense
+    MLPs and the MoE layers' shared experts: every ``Linear`` but the LM head
+    (``fp8_eligible_kernels``). Each [in, out] kernel becomes values [out, in] with one scale per
+    ``block`` (``quantize_blocks``). Left in the model's dtype: the embedding, the LM head, the
+    norms, the router, ``w_uk`` / ``w_uv`` (kv_b_proj split per head), and the routed experts'
+    stacked [E, ...] weights, which the MoE's ragged, dense and gathered dispatches read as
+    plain arrays. ``paths``: a subset of the kernel paths to convert (None: all); ValueError
+    naming a path that is not an eligible kernel. Kernels already FP8 are left as they are.
+    """
+    eligible = fp8_eligible_kernels(model)
+    chosen = eligible if paths is None else set(paths)
+    unknown = sorted(set(chosen) - set(eligible))
+    if unknown:
+        raise ValueError(f"paths: not linear kernels that can be FP8: {unknown[:8]}")
+    for path in chosen:
+        kernel = eligible[path].kernel
+        if not isinstance(kernel.get_value(), BlockFP8Weight):
+            kernel.set_value(quantize_blocks(kernel.get_value().T, block))
+    return model
 
 
 class RMSNorm(nnx.Module):

@@ -7,7 +7,8 @@ A placement is given as ``sharding=``:
 * one ``jax.sharding.Sharding`` for every array;
 * a function ``(path, jax.ShapeDtypeStruct) -> Sharding`` (or None for the default
   device), called once per array with its path in the model's state, e.g.
-  ``"layers/0/mlp/w_gate"`` (the names ``save_checkpoint`` writes).
+  ``"layers/0/mlp/w_gate"`` (the names ``save_checkpoint`` writes; a block-FP8 kernel is
+  two arrays, ``".../kernel/values"`` and ``".../kernel/scales"``).
 
 A function may split, say, the stacked expert weights [E, ...] over a mesh axis
 and replicate the rest (``expert_sharding``), so that a model larger than one
@@ -21,7 +22,7 @@ from typing import Callable, Union
 
 import jax
 import numpy as np
-from flax import nnx, traverse_util
+from flax import nnx
 
 from snapmla_jax.models.moe import match_dispatch_to_placement
 
@@ -37,6 +38,25 @@ class PlacementError(ValueError):
 def param_path(path: tuple) -> str:
     """A state path as a string: ("layers", 0, "mlp", "w_gate") -> "layers/0/mlp/w_gate"."""
     return "/".join(str(k) for k in path)
+
+
+def _key_name(key) -> str:
+    return str(getattr(key, "key", getattr(key, "name", key)))
+
+
+def flat_arrays(state: nnx.State) -> dict[str, jax.Array]:
+    """Every array of ``state`` by its path string: "layers/0/self_attn/w_uk", and for a
+    ``BlockFP8Weight`` kernel its leaves "…/kernel/values" and "…/kernel/scales". Abstract
+    states give their ShapeDtypeStructs. The order is ``jax.tree`` order, as
+    ``fill_arrays`` expects."""
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+    return {"/".join(_key_name(k) for k in path): leaf for path, leaf in leaves}
+
+
+def fill_arrays(state: nnx.State, arrays: dict[str, jax.Array]) -> None:
+    """Put ``arrays`` (keyed as ``flat_arrays(state)``, every key present) into ``state`` in place."""
+    structure = jax.tree.structure(nnx.to_pure_dict(state))
+    nnx.replace_by_pure_dict(state, jax.tree.unflatten(structure, [arrays[p] for p in flat_arrays(state)]))
 
 
 def resolve_sharding(sharding: ParamSharding, path: str, shape: tuple[int, ...], dtype) -> jax.sharding.Sharding:
@@ -98,10 +118,9 @@ def shard_model(model: nnx.Module, sharding: ParamSharding) -> nnx.Module:
     ``sharding=``, e.g. ``expert_sharding()``), for a model already in memory; ``model`` itself
     is left as it was. Raises PlacementError as ``resolve_sharding``, before anything moves."""
     graphdef, state = nnx.split(model)
-    flat = list(nnx.to_flat_state(state))
-    targets = [resolve_sharding(sharding, param_path(path), var.shape, var.dtype) for path, var in flat]
-    placed = {path: jax.device_put(var.get_value(), target) for (path, var), target in zip(flat, targets)}
-    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(placed))
+    flat = flat_arrays(state)
+    targets = {path: resolve_sharding(sharding, path, leaf.shape, leaf.dtype) for path, leaf in flat.items()}
+    fill_arrays(state, {path: jax.device_put(leaf, targets[path]) for path, leaf in flat.items()})
     return merge_placed(graphdef, state)
 
 

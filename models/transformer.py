@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from snapmla_jax.cache import LatentCache
+from snapmla_jax.fp8_weights import BlockFP8Weight
 from snapmla_jax.models.attention import MLAAttention
 from snapmla_jax.models.config import MLAConfig
 from snapmla_jax.models.layers import MLP, RMSNorm, linear
@@ -204,5 +205,13 @@ class MLAModel(nnx.Module):
 
 
 def param_count(model: MLAModel) -> int:
-    """Number of parameters (``nnx.Param`` elements) in ``model``."""
-    return int(sum(np.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param))))
+    """Number of parameters (``nnx.Param`` elements) in ``model``; a block-FP8 kernel counts its
+    [out, in] elements, not its scales."""
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, BlockFP8Weight))
+    return int(sum(np.prod(p.shape) for p in leaves))
+
+
+def param_bytes(model: MLAModel) -> int:
+    """Bytes of every array in ``model``'s state (parameters, FP8 scales and the router's bias):
+    its weights' memory footprint."""
+    return int(sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model))))

@@ -1,9 +1,12 @@
 """Convert a Hugging Face DeepSeek-V2/V3 checkpoint into a snapmla-jax (orbax) checkpoint.
 
     python -m snapmla_jax.convert --hf-dir DIR --out DIR [--dtype bfloat16] [--overwrite] [--quiet] [--shard-experts]
+                                  [--fp8-weights]
 
-FP8 block-quantized releases are dequantized to ``--dtype``; multi-token
-prediction layers are dropped. The tokenizer files found beside the weights
+FP8 block-quantized releases are dequantized to ``--dtype``, or with
+``--fp8-weights`` their linear kernels are kept FP8 with their block scales
+(``load_hf_checkpoint(fp8_weights=True)``); multi-token prediction layers are
+dropped. The tokenizer files found beside the weights
 are copied into ``--out`` so that ``python -m snapmla_jax.generate --model OUT``
 needs nothing else. ``--shard-experts`` loads the expert weights split over all
 devices (the rest replicated) and saves each device's shards from there: the way
@@ -51,6 +54,9 @@ def _parser() -> cli.Parser:
     parser.add_argument("--shard-experts", action="store_true",
                         help="load the MoE expert weights split over all devices, the rest replicated, and save "
                              "from there (for models larger than one device; the expert count must divide evenly)")
+    parser.add_argument("--fp8-weights", action="store_true",
+                        help="keep the checkpoint's FP8 block-quantized linear kernels (attention projections, "
+                             "dense and shared-expert MLPs) as FP8 with their scales; the rest in --dtype")
     return parser
 
 
@@ -85,7 +91,7 @@ def check_paths(hf_dir: str, out: str, overwrite: bool) -> None:
 
 def _convert(argv: list[str]) -> int:
     from snapmla_jax.models import expert_sharding, load_hf_checkpoint
-    from snapmla_jax.models.checkpoint import staged_checkpoint_dir, write_checkpoint
+    from snapmla_jax.models.checkpoint import fp8_kernel_record, staged_checkpoint_dir, write_checkpoint
     from snapmla_jax.models.sharding import PlacementError
     from snapmla_jax.models.transformer import param_count
 
@@ -93,7 +99,8 @@ def _convert(argv: list[str]) -> int:
     check_paths(args.hf_dir, args.out, args.overwrite)
     try:
         model = load_hf_checkpoint(args.hf_dir, dtype=DTYPES[args.dtype], progress=not args.quiet,
-                                   sharding=expert_sharding() if args.shard_experts else None)
+                                   sharding=expert_sharding() if args.shard_experts else None,
+                                   fp8_weights=args.fp8_weights)
     except PlacementError as err:  # the placement --shard-experts asked for, not the checkpoint
         raise cli.UsageError(f"--shard-experts: {jax.device_count()} devices: {err}") from err
     except ValueError as err:  # what the checkpoint holds: its config, tensors, shards
@@ -103,7 +110,8 @@ def _convert(argv: list[str]) -> int:
         write_checkpoint(model, staging)
         for name in copied:
             shutil.copy2(pathlib.Path(args.hf_dir) / name, staging / name)
-    print(f"saved {param_count(model):,} parameters ({args.dtype}) to {args.out}"
+    kind = f"{args.dtype}, FP8 linear kernels" if fp8_kernel_record(model) else args.dtype
+    print(f"saved {param_count(model):,} parameters ({kind}) to {args.out}"
           + (f" with {', '.join(copied)}" if copied else " (no tokenizer files found beside the weights)"))
     return 0
 

@@ -15,8 +15,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNELS = "snapmla_jax.pallas_kernels"
 MODELS = "snapmla_jax.models"
-OPS = {f"snapmla_jax.{name}" for name in ("backend", "cache", "decode", "paging", "quant_report", "quantization",
-                                           "write")}
+OPS = {f"snapmla_jax.{name}" for name in ("backend", "cache", "decode", "fp8_weights", "paging", "quant_report",
+                                           "quantization", "write")}
 
 
 def package_imports(path: pathlib.Path) -> set[str]:

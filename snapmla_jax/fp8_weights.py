@@ -1,0 +1,115 @@
+"""Block-quantized FP8 weights (DeepSeek-V3's format) and the product with them.
+
+A weight matrix W [out, in] is stored as ``float8_e4m3fn`` values with one float32 scale per
+``block`` = (rows, cols) tile, 128 x 128 in DeepSeek's releases:
+
+    W[o, i] ~= values[o, i] * scales[o // rows, i // cols]
+
+Edge tiles of a matrix whose sides are not multiples of the block are cropped (their scale
+covers the rows and columns that exist). This is the checkpoint's own layout (``weight`` and
+``weight_scale_inv``), kept as it is: [out, in] puts the contraction axis last (K-major), the
+operand layout Hopper's FP8 matrix instructions require.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+FP8_E4M3_MAX = 448.0  # largest finite e4m3 value: a block's amax maps onto it
+DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockFP8Weight:
+    """An FP8 weight with one scale per block; a pytree (``values`` and ``scales`` are its
+    leaves, ``block`` static), so it passes through ``jax.jit``, nnx state and the loaders.
+
+    values: float8_e4m3fn [out, in].
+    scales: float32 [ceil(out / block[0]), ceil(in / block[1])]; dequantized = values * scale.
+    block:  (rows, cols) of a scale's tile.
+    """
+
+    values: jax.Array
+    scales: jax.Array
+    block: tuple[int, int] = dataclasses.field(default=DEFAULT_BLOCK, metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out, in) of the matrix."""
+        return tuple(self.values.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of values and scales together."""
+        return self.values.nbytes + self.scales.nbytes
+
+
+def scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    """Shape of the scales of a [out, in] matrix: (ceil(out / rows), ceil(in / cols))."""
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def _check_block(block) -> tuple[int, int]:
+    if len(block) != 2 or min(block) <= 0:
+        raise ValueError(f"block: expected two positive ints (rows, cols), got {block!r}")
+    return int(block[0]), int(block[1])
+
+
+def _expand(scales: jax.Array, shape: tuple[int, int], block: tuple[int, int]) -> jax.Array:
+    """scales [ceil(out/rows), ceil(in/cols)] -> one scale per element [out, in] (edges cropped).
+    A broadcast, a reshape and a slice: XLA fuses them into the consumer."""
+    (out_blocks, in_blocks), (rows, cols) = scales.shape, block
+    tiled = jnp.broadcast_to(scales[:, None, :, None], (out_blocks, rows, in_blocks, cols))
+    return tiled.reshape(out_blocks * rows, in_blocks * cols)[:shape[0], :shape[1]]
+
+
+def quantize_blocks(w: jax.Array, block: tuple[int, int] = DEFAULT_BLOCK) -> BlockFP8Weight:
+    """A float matrix w [out, in] (bf16 / f16 / f32) -> its ``BlockFP8Weight``.
+
+    Each block's scale is amax / 448 in float32, so the block's largest element lands on
+    e4m3's largest finite value; the values are ``w / scale`` cast to e4m3 with saturation
+    (never inf or NaN). A block of zeros gets scale 0 and values 0. ValueError for a w that
+    is not 2-D or floating, or a bad ``block``.
+    """
+    block = _check_block(block)
+    if w.ndim != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
+        raise ValueError(f"w: expected a 2-D float matrix [out, in], got {w.dtype} {list(w.shape)}")
+    out_dim, in_dim = w.shape
+    blocks = scale_shape(w.shape, block)
+    w32 = jnp.asarray(w, jnp.float32)
+    padded = jnp.pad(w32, ((0, blocks[0] * block[0] - out_dim), (0, blocks[1] * block[1] - in_dim)))
+    amax = jnp.max(jnp.abs(padded.reshape(blocks[0], block[0], blocks[1], block[1])), axis=(1, 3))
+    scales = amax / FP8_E4M3_MAX
+    safe = _expand(jnp.where(scales > 0, scales, 1.0), w.shape, block)
+    values = jnp.clip(w32 / safe, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return BlockFP8Weight(values, scales, block)
+
+
+def dequantize_weight(w: BlockFP8Weight, dtype=jnp.float32) -> jax.Array:
+    """``w`` as a dense [out, in] matrix in ``dtype``: values * scale computed in float32, then
+    one rounding to ``dtype`` (the same numbers as the loader's numpy dequantization)."""
+    scaled = w.values.astype(jnp.float32) * _expand(w.scales, w.shape, w.block)
+    return scaled.astype(dtype)
+
+
+def fp8_matmul(x: jax.Array, w: BlockFP8Weight) -> jax.Array:
+    """x [..., in] @ W^T for a block-FP8 weight W [out, in] -> [..., out] in x's dtype.
+
+    Computed in plain XLA: the weight is dequantized inside the caller's jitted program (one
+    float32 multiply by the tile's scale, one rounding to x's dtype) and fed to an ordinary dot
+    accumulating in float32 (rounded once to x's dtype at the end, on every platform), so no
+    dense copy of the weight outlives the call; XLA may still hold one as a temporary of the
+    program (whether the dequantization fuses into the GEMM's operand is up to the GPU
+    compiler). The FP8 GEMM proper (activations quantized per token and 128 channels, FP8 x FP8
+    products with the block scales applied to the float32 partial sums, as
+    DeepGEMM) is the next step and has not been built.
+    """
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"x: expected [..., {w.shape[1]}] for a weight of shape {list(w.shape)}, "
+                         f"got {list(x.shape)}")
+    product = jnp.einsum("...i,oi->...o", x, dequantize_weight(w, x.dtype), preferred_element_type=jnp.float32)
+    return product.astype(x.dtype)

@@ -1,0 +1,243 @@
+"""Block-FP8 weights: quantize_blocks against a float64 reference, the product with them,
+FP8 kernels in the model (quantize_weights, the Hugging Face loader's fp8_weights=True, orbax,
+the convert CLI)."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hf_tiny import HF_MOE_CONFIG, write_tiny_hf_checkpoint
+from snapmla_jax.convert import main as convert_main
+from snapmla_jax.fp8_weights import FP8_E4M3_MAX, BlockFP8Weight, dequantize_weight, fp8_matmul, quantize_blocks
+from snapmla_jax.models import (MLAConfig, MLAModel, load_checkpoint, load_hf_checkpoint, quantize_weights,
+                                save_checkpoint)
+from snapmla_jax.models.hf_loader import SafetensorsFile
+from snapmla_jax.models.layers import fp8_eligible_kernels
+from snapmla_jax.models.transformer import param_bytes
+
+# e4m3 keeps 3 fraction bits: round-to-nearest moves a normal value by at most 2**-4 of itself.
+# Below the smallest normal (2**-6) the spacing is 2**-9, so a subnormal moves by at most 2**-10
+# (in units of the block's scale). w / scale is formed in float32 (2**-24 relative) first.
+E4M3_REL = 2.0 ** -4
+E4M3_SUBNORMAL_ABS = 2.0 ** -10
+BLOCK = (16, 16)
+CFG = MLAConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, q_lora_rank=24,
+                n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+                first_k_dense_replace=1, n_group=2, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
+                norm_topk_prob=True, routed_scaling_factor=2.5)
+TOKENS = jnp.asarray(np.arange(12, dtype=np.int32).reshape(2, 6) * 5 % 64)
+
+
+def reference_dequantize(w: BlockFP8Weight) -> np.ndarray:
+    """values * scale per block in float64, edge blocks cropped."""
+    values = np.asarray(w.values).astype(np.float64)
+    scales = np.asarray(w.scales, np.float64)
+    full = np.repeat(np.repeat(scales, w.block[0], axis=0), w.block[1], axis=1)
+    return values * full[:values.shape[0], :values.shape[1]]
+
+
+def block_scale_of_each_element(w: BlockFP8Weight) -> np.ndarray:
+    full = np.repeat(np.repeat(np.asarray(w.scales, np.float64), w.block[0], axis=0), w.block[1], axis=1)
+    return full[:w.shape[0], :w.shape[1]]
+
+
+def weight_with_zero_and_outlier_blocks(shape, block, seed=0) -> np.ndarray:
+    w = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+    w[:block[0], :block[1]] = 0.0                      # a block of zeros
+    w[block[0]:2 * block[0], :block[1]] *= 1e4         # a block far above the rest
+    w[:block[0], block[1]:2 * block[1]] *= 1e-4        # and one far below
+    w[-1, -1] = 3e3                                    # an outlier inside the ragged corner block
+    return w
+
+
+@pytest.mark.parametrize("shape, block", [((200, 300), (128, 128)), ((40, 24), (16, 16)), ((256, 128), (128, 128))])
+def test_quantize_blocks_is_within_the_e4m3_bound_of_a_float64_reference(shape, block):
+    w = weight_with_zero_and_outlier_blocks(shape, block)
+    q = quantize_blocks(jnp.asarray(w), block)
+    assert q.values.dtype == jnp.float8_e4m3fn and q.values.shape == shape
+    assert q.scales.dtype == jnp.float32 and q.scales.shape == (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+    err = np.abs(reference_dequantize(q) - w.astype(np.float64))
+    bound = (E4M3_REL + 2.0 ** -20) * np.abs(w) + E4M3_SUBNORMAL_ABS * block_scale_of_each_element(q)
+    assert np.all(err <= bound), float(np.max(err - bound))
+
+
+def test_each_nonzero_block_maps_its_amax_onto_448_and_a_zero_block_stays_zero():
+    w = weight_with_zero_and_outlier_blocks((40, 24), BLOCK)
+    q = quantize_blocks(jnp.asarray(w), BLOCK)
+    values = np.asarray(q.values).astype(np.float32)
+    assert np.all(np.isfinite(values))
+    assert float(q.scales[0, 0]) == 0.0 and not values[:16, :16].any()
+    block_amax = np.array([[np.abs(values[r:r + 16, c:c + 16]).max() for c in range(0, 24, 16)]
+                           for r in range(0, 40, 16)])
+    assert np.all(block_amax[np.asarray(q.scales) > 0] == FP8_E4M3_MAX)
+
+
+def test_quantize_blocks_rejects_a_non_matrix_and_a_bad_block():
+    with pytest.raises(ValueError, match="w: expected a 2-D float matrix"):
+        quantize_blocks(jnp.ones((2, 3, 4)))
+    with pytest.raises(ValueError, match="block"):
+        quantize_blocks(jnp.ones((4, 4)), (0, 16))
+
+
+# x @ W with W dequantized in float32 (values have 4 significant bits, scales 24: one rounding,
+# 2**-24 relative) and accumulated over K terms in float32: |error| <= (K + 1) 2**-24 sum |x||W|.
+# In bfloat16 (7 fraction bits: 2**-8 relative rounding) the weight is rounded once more and so
+# is the output (2**-8 of |out| <= sum |x||W|): |error| <= (2**-7 + (K + 1) 2**-24) sum |x||W|.
+@pytest.mark.parametrize("dtype, rel", [(jnp.float32, lambda k: (k + 1) * 2.0 ** -24),
+                                        (jnp.bfloat16, lambda k: 2.0 ** -7 + (k + 1) * 2.0 ** -24)])
+def test_fp8_matmul_matches_float64_product_with_the_dequantized_weight(dtype, rel):
+    out_dim, in_dim = 72, 300
+    w = quantize_blocks(jnp.asarray(weight_with_zero_and_outlier_blocks((out_dim, in_dim), (128, 128))))
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5, in_dim)), dtype)
+    got = np.asarray(jax.jit(fp8_matmul)(x, w), np.float64)
+    x64, w64 = np.asarray(x, np.float64), reference_dequantize(w)
+    assert got.shape == (3, 5, out_dim)
+    err = np.abs(got - x64 @ w64.T)
+    assert np.all(err <= rel(in_dim) * (np.abs(x64) @ np.abs(w64).T))
+
+
+def test_fp8_matmul_rejects_a_mismatched_input():
+    with pytest.raises(ValueError, match=r"x: expected \[\.\.\., 16\]"):
+        fp8_matmul(jnp.ones((2, 8)), quantize_blocks(jnp.ones((4, 16))))
+
+
+def test_quantize_weights_converts_the_projections_and_keeps_the_rest():
+    model = quantize_weights(MLAModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), BLOCK)
+    fp8 = {p for p, linear in fp8_eligible_kernels(model).items()
+           if isinstance(linear.kernel.get_value(), BlockFP8Weight)}
+    assert fp8 == set(fp8_eligible_kernels(model))
+    assert "layers/1/mlp/shared_experts/down_proj/kernel" in fp8 and "layers/0/self_attn/o_proj/kernel" in fp8
+    assert model.lm_head.kernel[...].dtype == jnp.bfloat16
+    assert model.layers[1].mlp.w_gate[...].dtype == jnp.bfloat16
+    assert model.layers[0].self_attn.w_uk[...].dtype == jnp.bfloat16
+
+
+def test_one_row_through_an_fp8_linear_equals_that_row_of_a_batch():
+    model = quantize_weights(MLAModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.float32), BLOCK)
+    linear = model.layers[0].self_attn.o_proj
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 16)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(linear(x[:1])), np.asarray(linear(x))[:1])
+
+
+def test_fp8_kernels_hold_fewer_bytes():
+    model = MLAModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    kernels = fp8_eligible_kernels(model)
+    dense_bytes = sum(linear.kernel[...].nbytes for linear in kernels.values())
+    before = param_bytes(model)
+    quantize_weights(model, BLOCK)
+    fp8_bytes = sum(linear.kernel.get_value().nbytes for linear in kernels.values())
+    assert param_bytes(model) == before - dense_bytes + fp8_bytes
+    # 1 byte an element instead of 2, plus 4 bytes a 16 x 16 block.
+    elements = dense_bytes // 2
+    assert fp8_bytes <= elements + 4 * elements // 256 + 4 * 64
+
+
+@pytest.fixture(scope="module")
+def hf_fp8_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf") / "fp8"
+    write_tiny_hf_checkpoint(path, hf_config=HF_MOE_CONFIG, fp8_block=BLOCK)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_models(hf_fp8_dir):
+    return {fp8: load_hf_checkpoint(hf_fp8_dir, jnp.bfloat16, progress=False, fp8_weights=fp8)
+            for fp8 in (False, True)}
+
+
+def test_hf_loader_keeps_fp8_kernels_with_their_stored_values_and_scales(hf_fp8_dir, hf_models):
+    stored = SafetensorsFile(str(hf_fp8_dir / "model.safetensors"))
+    model = hf_models[True]
+    for path, linear in fp8_eligible_kernels(model).items():
+        if path == "lm_head/kernel":
+            continue
+        w = linear.kernel.get_value()
+        assert isinstance(w, BlockFP8Weight) and w.block == BLOCK, path
+        name = "model." + path.removesuffix("/kernel").replace("/", ".") + ".weight"
+        np.testing.assert_array_equal(np.asarray(w.values).view(np.uint8), stored.read(name).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(w.scales), stored.read(name + "_scale_inv"))
+    assert model.layers[1].mlp.w_gate[...].dtype == jnp.bfloat16        # routed experts: dequantized
+    assert model.layers[0].self_attn.w_uk[...].dtype == jnp.bfloat16    # kv_b_proj: dequantized
+    assert model.lm_head.kernel[...].dtype == jnp.bfloat16              # stored unquantized
+
+
+def test_hf_fp8_weights_dequantize_to_the_plain_loaders_kernels_exactly(hf_models):
+    # Both dequantize the same stored values: values * scale in float32, one rounding to bf16.
+    plain = fp8_eligible_kernels(hf_models[False])
+    for path, linear in fp8_eligible_kernels(hf_models[True]).items():
+        w = linear.kernel.get_value()
+        if isinstance(w, BlockFP8Weight):
+            np.testing.assert_array_equal(np.asarray(dequantize_weight(w, jnp.bfloat16)).T,
+                                          np.asarray(plain[path].kernel[...]), err_msg=path)
+
+
+def test_hf_fp8_weights_model_computes_what_the_dequantized_model_does(hf_models):
+    # The weights are bit-identical (test above), so only the products' summation order may
+    # differ: each is a float32 sum of at most 48 terms rounded once to bf16, so a product may
+    # land on the neighbouring bf16 value (2**-7 relative at most) and carry that through the
+    # two layers; 2**-6 of the largest logit bounds it with room. Greedy tokens must agree.
+    plain, fp8 = hf_models[False], hf_models[True]
+    want, got = np.asarray(plain(TOKENS), np.float64), np.asarray(fp8(TOKENS), np.float64)
+    assert np.max(np.abs(got - want)) <= 2.0 ** -6 * np.max(np.abs(want))
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+    from snapmla_jax.generate import generate
+    prompts = [[3, 14, 15, 9], [2, 6]]
+    assert (generate(fp8, prompts, max_new_tokens=4, backend="xla")
+            == generate(plain, prompts, max_new_tokens=4, backend="xla"))
+
+
+def test_orbax_round_trip_keeps_fp8_values_scales_and_logits(tmp_path):
+    model = quantize_weights(MLAModel(CFG, rngs=nnx.Rngs(3), dtype=jnp.bfloat16), BLOCK)
+    save_checkpoint(model, tmp_path / "ckpt")
+    record = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert record["fp8_weights"] == {"block": list(BLOCK), "kernels": sorted(fp8_eligible_kernels(model))}
+    assert record["arrays"]["layers/0/self_attn/o_proj/kernel/values"][1] == "float8_e4m3fn"
+    restored = load_checkpoint(tmp_path / "ckpt")
+    for path, linear in fp8_eligible_kernels(model).items():
+        want, got = linear.kernel.get_value(), fp8_eligible_kernels(restored)[path].kernel.get_value()
+        assert isinstance(got, BlockFP8Weight) and got.block == want.block
+        np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
+    np.testing.assert_array_equal(np.asarray(restored(TOKENS)), np.asarray(model(TOKENS)))
+
+
+def test_convert_cli_fp8_weights_writes_an_fp8_checkpoint(hf_fp8_dir, hf_models, tmp_path):
+    assert convert_main(["--hf-dir", str(hf_fp8_dir), "--out", str(tmp_path / "ours"), "--quiet",
+                         "--fp8-weights"]) == 0
+    restored = load_checkpoint(tmp_path / "ours")
+    assert isinstance(restored.layers[0].mlp.down_proj.kernel.get_value(), BlockFP8Weight)
+    np.testing.assert_array_equal(np.asarray(restored(TOKENS)), np.asarray(hf_models[True](TOKENS)))
+
+
+
+SHARDED_FP8 = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+sys.path.insert(0, sys.argv[2])  # tests/
+from test_fp8_weights import BLOCK, CFG, TOKENS
+from snapmla_jax.models import (MLAModel, expert_sharding, load_checkpoint, quantize_weights, save_checkpoint,
+                                shard_model)
+model = quantize_weights(MLAModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.float32), BLOCK)
+placed = shard_model(model, expert_sharding())
+w = placed.layers[0].self_attn.o_proj.kernel.get_value()
+assert w.values.sharding.is_fully_replicated and w.scales.sharding.is_fully_replicated
+assert not placed.layers[1].mlp.w_gate[...].sharding.is_fully_replicated
+want = np.asarray(model(TOKENS))
+np.testing.assert_allclose(np.asarray(placed(TOKENS)), want, rtol=1e-5, atol=1e-5)
+save_checkpoint(placed, sys.argv[1])
+restored = load_checkpoint(sys.argv[1], sharding=expert_sharding())
+np.testing.assert_array_equal(np.asarray(restored(TOKENS)), np.asarray(placed(TOKENS)))
+print("ok")
+"""
+
+
+def test_fp8_model_splits_its_experts_over_two_devices_and_saves_from_there(tmp_path):
+    from cpu_devices import run_with_cpu_devices
+    result = run_with_cpu_devices(2, ["-c", SHARDED_FP8, tmp_path / "ckpt", pathlib.Path(__file__).parent])
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
