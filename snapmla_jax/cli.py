@@ -116,6 +116,13 @@ def backend(value: str, flag: str = "--backend") -> str:
         raise flag_error(err, {"backend": flag}) from err
 
 
+def check_positive(args: argparse.Namespace, *dests: str) -> None:
+    """UsageError naming the first of the int flags ``dests`` (argparse dests) that is below 1."""
+    for dest in dests:
+        if getattr(args, dest) < 1:
+            raise UsageError(f"--{dest.replace('_', '-')}: expected an int >= 1, got {getattr(args, dest)}")
+
+
 def check_output_file(flag: str, path: str | os.PathLike | None) -> None:
     """UsageError unless ``path`` (None: no output asked for) can be written as a new or
     replaced file: it is not a directory and its parent directory exists."""

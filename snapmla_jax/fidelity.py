@@ -373,9 +373,7 @@ def _parser() -> cli.Parser:
 
 def _check_args(args) -> None:
     """UsageError naming the flag for a bad count or output path (before any work)."""
-    for flag in ("windows", "seq_len", "chunk", "prompts", "prompt_bytes", "gen_tokens"):
-        if getattr(args, flag) < 1:
-            raise cli.UsageError(f"--{flag.replace('_', '-')}: expected an int >= 1, got {getattr(args, flag)}")
+    cli.check_positive(args, "windows", "seq_len", "chunk", "prompts", "prompt_bytes", "gen_tokens")
     if args.seq_len % args.chunk:
         raise cli.UsageError(f"--chunk: expected a divisor of --seq-len {args.seq_len}, got {args.chunk}")
     for flag in ("json", "markdown", "plot", "plot_ablation"):

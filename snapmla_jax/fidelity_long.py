@@ -293,9 +293,7 @@ def _parser() -> cli.Parser:
 
 
 def _check_args(args) -> None:
-    for flag in ("trials", "chunk", "batch_size"):
-        if getattr(args, flag) < 1:
-            raise cli.UsageError(f"--{flag.replace('_', '-')}: expected an int >= 1, got {getattr(args, flag)}")
+    cli.check_positive(args, "trials", "chunk", "batch_size")
     if args.seed < 0:
         raise cli.UsageError(f"--seed: expected an int >= 0, got {args.seed}")
     for depth in args.depths:

@@ -635,10 +635,7 @@ class _TextStream:
 
 def _generate_cli(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    if args.max_new_tokens < 1:
-        raise cli.UsageError(f"--max-new-tokens: expected an int >= 1, got {args.max_new_tokens}")
-    if args.chunk_size < 1:
-        raise cli.UsageError(f"--chunk-size: expected an int >= 1, got {args.chunk_size}")
+    cli.check_positive(args, "max_new_tokens", "chunk_size")
     try:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     except ValueError as err:

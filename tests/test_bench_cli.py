@@ -43,7 +43,7 @@ def test_each_suites_help_exits_0_and_documents_out_and_publish(capsys, suite):
     (["bogus"], "snapmla_jax.bench: error: bogus: expected a suite"),
     (["write"], "snapmla_jax.bench write: error: --backends: pallas compiles for a CUDA GPU"),
     (["write", "--backends", "cuda"], "--backends: expected one of"),
-    (["write", "--backends", "xla", "--tokens", "100"], "--tokens: expected positive multiples of 64"),
+    (["write", "--backends", "xla", "--tokens", "0"], "--tokens: expected positive ints, got [0]"),
     (["write", "--backends", "xla", "--iters", "0"], "--iters: expected an int >= 1, got 0"),
     (["write", "--backends", "xla", "--out", "file.txt"], "--out: file.txt is a file"),
     (["write", "--backends", "xla", "--out", "file.txt/sub"], "--out: file.txt is a file"),

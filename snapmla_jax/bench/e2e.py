@@ -453,9 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                              "most MAX tokens (MoE.gather_max_tokens; 0: never; default: the library's, "
                              "models.moe.GATHER_MAX_TOKENS)")
     args = parser.parse_args(argv)
-    for flag in ("steps", "iters", "threads"):
-        if getattr(args, flag) < 1:
-            raise cli.UsageError(f"--{flag}: expected an int >= 1, got {getattr(args, flag)}")
+    cli.check_positive(args, "steps", "iters", "threads")
     for flag in ("batches", "contexts"):
         if any(v < 1 for v in getattr(args, flag) or []):
             raise cli.UsageError(f"--{flag}: expected ints >= 1, got {' '.join(map(str, getattr(args, flag)))}")

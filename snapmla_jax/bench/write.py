@@ -136,9 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             WriteKVConfig(block_tokens=bt)
         except ValueError as err:
             raise cli.UsageError(f"--block-tokens: {err}") from None
-    for flag in ("iters", "repeat", "copy_mib"):
-        if getattr(args, flag) < 1:
-            raise cli.UsageError(f"--{flag.replace('_', '-')}: expected an int >= 1, got {getattr(args, flag)}")
+    cli.check_positive(args, "iters", "repeat", "copy_mib")
     compiled = [b for b in args.backends if b in ("pallas", "triton")]
     if compiled and jax.default_backend() != "gpu":
         raise cli.UsageError(f"--backends: {' and '.join(compiled)}: compiled for a CUDA GPU, and none is "
