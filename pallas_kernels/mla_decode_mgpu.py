@@ -109,7 +109,7 @@ ISSUE_BY_WARPS = True
 # 'setmaxnreg' ignored to maintain compatibility across compilation units": every thread keeps 168
 # registers and the consumers spill 1560 bytes (392 under 0.11.2). No public option turns the
 # linking off. H200, 64 x 16k x 128: jax 0.11.2 with a producer 0.384 ms; jax 0.12.0.1 with one
-# 0.805, without 0.487 (tools/time_mgpu_variants.py --variants baseline no_producer).
+# 0.805, without 0.487 (tools/time_mgpu_variants.py --variants baseline with_producer under 0.12).
 SETMAXNREG_HONOURED = jax.__version_info__ < (0, 12)
 # Whether a third warpgroup, the producer, issues the TMA ring while the two consumers only
 # compute (FA3's warp specialization): 0.817 vs 0.861 ms at 64 x 16k x 128 without it (H100,

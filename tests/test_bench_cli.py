@@ -41,7 +41,7 @@ def test_each_suites_help_exits_0_and_documents_out_and_publish(capsys, suite):
 @pytest.mark.parametrize("argv, needle", [
     ([], "snapmla_jax.bench: error: expected a suite, one of decode, ragged, write, e2e"),
     (["bogus"], "snapmla_jax.bench: error: bogus: expected a suite"),
-    (["write"], "snapmla_jax.bench write: error: --backends: pallas compiles for a CUDA GPU"),
+    (["write"], "snapmla_jax.bench write: error: --backends: pallas: compiled for a CUDA GPU, and none is present"),
     (["write", "--backends", "cuda"], "--backends: expected one of"),
     (["write", "--backends", "xla", "--tokens", "0"], "--tokens: expected positive ints, got [0]"),
     (["write", "--backends", "xla", "--iters", "0"], "--iters: expected an int >= 1, got 0"),

@@ -14,8 +14,9 @@ KERNELS = {"mgpu": (mgpu_kernel, tool.VARIANTS), "small": (small_kernel, tool.SM
            "bf16": (bf16_kernel, tool.BF16_VARIANTS)}
 # Variants whose code paths no other test lowers (the flags' own tests in test_mla_decode_mgpu.py
 # lower the rest).
-LOWERED = [("mgpu", name) for name in ("promotion_256", "no_producer", "issue_by_one_thread", "registers_40_232",
-                                       "producer_by_warps", "p_clamped")] + \
+# The producer's flip is "no_producer" or "with_producer" by the jax version (tool.PRODUCER_FLIP).
+LOWERED = [("mgpu", name) for name in ("promotion_256", *tool.PRODUCER_FLIP, "issue_by_one_thread",
+                                       "registers_40_232", "producer_by_warps", "p_clamped")] + \
           [("small", name) for name in ("promotion_128", "issuer_0", "issue_by_one_thread")]
 
 

@@ -42,12 +42,15 @@ SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 # 16-row kernel's name extends the 64-row one's, hence "_mosaic").
 KERNEL_NAMES = {"mgpu": "snapmla_decode_fp8_mgpu_mosaic", "small": "snapmla_decode_fp8_mgpu_small",
                 "bf16": "snapmla_decode_bf16_mgpu"}
+# The producer warpgroup flipped from what ships: it ships only where ptxas honours its register
+# split (``mla_decode_mgpu.SETMAXNREG_HONOURED``), so under jax 0.12 the flip is "with_producer".
+WITHOUT_PRODUCER = {"PRODUCER_WG": False} if mgpu_kernel.PRODUCER_WG else {}
+PRODUCER_FLIP = {"no_producer": WITHOUT_PRODUCER} if mgpu_kernel.PRODUCER_WG else {"with_producer": {"PRODUCER_WG": True}}
 VARIANTS = {
     "baseline": {},
     "promotion_256": {"QK_PROMOTION": 256},
-    "no_producer": {"PRODUCER_WG": False},
-    "with_producer": {"PRODUCER_WG": True},
-    "issue_by_one_thread": {"ISSUE_BY_WARPS": False, "PRODUCER_WG": False},
+    **PRODUCER_FLIP,
+    "issue_by_one_thread": {"ISSUE_BY_WARPS": False, **WITHOUT_PRODUCER},
     "registers_40_232": {"PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
     "producer_by_warps": {"PRODUCER_ISSUE_BY_WARPS": True},
     "precise_math": {"APPROX_MATH": False},
