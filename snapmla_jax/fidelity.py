@@ -31,7 +31,6 @@ the held-out text), each starting from an empty cache:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -380,15 +379,32 @@ def _check_args(args) -> None:
         cli.check_output_file(f"--{flag.replace('_', '-')}", getattr(args, flag))
 
 
-def _load(args) -> tuple[MLAModel, list[str]]:
-    """The model and held-out list of --model, checked against the other flags."""
-    model_dir = pathlib.Path(args.model)
+def model_flag(path: str) -> tuple[MLAModel, list[str]]:
+    """The model and held-out list of the train_demo directory ``--model`` names; UsageError naming
+    --model when it is not one."""
+    model_dir = pathlib.Path(path)
     if not model_dir.is_dir():
-        raise cli.UsageError(f"--model: {args.model} is not a directory")
+        raise cli.UsageError(f"--model: {path} is not a directory")
     try:
-        model, heldout = load_model_dir(model_dir)
+        return load_model_dir(model_dir)
     except ValueError as err:  # not a train_demo directory, or an unreadable checkpoint
         raise cli.flag_error(err, {"model": "--model", "ckpt_dir": "--model"}, default="--model") from err
+
+
+def heldout_files_flag(heldout: list[str]) -> tuple[pathlib.Path, list[str], list[str]]:
+    """(standard library root, held-out files present there, those missing); UsageError naming
+    --model when none of its held-out files is on this machine."""
+    root = byte_corpus.stdlib_root()
+    present, missing = byte_corpus.present_files(root, heldout)
+    if not present:
+        raise cli.UsageError(f"--model: none of the {len(heldout)} held-out files its {HELDOUT_LIST} lists exist "
+                             f"under {root} (another Python version?)")
+    return root, present, missing
+
+
+def _load(args) -> tuple[MLAModel, list[str]]:
+    """The model and held-out list of --model, checked against the other flags."""
+    model, heldout = model_flag(args.model)
     context = model.cfg.max_position_embeddings
     if args.seq_len > context:
         raise cli.UsageError(f"--seq-len: expected at most the model's context of {context} tokens, got {args.seq_len}")
@@ -405,11 +421,7 @@ def _fidelity(argv: list[str]) -> int:
     _check_args(args)
     backend = cli.backend(args.backend)
     model, heldout = _load(args)
-    root = byte_corpus.stdlib_root()
-    present, missing = byte_corpus.present_files(root, heldout)
-    if not present:
-        raise cli.UsageError(f"--model: none of the {len(heldout)} held-out files its {HELDOUT_LIST} lists exist "
-                             f"under {root} (another Python version?)")
+    root, present, missing = heldout_files_flag(heldout)
     stream = byte_corpus.token_stream(root, present)
     if stream.shape[0] < args.windows * (args.seq_len + 1):
         raise cli.UsageError(f"--windows: the held-out text ({stream.shape[0]} tokens) holds at most "

@@ -50,7 +50,7 @@ from flax import nnx
 
 from snapmla_jax import byte_corpus, cli, long_context_tasks
 from snapmla_jax.backend import BACKENDS
-from snapmla_jax.fidelity import DEFAULT_MODEL_DIR, HELDOUT_LIST, LN2, _pyplot, load_model_dir
+from snapmla_jax.fidelity import DEFAULT_MODEL_DIR, LN2, _pyplot, heldout_files_flag, model_flag
 from snapmla_jax.paging import allocate_pages
 from snapmla_jax.quant_report import CHANNEL_BLOCK
 from snapmla_jax.quantization import dequantize_per_token, quantize_per_token
@@ -307,17 +307,8 @@ def _long_context(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     _check_args(args)
     backend = cli.backend(args.backend)
-    if not pathlib.Path(args.model).is_dir():
-        raise cli.UsageError(f"--model: {args.model} is not a directory")
-    try:
-        model, heldout = load_model_dir(args.model)
-    except ValueError as err:
-        raise cli.flag_error(err, {"model": "--model", "ckpt_dir": "--model"}, default="--model") from err
-    root = byte_corpus.stdlib_root()
-    present, _ = byte_corpus.present_files(root, heldout)
-    if not present:
-        raise cli.UsageError(f"--model: none of the {len(heldout)} held-out files its {HELDOUT_LIST} lists exist "
-                             f"under {root} (another Python version?)")
+    model, heldout = model_flag(args.model)
+    root, present, _ = heldout_files_flag(heldout)
     text = byte_corpus.token_stream(root, present)
     text = text[text < byte_corpus.NUM_BYTES]
     for context in args.contexts:  # every task is built once here, so a bad context fails before any work
