@@ -212,6 +212,61 @@ def store_quads(values: jax.Array, dst_ref, lane: int | None) -> None:
     store(values, dst_ref)
 
 
+def vt_column(step_row: int) -> int:
+    """The K column of ``load_vt_quads``' operand that holds step row ``step_row``: the inverse of
+    ``vt_step_row`` (within each 16, row 8a + 2q + e sits at column 4q + 2a + e)."""
+    group, rest = divmod(step_row, 16)
+    a, rest = divmod(rest, 8)
+    q, e = divmod(rest, 2)
+    return 16 * group + 4 * q + 2 * a + e
+
+
+def store_token_bytes(values: jax.Array, dst_ref) -> None:
+    """Store P'^T e4m3 [64 tokens, N query rows] (WGMMA layout: the calling warpgroup's half of a
+    step, step rows 64 wg + m, wg its index mod 2) into ``dst_ref`` e4m3 [N, 128] as P', the
+    K-major B operand of a product with ``load_vt_quads``' operand: step row r to column
+    ``vt_column(r)`` of each query row.
+
+    The tokens a thread holds are not neighbours in that order, so each value is one byte
+    store (8 a thread at N = 16). ``dst_ref``: the FP8 wgmma's layout (``BYTE_TILE_TRANSFORMS``);
+    make the stores visible to wgmma with a proxy fence and a barrier.
+    """
+    num_rows = values.shape[1] if values.ndim == 2 else None
+    if values.dtype != jnp.float8_e4m3fn or values.shape[0] != 64 or num_rows not in (16, 32, 64):
+        raise ValueError(f"store_token_bytes: values: expected e4m3 [64, 16 | 32 | 64], got {values.shape} "
+                         f"{values.dtype}")
+    if tuple(dst_ref.shape) != (num_rows, SWIZZLE) or dst_ref.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"store_token_bytes: dst_ref: expected e4m3 [{num_rows}, {SWIZZLE}], got "
+                         f"{dst_ref.shape} {dst_ref.dtype}")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(BYTE_TILE_TRANSFORMS)))
+    def store(ctx, values_fa, dst):
+        del ctx
+        i8 = ir.IntegerType.get_signless(8)
+        i32 = ir.IntegerType.get_signless(32)
+        c32 = lambda v: mgpu_utils.c(v, i32)
+        base = mgpu_utils.memref_ptr(dst)
+        first_row = arith.shli(arith.andi(mgpu_utils.warpgroup_idx(), c32(1)), c32(6))
+        regs = values_fa.registers
+        idxs = list(values_fa.layout.thread_idxs((64, num_rows)))
+        for flat, idx in enumerate(np.ndindex(regs.shape)):
+            token, query_row = (arith.index_cast(i32, v) for v in idxs[flat])
+            step_row = arith.addi(first_row, token)
+            # vt_column: 16 G + 4 q + 2 a + e for step row 16 G + 8 a + 2 q + e.
+            rest = arith.andi(step_row, c32(15))
+            column = arith.addi(
+                arith.addi(arith.andi(step_row, c32(~15)), arith.shli(arith.andi(arith.shrui(rest, c32(1)), c32(3)),
+                                                                       c32(2))),
+                arith.addi(arith.shli(arith.shrui(rest, c32(3)), c32(1)), arith.andi(rest, c32(1))))
+            [vec_len] = ir.VectorType(regs[idx].type).shape
+            for e in range(vec_len):
+                byte = vector.extract(regs[idx], dynamic_position=[], static_position=[e])
+                offset = _swizzled_offset(arith.addi(query_row, c32(e)), column)
+                llvm.store(arith.bitcast(i8, byte), mgpu_utils.getelementptr(base, [offset], i8))
+
+    store(values, dst_ref)
+
+
 def output_transforms(dtype) -> tuple:
     """The SMEM transforms of ``store_feature_pairs``' staging tile: (8 rows, 128 bytes) tiles with
     the 128-byte swizzle (what the TMA reads it through)."""
@@ -219,18 +274,20 @@ def output_transforms(dtype) -> tuple:
 
 
 def store_feature_pairs(values: jax.Array, dst_ref) -> None:
-    """Store O^T f32 [64 features, 64 rows] (WGMMA layout, rows in ``vt_feature`` order: a product
-    with ``load_vt_quads``' operand) as [64 rows, 64 features] into ``dst_ref`` (bf16 or f32
-    [64, 64], ``output_transforms``), each feature in its place.
+    """Store O^T f32 [64 features, N rows] (WGMMA layout, features in ``vt_feature`` order: a product
+    with ``load_vt_quads``' operand; N = 16, 32 or 64) as [N rows, 64 features] into ``dst_ref``
+    (bf16 or f32 [N, 64], ``output_transforms``), each feature in its place.
 
     A thread holds rows 8h + g (h < 2) of its warp's 16, features 2g and 2g + 1: both values of a
     query row go out as one 4-byte (bf16) or 8-byte (f32) store, no value moving between threads.
     """
-    if values.dtype != jnp.float32 or values.shape != (64, 64):
-        raise ValueError(f"store_feature_pairs: values: expected f32 [64, 64], got {values.shape} {values.dtype}")
-    if tuple(dst_ref.shape) != (64, 64) or dst_ref.dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"store_feature_pairs: dst_ref: expected bf16 or f32 [64, 64], got {dst_ref.shape} "
-                         f"{dst_ref.dtype}")
+    num_rows = values.shape[1] if values.ndim == 2 else None
+    if values.dtype != jnp.float32 or values.shape[0] != 64 or num_rows not in (16, 32, 64):
+        raise ValueError(f"store_feature_pairs: values: expected f32 [64, 16 | 32 | 64], got {values.shape} "
+                         f"{values.dtype}")
+    if tuple(dst_ref.shape) != (num_rows, 64) or dst_ref.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"store_feature_pairs: dst_ref: expected bf16 or f32 [{num_rows}, 64], got "
+                         f"{dst_ref.shape} {dst_ref.dtype}")
     out_dtype = jnp.dtype(dst_ref.dtype)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(output_transforms(out_dtype))))
@@ -243,10 +300,10 @@ def store_feature_pairs(values: jax.Array, dst_ref) -> None:
         bf16 = ir.BF16Type.get()
         base = mgpu_utils.memref_ptr(dst)
         regs = values_fa.registers
-        if regs.shape != (1, 8, 1, 1, 2, 1, 1, 1, 1):
+        if regs.shape != (1, num_rows // 8, 1, 1, 2, 1, 1, 1, 1):
             raise NotImplementedError(f"store_feature_pairs: unexpected WGMMA registers {regs.shape}")
         itemsize = out_dtype.itemsize
-        idxs = list(values_fa.layout.thread_idxs((64, 64)))
+        idxs = list(values_fa.layout.thread_idxs((64, num_rows)))
         for flat, idx in enumerate(np.ndindex(regs.shape)):
             if idx[4]:
                 continue  # h = 1: stored with its h = 0 partner

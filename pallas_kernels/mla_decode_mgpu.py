@@ -158,7 +158,7 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
 COL = plgpu.Layout.WGMMA.reduce(0)  # a [64] vector with one value per score column
 
 
-def _aligned(index, multiple: int):
+def aligned(index, multiple: int):
     """``index`` marked as a multiple of ``multiple`` for layout inference (python ints pass through).
 
     Without it, a dynamic TMA start is only known to be a multiple of 1, and
@@ -212,7 +212,7 @@ def page_boxes(bt_ref, b, step, layer_offset, num_pages: int):
     for half, column in enumerate(step_page_columns(step, bt_ref.shape[1])):
         page = jnp.clip(bt_ref[b, column], 0, num_pages - 1)
         # layer_offset is a multiple of PAGE: the TMA boxes start on whole pages.
-        first_pair = _aligned((layer_offset + page * PAGE) // 2, PAGE // 2)
+        first_pair = aligned((layer_offset + page * PAGE) // 2, PAGE // 2)
         for parity in range(2):
             yield parity, pl.ds(first_pair, PAGE // 2), pl.ds(parity * HALF + half * (PAGE // 2), PAGE // 2)
 
@@ -428,7 +428,7 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
     def issue(step, slot):
         # Box starts computed here: ``pl.multiple_of`` does not lower in a warp's code.
         boxes = list(page_boxes(bt_ref, b, step, layer_offset, num_pages))
-        first_token = _aligned(step * STEP, STEP)
+        first_token = aligned(step * STEP, STEP)
         if not by_warps:
             for parity, src, dst in boxes:
                 copy_box(slot, parity, src, dst)
@@ -501,7 +501,7 @@ def locate_cta(seq_lens_ref, items_ref, bt_ref, rows: int, *, s_q: int, step_tok
     # clamped pages (the XLA reference clips it there too).
     seq_len = jnp.clip(seq_lens_ref[b], 0, bt_ref.shape[1] * PAGE)
     first_step, num_steps, unmasked_steps = item_steps(seq_len, split, count, s_q=s_q, step_tokens=step_tokens)
-    return Where(b, wg, seq_len, _aligned(r * rows, rows), first_step, num_steps, unmasked_steps)
+    return Where(b, wg, seq_len, aligned(r * rows, rows), first_step, num_steps, unmasked_steps)
 
 
 def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, *, issuer: int = 0):
@@ -694,11 +694,11 @@ def write_outputs(accs, m, l, o_s, lse_s, target: OutputTarget, row0, wg) -> Non
 
 def write_outputs_t(accs, m, l, scale_col, o_s, lse_s, target: OutputTarget, row0, wg, *,
                     interpret: bool) -> None:
-    """``write_outputs`` for ``pv_update_t``'s O^T tiles [64 features, 64 rows]: each tile * scale goes
-    out as rows row0:row0 + 64, its 64 features, through this warpgroup's staging tile
-    o_s[wg] ([64, 64], ``output_transforms``), put back into row-major order and its features into
-    their places by ``store_feature_pairs`` (the interpreter: a transpose). m, l [64] in the ``ROW``
-    layout (for the lse), scale_col [64] per row in ``COL``."""
+    """``write_outputs`` for ``pv_update_t``'s O^T tiles [64 features, R rows] (R = 64 here, 16 or 32
+    in ``mla_decode_mgpu_small``): each tile * scale goes out as rows row0:row0 + R, its 64
+    features, through this warpgroup's staging tile o_s[wg] ([R, 64], ``output_transforms``), put
+    back into row-major order and its features into their places by ``store_feature_pairs`` (the
+    interpreter: a transpose). m, l [R] (for the lse), scale_col [R] per row in ``COL``."""
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     inv_l = lax.broadcast_in_dim(scale_col, accs[0].shape, [1])
@@ -713,7 +713,7 @@ def write_outputs_t(accs, m, l, scale_col, o_s, lse_s, target: OutputTarget, row
             store_feature_pairs(normalised, my_o)
         plgpu.commit_smem()
         col0 = wg * CHUNKS_PER_WG * CHUNK + k * HALF
-        target.copy(my_o, False, pl.ds(row0, BLOCK_M), pl.ds(col0, HALF))
+        target.copy(my_o, False, pl.ds(row0, my_o.shape[0]), pl.ds(col0, HALF))
     write_lse_and_wait(wg, m, l_safe, seen, lse_s, target, row0)
 
 
@@ -782,7 +782,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
     ksc_scales = ksc_s.at[:, 0]
 
     def consume():
-        my_rows = _aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
+        my_rows = aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
         q_scale = plgpu.load(qsc_s, layout=ROW)
 
         def step_tail_t(slot, accs, row_state, ratio, p_scaled, t0, seq_len, *, masked: bool):
@@ -795,7 +795,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
                 p8 = (p_scaled if SATURATING_P_CAST and not interpret
                       else jnp.minimum(p_scaled, FP8_E4M3_MAX)).astype(FP8_DTYPE)
                 if interpret:
-                    p8_s[slot, :, pl.ds(_aligned(wg * HALF, HALF), HALF)] = p8
+                    p8_s[slot, :, pl.ds(aligned(wg * HALF, HALF), HALF)] = p8
                 else:
                     store_quads(p8, p8_s.at[slot], None)  # the lane is the warpgroup's index
                 # Both warpgroups hold the same ratio; each turns its own copy into columns
@@ -1029,12 +1029,16 @@ def unpadded(out: jax.Array, lse: jax.Array, num_rows: int) -> tuple[jax.Array, 
 
 
 def grid_params(plan: SplitPlan, row_blocks: int, kernel_name: str, interpret: bool,
-                num_threads: int = NUM_WGS) -> dict:
+                num_threads: int = NUM_WGS, reduction_scratch_bytes: int | None = None) -> dict:
     """``plgpu.kernel`` arguments shared by the Mosaic decode kernels: the grid (work item of
     ``plan``, row block: Mosaic GPU launches the last grid axis fastest, so the row blocks of an
     item run side by side and read its cache tiles from L2 together), ``num_threads``
-    warpgroups, and ``COMPILER_PARAMS`` (if set) with ``APPROX_MATH``."""
+    warpgroups, and ``COMPILER_PARAMS`` (if set) with ``APPROX_MATH`` and, unless None,
+    ``reduction_scratch_bytes`` (the SMEM Pallas keeps for reductions across warps; 0 for a
+    kernel that brings its own scratch)."""
     params = dataclasses.replace(COMPILER_PARAMS or plgpu.CompilerParams(), approx_math=APPROX_MATH)
+    if reduction_scratch_bytes is not None:
+        params = dataclasses.replace(params, reduction_scratch_bytes=reduction_scratch_bytes)
     extra = {} if interpret else {"compiler_params": params}
     return dict(grid=(plan.items.shape[1], row_blocks), grid_names=("w", "r"), num_threads=num_threads,
                 thread_name="wg", kernel_name=kernel_name,

@@ -62,7 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from snapmla_jax.pallas_kernels.combine_splits import partial_dtype
 from snapmla_jax.pallas_kernels.mla_decode import LOG2E, resolve_num_pages
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, CHUNKS_PER_WG, NUM_CHUNKS, NUM_SLOTS, NUM_WGS,
-                                                        PAGE, ROPE, _aligned, balanced_plan_size, check_launch,
+                                                        PAGE, ROPE, aligned, balanced_plan_size, check_launch,
                                                         check_registers, grid_params, initial_carry, for_used_items,
                                                         issue_query, locate_cta, merge_items, output_target,
                                                         output_types, padded_rows, plan_items, produce_steps,
@@ -88,7 +88,7 @@ def step_issuer(bt_ref, lat_ref, rope_ref, b, layer_offset, kv_s, rope_s, step_b
 
     def issue(step, slot):
         page = jnp.clip(bt_ref[b, jnp.minimum(step, max_pages - 1)], 0, num_pages - 1)
-        rows = pl.ds(_aligned(layer_offset + page * PAGE, PAGE), PAGE)
+        rows = pl.ds(aligned(layer_offset + page * PAGE, PAGE), PAGE)
         for ch in range(NUM_CHUNKS):
             plgpu.copy_gmem_to_smem(lat_ref.at[rows, pl.ds(ch * CHUNK, CHUNK)], kv_s.at[slot, ch], step_bar.at[slot])
         plgpu.copy_gmem_to_smem(rope_ref.at[rows], rope_s.at[slot], step_bar.at[slot])

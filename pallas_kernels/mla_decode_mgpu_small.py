@@ -1,36 +1,39 @@
 """SnapMLA FP8 MLA decode on Mosaic GPU in blocks of 16 or 32 query rows, transposed products.
 
-The default for up to 32 query rows a batch row (``snapmla_jax.decode.mosaic_kernel``: 16-row
-blocks for H = 16 at s_q = 1, 32-row blocks for H = 16 at s_q = 2 or H = 32). ``mla_decode_mgpu``
-puts a CTA's query rows on the wgmma M dimension, 64 a warpgroup: at H = 16 48 of them would be
-padding. Here the query rows are the N dimension (R = 16 or 32) and tokens or features are M:
+The default for up to 16 query rows a batch row (``snapmla_jax.decode.mosaic_kernel``: H = 16 at
+s_q = 1, DeepSeek-V2-Lite or V3 split by heads over 8 GPUs); ``block_rows=32`` runs 32-row
+blocks. ``mla_decode_mgpu`` puts a CTA's query rows on the wgmma M dimension, 64 a warpgroup: at
+H = 16 48 of them would be padding. Here the query rows are the N dimension (R = 16 or 32) and
+tokens or features are M:
 
-* S^T = K.Q^T, [64 tokens, R] a half step: A = the K tile as the TMA lays it (K-major, as FP8
-  needs), B = Q8's chunk through ``.transpose``; the RoPE product likewise in BF16. fp32
-  promotion every ``QK_PROMOTION`` features, every chain of a step in flight under one wait
-  (``step_scores_t``).
-* The online softmax runs per column (query row), reducing along the tokens (``softmax_t``):
-  the math of ``mla_decode_reference(..., block_n=128)``, as the 64-row kernel.
-* O^T = V^T.P'^T, [128 features, R] a chunk, in f16: P' rounds to e4m3 and then to f16
-  exactly; V's e4m3 bytes convert to f16 exactly into a [64 tokens, 128] tile, the MN-major A
-  operand; P'^T is stored as it sits in registers, the MN-major B operand. 16-bit operands may
-  be MN-major, so no 8-bit transpose is needed.
+* S^T = K.Q^T, [64 tokens, R]: warpgroup w scores half w of each step (SMEM rows [64 w, 64 w +
+  64)). A = the K tile as the TMA lays it (K-major, as FP8 needs), B = Q8's chunk through
+  ``.transpose``; the RoPE product likewise in BF16 (``half_scores_t``).
+* The online softmax in the log domain of ``mla_decode_mgpu`` (its docstring has the math), per
+  column (query row), reducing along the tokens (``softmax_frame_t``). The two warpgroups
+  exchange one statistic a step, the row max of log_pv over their halves (``token_reduce``, then
+  SMEM and a named barrier); l' stays per token slot until the loop ends.
+* O^T = V^T.P'^T, [64 features, R] a tile, four tiles a warpgroup (output features [256 w,
+  256 w + 256)): V^T the 8-bit register A operand built from the ring slot
+  (``mgpu_bytes.load_vt_quads``), P' [R, 128] e4m3 the K-major B operand, each warpgroup's half
+  stored byte by byte into the order that operand's columns follow (``store_token_bytes``), after
+  which the warpgroups meet at a second named barrier. The four products of a warpgroup are in
+  flight at once.
 
-Warpgroup 0 alone computes the scores and the softmax and hands P'^T, the step's alpha and P'
-factor to warpgroup 1 through SMEM (``p_ready``); each warpgroup converts and multiplies the V
-chunks of output features [256 w, 256 w + 256). Only one warpgroup reduces across warps because
-Pallas Mosaic GPU lowers such a reduction through an SMEM scratch at one static offset, shared by
-both warpgroups: two reducing at once overwrite each other's partials (only the GPU shows it;
-test_64_row_kernel_reduces_within_warps checks the lowering). Warpgroup 1 issues the TMA ring.
+The reductions along the tokens cross warps. Pallas Mosaic GPU lowers such a reduction through
+one SMEM scratch at a static offset, which two warpgroups reducing at once would overwrite
+(only the GPU shows it): each warpgroup reduces through a scratch of its own (``token_reduce``;
+test_no_kernel_reduces_through_the_shared_scratch checks the lowering). Warpgroup 1 issues the
+TMA ring.
 
-Shared with ``mla_decode_mgpu`` (its docstring has the shapes): the inputs and outputs (rows
-padded to a multiple of R instead of 64), the step order (even tokens of a step in SMEM rows
-0..63, odd ones in 64..127), the TMA ring of whole steps, the token scales gathered in step order,
-masks only in a row's last steps, split-KV by the plan of work items (``split_plan``).
+Shared with ``mla_decode_mgpu``: the inputs (rows padded to a multiple of R instead of 64, the
+token scales in step order with their log2 and reciprocals), the step order (even tokens of a
+step in SMEM rows 0..63, odd ones in 64..127), the TMA ring of whole steps, masks only in a row's
+last steps, split-KV by the plan of work items (``split_plan``), the named barriers and the
+output's store (``write_outputs_t``).
 
-SMEM: ring 2 x 80.5 KB (P'^T lives in the step's RoPE rows once warpgroup 0's Q.K has read them),
-Q 10 or 20 KB, the V f16 tiles 2 x 16 KB (the output staging after the loop), and a few
-[R]-vectors: 203 KB at R = 16, 214 KB at R = 32.
+SMEM: ring 2 x 80.5 KB, Q 10 or 20 KB, P' 2 x 2 or 4 KB, the reduction scratch 2 x 2 KB, the
+output staging 4-16 KB: about 190 KB at R = 16, 212 KB at R = 32.
 """
 
 from __future__ import annotations
@@ -45,12 +48,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from snapmla_jax.pallas_kernels.combine_splits import partial_dtype
 from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
-from snapmla_jax.pallas_kernels.mla_decode import LOG2E, MIN_PV_ROW_MAX, resolve_num_pages
-from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, HALF, NUM_CHUNKS,
-                                                        NUM_SLOTS, NUM_WGS, ROPE, STEP, OutputTarget, begin_cta,
-                                                        begin_step, grid_params, initial_carry, merge_items,
-                                                        output_target, output_types, for_used_items, prepare_inputs,
-                                                        store_rows, walk_steps, unpadded, write_lse_and_wait, Where)
+from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms,
+                                                   store_token_bytes)
+from snapmla_jax.pallas_kernels.mla_decode import LOG2E, resolve_num_pages
+from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, FRAME_DROP, HALF,
+                                                        LOG2_FP8_MAX, NAMED_SYNC, NUM_CHUNKS, NUM_SLOTS, NUM_WGS,
+                                                        ROPE, ROW, STATS_SYNC_ID, STEP, aligned,
+                                                        begin_cta, begin_step, consumers_sync, for_used_items,
+                                                        gather_p, grid_params, initial_carry, merge_items,
+                                                        output_target, output_types, prepare_inputs, publish_p,
+                                                        store_rows, walk_steps, unpadded, write_outputs_t, Where)
 
 ROWS = 16  # query rows a CTA by default: the wgmma N of every product
 # Features a fp32 promotion of the FP8 S^T product, as ``mla_decode_mgpu.QK_PROMOTION``: with all
@@ -60,60 +67,54 @@ QK_PROMOTION = 512
 BLOCK_ROWS = (16, 32)  # the row blocks the kernel takes (``block_rows``)
 TOKENS = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per token (axis 0 of a [64, R] tile)
 QROWS = plgpu.Layout.WGMMA.reduce(0)  # an [R] vector with one value per query row (axis 1)
-# The warpgroup that issues the ring's TMAs: warpgroup 1, which waits for warpgroup 0's softmax at
-# the start of every step anyway (warpgroup 0's work sets the step time).
+# The warpgroup that issues the ring's TMAs (``begin_step``).
 ISSUER = 1
-# Whether warpgroup 0 stores a step's m, l (``ml_s``) and the fold's factors (``stats_s``) without
-# the warpgroup barriers Pallas puts around every SMEM store (``mla_decode_mgpu.store_rows``):
-# eight barriers a step fewer on warpgroup 0's path. GPU only. What orders them instead: the
-# softmax's cross-warp reductions lie between this step's loads of m and l and the stores; the
-# ``commit_smem`` after them precedes every read (warpgroup 1's behind ``p_ready``); a slot's
-# factors are overwritten two steps later, behind that step's TMA, issued once both warpgroups
-# consumed the slot.
+# Whether each warpgroup stores its row max of a step (``stats_s``) without the warpgroup barriers
+# Pallas puts around every SMEM store (``mla_decode_mgpu.store_rows``): the statistics exchange's
+# named barrier orders it (``NAMED_SYNC``). GPU only.
 UNSYNCED_ROW_STORES = True
 
-def step_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scales, *, interpret: bool) -> list[jax.Array]:
-    """S^T of a step before the softmax scale, (K8.Q8^T * k_scale * q_scale + Kr.Qr^T), as two
-    f32 [64, R] halves: the step's SMEM rows 0..63 (even tokens) and 64..127 against the query rows.
+def half_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret: bool) -> jax.Array:
+    """S^T of this warpgroup's half of a step before the softmax scale, (K8.Q8^T * k_scale *
+    q_scale + Kr.Qr^T), f32 [64, R]: the step's SMEM rows [first_row, first_row + 64) (a traced
+    start must be a marked multiple of 64) against the query rows.
 
     q8_s e4m3 [4, R, 128], kv_slot e4m3 [4, 128, 128], qr_s bf16 [R, 64], rope_slot
-    bf16 [128, 64], q_scale [R] (``QROWS``), k_scales: the halves' [64] (``TOKENS``).
+    bf16 [128, 64], q_scale [R] (``QROWS``), k_scale [64] (``TOKENS``).
 
-    fp32 promotion every ``QK_PROMOTION`` features, as ``mla_decode_mgpu``, but
-    with every chain of both halves in flight at once (one accumulator each, 8
-    registers at R = 16) and one wait, instead of a wait per chain; then both
-    halves' RoPE wgmmas onto the scaled FP8 products, one wait.
+    fp32 promotion every ``QK_PROMOTION`` features, as ``mla_decode_mgpu``, every chain in
+    flight at once (one accumulator each, 8 registers at R = 16) under one wait; then the RoPE
+    wgmma onto the scaled FP8 product (the interpreter, which has no pre-initialised
+    accumulators, adds it in registers).
     """
     rows = q8_s.shape[1]
+    tokens = pl.ds(first_row, HALF)
     per_chain = QK_PROMOTION // CHUNK
-    chains = [(half, first) for half in range(2) for first in range(0, NUM_CHUNKS, per_chain)]
+    firsts = range(0, NUM_CHUNKS, per_chain)
     acc = plgpu.ACC((HALF, rows), jnp.float32)
 
     def qk8(*acc_refs):
-        for (half, first), acc_ref in zip(chains, acc_refs):
+        for first, acc_ref in zip(firsts, acc_refs):
             for ch in range(first, first + per_chain):
-                plgpu.wgmma(acc_ref, kv_slot.at[ch, pl.ds(half * HALF, HALF)], q8_s.at[ch].transpose((1, 0)))
-        parts = [acc_ref[...] for acc_ref in acc_refs]
-        return [functools.reduce(jnp.add, [part for (h, _), part in zip(chains, parts) if h == half])
-                for half in range(2)]
+                plgpu.wgmma(acc_ref, kv_slot.at[ch, tokens], q8_s.at[ch].transpose((1, 0)))
+        return functools.reduce(jnp.add, [acc_ref[...] for acc_ref in acc_refs])
 
-    s8 = pl.run_scoped(qk8, *([acc] * len(chains)))
-    scaled = [s8[half] * lax.broadcast_in_dim(k_scales[half], (HALF, rows), [0])
-              * lax.broadcast_in_dim(q_scale, (HALF, rows), [1]) for half in range(2)]
+    s8 = pl.run_scoped(qk8, *([acc] * len(firsts)))
+    scaled = (s8 * lax.broadcast_in_dim(k_scale, (HALF, rows), [0])
+              * lax.broadcast_in_dim(q_scale, (HALF, rows), [1]))
 
-    def qk_rope(acc_refs):  # both halves in flight, one wait
-        for half, acc_ref in enumerate(acc_refs):
-            plgpu.wgmma(acc_ref, rope_slot.at[pl.ds(half * HALF, HALF)], qr_s.transpose((1, 0)))
+    def qk_rope(acc_ref):
+        plgpu.wgmma(acc_ref, rope_slot.at[tokens], qr_s.transpose((1, 0)))
 
-    if interpret:  # no pre-initialised accumulators in the interpreter
-        def qk_rope_values(*acc_refs):
-            qk_rope(acc_refs)
-            return [acc_ref[...] for acc_ref in acc_refs]
-        return [x + r for x, r in zip(scaled, pl.run_scoped(qk_rope_values, acc, acc))]
-    return list(pl.run_state(qk_rope)(tuple(plgpu.ACC.init(x) for x in scaled)))
+    if interpret:
+        def qk_rope_value(acc_ref):
+            qk_rope(acc_ref)
+            return acc_ref[...]
+        return scaled + pl.run_scoped(qk_rope_value, acc)
+    return pl.run_state(qk_rope)(plgpu.ACC.init(scaled))
 
 
-def visibility_t(row0, t0, seq_len, half: int, *, s_q: int, num_heads: int, rows: int) -> jax.Array:
+def visibility_t(row0, t0, seq_len, half, *, s_q: int, num_heads: int, rows: int) -> jax.Array:
     """bool [64, R]: which tokens of a half step (SMEM row c: token t0 + 2c + half) each query
     row sees (row i * H + h is query position i: tokens below seq_len - s_q + i + 1; padding
     rows are capped at seq_len)."""
@@ -126,111 +127,100 @@ def visibility_t(row0, t0, seq_len, half: int, *, s_q: int, num_heads: int, rows
     return tokens < visible_len
 
 
-def softmax_t(scores, k_scales, m, l, scale_log2: float, visible=None):
-    """The online softmax of a step along the tokens, per query row (column).
+def token_reduce(x, op: str, scratch, *, interpret: bool) -> jax.Array:
+    """x f32 [64, R] (WGMMA) reduced along the tokens (axis 0) by ``op`` ("max" or "add"): [R]
+    (``QROWS``).
 
-    scores: the two halves' S^T f32 [64, R]; k_scales: their [64] token scales;
-    running m (base 2), l [R]; visible: two bool [64, R] or None. Returns
-    (m_new, alpha, l_new, the two halves of P' * 448 / pv_max (f32, at most
-    448), pv_max [R]: the factor to undo): the 64-row kernel's P' (``mla_decode_mgpu.softmax_frame``,
-    which gets there in the log domain) with rows and columns exchanged.
+    The 64 tokens lie across the warpgroup's four warps, so the reduction meets at an SMEM
+    scratch. Pallas' own reduction uses one scratch at a static offset for the whole kernel, and
+    both warpgroups reduce here, at moments of their own: each reduces through its own scratch
+    (``scratch`` f32 [REDUCE_SCRATCH], this warpgroup's), behind the warpgroup's own barrier
+    (Mosaic GPU's ``FragmentedArray.reduce``). The interpreter gives every warpgroup its own
+    values anyway.
     """
-    scores = [s * scale_log2 for s in scores]
-    if visible is not None:  # masked slots may hold any bytes, NaN included
-        scores = [jnp.where(v, s, -jnp.inf) for s, v in zip(scores, visible)]
-    # Each reduction along the tokens crosses warps (through SMEM and a barrier): the two
-    # halves are combined elementwise first, so that a step reduces three times, not six.
-    m_new = jnp.maximum(m, jnp.maximum(scores[0], scores[1]).max(axis=0))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m - m_safe)
-    shape = scores[0].shape
-    m_b = lax.broadcast_in_dim(m_safe, shape, [1])
-    p = [jnp.exp2(s - m_b) for s in scores]
-    l = l * alpha + (p[0] + p[1]).sum(axis=0)
-    pv = [ph * lax.broadcast_in_dim(k, shape, [0]) for ph, k in zip(p, k_scales)]
+    if interpret:
+        return x.max(axis=0) if op == "max" else x.sum(axis=0)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((x.shape[1],), jnp.float32, layout=QROWS))
+    def reduce(ctx, x_fa, scratch_ref):
+        del ctx
+        return x_fa.reduce(op, 0, scratch=scratch_ref)
+
+    return reduce(x, scratch)
+
+
+def reduce_scratch_size(rows: int) -> int:
+    """f32 elements of one warpgroup's ``token_reduce`` scratch: every lane of the four warps
+    stores a 2-element partial of each of its R / 8 column pairs, at most two pairs at once (at
+    R = 32 four would not fit the SMEM beside the ring; the reduction then runs in two rounds)."""
+    return 4 * 32 * 2 * min(rows // 8, 2)
+
+
+def softmax_frame_t(log_pv, inv_k_scale, m, l_tile, frame, log_pv_max, visible=None):
+    """``mla_decode_mgpu.softmax_frame`` with rows and columns exchanged, for this warpgroup's
+    half of a step: the same frame, P' and ratio.
+
+    log_pv f32 [64, R]: score (base 2) + log2 k_scale, -inf where not visible; inv_k_scale [64]
+    (``TOKENS``); per query row [R] (``QROWS``): m, the running max of log_pv; frame;
+    log_pv_max, the step's max of log_pv over both halves. l_tile f32 [64, R]: this warpgroup's
+    l' kept per token slot (its sum along the tokens is taken once, after the loop: no reduction
+    across warps a step for l).
+
+    Returns (m_new, l_tile_new, frame_new, P' f32 [64, R] (at most 448, 0 where not
+    ``visible``), ratio [R]).
+    """
+    m_new = jnp.maximum(m, log_pv_max)
+    frame_new = jnp.maximum(log_pv_max, m_new - FRAME_DROP)
+    frame_safe = jnp.where(frame_new == -jnp.inf, 0.0, frame_new)  # no token seen yet: P' is 0
+    ratio = jnp.exp2(frame - frame_safe)
+    shape = log_pv.shape
+    p8 = jnp.exp2(log_pv - lax.broadcast_in_dim(frame_safe - LOG2_FP8_MAX, shape, [1]))
+    weights = p8 * lax.broadcast_in_dim(inv_k_scale, shape, [0])
     if visible is not None:
-        pv = [jnp.where(v, x, 0.0) for x, v in zip(pv, visible)]  # 0 * a garbage scale could be NaN
-    pv_max = jnp.maximum(pv[0], pv[1]).max(axis=0)
-    factor = lax.broadcast_in_dim(FP8_E4M3_MAX / jnp.maximum(pv_max, MIN_PV_ROW_MAX), shape, [1])
-    return m_new, alpha, l, [x * factor for x in pv], pv_max
+        weights = jnp.where(visible, weights, 0.0)  # 0 * a garbage scale's inverse could be NaN
+    return m_new, l_tile * lax.broadcast_in_dim(ratio, shape, [1]) + weights, frame_new, p8, ratio
 
 
-def v_half_f16(chunk_ref, half: int, t0, seq_len, *, masked: bool) -> jax.Array:
-    """Rows [64 half, 64 half + 64) of a step's V chunk (e4m3 [128, 128]) as f16 [64, 128]
-    (exact); ``masked``: tokens past seq_len zeroed (0 * NaN would poison the sum)."""
-    v = plgpu.load(chunk_ref.at[pl.ds(half * HALF, HALF)], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
-    if not masked:
-        return v
-    token_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 0, layout=plgpu.Layout.WGMMA)
-    return jnp.where(t0 + 2 * token_ids + half < seq_len, v, jnp.float16(0))
+def pv_update_t(accs, p8_ref, kv_slot, wg, ratio, visible, t0, seq_len, *, interpret: bool) -> list:
+    """acc * ratio + V^T.P'^T for each of this warpgroup's four O^T tiles [64 features, R]
+    (``softmax_frame_t``): tile 2 i + t holds features 64 t .. 64 t + 63 of its chunk i.
 
-
-def pv_update_t(accs, kv_slot, wg, pt_ref, v16_ref, alpha, pv_max, t0, seq_len, *, masked: bool) -> list:
-    """acc * alpha + (V^T.P'^T) * pv_max / 448 for each of this warpgroup's O^T chunks [128, R].
-
-    Each half step's V chunk converts to f16 into ``v16_ref`` (f16 [64, 128]), the
-    MN-major A operand; ``pt_ref`` f16 [128, R] holds the step's P'^T (written by
-    warpgroup 0), the MN-major B operand.
-    The one tile is reused, so each half waits for the previous wgmma to read it.
+    p8_ref e4m3 [R, 128]: the step's P' (both warpgroups' halves), the K-major B operand. On the
+    GPU each tile's V^T is the register A operand (``mgpu_bytes.load_vt_quads``; its rows in
+    ``vt_feature`` order, P''s columns in ``vt_step_row`` order, ``store_token_bytes``), the four
+    products in flight at once, each into a fresh accumulator (accumulating in place would drop
+    the running sum's low bits: ``mla_decode_mgpu``'s design notes). ``visible``: None or int32
+    [64] (``ROW``) the number of the step's tokens below seq_len. The interpreter, which has no
+    inline PTX, multiplies in registers in step-row order, tokens past seq_len zeroed.
     """
     shape = accs[0].shape
-    undo = lax.broadcast_in_dim(pv_max * (1.0 / FP8_E4M3_MAX), shape, [1])
-    alpha_b = lax.broadcast_in_dim(alpha, shape, [1])
-    new_accs = []
-    for i, acc in enumerate(accs):
-        chunk_ref = kv_slot.at[wg * CHUNKS_PER_WG + i]
+    chunks = [kv_slot.at[wg * CHUNKS_PER_WG + k // 2] for k in range(len(accs))]
+    if interpret:
+        p = p8_ref[...].astype(jnp.float32)  # [R, 128]
+        step_rows = lax.broadcasted_iota(jnp.int32, (STEP, HALF), 0)
+        tokens = t0 + jnp.where(step_rows < HALF, 2 * step_rows, 2 * (step_rows - HALF) + 1)
+        fresh = []
+        for k, chunk in enumerate(chunks):
+            v = jnp.where(tokens < seq_len, chunk[:, pl.ds((k % 2) * HALF, HALF)].astype(jnp.float32), 0.0)
+            fresh.append(lax.dot_general(v, p, (((0,), (1,)), ((), ())), precision=lax.Precision.HIGHEST))
+    else:
+        def products(*acc_refs):
+            for k, (acc_ref, chunk) in enumerate(zip(acc_refs, chunks)):
+                plgpu.wgmma(acc_ref, load_vt_quads(chunk, k % 2, visible), p8_ref.transpose((1, 0)))
+            return [acc_ref[...] for acc_ref in acc_refs]
 
-        def pv_mma(acc_ref, chunk_ref=chunk_ref):
-            for half in range(2):
-                if half:
-                    plgpu.wgmma_wait(0)  # the first half's wgmma has read the tile
-                v16_ref[...] = v_half_f16(chunk_ref, half, t0, seq_len, masked=masked)
-                plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma
-                plgpu.wgmma(acc_ref, v16_ref.transpose((1, 0)), pt_ref.at[pl.ds(half * HALF, HALF)])
-            return acc_ref[...]
-
-        pv_out = pl.run_scoped(pv_mma, plgpu.ACC(shape, jnp.float32))
-        new_accs.append(acc * alpha_b + pv_out * undo)
-    return new_accs
-
-
-def write_outputs_t(accs, m, l, o_s, lse_s, target: OutputTarget, row0, wg, *, transposed: bool) -> None:
-    """This warpgroup's columns of the output (O^T / l) and, from warpgroup 0, the rows' lse, to
-    ``target``.
-
-    ``transposed`` False: rows row0:row0 + R, its columns, staged through the
-    transposed view of o_s [2, R, 128] (a 16-bit transposed store). True (float32
-    outputs and partials, whose 32-bit transposed store Mosaic GPU's layout inference
-    rejects): columns, rows row0:row0 + R of a [512, rows] output, staged as is in
-    o_s [2, 128, R]; the launcher transposes them.
-    """
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
-    rows = accs[0].shape[1]
-    inv_l = lax.broadcast_in_dim(1.0 / l_safe, accs[0].shape, [1])
-    my_o = o_s.at[wg]
-    for i, acc in enumerate(accs):
-        if i:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk has left the staging tile
-        col0 = (wg * CHUNKS_PER_WG + i) * CHUNK
-        if transposed:
-            my_o[...] = acc * inv_l
-            dst = (pl.ds(col0, CHUNK), pl.ds(row0, rows))
-        else:
-            my_o.transpose((1, 0))[...] = (acc * inv_l).astype(my_o.dtype)
-            dst = (pl.ds(row0, rows), pl.ds(col0, CHUNK))
-        plgpu.commit_smem()
-        target.copy(my_o, False, *dst)
-    write_lse_and_wait(wg, m, l_safe, seen, lse_s, target, row0)
+        fresh = pl.run_scoped(products, *([plgpu.ACC(shape, jnp.float32)] * len(accs)))
+    ratio_b = lax.broadcast_in_dim(ratio, shape, [1])
+    return [acc * ratio_b + f for acc, f in zip(accs, fresh)]
 
 
 @for_used_items
 def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
             o_ref, lse_ref, part_o_ref, part_lse_ref,
-            q8_s, qr_s, qsc_s, lse_s, kv8_s, rope_union, ksc_s, stats_s, ml_s, v_union,
-            step_bar, p_ready_bar, consumed_bar, q_bar, end_bar,
-            *, s_q: int, num_heads: int, scale_log2: float, partials: bool, transposed: bool, num_pages: int,
-            interpret: bool):
+            q8_s, qr_s, qsc_s, lse_s, kv8_s, rope_s, ksc_s, p8_s, stats_s, lsum_s, red_s, o_s,
+            step_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar,
+            *, s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, interpret: bool):
     """One CTA: (work item w: a run of steps of batch row b, block of R query rows), two
     warpgroups; outputs as ``mla_decode_mgpu.OutputTarget``; ``transposed``: the output and
     partials leave as [features, rows] float32 (``write_outputs_t``).
@@ -238,82 +228,91 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
     SMEM (R = 16 or 32 rows): q8_s e4m3 [4, R, 128], qr_s bf16 [R, 64], qsc_s f32
     [R], lse_s f32 [R], kv8_s e4m3 [2, 4, 128, 128] and rope_union = (rope_s bf16
     [2, 128, 64] | pt_s f16 [2, 64 / R, 128, R]) (the ring, step order: RoPE rows,
-    then in the same bytes P'^T at pt_s[slot, 0]), ksc_s f32 [2, 128], and from
-    warpgroup 0 (module docstring): stats_s f32 [2 slots, 2, R] (alpha, P'
-    factor pv_max), ml_s f32 [2, R] (running m, l); v_union = (v16_s f16 [2, 64,
-    128] | o_s output staging after the loop: [2, R, 128] in the output's
-    16-bit dtype, or [2, 128, R] f32 when ``transposed``).
+    then in the same bytes P'^T at pt_s[slot, 0]), ksc_s f32 [2, 3, 128] (a slot's
+    token scales, their log2, their reciprocals), stats_s f32 [2 slots, 2 warpgroups, 1, R]
+    (each warpgroup's row max of log_pv), lsum_s f32 [2, R] (each warpgroup's l' after the
+    loop), red_s f32 [2, ``reduce_scratch_size``] (each warpgroup's reduction scratch),
+    v_union = (v16_s f16 [2, 64, 128] | o_s output staging after the loop: [2, R, 128] in the
+    output's 16-bit dtype, or [2, 128, R] f32 when ``transposed``).
 
-    Slot reuse: warpgroup 0 writes step j's P'^T over the step's RoPE rows once
-    its own QK wgmmas (their only reader) have completed, and the slot's next
-    TMA (step j + 2) is issued after both warpgroups consumed step j. It writes
-    step j's stats_s slot after ``begin_step`` of step j - 1 waited for both
-    warpgroups to consume step j - 2. (Every member of a ``RefUnion`` starts at
-    its first byte: pt_s has the RoPE slot's stride, 16 KB, so pt_s[slot] lies
-    in rope_s[slot]. With a shorter stride pt_s[1] would lie in the second half
-    of rope_s[0], over the RoPE keys of the next step: wrong on the GPU and right
+    Slot reuse: P'^T [128, R] f16 (4 KB) lies over the slot's RoPE rows 0..31, which only
+    warpgroup 0's Q.K reads; both warpgroups store their halves of it after the statistics
+    exchange, which warpgroup 0 reaches only once that Q.K has completed. The slot's next TMA
+    (step j + 2) is issued after both warpgroups consumed step j. stats_s[slot] is rewritten two
+    steps later, after both warpgroups have passed this step's P' exchange and so have read it.
+    (Every member of a ``RefUnion`` starts at its first byte: pt_s has the RoPE slot's stride,
+    16 KB, so pt_s[slot] lies in rope_s[slot]. With a shorter stride pt_s[1] would lie in the
+    second half of rope_s[0], over the RoPE keys of the next step: wrong on the GPU and right
     in the interpreter, which does not alias union members.)
     """
-    rope_s, pt_s = rope_union
     rows = q8_s.shape[1]
-    v16_s, o_s = v_union
     where, issue = begin_cta(
         seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_pages=num_pages, issuer=ISSUER)
     _, wg, _, row0, _, _, _ = where
-    *_, m0, l0 = initial_carry((CHUNK, rows), rows_axis=1)
+    my_rows = aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
+    named_sync = NAMED_SYNC and not interpret
+    my_scratch = red_s.at[wg]
 
-    @pl.when(wg == 0)
-    def _():
-        ml_s[0] = m0
-        ml_s[1] = l0
-        plgpu.commit_smem()  # the warpgroup's barrier: every thread sees them before its first load
-
-    def softmax_step(j, slot, t0, seq_len, *, masked: bool) -> None:
-        """Warpgroup 0: step j's scores and online softmax; P'^T, alpha and pv_max to the slot."""
-        k_scales = [plgpu.load(ksc_s.at[slot, pl.ds(half * HALF, HALF)], layout=TOKENS) for half in range(2)]
-        q_scale = plgpu.load(qsc_s, layout=QROWS)
-        scores = step_scores_t(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scales, interpret=interpret)
-        visible = None
-        if masked:
-            visible = [visibility_t(row0, t0, seq_len, half, s_q=s_q, num_heads=num_heads, rows=rows)
-                       for half in range(2)]
-        m, l = plgpu.load(ml_s.at[0], layout=QROWS), plgpu.load(ml_s.at[1], layout=QROWS)
-        m_new, alpha, l, p_scaled, pv_max = softmax_t(scores, k_scales, m, l, scale_log2, visible)
-        unsynced = UNSYNCED_ROW_STORES and not interpret
-        store_rows((m_new, l), ml_s, layout=QROWS, unsynced=unsynced)
-        for half in range(2):  # P' rounds to e4m3 (the SnapMLA math), then to f16 exactly
-            pt_s[slot, 0, pl.ds(half * HALF, HALF)] = (
-                jnp.minimum(p_scaled[half], FP8_E4M3_MAX).astype(FP8_DTYPE).astype(jnp.float16))
-        store_rows((alpha, pv_max), stats_s.at[slot], layout=QROWS, unsynced=unsynced)
-        plgpu.commit_smem()  # generic-proxy stores -> visible to both warpgroups' wgmma
-        plgpu.barrier_arrive(p_ready_bar.at[slot])
-
-    def step(j, accs, *, where: Where, masked: bool):
+    def step(j, carry, *, where: Where, masked: bool):
+        accs, (m, l_tile, frame) = carry[:-3], carry[-3:]
         t0 = (where.first_step + j) * STEP
         slot = begin_step(j, wg, where.first_step, where.num_steps, issue, step_bar, consumed_bar, issuer=ISSUER)
-        pl.when(wg == 0)(functools.partial(softmax_step, j, slot, t0, where.seq_len, masked=masked))
-
-        @pl.when(wg == 1)
-        def _():
-            plgpu.barrier_wait(p_ready_bar.at[slot])
-
-        alpha = plgpu.load(stats_s.at[slot, 0], layout=QROWS)
-        pv_max = plgpu.load(stats_s.at[slot, 1], layout=QROWS)
-        new_accs = pv_update_t(accs, kv8_s.at[slot], wg, pt_s.at[slot, 0], v16_s.at[wg], alpha, pv_max, t0,
-                               where.seq_len, masked=masked)
+        half_scales = lambda plane: plgpu.load(ksc_s.at[slot, plane, pl.ds(my_rows, HALF)], layout=TOKENS)
+        scores = half_scores_t(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], plgpu.load(qsc_s, layout=QROWS),
+                               half_scales(0), my_rows, interpret=interpret)
+        log_pv = scores * scale_log2 + lax.broadcast_in_dim(half_scales(1), scores.shape, [0])
+        visible = None
+        if masked:  # masked slots may hold any bytes, NaN included
+            visible = visibility_t(row0, t0, where.seq_len, wg, s_q=s_q, num_heads=num_heads, rows=rows)
+            log_pv = jnp.where(visible, log_pv, -jnp.inf)
+        # The step's row max over both halves: each warpgroup's own, exchanged through SMEM.
+        log_pv_max = token_reduce(log_pv, "max", my_scratch, interpret=interpret)
+        store_rows((log_pv_max,), stats_s.at[slot, wg], layout=QROWS, unsynced=named_sync and UNSYNCED_ROW_STORES)
+        meet(STATS_SYNC_ID, stats_bar.at[slot], named_sync)
+        log_pv_max = jnp.maximum(log_pv_max, plgpu.load(stats_s.at[slot, 1 - wg, 0], layout=QROWS))
+        m, l_tile, frame, p8, ratio = softmax_frame_t(log_pv, half_scales(2), m, l_tile, frame, log_pv_max, visible)
+        p8 = jnp.minimum(p8, FP8_E4M3_MAX).astype(FP8_DTYPE)  # the SnapMLA math: P' in e4m3
+        if interpret:
+            p8_s[slot, :, pl.ds(my_rows, HALF)] = p8.T
+        else:
+            store_token_bytes(p8, p8_s.at[slot])
+        publish_p(None if named_sync else pexch_bar.at[slot])
+        gather_p(None if named_sync else pexch_bar.at[slot])  # the other warpgroup's half of P'
+        visible_count = None
+        if masked and not interpret:
+            visible_count = plgpu.layout_cast(jnp.full((HALF,), where.seq_len - t0, jnp.int32), ROW)
+        new_accs = pv_update_t(accs, p8_s.at[slot], kv8_s.at[slot], wg, ratio, visible_count, t0, where.seq_len,
+                               interpret=interpret)
         plgpu.barrier_arrive(consumed_bar.at[slot])
-        return tuple(new_accs)
+        return (*new_accs, m, l_tile, frame)
 
-    accs = walk_steps(step, initial_carry((CHUNK, rows), rows_axis=1)[:CHUNKS_PER_WG], where, consumed_bar,
-                      issuer=ISSUER)
-    # The output staging reuses the V tiles' bytes: wait until both warpgroups are past their
-    # last step (and warpgroup 0's final m and l are in ml_s).
+    num_accs = 2 * CHUNKS_PER_WG  # O^T tiles [64 features, R]
+    *accs, m0, _ = initial_carry((HALF, rows), rows_axis=1, num_accs=num_accs)
+    l_tile0 = plgpu.layout_cast(jnp.zeros((HALF, rows), jnp.float32), plgpu.Layout.WGMMA)
+    carry = walk_steps(step, (*accs, m0, l_tile0, m0), where, consumed_bar, issuer=ISSUER)
+    accs, l_tile, frame = carry[:num_accs], carry[-2], carry[-1]
+    lsum_s[wg] = token_reduce(l_tile, "add", my_scratch, interpret=interpret)
+    # Both warpgroups have stored their l'.
     plgpu.barrier_arrive(end_bar)
     plgpu.barrier_wait(end_bar)
-    m, l = plgpu.load(ml_s.at[0], layout=QROWS), plgpu.load(ml_s.at[1], layout=QROWS)
+    l = plgpu.load(lsum_s.at[wg], layout=QROWS) + plgpu.load(lsum_s.at[1 - wg], layout=QROWS)
+    # Per query row, what the accumulators are multiplied by: 1 / l' (0 for rows that saw no token).
+    seen = l > 0
+    inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
     target = output_target(o_ref, lse_ref, part_o_ref, part_lse_ref, items_ref, partials=partials)
-    write_outputs_t(accs, m, l, o_s, lse_s, target, row0, wg, transposed=transposed)
+    # lse (base 2) = frame + log2(l') - log2 448 (``softmax_frame_t``): ``write_outputs_t`` adds log2(l').
+    write_outputs_t(accs, frame - LOG2_FP8_MAX, l, inv_l, o_s, lse_s, target, row0, wg, interpret=interpret)
+
+
+def meet(barrier_id: int, bar, named_sync: bool) -> None:
+    """Both warpgroups meet: at hardware named barrier ``barrier_id`` (``consumers_sync``,
+    ``named_sync``), else at mbarrier ``bar`` (NUM_WGS arrivals; the interpreter)."""
+    if named_sync:
+        consumers_sync(barrier_id)
+    else:
+        plgpu.barrier_arrive(bar)
+        plgpu.barrier_wait(bar)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
@@ -332,42 +331,39 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
     num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
     q8, q_scale, q_rope, latent_pairs, rope_pairs, scales, plan = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, page_size=page_size,
-        num_splits=num_splits, balanced=balanced, num_pages=num_pages, block_rows=rows, interpret=interpret)
+        num_splits=num_splits, balanced=balanced, num_pages=num_pages, block_rows=rows, scale_planes=True,
+        interpret=interpret)
     num_rows = q8.shape[1]  # padded to whole blocks
-    # Output and partials are bf16 for a bf16 output, else float32 (``partial_dtype``). Float32 ones
-    # leave the kernel as [features, rows] (``write_outputs_t``: Mosaic GPU cannot store 32-bit
-    # values transposed).
-    out_dtype = partial_dtype(q_rows.dtype)
-    transposed = jnp.dtype(out_dtype).itemsize == 4
-    stage_shape = (NUM_WGS, CHUNK, rows) if transposed else (NUM_WGS, rows, CHUNK)
+    out_dtype = partial_dtype(q_rows.dtype)  # output and partials: bf16 for a bf16 output, else float32
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          partials=plan.partials, transposed=transposed, num_pages=num_pages, interpret=interpret),
-        out_type=output_types(plan, num_rows, out_dtype, transposed=transposed),
+                          partials=plan.partials, num_pages=num_pages, interpret=interpret),
+        out_type=output_types(plan, num_rows, out_dtype),
         scratch_types=[
             plgpu.SMEM((NUM_CHUNKS, rows, CHUNK), FP8_DTYPE),
             plgpu.SMEM((rows, ROPE), jnp.bfloat16),
             plgpu.SMEM((rows,), jnp.float32),
             plgpu.SMEM((rows,), jnp.float32),
             plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
-            # P'^T [128, rows] f16 in the step's RoPE slot, with the slot's stride (``_kernel``).
-            plgpu.RefUnion(plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
-                           plgpu.SMEM((NUM_SLOTS, ROPE // rows, STEP, rows), jnp.float16)),
-            plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
-            plgpu.SMEM((NUM_SLOTS, 2, rows), jnp.float32),
-            plgpu.SMEM((2, rows), jnp.float32),
-            plgpu.RefUnion(plgpu.SMEM((NUM_WGS, HALF, CHUNK), jnp.float16),
-                           plgpu.SMEM(stage_shape, out_dtype)),
+            plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
+            plgpu.SMEM((NUM_SLOTS, 3, STEP), jnp.float32),
+            # P' (``store_token_bytes``): its byte stores compute addresses for this layout.
+            plgpu.SMEM((NUM_SLOTS, rows, STEP), FP8_DTYPE, transforms=BYTE_TILE_TRANSFORMS),
+            plgpu.SMEM((NUM_SLOTS, NUM_WGS, 1, rows), jnp.float32),
+            plgpu.SMEM((NUM_WGS, rows), jnp.float32),
+            plgpu.SMEM((NUM_WGS, reduce_scratch_size(rows)), jnp.float32),
+            plgpu.SMEM((NUM_WGS, rows, HALF), out_dtype, transforms=() if interpret else output_transforms(out_dtype)),
             plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
-            plgpu.Barrier(num_arrivals=1, num_barriers=NUM_SLOTS),  # P'^T ready (warpgroup 0)
+            plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),  # statistics (the interpreter)
+            plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),  # P'^T halves (the interpreter)
             plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),  # consumed (both warpgroups)
             plgpu.Barrier(num_arrivals=COPIES_Q),
             plgpu.Barrier(num_arrivals=NUM_WGS),
         ],
-        **grid_params(plan, num_rows // rows, "snapmla_decode_fp8_mgpu_small", interpret),
+        # Its reductions across warps bring their own scratch (``token_reduce``).
+        **grid_params(plan, num_rows // rows, "snapmla_decode_fp8_mgpu_small", interpret, reduction_scratch_bytes=0),
     )
     outs = kernel(seq_lens, plan.items, block_table, layer_offset, q8, q_scale, q_rope, latent_pairs, scales,
                   rope_pairs)
-    out, lse = merge_items(outs, plan, q_rows.dtype, num_splits=num_splits, transposed=transposed,
-                           interpret=interpret)
+    out, lse = merge_items(outs, plan, q_rows.dtype, num_splits=num_splits, interpret=interpret)
     return unpadded(out, lse, q_rows.shape[1])

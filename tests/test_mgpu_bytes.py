@@ -13,13 +13,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms,
-                                                   store_feature_pairs, store_quads, vt_feature, vt_step_row)
+                                                   store_feature_pairs, store_quads, store_token_bytes, vt_column,
+                                                   vt_feature, vt_step_row)
 
 # --- V^T as the register A operand (``load_vt_quads``, ``store_quads``, ``store_feature_pairs``) ---
 
@@ -60,6 +62,51 @@ def _run_vt(v, p, visible, out_dtype=jnp.float32, masked=True):
                        plgpu.Barrier(num_arrivals=3)])(v, p, visible)
 
 
+def _token_bytes_kernel(v_ref, pt_ref, out_ref, v_s, pt_in_s, p8_s, o_s, bar, stored_bar):
+    """out [N, 128] = P' . V over one step, P' given as P'^T [128 step rows, N]: warpgroup w
+    stores rows [64 w, 64 w + 64) of it by ``store_token_bytes``, then warpgroup 0 multiplies
+    with V^T from ``load_vt_quads`` ([64, N] O^T tiles out through ``store_feature_pairs``)."""
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 0)
+    def _():
+        plgpu.copy_gmem_to_smem(v_ref, v_s, bar)
+        for half in range(2):
+            plgpu.copy_gmem_to_smem(pt_ref.at[pl.ds(64 * half, 64)], pt_in_s.at[half], bar)
+
+    plgpu.barrier_wait(bar)
+    store_token_bytes(plgpu.load(pt_in_s.at[wg], layout=plgpu.Layout.WGMMA), p8_s)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(stored_bar)
+    plgpu.barrier_wait(stored_bar)
+
+    @pl.when(wg == 0)
+    def _():
+        rows = p8_s.shape[0]
+        for tile in range(2):
+            def product(acc_ref, tile=tile):
+                plgpu.wgmma(acc_ref, load_vt_quads(v_s, tile), p8_s.transpose((1, 0)))
+                return acc_ref[...]
+            store_feature_pairs(pl.run_scoped(product, plgpu.ACC((64, rows), jnp.float32)), o_s.at[tile])
+        plgpu.commit_smem()
+        for tile in range(2):
+            plgpu.copy_smem_to_gmem(o_s.at[tile], out_ref.at[:, pl.ds(64 * tile, 64)])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _run_token_bytes(v, pt):
+    """v e4m3 [128 step rows, 128 features], pt e4m3 [128 step rows, N] -> f32 [N, 128]."""
+    rows = pt.shape[1]
+    return plgpu.kernel(
+        _token_bytes_kernel, out_type=jax.ShapeDtypeStruct((rows, 128), jnp.float32), num_threads=2,
+        thread_name="wg", kernel_name="test_token_bytes",
+        scratch_types=[plgpu.SMEM((128, 128), jnp.float8_e4m3fn, transforms=BYTE_TILE_TRANSFORMS),
+                       plgpu.SMEM((2, 64, rows), jnp.float8_e4m3fn),
+                       plgpu.SMEM((rows, 128), jnp.float8_e4m3fn, transforms=BYTE_TILE_TRANSFORMS),
+                       plgpu.SMEM((2, rows, 64), jnp.float32, transforms=output_transforms(jnp.float32)),
+                       plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=2)])(v, pt)
+
+
 def _vt_inputs(seed):
     """Small-integer e4m3 V and P' (every product and sum exact in f32), NaN bytes in V's rows
     past ``visible`` tokens (step row c < 64 is token 2c, row 64 + c token 2c + 1)."""
@@ -85,7 +132,15 @@ def test_vt_helpers_order_and_reject_bad_arguments():
     with pytest.raises(ValueError, match="store_quads: lane: expected 0, 1 or None"):
         store_quads(tile, jnp.zeros((64, 128), jnp.float8_e4m3fn), 2)
     with pytest.raises(ValueError, match="store_feature_pairs: values: expected f32"):
-        store_feature_pairs(jnp.zeros((64, 32), jnp.float32), None)
+        store_feature_pairs(jnp.zeros((64, 48), jnp.float32), None)
+    with pytest.raises(ValueError, match="store_token_bytes: values: expected e4m3"):
+        store_token_bytes(jnp.zeros((64, 16), jnp.float32), None)
+    with pytest.raises(ValueError, match="store_token_bytes: dst_ref: expected e4m3"):
+        store_token_bytes(jnp.zeros((64, 16), jnp.float8_e4m3fn), jnp.zeros((32, 128), jnp.float8_e4m3fn))
+
+
+def test_vt_column_inverts_vt_step_row():
+    assert [vt_column(vt_step_row(k)) for k in range(128)] == list(range(128))
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
@@ -110,3 +165,21 @@ def test_vt_product_matches_numpy(visible, out_dtype):
                   jnp.asarray([visible], jnp.int32), out_dtype)
     np.testing.assert_array_equal(np.asarray(got, np.float32),
                                   np.asarray(jnp.asarray(want, out_dtype), np.float32))
+
+
+@pytest.mark.parametrize("rows", [16, 32])
+def test_token_bytes_lower_for_cuda(rows):
+    v, p = _vt_inputs(rows)
+    args = (jnp.asarray(v, jnp.float8_e4m3fn), jnp.asarray(p[:rows].T, jnp.float8_e4m3fn))
+    jax.jit(_run_token_bytes).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [16, 32])
+def test_token_bytes_product_matches_numpy(rows):
+    """P'.V with P' stored from P'^T halves by ``store_token_bytes`` (the 16-row kernel's layout)
+    equals numpy's product of the same small integers exactly (every sum exact in f32)."""
+    v, p = _vt_inputs(rows)
+    p = p[:rows]
+    got = _run_token_bytes(jnp.asarray(v, jnp.float8_e4m3fn), jnp.asarray(p.T, jnp.float8_e4m3fn))
+    np.testing.assert_array_equal(np.asarray(got), p @ v)

@@ -218,9 +218,9 @@ def test_step_hands_over_behind_named_barriers_only(monkeypatch):
 
 
 def test_small_kernel_stores_its_row_vectors_without_warpgroup_barriers(monkeypatch):
-    """The 16-row kernel's ``UNSYNCED_ROW_STORES``: warpgroup 0's four per-row stores a step (m, l,
-    and the fold's alpha and pv_max) take none of the two warpgroup barriers Pallas puts around
-    each: 8 a step loop fewer (``softmax_step`` says what orders them instead)."""
+    """The 16-row kernel's ``UNSYNCED_ROW_STORES``: each warpgroup's row max of a step, published
+    for the other, takes neither of the two warpgroup barriers Pallas puts around an SMEM store
+    (the statistics' named barrier orders it): 2 a step loop fewer."""
     import re
     import snapmla_jax.pallas_kernels.mla_decode_mgpu_small as small_module
 
@@ -230,9 +230,17 @@ def test_small_kernel_stores_its_row_vectors_without_warpgroup_barriers(monkeypa
         return len(re.findall(r"bar\.sync \$0, 128;", _mosaic_module_text("small")))
 
     loops = 2  # unmasked and masked steps
-    assert warpgroup_barriers(False) - warpgroup_barriers(True) == loops * 8
+    assert warpgroup_barriers(False) - warpgroup_barriers(True) == loops * 2
     monkeypatch.undo()
     jax.clear_caches()
+
+
+def test_small_kernel_warpgroups_meet_twice_a_step():
+    """Both warpgroups of the 16-row kernel score half of each step: they meet at the 64-row
+    kernel's two named barriers (the statistics, then P'^T), once a step loop each."""
+    text = _mosaic_module_text("small")
+    for barrier_id in (mgpu_kernel.STATS_SYNC_ID, mgpu_kernel.P_SYNC_ID):
+        assert text.count(f"bar.sync {barrier_id}, 256;") == 2, barrier_id
 
 
 def test_qk_precision_tool_runs_interpreted(tmp_path):
@@ -268,15 +276,34 @@ def test_step_page_columns_are_the_pages_of_the_step_in_the_table(max_pages):
             assert columns[1] == columns[0] + 1
 
 
-def test_64_row_kernel_reduces_within_warps():
+def test_no_kernel_reduces_through_the_shared_scratch():
     """Pallas Mosaic GPU lowers a reduction across warps through an SMEM scratch at one static
     offset, and both warpgroups run the same program: two warpgroups reducing at once
-    overwrite each other's partials (on the GPU only; the interpreter cannot show it). The 64-row kernel, both of whose warpgroups reduce, must reduce along its rows,
-    inside warps: no such scratch. The 16-row kernel has one (warpgroup 0 alone reduces),
-    which shows that the check sees it."""
-    scratch_view = f"memref<{plgpu.CompilerParams().reduction_scratch_bytes // 4}xf32"
+    overwrite each other's partials (on the GPU only; the interpreter cannot show it). The
+    64-row kernel reduces along its rows, inside warps; the 16-row kernel reduces along the
+    tokens, across warps, through a scratch of each warpgroup's own (``token_reduce``). Neither
+    may use Pallas' scratch. A kernel that reduces across warps the Pallas way shows that the
+    check sees it."""
+    # Pallas' scratch, at its static offset (a warpgroup's own is a view at a traced offset).
+    scratch_view = (f"memref<{plgpu.CompilerParams().reduction_scratch_bytes // 4}xf32, "
+                    "#gpu.address_space<workgroup>")
     assert scratch_view not in _mosaic_module_text("mgpu")
-    assert scratch_view in _mosaic_module_text("small")
+    assert scratch_view not in _mosaic_module_text("small")
+
+    def column_max(o_ref, o_s):
+        x = plgpu.broadcasted_iota(jnp.int32, (64, 16), 0, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        o_s[...] = x.max(axis=0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, o_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+    def call():
+        return plgpu.kernel(column_max, out_type=jax.ShapeDtypeStruct((16,), jnp.float32),
+                            scratch_types=[plgpu.SMEM((16,), jnp.float32)])()
+
+    from snapmla_jax.backend import mosaic_module_texts
+    [text] = mosaic_module_texts(lower_for_cuda(call))
+    assert scratch_view in text
 
 
 @pytest.mark.parametrize("approx", [True, False])

@@ -3,13 +3,15 @@
     python tools/time_mgpu_variants.py --out $OUT [--shape 64x16384x128x1] [--variants baseline no_producer]
     python tools/time_mgpu_variants.py --kernel small --shape 128x16384x16x1 --out $OUT
     python tools/time_mgpu_variants.py --compare-file /tmp/old/mla_decode_mgpu.py --variants baseline --out $OUT
+    python tools/time_mgpu_variants.py --kernel small --compare-file /tmp/old/mla_decode_mgpu_small.py --out $OUT
 
 Each variant sets some of a kernel module's constants (``VARIANTS``: the 64-row FP8 kernel,
 ``mla_decode_mgpu``; ``SMALL_VARIANTS``: the 16-row one; ``BF16_VARIANTS``: the Mosaic BF16
 twin, through ``mla_decode`` on the bf16 cache), each one flag of the module flipped or a
 register split changed: the measurement behind that constant. ``--compare-file PATH`` also times
-the 64-row kernel of another copy of mla_decode_mgpu.py (e.g. the last commit's) as variant
-"file:<stem>", for a change no constant expresses.
+the kernel of another copy of its module (mla_decode_mgpu.py, or mla_decode_mgpu_small.py with
+``--kernel small``; e.g. the last commit's) as variant "file:<stem>", for a change no constant
+expresses.
 
 Every variant is compiled first, then all are timed in turn, ``--rounds`` rounds round-robin in
 samples of at least ``--min-sample-ms`` (``timing.time_round_robin``; the median is reported), so
@@ -65,6 +67,7 @@ SMALL_VARIANTS = {
     "promotion_256": {"QK_PROMOTION": 256},
     "issuer_0": {"ISSUER": 0},
     "synced_row_stores": {"UNSYNCED_ROW_STORES": False},
+    "mbarrier_sync": {"NAMED_SYNC": False},
     # Constants of the 64-row kernel's module that the 16-row kernel reads (``step_issuer``,
     # ``grid_params``).
     "issue_by_one_thread": {"ISSUE_BY_WARPS": False},
@@ -111,10 +114,11 @@ def main(argv=None) -> int:
                         help="also the decode kernel's median GPU duration over this many rounds of "
                              "interleaved calls in one profiler trace (0: not measured)")
     parser.add_argument("--compare-file", action="append", default=[],
-                        help="another mla_decode_mgpu.py whose kernel is timed as variant file:<stem>")
+                        help="another copy of the kernel's module (mla_decode_mgpu.py, or mla_decode_mgpu_small.py "
+                             "with --kernel small) whose kernel is timed as variant file:<stem>")
     args = parser.parse_args(argv)
-    if args.compare_file and args.kernel != "mgpu":
-        parser.error("--compare-file: the 64-row kernel's module only (--kernel mgpu)")
+    if args.compare_file and args.kernel == "bf16":
+        parser.error("--compare-file: the FP8 kernels' modules only (--kernel mgpu or small)")
     if timing.missing_gpu("time_mgpu_variants"):
         return 2
     module, variants, block_rows = {"small": (small_kernel, SMALL_VARIANTS, small_kernel.ROWS),
@@ -133,13 +137,17 @@ def main(argv=None) -> int:
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     call_args = (q, q_rope, fp8, block_table, seq_lens)
-    other_kernels = {f"file:{pathlib.Path(path).stem}": load_module(pathlib.Path(path), f"compare_{i}").mla_decode_mgpu
+    # The bench script's name for the kernel a --compare-file module replaces.
+    kernel_attr = "mla_decode_mgpu_small" if args.kernel == "small" else "mla_decode_mgpu"
+    shipped_kernel = getattr(bench, kernel_attr)
+    other_kernels = {f"file:{pathlib.Path(path).stem}": getattr(load_module(pathlib.Path(path), f"compare_{i}"),
+                                                                  kernel_attr)
                      for i, path in enumerate(args.compare_file)}
     reference, compiled = None, {}
     for name in (args.variants or list(variants)) + list(other_kernels):
         for (owner, constant), value in settings.get(name, settings["baseline"]).items():
             setattr(owner, constant, value)
-        bench.mla_decode_mgpu = other_kernels.get(name, mgpu_kernel.mla_decode_mgpu)
+        setattr(bench, kernel_attr, other_kernels.get(name, shipped_kernel))
         jax.clear_caches()  # the kernel's jit cache would hand back the previous variant
         if args.kernel == "bf16":  # the twin through the API, with its split plan
             fn = jax.jit(lambda q, qr, c, bt, n: bench.mla_decode(q, qr, c, bt, n, softmax_scale=scale,
@@ -160,7 +168,7 @@ def main(argv=None) -> int:
             print(name, results["ms"][name], flush=True)
     for (owner, constant), value in settings["baseline"].items():
         setattr(owner, constant, value)
-    bench.mla_decode_mgpu = mgpu_kernel.mla_decode_mgpu
+    setattr(bench, kernel_attr, shipped_kernel)
     times = timing.time_round_robin({name: (executable, [call_args]) for name, executable in compiled.items()},
                                     rounds=args.rounds, iters=2 * args.rounds, min_sample_ms=args.min_sample_ms)
     for name, ms in times.items():
