@@ -156,86 +156,38 @@ def _combine_kernel(out_ref, lse_ref, o_ref, lse_out_ref, *, num_splits: int, nu
         plgpu_tr.store(lse_out_ref.at[b * num_rows + rows], _merged_lse(total, lse_max))
 
 
-def _combine_transposed_kernel(out_ref, lse_ref, o_ref, lse_out_ref, *, num_splits: int, num_rows: int,
-                               rank: int, size: int):
-    """One (batch row, block of columns) program, partials [B, S, R, rows].
-
-    The program reads, per split, its columns' [columns, rows] tile (contiguous) and writes the
-    merged [rows, columns] tile through a transpose, so that both its loads and its stores are
-    contiguous runs (with the transposed tile stored as it lies, each lane's store would land
-    in another output row). Triton tiles have power-of-two sides: rows pad to R' =
-    next_power_of_2(rows) (``size`` // R' columns a program); the padding rows read row 0 and
-    store into a spare tail of o_ref, each at its own place (a masked store must not name one
-    address twice: interpret mode stores the old value back where the mask is off). Refs as
-    ``_combine_kernel``'s, lse_out_ref with a spare tail of ``size`` for the padding rows' lse.
-    """
-    b, run = pl.program_id(0), pl.program_id(1)
-    padded_rows = pl.next_power_of_2(num_rows)
-    num_cols = size // padded_rows
-    lanes = jnp.arange(padded_rows, dtype=jnp.int32)
-    real_row = lanes < num_rows
-    rows = jnp.where(real_row, lanes, 0)
-    columns = run * num_cols + jnp.arange(num_cols, dtype=jnp.int32)
-    partial_index, real, weight, lse_max, total = _split_weights(lse_ref, b, num_splits, num_rows, rows)
-    offsets = (partial_index[:, None, None] * rank + columns[None, :, None]) * num_rows + rows[None, None, :]
-    partials = plgpu_tr.load(out_ref.at[offsets], mask=jnp.broadcast_to(real[:, None, None], offsets.shape),
-                             other=0.0).astype(jnp.float32)
-    merged_t = jnp.sum(partials * weight[:, None, :], axis=0) / jnp.where(total > 0, total, 1.0)[None, :]
-    spare = (o_ref.shape[0] - (padded_rows - num_rows) * num_cols
-             + (jnp.maximum(lanes - num_rows, 0) * num_cols)[:, None] + jnp.arange(num_cols, dtype=jnp.int32)[None, :])
-    out_offsets = jnp.where(real_row[:, None], (b * num_rows + rows[:, None]) * rank + columns[None, :], spare)
-    plgpu_tr.store(o_ref.at[out_offsets], merged_t.T.astype(o_ref.dtype),
-                   mask=jnp.broadcast_to(real_row[:, None], out_offsets.shape))
-
-    @pl.when(run == 0)
-    def _():
-        tail = lse_out_ref.shape[0] - size + jnp.maximum(lanes - num_rows, 0)  # the padding rows' places
-        plgpu_tr.store(lse_out_ref.at[jnp.where(real_row, b * num_rows + rows, tail)], _merged_lse(total, lse_max),
-                       mask=real_row)
-
-
-@functools.partial(jax.jit, static_argnames=("dtype", "transposed", "interpret"))
-def combine_splits(out: jax.Array, lse: jax.Array, dtype=jnp.float32, *, transposed: bool = False,
-                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
+def combine_splits(out: jax.Array, lse: jax.Array, dtype=jnp.float32, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Merge split partials in one Pallas launch, the math of ``combine_splits_reference``
     (summed in another order: equal to fp32 rounding).
 
-    out [B, S, rows, R] f32 or bf16 (``partial_dtype``; [B, S, R, rows] with ``transposed``: as
-    the Mosaic kernel with the query rows on the wgmma N dimension writes it, merged without a
-    transposing copy), lse [B, S, rows] f32 -> (merged [B, rows, R] in ``dtype``, lse [B, rows]
-    f32). The sums are float32 either way.
+    out [B, S, rows, R] f32 or bf16 (``partial_dtype``), lse [B, S, rows] f32 -> (merged
+    [B, rows, R] in ``dtype``, lse [B, rows] f32). The sums are float32 either way.
     """
     if out.ndim != 4 or lse.ndim != 3:
         raise ValueError(f"out, lse: expected 4 and 3 dimensions, got {out.shape} and {lse.shape}")
     batch, num_splits = out.shape[:2]
-    num_rows, rank = (out.shape[3], out.shape[2]) if transposed else out.shape[2:]
+    num_rows, rank = out.shape[2:]
     if lse.shape != (batch, num_splits, num_rows):
-        raise ValueError(f"lse: expected shape {(batch, num_splits, num_rows)} to match out {out.shape}"
-                         f"{' (transposed)' if transposed else ''}, got {lse.shape}")
+        raise ValueError(f"lse: expected shape {(batch, num_splits, num_rows)} to match out {out.shape}, "
+                         f"got {lse.shape}")
     if out.dtype not in (jnp.float32, jnp.bfloat16) or lse.dtype != jnp.float32:
         raise ValueError(f"out, lse: expected float32 or bfloat16 partials and a float32 lse, got {out.dtype} "
                          f"and {lse.dtype}")
     size = tile_size(num_splits, num_rows * rank)
-    spare = 0
-    if transposed:
-        padded_rows = pl.next_power_of_2(num_rows)
-        size = max(size, padded_rows)  # at least one column a program
-        spare = (padded_rows - num_rows) * (size // padded_rows)  # the padding rows' tail
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = _combine_transposed_kernel if transposed else _combine_kernel
     merged, merged_lse = pl.pallas_call(
-        functools.partial(kernel, num_splits=num_splits, num_rows=num_rows, rank=rank, size=size),
-        grid=(batch, (pl.next_power_of_2(num_rows) if transposed else num_rows) * rank // size),
+        functools.partial(_combine_kernel, num_splits=num_splits, num_rows=num_rows, rank=rank, size=size),
+        grid=(batch, num_rows * rank // size),
         in_specs=[whole, whole],
         out_specs=[whole, whole],
-        out_shape=[jax.ShapeDtypeStruct((batch * num_rows * rank + spare,), dtype),
-                   jax.ShapeDtypeStruct((batch * num_rows + (size if transposed else 0),), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((batch * num_rows * rank,), dtype),
+                   jax.ShapeDtypeStruct((batch * num_rows,), jnp.float32)],
         interpret=interpret,
         compiler_params=plgpu_tr.CompilerParams(num_warps=num_warps(num_splits), num_stages=1),
         name="snapmla_combine_splits",
     )(out.reshape(-1), lse.reshape(-1))
-    return (merged[:batch * num_rows * rank].reshape(batch, num_rows, rank),
-            merged_lse[:batch * num_rows].reshape(batch, num_rows))
+    return merged.reshape(batch, num_rows, rank), merged_lse.reshape(batch, num_rows)
 
 
 def combine_items_reference(out: jax.Array, lse: jax.Array, item_start: jax.Array, item_count: jax.Array,
@@ -263,32 +215,11 @@ def combine_items_reference(out: jax.Array, lse: jax.Array, item_start: jax.Arra
             jnp.where(several, _merged_lse(total, lse_max), merged_lse))
 
 
-def transposed_columns(chunk: int, num_rows: int, rank: int) -> int:
-    """Columns of R a transposed-partials ``combine_items`` program merges: a power of two
-    dividing ``rank``, with ``chunk`` items of the largest row piece (``_row_pieces``) at most
-    ``max_tile`` values, at least one column."""
-    top_piece = 1 << (num_rows.bit_length() - 1)
-    return max(tile_size(chunk, top_piece * rank), top_piece) // top_piece
-
-
-def _row_pieces(num_rows: int) -> tuple[tuple[int, int], ...]:
-    """(first row, rows) of the power-of-two pieces ``num_rows`` splits into, largest first.
-
-    Triton tiles have power-of-two sides. ``combine_splits`` pads the rows instead and parks
-    the padding rows' masked stores in a spare tail of its output (interpret mode writes the old
-    value back where a store is masked, so two lanes must never name one address); updating the
-    caller's arrays in place there is no spare tail, and pieces need no padding rows."""
-    bits = [bit for bit in reversed(range(num_rows.bit_length())) if num_rows >> bit & 1]
-    return tuple((num_rows & ~((2 << bit) - 1), 1 << bit) for bit in bits)  # a piece starts after the larger ones
-
-
-def _merge_items(out_ref, lse_ref, start, count, rows, within, row_axis: int, *, chunk: int, num_rows: int,
-                 rank: int):
+def _merge_items(out_ref, lse_ref, start, count, rows, within, *, chunk: int, num_rows: int, rank: int):
     """Merge one batch row's ``count`` items (from item ``start``) over a tile of their slabs.
 
-    rows [n] int32: the tile's query rows; within [a, b] int32: the tile's offsets inside an
-    item's [rows, R] (or [R, rows]) slab, its query rows on axis ``row_axis`` (0 or 1). Returns
-    (merged [a, b] f32, merged lse [n] f32).
+    rows [n] int32: the tile's query rows; within [n, c] int32: the tile's offsets inside an
+    item's [rows, R] slab. Returns (merged [n, c] f32, merged lse [n] f32).
 
     ``chunk`` items a step, their loads issued together (those past ``count`` masked, reading
     the row's first item: in bounds), merged online: a running max of the lse's, the weights'
@@ -313,8 +244,7 @@ def _merge_items(out_ref, lse_ref, start, count, rows, within, row_axis: int, *,
         shift = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # no item saw the row yet: weights all 0
         rescale = jnp.exp(top - shift)  # 0 on the first step (top -inf), 1 while the max holds
         weight = jnp.exp(lse - shift[None, :])  # 0 for masked and empty items
-        acc = acc * jnp.expand_dims(rescale, 1 - row_axis) + jnp.sum(
-            partials * jnp.expand_dims(weight, 2 - row_axis), axis=0)
+        acc = acc * rescale[:, None] + jnp.sum(partials * weight[:, :, None], axis=0)
         return new_top, total * rescale + jnp.sum(weight, axis=0), acc
 
     init = (jnp.full(rows.shape, -jnp.inf, jnp.float32), jnp.zeros(rows.shape, jnp.float32),
@@ -323,7 +253,7 @@ def _merge_items(out_ref, lse_ref, start, count, rows, within, row_axis: int, *,
     # it. H200, bf16 partials, kernel us, first chunk outside vs inside the loop: 32 x 2 x 128
     # 4.47 vs 4.77, 8 x 16 x 128 6.04 vs 6.66, 1 x 66 x 128 7.07 vs 7.43.
     top, total, acc = lax.fori_loop(1, lax.div(count + (chunk - 1), chunk), step, step(0, init))
-    merged = acc / jnp.expand_dims(jnp.where(total > 0, total, 1.0), 1 - row_axis)
+    merged = acc / jnp.where(total > 0, total, 1.0)[:, None]
     return merged, _merged_lse(total, jnp.where(top == -jnp.inf, 0.0, top))
 
 
@@ -347,7 +277,7 @@ def _items_kernel(out_ref, lse_ref, start_ref, count_ref, _merged_in, _merged_ls
     @pl.when(count >= 2)
     def _():
         merged, merged_lse = _merge_items(out_ref, lse_ref, start, count, rows, rows[:, None] * rank + columns[None, :],
-                                          0, chunk=chunk, num_rows=num_rows, rank=rank)
+                                          chunk=chunk, num_rows=num_rows, rank=rank)
         plgpu_tr.store(o_ref.at[(b * num_rows + rows[:, None]) * rank + columns[None, :]], merged.astype(o_ref.dtype))
 
         @pl.when(first % rank == 0)
@@ -355,43 +285,14 @@ def _items_kernel(out_ref, lse_ref, start_ref, count_ref, _merged_in, _merged_ls
             plgpu_tr.store(lse_out_ref.at[b * num_rows + rows], merged_lse)
 
 
-def _items_transposed_kernel(out_ref, lse_ref, start_ref, count_ref, _merged_in, _merged_lse_in, o_ref,
-                             lse_out_ref, *, chunk: int, num_rows: int, rank: int, num_cols: int):
-    """One (batch row, block of ``num_cols`` columns) program, partials [W, R, rows].
-
-    As ``_combine_transposed_kernel``, each item's [columns, rows] tile is loaded contiguous and
-    the merged [rows, columns] tile stored through a transpose; the rows go in power-of-two
-    pieces (``_row_pieces``: one for 16 rows), each merged on its own. Refs as ``_items_kernel``'s;
-    the program of the first block writes the merged lse.
-    """
-    b, run = pl.program_id(0), pl.program_id(1)
-    start, count = start_ref[b], count_ref[b]
-    columns = run * num_cols + jnp.arange(num_cols, dtype=jnp.int32)
-
-    @pl.when(count >= 2)
-    def _():
-        for first_row, piece in _row_pieces(num_rows):
-            rows = first_row + jnp.arange(piece, dtype=jnp.int32)
-            merged_t, merged_lse = _merge_items(out_ref, lse_ref, start, count, rows,
-                                                columns[:, None] * num_rows + rows[None, :], 1, chunk=chunk,
-                                                num_rows=num_rows, rank=rank)
-            plgpu_tr.store(o_ref.at[(b * num_rows + rows[:, None]) * rank + columns[None, :]],
-                           merged_t.T.astype(o_ref.dtype))
-
-            @pl.when(run == 0)
-            def _():
-                plgpu_tr.store(lse_out_ref.at[b * num_rows + rows], merged_lse)
-
-
-def _check_items_args(out, lse, item_start, item_count, merged, merged_lse, chunk, transposed: bool):
+def _check_items_args(out, lse, item_start, item_count, merged, merged_lse, chunk):
     """Raise ValueError unless ``combine_items``' arguments agree; return (rows, R)."""
     if out.ndim != 3 or lse.ndim != 2:
         raise ValueError(f"out, lse: expected 3 and 2 dimensions ([W, rows, R], [W, rows]), got {out.shape} and "
                          f"{lse.shape}")
-    num_rows, rank = (out.shape[2], out.shape[1]) if transposed else out.shape[1:]
-    layout = " (transposed: [W, R, rows])" if transposed else ""
+    num_rows, rank = out.shape[1:]
     if lse.shape != (out.shape[0], num_rows):
-        raise ValueError(f"lse: expected shape {(out.shape[0], num_rows)} to match out {out.shape}{layout}, "
+        raise ValueError(f"lse: expected shape {(out.shape[0], num_rows)} to match out {out.shape}, "
                          f"got {lse.shape}")
     if item_start.ndim != 1 or item_count.shape != item_start.shape:
         raise ValueError(f"item_start, item_count: expected two [B] arrays, got {item_start.shape} and "
@@ -399,7 +300,7 @@ def _check_items_args(out, lse, item_start, item_count, merged, merged_lse, chun
     batch = item_start.shape[0]
     if merged.shape != (batch, num_rows, rank) or merged_lse.shape != (batch, num_rows):
         raise ValueError(f"merged, merged_lse: expected shapes {(batch, num_rows, rank)} and {(batch, num_rows)} "
-                         f"for B={batch} and out {out.shape}{layout}, got {merged.shape} and {merged_lse.shape}")
+                         f"for B={batch} and out {out.shape}, got {merged.shape} and {merged_lse.shape}")
     if out.dtype not in (jnp.float32, jnp.bfloat16) or lse.dtype != jnp.float32:
         raise ValueError(f"out, lse: expected float32 or bfloat16 partials and a float32 lse, got {out.dtype} and "
                          f"{lse.dtype}")
@@ -417,14 +318,12 @@ def _check_items_args(out, lse, item_start, item_count, merged, merged_lse, chun
     return num_rows, rank
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "transposed", "interpret"))
+@functools.partial(jax.jit, static_argnames=("chunk", "interpret"))
 def combine_items(out: jax.Array, lse: jax.Array, item_start: jax.Array, item_count: jax.Array, merged: jax.Array,
-                  merged_lse: jax.Array, *, chunk: int, transposed: bool = False,
-                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                  merged_lse: jax.Array, *, chunk: int, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Merge each batch row's work items into the decode call's outputs, in one Pallas launch.
 
-    out [W, rows, R] f32 or bf16: normalised partials of W work items ([W, R, rows] with
-    ``transposed``, as the 16-row Mosaic kernel writes them); lse [W, rows] f32 (natural log,
+    out [W, rows, R] f32 or bf16: normalised partials of W work items; lse [W, rows] f32 (natural log,
     -inf: the item saw no token); item_start, item_count [B] int32: batch row b's items are
     out[item_start[b] : item_start[b] + item_count[b]] (contiguous, not shared with another
     row, within W; a count may be 0 or 1); merged [B, rows, R] bf16, f32 or f16 and merged_lse
@@ -442,8 +341,7 @@ def combine_items(out: jax.Array, lse: jax.Array, item_start: jax.Array, item_co
 
     Cost, H200, bf16 partials and output, kernel us from the profiler, uniform batches (B x
     count x rows, chunk = count rounded up) against ``combine_splits``: 1 x 8 x 128 1.82 vs 1.73,
-    16 x 4 x 128 3.81 vs 3.33, 8 x 16 x 128 6.04 vs 5.01, 1 x 64 x 128 3.88 vs 3.38, 1 x 8 x 16T
-    1.88 vs 1.47, 8 x 16 x 32T 3.01 vs 2.53: the row's item_start and item_count are loaded
+    16 x 4 x 128 3.81 vs 3.33, 8 x 16 x 128 6.04 vs 5.01, 1 x 64 x 128 3.88 vs 3.38: the row's item_start and item_count are loaded
     before its partials' addresses are known (one more memory latency). Counts short of
     ``chunk`` leave lanes masked at run time where ``combine_splits`` compiles them out: 1 x 66
     x 128 7.07 at chunk 128 (6.31 at 64, two steps) vs 4.25. Each chunk past the first adds
@@ -456,19 +354,12 @@ def combine_items(out: jax.Array, lse: jax.Array, item_start: jax.Array, item_co
     power of two, R is not one or out has 2**31 values or more. item_start and item_count are
     data, not checked: out-of-range items are clamped into out, never read past it.
     """
-    num_rows, rank = _check_items_args(out, lse, item_start, item_count, merged, merged_lse, chunk, transposed)
-    if transposed:
-        num_cols = transposed_columns(chunk, num_rows, rank)
-        kernel = functools.partial(_items_transposed_kernel, num_cols=num_cols)
-        runs = rank // num_cols
-    else:
-        size = tile_size(chunk, num_rows * rank)
-        kernel = functools.partial(_items_kernel, size=size)
-        runs = num_rows * rank // size
+    num_rows, rank = _check_items_args(out, lse, item_start, item_count, merged, merged_lse, chunk)
+    size = tile_size(chunk, num_rows * rank)
     whole = pl.BlockSpec(memory_space=pl.ANY)
     new_merged, new_lse = pl.pallas_call(
-        functools.partial(kernel, chunk=chunk, num_rows=num_rows, rank=rank),
-        grid=(item_start.shape[0], runs),
+        functools.partial(_items_kernel, chunk=chunk, num_rows=num_rows, rank=rank, size=size),
+        grid=(item_start.shape[0], num_rows * rank // size),
         in_specs=[whole] * 6,
         out_specs=[whole, whole],
         out_shape=[jax.ShapeDtypeStruct((merged.size,), merged.dtype),

@@ -629,7 +629,7 @@ class OutputTarget(NamedTuple):
     when b's row is one item (count 1), the item's partial slot when it is one of several (an
     unused item's CTA returns before writing: ``for_used_items``). ``part_o`` / ``part_lse``
     None: every row is one item (a plan of one split)."""
-    o: jax.Array  # ref [B, rows, 512] (or [B, 512, rows]: a transposed output)
+    o: jax.Array  # ref [B, rows, 512]
     lse: jax.Array  # ref [B, rows] f32
     part_o: jax.Array | None  # ref [W, rows, 512] (or [W, 512, rows])
     part_lse: jax.Array | None  # ref [W, rows] f32
@@ -1065,17 +1065,17 @@ def plan_items(seq_lens, block_table, *, num_splits: int, balanced: bool, step_t
                                 capacity=block_table.shape[1] * PAGE, interpret=interpret)
 
 
-def output_types(plan: SplitPlan, num_rows: int, dtype, *, transposed: bool = False) -> tuple:
-    """The four outputs of a Mosaic decode kernel (``OutputTarget``): out [B, rows, 512] (or
-    [B, 512, rows] ``transposed``) in ``dtype``, lse [B, rows] f32, and the partials' slots
-    [W, ...] and [W, rows] (placeholders of one slot if the plan has none: ``SplitPlan.partials``)."""
+def output_types(plan: SplitPlan, num_rows: int, dtype) -> tuple:
+    """The four outputs of a Mosaic decode kernel (``OutputTarget``): out [B, rows, 512] in
+    ``dtype``, lse [B, rows] f32, and the partials' slots [W, rows, 512] and [W, rows]
+    (placeholders of one slot if the plan has none: ``SplitPlan.partials``)."""
     batch, slots = plan.item_start.shape[0], plan.items.shape[1] if plan.partials else 1
-    shape = lambda n: (n, RANK, num_rows) if transposed else (n, num_rows, RANK)
+    shape = lambda n: (n, num_rows, RANK)
     return (jax.ShapeDtypeStruct(shape(batch), dtype), jax.ShapeDtypeStruct((batch, num_rows), jnp.float32),
             jax.ShapeDtypeStruct(shape(slots), dtype), jax.ShapeDtypeStruct((slots, num_rows), jnp.float32))
 
 
-def merge_items(outs: tuple, plan: SplitPlan, dtype, *, num_splits: int, transposed: bool = False,
+def merge_items(outs: tuple, plan: SplitPlan, dtype, *, num_splits: int,
                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """The call's (out [B, rows, 512] in ``dtype``, lse [B, rows]) from a kernel's four outputs
     (``output_types``). A uniform plan of S > 1 merges its [B x S] partial slots as [B, S]
@@ -1088,14 +1088,11 @@ def merge_items(outs: tuple, plan: SplitPlan, dtype, *, num_splits: int, transpo
     if plan.partials and plan.uniform_splits is not None:
         part_o = part_o.reshape(batch, plan.uniform_splits, *part_o.shape[1:])
         out, lse = combine_splits(part_o, part_lse.reshape(batch, plan.uniform_splits, -1), dtype,
-                                  transposed=transposed, interpret=interpret)
+                                  interpret=interpret)
         return out, lse
-    if transposed:
-        out = out.swapaxes(1, 2)
     if plan.partials:
         out, lse = combine_items(part_o, part_lse, plan.item_start, plan.item_count, out, lse,
-                                 chunk=pl.next_power_of_2(max(num_splits, 2)), transposed=transposed,
-                                 interpret=interpret)
+                                 chunk=pl.next_power_of_2(max(num_splits, 2)), interpret=interpret)
     return out.astype(dtype), lse
 
 

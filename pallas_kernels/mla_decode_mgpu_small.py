@@ -222,28 +222,22 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
             step_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar,
             *, s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, interpret: bool):
     """One CTA: (work item w: a run of steps of batch row b, block of R query rows), two
-    warpgroups; outputs as ``mla_decode_mgpu.OutputTarget``; ``transposed``: the output and
-    partials leave as [features, rows] float32 (``write_outputs_t``).
+    warpgroups; outputs as ``mla_decode_mgpu.OutputTarget``.
 
     SMEM (R = 16 or 32 rows): q8_s e4m3 [4, R, 128], qr_s bf16 [R, 64], qsc_s f32
-    [R], lse_s f32 [R], kv8_s e4m3 [2, 4, 128, 128] and rope_union = (rope_s bf16
-    [2, 128, 64] | pt_s f16 [2, 64 / R, 128, R]) (the ring, step order: RoPE rows,
-    then in the same bytes P'^T at pt_s[slot, 0]), ksc_s f32 [2, 3, 128] (a slot's
-    token scales, their log2, their reciprocals), stats_s f32 [2 slots, 2 warpgroups, 1, R]
-    (each warpgroup's row max of log_pv), lsum_s f32 [2, R] (each warpgroup's l' after the
-    loop), red_s f32 [2, ``reduce_scratch_size``] (each warpgroup's reduction scratch),
-    v_union = (v16_s f16 [2, 64, 128] | o_s output staging after the loop: [2, R, 128] in the
-    output's 16-bit dtype, or [2, 128, R] f32 when ``transposed``).
+    [R], lse_s f32 [R], kv8_s e4m3 [2, 4, 128, 128] and rope_s bf16 [2, 128, 64] (the
+    ring, step order), ksc_s f32 [2, 3, 128] (a slot's token scales, their log2, their
+    reciprocals), p8_s e4m3 [2, R, 128] (a slot's P', both warpgroups' halves, the B operand
+    of both), stats_s f32 [2 slots, 2 warpgroups, 1, R] (each warpgroup's row max of
+    log_pv), lsum_s f32 [2, R] (each warpgroup's l' after the loop), red_s f32 [2,
+    ``reduce_scratch_size``] (each warpgroup's reduction scratch), o_s [2, R, 64] (each
+    warpgroup's output staging tile, in the output's dtype).
 
-    Slot reuse: P'^T [128, R] f16 (4 KB) lies over the slot's RoPE rows 0..31, which only
-    warpgroup 0's Q.K reads; both warpgroups store their halves of it after the statistics
-    exchange, which warpgroup 0 reaches only once that Q.K has completed. The slot's next TMA
-    (step j + 2) is issued after both warpgroups consumed step j. stats_s[slot] is rewritten two
-    steps later, after both warpgroups have passed this step's P' exchange and so have read it.
-    (Every member of a ``RefUnion`` starts at its first byte: pt_s has the RoPE slot's stride,
-    16 KB, so pt_s[slot] lies in rope_s[slot]. With a shorter stride pt_s[1] would lie in the
-    second half of rope_s[0], over the RoPE keys of the next step: wrong on the GPU and right
-    in the interpreter, which does not alias union members.)
+    Slot reuse: both warpgroups store their halves of p8_s[slot] after step j's statistics
+    exchange, which each reaches only after its P'.V of step j - 1 (the last read of
+    p8_s[slot] was step j - 2's). The slot's next TMA (step j + 2) is issued after both
+    warpgroups consumed step j. stats_s[slot] is rewritten two steps later, after both
+    warpgroups have passed this step's P' exchange and so have read it.
     """
     rows = q8_s.shape[1]
     where, issue = begin_cta(

@@ -64,10 +64,13 @@ class WriteKVConfig:
     """Launch knobs. ``block_tokens``: tokens a CTA (a multiple of 32: its row ids are one TMA
     transfer); SMEM a CTA is about block_tokens x 1.7 KB for bf16 inputs and an fp8 cache, so 32
     lets four CTAs share an SM. ``group_rows``: token rows a quantize step holds in registers (a
-    multiple of 4, one row per warp in turn; 8 rows of 512 are 32 values a thread)."""
+    multiple of 4, one row per warp in turn; 8 rows of 512 are 32 values a thread).
+    ``stores_by_warps``: each warp issues the row stores of every fourth token (four threads
+    issuing at once); False: one thread issues them all."""
 
     block_tokens: int = 32
     group_rows: int = 8
+    stores_by_warps: bool = True
 
     def __post_init__(self):
         if self.block_tokens <= 0 or self.block_tokens % 32:
@@ -99,7 +102,7 @@ def _write_kv_kernel(*refs, scratch_types: list, **params):
 
 
 def _write_block(rows_ref, latent_ref, rope_ref, *refs, quantize: bool, stage_latent: bool,
-                 stage_rope: bool, num_tokens: int, config: WriteKVConfig):
+                 stage_rope: bool, num_tokens: int, config: WriteKVConfig, interpret: bool):
     """One block of ``block_tokens`` (bt) tokens.
 
     rows_ref   [grid x bt] int32: cache row per token, -1 = skip (padded with -1 to whole blocks)
@@ -153,7 +156,7 @@ def _write_block(rows_ref, latent_ref, rope_ref, *refs, quantize: bool, stage_la
 
     shift = base - start  # window position of the block's first token
 
-    def store(j, carry):
+    def store(j):
         row = rows_s[j]
 
         @pl.when(row >= 0)
@@ -163,11 +166,16 @@ def _write_block(rows_ref, latent_ref, rope_ref, *refs, quantize: bool, stage_la
             plgpu.copy_smem_to_gmem(rope_stage.at[t], rope_out.at[row], commit_group=False)
             if quantize:
                 outs[1][row] = scale_s[t]
-        return carry
 
-    lax.fori_loop(0, bt, store, None)
-    plgpu.commit_smem_to_gmem_group()
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
+    def store_all(first: int | jax.Array, step: int):
+        lax.fori_loop(0, bt // step, lambda i, carry: store(first + i * step), None)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
+
+    if config.stores_by_warps and not interpret:
+        plgpu.warp_map(lambda warp: store_all(warp, WARPS))  # a TMA's issuing thread waits for its own
+    else:
+        store_all(0, 1)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
@@ -204,7 +212,7 @@ def write_kv_pallas(cache_arrays: tuple, latent: jax.Array, k_rope: jax.Array, r
     scratch += [plgpu.Barrier(num_arrivals=3)]
     kernel = pl.kernel(
         functools.partial(_write_kv_kernel, scratch_types=scratch, quantize=quantize, stage_latent=stage_latent,
-                          stage_rope=stage_rope, num_tokens=num_tokens, config=config),
+                          stage_rope=stage_rope, num_tokens=num_tokens, config=config, interpret=interpret),
         out_type=(),
         mesh=plgpu.Mesh(grid=(num_blocks,), grid_names=("block",)),
         # Lane semantics: the row layout and the per-row copies are written for it. No automatic

@@ -9,8 +9,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from snapmla_jax.pallas_kernels.combine_splits import (combine_items, combine_items_reference, combine_splits,
-                                                       combine_splits_reference, max_tile, partial_dtype, tile_size,
-                                                       transposed_columns)
+                                                       combine_splits_reference, max_tile, partial_dtype, tile_size)
 
 
 def merge_float64(out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -44,18 +43,15 @@ def random_partials(seed: int, batch: int, splits: int, rows: int, rank: int = 5
 
 # (batch, splits, rows): odd batch, split counts that are and are not powers of two (padded
 # to one in the kernel), up to the planner's 128; 16/32/64-row blocks, and 48 rows (three
-# 16-row blocks: the transposed tile pads them to 64).
+# 16-row blocks).
 SHAPES = [(3, 5, 16), (1, 66, 64), (2, 128, 16), (1, 2, 32), (5, 3, 64), (3, 3, 48)]
 
 
-@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_combine_matches_float64(shape, transposed):
-    out, lse = random_partials(sum(shape) + transposed, *shape)
+def test_combine_matches_float64(shape):
+    out, lse = random_partials(sum(shape), *shape)
     want, want_lse = merge_float64(out, lse)
-    stored = out.transpose(0, 1, 3, 2) if transposed else out
-    merged, merged_lse = combine_splits(jnp.asarray(stored), jnp.asarray(lse), jnp.float32,
-                                        transposed=transposed, interpret=True)
+    merged, merged_lse = combine_splits(jnp.asarray(out), jnp.asarray(lse), jnp.float32, interpret=True)
     # float32 sums of <= 128 terms with weights <= 1 and a float32 exp/log: a few ulps of
     # the largest partial (|out| <= ~1500 here), 1e-6 relative to it; the lse to 1e-6 of its size.
     scale = np.abs(out).max()
@@ -73,17 +69,15 @@ def test_combine_casts_to_the_callers_dtype():
     np.testing.assert_allclose(np.asarray(merged, np.float32), want, rtol=2.0 ** -8, atol=1e-6 * np.abs(out).max())
 
 
-@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("shape", [(3, 5, 16), (1, 66, 64), (2, 2, 64)], ids=lambda s: "x".join(map(str, s)))
-def test_combine_takes_bf16_partials(shape, transposed):
+def test_combine_takes_bf16_partials(shape):
     """bf16 partials (``partial_dtype`` of a bf16 output) are merged in float32: as float64 on
     the rounded partials to float32's error, and within one bf16 rounding (half an ulp: at most
     2**-8 of the value) of the largest partial of the float64 merge of the unrounded ones."""
     out, lse = random_partials(sum(shape) + 11, *shape)
     rounded = np.asarray(jnp.asarray(out, jnp.bfloat16).astype(jnp.float32))
-    stored = rounded.transpose(0, 1, 3, 2) if transposed else rounded
-    merged, merged_lse = combine_splits(jnp.asarray(stored, jnp.bfloat16), jnp.asarray(lse), jnp.float32,
-                                        transposed=transposed, interpret=True)
+    merged, merged_lse = combine_splits(jnp.asarray(rounded, jnp.bfloat16), jnp.asarray(lse), jnp.float32,
+                                        interpret=True)
     want, want_lse = merge_float64(rounded, lse)
     scale = np.abs(out).max()
     np.testing.assert_allclose(np.asarray(merged), want, rtol=0, atol=1e-6 * scale)
@@ -116,27 +110,24 @@ def test_tile_size_fits_and_divides():
             assert size * pl.next_power_of_2(splits) <= max_tile(splits) and (rows * 512) % size == 0
 
 
-@pytest.mark.parametrize("out_shape, lse_shape, dtype, transposed, match", [
-    ((2, 3, 16, 512), (2, 3, 8), jnp.float32, False, "lse"),
-    ((2, 3, 16, 512), (2, 3, 16), jnp.float32, True, "lse"),
-    ((2, 3, 16, 512), (2, 3, 16), jnp.float16, False, "float32 or bfloat16"),
-    ((3, 16, 512), (3, 16), jnp.float32, False, "dimensions"),
+@pytest.mark.parametrize("out_shape, lse_shape, dtype, match", [
+    ((2, 3, 16, 512), (2, 3, 8), jnp.float32, "lse"),
+    ((2, 3, 512, 16), (2, 3, 16), jnp.float32, "lse"),
+    ((2, 3, 16, 512), (2, 3, 16), jnp.float16, "float32 or bfloat16"),
+    ((3, 16, 512), (3, 16), jnp.float32, "dimensions"),
 ])
-def test_bad_partials_raise(out_shape, lse_shape, dtype, transposed, match):
+def test_bad_partials_raise(out_shape, lse_shape, dtype, match):
     with pytest.raises(ValueError, match=match):
-        combine_splits(jnp.ones(out_shape, dtype), jnp.zeros(lse_shape, jnp.float32), transposed=transposed,
-                       interpret=True)
+        combine_splits(jnp.ones(out_shape, dtype), jnp.zeros(lse_shape, jnp.float32), interpret=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_compiled_combine_matches_float64(shape, transposed):
+def test_compiled_combine_matches_float64(shape):
     out, lse = random_partials(sum(shape), *shape)
     want, want_lse = merge_float64(out, lse)
-    stored = out.transpose(0, 1, 3, 2) if transposed else out
-    merged, merged_lse = jax.jit(combine_splits, static_argnames=("dtype", "transposed"))(
-        jnp.asarray(stored), jnp.asarray(lse), jnp.float32, transposed=transposed)
+    merged, merged_lse = jax.jit(combine_splits, static_argnames=("dtype",))(
+        jnp.asarray(out), jnp.asarray(lse), jnp.float32)
     # The GPU's exp/log differ from numpy's by a few ulps: the same bounds as interpret mode.
     np.testing.assert_allclose(np.asarray(merged), want, rtol=0, atol=1e-6 * np.abs(out).max())
     np.testing.assert_allclose(np.asarray(merged_lse), want_lse, rtol=1e-6, atol=1e-5)
@@ -198,20 +189,19 @@ def merge_items_float64(out, lse, starts, counts):
 # counts per batch row (odd B) for a chunk of 4: none, one, two, fewer than, exactly and more than a
 # chunk, and four chunks (13).
 RAGGED = (0, 5, 1, 2, 4, 13, 3)
-# (transposed, rows, partial dtype, output dtype, chunk, counts): 128 and 64 rows flat, 20 rows (two
-# power-of-two pieces, 16 + 4) and 16 transposed; a uniform batch (every count == chunk: one chunk);
-# chunk 1 (a chunk an item) and 2 (seven chunks).
+# (rows, partial dtype, output dtype, chunk, counts): 128, 64, 20 (not a power of two) and 16 rows;
+# a uniform batch (every count == chunk: one chunk); chunk 1 (a chunk an item) and 2 (seven chunks).
 ITEM_CASES = [
-    (False, 128, jnp.float32, jnp.float32, 4, RAGGED),
-    (False, 64, jnp.bfloat16, jnp.bfloat16, 4, RAGGED),
-    (True, 20, jnp.float32, jnp.float32, 4, RAGGED),
-    (True, 20, jnp.bfloat16, jnp.bfloat16, 2, (1, 13, 2, 0, 3)),
-    (True, 16, jnp.bfloat16, jnp.float16, 8, (8, 8, 8)),
-    (False, 64, jnp.bfloat16, jnp.float32, 1, (2, 0, 3, 1, 5)),
-    (False, 128, jnp.float32, jnp.bfloat16, 8, (8, 8, 8)),
+    (128, jnp.float32, jnp.float32, 4, RAGGED),
+    (64, jnp.bfloat16, jnp.bfloat16, 4, RAGGED),
+    (20, jnp.float32, jnp.float32, 4, RAGGED),
+    (20, jnp.bfloat16, jnp.bfloat16, 2, (1, 13, 2, 0, 3)),
+    (16, jnp.bfloat16, jnp.float16, 8, (8, 8, 8)),
+    (64, jnp.bfloat16, jnp.float32, 1, (2, 0, 3, 1, 5)),
+    (128, jnp.float32, jnp.bfloat16, 8, (8, 8, 8)),
 ]
-ITEM_IDS = ["{}{}-{}-{}-c{}-{}".format("T" if t else "", r, jnp.dtype(p).name, jnp.dtype(o).name, c, len(n))
-            for t, r, p, o, c, n in ITEM_CASES]
+ITEM_IDS = ["{}-{}-{}-c{}-{}".format(r, jnp.dtype(p).name, jnp.dtype(o).name, c, len(n))
+            for r, p, o, c, n in ITEM_CASES]
 # Half an ulp of the output (8 and 11 significant bits): its rounding moves a value by at most
 # 2**-8 (bf16) or 2**-11 (f16) of itself; float32 outputs are not rounded again.
 OUTPUT_RTOL = {jnp.dtype(jnp.float32): 0.0, jnp.dtype(jnp.bfloat16): 2.0 ** -8, jnp.dtype(jnp.float16): 2.0 ** -11}
@@ -221,13 +211,12 @@ RANK = 64  # small R: interpret mode's cost grows with it
 @functools.lru_cache(maxsize=None)
 def run_items_case(case_index: int):
     """(inputs of ``random_items``, merged, merged_lse as numpy) of ITEM_CASES[case_index], run once."""
-    transposed, rows, partial, output, chunk, counts = ITEM_CASES[case_index]
+    rows, partial, output, chunk, counts = ITEM_CASES[case_index]
     inputs = random_items(100 + case_index, counts, rows, RANK, partial, output, chunk)
     out, lse, starts, counts, merged, merged_lse = inputs
-    stored = out.transpose(0, 2, 1) if transposed else out
-    got, got_lse = combine_items(jnp.asarray(stored, partial), jnp.asarray(lse), jnp.asarray(starts),
+    got, got_lse = combine_items(jnp.asarray(out, partial), jnp.asarray(lse), jnp.asarray(starts),
                                  jnp.asarray(counts), jnp.asarray(merged), jnp.asarray(merged_lse), chunk=chunk,
-                                 transposed=transposed, interpret=True)
+                                 interpret=True)
     assert got.dtype == jnp.dtype(output) and got_lse.dtype == jnp.float32
     return inputs, np.asarray(got), np.asarray(got_lse)
 
@@ -277,59 +266,47 @@ def test_combine_items_reference_agrees_with_float64():
     assert np.array_equal(np.asarray(got)[kept], inputs[4][kept])
 
 
-def test_transposed_columns_fit_and_divide():
-    for chunk in (1, 2, 8, 64, 128):
-        for rows in (16, 20, 48, 64):
-            columns = transposed_columns(chunk, rows, 512)
-            top_piece = 1 << (rows.bit_length() - 1)  # the largest power-of-two piece of the rows
-            # A chunk of the largest piece's columns within ``max_tile`` (or one column), tiling R.
-            assert 512 % columns == 0 and (columns == 1 or chunk * columns * top_piece <= max_tile(chunk))
-
-
-def item_args(width=6, batch=3, rows=16, rank=64, transposed=False, **changes):
+def item_args(width=6, batch=3, rows=16, rank=64, **changes):
     """Valid ``combine_items`` arguments (zeros), with ``changes`` replacing some."""
-    args = dict(out=jnp.zeros((width, rank, rows) if transposed else (width, rows, rank), jnp.float32),
+    args = dict(out=jnp.zeros((width, rows, rank), jnp.float32),
                 lse=jnp.zeros((width, rows), jnp.float32), item_start=jnp.zeros((batch,), jnp.int32),
                 item_count=jnp.zeros((batch,), jnp.int32), merged=jnp.zeros((batch, rows, rank), jnp.bfloat16),
                 merged_lse=jnp.zeros((batch, rows), jnp.float32))
     return {**args, **changes}
 
 
-@pytest.mark.parametrize("changes, chunk, transposed, match", [
-    (dict(out=jnp.zeros((6, 16), jnp.float32)), 4, False, "out, lse: expected 3 and 2 dimensions"),
-    (dict(lse=jnp.zeros((6, 8), jnp.float32)), 4, False, "lse: expected shape"),
-    (dict(lse=jnp.zeros((5, 16), jnp.float32)), 4, False, "lse: expected shape"),
-    (dict(out=jnp.zeros((6, 16, 64), jnp.float32)), 4, True, "lse: expected shape"),
-    (dict(item_start=jnp.zeros((3, 1), jnp.int32)), 4, False, "item_start, item_count: expected two"),
-    (dict(item_count=jnp.zeros((4,), jnp.int32)), 4, False, "item_start, item_count: expected two"),
-    (dict(merged=jnp.zeros((3, 16, 32), jnp.bfloat16)), 4, False, "merged, merged_lse: expected shapes"),
-    (dict(merged_lse=jnp.zeros((2, 16), jnp.float32)), 4, False, "merged, merged_lse: expected shapes"),
-    (dict(out=jnp.zeros((6, 16, 64), jnp.float16)), 4, False, "float32 or bfloat16 partials"),
-    (dict(lse=jnp.zeros((6, 16), jnp.bfloat16)), 4, False, "float32 lse"),
-    (dict(item_count=jnp.zeros((3,), jnp.uint32)), 4, False, "item_start, item_count: expected int32"),
-    (dict(merged=jnp.zeros((3, 16, 64), jnp.int32)), 4, False, "bfloat16, float32 or float16 output"),
-    (dict(merged_lse=jnp.zeros((3, 16), jnp.bfloat16)), 4, False, "bfloat16, float32 or float16 output"),
-    (dict(out=jnp.zeros((6, 16, 48), jnp.float32), merged=jnp.zeros((3, 16, 48), jnp.float32)), 4, False,
+@pytest.mark.parametrize("changes, chunk, match", [
+    (dict(out=jnp.zeros((6, 16), jnp.float32)), 4, "out, lse: expected 3 and 2 dimensions"),
+    (dict(lse=jnp.zeros((6, 8), jnp.float32)), 4, "lse: expected shape"),
+    (dict(lse=jnp.zeros((5, 16), jnp.float32)), 4, "lse: expected shape"),
+    (dict(out=jnp.zeros((6, 64, 16), jnp.float32)), 4, "lse: expected shape"),
+    (dict(item_start=jnp.zeros((3, 1), jnp.int32)), 4, "item_start, item_count: expected two"),
+    (dict(item_count=jnp.zeros((4,), jnp.int32)), 4, "item_start, item_count: expected two"),
+    (dict(merged=jnp.zeros((3, 16, 32), jnp.bfloat16)), 4, "merged, merged_lse: expected shapes"),
+    (dict(merged_lse=jnp.zeros((2, 16), jnp.float32)), 4, "merged, merged_lse: expected shapes"),
+    (dict(out=jnp.zeros((6, 16, 64), jnp.float16)), 4, "float32 or bfloat16 partials"),
+    (dict(lse=jnp.zeros((6, 16), jnp.bfloat16)), 4, "float32 lse"),
+    (dict(item_count=jnp.zeros((3,), jnp.uint32)), 4, "item_start, item_count: expected int32"),
+    (dict(merged=jnp.zeros((3, 16, 64), jnp.int32)), 4, "bfloat16, float32 or float16 output"),
+    (dict(merged_lse=jnp.zeros((3, 16), jnp.bfloat16)), 4, "bfloat16, float32 or float16 output"),
+    (dict(out=jnp.zeros((6, 16, 48), jnp.float32), merged=jnp.zeros((3, 16, 48), jnp.float32)), 4,
      "R a power of two"),
-    ({}, 3, False, "chunk: expected a power of two"),
-    ({}, 0, False, "chunk: expected a power of two"),
+    ({}, 3, "chunk: expected a power of two"),
+    ({}, 0, "chunk: expected a power of two"),
 ])
-def test_bad_item_args_raise(changes, chunk, transposed, match):
+def test_bad_item_args_raise(changes, chunk, match):
     with pytest.raises(ValueError, match=match):
-        combine_items(**item_args(transposed=transposed, **changes), chunk=chunk, transposed=transposed,
-                      interpret=True)
+        combine_items(**item_args(**changes), chunk=chunk, interpret=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_index", range(len(ITEM_CASES)), ids=ITEM_IDS)
 def test_compiled_combine_items_matches_float64(case_index):
-    transposed, rows, partial, output, chunk, counts = ITEM_CASES[case_index]
+    rows, partial, output, chunk, counts = ITEM_CASES[case_index]
     inputs = random_items(100 + case_index, counts, rows, 512, partial, output, chunk)
     out, lse, starts, counts, merged, merged_lse = inputs
-    stored = out.transpose(0, 2, 1) if transposed else out
-    got, got_lse = combine_items(jnp.asarray(stored, partial), jnp.asarray(lse), jnp.asarray(starts),
-                                 jnp.asarray(counts), jnp.asarray(merged), jnp.asarray(merged_lse), chunk=chunk,
-                                 transposed=transposed)
+    got, got_lse = combine_items(jnp.asarray(out, partial), jnp.asarray(lse), jnp.asarray(starts),
+                                 jnp.asarray(counts), jnp.asarray(merged), jnp.asarray(merged_lse), chunk=chunk)
     got, got_lse = np.asarray(got), np.asarray(got_lse)
     # The GPU's exp/log differ from numpy's by a few ulps: the same bounds as interpret mode.
     assert_items_match_float64(inputs, got, got_lse)

@@ -74,7 +74,8 @@ def test_interpret_kernel_writes_the_same_bytes_as_reference(dtype, t):
 # Token counts against the CTA's block (config): one token, a block less one, a block, a block
 # and one (the last block's window overlaps the first), several blocks with a ragged last one.
 @pytest.mark.parametrize("t", [1, 31, 32, 33, 70])
-@pytest.mark.parametrize("config", [WriteKVConfig(), WriteKVConfig(block_tokens=64, group_rows=16)])
+@pytest.mark.parametrize("config", [WriteKVConfig(), WriteKVConfig(block_tokens=64, group_rows=16),
+                                    WriteKVConfig(stores_by_warps=False)])
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])
 def test_kernel_matches_reference_for_token_counts_around_the_block(t, config, dtype):
     rng = np.random.default_rng(t)

@@ -14,7 +14,9 @@ Bytes counted: inputs read once (latent, RoPE, slot ids), cache bytes written on
 
 Each timed call runs the write ``--repeat`` times in an on-device loop (the
 cache carried through it), so that short writes are not hidden behind the
-host's dispatch of one jitted call (~0.08 ms on the H100 machine).
+host's dispatch of one jitted call (~0.08 ms on the H100 machine). The backends'
+samples are taken round-robin, one of each a round in a shuffled order; times are
+medians.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from snapmla_jax import cli
-from snapmla_jax.bench.timing import environment, markdown_table, measure_copy_gbps, time_ms, write_results
+from snapmla_jax.bench.timing import environment, markdown_table, measure_copy_gbps, time_round_robin, write_results
 from snapmla_jax.cache import LatentCache
 from snapmla_jax.pallas_kernels.write_kv import WriteKVConfig, write_kv_pallas, write_kv_reference
 from snapmla_jax.pallas_kernels.write_kv_triton import write_kv_triton
@@ -91,18 +93,25 @@ def run(token_counts, iters: int, repeat: int, backends, copy_mib: int = 2048,
     rows = []
     for num_tokens in token_counts:
         for dtype in ("fp8", "bf16"):
+            # Every variant's samples taken round-robin (``time_round_robin``), so that a drift of
+            # the GPU's clocks falls on all of them alike.
+            runs, caches = {}, {}
             for backend, config, scatter in _variants(backends, block_tokens):
                 step = _repeated_write(scatter, repeat)
-                cache = LatentCache.create(_num_pages(num_tokens), PAGE_SIZE, dtype=dtype)
-                arg_sets = [_inputs(num_tokens, seed) for seed in range(2)]
-                state = {"cache": cache}
+                state = {"cache": LatentCache.create(_num_pages(num_tokens), PAGE_SIZE, dtype=dtype)}
 
-                def call(latent, rope, slots):
+                def call(latent, rope, slots, step=step, state=state):
                     state["cache"] = step(state["cache"], latent, rope, slots)
                     return state["cache"]
 
-                ms = time_ms(call, arg_sets, warmup=3, iters=iters, inner=1) / repeat
-                gbps = _bytes_moved(num_tokens, cache) / (ms * 1e-3) / 1e9
+                runs[(backend, config)] = (call, [_inputs(num_tokens, seed) for seed in range(2)])
+                caches[(backend, config)] = state["cache"]
+            times = time_round_robin(runs, warmup=3, iters=iters, inner=1)
+            for (backend, config), ms in times.items():
+                if isinstance(ms, Exception):
+                    raise ms
+                ms /= repeat
+                gbps = _bytes_moved(num_tokens, caches[(backend, config)]) / (ms * 1e-3) / 1e9
                 rows.append(dict(tokens=num_tokens, cache=dtype, backend=backend, config=config, ms=ms, gbps=gbps,
                                  copy_fraction=gbps / copy_gbps))
     env["copy_gbps"] = copy_gbps
@@ -152,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
           f"Device {env['device']}, jax {env['jax']}, {env['date']}. Device-to-device copy in the same run: "
           f"{env['copy_gbps']:.0f} GB/s (read + write). Bytes: bf16 inputs read once + cache bytes written once; "
           f"cache donated (in place) for every backend; each call loops the write {env['repeat']} times on the "
-          f"device. Backends: pallas = the Mosaic GPU kernel, triton = the Triton launch it replaced, xla = the "
+          f"device; medians of samples taken round-robin over the backends. Backends: pallas = the Mosaic GPU kernel, triton = the Triton launch it replaced, xla = the "
           f"XLA scatter. Produced by `{command}` (the published table with `--publish`)."
           f"\n\n" + table)
     write_results(out, "write", env, rows, md)
