@@ -43,7 +43,7 @@ from flax import nnx
 
 from snapmla_jax.fp8_weights import BlockFP8Weight
 from snapmla_jax.models.config import MLAConfig
-from snapmla_jax.models.layers import fp8_eligible_kernels, quantize_weights
+from snapmla_jax.models.layers import fp8_eligible_weights, quantize_weights
 from snapmla_jax.models.sharding import ParamSharding, fill_arrays, flat_arrays, merge_placed, resolve_sharding
 from snapmla_jax.models.transformer import MLAModel
 
@@ -58,10 +58,11 @@ class CheckpointError(ValueError):
 
 
 def fp8_kernel_record(model: nnx.Module) -> dict | None:
-    """{"block": [rows, cols], "kernels": [path, ...]} of ``model``'s block-FP8 kernels, or None
-    when it holds none. ValueError when they do not share one block shape."""
-    kernels = {path: linear.kernel.get_value() for path, linear in fp8_eligible_kernels(model).items()
-               if isinstance(linear.kernel.get_value(), BlockFP8Weight)}
+    """{"block": [rows, cols], "kernels": [path, ...]} of ``model``'s block-FP8 weights (linear
+    kernels and routed-expert stacks, ``fp8_eligible_weights``), or None when it holds none.
+    ValueError when they do not share one block shape."""
+    kernels = {path: weight.get_value() for path, weight in fp8_eligible_weights(model).items()
+               if isinstance(weight.get_value(), BlockFP8Weight)}
     if not kernels:
         return None
     blocks = {w.block for w in kernels.values()}

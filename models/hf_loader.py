@@ -13,9 +13,10 @@ linear layer (transposed to [in, out]), ``scale`` for an RMSNorm and
 DeepSeek's FP8 releases store linear weights as float8_e4m3fn with a float32
 ``<name>_scale_inv`` [ceil(out/128), ceil(in/128)]: each 128x128 block of the
 weight is multiplied by its scale (edge blocks cropped) and cast to the
-compute dtype; with ``fp8_weights=True`` the ones that are ``Linear`` kernels
-(``models.layers.quantize_weights`` lists them) stay FP8 instead: the stored
-e4m3 values [out, in] and their scales become a ``BlockFP8Weight``, unchanged.
+compute dtype; with ``fp8_weights=True`` the ones that are ``Linear`` kernels or
+routed experts (``models.layers.fp8_eligible_weights`` lists them) stay FP8
+instead: the stored e4m3 values [out, in] (stacked [E, out, in] for the experts)
+and their scales become a ``BlockFP8Weight``, unchanged.
 Multi-token-prediction layers (indices >= num_hidden_layers)
 are skipped. Every name, shape and scale (and the requested placement) is
 checked from the safetensors headers before any data is read. Tensors are then
@@ -40,7 +41,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from snapmla_jax.models.config import MLAConfig, read_hf_config
-from snapmla_jax.models.layers import fp8_eligible_kernels, quantize_weights
+from snapmla_jax.models.layers import fp8_eligible_weights, quantize_weights
 from snapmla_jax.models.sharding import (ParamSharding, fill_arrays, flat_arrays, merge_placed, param_path,
                                          resolve_sharding)
 from snapmla_jax.models.transformer import MLAModel
@@ -263,10 +264,11 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         so a model larger than one device loads straight onto a mesh.
       fp8_weights: keep the checkpoint's float8_e4m3fn block-quantized weights
         that are linear kernels (attention projections, dense MLPs, shared
-        experts) as ``BlockFP8Weight`` (values [out, in] as stored, float32
-        scales), half the bytes of bf16; the routed experts, ``kv_b_proj``
-        (split into w_uk / w_uv) and every unquantized tensor are converted to
-        ``dtype`` as without it. False: every weight in ``dtype``.
+        experts) or routed experts as ``BlockFP8Weight`` (values [out, in] as
+        stored, stacked [E, out, in] for the experts, float32 scales), half the
+        bytes of bf16; ``kv_b_proj`` (split into w_uk / w_uv) and every
+        unquantized tensor are converted to ``dtype`` as without it. False:
+        every weight in ``dtype``.
 
     Raises ValueError naming the tensors that are missing, unexpected or
     mis-shaped (checked from the headers before any data is read), an FP8
@@ -291,7 +293,7 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
     # Checkpoint tensor -> kernel path, for the FP8 weights that stay FP8.
     kept_fp8 = {}
     if fp8_weights:
-        eligible = fp8_eligible_kernels(abstract)
+        eligible = fp8_eligible_weights(abstract)
         for name, planned in plan.items():
             path = param_path(planned[0].path)
             if (path in eligible and name + SCALE_SUFFIX in index
@@ -311,9 +313,14 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         weight = files[index[name]].read(name)
         if name in kept_fp8:
             scale = files[index[name + SCALE_SUFFIX]].read(name + SCALE_SUFFIX).astype(np.float32)
+            expert = plan[name][0].expert
             for leaf, value in (("values", weight), ("scales", scale)):
                 path = f"{kept_fp8[name]}/{leaf}"
-                arrays[path] = jax.device_put(np.asarray(value), placements[path])
+                if expert is None:
+                    arrays[path] = jax.device_put(np.asarray(value), placements[path])
+                else:
+                    _stack_row(stacks, arrays, path, expert, np.asarray(value), leaves[path].shape,
+                               placements[path])
             continue
         if name + SCALE_SUFFIX in index:
             scale = files[index[name + SCALE_SUFFIX]].read(name + SCALE_SUFFIX)
@@ -324,12 +331,19 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
             if p.expert is None:
                 arrays[path] = jax.device_put(value, placements[path])
                 continue
-            buffer, filled = stacks.pop(path, None) or (np.empty(expected[p.path], value.dtype), 0)
-            buffer[p.expert] = value
-            if filled + 1 == expected[p.path][0]:
-                # Stack complete: onto the devices, and the host copy is dropped.
-                arrays[path] = jax.device_put(buffer, placements[path])
-            else:
-                stacks[path] = (buffer, filled + 1)
+            _stack_row(stacks, arrays, path, p.expert, value, expected[p.path], placements[path])
     fill_arrays(abstract_state, arrays)
     return merge_placed(graphdef, abstract_state)
+
+
+def _stack_row(stacks: dict, arrays: dict, path: str, expert: int, value: np.ndarray, shape: tuple,
+               placement) -> None:
+    """Put expert ``expert``'s ``value`` into row ``expert`` of the host buffer of the stacked
+    array at ``path`` (``shape`` [E, ...]); once every row is filled, the stack goes onto its
+    devices (``arrays[path]``) and the host copy is dropped."""
+    buffer, filled = stacks.pop(path, None) or (np.empty(shape, value.dtype), 0)
+    buffer[expert] = value
+    if filled + 1 == shape[0]:
+        arrays[path] = jax.device_put(buffer, placement)
+    else:
+        stacks[path] = (buffer, filled + 1)

@@ -55,39 +55,49 @@ def linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs) -> Lin
     return Linear(in_features, out_features, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
-def fp8_eligible_kernels(model: nnx.Module) -> dict[str, Linear]:
-    """The ``Linear`` layers ``quantize_weights`` may convert, by kernel path
-    ("layers/0/self_attn/q_a_proj/kernel"): every one but the LM head, which DeepSeek's FP8
-    releases keep in BF16 (as the embedding and the router)."""
+# The MoE's stacked routed-expert weights [E, in, out] (``models.moe.MoE``), FP8-eligible beside
+# the ``Linear`` kernels.
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+def fp8_eligible_weights(model: nnx.Module) -> dict[str, nnx.Variable]:
+    """The weights ``quantize_weights`` may convert, by path: every ``Linear`` kernel but the LM
+    head's ("layers/0/self_attn/q_a_proj/kernel"; DeepSeek's FP8 releases keep the LM head in
+    BF16, as the embedding and the router), and the MoE layers' stacked routed-expert weights
+    ("layers/1/mlp/w_gate"). Each is a float [..., in, out] array, or already a
+    ``BlockFP8Weight`` [..., out, in]."""
     found = {}
     for path, module in nnx.iter_graph(model):
         if isinstance(module, Linear) and path[:1] != ("lm_head",):
-            found["/".join(map(str, (*path, "kernel")))] = module
+            found["/".join(map(str, (*path, "kernel")))] = module.kernel
+        elif type(module).__name__ == "MoE":  # by name: models.moe imports this module
+            for name in EXPERT_WEIGHTS:
+                found["/".join(map(str, (*path, name)))] = getattr(module, name)
     return found
 
 
 def quantize_weights(model: nnx.Module, block: tuple[int, int] = DEFAULT_BLOCK, *,
                      paths=None) -> nnx.Module:
-    """Convert ``model``'s linear kernels to ``BlockFP8Weight`` in place; returns ``model``.
+    """Convert ``model``'s FP8-eligible weights to ``BlockFP8Weight`` in place; returns ``model``.
 
-    Converted: the attention projections (q / q_a / q_b, kv_a_proj_with_mqa, o_proj), the dense
-    MLPs and the MoE layers' shared experts: every ``Linear`` but the LM head
-    (``fp8_eligible_kernels``). Each [in, out] kernel becomes values [out, in] with one scale per
-    ``block`` (``quantize_blocks``). Left in the model's dtype: the embedding, the LM head, the
-    norms, the router, ``w_uk`` / ``w_uv`` (kv_b_proj split per head), and the routed experts'
-    stacked [E, ...] weights, which the MoE's ragged, dense and gathered dispatches read as
-    plain arrays. ``paths``: a subset of the kernel paths to convert (None: all); ValueError
-    naming a path that is not an eligible kernel. Kernels already FP8 are left as they are.
+    Converted (``fp8_eligible_weights``): the attention projections (q / q_a / q_b,
+    kv_a_proj_with_mqa, o_proj), the dense MLPs, the MoE layers' shared experts (every
+    ``Linear`` but the LM head) and the routed experts' stacked weights. Each [..., in, out]
+    weight becomes values [..., out, in] with one scale per ``block`` of each matrix
+    (``quantize_blocks``), the checkpoint's layout. Left in the model's dtype: the embedding, the
+    LM head, the norms, the router and ``w_uk`` / ``w_uv`` (kv_b_proj split per head).
+    ``paths``: a subset of the weight paths to convert (None: all); ValueError naming a path that
+    is not an eligible weight. Weights already FP8 are left as they are.
     """
-    eligible = fp8_eligible_kernels(model)
+    eligible = fp8_eligible_weights(model)
     chosen = eligible if paths is None else set(paths)
     unknown = sorted(set(chosen) - set(eligible))
     if unknown:
-        raise ValueError(f"paths: not linear kernels that can be FP8: {unknown[:8]}")
+        raise ValueError(f"paths: not weights that can be FP8: {unknown[:8]}")
     for path in chosen:
-        kernel = eligible[path].kernel
-        if not isinstance(kernel.get_value(), BlockFP8Weight):
-            kernel.set_value(quantize_blocks(kernel.get_value().T, block))
+        weight = eligible[path]
+        if not isinstance(weight.get_value(), BlockFP8Weight):
+            weight.set_value(quantize_blocks(jnp.swapaxes(weight.get_value(), -1, -2), block))
     return model
 
 

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from snapmla_jax.backend import resolve_backend
+from snapmla_jax.fp8_weights import BlockFP8Weight, dequantize_weight
 from snapmla_jax.models.config import MLAConfig
 from snapmla_jax.models.layers import MLP
 from snapmla_jax.pallas_kernels.grouped_experts import combine_assignments, grouped_experts, grouped_experts_reference
@@ -124,7 +125,8 @@ def match_dispatch_to_placement(model: nnx.Module) -> int:
     returns how many layers it turned off."""
     turned_off = 0
     for layer in moe_layers(model):
-        sharding = getattr(layer.w_gate[...], "sharding", None)
+        w_gate = layer.w_gate.get_value()
+        sharding = getattr(w_gate.values if isinstance(w_gate, BlockFP8Weight) else w_gate, "sharding", None)
         if sharding is not None and not sharding.is_fully_replicated and layer.gather_max_tokens:
             layer.gather_max_tokens = 0
             turned_off += 1
@@ -204,8 +206,10 @@ class MoE(nnx.Module):
     """Routed SwiGLU experts plus always-on shared experts: x [..., hidden] -> same shape and dtype.
 
     Expert weights: ``w_gate``/``w_up`` [E, hidden, moe_intermediate],
-    ``w_down`` [E, moe_intermediate, hidden]. The shared experts form one MLP
-    of width ``moe_intermediate_size * n_shared_experts``.
+    ``w_down`` [E, moe_intermediate, hidden], or each a ``BlockFP8Weight`` of the transposed
+    stack (values [E, out, in], ``models.layers.quantize_weights``), dequantized inside the
+    program that uses it (``expert_stacks``). The shared experts form one MLP of width
+    ``moe_intermediate_size * n_shared_experts``.
     """
 
     def __init__(self, cfg: MLAConfig, *, dtype, rngs: nnx.Rngs):
@@ -236,6 +240,19 @@ class MoE(nnx.Module):
             routed = routed + self.shared_experts(flat)
         return routed.reshape(x.shape)
 
+    def expert_stacks(self, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(w_gate, w_up, w_down) as [E, in, out] arrays in ``dtype``: plain weights as they
+        are, block-FP8 ones dequantized (values * scale in float32, one rounding to ``dtype``)
+        and transposed back. XLA computes them inside the calling program; with FP8 weights
+        every dispatch reads the FP8 bytes and makes a dense copy of all E experts there (the
+        FP8 grouped GEMM that would not is not built)."""
+        def dense(weight):
+            value = weight.get_value()
+            if isinstance(value, BlockFP8Weight):
+                return jnp.swapaxes(dequantize_weight(value, dtype), -1, -2)
+            return value
+        return dense(self.w_gate), dense(self.w_up), dense(self.w_down)
+
     def _ragged_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
         """The chosen experts only: flat [T, hidden], gate weights [T, k] f32, expert ids [T, k]
         -> [T, hidden] in flat's dtype (one grouped product per weight over the T*k assignments
@@ -245,9 +262,10 @@ class MoE(nnx.Module):
         order = jnp.argsort(expert_of, stable=True)        # assignments grouped by expert
         rows = flat[order // k]                            # [T*k, hidden], sorted by expert
         group_sizes = jnp.bincount(expert_of, length=self.cfg.n_routed_experts).astype(jnp.int32)
-        hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, self.w_gate[...], group_sizes))
-                  * jax.lax.ragged_dot(rows, self.w_up[...], group_sizes))
-        out_sorted = jax.lax.ragged_dot(hidden, self.w_down[...], group_sizes)
+        w_gate, w_up, w_down = self.expert_stacks(flat.dtype)
+        hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, w_gate, group_sizes))
+                  * jax.lax.ragged_dot(rows, w_up, group_sizes))
+        out_sorted = jax.lax.ragged_dot(hidden, w_down, group_sizes)
         per_assignment = jnp.zeros_like(out_sorted).at[order].set(out_sorted)   # back to token-major order
         return combine_assignments(per_assignment, weights).astype(flat.dtype)
 
@@ -258,7 +276,7 @@ class MoE(nnx.Module):
         token instead of all E. ``backend`` "pallas" / "interpret": the grouped-experts kernel
         (each chosen matrix read where it lies); "xla": jnp, with [T*k, hidden, inner]
         gathered copies."""
-        experts = (flat, weights, ids, self.w_gate[...], self.w_up[...], self.w_down[...])
+        experts = (flat, weights, ids, *self.expert_stacks(flat.dtype))
         if backend == "xla":
             return grouped_experts_reference(*experts)
         return grouped_experts(*experts, interpret=backend == "interpret")
@@ -276,7 +294,8 @@ class MoE(nnx.Module):
         gate_of = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
             jnp.arange(num_tokens)[:, None], ids].add(weights)                 # [T, E]
         tokens = jnp.broadcast_to(flat, (num_experts, *flat.shape))            # [E, T, hidden]
-        hidden = (jax.nn.silu(jnp.einsum("eth,ehi->eti", tokens, self.w_gate[...]))
-                  * jnp.einsum("eth,ehi->eti", tokens, self.w_up[...]))
+        w_gate, w_up, w_down = self.expert_stacks(flat.dtype)
+        hidden = (jax.nn.silu(jnp.einsum("eth,ehi->eti", tokens, w_gate))
+                  * jnp.einsum("eth,ehi->eti", tokens, w_up))
         scaled = (hidden.astype(jnp.float32) * gate_of.T[:, :, None]).astype(hidden.dtype)
-        return jnp.einsum("eti,eid->td", scaled, self.w_down[...]).astype(flat.dtype)
+        return jnp.einsum("eti,eid->td", scaled, w_down).astype(flat.dtype)

@@ -24,9 +24,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from snapmla_jax.models.layers import EXPERT_WEIGHTS
 from snapmla_jax.models.moe import match_dispatch_to_placement
 
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # the MoE's stacked [E, ...] expert weights
 
 ParamSharding = Union[jax.sharding.Sharding, Callable[[str, jax.ShapeDtypeStruct], jax.sharding.Sharding], None]
 
@@ -110,7 +110,14 @@ def expert_sharding(mesh: jax.sharding.Mesh | None = None, axis: str = "expert"
         raise ValueError(f"axis: {axis!r} is not an axis of the mesh {mesh.axis_names}")
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return lambda path, leaf: split if path.rsplit("/", 1)[-1] in EXPERT_WEIGHTS else replicated
+    return lambda path, leaf: split if expert_weight_name(path) in EXPERT_WEIGHTS else replicated
+
+
+def expert_weight_name(path: str) -> str:
+    """The parameter name of an array's path: its last part, or for a block-FP8 weight's leaves
+    ("layers/1/mlp/w_gate/values", ".../scales") the part before."""
+    parts = path.split("/")
+    return parts[-2] if len(parts) > 1 and parts[-1] in ("values", "scales") else parts[-1]
 
 
 def shard_model(model: nnx.Module, sharding: ParamSharding) -> nnx.Module:

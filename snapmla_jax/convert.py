@@ -4,7 +4,7 @@
                                   [--fp8-weights]
 
 FP8 block-quantized releases are dequantized to ``--dtype``, or with
-``--fp8-weights`` their linear kernels are kept FP8 with their block scales
+``--fp8-weights`` their linear kernels and routed experts are kept FP8 with their block scales
 (``load_hf_checkpoint(fp8_weights=True)``); multi-token prediction layers are
 dropped. The tokenizer files found beside the weights
 are copied into ``--out`` so that ``python -m snapmla_jax.generate --model OUT``
@@ -56,7 +56,8 @@ def _parser() -> cli.Parser:
                              "from there (for models larger than one device; the expert count must divide evenly)")
     parser.add_argument("--fp8-weights", action="store_true",
                         help="keep the checkpoint's FP8 block-quantized linear kernels (attention projections, "
-                             "dense and shared-expert MLPs) as FP8 with their scales; the rest in --dtype")
+                             "dense and shared-expert MLPs) and routed experts as FP8 with their scales; the rest "
+                             "in --dtype")
     return parser
 
 

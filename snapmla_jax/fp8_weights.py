@@ -5,6 +5,9 @@ A weight matrix W [out, in] is stored as ``float8_e4m3fn`` values with one float
 
     W[o, i] ~= values[o, i] * scales[o // rows, i // cols]
 
+A stack of matrices (the routed experts, [E, out, in]) has one such grid of scales per matrix
+([E, ceil(out / rows), ceil(in / cols)]).
+
 Edge tiles of a matrix whose sides are not multiples of the block are cropped (their scale
 covers the rows and columns that exist). This is the checkpoint's own layout (``weight`` and
 ``weight_scale_inv``), kept as it is: [out, in] puts the contraction axis last (K-major), the
@@ -28,8 +31,8 @@ class BlockFP8Weight:
     """An FP8 weight with one scale per block; a pytree (``values`` and ``scales`` are its
     leaves, ``block`` static), so it passes through ``jax.jit``, nnx state and the loaders.
 
-    values: float8_e4m3fn [out, in].
-    scales: float32 [ceil(out / block[0]), ceil(in / block[1])]; dequantized = values * scale.
+    values: float8_e4m3fn [..., out, in] (leading axes: a stack of matrices, e.g. experts).
+    scales: float32 [..., ceil(out / block[0]), ceil(in / block[1])]; dequantized = values * scale.
     block:  (rows, cols) of a scale's tile.
     """
 
@@ -38,8 +41,8 @@ class BlockFP8Weight:
     block: tuple[int, int] = dataclasses.field(default=DEFAULT_BLOCK, metadata=dict(static=True))
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """(out, in) of the matrix."""
+    def shape(self) -> tuple[int, ...]:
+        """(..., out, in) of the matrix or stack."""
         return tuple(self.values.shape)
 
     @property
@@ -48,9 +51,9 @@ class BlockFP8Weight:
         return self.values.nbytes + self.scales.nbytes
 
 
-def scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
-    """Shape of the scales of a [out, in] matrix: (ceil(out / rows), ceil(in / cols))."""
-    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """Shape of the scales of a [..., out, in] matrix or stack: (..., ceil(out / rows), ceil(in / cols))."""
+    return (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
 
 
 def _check_block(block) -> tuple[int, int]:
@@ -59,30 +62,33 @@ def _check_block(block) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def _expand(scales: jax.Array, shape: tuple[int, int], block: tuple[int, int]) -> jax.Array:
-    """scales [ceil(out/rows), ceil(in/cols)] -> one scale per element [out, in] (edges cropped).
-    A broadcast, a reshape and a slice: XLA fuses them into the consumer."""
-    (out_blocks, in_blocks), (rows, cols) = scales.shape, block
-    tiled = jnp.broadcast_to(scales[:, None, :, None], (out_blocks, rows, in_blocks, cols))
-    return tiled.reshape(out_blocks * rows, in_blocks * cols)[:shape[0], :shape[1]]
+def _expand(scales: jax.Array, shape: tuple[int, ...], block: tuple[int, int]) -> jax.Array:
+    """scales [..., ceil(out/rows), ceil(in/cols)] -> one scale per element [..., out, in] (edges
+    cropped). A broadcast, a reshape and a slice: XLA fuses them into the consumer."""
+    *lead, out_blocks, in_blocks = scales.shape
+    rows, cols = block
+    tiled = jnp.broadcast_to(scales[..., :, None, :, None], (*lead, out_blocks, rows, in_blocks, cols))
+    return tiled.reshape(*lead, out_blocks * rows, in_blocks * cols)[..., :shape[-2], :shape[-1]]
 
 
 def quantize_blocks(w: jax.Array, block: tuple[int, int] = DEFAULT_BLOCK) -> BlockFP8Weight:
-    """A float matrix w [out, in] (bf16 / f16 / f32) -> its ``BlockFP8Weight``.
+    """A float matrix w [out, in], or a stack of them [..., out, in] (bf16 / f16 / f32) -> its
+    ``BlockFP8Weight``.
 
     Each block's scale is amax / 448 in float32, so the block's largest element lands on
     e4m3's largest finite value; the values are ``w / scale`` cast to e4m3 with saturation
     (never inf or NaN). A block of zeros gets scale 0 and values 0. ValueError for a w that
-    is not 2-D or floating, or a bad ``block``.
+    is not at least 2-D or not floating, or a bad ``block``.
     """
     block = _check_block(block)
-    if w.ndim != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
-        raise ValueError(f"w: expected a 2-D float matrix [out, in], got {w.dtype} {list(w.shape)}")
-    out_dim, in_dim = w.shape
-    blocks = scale_shape(w.shape, block)
+    if w.ndim < 2 or not jnp.issubdtype(w.dtype, jnp.floating):
+        raise ValueError(f"w: expected a float matrix [..., out, in], got {w.dtype} {list(w.shape)}")
+    *lead, out_dim, in_dim = w.shape
+    blocks = scale_shape(w.shape, block)[-2:]
     w32 = jnp.asarray(w, jnp.float32)
-    padded = jnp.pad(w32, ((0, blocks[0] * block[0] - out_dim), (0, blocks[1] * block[1] - in_dim)))
-    amax = jnp.max(jnp.abs(padded.reshape(blocks[0], block[0], blocks[1], block[1])), axis=(1, 3))
+    pad = [(0, 0)] * len(lead) + [(0, blocks[0] * block[0] - out_dim), (0, blocks[1] * block[1] - in_dim)]
+    padded = jnp.pad(w32, pad)
+    amax = jnp.max(jnp.abs(padded.reshape(*lead, blocks[0], block[0], blocks[1], block[1])), axis=(-3, -1))
     scales = amax / FP8_E4M3_MAX
     safe = _expand(jnp.where(scales > 0, scales, 1.0), w.shape, block)
     values = jnp.clip(w32 / safe, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
@@ -90,7 +96,7 @@ def quantize_blocks(w: jax.Array, block: tuple[int, int] = DEFAULT_BLOCK) -> Blo
 
 
 def dequantize_weight(w: BlockFP8Weight, dtype=jnp.float32) -> jax.Array:
-    """``w`` as a dense [out, in] matrix in ``dtype``: values * scale computed in float32, then
+    """``w`` as a dense [..., out, in] array in ``dtype``: values * scale computed in float32, then
     one rounding to ``dtype`` (the same numbers as the loader's numpy dequantization)."""
     scaled = w.values.astype(jnp.float32) * _expand(w.scales, w.shape, w.block)
     return scaled.astype(dtype)
@@ -108,8 +114,8 @@ def fp8_matmul(x: jax.Array, w: BlockFP8Weight) -> jax.Array:
     products with the block scales applied to the float32 partial sums, as
     DeepGEMM) is the next step and has not been built.
     """
-    if x.shape[-1] != w.shape[1]:
-        raise ValueError(f"x: expected [..., {w.shape[1]}] for a weight of shape {list(w.shape)}, "
-                         f"got {list(x.shape)}")
+    if len(w.shape) != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"x: expected [..., {w.shape[-1]}] for a weight matrix, got {list(x.shape)} against "
+                         f"{list(w.shape)}")
     product = jnp.einsum("...i,oi->...o", x, dequantize_weight(w, x.dtype), preferred_element_type=jnp.float32)
     return product.astype(x.dtype)

@@ -17,7 +17,7 @@ from snapmla_jax.fp8_weights import FP8_E4M3_MAX, BlockFP8Weight, dequantize_wei
 from snapmla_jax.models import (MLAConfig, MLAModel, load_checkpoint, load_hf_checkpoint, quantize_weights,
                                 save_checkpoint)
 from snapmla_jax.models.hf_loader import SafetensorsFile
-from snapmla_jax.models.layers import fp8_eligible_kernels
+from snapmla_jax.models.layers import fp8_eligible_weights
 from snapmla_jax.models.transformer import param_bytes
 
 # e4m3 keeps 3 fraction bits: round-to-nearest moves a normal value by at most 2**-4 of itself.
@@ -35,11 +35,11 @@ TOKENS = jnp.asarray(np.arange(12, dtype=np.int32).reshape(2, 6) * 5 % 64)
 
 
 def reference_dequantize(w: BlockFP8Weight) -> np.ndarray:
-    """values * scale per block in float64, edge blocks cropped."""
+    """values * scale per block in float64, edge blocks cropped; [..., out, in] stacks alike."""
     values = np.asarray(w.values).astype(np.float64)
     scales = np.asarray(w.scales, np.float64)
-    full = np.repeat(np.repeat(scales, w.block[0], axis=0), w.block[1], axis=1)
-    return values * full[:values.shape[0], :values.shape[1]]
+    full = np.repeat(np.repeat(scales, w.block[0], axis=-2), w.block[1], axis=-1)
+    return values * full[..., :values.shape[-2], :values.shape[-1]]
 
 
 def block_scale_of_each_element(w: BlockFP8Weight) -> np.ndarray:
@@ -79,8 +79,10 @@ def test_each_nonzero_block_maps_its_amax_onto_448_and_a_zero_block_stays_zero()
 
 
 def test_quantize_blocks_rejects_a_non_matrix_and_a_bad_block():
-    with pytest.raises(ValueError, match="w: expected a 2-D float matrix"):
-        quantize_blocks(jnp.ones((2, 3, 4)))
+    with pytest.raises(ValueError, match="w: expected a float matrix"):
+        quantize_blocks(jnp.ones((4,)))
+    with pytest.raises(ValueError, match="w: expected a float matrix"):
+        quantize_blocks(jnp.ones((4, 4), jnp.int32))
     with pytest.raises(ValueError, match="block"):
         quantize_blocks(jnp.ones((4, 4)), (0, 16))
 
@@ -107,15 +109,54 @@ def test_fp8_matmul_rejects_a_mismatched_input():
         fp8_matmul(jnp.ones((2, 8)), quantize_blocks(jnp.ones((4, 16))))
 
 
-def test_quantize_weights_converts_the_projections_and_keeps_the_rest():
+def test_quantize_weights_converts_the_projections_and_experts_and_keeps_the_rest():
     model = quantize_weights(MLAModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), BLOCK)
-    fp8 = {p for p, linear in fp8_eligible_kernels(model).items()
-           if isinstance(linear.kernel.get_value(), BlockFP8Weight)}
-    assert fp8 == set(fp8_eligible_kernels(model))
-    assert "layers/1/mlp/shared_experts/down_proj/kernel" in fp8 and "layers/0/self_attn/o_proj/kernel" in fp8
+    fp8 = {p for p, weight in fp8_eligible_weights(model).items() if isinstance(weight.get_value(), BlockFP8Weight)}
+    assert fp8 == set(fp8_eligible_weights(model))
+    assert {"layers/1/mlp/shared_experts/down_proj/kernel", "layers/0/self_attn/o_proj/kernel",
+            "layers/1/mlp/w_gate", "layers/1/mlp/w_down"} <= fp8
     assert model.lm_head.kernel[...].dtype == jnp.bfloat16
-    assert model.layers[1].mlp.w_gate[...].dtype == jnp.bfloat16
     assert model.layers[0].self_attn.w_uk[...].dtype == jnp.bfloat16
+    # The experts' stack [E, in, out] becomes values [E, out, in] with scales per matrix.
+    w_down = model.layers[1].mlp.w_down.get_value()
+    experts, inner, hidden = CFG.n_routed_experts, CFG.moe_intermediate_size, CFG.hidden_size
+    assert w_down.values.shape == (experts, hidden, inner)
+    assert w_down.scales.shape == (experts, -(-hidden // BLOCK[0]), -(-inner // BLOCK[1]))
+
+
+# Each matrix of a stack is quantized as on its own (its own amax per block).
+def test_a_stack_quantizes_each_matrix_as_alone():
+    rng = np.random.default_rng(4)
+    stack = jnp.asarray(rng.normal(size=(3, 40, 24)) * np.array([1.0, 1e3, 1e-3])[:, None, None], jnp.float32)
+    whole = quantize_blocks(stack, (16, 16))
+    for e in range(3):
+        alone = quantize_blocks(stack[e], (16, 16))
+        np.testing.assert_array_equal(np.asarray(whole.values[e]).view(np.uint8), np.asarray(alone.values).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(whole.scales[e]), np.asarray(alone.scales))
+        np.testing.assert_array_equal(np.asarray(dequantize_weight(whole, jnp.float32)[e]),
+                                      np.asarray(dequantize_weight(alone, jnp.float32)))
+
+
+# The routed experts through FP8 weights against float64 experts on the same dequantized weights:
+# each dispatch's products accumulate at most max(hidden, inner) = 32 float32 terms (2**-24 relative
+# each) through silu and a second product, so 1e-5 of the output's scale bounds float32 rounding.
+@pytest.mark.parametrize("num_tokens", [1, 6, 40])   # gathered, dense, ragged
+def test_fp8_experts_compute_what_float64_does_with_their_dequantized_weights(num_tokens):
+    model = MLAModel(CFG, rngs=nnx.Rngs(5), dtype=jnp.float32)
+    moe = model.layers[1].mlp
+    quantize_weights(model, BLOCK)
+    x = jnp.asarray(np.random.default_rng(num_tokens).normal(size=(num_tokens, CFG.hidden_size)), jnp.float32)
+    weights, ids = moe.gate(x)
+    w_gate, w_up, w_down = (np.swapaxes(reference_dequantize(w.get_value()), -1, -2)
+                            for w in (moe.w_gate, moe.w_up, moe.w_down))
+    x64, want = np.asarray(x, np.float64), np.zeros((num_tokens, CFG.hidden_size))
+    for t in range(num_tokens):
+        for weight, e in zip(np.asarray(weights[t], np.float64), np.asarray(ids[t])):
+            h = x64[t] @ w_gate[e]
+            want[t] += weight * (((h / (1 + np.exp(-h))) * (x64[t] @ w_up[e])) @ w_down[e])
+    want += np.asarray(moe.shared_experts(x), np.float64)
+    got = np.asarray(moe(x), np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
 def test_one_row_through_an_fp8_linear_equals_that_row_of_a_batch():
@@ -127,11 +168,11 @@ def test_one_row_through_an_fp8_linear_equals_that_row_of_a_batch():
 
 def test_fp8_kernels_hold_fewer_bytes():
     model = MLAModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-    kernels = fp8_eligible_kernels(model)
-    dense_bytes = sum(linear.kernel[...].nbytes for linear in kernels.values())
+    weights = fp8_eligible_weights(model)
+    dense_bytes = sum(weight.get_value().nbytes for weight in weights.values())
     before = param_bytes(model)
     quantize_weights(model, BLOCK)
-    fp8_bytes = sum(linear.kernel.get_value().nbytes for linear in kernels.values())
+    fp8_bytes = sum(weight.get_value().nbytes for weight in weights.values())
     assert param_bytes(model) == before - dense_bytes + fp8_bytes
     # 1 byte an element instead of 2, plus 4 bytes a 16 x 16 block.
     elements = dense_bytes // 2
@@ -154,27 +195,31 @@ def hf_models(hf_fp8_dir):
 def test_hf_loader_keeps_fp8_kernels_with_their_stored_values_and_scales(hf_fp8_dir, hf_models):
     stored = SafetensorsFile(str(hf_fp8_dir / "model.safetensors"))
     model = hf_models[True]
-    for path, linear in fp8_eligible_kernels(model).items():
-        if path == "lm_head/kernel":
-            continue
-        w = linear.kernel.get_value()
+    expert_names = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+    for path, weight in fp8_eligible_weights(model).items():
+        w = weight.get_value()
         assert isinstance(w, BlockFP8Weight) and w.block == BLOCK, path
-        name = "model." + path.removesuffix("/kernel").replace("/", ".") + ".weight"
-        np.testing.assert_array_equal(np.asarray(w.values).view(np.uint8), stored.read(name).view(np.uint8))
-        np.testing.assert_array_equal(np.asarray(w.scales), stored.read(name + "_scale_inv"))
-    assert model.layers[1].mlp.w_gate[...].dtype == jnp.bfloat16        # routed experts: dequantized
+        *layer, leaf = path.split("/")
+        if leaf in expert_names:  # a stack of experts.{e}.*_proj, row e each
+            names = [f"model.{'.'.join(layer)}.experts.{e}.{expert_names[leaf]}.weight" for e in range(w.shape[0])]
+        else:
+            names = ["model." + path.removesuffix("/kernel").replace("/", ".") + ".weight"]
+        values, scales = np.asarray(w.values).reshape(-1, *w.shape[-2:]), np.asarray(w.scales)
+        for row, name in enumerate(names):
+            np.testing.assert_array_equal(values[row].view(np.uint8), stored.read(name).view(np.uint8))
+            np.testing.assert_array_equal(scales.reshape(-1, *scales.shape[-2:])[row], stored.read(name + "_scale_inv"))
     assert model.layers[0].self_attn.w_uk[...].dtype == jnp.bfloat16    # kv_b_proj: dequantized
     assert model.lm_head.kernel[...].dtype == jnp.bfloat16              # stored unquantized
 
 
 def test_hf_fp8_weights_dequantize_to_the_plain_loaders_kernels_exactly(hf_models):
     # Both dequantize the same stored values: values * scale in float32, one rounding to bf16.
-    plain = fp8_eligible_kernels(hf_models[False])
-    for path, linear in fp8_eligible_kernels(hf_models[True]).items():
-        w = linear.kernel.get_value()
+    plain = fp8_eligible_weights(hf_models[False])
+    for path, weight in fp8_eligible_weights(hf_models[True]).items():
+        w = weight.get_value()
         if isinstance(w, BlockFP8Weight):
-            np.testing.assert_array_equal(np.asarray(dequantize_weight(w, jnp.bfloat16)).T,
-                                          np.asarray(plain[path].kernel[...]), err_msg=path)
+            np.testing.assert_array_equal(np.swapaxes(np.asarray(dequantize_weight(w, jnp.bfloat16)), -1, -2),
+                                          np.asarray(plain[path].get_value()), err_msg=path)
 
 
 def test_hf_fp8_weights_model_computes_what_the_dequantized_model_does(hf_models):
@@ -196,11 +241,12 @@ def test_orbax_round_trip_keeps_fp8_values_scales_and_logits(tmp_path):
     model = quantize_weights(MLAModel(CFG, rngs=nnx.Rngs(3), dtype=jnp.bfloat16), BLOCK)
     save_checkpoint(model, tmp_path / "ckpt")
     record = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    assert record["fp8_weights"] == {"block": list(BLOCK), "kernels": sorted(fp8_eligible_kernels(model))}
+    assert record["fp8_weights"] == {"block": list(BLOCK), "kernels": sorted(fp8_eligible_weights(model))}
     assert record["arrays"]["layers/0/self_attn/o_proj/kernel/values"][1] == "float8_e4m3fn"
+    assert record["arrays"]["layers/1/mlp/w_up/values"][1] == "float8_e4m3fn"
     restored = load_checkpoint(tmp_path / "ckpt")
-    for path, linear in fp8_eligible_kernels(model).items():
-        want, got = linear.kernel.get_value(), fp8_eligible_kernels(restored)[path].kernel.get_value()
+    for path, weight in fp8_eligible_weights(model).items():
+        want, got = weight.get_value(), fp8_eligible_weights(restored)[path].get_value()
         assert isinstance(got, BlockFP8Weight) and got.block == want.block
         np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8))
         np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
@@ -227,7 +273,8 @@ model = quantize_weights(MLAModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.float32), BLO
 placed = shard_model(model, expert_sharding())
 w = placed.layers[0].self_attn.o_proj.kernel.get_value()
 assert w.values.sharding.is_fully_replicated and w.scales.sharding.is_fully_replicated
-assert not placed.layers[1].mlp.w_gate[...].sharding.is_fully_replicated
+w_gate = placed.layers[1].mlp.w_gate.get_value()
+assert not w_gate.values.sharding.is_fully_replicated and not w_gate.scales.sharding.is_fully_replicated
 want = np.asarray(model(TOKENS))
 np.testing.assert_allclose(np.asarray(placed(TOKENS)), want, rtol=1e-5, atol=1e-5)
 save_checkpoint(placed, sys.argv[1])
