@@ -240,17 +240,21 @@ class MoE(nnx.Module):
             routed = routed + self.shared_experts(flat)
         return routed.reshape(x.shape)
 
-    def expert_stacks(self, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def expert_stacks(self, dtype, chosen: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(w_gate, w_up, w_down) as [E, in, out] arrays in ``dtype``: plain weights as they
         are, block-FP8 ones dequantized (values * scale in float32, one rounding to ``dtype``)
-        and transposed back. XLA computes them inside the calling program; with FP8 weights
-        every dispatch reads the FP8 bytes and makes a dense copy of all E experts there (the
-        FP8 grouped GEMM that would not is not built)."""
+        and transposed back. ``chosen`` int32 [n]: only those experts' matrices, [n, in, out].
+        XLA computes them inside the calling program; with FP8 weights the ragged and dense
+        dispatches read the FP8 bytes of all E experts and make a dense copy of them there (the
+        FP8 grouped GEMM that would not is not built); the gathered one dequantizes only the
+        chosen experts."""
         def dense(weight):
             value = weight.get_value()
             if isinstance(value, BlockFP8Weight):
+                if chosen is not None:
+                    value = BlockFP8Weight(value.values[chosen], value.scales[chosen], value.block)
                 return jnp.swapaxes(dequantize_weight(value, dtype), -1, -2)
-            return value
+            return value if chosen is None else value[chosen]
         return dense(self.w_gate), dense(self.w_up), dense(self.w_down)
 
     def _ragged_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
@@ -276,7 +280,15 @@ class MoE(nnx.Module):
         token instead of all E. ``backend`` "pallas" / "interpret": the grouped-experts kernel
         (each chosen matrix read where it lies); "xla": jnp, with [T*k, hidden, inner]
         gathered copies."""
-        experts = (flat, weights, ids, *self.expert_stacks(flat.dtype))
+        if any(isinstance(w.get_value(), BlockFP8Weight) for w in (self.w_gate, self.w_up, self.w_down)):
+            # Only the chosen experts' FP8 matrices are dequantized: [T*k, ...] stacks, one an
+            # assignment, which the assignments then index in order.
+            chosen = ids.reshape(-1)
+            stacks = self.expert_stacks(flat.dtype, chosen)
+            ids = jnp.arange(chosen.shape[0], dtype=ids.dtype).reshape(ids.shape)
+        else:
+            stacks = self.expert_stacks(flat.dtype)
+        experts = (flat, weights, ids, *stacks)
         if backend == "xla":
             return grouped_experts_reference(*experts)
         return grouped_experts(*experts, interpret=backend == "interpret")

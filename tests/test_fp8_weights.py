@@ -140,11 +140,17 @@ def test_a_stack_quantizes_each_matrix_as_alone():
 # The routed experts through FP8 weights against float64 experts on the same dequantized weights:
 # each dispatch's products accumulate at most max(hidden, inner) = 32 float32 terms (2**-24 relative
 # each) through silu and a second product, so 1e-5 of the output's scale bounds float32 rounding.
-@pytest.mark.parametrize("num_tokens", [1, 6, 40])   # gathered, dense, ragged
-def test_fp8_experts_compute_what_float64_does_with_their_dequantized_weights(num_tokens):
+@pytest.mark.parametrize("num_tokens, dispatch, backend", [(1, "gathered", "xla"), (6, "gathered", "xla"),
+                                                           (3, "gathered", "interpret"), (6, "dense", "xla"),
+                                                           (40, "dense", "xla"), (40, "ragged", "xla")])
+def test_fp8_experts_compute_what_float64_does_with_their_dequantized_weights(num_tokens, dispatch, backend):
+    from snapmla_jax.models.moe import choose_dispatch
     model = MLAModel(CFG, rngs=nnx.Rngs(5), dtype=jnp.float32)
     moe = model.layers[1].mlp
     quantize_weights(model, BLOCK)
+    moe.gather_max_tokens = num_tokens if dispatch == "gathered" else 0
+    moe.dense_token_range = (1, num_tokens) if dispatch == "dense" else None
+    assert choose_dispatch(num_tokens, moe.dense_token_range, moe.gather_max_tokens) == dispatch
     x = jnp.asarray(np.random.default_rng(num_tokens).normal(size=(num_tokens, CFG.hidden_size)), jnp.float32)
     weights, ids = moe.gate(x)
     w_gate, w_up, w_down = (np.swapaxes(reference_dequantize(w.get_value()), -1, -2)
@@ -155,7 +161,7 @@ def test_fp8_experts_compute_what_float64_does_with_their_dequantized_weights(nu
             h = x64[t] @ w_gate[e]
             want[t] += weight * (((h / (1 + np.exp(-h))) * (x64[t] @ w_up[e])) @ w_down[e])
     want += np.asarray(moe.shared_experts(x), np.float64)
-    got = np.asarray(moe(x), np.float64)
+    got = np.asarray(moe(x, backend=backend), np.float64)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
