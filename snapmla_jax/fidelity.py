@@ -27,6 +27,11 @@ the held-out text), each starting from an empty cache:
    agree before the first difference, beside a control (float32 arithmetic
    instead of bfloat16, BF16 cache) that shows how often greedy decoding
    flips at near-ties under any rounding change.
+5. What FP8 weights cost beside the FP8 cache: the same model with its linear
+   kernels and routed experts block-quantized as DeepSeek-V3 ships them
+   (``models.quantize_weights``, 128 x 128 blocks), its bits per byte with each
+   cache against the BF16-weights BF16-cache run, and its greedy agreement with
+   that run (FP8 weights and FP8 cache together).
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from snapmla_jax.models import MLAModel, load_checkpoint
+from snapmla_jax.models import MLAModel, load_checkpoint, quantize_weights
+from snapmla_jax.models.transformer import param_bytes
 from snapmla_jax import byte_corpus, cli
 from snapmla_jax.backend import BACKENDS
 from snapmla_jax.cache import dequantize
@@ -177,20 +183,25 @@ def _agreeing_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def greedy_agreement(model: MLAModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                     backend: str) -> dict:
+                     backend: str, fp8_weights_model: MLAModel | None = None) -> dict:
     """Greedy continuations with the BF16 and the FP8 cache: per prompt the number of leading tokens
     that agree (``max_new_tokens`` when all do), and both texts of the first prompt.
 
     As a control, the same for the BF16 cache with the weights and arithmetic in float32 instead of
     bfloat16: greedy decoding flips at near-ties, and this shows how often any rounding change
-    (not FP8 in particular) makes it flip.
+    (not FP8 in particular) makes it flip. ``fp8_weights_model``: also that model (FP8 weights)
+    with the FP8 cache against the same BF16-cache run.
     """
     run = lambda m, kind: generate(m, prompts, max_new_tokens=max_new_tokens, kv_cache=kind, backend=backend)
     bf16, fp8 = run(model, "bf16"), run(model, "fp8")
     f32 = run(cast_model(model, jnp.float32), "bf16")
     agree = [_agreeing_prefix(a, b) for a, b in zip(bf16, fp8)]
     control = [_agreeing_prefix(a, b) for a, b in zip(bf16, f32)]
-    return {"max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
+    extra = {}
+    if fp8_weights_model is not None:
+        both = [_agreeing_prefix(a, b) for a, b in zip(bf16, run(fp8_weights_model, "fp8"))]
+        extra = {"fp8_weights_agreeing_prefix": both, "fp8_weights_identical": sum(n == max_new_tokens for n in both)}
+    return {"max_new_tokens": max_new_tokens, "num_prompts": len(prompts), **extra,
             "agreeing_prefix": agree, "identical": sum(n == max_new_tokens for n in agree),
             "control_f32_agreeing_prefix": control, "control_f32_identical": sum(n == max_new_tokens for n in control),
             "example_prompt": byte_corpus.decode(prompts[0]),
@@ -225,6 +236,11 @@ def evaluate(model: MLAModel, windows: np.ndarray, *, chunk: int, backend: str, 
            "fp8_cache": bits_per_byte_from_logprobs(fp8.logprobs, targets)}
     # Paired over the same bytes, so the difference's standard error is far below either mean's.
     diff = byte_bits(fp8.logprobs, targets) - byte_bits(bf16.logprobs, targets)
+    # The same model with FP8 weights (DeepSeek's 128 x 128 blocks), with each cache.
+    fp8_weights = quantize_weights(nnx.clone(model))
+    weights_runs = {kind: teacher_forced_decode(fp8_weights, windows, kind, chunk=chunk, backend=backend).logprobs
+                    for kind in ("bf16", "fp8")}
+    weights_diff = {kind: byte_bits(lp, targets) - byte_bits(bf16.logprobs, targets) for kind, lp in weights_runs.items()}
     ablation = [quant_error_report(lat, rope) for lat, rope in zip(bf16.latents, bf16.ropes)]
     pooled = quant_error_report(np.concatenate(bf16.latents), np.concatenate(bf16.ropes))
     return {
@@ -242,7 +258,17 @@ def evaluate(model: MLAModel, windows: np.ndarray, *, chunk: int, backend: str, 
         "ablation_per_layer": [_report_rows(r) for r in ablation],
         "ablation_all_layers": _report_rows(pooled),
         "rope_vs_latent": rope_vs_latent_range(bf16.latents, bf16.ropes),
-        "greedy": greedy_agreement(model, prompts, gen_tokens, backend),
+        "greedy": greedy_agreement(model, prompts, gen_tokens, backend, fp8_weights_model=fp8_weights),
+        "fp8_weights": {
+            "param_bytes": {"bf16": param_bytes(model), "fp8": param_bytes(fp8_weights)},
+            "bits_per_byte": {f"{kind}_cache": bits_per_byte_from_logprobs(lp, targets)
+                              for kind, lp in weights_runs.items()},
+            # Paired against the BF16-weights BF16-cache run, over the same bytes.
+            "minus_bf16_bits_per_byte": {f"{kind}_cache": float(d.mean()) for kind, d in weights_diff.items()},
+            "minus_bf16_standard_error": {f"{kind}_cache": float(d.std(ddof=1) / np.sqrt(d.size))
+                                          for kind, d in weights_diff.items()},
+            "kl_from_bf16_nats_mean": {f"{kind}_cache": mean_kl(bf16.logprobs, lp) for kind, lp in weights_runs.items()},
+        },
         "num_windows": int(windows.shape[0]), "window_tokens": int(targets.shape[1]),
         "bytes_scored": int((targets < byte_corpus.NUM_BYTES).sum()),
     }
@@ -288,13 +314,29 @@ def to_markdown(results: dict) -> str:
     lines += [f"| {r['layer']} | {r['latent_amax_median']:.2f} / {r['latent_amax_max']:.2f} | "
               f"{r['rope_amax_median']:.2f} / {r['rope_amax_max']:.2f} | {r['median_ratio']:.2f} / {r['max_ratio']:.2f} | "
               f"{100 * r['rope_sets_scale']:.1f}% |" for r in results["rope_vs_latent"]]
-    g = results["greedy"]
+    g, w = results["greedy"], results["fp8_weights"]
     lines += ["", f"Greedy generation, {g['num_prompts']} held-out prompts x {g['max_new_tokens']} new tokens, "
               "tokens before the first difference from the BF16-cache run:", "",
               "| run | identical | agreeing prefix per prompt |", "|---|---|---|",
               f"| FP8 cache (bf16 model) | {g['identical']} of {g['num_prompts']} | {g['agreeing_prefix']} |",
+              f"| FP8 weights and FP8 cache | {g['fp8_weights_identical']} of {g['num_prompts']} | "
+              f"{g['fp8_weights_agreeing_prefix']} |",
               f"| control: BF16 cache, float32 weights and arithmetic | {g['control_f32_identical']} of "
               f"{g['num_prompts']} | {g['control_f32_agreeing_prefix']} |"]
+    base = bpb["bf16_cache"]
+    lines += ["", f"FP8 weights (linear kernels and routed experts in 128 x 128 blocks; weights "
+              f"{w['param_bytes']['fp8'] / 2**20:.1f} MiB against {w['param_bytes']['bf16'] / 2**20:.1f} MiB), "
+              "against BF16 weights with the BF16 cache (paired standard errors):", "",
+              "| weights | cache | bits per byte | vs BF16 weights, BF16 cache | mean KL (nats per position) |",
+              "|---|---|---|---|---|",
+              f"| BF16 | FP8 | {bpb['fp8_cache']:.4f} | {100 * (bpb['fp8_cache'] / base - 1):+.3f}% "
+              f"({results['fp8_minus_bf16_bits_per_byte']:+.5f} +- {results['fp8_minus_bf16_standard_error']:.5f}) | "
+              f"{results['kl_fp8_from_bf16_nats_mean']:.2e} |"]
+    lines += [f"| FP8 | {kind.upper()} | {w['bits_per_byte'][f'{kind}_cache']:.4f} | "
+              f"{100 * (w['bits_per_byte'][f'{kind}_cache'] / base - 1):+.3f}% "
+              f"({w['minus_bf16_bits_per_byte'][f'{kind}_cache']:+.5f} +- "
+              f"{w['minus_bf16_standard_error'][f'{kind}_cache']:.5f}) | "
+              f"{w['kl_from_bf16_nats_mean'][f'{kind}_cache']:.2e} |" for kind in ("bf16", "fp8")]
     return "\n".join(lines) + "\n"
 
 

@@ -131,6 +131,23 @@ def test_cli_reports_fp8_close_to_bf16_on_a_tiny_model(cli_results):
     assert results["backend"] == "xla" and results["heldout_files_missing"] == []
 
 
+def test_cli_reports_what_fp8_weights_cost_beside_the_cache(cli_results):
+    results, _ = cli_results
+    weights, bf16 = results["fp8_weights"], results["bits_per_byte"]["bf16_cache"]
+    # FP8 weights hold 1 byte an element (plus 4 a block) where bf16 holds 2; the embedding, LM
+    # head and norms stay bf16, so the model shrinks, by less than half.
+    assert 0.5 * weights["param_bytes"]["bf16"] < weights["param_bytes"]["fp8"] < weights["param_bytes"]["bf16"]
+    for kind in ("bf16_cache", "fp8_cache"):
+        # e4m3 weights (2**-4 relative per element) move a near-uniform model's logits far too
+        # little to change its ~8 bits per byte by 1%.
+        assert abs(weights["bits_per_byte"][kind] / bf16 - 1) < 0.01
+        assert weights["minus_bf16_bits_per_byte"][kind] == pytest.approx(weights["bits_per_byte"][kind] - bf16,
+                                                                           abs=1e-9)
+        assert weights["minus_bf16_standard_error"][kind] > 0 and weights["kl_from_bf16_nats_mean"][kind] >= 0
+    greedy = results["greedy"]
+    assert len(greedy["fp8_weights_agreeing_prefix"]) == 2 and 0 <= greedy["fp8_weights_identical"] <= 2
+
+
 def test_cli_ablation_keeps_rope_exact_only_in_rope_aware_schemes(cli_results):
     results, _ = cli_results
     pooled = {r["scheme"]: r for r in results["ablation_all_layers"]}
