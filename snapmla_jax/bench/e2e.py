@@ -57,6 +57,7 @@ from snapmla_jax.bench import timing
 from snapmla_jax.cache import LatentCache, kernel_addressable
 from snapmla_jax.decode import mla_decode
 from snapmla_jax.generate import DecodeState, decode_chunk
+from snapmla_jax.capacity import MODEL_SHAPES
 from snapmla_jax.paging import allocate_pages
 from snapmla_jax.sampling import SamplingConfig
 from snapmla_jax.write import write_kv
@@ -69,13 +70,7 @@ HEADROOM_BYTES = 4 * GIB
 CACHE_FORMATS = ("fp8", "bf16")
 WEIGHT_STD = 0.02  # of the random weight matrices (GPT-2's init scale; values only need to stay finite)
 
-V2_LITE = MLAConfig(
-    vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
-    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=None,
-    max_position_embeddings=163840, rope_type="yarn", rope_factor=40.0, rope_original_max_position=4096,
-    rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=0.707, rope_mscale_all_dim=0.707,
-    n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
-    first_k_dense_replace=1, topk_method="greedy")
+V2_LITE = MODEL_SHAPES["v2-lite"]
 TINY = MLAConfig(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
     kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16, max_position_embeddings=4096,
