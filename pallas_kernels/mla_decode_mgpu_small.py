@@ -1,8 +1,8 @@
 """SnapMLA FP8 MLA decode on Mosaic GPU in blocks of 16 or 32 query rows, transposed products.
 
-The default for up to 16 query rows a batch row (``snapmla_jax.decode.mosaic_kernel``: H = 16 at
-s_q = 1, DeepSeek-V2-Lite or V3 split by heads over 8 GPUs); ``block_rows=32`` runs 32-row
-blocks. ``mla_decode_mgpu`` puts a CTA's query rows on the wgmma M dimension, 64 a warpgroup: at
+The default for up to 32 query rows a batch row (``snapmla_jax.decode.mosaic_kernel``): 16-row
+blocks for up to 16 (H = 16 at s_q = 1, DeepSeek-V2-Lite or V3 split by heads over 8 GPUs),
+32-row blocks for 17-32 (H = 16 at s_q = 2, H = 32). ``mla_decode_mgpu`` puts a CTA's query rows on the wgmma M dimension, 64 a warpgroup: at
 H = 16 48 of them would be padding. Here the query rows are the N dimension (R = 16 or 32) and
 tokens or features are M:
 

@@ -23,7 +23,7 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu import STEP as MOSAIC_STEP
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import mla_decode_mgpu, padded_rows
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import pad_rows
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
-from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import ROWS as MOSAIC_SMALL_MAX_ROWS
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import BLOCK_ROWS as MOSAIC_SMALL_BLOCK_ROWS
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
 from snapmla_jax.backend import resolve_backend
 from snapmla_jax.cache import LatentCache, check_kernel_addressable, check_layer
@@ -229,18 +229,20 @@ def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8"):
     ``cache_dtype`` cache, and its rows per CTA: (kernel function, block rows).
 
     A bf16 cache: the BF16 twin ``mla_decode_mgpu_bf16`` in 64-row blocks. An fp8 cache: up to
-    ``MOSAIC_SMALL_MAX_ROWS`` rows (H = 16 at s_q = 1: DeepSeek-V2-Lite, V3 over 8 GPUs by heads),
-    ``mla_decode_mgpu_small``, the query rows on the wgmma N dimension; above, the 64-row
-    ``mla_decode_mgpu``, its rows padded. All compute the same math. Measured on an H100 at
-    16k-64k contexts: at 16 rows the small kernel runs 1.43-1.56x the BF16 twin where the
-    64-row one, 48 of its rows padding, runs 0.74-0.79x; at 32 rows (H = 16 at s_q = 2,
-    multi-token prediction; H = 32) the 64-row kernel beats the small kernel's 32-row blocks
-    (0.589 vs 0.901 ms at B = 128 x 16k x 16 x 2, 0.321 vs 0.501 at 64 x 16k x 32 x 1).
+    32 rows, ``mla_decode_mgpu_small`` in the smallest of its blocks (16 or 32 rows) that holds
+    them, the query rows on the wgmma N dimension; above, the 64-row ``mla_decode_mgpu``, its rows
+    padded to whole blocks. All compute the same math. At 16 rows (H = 16 at s_q = 1:
+    DeepSeek-V2-Lite, V3 over 8 GPUs by heads) the small kernel runs 1.55-1.63x FlashMLA on an
+    H100 where the 64-row one, 48 of its rows padding, ran 0.74-0.79x the BF16 twin. At 17-32
+    rows (H = 16 at s_q = 2, multi-token prediction; H = 32) its 32-row blocks run 1.04-1.11x the
+    64-row kernel (H100, one process, round-robin: 0.504 vs 0.535 ms at 128 x 16k x 16 x 2,
+    0.147 vs 0.162 at 32 x 16k x 16 x 2, 0.266 vs 0.280 at 64 x 16k x 32 x 1).
     """
     if cache_dtype == "bf16":
         return mla_decode_mgpu_bf16, MOSAIC_BLOCK_M
-    if num_rows <= MOSAIC_SMALL_MAX_ROWS:
-        return functools.partial(mla_decode_mgpu_small, block_rows=MOSAIC_SMALL_MAX_ROWS), MOSAIC_SMALL_MAX_ROWS
+    if num_rows <= MOSAIC_SMALL_BLOCK_ROWS[-1]:
+        rows = next(r for r in MOSAIC_SMALL_BLOCK_ROWS if num_rows <= r)
+        return functools.partial(mla_decode_mgpu_small, block_rows=rows), rows
     return mla_decode_mgpu, MOSAIC_BLOCK_M
 
 

@@ -550,8 +550,7 @@ def test_mosaic_kernel_routes_by_rows():
         return rows
 
     assert small(16) == small(8) == 16
-    # 17-32 rows: the 64-row kernel, its rows padded (1.5x the small kernel's 32-row blocks).
-    assert mosaic_kernel(17) == mosaic_kernel(32) == (mla_decode_mgpu, 64)
+    assert small(17) == small(32) == 32   # H = 16 at s_q = 2, H = 32
     assert mosaic_kernel(33) == (mla_decode_mgpu, 64)
     assert mosaic_kernel(48) == (mla_decode_mgpu, 64)
 
