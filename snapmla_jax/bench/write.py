@@ -95,7 +95,8 @@ def run(token_counts, iters: int, repeat: int, backends, copy_mib: int = 2048,
         for dtype in ("fp8", "bf16"):
             # Every variant's samples taken round-robin (``time_round_robin``), so that a drift of
             # the GPU's clocks falls on all of them alike.
-            runs, caches = {}, {}
+            runs = {}
+            arg_sets = [_inputs(num_tokens, seed) for seed in range(2)]  # the same inputs for every variant
             for backend, config, scatter in _variants(backends, block_tokens):
                 step = _repeated_write(scatter, repeat)
                 state = {"cache": LatentCache.create(_num_pages(num_tokens), PAGE_SIZE, dtype=dtype)}
@@ -104,14 +105,14 @@ def run(token_counts, iters: int, repeat: int, backends, copy_mib: int = 2048,
                     state["cache"] = step(state["cache"], latent, rope, slots)
                     return state["cache"]
 
-                runs[(backend, config)] = (call, [_inputs(num_tokens, seed) for seed in range(2)])
-                caches[(backend, config)] = state["cache"]
+                runs[(backend, config)] = (call, arg_sets)
+            nbytes = _bytes_moved(num_tokens, state["cache"])  # the same for every variant of this cache dtype
             times = time_round_robin(runs, warmup=3, iters=iters, inner=1)
             for (backend, config), ms in times.items():
                 if isinstance(ms, Exception):
                     raise ms
                 ms /= repeat
-                gbps = _bytes_moved(num_tokens, caches[(backend, config)]) / (ms * 1e-3) / 1e9
+                gbps = nbytes / (ms * 1e-3) / 1e9
                 rows.append(dict(tokens=num_tokens, cache=dtype, backend=backend, config=config, ms=ms, gbps=gbps,
                                  copy_fraction=gbps / copy_gbps))
     env["copy_gbps"] = copy_gbps
