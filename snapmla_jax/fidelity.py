@@ -340,18 +340,26 @@ def to_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on its file-only backend (no display on servers)."""
     import matplotlib
 
-    matplotlib.use("Agg")  # files only; no display on servers
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
 
 
+def save_png(fig, path: str | pathlib.Path) -> None:
+    """Lay out ``fig``, write it to ``path`` as a PNG and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+
+
 def plot_layers(results: dict, path: str | pathlib.Path) -> None:
     """PNG of the per-layer attention-output error (1 - cosine and relative error, log scale)."""
-    plt = _pyplot()
+    plt = pyplot()
     layers = [r["layer"] for r in results["layers"]]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.semilogy(layers, [1 - r["cosine_mean"] for r in results["layers"]], "o-", label="1 - cosine (mean)")
@@ -363,14 +371,12 @@ def plot_layers(results: dict, path: str | pathlib.Path) -> None:
     ax.set_title("Attention output (latent space, before W_UV), held-out text", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def plot_ablation(results: dict, path: str | pathlib.Path) -> None:
     """PNG of the quantization ablation: relative error of [latent, RoPE] per scheme and layer."""
-    plt = _pyplot()
+    plt = pyplot()
     per_layer = results["ablation_per_layer"]
     schemes = [r["scheme"] for r in per_layer[0]]
     width = 0.8 / len(schemes)
@@ -388,9 +394,7 @@ def plot_ablation(results: dict, path: str | pathlib.Path) -> None:
     top = max(rows[j]["rel_error"] for rows in per_layer for j in range(len(schemes)))
     ax.set_ylim(0, 1.45 * top)  # headroom for the legend above the bars
     ax.legend(fontsize=7, ncol=2, loc="upper center")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def _parser() -> cli.Parser:

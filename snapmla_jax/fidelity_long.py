@@ -50,7 +50,7 @@ from flax import nnx
 
 from snapmla_jax import byte_corpus, cli, long_context_tasks
 from snapmla_jax.backend import BACKENDS
-from snapmla_jax.fidelity import DEFAULT_MODEL_DIR, LN2, _pyplot, heldout_files_flag, model_flag
+from snapmla_jax.fidelity import DEFAULT_MODEL_DIR, LN2, heldout_files_flag, model_flag, pyplot, save_png
 from snapmla_jax.paging import allocate_pages
 from snapmla_jax.quant_report import CHANNEL_BLOCK
 from snapmla_jax.quantization import dequantize_per_token, quantize_per_token
@@ -240,7 +240,7 @@ def to_markdown(results: dict) -> str:
 def plot(results: dict, path: str | pathlib.Path) -> None:
     """PNG: per task kind, accuracy against context (mean over depths) and against depth (mean over
     contexts), one line per scheme; a dotted line marks the trained context."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = results["rows"]
     kinds = list(dict.fromkeys(r["kind"] for r in rows))
     schemes = list(dict.fromkeys(r["scheme"] for r in rows))
@@ -264,9 +264,7 @@ def plot(results: dict, path: str | pathlib.Path) -> None:
     axes[0, 0].legend(fontsize=7)
     fig.suptitle(f"Retrieval through the cache; trained context {results['trained_context']} tokens (dotted)",
                  fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def _parser() -> cli.Parser:
