@@ -7,8 +7,8 @@ A placement is given as ``sharding=``:
 * one ``jax.sharding.Sharding`` for every array;
 * a function ``(path, jax.ShapeDtypeStruct) -> Sharding`` (or None for the default
   device), called once per array with its path in the model's state, e.g.
-  ``"layers/0/mlp/w_gate"`` (the names ``save_checkpoint`` writes; a block-FP8 kernel is
-  two arrays, ``".../kernel/values"`` and ``".../kernel/scales"``).
+  ``"layers/0/mlp/w_gate"`` (the names ``save_checkpoint`` writes; a block-FP8 weight is
+  two arrays, ``"<path>/values"`` and ``"<path>/scales"``).
 
 A function may split, say, the stacked expert weights [E, ...] over a mesh axis
 and replicate the rest (``expert_sharding``), so that a model larger than one
