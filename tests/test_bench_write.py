@@ -31,7 +31,7 @@ def test_write_bench_times_the_mosaic_kernel_per_block_size_beside_xla(tmp_path)
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--backends", "triton"], "triton: compiled for a CUDA GPU"),
+    (["--backends", "pallas"], "pallas: compiled for a CUDA GPU"),
     (["--block-tokens", "48"], "--block-tokens: block_tokens: expected a positive multiple of 32"),
     (["--tokens", "0"], "--tokens: expected positive ints"),
 ])

@@ -6,7 +6,6 @@ jit with the cache donated, so all update in place) and compare their bandwidth
 with a device-to-device copy measured in the same run:
 
   pallas     the Mosaic GPU kernel (``pallas_kernels.write_kv``), at each ``--block-tokens``
-  triton     the Triton launch it replaced (``pallas_kernels.write_kv_triton``)
   xla        the XLA scatter (``write_kv_reference``)
   interpret  the Mosaic kernel in Pallas' interpreter (CPU; for the plumbing, not for timings)
 
@@ -34,7 +33,6 @@ from snapmla_jax import cli
 from snapmla_jax.bench.timing import environment, markdown_table, measure_copy_gbps, time_round_robin, write_results
 from snapmla_jax.cache import LatentCache
 from snapmla_jax.pallas_kernels.write_kv import WriteKVConfig, write_kv_pallas, write_kv_reference
-from snapmla_jax.pallas_kernels.write_kv_triton import write_kv_triton
 from snapmla_jax.write import write_rows
 
 PAGE_SIZE = 64
@@ -62,7 +60,7 @@ def _bytes_moved(num_tokens: int, cache: LatentCache) -> int:
 def _variants(backends, block_tokens) -> list[tuple[str, str, object]]:
     """(backend, config label, scatter) for each timed variant: the Mosaic kernel (compiled or
     interpreted) once per block size, the others once."""
-    scatters = {"triton": write_kv_triton, "xla": write_kv_reference}
+    scatters = {"xla": write_kv_reference}
     out = []
     for backend in backends:
         if backend in scatters:
@@ -131,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=20,
                         help="writes per timed call, looped on the device (default 20)")
     parser.add_argument("--backends", nargs="+", default=["pallas", "xla"],
-                        choices=["pallas", "triton", "interpret", "xla"],
-                        help="write backends to compare (default pallas xla; pallas and triton need a CUDA GPU)")
+                        choices=["pallas", "interpret", "xla"],
+                        help="write backends to compare (default pallas xla; pallas needs a CUDA GPU)")
     parser.add_argument("--block-tokens", type=int, nargs="+", default=[WriteKVConfig.block_tokens],
                         help="the Mosaic kernel's tokens a CTA, one timed variant each "
                              f"(default {WriteKVConfig.block_tokens}; multiples of 32)")
@@ -147,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             raise cli.UsageError(f"--block-tokens: {err}") from None
     cli.check_positive(args, "iters", "repeat", "copy_mib")
-    compiled = [b for b in args.backends if b in ("pallas", "triton")]
+    compiled = [b for b in args.backends if b == "pallas"]
     if compiled and jax.default_backend() != "gpu":
-        raise cli.UsageError(f"--backends: {' and '.join(compiled)}: compiled for a CUDA GPU, and none is "
+        raise cli.UsageError("--backends: pallas: compiled for a CUDA GPU, and none is "
                              "present; use --backends interpret xla on this machine")
     out = cli.bench_output_dir(args)
     env, rows = run(args.tokens, args.iters, args.repeat, args.backends, args.copy_mib, args.block_tokens)
@@ -162,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
           f"Device {env['device']}, jax {env['jax']}, {env['date']}. Device-to-device copy in the same run: "
           f"{env['copy_gbps']:.0f} GB/s (read + write). Bytes: bf16 inputs read once + cache bytes written once; "
           f"cache donated (in place) for every backend; each call loops the write {env['repeat']} times on the "
-          f"device; medians of samples taken round-robin over the backends. Backends: pallas = the Mosaic GPU kernel, triton = the Triton launch it replaced, xla = the "
+          f"device; medians of samples taken round-robin over the backends. Backends: pallas = the Mosaic GPU kernel, xla = the "
           f"XLA scatter. Produced by `{command}` (the published table with `--publish`)."
           f"\n\n" + table)
     write_results(out, "write", env, rows, md)
