@@ -35,6 +35,15 @@ of three ways (``MoE.__call__`` picks by the token count T, a static shape):
   placements (``models.sharding``, the loaders' ``sharding=``) turn it off
   there (``match_dispatch_to_placement``).
 
+Expert parallelism (``expert_axis``, set by ``set_expert_axis``): inside ``jax.shard_map`` over a
+mesh axis whose devices each hold E / N of the experts (``models.sharding.expert_sharding``)
+and their own rows of the batch (``snapmla_jax.data_parallel``), a layer gathers every
+device's tokens (``all_gather``), routes them all (the router is replicated, so every device
+makes the same choice), runs its own experts on the assignments that chose them (the others get
+gate weight 0) and returns each device its tokens' sums over all experts (``psum_scatter``, in
+float32). Two collectives of T x hidden a layer, against the dispatch's reading of E / N
+experts' weights; the shared experts run on each device's own tokens.
+
 The choice is two static attributes of each layer, ``MoE.dense_token_range`` and
 ``MoE.gather_max_tokens`` (``set_dense_token_range`` and ``set_gather_max_tokens`` set
 them on every layer of a model), so it is part of the layer's graph definition: a jit
@@ -224,21 +233,50 @@ class MoE(nnx.Module):
         # Static (part of the graphdef): which token counts run dense (module docstring).
         self.dense_token_range = check_token_range(DENSE_TOKEN_RANGE)
         self.gather_max_tokens = GATHER_MAX_TOKENS
+        # Static: the mesh axis the routed experts are split over when the layer runs inside
+        # ``jax.shard_map`` (module docstring); None: every expert is here.
+        self.expert_axis: str | None = None
 
     def __call__(self, x: jax.Array, *, backend: str = "xla") -> jax.Array:
         """x [..., hidden] -> same; ``backend`` (snapmla_jax.backend) runs the gathered dispatch:
-        "xla" in jnp (differentiable), "pallas" / "interpret" as the grouped-experts kernel."""
+        "xla" in jnp (differentiable), "pallas" / "interpret" as the grouped-experts kernel.
+        With ``expert_axis`` set, x is this device's tokens and the call must run inside
+        ``shard_map`` over that axis (module docstring)."""
         backend = resolve_backend(backend)
-        flat = x.reshape(-1, x.shape[-1])
+        local = x.reshape(-1, x.shape[-1])
+        axis = self.expert_axis
+        flat = local if axis is None else jax.lax.all_gather(local, axis, axis=0, tiled=True)
         weights, ids = self.gate(flat)
+        # Split experts: the partial sums leave in float32, rounded once after the sum over devices.
+        out_dtype = flat.dtype if axis is None else jnp.float32
+        if axis is not None:
+            weights, ids = self._local_assignments(weights, ids, axis)
         name = choose_dispatch(flat.shape[0], self.dense_token_range, self.gather_max_tokens)
         if name == "gathered":
-            routed = self._gathered_experts(flat, weights, ids, backend=backend)
+            routed = self._gathered_experts(flat, weights, ids, backend=backend, out_dtype=out_dtype)
         else:
-            routed = {"dense": self._dense_experts, "ragged": self._ragged_experts}[name](flat, weights, ids)
+            dispatch = {"dense": self._dense_experts, "ragged": self._ragged_experts}[name]
+            routed = dispatch(flat, weights, ids, out_dtype=out_dtype)
+        if axis is not None:
+            routed = jax.lax.psum_scatter(routed, axis, scatter_dimension=0, tiled=True).astype(x.dtype)
         if self.shared_experts is not None:
-            routed = routed + self.shared_experts(flat)
+            routed = routed + self.shared_experts(local)
         return routed.reshape(x.shape)
+
+    def num_local_experts(self) -> int:
+        """The experts whose weights this layer holds: E, or E / N inside ``shard_map`` over N
+        devices with the experts split (the leading axis of the stacks as the program sees them)."""
+        w_gate = self.w_gate.get_value()
+        return (w_gate.values if isinstance(w_gate, BlockFP8Weight) else w_gate).shape[0]
+
+    def _local_assignments(self, weights: jax.Array, ids: jax.Array, axis: str) -> tuple[jax.Array, jax.Array]:
+        """Global routing (gate weights [T, k] f32, expert ids [T, k]) -> this device's share: ids
+        of its own experts (device i holds experts [i n, (i + 1) n)), and weight 0 (with id 0)
+        for assignments to experts held elsewhere."""
+        num_local = self.num_local_experts()
+        local_ids = ids - jax.lax.axis_index(axis) * num_local
+        mine = (local_ids >= 0) & (local_ids < num_local)
+        return jnp.where(mine, weights, 0.0), jnp.where(mine, local_ids, 0).astype(ids.dtype)
 
     def expert_stacks(self, dtype, chosen: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(w_gate, w_up, w_down) as [E, in, out] arrays in ``dtype``: plain weights as they
@@ -257,24 +295,24 @@ class MoE(nnx.Module):
             return value if chosen is None else value[chosen]
         return dense(self.w_gate), dense(self.w_up), dense(self.w_down)
 
-    def _ragged_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+    def _ragged_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array, *, out_dtype=None) -> jax.Array:
         """The chosen experts only: flat [T, hidden], gate weights [T, k] f32, expert ids [T, k]
-        -> [T, hidden] in flat's dtype (one grouped product per weight over the T*k assignments
-        sorted by expert)."""
+        -> [T, hidden] in ``out_dtype`` (None: flat's dtype) (one grouped product per weight over
+        the T*k assignments sorted by expert)."""
         k = self.cfg.num_experts_per_tok
         expert_of = ids.reshape(-1)                        # [T*k], assignment a = token * k + slot
         order = jnp.argsort(expert_of, stable=True)        # assignments grouped by expert
         rows = flat[order // k]                            # [T*k, hidden], sorted by expert
-        group_sizes = jnp.bincount(expert_of, length=self.cfg.n_routed_experts).astype(jnp.int32)
         w_gate, w_up, w_down = self.expert_stacks(flat.dtype)
+        group_sizes = jnp.bincount(expert_of, length=w_gate.shape[0]).astype(jnp.int32)
         hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, w_gate, group_sizes))
                   * jax.lax.ragged_dot(rows, w_up, group_sizes))
         out_sorted = jax.lax.ragged_dot(hidden, w_down, group_sizes)
         per_assignment = jnp.zeros_like(out_sorted).at[order].set(out_sorted)   # back to token-major order
-        return combine_assignments(per_assignment, weights).astype(flat.dtype)
+        return combine_assignments(per_assignment, weights).astype(out_dtype or flat.dtype)
 
     def _gathered_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array, *,
-                          backend: str = "xla") -> jax.Array:
+                          backend: str = "xla", out_dtype=None) -> jax.Array:
         """Each assignment's vector-matrix products with its expert's weights, the same arguments
         and result as ``_ragged_experts``: for the few tokens this runs on, k experts' bytes a
         token instead of all E. ``backend`` "pallas" / "interpret": the grouped-experts kernel
@@ -290,10 +328,12 @@ class MoE(nnx.Module):
             stacks = self.expert_stacks(flat.dtype)
         experts = (flat, weights, ids, *stacks)
         if backend == "xla":
-            return grouped_experts_reference(*experts)
-        return grouped_experts(*experts, interpret=backend == "interpret")
+            out = grouped_experts_reference(*experts)
+        else:
+            out = grouped_experts(*experts, interpret=backend == "interpret")
+        return out.astype(out_dtype or flat.dtype)
 
-    def _dense_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+    def _dense_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array, *, out_dtype=None) -> jax.Array:
         """Every expert on every token, the same arguments and result as ``_ragged_experts``.
 
         Gate and up are batched products over the experts ([E, T, I]); each expert's
@@ -302,12 +342,12 @@ class MoE(nnx.Module):
         ([T, E*I] x [E*I, hidden]): no [E, T, hidden] intermediate, and the weights are read in
         their stored layout.
         """
-        num_tokens, num_experts = flat.shape[0], self.cfg.n_routed_experts
+        w_gate, w_up, w_down = self.expert_stacks(flat.dtype)
+        num_tokens, num_experts = flat.shape[0], w_gate.shape[0]
         gate_of = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
             jnp.arange(num_tokens)[:, None], ids].add(weights)                 # [T, E]
         tokens = jnp.broadcast_to(flat, (num_experts, *flat.shape))            # [E, T, hidden]
-        w_gate, w_up, w_down = self.expert_stacks(flat.dtype)
         hidden = (jax.nn.silu(jnp.einsum("eth,ehi->eti", tokens, w_gate))
                   * jnp.einsum("eth,ehi->eti", tokens, w_up))
         scaled = (hidden.astype(jnp.float32) * gate_of.T[:, :, None]).astype(hidden.dtype)
-        return jnp.einsum("eti,eid->td", scaled, w_down).astype(flat.dtype)
+        return jnp.einsum("eti,eid->td", scaled, w_down, preferred_element_type=out_dtype).astype(out_dtype or flat.dtype)

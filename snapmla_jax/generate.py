@@ -20,6 +20,13 @@ Pages for each row cover its prompt plus ``max_new_tokens``
 ``jax.random.key(seed)`` folded with the step index, so a run repeats exactly
 for a fixed seed.
 
+With ``mesh=`` (a 1-D ``jax.sharding.Mesh`` of N devices) both programs run data-parallel
+attention with expert parallelism (``snapmla_jax.data_parallel``): each device holds the
+caches of its own B / N rows (the batch padded to a multiple of N with one-token rows that are
+dropped) and runs their attention; the routed experts are split over the same devices and
+reached through collectives; the rest of the model is replicated. The tokens are those of one
+device up to floating-point summation order.
+
 Before allocating anything, a batch is checked against the memory its cache needs
 (``cache_budget``): ``BatchTooLarge`` says how many of the prompts, or how many new
 tokens, would fit.
@@ -54,6 +61,7 @@ from flax import nnx
 from snapmla_jax import cli
 from snapmla_jax.backend import BACKENDS, resolve_backend
 from snapmla_jax.cache import CACHE_DTYPES, MAX_CACHE_ELEMENTS
+from snapmla_jax import data_parallel
 from snapmla_jax.paging import allocate_pages
 from snapmla_jax.sampling import SamplingConfig, sample
 
@@ -90,23 +98,31 @@ class DecodeState:
     finished: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "backend"), donate_argnames=("caches",))
-def _prefill(params, caches, input_ids, lengths, block_table, key, *, graphdef, sampling, backend):
+def _model_call(method: str, graphdef, params, mesh, *row_args, **kwargs):
+    """``MLAModel.<method>(*row_args, **kwargs)`` of ``nnx.merge(graphdef, params)``; with a
+    mesh, data-parallel over its devices (``data_parallel.row_sharded``)."""
+    if mesh is None:
+        return getattr(nnx.merge(graphdef, params), method)(*row_args, **kwargs)
+    return data_parallel.row_sharded(method, graphdef, mesh, **kwargs)(params, *row_args)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "backend", "mesh"), donate_argnames=("caches",))
+def _prefill(params, caches, input_ids, lengths, block_table, key, *, graphdef, sampling, backend, mesh=None):
     """Fill the cache from the prompts and draw each row's first new token ([B] int32)."""
-    model = nnx.merge(graphdef, params)
-    last, caches = model.prefill(input_ids, lengths, caches, block_table, backend=backend, last_only=True)
+    last, caches = _model_call("prefill", graphdef, params, mesh, input_ids, lengths, caches, block_table,
+                               backend=backend, last_only=True)
     return sample(last, jax.random.fold_in(key, 0), sampling), caches
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos_id", "backend"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos_id", "backend", "mesh"),
                    donate_argnames=("state",))
 def decode_chunk(params, state: DecodeState, lengths, block_table, key, stop_step, *, graphdef, sampling, eos_id,
-                 backend) -> DecodeState:
+                 backend, mesh=None) -> DecodeState:
     """The compiled decode loop: steps until ``state.step == min(stop_step, max_new_tokens)``
     or every row is finished. ``params``/``graphdef``: ``nnx.split(model)``; lengths [B]
     int32 prompt lengths; block_table [B, max_pages] int32; key: the sampling key;
-    stop_step [] int32. ``state`` is donated (the caches are updated in place)."""
-    model = nnx.merge(graphdef, params)
+    stop_step [] int32; mesh: None, or the 1-D mesh the model's rows are split over
+    (``data_parallel``). ``state`` is donated (the caches are updated in place)."""
     stop_step = jnp.minimum(stop_step, state.tokens.shape[1])
 
     def running(s: DecodeState):
@@ -116,7 +132,8 @@ def decode_chunk(params, state: DecodeState, lengths, block_table, key, stop_ste
         last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
         # The cache holds the prompt and the s.step - 1 tokens fed before: with
         # this one, lengths + s.step.
-        logits, caches = model.decode(last, s.caches, block_table, lengths + s.step, backend=backend)
+        logits, caches = _model_call("decode", graphdef, params, mesh, last, s.caches, block_table, lengths + s.step,
+                                     backend=backend)
         new = sample(logits[:, 0], jax.random.fold_in(key, s.step), sampling)
         finished = s.finished
         if eos_id is not None:
@@ -311,7 +328,7 @@ class GenerationStream:
     def __init__(self, model, prompts, *, max_new_tokens: int, kv_cache: str = "fp8",
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0, eos_id: int | None = None,
                  chunk_size: int | None = DEFAULT_CHUNK_SIZE, backend: str = "auto",
-                 page_size: int = DEFAULT_PAGE_SIZE):
+                 page_size: int = DEFAULT_PAGE_SIZE, mesh: jax.sharding.Mesh | None = None):
         cfg = getattr(model, "cfg", None)
         if cfg is None or not hasattr(model, "decode"):
             raise ValueError(f"model: expected an MLAModel, got {type(model).__name__}")
@@ -335,8 +352,26 @@ class GenerationStream:
             raise ValueError(f"max_new_tokens: prompts[{row}] has {lengths[row]} tokens; with {max_new_tokens} new "
                              f"ones it exceeds the model's context of {context} tokens")
         resolve_backend(backend)  # a bad name fails here, not at the first trace
-        self.pages = allocate_pages(lengths, max_new_tokens, page_size=page_size)
-        check_cache_fits(model, lengths, max_new_tokens, kv_cache, page_size, cache_budget())
+        self.mesh = mesh
+        self.rows = len(lengths)  # the batch on one device, or padded to a multiple of the mesh's devices
+        if mesh is not None:
+            data_parallel.mesh_axis(mesh)  # a bad mesh fails here
+            model = data_parallel.place_model(model, mesh)
+            self.rows = data_parallel.padded_rows(len(lengths), mesh)
+            lengths = lengths + [1] * (self.rows - len(lengths))
+        groups = 1 if mesh is None else mesh.size
+        self.pages = allocate_pages(lengths, max_new_tokens, page_size=page_size, groups=groups)
+        budget = cache_budget(None if mesh is None else list(mesh.devices.flat))
+        for group, group_lengths in enumerate(np.split(np.asarray(lengths), groups)):
+            try:
+                check_cache_fits(model, group_lengths, max_new_tokens, kv_cache, page_size, budget)
+            except BatchTooLarge as err:
+                if mesh is None:
+                    raise
+                first = group * len(group_lengths)
+                raise BatchTooLarge(f"mesh: device {group} holds rows {first}-{first + len(group_lengths) - 1}; {err}",
+                                    needed_bytes=err.needed_bytes, budget_bytes=err.budget_bytes, budget=err.budget,
+                                    fit_prompts=err.fit_prompts, fit_new_tokens=err.fit_new_tokens) from None
         self.model = model
         self.max_new_tokens = max_new_tokens
         self.kv_cache = kv_cache
@@ -348,32 +383,40 @@ class GenerationStream:
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[np.ndarray]:
-        batch, lengths = len(self.prompts), np.array([len(p) for p in self.prompts], np.int32)
-        input_ids = np.zeros((batch, _prompt_bucket(int(lengths.max()))), np.int32)
+        batch, rows = len(self.prompts), self.rows
+        lengths = np.ones(rows, np.int32)  # padding rows (a mesh's): one token, id 0
+        lengths[:batch] = [len(p) for p in self.prompts]
+        input_ids = np.zeros((rows, _prompt_bucket(int(lengths.max()))), np.int32)
         for row, prompt in enumerate(self.prompts):
             input_ids[row, :len(prompt)] = prompt
-        pages = self.pages
+        pages, mesh = self.pages, self.mesh
         graphdef, params = nnx.split(self.model)
-        caches = self.model.init_cache(pages.num_pages, pages.page_size, kv_cache=self.kv_cache)
+        if mesh is None:
+            caches = self.model.init_cache(pages.num_pages, pages.page_size, kv_cache=self.kv_cache)
+            put = jnp.asarray
+        else:
+            caches = data_parallel.create_caches(self.model, pages.num_pages, pages.page_size, self.kv_cache, mesh)
+            put = functools.partial(jax.device_put, device=data_parallel.rows_sharding(mesh))
         cache_bytes = sum(c.nbytes for c in caches)
-        lengths_dev, block_table = jnp.asarray(lengths), jnp.asarray(pages.block_table)
+        lengths_dev, block_table = put(lengths), put(pages.block_table)
         key = jax.random.key(self.seed)
 
-        args = (params, caches, jnp.asarray(input_ids), lengths_dev, block_table, key)
-        static = dict(graphdef=graphdef, sampling=self.sampling, backend=self.backend)
+        args = (params, caches, put(input_ids), lengths_dev, block_table, key)
+        static = dict(graphdef=graphdef, sampling=self.sampling, backend=self.backend, mesh=mesh)
         prefill, compile_s = _compiled(_prefill, static, args)
         start = time.perf_counter()
         first, caches = prefill(*args)
         first = np.asarray(first)
         prefill_s = time.perf_counter() - start
-        tokens = np.zeros((batch, self.max_new_tokens), np.int32)
+        tokens = np.zeros((rows, self.max_new_tokens), np.int32)
         tokens[:, 0] = first
-        finished = np.zeros(batch, bool) if self.eos_id is None else first == self.eos_id
-        yield first[:, None]
+        finished = np.zeros(rows, bool) if self.eos_id is None else first == self.eos_id
+        finished[batch:] = True  # padding rows never hold up the loop
+        yield first[:batch, None]
 
-        state = DecodeState(caches=caches, tokens=jnp.asarray(tokens), step=jnp.asarray(1, jnp.int32),
-                            finished=jnp.asarray(finished))
-        static = dict(graphdef=graphdef, sampling=self.sampling, eos_id=self.eos_id, backend=self.backend)
+        state = DecodeState(caches=caches, tokens=put(tokens), step=jnp.asarray(1, jnp.int32),
+                            finished=put(finished))
+        static = dict(graphdef=graphdef, sampling=self.sampling, eos_id=self.eos_id, backend=self.backend, mesh=mesh)
         decode_s, step = 0.0, 1
         while step < self.max_new_tokens and not finished.all():
             args = (params, state, lengths_dev, block_table, key, jnp.asarray(step + self.chunk_size, jnp.int32))
@@ -385,17 +428,17 @@ class GenerationStream:
             tokens = np.asarray(state.tokens)
             finished = np.asarray(state.finished)
             decode_s += time.perf_counter() - start
-            yield tokens[:, step:new_step]
+            yield tokens[:batch, step:new_step]
             step = new_step
 
         out, done = [], []
-        for row in tokens[:, :step]:
+        for row in tokens[:batch, :step]:
             stop = np.flatnonzero(row == self.eos_id) if self.eos_id is not None else []
             out.append(row[:stop[0]].tolist() if len(stop) else row.tolist())
             done.append(bool(len(stop)))
         generated = sum(len(r) for r in out)
         self.result = GenerationResult(tokens=out, finished=done, stats=GenerationStats(
-            prompt_tokens=int(lengths.sum()), generated_tokens=generated,
+            prompt_tokens=int(lengths[:batch].sum()), generated_tokens=generated,
             decode_tokens=generated - sum(1 for r in out if r), prefill_seconds=prefill_s,
             decode_seconds=decode_s, compile_seconds=compile_s, cache_bytes=cache_bytes, kv_cache=self.kv_cache))
 
@@ -403,12 +446,12 @@ class GenerationStream:
 def stream(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, kv_cache: str = "fp8",
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
            chunk_size: int = DEFAULT_CHUNK_SIZE, backend: str = "auto",
-           page_size: int = DEFAULT_PAGE_SIZE) -> GenerationStream:
+           page_size: int = DEFAULT_PAGE_SIZE, mesh: jax.sharding.Mesh | None = None) -> GenerationStream:
     """Like ``generate``, but an iterable of token chunks (see GenerationStream);
     ``chunk_size`` decode steps run between two chunks."""
     return GenerationStream(model, prompts, max_new_tokens=max_new_tokens, kv_cache=kv_cache,
                             sampling=SamplingConfig(temperature, top_k, top_p), seed=seed, eos_id=eos_id,
-                            chunk_size=chunk_size, backend=backend, page_size=page_size)
+                            chunk_size=chunk_size, backend=backend, page_size=page_size, mesh=mesh)
 
 
 def generate_with_stats(model, prompts: Sequence[Sequence[int]], **kwargs) -> GenerationResult:
@@ -421,7 +464,8 @@ def generate_with_stats(model, prompts: Sequence[Sequence[int]], **kwargs) -> Ge
 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, kv_cache: str = "fp8",
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             eos_id: int | None = None, backend: str = "auto", page_size: int = DEFAULT_PAGE_SIZE) -> list[list[int]]:
+             eos_id: int | None = None, backend: str = "auto", page_size: int = DEFAULT_PAGE_SIZE,
+             mesh: jax.sharding.Mesh | None = None) -> list[list[int]]:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
     model: an ``MLAModel`` (its ``prefill``/``decode``/``init_cache``).
@@ -432,6 +476,10 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, kv
     same prompts, same batch -> same tokens). eos_id: a row stops after
     producing it (None: every row runs ``max_new_tokens``).
     backend: passed to write_kv/mla_decode ("auto" | "pallas" | "interpret" | "xla").
+    mesh: None (one device), or a 1-D ``jax.sharding.Mesh``: data-parallel attention with
+    the routed experts split over its devices (module docstring; ``snapmla_jax.data_parallel``).
+    The model is placed on it (a copy; a model loaded with ``sharding=expert_sharding(mesh)``
+    is already there). Its devices must divide the routed experts.
 
     Returns B lists of new token ids, EOS excluded. The decode loop runs as
     one compiled ``lax.while_loop`` (no per-token host round trip).
@@ -441,7 +489,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, kv
     """
     return generate_with_stats(model, prompts, max_new_tokens=max_new_tokens, kv_cache=kv_cache,
                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id,
-                               backend=backend, page_size=page_size).tokens
+                               backend=backend, page_size=page_size, mesh=mesh).tokens
 
 
 # ---------------------------------------------------------------- command line
@@ -454,7 +502,7 @@ PROG = "snapmla_jax.generate"
 # Library argument names -> the flags that set them, for errors raised below the command line.
 FLAGS = {"max_new_tokens": "--max-new-tokens", "kv_cache": "--kv-cache", "temperature": "--temperature",
          "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "eos_id": "--eos-id", "chunk_size": "--chunk-size",
-         "backend": "--backend", "ckpt_dir": "--model", "hf_dir": "--model"}
+         "backend": "--backend", "ckpt_dir": "--model", "hf_dir": "--model", "mesh": "--devices"}
 
 
 def _parser() -> cli.Parser:
@@ -478,9 +526,15 @@ def _parser() -> cli.Parser:
                         help="parameter dtype (default: the checkpoint's; bfloat16 for Hugging Face weights)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="kernel backend for write_kv/mla_decode (default auto)")
-    parser.add_argument("--shard-experts", action="store_true",
-                        help="split the MoE expert weights over all devices, replicate the rest "
-                             "(for models larger than one device; the expert count must divide evenly)")
+    placement = parser.add_mutually_exclusive_group()
+    placement.add_argument("--devices", type=int, default=None,
+                           help="serve over the first N devices: each holds the caches and runs the attention of "
+                                "its share of the prompts, the MoE experts are split over them (data-parallel "
+                                "attention + expert parallelism; N must divide the expert count; default 1)")
+    placement.add_argument("--shard-experts", action="store_true",
+                           help="split the MoE expert weights over all devices, replicate the rest, and run the "
+                                "whole batch's attention on every device (for models larger than one device; "
+                                "--devices N is faster where the cache fits N ways)")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
                         help=f"decode steps between streamed outputs (default {DEFAULT_CHUNK_SIZE})")
     parser.add_argument("--no-stream", action="store_true", help="print the text once generation has finished")
@@ -538,21 +592,25 @@ def _load_tokenizer(args, model_dir: pathlib.Path):
         raise cli.UsageError(f"{'--tokenizer' if args.tokenizer else '--model'}: {err}") from err
 
 
-def _load_model(model_dir: pathlib.Path, dtype_name: str | None, shard_experts: bool = False):
+def _load_model(model_dir: pathlib.Path, dtype_name: str | None, shard_experts: bool = False,
+                mesh: jax.sharding.Mesh | None = None):
     """An orbax checkpoint (``<dir>/state`` beside config.json) or a Hugging Face
     directory (config.json + safetensors); ``shard_experts``: the expert weights split
-    over all devices, the rest replicated (``expert_sharding``)."""
+    over all devices, the rest replicated (``expert_sharding``); ``mesh``: the same over
+    its devices, loaded straight there (``--devices``)."""
     from snapmla_jax.models import expert_sharding, load_checkpoint, load_hf_checkpoint
     from snapmla_jax.models.sharding import PlacementError
 
     dtype = PARAM_DTYPES[dtype_name] if dtype_name else None
-    sharding = expert_sharding() if shard_experts else None
+    sharding = expert_sharding(mesh, mesh.axis_names[0]) if mesh is not None else (
+        expert_sharding() if shard_experts else None)
     try:
         if (model_dir / "state").is_dir():
             return load_checkpoint(model_dir, dtype=dtype, sharding=sharding)
         return load_hf_checkpoint(model_dir, dtype=dtype or jnp.bfloat16, progress=False, sharding=sharding)
-    except PlacementError as err:  # the placement --shard-experts asked for, not the checkpoint
-        raise cli.UsageError(f"--shard-experts: {jax.device_count()} devices: {err}") from err
+    except PlacementError as err:  # the placement --shard-experts / --devices asked for, not the checkpoint
+        flag = f"--devices: {mesh.size} devices" if mesh is not None else f"--shard-experts: {jax.device_count()} devices"
+        raise cli.UsageError(f"{flag}: {err}") from err
     except ValueError as err:  # what the directory holds: config, weights
         raise cli.flag_error(err, FLAGS, default=f"--model: {model_dir}") from err
 
@@ -645,13 +703,17 @@ def _generate_cli(argv: list[str]) -> int:
     model_dir = _model_dir(args)
     tokenizer = _load_tokenizer(args, model_dir)
     prompts = [tokenizer.encode(text) for text in texts]
-    model = _load_model(model_dir, args.dtype, args.shard_experts)
+    devices = 1 if args.devices is None else args.devices
+    if not 1 <= devices <= jax.device_count():
+        raise cli.UsageError(f"--devices: expected 1 to {jax.device_count()} (the devices JAX sees), got {devices}")
+    mesh = data_parallel.mesh_of(devices) if devices > 1 else None
+    model = _load_model(model_dir, args.dtype, args.shard_experts, mesh)
     _check_prompts(args, prompts, model)
     eos_id = tokenizer.eos_id if args.eos_id is None else (None if args.eos_id == -1 else args.eos_id)
     try:
         gen = GenerationStream(model, prompts, max_new_tokens=args.max_new_tokens, kv_cache=args.kv_cache,
                                sampling=sampling, seed=args.seed, eos_id=eos_id, chunk_size=args.chunk_size,
-                               backend=args.backend)
+                               backend=args.backend, mesh=mesh)
     except BatchTooLarge as err:
         raise _too_large(err, args, len(prompts)) from err
     except ValueError as err:

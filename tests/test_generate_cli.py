@@ -297,3 +297,60 @@ def test_shard_experts_that_do_not_divide_over_the_devices_exit_2_naming_the_fla
     assert result.returncode == 2
     assert result.stderr.startswith("snapmla_jax.generate: error: --shard-experts: 3 devices: sharding:")
     assert result.stderr.count("\n") == 1
+
+
+def test_devices_serves_a_batch_data_parallel_with_the_tokens_of_one_device(capsys, tmp_path):
+    # Three prompts over two devices (padded to four rows); the demo model's 8 experts, 4 a device.
+    # backend "xla" on both sides: tests/test_data_parallel.py says why the interpreter is not used.
+    batch = tmp_path / "prompts.txt"
+    batch.write_text("def \nThe river\nimport numpy as\n")
+    argv = ["--batch-file", str(batch), "--max-new-tokens", "8", "--json", "--dtype", "float32", "--backend", "xla"]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err[-3000:]
+    parallel = _cli_on_cpu_devices(2, *argv, "--devices", "2")
+    assert parallel.returncode == 0, parallel.stderr[-3000:]
+    one, two = json.loads(out), json.loads(parallel.stdout)
+    assert (one["devices"], two["devices"]) == (1, 2)
+    # float32: the experts' sums in another order only (float32 rounding).
+    assert [c["tokens"] for c in two["completions"]] == [c["tokens"] for c in one["completions"]]
+    assert two["stats"]["prefill_tokens"] == one["stats"]["prefill_tokens"]  # the padding row is not counted
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache", ["fp8", "bf16"])
+def test_devices_over_the_gpus_gives_the_tokens_of_one_gpu(capsys, tmp_path, kv_cache):
+    # The compiled write and decode kernels inside the data-parallel program, each GPU on its
+    # own rows and pages, the 8 experts split over the GPUs (2, 4 or 8 of them).
+    gpus = len(jax.devices("gpu"))
+    if gpus < 2:
+        pytest.skip(f"needs two or more GPUs, found {gpus}")
+    batch = tmp_path / "prompts.txt"
+    batch.write_text("def \nThe river\nimport numpy as\n")
+    argv = ["--batch-file", str(batch), "--max-new-tokens", "16", "--json", "--dtype", "float32",
+            "--kv-cache", kv_cache]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err[-3000:]
+    code, parallel, err = _run(capsys, *argv, "--devices", str(gpus))
+    assert code == 0, err[-3000:]
+    one, every = json.loads(out), json.loads(parallel)
+    assert (one["devices"], every["devices"]) == (1, gpus)
+    assert [c["tokens"] for c in every["completions"]] == [c["tokens"] for c in one["completions"]]
+    assert len(set(one["completions"][0]["tokens"])) >= 3  # not a constant stream
+
+
+def test_devices_that_do_not_divide_the_experts_exit_2_naming_the_flag():
+    result = _cli_on_cpu_devices(3, "--prompt", "def ", "--devices", "3")  # 8 experts, 3 devices
+    assert result.returncode == 2
+    assert result.stderr.startswith("snapmla_jax.generate: error: --devices: 3 devices: sharding:")
+    assert result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--devices", "0"], "--devices: expected 1 to 1 (the devices JAX sees), got 0"),
+    (["--devices", "2"], "--devices: expected 1 to 1 (the devices JAX sees), got 2"),
+    (["--devices", "1", "--shard-experts"], "--shard-experts: not allowed with argument --devices"),
+])
+def test_bad_devices_exit_2_naming_the_flag(capsys, flags, message):
+    code, out, err = _run(capsys, "--prompt", "def ", *flags)
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1, err

@@ -26,6 +26,9 @@ SUITES = {
     "e2e": ("snapmla_jax.bench.e2e",
             "end-to-end decode throughput of a DeepSeek-V2-Lite-shaped model, FP8 against BF16 cache "
             "(CUDA GPU; --tiny anywhere)"),
+    "capacity": ("snapmla_jax.bench.capacity",
+                 "decode throughput at the largest batch each cache format fits, on one device or data-parallel "
+                 "over several (CUDA GPUs; --tiny anywhere)"),
 }
 
 

@@ -51,7 +51,7 @@ import snapmla_jax.models.moe
 
 from snapmla_jax import models
 from snapmla_jax.models import MLAConfig, MLAModel
-from snapmla_jax import cli
+from snapmla_jax import cli, data_parallel
 from snapmla_jax.backend import BACKENDS
 from snapmla_jax.bench import timing
 from snapmla_jax.cache import LatentCache, kernel_addressable
@@ -149,23 +149,33 @@ def filled_caches(cfg: MLAConfig, num_pages: int, kv_cache: str) -> tuple:
     return tuple(make() for _ in range(cfg.num_hidden_layers))
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
 def _random_array(key, shape, dtype):
     if len(shape) == 1:  # RMSNorm scales
         return jnp.ones(shape, dtype)
     return jax.random.normal(key, shape, dtype) * jnp.asarray(WEIGHT_STD, dtype)
 
 
-def random_model(cfg: MLAConfig, dtype, seed: int = 0) -> MLAModel:
+def random_model(cfg: MLAConfig, dtype, seed: int = 0, mesh: jax.sharding.Mesh | None = None) -> MLAModel:
     """An MLAModel with random weights drawn on the device directly in ``dtype``:
     N(0, WEIGHT_STD) matrices, unit norm scales. One small compiled generator per
-    distinct shape, instead of running the model's initializers op by op."""
+    distinct shape and placement, instead of running the model's initializers op by op.
+    ``mesh``: each array made where ``data_parallel.place_model`` puts it (the routed experts
+    split over the mesh, the rest replicated), so that no device holds the whole model."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
-    leaves, treedef = jax.tree.flatten(state)
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     key = jax.random.key(seed)
-    values = [_random_array(jax.random.fold_in(key, i), tuple(leaf.shape), jnp.dtype(leaf.dtype))
-              for i, leaf in enumerate(leaves)]
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, values))
+    makers: dict = {}
+    values = []
+    for i, (path, leaf) in enumerate(paths_leaves):
+        shape, leaf_dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
+        spec = None if mesh is None else data_parallel.param_spec(path, mesh.axis_names[0])
+        if (shape, leaf_dtype, spec) not in makers:
+            sharding = None if mesh is None else jax.sharding.NamedSharding(mesh, spec)
+            makers[shape, leaf_dtype, spec] = jax.jit(functools.partial(_random_array, shape=shape, dtype=leaf_dtype),
+                                                      out_shardings=sharding)
+        values.append(makers[shape, leaf_dtype, spec](jax.random.fold_in(key, i)))
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, values))
+    return model if mesh is None else data_parallel.place_model(model, mesh)
 
 
 def abstract_caches(model: MLAModel, num_pages: int, kv_cache: str):

@@ -1,0 +1,52 @@
+"""``python -m snapmla_jax.bench capacity``: the plumbing on CPU devices (``--tiny``), the
+rows each cache format fits, and bad flags."""
+
+import json
+
+import pytest
+
+from cpu_devices import run_with_cpu_devices
+from snapmla_jax import cli
+from snapmla_jax.bench import capacity
+from snapmla_jax.capacity import MODEL_SHAPES
+
+
+def test_capacity_bench_times_both_caches_data_parallel_on_two_devices(tmp_path):
+    result = run_with_cpu_devices(2, ["-m", "snapmla_jax.bench", "capacity", "--tiny", "--devices", "2",
+                                      "--batch-per-device", "3", "--contexts", "64", "200", "--backend", "xla",
+                                      "--steps", "2", "--iters", "1", "--out", tmp_path])
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = json.loads((tmp_path / "capacity.json").read_text())
+    assert saved["environment"]["devices"] == 2
+    rows = saved["rows"]
+    assert [(r["context"], r["kv_cache"], r["status"], r["batch"]) for r in rows] == [
+        (64, "fp8", "ok", 6), (64, "bf16", "ok", 6), (200, "fp8", "ok", 6), (200, "bf16", "ok", 6)]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    page = (tmp_path / "capacity.md").read_text()
+    assert "on 2 x cpu, data-parallel attention" in page
+    assert "`python -m snapmla_jax.bench capacity --tiny --devices 2 --batch-per-device 3" in page
+    assert "| 64 | fp8 | 3 | given | 6 |" in page
+
+
+def test_rows_that_fit_are_bounded_by_memory_and_by_the_int32_offsets():
+    v2_lite = MODEL_SHAPES["v2-lite"]  # 27 layers: 644 B (FP8) and 1152 B (BF16) a token a layer
+    gib = 2**30
+    pages = -(-(32768 + 9) // 64)
+    rows, limit = capacity.rows_that_fit(v2_lite, 40 * gib, 32768, 9, "bf16")
+    assert limit == "memory" and rows == 40 * gib // (pages * 64 * 27 * 1152)
+    # 200 GiB would hold 300+ FP8 rows; one layer's array on a device holds 2**31 - 1 latent elements.
+    rows, limit = capacity.rows_that_fit(v2_lite, 200 * gib, 32768, 9, "fp8")
+    assert limit == "int32 offsets" and rows == (2**31 - 1) // (pages * 64 * 512) == 127
+    assert capacity.rows_that_fit(v2_lite, None, 32768, 9, "fp8") == (127, "int32 offsets")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tiny", "--contexts", "0"], "--contexts: expected ints >= 1, got 0"),
+    (["--tiny", "--batch-per-device", "0"], "--batch-per-device: expected an int >= 1, got 0"),
+    (["--tiny", "--devices", "2"], "--devices: expected 1 to 1 (the devices JAX sees), got 2"),
+    (["--tiny", "--reserve-gib", "-1"], "--reserve-gib: expected a number >= 0, got -1.0"),
+    (["--tiny", "--backend", "xla"], "--batch-per-device: needed where the device reports no memory (a CPU)"),
+])
+def test_bad_flags_are_refused_naming_them(tmp_path, flags, message):
+    with pytest.raises(cli.UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        capacity.main([*flags, "--out", str(tmp_path)])
