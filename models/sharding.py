@@ -3,7 +3,8 @@ orbax loader (``load_checkpoint``) and the Hugging Face loader (``load_hf_checkp
 
 A placement is given as ``sharding=``:
 
-* None: every array on the default device (``jax.devices()[0]``);
+* None: every array on this process's first device (``jax.local_devices()[0]``: the default
+  device; under ``jax.distributed``, the first of its own);
 * one ``jax.sharding.Sharding`` for every array;
 * a function ``(path, jax.ShapeDtypeStruct) -> Sharding`` (or None for the default
   device), called once per array with its path in the model's state, e.g.
@@ -69,7 +70,7 @@ def resolve_sharding(sharding: ParamSharding, path: str, shape: tuple[int, ...],
     mesh does not divide, a spec longer than the array's rank).
     """
     if sharding is None:
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     if isinstance(sharding, jax.sharding.Sharding):
         return _fitting(sharding, path, shape)
     if not callable(sharding):
@@ -127,8 +128,18 @@ def shard_model(model: nnx.Module, sharding: ParamSharding) -> nnx.Module:
     graphdef, state = nnx.split(model)
     flat = flat_arrays(state)
     targets = {path: resolve_sharding(sharding, path, leaf.shape, leaf.dtype) for path, leaf in flat.items()}
-    fill_arrays(state, {path: jax.device_put(leaf, targets[path]) for path, leaf in flat.items()})
+    fill_arrays(state, {path: _put(leaf, targets[path]) for path, leaf in flat.items()})
     return merge_placed(graphdef, state)
+
+
+def _put(leaf: jax.Array, target: jax.sharding.Sharding) -> jax.Array:
+    """``leaf`` placed by ``target``. An array on this process's devices going to a placement
+    over several processes' devices (``jax.distributed``) goes through host memory: every process
+    holds the same model and hands over its own copy, as ``device_put`` of a host array expects
+    (a backend without cross-host transfers refuses the direct move)."""
+    if getattr(leaf, "is_fully_addressable", True) and not target.is_fully_addressable:
+        return jax.device_put(np.asarray(leaf), target)
+    return jax.device_put(leaf, target)
 
 
 def merge_placed(graphdef, state) -> nnx.Module:

@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from snapmla_jax import cli
 from snapmla_jax.backend import BACKENDS, resolve_backend
@@ -316,6 +317,14 @@ def check_cache_fits(model, lengths: Sequence[int], max_new_tokens: int, kv_cach
         fit_new_tokens=fit_new)
 
 
+def _to_host(x: jax.Array) -> np.ndarray:
+    """``x``'s value on this host; an array split over several processes' devices (a mesh under
+    ``jax.distributed``) is gathered from all of them."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def _prompt_bucket(max_len: int) -> int:
     return max(MIN_PROMPT_BUCKET, 1 << (max_len - 1).bit_length())
 
@@ -361,7 +370,7 @@ class GenerationStream:
             lengths = lengths + [1] * (self.rows - len(lengths))
         groups = 1 if mesh is None else mesh.size
         self.pages = allocate_pages(lengths, max_new_tokens, page_size=page_size, groups=groups)
-        budget = cache_budget(None if mesh is None else list(mesh.devices.flat))
+        budget = cache_budget(None if mesh is None else mesh.local_devices)
         for group, group_lengths in enumerate(np.split(np.asarray(lengths), groups)):
             try:
                 check_cache_fits(model, group_lengths, max_new_tokens, kv_cache, page_size, budget)
@@ -406,7 +415,7 @@ class GenerationStream:
         prefill, compile_s = _compiled(_prefill, static, args)
         start = time.perf_counter()
         first, caches = prefill(*args)
-        first = np.asarray(first)
+        first = _to_host(first)
         prefill_s = time.perf_counter() - start
         tokens = np.zeros((rows, self.max_new_tokens), np.int32)
         tokens[:, 0] = first
@@ -424,9 +433,9 @@ class GenerationStream:
             compile_s += seconds
             start = time.perf_counter()
             state = decode(*args)
-            new_step = int(state.step)
-            tokens = np.asarray(state.tokens)
-            finished = np.asarray(state.finished)
+            new_step = int(_to_host(state.step))
+            tokens = _to_host(state.tokens)
+            finished = _to_host(state.finished)
             decode_s += time.perf_counter() - start
             yield tokens[:batch, step:new_step]
             step = new_step

@@ -1,6 +1,7 @@
 """Data-parallel attention with expert parallelism (``snapmla_jax.data_parallel``,
 ``generate(..., mesh=)``): the tokens of one device, the experts' sums of one device, each
-device holding its own rows' pages.
+device holding its own rows' pages, and the same program over four processes under
+``jax.distributed``.
 
 Several CPU devices exist only in a fresh process (``cpu_devices``). These tests run the
 write and the decode attention with backend "xla": the Mosaic GPU interpreter keeps one
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cpu_devices import run_with_cpu_devices
+from cpu_devices import run_processes, run_with_cpu_devices
 from snapmla_jax import MLAConfig, MLAModel, generate
 from snapmla_jax.paging import allocate_pages
 
@@ -151,3 +152,47 @@ except ValueError as err:
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1].startswith(
         "mesh: 3 devices must divide the model's 8 routed experts (each device holds an equal share)")
+
+
+PROCESSES = """
+import json, sys
+import jax
+process, count, port, checkpoint = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+if count > 1:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives between CPU processes
+    jax.distributed.initialize(f"localhost:{port}", num_processes=count, process_id=process)
+import numpy as np
+from snapmla_jax import expert_sharding, generate, load_checkpoint
+rng = np.random.default_rng(1)
+prompts = [rng.integers(0, 97, n).tolist() for n in (1, 5, 70, 9, 130)]
+# Every process passes the same prompts; the mesh spans every process's device.
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",)) if count > 1 else None
+run = lambda model: generate(model, prompts, max_new_tokens=10, kv_cache="fp8", backend="xla", mesh=mesh)
+# Loaded whole in each process and placed by generate, or loaded straight into the mesh layout.
+out = {"loaded": run(load_checkpoint(checkpoint))}
+if mesh is not None:
+    out["placed"] = run(load_checkpoint(checkpoint, sharding=expert_sharding(mesh, "data")))
+print(json.dumps({"devices": jax.device_count(), "local": jax.local_device_count(), "tokens": out}))
+"""
+
+
+def test_four_processes_under_jax_distributed_give_the_tokens_of_one(tmp_path):
+    # The multi-host path: one process per device (here four processes of one CPU device each,
+    # talking through gloo), one global mesh; each process reads the whole result.
+    made = run_with_cpu_devices(1, ["-c", TINY_MOE + f"""
+from snapmla_jax import save_checkpoint
+save_checkpoint(model, {str(tmp_path / "ckpt")!r})
+"""])
+    assert made.returncode == 0, made.stderr[-3000:]
+    (one,) = run_processes(1, PROCESSES, tmp_path / "ckpt")
+    assert one.returncode == 0, one.stderr[-3000:]
+    results = run_processes(4, PROCESSES, tmp_path / "ckpt")
+    for result in results:
+        assert result.returncode == 0, result.stderr[-3000:]
+    want = json.loads(one.stdout.strip().splitlines()[-1])["tokens"]["loaded"]
+    assert min(len(set(row)) for row in want) >= 2  # not a constant stream
+    for result in results:
+        got = json.loads(result.stdout.strip().splitlines()[-1])
+        assert (got["devices"], got["local"]) == (4, 1)
+        # float32: the same tokens (the experts' sums reordered only).
+        assert got["tokens"] == {"loaded": want, "placed": want}
