@@ -325,6 +325,25 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def _check_caches_fit_each_device(model, lengths: list[int], max_new_tokens: int, kv_cache: str, page_size: int,
+                                  budget, groups: int) -> None:
+    """``check_cache_fits`` for each device's rows (``groups`` consecutive groups of ``lengths``):
+    BatchTooLarge for the device needing the most, with the new-token count at which every
+    device's rows fit (how many prompts would fit is not said: fewer prompts regroup the rows)."""
+    failures = []
+    for group, group_lengths in enumerate(np.split(np.asarray(lengths), groups)):
+        try:
+            check_cache_fits(model, group_lengths, max_new_tokens, kv_cache, page_size, budget)
+        except BatchTooLarge as err:
+            failures.append((group, len(group_lengths), err))
+    if not failures:
+        return
+    group, rows, worst = max(failures, key=lambda failure: failure[2].needed_bytes)
+    raise BatchTooLarge(f"mesh: device {group} holds rows {group * rows}-{group * rows + rows - 1}: {worst}",
+                        needed_bytes=worst.needed_bytes, budget_bytes=worst.budget_bytes, budget=worst.budget,
+                        fit_prompts=0, fit_new_tokens=min(err.fit_new_tokens for _, _, err in failures))
+
+
 def _prompt_bucket(max_len: int) -> int:
     return max(MIN_PROMPT_BUCKET, 1 << (max_len - 1).bit_length())
 
@@ -371,16 +390,10 @@ class GenerationStream:
         groups = 1 if mesh is None else mesh.size
         self.pages = allocate_pages(lengths, max_new_tokens, page_size=page_size, groups=groups)
         budget = cache_budget(None if mesh is None else mesh.local_devices)
-        for group, group_lengths in enumerate(np.split(np.asarray(lengths), groups)):
-            try:
-                check_cache_fits(model, group_lengths, max_new_tokens, kv_cache, page_size, budget)
-            except BatchTooLarge as err:
-                if mesh is None:
-                    raise
-                first = group * len(group_lengths)
-                raise BatchTooLarge(f"mesh: device {group} holds rows {first}-{first + len(group_lengths) - 1}; {err}",
-                                    needed_bytes=err.needed_bytes, budget_bytes=err.budget_bytes, budget=err.budget,
-                                    fit_prompts=err.fit_prompts, fit_new_tokens=err.fit_new_tokens) from None
+        if mesh is None:
+            check_cache_fits(model, lengths, max_new_tokens, kv_cache, page_size, budget)
+        else:
+            _check_caches_fit_each_device(model, lengths, max_new_tokens, kv_cache, page_size, budget, groups)
         self.model = model
         self.max_new_tokens = max_new_tokens
         self.kv_cache = kv_cache
@@ -664,8 +677,11 @@ def _too_large(err: BatchTooLarge, args, count: int) -> cli.UsageError:
         parts = ([f"the first {err.fit_prompts} prompts"] if err.fit_prompts else []) + (
             [f"all {count} with --max-new-tokens {err.fit_new_tokens}"] if err.fit_new_tokens else [])
         fits = " or ".join(parts) + " would fit" if parts else "not even the first prompt fits"
+    devices = args.devices or 1
+    where = f" on one of the {devices} devices (each holds its share of the prompts)" if devices > 1 else ""
     return cli.UsageError(f"{source}: {what} with --max-new-tokens {args.max_new_tokens} need "
-                       f"{err.needed_bytes / GIB:.2f} GiB of {args.kv_cache} KV cache, more than {err.budget}; {fits}")
+                          f"{err.needed_bytes / GIB:.2f} GiB of {args.kv_cache} KV cache{where}, more than {err.budget}; "
+                          f"{fits}")
 
 
 def _finite_or_none(value: float) -> float | None:

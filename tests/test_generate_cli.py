@@ -354,3 +354,25 @@ def test_bad_devices_exit_2_naming_the_flag(capsys, flags, message):
     code, out, err = _run(capsys, "--prompt", "def ", *flags)
     assert code == 2 and out == ""
     assert message in err and err.count("\n") == 1, err
+
+
+BUDGET_ON_TWO_DEVICES = """
+import sys
+import snapmla_jax.generate as g
+# Three pages of the demo model's fp8 cache a device (4 layers x 64 tokens x 644 B a page).
+g.cache_budget = lambda devices=None: (3 * 4 * 64 * 644, "a 3-page test budget")
+sys.exit(g.main(["--batch-file", sys.argv[1], "--max-new-tokens", "200", "--devices", "2", "--backend", "xla"]))
+"""
+
+
+def test_devices_whose_share_of_the_cache_does_not_fit_exit_2_saying_what_would(tmp_path):
+    batch = tmp_path / "prompts.txt"
+    batch.write_text("def \nThe river\nimport numpy as\n")  # rows 0-1 on device 0, row 2 and a padding row on 1
+    result = run_with_cpu_devices(2, ["-c", BUDGET_ON_TWO_DEVICES, batch])
+    assert result.returncode == 2, result.stderr[-3000:]
+    # 200 new tokens: 4 pages a row, 8 a device; 60 new tokens keep every row in one page (2 a device).
+    assert result.stderr.startswith("snapmla_jax.generate: error: --batch-file: 3 prompts with --max-new-tokens "
+                                    "200 need 0.00 GiB of fp8 KV cache on one of the 2 devices (each holds its "
+                                    "share of the prompts), more than a 3-page test budget; all 3 with "
+                                    "--max-new-tokens"), result.stderr
+    assert result.stderr.count("\n") == 1
