@@ -35,9 +35,9 @@ of three ways (``MoE.__call__`` picks by the token count T, a static shape):
   placements (``models.sharding``, the loaders' ``sharding=``) turn it off
   there (``match_dispatch_to_placement``).
 
-Expert parallelism (``expert_axis``, set by ``set_expert_axis``): inside ``jax.shard_map`` over a
-mesh axis whose devices each hold E / N of the experts (``models.sharding.expert_sharding``)
-and their own rows of the batch (``snapmla_jax.data_parallel``), a layer gathers every
+Expert parallelism (``expert_axis``, set by ``snapmla_jax.data_parallel.place_model``): inside
+``jax.shard_map`` over a mesh axis whose devices each hold E / N of the experts
+(``models.sharding.expert_sharding``) and their own rows of the batch, a layer gathers every
 device's tokens (``all_gather``), routes them all (the router is replicated, so every device
 makes the same choice), runs its own experts on the assignments that chose them (the others get
 gate weight 0) and returns each device its tokens' sums over all experts (``psum_scatter``, in
