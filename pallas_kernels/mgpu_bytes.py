@@ -88,6 +88,13 @@ def _swizzled_offset(row, byte_col, *, tiles_per_row: int = 1):
                       arith.addi(arith.shli(chunk, c32(4)), arith.andi(in_row, c32(15))))
 
 
+def _byte_addressing(ref) -> tuple:
+    """(i8, i32, c32, base) for the inline byte loads and stores below: the two integer types, a
+    maker of i32 constants and the pointer to ``ref``'s first byte."""
+    i32 = ir.IntegerType.get_signless(32)
+    return ir.IntegerType.get_signless(8), i32, (lambda v: mgpu_utils.c(v, i32)), mgpu_utils.memref_ptr(ref)
+
+
 def load_vt_quads(chunk_ref, tile: int, visible=None) -> jax.Array:
     """V^T of 64 features of a step's V chunk, as the 8-bit register A operand of an FP8 wgmma:
     e4m3 [64, 128] in the 8-bit WGMMA layout, row r holding feature 64 tile + ``vt_feature(r)``
@@ -114,15 +121,12 @@ def load_vt_quads(chunk_ref, tile: int, visible=None) -> jax.Array:
     @plgpu.inline_mgpu(arg_types=arg_types, return_type=result)
     def load(ctx, src, *visible_fa):
         del ctx
-        i8 = ir.IntegerType.get_signless(8)
-        i32 = ir.IntegerType.get_signless(32)
-        c32 = lambda v: mgpu_utils.c(v, i32)
         layout = mgpu.WGMMA_LAYOUT_8BIT
         reg_ty = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
         regs_shape = layout.registers_shape((64, 128))
         if regs_shape != (1, 8, 1, 1, 2, 1, 1, 1, 1):
             raise NotImplementedError(f"load_vt_quads: unexpected 8-bit WGMMA registers {regs_shape}")
-        base = mgpu_utils.memref_ptr(src)
+        i8, i32, c32, base = _byte_addressing(src)
         tid = mgpu_utils.thread_idx()
         lane = arith.andi(tid, c32(31))
         warp = arith.andi(arith.shrui(tid, c32(5)), c32(3))
@@ -189,10 +193,7 @@ def store_quads(values: jax.Array, dst_ref, lane: int | None) -> None:
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(BYTE_TILE_TRANSFORMS)))
     def store(ctx, values_fa, dst):
         del ctx
-        i8 = ir.IntegerType.get_signless(8)
-        i32 = ir.IntegerType.get_signless(32)
-        c32 = lambda v: mgpu_utils.c(v, i32)
-        base = mgpu_utils.memref_ptr(dst)
+        i8, i32, c32, base = _byte_addressing(dst)
         lane_value = (arith.andi(mgpu_utils.warpgroup_idx(), c32(1)) if lane is None else c32(lane))
         regs = values_fa.registers
         if regs.shape != (1, 8, 1, 1, 2, 1, 1, 1, 1):
@@ -242,10 +243,7 @@ def store_token_bytes(values: jax.Array, dst_ref) -> None:
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(BYTE_TILE_TRANSFORMS)))
     def store(ctx, values_fa, dst):
         del ctx
-        i8 = ir.IntegerType.get_signless(8)
-        i32 = ir.IntegerType.get_signless(32)
-        c32 = lambda v: mgpu_utils.c(v, i32)
-        base = mgpu_utils.memref_ptr(dst)
+        i8, i32, c32, base = _byte_addressing(dst)
         first_row = arith.shli(arith.andi(mgpu_utils.warpgroup_idx(), c32(1)), c32(6))
         regs = values_fa.registers
         idxs = list(values_fa.layout.thread_idxs((64, num_rows)))
@@ -293,12 +291,9 @@ def store_feature_pairs(values: jax.Array, dst_ref) -> None:
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(output_transforms(out_dtype))))
     def store(ctx, values_fa, dst):
         del ctx
-        i8 = ir.IntegerType.get_signless(8)
-        i32 = ir.IntegerType.get_signless(32)
-        c32 = lambda v: mgpu_utils.c(v, i32)
         f32 = ir.F32Type.get()
         bf16 = ir.BF16Type.get()
-        base = mgpu_utils.memref_ptr(dst)
+        i8, i32, c32, base = _byte_addressing(dst)
         regs = values_fa.registers
         if regs.shape != (1, num_rows // 8, 1, 1, 2, 1, 1, 1, 1):
             raise NotImplementedError(f"store_feature_pairs: unexpected WGMMA registers {regs.shape}")
