@@ -98,13 +98,17 @@ def weight_bytes(cfg: MLAConfig, *, fp8_weights: bool, dtype=jnp.bfloat16) -> We
     return WeightBytes(replicated=sum(map(nbytes, arrays.values())) - experts, experts=experts)
 
 
+def row_bytes(cfg: MLAConfig, tokens: int, kv_cache: str) -> int:
+    """Bytes of one row's caches holding ``tokens`` tokens: whole pages of 64, every layer."""
+    return math.ceil(tokens / PAGE_SIZE) * PAGE_SIZE * cfg.num_hidden_layers * CACHE_TOKEN_BYTES[kv_cache]
+
+
 def rows_per_device(cfg: MLAConfig, weights: WeightBytes, *, devices: int, device_gib: float, reserve_gib: float,
                     context: int, kv_cache: str) -> int:
     """Decode rows of ``context`` tokens one device holds the caches of (0 when the weights and the
     reserve leave no room); pages of 64 tokens, every layer's cache."""
     free = device_gib * GIB - reserve_gib * GIB - weights.per_device(devices)
-    row = math.ceil(context / PAGE_SIZE) * PAGE_SIZE * cfg.num_hidden_layers * CACHE_TOKEN_BYTES[kv_cache]
-    return max(0, int(free // row))
+    return max(0, int(free // row_bytes(cfg, context, kv_cache)))
 
 
 def capacity_table(cfg: MLAConfig, *, devices: int, device_gib: float, reserve_gib: float, contexts: Sequence[int],

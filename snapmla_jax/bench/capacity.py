@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +34,8 @@ from flax import nnx
 from snapmla_jax import cli, data_parallel
 from snapmla_jax.backend import BACKENDS
 from snapmla_jax.bench import e2e, timing
-from snapmla_jax.cache import MAX_CACHE_ELEMENTS, LatentCache
-from snapmla_jax.capacity import CACHE_DTYPES, CACHE_TOKEN_BYTES, MODEL_SHAPES, RESERVE_GIB
+from snapmla_jax.cache import MAX_CACHE_ELEMENTS
+from snapmla_jax.capacity import CACHE_DTYPES, MODEL_SHAPES, RESERVE_GIB, row_bytes
 from snapmla_jax.generate import DecodeState, decode_chunk
 from snapmla_jax.paging import allocate_pages
 from snapmla_jax.sampling import SamplingConfig
@@ -53,8 +52,7 @@ def rows_that_fit(cfg, free_bytes: int | None, context: int, total_steps: int, k
     by_offsets = MAX_CACHE_ELEMENTS // (pages * PAGE_SIZE * cfg.kv_lora_rank)
     if free_bytes is None:
         return by_offsets, "int32 offsets"
-    row_bytes = pages * PAGE_SIZE * cfg.num_hidden_layers * CACHE_TOKEN_BYTES[kv_cache]
-    by_memory = max(0, free_bytes // row_bytes)
+    by_memory = max(0, free_bytes // row_bytes(cfg, context + total_steps, kv_cache))
     return (by_memory, "memory") if by_memory <= by_offsets else (by_offsets, "int32 offsets")
 
 
@@ -69,30 +67,16 @@ def free_bytes_per_device(devices) -> int | None:
     return min(free)
 
 
-def filled_caches(cfg, pages_per_device: int, kv_cache: str, mesh) -> tuple:
-    """Per-layer caches of ``pages_per_device`` pages on each device, holding constant finite values."""
-    def one():
-        shape = (pages_per_device, PAGE_SIZE)
-        rope = jnp.full((*shape, cfg.qk_rope_head_dim), 0.5, jnp.bfloat16)
-        if kv_cache == "fp8":
-            return LatentCache(jnp.full((*shape, cfg.kv_lora_rank), 0.5, jnp.float8_e4m3fn),
-                               jnp.full(shape, 1 / 448, jnp.float32), rope)
-        return LatentCache(jnp.full((*shape, cfg.kv_lora_rank), 0.5, jnp.bfloat16), None, rope)
-    make = jax.jit(one) if mesh is None else jax.jit(jax.shard_map(
-        one, mesh=mesh, in_specs=(), out_specs=jax.sharding.PartitionSpec(mesh.axis_names[0]), check_vma=False))
-    return tuple(make() for _ in range(cfg.num_hidden_layers))
-
-
 def decode_tokens_per_s(model, mesh, per_device: int, context: int, kv_cache: str, *, steps: int, iters: int,
                         backend: str) -> dict:
     """Time ``generate``'s decode loop for ``per_device`` rows a device of ``context`` cached tokens."""
     devices = 1 if mesh is None else mesh.size
     batch = per_device * devices
-    total_steps = 1 + (iters + 1) * steps
+    total_steps = 1 + (iters + 1) * steps  # the warm-up call and the timed ones
     pages = allocate_pages([context] * batch, total_steps, page_size=PAGE_SIZE, groups=devices)
     put = jnp.asarray if mesh is None else (lambda x: jax.device_put(x, data_parallel.rows_sharding(mesh)))
     graphdef, params = nnx.split(model)
-    caches = filled_caches(model.cfg, pages.num_pages, kv_cache, mesh)
+    caches = e2e.filled_caches(model.cfg, pages.num_pages, kv_cache, mesh)
     state = {"s": DecodeState(caches=caches, tokens=put(np.ones((batch, total_steps), np.int32)),
                               step=jnp.asarray(1, jnp.int32), finished=put(np.zeros(batch, bool)))}
     del caches
@@ -104,23 +88,15 @@ def decode_tokens_per_s(model, mesh, per_device: int, context: int, kv_cache: st
                                   sampling=SamplingConfig(), eos_id=None, backend=backend, mesh=mesh)
         int(state["s"].step)
 
-    start = time.perf_counter()
-    call()  # compilation and warm-up
-    compile_s = time.perf_counter() - start
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        call()
-        samples.append((time.perf_counter() - start) / steps * 1e3)
+    step_ms = e2e.timed_calls(call, iters) / steps * 1e3  # the first call compiles and warms up
     state.clear()
     gc.collect()
-    step_ms = float(np.median(samples))
-    return dict(step_ms=step_ms, tokens_per_s=batch / step_ms * 1e3, batch=batch, compile_s=compile_s)
+    return dict(step_ms=step_ms, tokens_per_s=batch / step_ms * 1e3, batch=batch)
 
 
 def markdown(env: dict, rows: list[dict]) -> str:
     memory = env["xla_mem_fraction"]
-    lines = [f"# Decode throughput at capacity, FP8 against BF16 cache\n",
+    lines = ["# Decode throughput at capacity, FP8 against BF16 cache\n",
              f"{env['model']} ({env['params_b']:.1f}B parameters, random bf16 weights, {env['weights_gib']:.1f} GiB "
              f"a device) on " + (f"one {env['device']}" if env["devices"] == 1 else
                                  f"{env['devices']} x {env['device']}, data-parallel attention with the routed experts "

@@ -135,8 +135,10 @@ def make_plans(cfg: MLAConfig, batches, contexts, total_steps: int, free: int | 
     return plans
 
 
-def filled_caches(cfg: MLAConfig, num_pages: int, kv_cache: str) -> tuple:
-    """Per-layer caches holding constant finite values (the kernels' time does not depend on them)."""
+def filled_caches(cfg: MLAConfig, num_pages: int, kv_cache: str, mesh: jax.sharding.Mesh | None = None) -> tuple:
+    """Per-layer caches holding constant finite values (the kernels' time does not depend on them).
+    ``mesh``: ``num_pages`` pages on each of its devices, the page axis split over it, each device
+    making its own (``data_parallel.create_caches``' layout)."""
     def one():
         pages = (num_pages, PAGE_SIZE)
         if kv_cache == "fp8":
@@ -145,7 +147,8 @@ def filled_caches(cfg: MLAConfig, num_pages: int, kv_cache: str) -> tuple:
         else:
             latent, scale = jnp.full((*pages, cfg.kv_lora_rank), 0.5, jnp.bfloat16), None
         return LatentCache(latent=latent, scale=scale, rope=jnp.full((*pages, cfg.qk_rope_head_dim), 0.5, jnp.bfloat16))
-    make = jax.jit(one)
+    make = jax.jit(one) if mesh is None else jax.jit(jax.shard_map(
+        one, mesh=mesh, in_specs=(), out_specs=jax.sharding.PartitionSpec(mesh.axis_names[0]), check_vma=False))
     return tuple(make() for _ in range(cfg.num_hidden_layers))
 
 
@@ -257,7 +260,7 @@ def moe_dispatch(model) -> dict:
     return {"dense_moe_tokens": token_range, "gather_moe_tokens": gather_max}
 
 
-def _timed_calls(call, iters: int) -> float:
+def timed_calls(call, iters: int) -> float:
     """Median seconds of ``call()`` (which synchronises) over ``iters`` calls after one warm-up call."""
     call()
     samples = []
@@ -334,7 +337,7 @@ class Runner:
         decode, attention = programs["decode"].result(), programs["attention"].result()
         holder = {"caches": filled_caches(self.cfg, plan.num_pages, plan.kv_cache)}
         x = jnp.ones((batch, 1, self.cfg.hidden_size), self.model.dtype)
-        ffn_ms = _timed_calls(lambda: ffn.result()(self.params, x).block_until_ready(), self.iters) * 1e3
+        ffn_ms = timed_calls(lambda: ffn.result()(self.params, x).block_until_ready(), self.iters) * 1e3
         key = jax.random.key(0)
         rows = []
         for context in plan.contexts:
@@ -346,7 +349,7 @@ class Runner:
                 state["s"] = decode(self.params, state["s"], lengths, table, key, stop)
                 int(state["s"].step)
 
-            step_ms = _timed_calls(decode_call, self.iters) / self.steps * 1e3
+            step_ms = timed_calls(decode_call, self.iters) / self.steps * 1e3
             launches = timing.kernel_times_us(decode_call, (), calls=PROFILE_CALLS) if self.profile else {}
             holder["caches"] = state.pop("s").caches
             positions = np.full(batch, context)
@@ -359,7 +362,7 @@ class Runner:
                                                   vectors["q_latent"], vectors["q_rope"], table, seq_lens)
                 out.block_until_ready()
 
-            attention_ms = _timed_calls(attention_call, max(self.iters, 5)) * 1e3
+            attention_ms = timed_calls(attention_call, max(self.iters, 5)) * 1e3
             rows.append(dict(batch=batch, context=context, kv_cache=plan.kv_cache, status="ok", step_ms=step_ms,
                              tokens_per_s=batch / step_ms * 1e3, attention_ms=attention_ms,
                              attention_share=attention_ms / step_ms, ffn_ms=ffn_ms, ffn_share=ffn_ms / step_ms,
