@@ -34,15 +34,27 @@ from snapmla_jax.quantization import FP8_DTYPE, dequantize_per_token
 
 CacheDType = Literal["fp8", "bf16"]
 CACHE_DTYPES = ("fp8", "bf16")
-# Pallas kernels address cache elements with int32 offsets.
-MAX_CACHE_ELEMENTS = 2**31 - 1
-INT32_LIMIT = "the Pallas kernels' int32 offsets address at most 2**31 - 1 latent elements"
+# Every kernel names a token row with an int32 (slot ids, a layer's first row, TMA coordinates,
+# the scale plane's index): one cache array holds at most this many token slots over its layers.
+MAX_TOKEN_SLOTS = 2**31 - 1
+# The Triton kernels (decode's small-problem FP8 kernel and its BF16 twin up to 16 query rows,
+# ``snapmla_jax.decode.default_config``) address latent *elements* with int32 offsets: past this
+# the FP8 one reads out of bounds (an illegal address on an H100). The Mosaic GPU kernels address
+# rows by TMA coordinates and pass it: compiled on an H100, decode (FP8 16 and 128 heads, the
+# BF16 twin) and write_kv over a latent array of 2.29e9 elements gave the same bits as over a
+# small pool (tests/test_large_cache.py, under ``pytest -m gpu``).
+TRITON_MAX_ELEMENTS = 2**31 - 1
+INT32_LIMIT = "one cache array holds at most 2**31 - 1 token slots (int32 row indices)"
+TRITON_LIMIT = "the Triton kernels' int32 offsets address at most 2**31 - 1 latent elements"
 
 
-def kernel_addressable(token_slots: int, kv_lora_rank: int) -> bool:
-    """Whether a latent array of ``token_slots`` x ``kv_lora_rank`` elements (all layers of
-    one cache array) is within the kernels' int32 offsets."""
-    return token_slots * kv_lora_rank <= MAX_CACHE_ELEMENTS
+def kernel_addressable(token_slots: int, kv_lora_rank: int, *, triton: bool = False) -> bool:
+    """Whether one cache array of ``token_slots`` x ``kv_lora_rank`` (all its layers) is within the
+    kernels' int32 indices: its token rows for every kernel, and with ``triton`` its latent
+    elements too (the Triton kernels' offsets)."""
+    if token_slots > MAX_TOKEN_SLOTS:
+        return False
+    return not triton or token_slots * kv_lora_rank <= TRITON_MAX_ELEMENTS
 
 
 @jax.tree_util.register_dataclass
@@ -67,8 +79,8 @@ class LatentCache:
         """An empty (zero-filled) cache. ``num_layers=None``: no layer axis.
 
         Raises ValueError for a non-positive size, an unknown ``dtype``, or a
-        cache whose latent array exceeds 2**31 - 1 elements (the kernels use
-        int32 offsets: hold layers in separate caches instead).
+        cache of more than 2**31 - 1 token slots over its layers (the kernels'
+        int32 row indices: hold layers in separate caches instead).
         """
         for name, value in (("num_pages", num_pages), ("page_size", page_size),
                             ("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):
@@ -166,15 +178,21 @@ def check_layer(cache: LatentCache, layer) -> None:
         raise ValueError(f"layer: expected an int in [0, {cache.num_layers}), got {value}")
 
 
-def check_kernel_addressable(cache: LatentCache) -> None:
-    """ValueError if the Pallas kernels cannot address ``cache``: its latent array
-    holds more than 2**31 - 1 elements, beyond their int32 offsets (an
-    out-of-bounds access on the GPU otherwise). LatentCache.create refuses such
-    caches; this catches ones assembled from arrays."""
-    if cache.latent.size > MAX_CACHE_ELEMENTS:
-        raise ValueError(f"cache: its latent array {list(cache.latent.shape)} holds {cache.latent.size} elements, "
-                         f"too many: {INT32_LIMIT}; split it (one cache per layer, fewer pages) or use "
-                         "backend='xla'")
+def check_kernel_addressable(cache: LatentCache, *, triton: bool = False) -> None:
+    """ValueError if the kernels cannot address ``cache`` (``kernel_addressable``; ``triton``:
+    a Triton kernel will read it), rather than an out-of-bounds access on the GPU.
+    LatentCache.create refuses too many token slots; this also catches caches assembled from
+    arrays."""
+    slots = cache.num_slots * (cache.num_layers or 1)
+    if kernel_addressable(slots, cache.kv_lora_rank, triton=triton):
+        return
+    if slots > MAX_TOKEN_SLOTS:
+        raise ValueError(f"cache: its latent array {list(cache.latent.shape)} holds {slots} token slots, too many: "
+                         f"{INT32_LIMIT}; split it (one cache per layer, fewer pages)")
+    raise ValueError(f"cache: its latent array {list(cache.latent.shape)} holds {cache.latent.size} elements, "
+                     f"too many for the Triton kernel this call runs: {TRITON_LIMIT}; on a Hopper GPU with "
+                     "page_size 64 the Mosaic GPU kernels take it (config=None or DecodeConfig(kernel='mosaic')), "
+                     "else split it or use backend='xla'")
 
 
 def dequantize(cache: LatentCache, *, layer: int | jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

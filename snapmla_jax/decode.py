@@ -26,7 +26,8 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import BLOCK_ROWS as MOSAIC_SMALL_BLOCK_ROWS
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
 from snapmla_jax.backend import resolve_backend
-from snapmla_jax.cache import LatentCache, check_kernel_addressable, check_layer
+from snapmla_jax.cache import (MAX_TOKEN_SLOTS, TRITON_MAX_ELEMENTS, LatentCache, check_kernel_addressable, check_layer,
+                               kernel_addressable)
 
 H100_SMS = 132  # SM count assumed when no GPU is visible (interpret mode, planning)
 # Query rows (s_q x H) a batch row up to which a compiled bf16 cache keeps the Triton BF16
@@ -208,12 +209,31 @@ def default_config(cache: LatentCache, backend: str, num_rows: int | None = None
     (Triton) or 128 (Mosaic), so their outputs differ by e4m3 rounding noise
     only (relative L2 ~1e-3 on the bench).
     """
-    mosaic = backend == "pallas" and cache.page_size == MOSAIC_PAGE and _on_hopper()
+    mosaic = mosaic_runs(cache.page_size, backend)
+    # A cache past the Triton kernels' int32 element offsets goes to a Mosaic kernel whatever its size.
+    triton_takes = kernel_addressable(cache.num_slots * (cache.num_layers or 1), cache.kv_lora_rank, triton=True)
     if cache.dtype != "fp8":
-        return MOSAIC_CONFIG if mosaic and (num_rows or 0) > TRITON_BF16_MAX_ROWS else BF16_CONFIG
+        return MOSAIC_CONFIG if mosaic and ((num_rows or 0) > TRITON_BF16_MAX_ROWS or not triton_takes) else BF16_CONFIG
     small = (num_rows is not None and capacity_tokens is not None and num_rows <= TRITON_FP8_MAX_ROWS
-             and capacity_tokens <= TRITON_FP8_MAX_TOKENS)
+             and capacity_tokens <= TRITON_FP8_MAX_TOKENS and triton_takes)
     return MOSAIC_CONFIG if mosaic and not small else FP8_CONFIG
+
+
+def mosaic_runs(page_size: int, backend: str) -> bool:
+    """Whether ``mla_decode`` can run its Mosaic GPU kernels for a cache of ``page_size`` under the
+    resolved ``backend``: compiled ("pallas") on a Hopper GPU, 64-token pages."""
+    return backend == "pallas" and page_size == MOSAIC_PAGE and _on_hopper()
+
+
+def max_token_slots(kv_lora_rank: int, page_size: int, backend: str = "auto") -> int:
+    """The most token slots one cache array (all its layers) may hold for ``mla_decode`` and
+    ``write_kv`` under ``backend``: 2**31 - 1 where the Mosaic GPU kernels or XLA run
+    (``default_config`` routes a cache too large for the Triton kernels to a Mosaic one), else
+    what the Triton kernels' int32 element offsets address."""
+    backend = resolve_backend(backend)
+    if backend == "xla" or mosaic_runs(page_size, backend):
+        return MAX_TOKEN_SLOTS
+    return TRITON_MAX_ELEMENTS // kv_lora_rank
 
 
 def config_for(config: DecodeConfig | None, cache: LatentCache, backend: str, q_latent: jax.Array,
@@ -306,7 +326,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
                                         block_n=MOSAIC_STEP if mosaic else tokens_per_block(cache.page_size, config))
         return (out, lse) if return_lse else out
 
-    check_kernel_addressable(cache)
+    check_kernel_addressable(cache, triton=not mosaic)
     num_rows = s_q * heads
     block_m = block_rows(num_rows, config, cache.dtype)
     # The Mosaic kernels pad the rows to whole blocks themselves, in one launch with other inputs

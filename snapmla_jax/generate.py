@@ -61,7 +61,8 @@ from jax.experimental import multihost_utils
 
 from snapmla_jax import cli
 from snapmla_jax.backend import BACKENDS, resolve_backend
-from snapmla_jax.cache import CACHE_DTYPES, MAX_CACHE_ELEMENTS
+from snapmla_jax.cache import CACHE_DTYPES
+from snapmla_jax.decode import max_token_slots
 from snapmla_jax import data_parallel
 from snapmla_jax.paging import allocate_pages
 from snapmla_jax.sampling import SamplingConfig, sample
@@ -287,16 +288,15 @@ def _pages(lengths: np.ndarray, new_tokens: int, page_size: int) -> np.ndarray:
 
 
 def check_cache_fits(model, lengths: Sequence[int], max_new_tokens: int, kv_cache: str, page_size: int,
-                     budget: tuple[int, str] | None) -> None:
+                     budget: tuple[int, str] | None, backend: str = "auto") -> None:
     """BatchTooLarge unless the per-layer caches for prompts of ``lengths`` plus ``max_new_tokens``
-    fit ``budget`` (``cache_budget()``; None: not checked) and the kernels' int32 offsets
-    (one layer's latent array at most 2**31 - 1 elements, whatever the memory)."""
+    fit ``budget`` (``cache_budget()``; None: not checked) and what the kernels ``backend`` runs
+    address (``decode.max_token_slots``: one layer's cache array, whatever the memory)."""
     lengths = np.asarray(lengths, np.int64)
     one_page = jax.eval_shape(lambda: model.init_cache(1, page_size, kv_cache=kv_cache))
     page_bytes = sum(c.nbytes for c in one_page)
-    rank = model.cfg.kv_lora_rank
-    fit_pages = MAX_CACHE_ELEMENTS // (page_size * rank)
-    limit = f"{fit_pages} pages of {page_size} tokens (one layer's latent array holds at most 2**31 - 1 elements)"
+    fit_pages = max_token_slots(model.cfg.kv_lora_rank, page_size, backend) // page_size
+    limit = f"{fit_pages} pages of {page_size} tokens (what the kernels address in one layer's cache array)"
     if budget is not None and budget[0] // page_bytes < fit_pages:
         fit_pages, limit = budget[0] // page_bytes, budget[1]
     pages = _pages(lengths, max_new_tokens, page_size)
@@ -326,14 +326,14 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def _check_caches_fit_each_device(model, lengths: list[int], max_new_tokens: int, kv_cache: str, page_size: int,
-                                  budget, groups: int) -> None:
+                                  budget, groups: int, backend: str = "auto") -> None:
     """``check_cache_fits`` for each device's rows (``groups`` consecutive groups of ``lengths``):
     BatchTooLarge for the device needing the most, with the new-token count at which every
     device's rows fit (how many prompts would fit is not said: fewer prompts regroup the rows)."""
     failures = []
     for group, group_lengths in enumerate(np.split(np.asarray(lengths), groups)):
         try:
-            check_cache_fits(model, group_lengths, max_new_tokens, kv_cache, page_size, budget)
+            check_cache_fits(model, group_lengths, max_new_tokens, kv_cache, page_size, budget, backend)
         except BatchTooLarge as err:
             failures.append((group, len(group_lengths), err))
     if not failures:
@@ -391,9 +391,9 @@ class GenerationStream:
         self.pages = allocate_pages(lengths, max_new_tokens, page_size=page_size, groups=groups)
         budget = cache_budget(None if mesh is None else mesh.local_devices)
         if mesh is None:
-            check_cache_fits(model, lengths, max_new_tokens, kv_cache, page_size, budget)
+            check_cache_fits(model, lengths, max_new_tokens, kv_cache, page_size, budget, backend)
         else:
-            _check_caches_fit_each_device(model, lengths, max_new_tokens, kv_cache, page_size, budget, groups)
+            _check_caches_fit_each_device(model, lengths, max_new_tokens, kv_cache, page_size, budget, groups, backend)
         self.model = model
         self.max_new_tokens = max_new_tokens
         self.kv_cache = kv_cache

@@ -103,7 +103,7 @@ def write_kv(cache: LatentCache, latent: jax.Array, k_rope: jax.Array, slot_mapp
     _validate(cache, latent, k_rope, slot_mapping, layer)
     backend = resolve_backend(backend)
     if backend != "xla":
-        check_kernel_addressable(cache)
+        check_kernel_addressable(cache)  # token rows: the write kernel is Mosaic GPU (TMA row coordinates)
     if backend == "xla" or not kernel_takes(cache.kv_lora_rank, cache.rope_dim):
         scatter = write_kv_reference
     else:

@@ -28,16 +28,17 @@ def test_capacity_bench_times_both_caches_data_parallel_on_two_devices(tmp_path)
     assert "| 64 | fp8 | 3 | given | 6 |" in page
 
 
-def test_rows_that_fit_are_bounded_by_memory_and_by_the_int32_offsets():
+def test_rows_that_fit_are_bounded_by_memory_and_by_the_int32_rows():
     v2_lite = MODEL_SHAPES["v2-lite"]  # 27 layers: 644 B (FP8) and 1152 B (BF16) a token a layer
     gib = 2**30
     pages = -(-(32768 + 9) // 64)
     rows, limit = capacity.rows_that_fit(v2_lite, 40 * gib, 32768, 9, "bf16")
     assert limit == "memory" and rows == 40 * gib // (pages * 64 * 27 * 1152)
-    # 200 GiB would hold 300+ FP8 rows; one layer's array on a device holds 2**31 - 1 latent elements.
+    # 200 GiB holds 376 FP8 rows: past the Triton kernels' 2**31 - 1 latent elements (127 rows),
+    # which the compiled kernels on a Hopper GPU do not have.
     rows, limit = capacity.rows_that_fit(v2_lite, 200 * gib, 32768, 9, "fp8")
-    assert limit == "int32 offsets" and rows == (2**31 - 1) // (pages * 64 * 512) == 127
-    assert capacity.rows_that_fit(v2_lite, None, 32768, 9, "fp8") == (127, "int32 offsets")
+    assert limit == "memory" and rows == 200 * gib // (pages * 64 * 27 * 644) == 376
+    assert capacity.rows_that_fit(v2_lite, None, 32768, 9, "fp8") == ((2**31 - 1) // (pages * 64), "int32 rows")
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -54,7 +54,7 @@ def test_dequantize_multiplies_by_the_token_scale():
     (dict(num_pages=2, page_size=-1), "page_size"),
     (dict(num_pages=2, dtype="int8"), "dtype"),
     (dict(num_pages=2, num_layers=0), "num_layers"),
-    (dict(num_pages=2**20, page_size=64, num_layers=2), "num_pages"),
+    (dict(num_pages=2**24, page_size=64, num_layers=2), "num_pages"),  # 2**31 token slots
 ])
 def test_create_rejects_bad_arguments_by_name(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -67,45 +67,77 @@ def test_dequantize_checks_layer():
         dequantize(cache, layer=2)
 
 
-def test_kernels_refuse_a_cache_beyond_int32_offsets():
-    """A cache assembled from arrays larger than 2**31 - 1 latent elements (e.g. B=128 x 64k
-    tokens of one layer) must fail with a ValueError naming
-    the cache, not run off the end of the kernels' int32 offsets on the GPU.
-    Checked on shapes only (eval_shape: nothing is allocated)."""
-    from snapmla_jax.decode import mla_decode
-    from snapmla_jax.write import write_kv
+def _abstract_cache(pages: int, dtype: str = "fp8") -> LatentCache:
+    """A one-layer cache of ``pages`` pages of 64 tokens, as shapes only (nothing allocated)."""
+    latent = jnp.float8_e4m3fn if dtype == "fp8" else jnp.bfloat16
+    return LatentCache(latent=jax.ShapeDtypeStruct((pages, 64, 512), latent),
+                       scale=jax.ShapeDtypeStruct((pages, 64), jnp.float32) if dtype == "fp8" else None,
+                       rope=jax.ShapeDtypeStruct((pages, 64, 64), jnp.bfloat16))
 
-    def cache_of(pages):
-        return LatentCache(latent=jax.ShapeDtypeStruct((pages, 64, 512), jnp.float8_e4m3fn),
-                           scale=jax.ShapeDtypeStruct((pages, 64), jnp.float32),
-                           rope=jax.ShapeDtypeStruct((pages, 64, 64), jnp.bfloat16))
+
+def test_the_triton_kernels_refuse_a_cache_beyond_their_int32_element_offsets():
+    """A cache of more than 2**31 - 1 latent elements (B=128 x 64k tokens of one layer) must not
+    reach a Triton kernel (an illegal address on the GPU): a ValueError naming the cache and the
+    way out. The Mosaic kernels, XLA and write_kv index token rows and take it. Shapes only."""
+    from snapmla_jax.decode import mla_decode
+    from snapmla_jax.pallas_kernels.mla_decode import MOSAIC_CONFIG
+    from snapmla_jax.write import write_kv
 
     q = jax.ShapeDtypeStruct((1, 1, 16, 512), jnp.bfloat16)
     q_rope = jax.ShapeDtypeStruct((1, 1, 16, 64), jnp.bfloat16)
     table = jax.ShapeDtypeStruct((1, 4), jnp.int32)
     lens = jax.ShapeDtypeStruct((1,), jnp.int32)
-    decode = lambda backend: lambda c, q, qr, t, n: mla_decode(q, qr, c, t, n, softmax_scale=0.1, backend=backend)
-    too_big, just_fits = cache_of(2**16 + 1), cache_of(2**16 - 1)  # 2**31 elements = 2**16 pages of 64 x 512
-    with pytest.raises(ValueError, match="cache: .*2\\*\\*31"):
+
+    def decode(backend, config=None):
+        return lambda c, q, qr, t, n: mla_decode(q, qr, c, t, n, softmax_scale=0.1, backend=backend, config=config)
+
+    too_big, just_fits = _abstract_cache(2**16 + 1), _abstract_cache(2**16 - 1)  # 2**31 elements = 2**16 pages
+    # Off Hopper the default kernel is the Triton one.
+    with pytest.raises(ValueError, match="cache: .*Triton.*2\\*\\*31 - 1 latent elements.*Mosaic"):
         jax.eval_shape(decode("interpret"), too_big, q, q_rope, table, lens)
     jax.eval_shape(decode("interpret"), just_fits, q, q_rope, table, lens)
-    jax.eval_shape(decode("xla"), too_big, q, q_rope, table, lens)  # XLA indexes with 64 bits
+    jax.eval_shape(decode("interpret", MOSAIC_CONFIG), too_big, q, q_rope, table, lens)
+    jax.eval_shape(decode("xla"), too_big, q, q_rope, table, lens)
     tokens = jax.ShapeDtypeStruct((3, 512), jnp.bfloat16), jax.ShapeDtypeStruct((3, 64), jnp.bfloat16)
     slots = jax.ShapeDtypeStruct((3,), jnp.int32)
-    with pytest.raises(ValueError, match="cache: .*2\\*\\*31"):
-        jax.eval_shape(lambda c, l, r, s: write_kv(c, l, r, s, backend="interpret"), too_big, *tokens, slots)
+    write = lambda c, l, r, s: write_kv(c, l, r, s, backend="interpret")
+    jax.eval_shape(write, too_big, *tokens, slots)
+    # Past 2**31 - 1 token slots no kernel can name a row.
+    too_many_rows = _abstract_cache(2**25 + 1)
+    with pytest.raises(ValueError, match="cache: .*token slots.*2\\*\\*31 - 1"):
+        jax.eval_shape(decode("interpret", MOSAIC_CONFIG), too_many_rows, q, q_rope, table, lens)
+    with pytest.raises(ValueError, match="cache: .*token slots.*2\\*\\*31 - 1"):
+        jax.eval_shape(write, too_many_rows, *tokens, slots)
 
 
-def test_int32_limit_is_one_rule_for_create_and_the_e2e_planner():
-    """``kernel_addressable`` is the int32 rule LatentCache.create and the e2e planner share:
-    2**22 token slots x 512 = 2**31 elements is one too many."""
-    from snapmla_jax.bench.e2e import PAGE_SIZE, V2_LITE, make_plans
+def test_a_cache_too_large_for_triton_goes_to_a_mosaic_kernel(monkeypatch):
+    """On a Hopper GPU (faked) a problem small enough for the Triton kernels still runs a Mosaic
+    one when its cache is past their offsets; ``max_token_slots`` says what each backend takes."""
+    from snapmla_jax import decode
+    from snapmla_jax.pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG
+
+    monkeypatch.setattr(decode, "_on_hopper", lambda: True)
+    monkeypatch.setattr(decode, "resolve_backend", lambda backend: backend)  # "pallas" without a GPU
+    for dtype, triton in (("fp8", FP8_CONFIG), ("bf16", BF16_CONFIG)):
+        small, large = _abstract_cache(2**16 - 1, dtype), _abstract_cache(2**16 + 1, dtype)
+        assert decode.default_config(small, "pallas", 16, 4096) == triton
+        assert decode.default_config(large, "pallas", 16, 4096) == MOSAIC_CONFIG
+        assert decode.default_config(large, "interpret", 16, 4096) == triton  # refused by mla_decode
+    assert decode.max_token_slots(512, 64, "pallas") == decode.max_token_slots(512, 64, "xla") == 2**31 - 1
+    assert decode.max_token_slots(512, 16, "pallas") == decode.max_token_slots(512, 64, "interpret") == 2**22 - 1
+
+
+def test_the_int32_rules_are_one_for_create_and_the_e2e_planner():
+    """``kernel_addressable`` is the rule LatentCache.create and the e2e planner share: 2**31 - 1
+    token slots in one array, and 2**31 - 1 latent elements for the Triton kernels."""
+    from snapmla_jax.bench.e2e import V2_LITE, make_plans
     from snapmla_jax.cache import kernel_addressable
 
-    assert kernel_addressable(2**22 - 1, 512) and not kernel_addressable(2**22, 512)
-    with pytest.raises(ValueError, match="num_pages: .*2\\*\\*31"):
-        LatentCache.create(num_pages=2**16, page_size=64)
-    jax.eval_shape(lambda: LatentCache.create(num_pages=2**16 - 1, page_size=64))
-    # B=128: 32k fits the offsets (with a page of slack per row), 64k does not.
-    [plan] = [p for p in make_plans(V2_LITE, [128], [32768 - 2 * PAGE_SIZE, 65536], 8, None) if p.kv_cache == "fp8"]
-    assert plan.contexts == (32768 - 2 * PAGE_SIZE,) and plan.too_big == (65536,)
+    assert kernel_addressable(2**31 - 1, 512) and not kernel_addressable(2**31, 512)
+    assert kernel_addressable(2**22 - 1, 512, triton=True) and not kernel_addressable(2**22, 512, triton=True)
+    with pytest.raises(ValueError, match="num_pages: .*2\\*\\*31 - 1 token slots"):
+        LatentCache.create(num_pages=2**25, page_size=64)
+    jax.eval_shape(lambda: LatentCache.create(num_pages=2**16 + 1, page_size=64))
+    # B=128 x 64k (2**33 elements) is planned: the compiled kernels take it.
+    [plan] = [p for p in make_plans(V2_LITE, [128], [65536], 8, None) if p.kv_cache == "fp8"]
+    assert plan.contexts == (65536,) and plan.too_big == ()

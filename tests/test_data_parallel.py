@@ -66,7 +66,9 @@ EXPERT_PARALLEL_MOE = TINY_MOE + """
 from jax.sharding import PartitionSpec as P
 from snapmla_jax.data_parallel import param_specs, place_model
 mesh = jax.sharding.Mesh(jax.devices()[:4], ("data",))
+model.layers[2].mlp.dense_token_range = None
 placed = place_model(model, mesh)
+ranges = [[list(r) if r else r for r in (m.layers[i].mlp.dense_token_range for i in (1, 2))] for m in (model, placed)]
 errors = {}
 for tokens in (1, 6, 40):  # the gathered, dense and ragged dispatches of one device
     x = jax.random.normal(jax.random.key(tokens), (4 * tokens, cfg.hidden_size), jnp.float32) * 3
@@ -84,7 +86,7 @@ for tokens in (1, 6, 40):  # the gathered, dense and ragged dispatches of one de
         got = run(params, x)
         errors[f"{tokens} {name}"] = float(jnp.abs(got - want).max() / jnp.abs(want).max())
 shards = [s.data.shape for s in placed.layers[1].mlp.w_gate[...].addressable_shards]
-print(json.dumps({"errors": errors, "shards": shards}))
+print(json.dumps({"errors": errors, "shards": shards, "ranges": ranges}))
 """
 
 
@@ -93,6 +95,9 @@ def test_expert_parallel_moe_sums_every_expert_of_every_token_for_each_dispatch(
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["shards"] == [[2, 32, 16]] * 4  # 8 experts, 2 a device
+    # The gathered batch is 4x the tokens on a quarter of the experts: the dense range's top 4x.
+    # The model placed from is unchanged, and a layer without a dense range keeps none.
+    assert out["ranges"] == [[[4, 512], None], [[4, 2048], None]]
     # float32 throughout: the devices' partial sums added in another order; 1e-5 of the largest
     # output is ~100 float32 ulps of it, and a lost or doubled expert would move it by ~10%.
     assert set(out["errors"]) == {f"{t} {n}" for t in (1, 6, 40) for n in ("gathered", "dense", "ragged")}

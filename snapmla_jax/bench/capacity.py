@@ -8,8 +8,8 @@ replicated) on ``--devices N`` (data-parallel attention with expert parallelism,
 
 * the largest batch per device whose caches fit beside that device's weights (its free memory,
   measured once the weights are placed, less ``--reserve-gib`` for activations and XLA's
-  workspace) and within the kernels' int32 offsets (one layer's cache array on a device at most
-  2**31 - 1 latent elements), for the FP8 and for the BF16 cache;
+  workspace) and within the kernels' int32 row indices (one layer's cache array on a device at
+  most 2**31 - 1 token slots), for the FP8 and for the BF16 cache;
 * ``generate``'s compiled decode loop at that batch (every row holding ``context`` tokens; the
   caches filled with constant values instead of a prefill: the kernels' time does not depend on
   them): tokens/s, and FP8 / BF16, the throughput ratio at capacity.
@@ -34,7 +34,7 @@ from flax import nnx
 from snapmla_jax import cli, data_parallel
 from snapmla_jax.backend import BACKENDS
 from snapmla_jax.bench import e2e, timing
-from snapmla_jax.cache import MAX_CACHE_ELEMENTS
+from snapmla_jax.cache import MAX_TOKEN_SLOTS
 from snapmla_jax.capacity import CACHE_DTYPES, MODEL_SHAPES, RESERVE_GIB, row_bytes
 from snapmla_jax.generate import DecodeState, decode_chunk
 from snapmla_jax.paging import allocate_pages
@@ -47,13 +47,15 @@ MODEL_NAMES = {"v2-lite": "DeepSeek-V2-Lite", "v2": "DeepSeek-V2", "v3": "DeepSe
 
 def rows_that_fit(cfg, free_bytes: int | None, context: int, total_steps: int, kv_cache: str) -> tuple[int, str]:
     """(rows of ``context`` + ``total_steps`` tokens one device holds the caches of, what limits
-    it: "memory" or "int32 offsets"). ``free_bytes`` None: memory unknown, offsets only."""
+    it: "memory" or "int32 rows"). ``free_bytes`` None: memory unknown, rows only. The compiled
+    kernels on a Hopper GPU address 2**31 - 1 token rows in one layer's cache array
+    (``snapmla_jax.decode.max_token_slots``)."""
     pages = -(-(context + total_steps) // PAGE_SIZE)
-    by_offsets = MAX_CACHE_ELEMENTS // (pages * PAGE_SIZE * cfg.kv_lora_rank)
+    by_rows = MAX_TOKEN_SLOTS // (pages * PAGE_SIZE)
     if free_bytes is None:
-        return by_offsets, "int32 offsets"
+        return by_rows, "int32 rows"
     by_memory = max(0, free_bytes // row_bytes(cfg, context + total_steps, kv_cache))
-    return (by_memory, "memory") if by_memory <= by_offsets else (by_offsets, "int32 offsets")
+    return (by_memory, "memory") if by_memory <= by_rows else (by_rows, "int32 rows")
 
 
 def free_bytes_per_device(devices) -> int | None:

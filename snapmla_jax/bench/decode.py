@@ -72,7 +72,7 @@ FP8_BYTES_PER_TOKEN = RANK + 4 + 2 * ROPE
 def chain_layers(batch: int, context: int) -> int:
     """Layers a timed sample chains for a B x context problem: enough that their fp8 caches
     hold CHAIN_BYTES (1 from B x context = 400k tokens up), at most MAX_CHAIN and within
-    the kernels' int32 offsets."""
+    the kernels' int32 row indices."""
     tokens = batch * context
     layers = min(MAX_CHAIN, max(1, -(-CHAIN_BYTES // (tokens * FP8_BYTES_PER_TOKEN))))
     while layers > 1 and not kernel_addressable(layers * tokens, RANK):

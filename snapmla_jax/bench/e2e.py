@@ -123,7 +123,7 @@ def make_plans(cfg: MLAConfig, batches, contexts, total_steps: int, free: int | 
             for context in sorted(contexts):
                 tokens = batch * (context + total_steps)
                 need = tokens * cache_bytes_per_token(cfg, kv_cache)
-                # One layer's latent array (up to a page more per row) within the int32 offsets.
+                # One layer's cache array (up to a page more per row) within the kernels' int32 row indices.
                 addressable = kernel_addressable(tokens + PAGE_SIZE * batch, cfg.kv_lora_rank)
                 (fits if addressable and (free is None or need + HEADROOM_BYTES <= free) else too_big).append(context)
             if fits:
