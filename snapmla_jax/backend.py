@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 BACKENDS = ("auto", "pallas", "interpret", "xla")
@@ -22,6 +24,13 @@ def resolve_backend(backend: str) -> str:
     if backend == "pallas" and jax.default_backend() != "gpu":
         raise ValueError('backend: "pallas" compiles for a CUDA GPU and none is present; use "interpret" or "xla" on CPU')
     return backend
+
+
+@functools.lru_cache(maxsize=None)
+def on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (sm_90: the Mosaic GPU kernels' wgmma and TMA)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
 # The GPU an AOT lowering without a GPU targets (``lower_for_cuda``).

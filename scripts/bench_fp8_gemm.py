@@ -1,0 +1,104 @@
+"""Time the block-FP8 weight product (``snapmla_jax.fp8_weights.fp8_matmul``) against the bf16 GEMM
+of the same shape at decode-sized token counts: the measurement behind
+pallas_kernels/fp8_gemm_mgpu.py's docstring and ``MAX_TOKENS``.
+
+    python scripts/bench_fp8_gemm.py --out /tmp/bench_fp8_gemm [--tokens 16 64] [--shapes 18432x7168 ...]
+
+Three programs a shape, side by side (``timing.time_round_robin``): "bf16" is XLA's x @ W^T with
+W in bf16; "fp8" is ``fp8_matmul`` (on a Hopper GPU the Mosaic kernel with its activation
+quantization and the sum of its partials); "fp8_xla" is ``fp8_matmul(..., backend="xla")``, the
+weight dequantized in the program. Each program chains its product over enough weight copies
+(>= 384 MiB of e4m3) that the weights come from HBM, not L2, and one call's time is the chain's
+over the copies. GB/s counts the weight bytes each program must read (2 a weight in bf16, 1 in
+FP8) against the copy bandwidth measured in the run. Writes bench_fp8_gemm.json and .md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from snapmla_jax.bench import timing
+from snapmla_jax.fp8_weights import fp8_matmul, quantize_blocks
+
+# [out, in] of DeepSeek-V3's MLP (18432 x 7168 and back), routed expert (2048 x 7168 and back),
+# q up-projection (24576 x 1536), q down-projection (1536 x 7168), and V2-Lite's dense MLP.
+SHAPES = ("18432x7168", "7168x18432", "2048x7168", "7168x2048", "24576x1536", "1536x7168", "10944x2048")
+TOKENS = (16, 64)
+CHAIN_BYTES = 384 << 20
+PROGRAMS = ("bf16", "fp8", "fp8_xla")
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    try:
+        out_dim, in_dim = (int(v) for v in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected OUTxIN (e.g. 18432x7168), got {text!r}") from None
+    if out_dim < 1 or in_dim < 1:
+        raise argparse.ArgumentTypeError(f"expected positive OUTxIN, got {text!r}")
+    return out_dim, in_dim
+
+
+def chained(product):
+    """One jitted program: ``product(x, w)`` over every weight copy, summed in float32."""
+    return jax.jit(lambda x, ws: sum(product(x, w).astype(jnp.float32) for w in ws))
+
+
+def programs(out_dim: int, in_dim: int, tokens: int, copies: int) -> dict:
+    """name -> (jitted chain, [(x, weight copies)])."""
+    keys = jax.random.split(jax.random.key(0), copies + 1)
+    dense = [jax.random.normal(k, (out_dim, in_dim), jnp.bfloat16) * 0.02 for k in keys[1:]]
+    fp8 = [quantize_blocks(w) for w in dense]
+    x = jax.random.normal(keys[0], (tokens, in_dim), jnp.bfloat16)
+    return {"bf16": (chained(lambda x, w: x @ w.T), [(x, dense)]),
+            "fp8": (chained(fp8_matmul), [(x, fp8)]),
+            "fp8_xla": (chained(lambda x, w: fp8_matmul(x, w, backend="xla")), [(x, fp8)])}
+
+
+def table(env: dict, rows: list[dict]) -> str:
+    lines = [f"# Block-FP8 weight product vs bf16 GEMM\n\n{env['device']}, jax {env['jax']}, {env['date']}; copy "
+             f"{env['copy_gbps']:.0f} GB/s. Command: `python scripts/bench_fp8_gemm.py`.\n",
+             "| out x in | tokens | bf16 us | fp8 us | fp8_xla us | fp8 / bf16 | fp8 GB/s | fp8 % copy | fp8_xla / bf16 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['out']} x {r['in']} | {r['tokens']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | "
+                     f"{r['fp8_xla_us']:.1f} | {r['bf16_us'] / r['fp8_us']:.2f}x | {r['fp8_gbps']:.0f} | "
+                     f"{r['fp8_gbps'] / env['copy_gbps']:.0%} | {r['bf16_us'] / r['fp8_xla_us']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory for bench_fp8_gemm.json / .md")
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=[parse_shape(s) for s in SHAPES],
+                        help="OUTxIN weight shapes")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args(argv)
+    if any(t < 1 for t in args.tokens):
+        parser.error("--tokens: expected ints >= 1")
+    if timing.missing_gpu("FP8 GEMM benchmark"):
+        return 2
+    env = dict(timing.environment(), copy_gbps=timing.measure_copy_gbps())
+    rows = []
+    for out_dim, in_dim in args.shapes:
+        copies = max(2, -(-CHAIN_BYTES // (out_dim * in_dim)))
+        for tokens in args.tokens:
+            times = timing.time_round_robin(programs(out_dim, in_dim, tokens, copies), iters=args.iters,
+                                            min_sample_ms=5)
+            for value in times.values():
+                if isinstance(value, Exception):  # a program that did not run: nothing to compare
+                    raise value
+            row = dict(out=out_dim, **{"in": in_dim}, tokens=tokens,
+                       **{f"{name}_us": times[name] * 1e3 / copies for name in PROGRAMS})
+            row["fp8_gbps"] = out_dim * in_dim / row["fp8_us"] / 1e3
+            print(row, flush=True)
+            rows.append(row)
+            timing.write_results(args.out, "bench_fp8_gemm", env, rows, table(env, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""scripts/bench_fp8_gemm.py on the CPU: its three programs compute the same product within the
+activation rounding, its table reads, and without a GPU it exits 2."""
+
+import jax
+import numpy as np
+import pytest
+from script_loader import load_script
+
+bench = load_script("bench_fp8_gemm")
+
+
+def test_the_programs_compute_the_same_product_over_the_chain():
+    runs = bench.programs(128, 256, 16, copies=2)
+    assert set(runs) == set(bench.PROGRAMS)
+    outs = {name: np.asarray(fn(*args[0]), np.float64) for name, (fn, args) in runs.items()}
+    size = np.abs(outs["bf16"]).max()
+    # bf16 products of bf16 operands against block-FP8 weights (2^-4 relative a weight, averaged
+    # over 256 channels and two copies): well under 5% of the largest output; a lost copy or a
+    # transposed weight would be off by the output's own size.
+    for name in ("fp8", "fp8_xla"):
+        assert np.abs(outs[name] - outs["bf16"]).max() <= 0.05 * size, name
+    assert size > 0
+
+
+def test_the_table_gives_ratios_and_the_copy_fraction():
+    env = {"device": "H100", "jax": "0.11.2", "date": "2026-11-28", "copy_gbps": 3000.0}
+    row = {"out": 18432, "in": 7168, "tokens": 16, "bf16_us": 100.0, "fp8_us": 50.0, "fp8_xla_us": 250.0,
+           "fp8_gbps": 2640.0}
+    text = bench.table(env, [row])
+    assert "| 18432 x 7168 | 16 | 100.0 | 50.0 | 250.0 | 2.00x | 2640 | 88% | 0.40x |" in text
+
+
+@pytest.mark.parametrize("flags, message", [(["--shapes", "12x"], "expected OUTxIN"),
+                                            (["--tokens", "0"], "--tokens: expected ints >= 1")])
+def test_bad_flags_are_refused_naming_them(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--out", "/tmp/unused", *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_without_a_gpu_it_exits_2(tmp_path):
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is present")
+    assert bench.main(["--out", str(tmp_path)]) == 2
