@@ -3,6 +3,7 @@ rows each cache format fits, and bad flags."""
 
 import json
 
+import jax.numpy as jnp
 import pytest
 
 from cpu_devices import run_with_cpu_devices
@@ -26,6 +27,35 @@ def test_capacity_bench_times_both_caches_data_parallel_on_two_devices(tmp_path)
     assert "on 2 x cpu, data-parallel attention" in page
     assert "`python -m snapmla_jax.bench capacity --tiny --devices 2 --batch-per-device 3" in page
     assert "| 64 | fp8 | 3 | given | 6 |" in page
+
+
+def test_capacity_bench_makes_block_fp8_weights_with_fp8_weights(tmp_path):
+    from snapmla_jax.bench.capacity import main
+
+    assert main(["--tiny", "--fp8-weights", "--batch-per-device", "2", "--contexts", "64", "--backend", "xla",
+                 "--steps", "2", "--iters", "1", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "capacity.json").read_text())
+    assert saved["environment"]["weights"] == "block-FP8"
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in saved["rows"])
+    assert "random block-FP8 weights" in (tmp_path / "capacity.md").read_text()
+
+
+def test_random_fp8_weights_are_made_fp8_with_the_spread_of_the_bf16_ones():
+    from snapmla_jax import models
+    from snapmla_jax.bench import e2e
+    from snapmla_jax.fp8_weights import BlockFP8Weight, dequantize_weight
+    from snapmla_jax.models.layers import fp8_eligible_weights
+    from snapmla_jax.models.transformer import param_bytes
+
+    model = e2e.random_model(e2e.TINY, jnp.bfloat16, fp8_weights=True)
+    weights = [v.get_value() for v in fp8_eligible_weights(model).values()]
+    assert weights and all(isinstance(w, BlockFP8Weight) for w in weights)
+    # N(0, 0.02) after dequantization: the e4m3 values' spread times their scale.
+    spread = float(jnp.std(jnp.concatenate([dequantize_weight(w).reshape(-1) for w in weights])))
+    assert abs(spread - e2e.WEIGHT_STD) < 0.1 * e2e.WEIGHT_STD
+    bf16 = e2e.random_model(e2e.TINY, jnp.bfloat16)
+    assert param_bytes(model) < param_bytes(bf16)
+    assert set(fp8_eligible_weights(models.quantize_weights(bf16))) == set(fp8_eligible_weights(model))
 
 
 def test_rows_that_fit_are_bounded_by_memory_and_by_the_int32_rows():

@@ -119,3 +119,15 @@ def test_a_shape_the_kernel_does_not_take_is_refused_naming_it():
     w = quantize_blocks(jnp.ones((64, 256), jnp.float32))
     with pytest.raises(ValueError, match="x8, w8: the FP8 GEMM takes M a multiple of 16"):
         fp8_gemm_mgpu(x8, xs, w.values, w.scales, interpret=True)
+
+
+@pytest.mark.parametrize("m, n, k", [(64, 18432, 7168), (16, 2048, 7168)])
+def test_the_kernel_lowers_for_cuda_within_shared_memory_at_the_largest_tokens(m, n, k):
+    """Lowered on CPU for an H100 (layout inference, the pipeline's SMEM: 4 slots of 64 x 256
+    weight bytes and m x 256 token bytes); 256 tokens overflowed shared memory on the GPU."""
+    from snapmla_jax.backend import lower_for_cuda
+
+    args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((k // BLOCK, m), jnp.float32),
+            jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((-(-n // BLOCK), k // BLOCK), jnp.float32))
+    text = lower_for_cuda(lambda *a: fp8_gemm_mgpu(*a), *args).as_text()
+    assert "snapmla_fp8_gemm" in text

@@ -3,7 +3,8 @@
 What SnapMLA's headline measures: a cache half the size holds more rows, and a serving batch is
 as large as the cache allows. For a model shape (``--model``: DeepSeek-V2-Lite, V2 or V3 shapes,
 random bf16 weights drawn on the devices, the routed experts split over them and the rest
-replicated) on ``--devices N`` (data-parallel attention with expert parallelism,
+replicated; ``--fp8-weights``: the linear kernels and routed experts made block-FP8 directly, as
+DeepSeek-V2 on 4 x H100 needs) on ``--devices N`` (data-parallel attention with expert parallelism,
 ``snapmla_jax.data_parallel``; 1: one device), and for each ``--contexts`` length:
 
 * the largest batch per device whose caches fit beside that device's weights (its free memory,
@@ -99,7 +100,8 @@ def decode_tokens_per_s(model, mesh, per_device: int, context: int, kv_cache: st
 def markdown(env: dict, rows: list[dict]) -> str:
     memory = env["xla_mem_fraction"]
     lines = ["# Decode throughput at capacity, FP8 against BF16 cache\n",
-             f"{env['model']} ({env['params_b']:.1f}B parameters, random bf16 weights, {env['weights_gib']:.1f} GiB "
+             f"{env['model']} ({env['params_b']:.1f}B parameters, random {env.get('weights', 'bf16')} weights, "
+             f"{env['weights_gib']:.1f} GiB "
              f"a device) on " + (f"one {env['device']}" if env["devices"] == 1 else
                                  f"{env['devices']} x {env['device']}, data-parallel attention with the routed experts "
                                  f"split over the devices") + f"; jax {env['jax']}, {env['date']}. Device memory: "
@@ -142,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="decode steps per timed call (default 8)")
     parser.add_argument("--iters", type=int, default=3, help="timed calls per measurement (default 3)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="write_kv/mla_decode backend (default auto)")
+    parser.add_argument("--fp8-weights", action="store_true",
+                        help="make the linear kernels and routed experts block-FP8 (never held in bf16)")
     cli.add_bench_output_flags(parser, "capacity.json / capacity.md")
     args = parser.parse_args(argv)
     cli.check_positive(args, "devices", "steps", "iters")
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tiny and timing.missing_gpu("capacity benchmark", "the model shapes need CUDA GPUs (use --tiny elsewhere)"):
         return 2
     mesh = data_parallel.mesh_of(args.devices) if args.devices > 1 else None
-    model = e2e.random_model(cfg, jnp.bfloat16, mesh=mesh)
+    model = e2e.random_model(cfg, jnp.bfloat16, mesh=mesh, fp8_weights=args.fp8_weights)
     devices = jax.devices()[:args.devices]
     free = free_bytes_per_device(devices)
     if free is None and args.batch_per_device is None:
@@ -176,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                params_b=sum(x.size for x in jax.tree.leaves(state)) / 1e9, weights_gib=weights / GIB,
                reserve_gib=args.reserve_gib, xla_mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
                steps=args.steps, iters=args.iters, backend=args.backend,
+               weights="block-FP8" if args.fp8_weights else "bf16",
                command=" ".join(["python -m snapmla_jax.bench capacity",
                                  *(a for a in (argv if argv is not None else []) if a != "--publish")]))
     total_steps = 1 + (args.iters + 1) * args.steps

@@ -56,6 +56,7 @@ from snapmla_jax.backend import BACKENDS
 from snapmla_jax.bench import timing
 from snapmla_jax.cache import LatentCache, kernel_addressable
 from snapmla_jax.decode import mla_decode
+from snapmla_jax.fp8_weights import FP8_E4M3_MAX
 from snapmla_jax.generate import DecodeState, decode_chunk
 from snapmla_jax.capacity import MODEL_SHAPES
 from snapmla_jax.paging import allocate_pages
@@ -69,6 +70,7 @@ GIB = 2**30
 HEADROOM_BYTES = 4 * GIB
 CACHE_FORMATS = ("fp8", "bf16")
 WEIGHT_STD = 0.02  # of the random weight matrices (GPT-2's init scale; values only need to stay finite)
+FP8_VALUE_STD = 64.0  # of a random block-FP8 weight's e4m3 values (well inside +-448)
 
 V2_LITE = MODEL_SHAPES["v2-lite"]
 TINY = MLAConfig(
@@ -152,31 +154,52 @@ def filled_caches(cfg: MLAConfig, num_pages: int, kv_cache: str, mesh: jax.shard
     return tuple(make() for _ in range(cfg.num_hidden_layers))
 
 
-def _random_array(key, shape, dtype):
-    if len(shape) == 1:  # RMSNorm scales
+def _random_array(key, shape, dtype, role: str = "weight"):
+    """A leaf of ``random_model``: "weight" N(0, WEIGHT_STD) (an e4m3 one the values of such a
+    weight over a scale of WEIGHT_STD / FP8_VALUE_STD), "scales" that block scale, "norm" ones."""
+    if role == "norm":
         return jnp.ones(shape, dtype)
+    if role == "scales":
+        return jnp.full(shape, WEIGHT_STD / FP8_VALUE_STD, dtype)
+    if jnp.dtype(dtype).itemsize == 1:  # block-FP8 values
+        values = jax.random.normal(key, shape, jnp.float32) * FP8_VALUE_STD
+        return jnp.clip(values, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(dtype)
     return jax.random.normal(key, shape, dtype) * jnp.asarray(WEIGHT_STD, dtype)
 
 
-def random_model(cfg: MLAConfig, dtype, seed: int = 0, mesh: jax.sharding.Mesh | None = None) -> MLAModel:
+def _leaf_role(path, shape) -> str:
+    name = str(getattr(path[-1], "key", getattr(path[-1], "name", path[-1]))) if path else ""
+    return "scales" if name == "scales" else "norm" if len(shape) == 1 else "weight"
+
+
+def random_model(cfg: MLAConfig, dtype, seed: int = 0, mesh: jax.sharding.Mesh | None = None, *,
+                 fp8_weights: bool = False) -> MLAModel:
     """An MLAModel with random weights drawn on the device directly in ``dtype``:
     N(0, WEIGHT_STD) matrices, unit norm scales. One small compiled generator per
     distinct shape and placement, instead of running the model's initializers op by op.
     ``mesh``: each array made where ``data_parallel.place_model`` puts it (the routed experts
-    split over the mesh, the rest replicated), so that no device holds the whole model."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+    split over the mesh, the rest replicated), so that no device holds the whole model.
+    ``fp8_weights``: the weights ``models.quantize_weights`` converts are made block-FP8 directly
+    (e4m3 values, one float32 scale a ``cfg.weight_block_size`` block), never held in ``dtype``:
+    a model whose bf16 weights would not fit the devices can be made."""
+    def build():
+        model = MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype)
+        return models.quantize_weights(model, cfg.weight_block_size) if fp8_weights else model
+
+    graphdef, state = nnx.split(nnx.eval_shape(build))
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     key = jax.random.key(seed)
     makers: dict = {}
     values = []
     for i, (path, leaf) in enumerate(paths_leaves):
         shape, leaf_dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
+        role = _leaf_role(path, shape)
         spec = None if mesh is None else data_parallel.param_spec(path, mesh.axis_names[0])
-        if (shape, leaf_dtype, spec) not in makers:
+        if (shape, leaf_dtype, role, spec) not in makers:
             sharding = None if mesh is None else jax.sharding.NamedSharding(mesh, spec)
-            makers[shape, leaf_dtype, spec] = jax.jit(functools.partial(_random_array, shape=shape, dtype=leaf_dtype),
-                                                      out_shardings=sharding)
-        values.append(makers[shape, leaf_dtype, spec](jax.random.fold_in(key, i)))
+            makers[shape, leaf_dtype, role, spec] = jax.jit(
+                functools.partial(_random_array, shape=shape, dtype=leaf_dtype, role=role), out_shardings=sharding)
+        values.append(makers[shape, leaf_dtype, role, spec](jax.random.fold_in(key, i)))
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, values))
     return model if mesh is None else data_parallel.place_model(model, mesh)
 
