@@ -45,7 +45,7 @@ from flax import nnx
 
 from snapmla_jax.models import MLAConfig, MLAModel
 from snapmla_jax.models.checkpoint import staged_checkpoint_dir, target_problem, write_checkpoint
-from snapmla_jax import byte_corpus, cli
+from snapmla_jax import byte_corpus, cli, long_context_tasks
 
 PROG = "snapmla_jax.train_demo"
 LN2 = math.log(2.0)
@@ -84,11 +84,11 @@ CONFIGS = {"demo": demo_config, "tiny": tiny_config}
 DEFAULT_SEQ_LEN = {"demo": 512, "tiny": 64}
 
 
-def _field(default, help_text: str, minimum=None, *, above=None, below=None):
+def _field(default, help_text: str, minimum=None, *, above=None, below=None, maximum=None):
     """A TrainRecipe field: its default, its --help text and its allowed range (checked in
-    ``TrainRecipe.__post_init__``): ``>= minimum``, ``> above``, ``< below``."""
+    ``TrainRecipe.__post_init__``): ``>= minimum``, ``> above``, ``< below``, ``<= maximum``."""
     return dataclasses.field(default=default, metadata=dict(help=help_text, minimum=minimum, above=above,
-                                                            below=below))
+                                                            below=below, maximum=maximum))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +115,9 @@ class TrainRecipe:
                                      above=0, below=1)
     eval_windows: int = _field(256, "held-out windows scored after training", 1)
     seed: int = _field(0, "seed of the initialization and the batches", 0)
+    task_fraction: float = _field(0.0, "share of training windows that are long-range retrieval tasks at random "
+                                       "depths (passkey, key-value, multi-hop, copy: snapmla_jax.long_context_tasks) "
+                                       "instead of plain text", 0, maximum=1)
 
     def __post_init__(self):
         if self.config not in CONFIGS:
@@ -128,11 +131,13 @@ class TrainRecipe:
                 raise ValueError(f"{field.name}: expected {'an int' if kind is int else 'a number'}, got {value!r}")
             wrong = ((meta["minimum"] is not None and not value >= meta["minimum"])
                      or (meta["above"] is not None and not value > meta["above"])
-                     or (meta["below"] is not None and not value < meta["below"]))
+                     or (meta["below"] is not None and not value < meta["below"])
+                     or (meta["maximum"] is not None and not value <= meta["maximum"]))
             if wrong or not math.isfinite(value):
                 bounds = [f">= {meta['minimum']}" if meta["minimum"] is not None else None,
                           f"> {meta['above']}" if meta["above"] is not None else None,
-                          f"< {meta['below']}" if meta["below"] is not None else None]
+                          f"< {meta['below']}" if meta["below"] is not None else None,
+                          f"<= {meta['maximum']}" if meta["maximum"] is not None else None]
                 raise ValueError(f"{field.name}: expected a value {' and '.join(b for b in bounds if b)}, "
                                  f"got {value!r}")
 
@@ -186,6 +191,17 @@ def _make_chunk_fn(graphdef, rest, tx):
     return jax.jit(run_chunk, donate_argnums=(0, 1))
 
 
+def training_batch(train_stream: np.ndarray, recipe: TrainRecipe, rng: np.random.Generator) -> np.ndarray:
+    """One step's windows, int32 [batch_size, seq_len + 1]: random windows of ``train_stream``, and
+    with ``task_fraction`` > 0 that share of them long-range tasks whose filler is the same text
+    (``long_context_tasks.mixed_windows``), so that the model learns to reach back across the
+    whole window."""
+    if recipe.task_fraction == 0:
+        return byte_corpus.sample_windows(train_stream, recipe.batch_size, recipe.seq_len + 1, rng)
+    return long_context_tasks.mixed_windows(train_stream, recipe.batch_size, recipe.seq_len + 1,
+                                            int(rng.integers(2**31)), task_fraction=recipe.task_fraction)
+
+
 def train(cfg: MLAConfig, train_stream: np.ndarray, recipe: TrainRecipe, *, log=print) -> tuple[MLAModel, dict]:
     """Train a float32 MLAModel on random windows of ``train_stream`` (int32 [N]).
 
@@ -214,8 +230,7 @@ def train(cfg: MLAConfig, train_stream: np.ndarray, recipe: TrainRecipe, *, log=
         if start is not None and elapsed >= recipe.max_seconds:
             break
         k = min(recipe.steps_per_call, recipe.steps - step)
-        batches = np.stack([byte_corpus.sample_windows(train_stream, recipe.batch_size, recipe.seq_len + 1, rng)
-                            for _ in range(k)])
+        batches = np.stack([training_batch(train_stream, recipe, rng) for _ in range(k)])
         lrs = np.array([learning_rate(recipe, step + i, elapsed) for i in range(k)], np.float32)
         t0 = time.perf_counter()
         params, opt_state, losses = run_chunk(params, opt_state, jnp.asarray(batches), jnp.asarray(lrs))
@@ -313,6 +328,13 @@ def _train_demo(argv: list[str]) -> int:
         recipe = TrainRecipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainRecipe)})
     except ValueError as err:
         raise cli.flag_error(err, _flags()) from err
+    if recipe.task_fraction > 0:
+        try:
+            for kind in long_context_tasks.TASK_KINDS:
+                long_context_tasks.make_task(kind, recipe.seq_len + 1, 0.5, 0)
+        except ValueError as err:
+            raise cli.UsageError(f"--seq-len: {recipe.seq_len} tokens are too short for --task-fraction's "
+                                 f"long-range tasks ({err})") from err
     out = pathlib.Path(args.out)
     problem = target_problem(out, overwrite=args.overwrite)
     if problem is not None:

@@ -44,6 +44,16 @@ def test_a_few_steps_reduce_the_loss(small_stream):
     assert history["loss"][-1] < 4.0
 
 
+def test_a_task_fraction_mixes_long_range_tasks_into_the_batches(small_stream):
+    plain = td.TrainRecipe(config="tiny", batch_size=6, seq_len=255)
+    text = td.training_batch(small_stream, plain, np.random.default_rng(3))
+    np.testing.assert_array_equal(text, bc.sample_windows(small_stream, 6, 256, np.random.default_rng(3)))
+    tasks = td.training_batch(small_stream, dataclasses.replace(plain, task_fraction=1.0), np.random.default_rng(3))
+    assert tasks.shape == (6, 256) and tasks.dtype == np.int32
+    # Every task opens with BOS (a file's start, where plain windows rarely begin).
+    assert (tasks[:, 0] == bc.BOS_ID).all() and not np.array_equal(tasks, text)
+
+
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
     recipe = td.TrainRecipe(steps=1000, warmup_steps=100, peak_lr=1e-3, max_seconds=1e9)
     assert td.learning_rate(recipe, 0, 0.0) == pytest.approx(1e-5)
@@ -98,6 +108,16 @@ def test_cli_writes_a_checkpoint_that_loads_with_its_metadata(tmp_path):
     assert load_tokenizer(out).eos_id == bc.EOS_ID
 
 
+@needs_optax
+def test_the_long_context_recipe_trains_on_tasks_and_records_its_fraction(tmp_path):
+    out = tmp_path / "long"
+    assert td.main(["--out", str(out), "--config", "tiny", "--seq-len", "255", "--task-fraction", "0.5",
+                    "--steps", "2", "--batch-size", "2", "--steps-per-call", "2", "--eval-windows", "1"]) == 0
+    record = json.loads((out / "train_recipe.json").read_text())
+    assert record["recipe"]["task_fraction"] == 0.5 and record["model_config"]["max_position_embeddings"] == 255
+    assert math.isfinite(record["final_train_loss_nats"])
+
+
 def _fake_train(cfg, train_stream, recipe, *, log=print):
     """td.train without the training: a random float32 model of ``cfg`` and one chunk's history."""
     model = MLAModel(cfg, rngs=nnx.Rngs(recipe.seed), dtype=jnp.float32)
@@ -122,6 +142,9 @@ QUICK = ["--config", "tiny", "--steps", "2", "--batch-size", "2", "--eval-window
     (["--out", "new", "--seq-len", "0"], "--seq-len: expected a value >= 1"),
     (["--out", "new", "--max-seconds", "0"], "--max-seconds: expected a value > 0"),
     (["--out", "new", "--beta2", "1.5"], "--beta2: expected a value > 0 and < 1"),
+    (["--out", "new", "--task-fraction", "1.5"], "--task-fraction: expected a value >= 0 and <= 1, got 1.5"),
+    (["--out", "new", "--task-fraction", "0.5", "--seq-len", "16"],
+     "--seq-len: 16 tokens are too short for --task-fraction's"),
     (["--out", "new", "--heldout-fraction", "0"], "--heldout-fraction: expected a value > 0 and < 1"),
     (["--out", "new", "--config", "huge"], "--config: expected one of"),
     (["--config", "tiny"], "--out"),
