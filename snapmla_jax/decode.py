@@ -194,7 +194,9 @@ def default_config(cache: LatentCache, backend: str, num_rows: int | None = None
     ones: up to ``TRITON_FP8_MAX_ROWS`` rows and ``TRITON_FP8_MAX_TOKENS`` tokens
     of capacity the Triton FP8 kernel stays (both known only). Over a bf16
     cache there, the Mosaic BF16 twin above ``TRITON_BF16_MAX_ROWS`` rows (known
-    ``num_rows`` only). Elsewhere the
+    ``num_rows`` only). There a cache past the Triton kernels' int32 element offsets
+    (2**31 - 1 latent elements, ``cache.TRITON_MAX_ELEMENTS``) runs a Mosaic kernel at any
+    size. Elsewhere the
     Triton kernels (FP8_CONFIG / BF16_CONFIG): the Mosaic kernels need 64-token
     pages, and in the interpreter they run their two warpgroups as host
     threads (slow, and they can stall on small CPUs), so "interpret" and the
