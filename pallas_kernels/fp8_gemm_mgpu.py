@@ -29,7 +29,7 @@ pipeline in shared memory (4 slots of 64 KB token tiles): MAX_TOKENS.
 Arguments of ``fp8_gemm_mgpu`` (``fp8_gemm_reference`` is its float32 twin):
 
   x8        [M, K] e4m3, M a multiple of TOKEN_MULTIPLE and at most MAX_TOKENS
-  x_scales  [K / 128, M] float32 (``quantize_activations``: the transpose of [M, K / 128])
+  x_scales  [K / 128, M] float32 (``fp8_weights.quantize_activations``: the transpose of [M, K / 128])
   w8        [N, K] e4m3, N a multiple of 64, K of 128 * kb_per_step
   w_scales  [ceil(N / 128), K / 128] float32
   -> y [M, N] float32
@@ -46,7 +46,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from snapmla_jax.pallas_kernels.mgpu_bytes import BYTE_TILE_TRANSFORMS
 
 BLOCK = 128  # channels (and weight rows) a scale covers
@@ -72,17 +71,6 @@ def choose_splits(n_tiles: int, steps: int, num_sms: int) -> int:
     target = 2 * num_sms
     divisors = [d for d in range(1, steps + 1) if steps % d == 0]
     return next((d for d in divisors if n_tiles * d >= target), divisors[-1])
-
-
-def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [M, K] (K a multiple of 128) -> (x8 [M, K] e4m3, x_scales [K / 128, M] float32): per token
-    and 128 channels, scale = amax / 448 (0 for a block of zeros), values x / scale saturated."""
-    m, k = x.shape
-    blocks = x.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)
-    scales = jnp.max(jnp.abs(blocks), axis=-1) / FP8_E4M3_MAX
-    safe = jnp.where(scales > 0, scales, 1.0)[..., None]
-    x8 = jnp.clip(blocks / safe, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(FP8_DTYPE).reshape(m, k)
-    return x8, scales.T
 
 
 def _kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_s, *, steps: int, config: GemmConfig, tokens: int):

@@ -26,6 +26,17 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+H100_SMS = 132  # SM count assumed when no GPU is visible (interpret mode, planning)
+
+
+def sm_count() -> int:
+    """The default device's SM count: a GPU's ``core_count``, else ``H100_SMS``."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return H100_SMS
+    return getattr(device, "core_count", None) or H100_SMS
+
+
 @functools.lru_cache(maxsize=None)
 def on_hopper() -> bool:
     """Whether the default device is a Hopper GPU (sm_90: the Mosaic GPU kernels' wgmma and TMA)."""

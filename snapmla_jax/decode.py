@@ -27,10 +27,10 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import BLOCK_ROWS as MOSAI
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
 from snapmla_jax.backend import on_hopper as _on_hopper  # a module name the tests fake
 from snapmla_jax.backend import resolve_backend
+from snapmla_jax.backend import sm_count as _sm_count
 from snapmla_jax.cache import (MAX_TOKEN_SLOTS, TRITON_MAX_ELEMENTS, LatentCache, check_kernel_addressable, check_layer,
                                kernel_addressable)
 
-H100_SMS = 132  # SM count assumed when no GPU is visible (interpret mode, planning)
 # Query rows (s_q x H) a batch row up to which a compiled bf16 cache keeps the Triton BF16
 # twin: with fewer rows than its 64-row block the Mosaic BF16 twin pads them (H200, H=16,
 # B=128 x 16k: Triton 0.58 ms vs Mosaic 0.70); from 64 rows up the Mosaic one is 1.8x faster
@@ -50,13 +50,6 @@ TRITON_FP8_MAX_TOKENS = 16384
 # Past this the merge's float32 partials outweigh the extra parallelism. (H100, H=16,
 # B=1 x 64k: 128 splits 0.047 ms, 64 splits 0.062 ms; scripts/sweep_splits.py.)
 MAX_SPLITS = 128
-
-
-def _sm_count() -> int:
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        return H100_SMS
-    return getattr(device, "core_count", None) or H100_SMS
 
 
 # choose_num_splits' cost model, in steps of one CTA: a work item's fixed cost (its query's

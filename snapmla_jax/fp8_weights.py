@@ -22,8 +22,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from snapmla_jax.backend import on_hopper, resolve_backend
-from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, TOKEN_MULTIPLE, fp8_gemm_mgpu, quantize_activations
+from snapmla_jax.backend import on_hopper, resolve_backend, sm_count
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, TOKEN_MULTIPLE, fp8_gemm_mgpu
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import kernel_takes as gemm_takes
 
 FP8_E4M3_MAX = 448.0  # largest finite e4m3 value: a block's amax maps onto it
@@ -100,6 +100,14 @@ def quantize_blocks(w: jax.Array, block: tuple[int, int] = DEFAULT_BLOCK) -> Blo
     return BlockFP8Weight(values, scales, block)
 
 
+def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] -> (x8 [M, K] e4m3, x_scales [K / 128, M] float32): DeepSeek's activation
+    quantization, one scale per row and 128 channels (``quantize_blocks`` with 1 x 128 blocks),
+    the scales transposed as ``fp8_gemm_mgpu`` reads them."""
+    q = quantize_blocks(x, (1, BLOCK))
+    return q.values, q.scales.T
+
+
 def dequantize_weight(w: BlockFP8Weight, dtype=jnp.float32) -> jax.Array:
     """``w`` as a dense [..., out, in] array in ``dtype``: values * scale computed in float32, then
     one rounding to ``dtype`` (the same numbers as the loader's numpy dequantization)."""
@@ -133,12 +141,8 @@ def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax
             and (backend == "interpret" or (backend == "pallas" and on_hopper()))):
         x2 = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, padded - rows), (0, 0)))
         x8, x_scales = quantize_activations(x2)
-        y = fp8_gemm_mgpu(x8, x_scales, w.values, w.scales, num_sms=_sm_count(), interpret=backend == "interpret")
+        y = fp8_gemm_mgpu(x8, x_scales, w.values, w.scales, num_sms=sm_count(), interpret=backend == "interpret")
         return y[:rows].astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     product = jnp.einsum("...i,oi->...o", x, dequantize_weight(w, x.dtype), preferred_element_type=jnp.float32)
     return product.astype(x.dtype)
 
-
-def _sm_count() -> int:
-    device = jax.devices()[0]
-    return getattr(device, "core_count", None) or 132

@@ -7,9 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from snapmla_jax.fp8_weights import dequantize_weight, fp8_matmul, quantize_blocks
-from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import (BLOCK, GemmConfig, choose_splits, fp8_gemm_mgpu,
-                                                      kernel_takes, quantize_activations)
+from snapmla_jax.fp8_weights import dequantize_weight, fp8_matmul, quantize_activations, quantize_blocks
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, GemmConfig, choose_splits, fp8_gemm_mgpu, kernel_takes
 
 
 def _operands(seed: int, m: int, n: int, k: int):
