@@ -22,9 +22,10 @@ of the copy ceiling); M = 64 1.63x at the two 18432 x 7168 shapes, 1.28x at 2457
 10944 x 2048 (V2-Lite's dense MLP) 1.30x / 1.08x, and at 2048 x 7168 and 7168 x 2048 (14 MiB,
 DeepSeek-V3's experts) 1.03-1.16x: there the launches around it (the activation quantization
 and the partials' sum) take what the bytes save. XLA's product with the weight dequantized in
-the program (``fp8_weights.fp8_matmul`` elsewhere) runs 0.38-0.45x the bf16 GEMM. Limits: M = 8 fails the tensor map's alignment
-on large shapes (tokens are padded to a multiple of TOKEN_MULTIPLE); M = 256 does not fit the
-pipeline in shared memory (4 slots of 64 KB token tiles): MAX_TOKENS.
+the program (``fp8_weights.fp8_matmul`` elsewhere) runs 0.38-0.45x the bf16 GEMM. Limits: M = 8
+fails the tensor map's alignment on large shapes (tokens are padded to a multiple of
+TOKEN_MULTIPLE); M = 256 does not fit the pipeline in shared memory (4 slots of 64 KB token
+tiles): MAX_TOKENS.
 
 Arguments of ``fp8_gemm_mgpu`` (``fp8_gemm_reference`` is its float32 twin):
 
@@ -128,8 +129,8 @@ def fp8_gemm_mgpu(x8: jax.Array, x_scales: jax.Array, w8: jax.Array, w_scales: j
     m, k = x8.shape
     n = w8.shape[0]
     if not kernel_takes(m, n, k, config) or m % TOKEN_MULTIPLE:
-        raise ValueError(f"x8, w8: the FP8 GEMM takes M a multiple of {TOKEN_MULTIPLE} up to {MAX_TOKENS}, N of {TILE_N} and K of "
-                         f"{BLOCK * config.kb_per_step}, got M={m}, N={n}, K={k}")
+        raise ValueError(f"x8, w8: the FP8 GEMM takes M a multiple of {TOKEN_MULTIPLE} up to {MAX_TOKENS}, N of "
+                         f"{TILE_N} and K of {BLOCK * config.kb_per_step}, got M={m}, N={n}, K={k}")
     steps_total = k // (BLOCK * config.kb_per_step)
     n_tiles = n // TILE_N
     splits = config.splits or choose_splits(n_tiles, steps_total, num_sms)
