@@ -40,6 +40,32 @@ def test_capacity_bench_makes_block_fp8_weights_with_fp8_weights(tmp_path):
     assert "random block-FP8 weights" in (tmp_path / "capacity.md").read_text()
 
 
+def test_the_step_breakdown_sorts_kernels_into_attention_collectives_and_the_rest():
+    from snapmla_jax.bench.timing import GpuEvent
+
+    ms = 1_000_000
+    events = [GpuEvent("s", "snapmla_decode_fp8_mgpu_small_mosaic_gpu_kernel", 0, 8 * ms),
+              GpuEvent("s", "snapmla_mgpu_decode_inputs", 0, 2 * ms),
+              GpuEvent("s", "snapmla_write_kv", 0, ms),
+              GpuEvent("s", "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 0, 2 * ms),
+              GpuEvent("s", "gemm_fusion_dot_1155", 0, 6 * ms),
+              GpuEvent("s", "snapmla_experts_gate_up", 0, ms)]
+    # 2 steps on 2 devices: each part / 4.
+    assert capacity.step_breakdown(events, steps=2, devices=2) == {"attention": 2.75, "collectives": 0.5,
+                                                                   "other": 1.75, "busy": 5.0}
+
+
+def test_profile_adds_the_breakdown_table(tmp_path):
+    assert capacity.main(["--tiny", "--profile", "--batch-per-device", "2", "--contexts", "64", "--backend", "xla",
+                          "--steps", "2", "--iters", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "capacity.json").read_text())["rows"]
+    # A CPU trace has no GPU activity: zeros, and the table says "-" for the share.
+    assert all(r["profile_ms"] == {"attention": 0.0, "collectives": 0.0, "other": 0.0, "busy": 0.0} for r in rows)
+    page = (tmp_path / "capacity.md").read_text()
+    assert "| context | cache | attention | collectives | other | busy | collectives / busy |" in page
+    assert "| 64 | fp8 | 0.00 | 0.00 | 0.00 | 0.00 | - |" in page
+
+
 def test_random_fp8_weights_are_made_fp8_with_the_spread_of_the_bf16_ones():
     from snapmla_jax import models
     from snapmla_jax.bench import e2e

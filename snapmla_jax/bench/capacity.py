@@ -18,7 +18,9 @@ DeepSeek-V2 on 4 x H100 needs) on ``--devices N`` (data-parallel attention with 
 ``--batch-per-device B`` times that batch instead of the largest (the same per-device batch on
 1 and N devices gives the scaling). The device memory the run may use is XLA's
 (``XLA_PYTHON_CLIENT_MEM_FRACTION``, default 0.75 of the GPU); the table records it.
-``--tiny`` runs a 2-layer model anywhere (with ``--batch-per-device``: a CPU reports no memory).
+``--profile`` traces one more call a row and adds where a step's GPU time goes (``step_breakdown``:
+attention, collectives, the rest). ``--tiny`` runs a 2-layer model anywhere (with
+``--batch-per-device``: a CPU reports no memory).
 """
 
 from __future__ import annotations
@@ -72,9 +74,28 @@ def free_bytes_per_device(devices) -> int | None:
     return min(free)
 
 
+# Kernel names (prefixes) of the attention's launches: the decode kernels, their inputs launch and
+# split plan, the merge of split partials and the cache write.
+ATTENTION_KERNELS = ("snapmla_decode", "snapmla_mgpu_", "snapmla_combine", "snapmla_split_plan", "snapmla_write_kv")
+
+
+def step_breakdown(events, steps: int, devices: int) -> dict[str, float]:
+    """GPU time in ms a decode step and a device, from a profiler trace's ``events``
+    (``timing.traced_events``) of ``steps`` steps on ``devices`` devices: "attention" (the
+    ``ATTENTION_KERNELS``), "collectives" (NCCL's kernels: the MoE's all_gather and psum_scatter),
+    "other" (everything else: projections, experts, norms, sampling) and their sum "busy"."""
+    parts = dict.fromkeys(("attention", "collectives", "other"), 0.0)
+    for event in events:
+        part = ("collectives" if event.name.lower().startswith("nccl")
+                else "attention" if event.name.startswith(ATTENTION_KERNELS) else "other")
+        parts[part] += event.duration_ns / 1e6 / (steps * devices)
+    return {**parts, "busy": sum(parts.values())}
+
+
 def decode_tokens_per_s(model, mesh, per_device: int, context: int, kv_cache: str, *, steps: int, iters: int,
-                        backend: str) -> dict:
-    """Time ``generate``'s decode loop for ``per_device`` rows a device of ``context`` cached tokens."""
+                        backend: str, profile: bool = False) -> dict:
+    """Time ``generate``'s decode loop for ``per_device`` rows a device of ``context`` cached tokens;
+    with ``profile`` also trace one more call (``step_breakdown``: "profile_ms")."""
     devices = 1 if mesh is None else mesh.size
     batch = per_device * devices
     total_steps = 1 + (iters + 1) * steps  # the warm-up call and the timed ones
@@ -94,9 +115,12 @@ def decode_tokens_per_s(model, mesh, per_device: int, context: int, kv_cache: st
         int(state["s"].step)
 
     step_ms = e2e.timed_calls(call, iters) / steps * 1e3  # the first call compiles and warms up
+    result = dict(step_ms=step_ms, tokens_per_s=batch / step_ms * 1e3, batch=batch)
+    if profile:
+        result["profile_ms"] = step_breakdown(timing.traced_events(call), steps, devices)
     state.clear()
     gc.collect()
-    return dict(step_ms=step_ms, tokens_per_s=batch / step_ms * 1e3, batch=batch)
+    return result
 
 
 def markdown(env: dict, rows: list[dict]) -> str:
@@ -127,6 +151,19 @@ def markdown(env: dict, rows: list[dict]) -> str:
             else:
                 lines.append(f"| {context} | {kind} | {row['per_device']} | {row['limit']} | - | - | "
                              f"{row['status']} | |")
+    profiled = [row for row in rows if row.get("profile_ms")]
+    if profiled:
+        lines += ["\nGPU time a decode step and a device, ms, from one profiler trace of a call a row (kernel "
+                  "durations summed; gaps between launches not counted): attention = the decode kernels, their "
+                  "inputs launch, the merge and the cache write; collectives = NCCL (the experts' all_gather and "
+                  "psum_scatter); other = the rest (projections, experts, norms, sampling).\n",
+                  "| context | cache | attention | collectives | other | busy | collectives / busy |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in profiled:
+            p = row["profile_ms"]
+            share = f"{p['collectives'] / p['busy']:.1%}" if p["busy"] else "-"
+            lines.append(f"| {row['context']} | {row['kv_cache']} | {p['attention']:.2f} | {p['collectives']:.2f} | "
+                         f"{p['other']:.2f} | {p['busy']:.2f} | {share} |")
     return "\n".join(lines) + "\n"
 
 
@@ -146,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="decode steps per timed call (default 8)")
     parser.add_argument("--iters", type=int, default=3, help="timed calls per measurement (default 3)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="write_kv/mla_decode backend (default auto)")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace one more call a row: GPU ms a step and a device in attention, collectives, other")
     parser.add_argument("--fp8-weights", action="store_true",
                         help="make the linear kernels and routed experts block-FP8 (never held in bf16)")
     cli.add_bench_output_flags(parser, "capacity.json / capacity.md")
@@ -199,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 try:
                     row.update(decode_tokens_per_s(model, mesh, per_device, context, kind, steps=args.steps,
-                                                   iters=args.iters, backend=args.backend), status="ok")
+                                                   iters=args.iters, backend=args.backend, profile=args.profile),
+                               status="ok")
                 except Exception as err:  # one failing row must not lose the others
                     row["status"] = f"failed: {' '.join(str(err).split())[:120]}"
             print(row, flush=True)
