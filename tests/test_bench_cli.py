@@ -90,6 +90,14 @@ def test_e2e_tiny_writes_outside_the_source_tree_and_says_where(work, capsys):
     assert f"results go to {results}" in out and str(results / "e2e.md") in out
 
 
+def test_e2e_tiny_with_fp8_weights_says_so(tmp_path):
+    assert main(["e2e", "--tiny", "--fp8-weights", "--batches", "2", "--contexts", "64", "--steps", "2",
+                 "--iters", "1", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "e2e.json").read_text())
+    assert saved["environment"]["weights"] == "block-FP8" and {r["status"] for r in saved["rows"]} == {"ok"}
+    assert "with random block-FP8 weights" in (tmp_path / "e2e.md").read_text()
+
+
 def test_publish_names_the_repositorys_tables():
     args = type("Args", (), {"out": None, "publish": True})()
     assert cli.bench_output_dir(args) == cli.PUBLISHED_BENCH_DIR

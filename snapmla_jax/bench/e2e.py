@@ -25,6 +25,7 @@ kernels stop at each row's seq_len. Programs are compiled in parallel threads
 before the runs; results are written after every run, so a run cut short
 still leaves its table (``--out``; default: outside the source tree, printed; ``--publish``:
 the repository's docs/benchmarks/). ``--tiny`` runs a 2-layer model on any backend (CPU test).
+``--fp8-weights`` makes the linear kernels and routed experts block-FP8 (``fp8_matmul``'s products).
 ``--profile`` adds each row's GPU time per launch and decode step (``timing.kernel_times_us``)
 to the JSON; XLA runs the decode loop's body as a CUDA graph, which the profiler does not see
 into, so profile with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``.
@@ -415,7 +416,8 @@ def markdown(env: dict, rows: list[dict], batches, contexts) -> str:
         "# End-to-end decode: FP8 vs BF16 latent cache\n",
         f"Device {env['device']}, jax {env['jax']}, {env['date']}. Produced by `python -m snapmla_jax.bench e2e` "
         "(the published table with `--publish`).\n",
-        f"Model: {env['model']} with random bf16 weights ({env['params_b']:.2f} B parameters, "
+        f"Model: {env['model']} with random {env.get('weights', 'bf16')} weights "
+        f"({env['params_b']:.2f} B parameters, "
         f"{env['weights_gib']:.1f} GiB). Greedy decoding in the compiled `lax.while_loop` of "
         f"`snapmla_jax.generate` ({env['steps']} steps per call, median of {env['iters']} calls), every row "
         f"holding `context` cached tokens; backend `{env['backend']}`. Copy bandwidth measured in this run: "
@@ -468,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="write_kv/mla_decode backend (default auto)")
     parser.add_argument("--threads", type=int, default=8, help="parallel compilations (default 8)")
+    parser.add_argument("--fp8-weights", action="store_true",
+                        help="the linear kernels and routed experts block-FP8 (models.quantize_weights' layout)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each row's GPU time per launch and decode step (JAX profiler) in the JSON")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting new runs after this many seconds")
@@ -518,7 +522,8 @@ def run(args: argparse.Namespace) -> int:
     # What fits is read from the device's memory limit, which this variable sets (XLA's default
     # preallocation: 75%); recorded so that a table's "no room" cells can be read.
     env["xla_mem_fraction"] = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    model = random_model(cfg, jnp.bfloat16)
+    model = random_model(cfg, jnp.bfloat16, fp8_weights=args.fp8_weights)
+    env["weights"] = "block-FP8" if args.fp8_weights else "bf16"
     if args.dense_moe is not None or args.ragged_moe:
         models.moe.set_dense_token_range(model, None if args.ragged_moe else tuple(args.dense_moe))
     if args.gather_moe is not None or args.ragged_moe:
