@@ -71,7 +71,8 @@ from snapmla_jax.pallas_kernels.grouped_experts import combine_assignments, grou
 # nearly everywhere (H200, one layer, bf16): V2-Lite shapes 1.14x at T = 4 to 4.5x at T = 512,
 # but 0.72x at T = 1; V3 shapes 1.02x at T = 1 to 2.8x at T = 64 (scripts/bench_moe.py).
 # The top, 512, is the largest T measured; the [E, T, inner] activations of dense grow with T
-# (1 GB at V3 shapes and T = 512), so prefill-sized calls stay ragged.
+# (1 GB at V3 shapes and T = 512), so prefill-sized calls stay ragged. With the experts split over
+# N devices (``data_parallel.place_model``) a layer holds E / N experts and the top becomes 512 N.
 DENSE_TOKEN_RANGE: tuple[int, int] | None = (4, 512)
 
 
