@@ -41,7 +41,8 @@ def param_path(path: tuple) -> str:
     return "/".join(str(k) for k in path)
 
 
-def _key_name(key) -> str:
+def key_name(key) -> str:
+    """The name of one key of a ``jax.tree_util`` key path (a dict key, an attribute, an index)."""
     return str(getattr(key, "key", getattr(key, "name", key)))
 
 
@@ -51,7 +52,7 @@ def flat_arrays(state: nnx.State) -> dict[str, jax.Array]:
     states give their ShapeDtypeStructs. The order is ``jax.tree`` order, as
     ``fill_arrays`` expects."""
     leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
-    return {"/".join(_key_name(k) for k in path): leaf for path, leaf in leaves}
+    return {"/".join(key_name(k) for k in path): leaf for path, leaf in leaves}
 
 
 def fill_arrays(state: nnx.State, arrays: dict[str, jax.Array]) -> None:

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from snapmla_jax.models.layers import EXPERT_WEIGHTS
 from snapmla_jax.models.moe import moe_layers
-from snapmla_jax.models.sharding import PlacementError, expert_sharding, shard_model
+from snapmla_jax.models.sharding import PlacementError, expert_sharding, key_name, shard_model
 
 
 def mesh_axis(mesh) -> str:
@@ -70,7 +70,7 @@ def param_spec(path: tuple, axis: str) -> PartitionSpec:
     """The ``PartitionSpec`` of the model-state array at ``path`` (a ``jax.tree_util`` key path of
     ``nnx.split``'s params) as ``place_model`` lays it out: a stacked expert weight (or a
     block-FP8 stack's values and scales) split along its expert axis, any other array whole."""
-    names = {str(getattr(key, "key", getattr(key, "name", key))) for key in path}
+    names = {key_name(key) for key in path}
     return PartitionSpec(axis) if names & set(EXPERT_WEIGHTS) else PartitionSpec()
 
 

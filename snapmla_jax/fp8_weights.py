@@ -145,4 +145,3 @@ def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax
         return y[:rows].astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     product = jnp.einsum("...i,oi->...o", x, dequantize_weight(w, x.dtype), preferred_element_type=jnp.float32)
     return product.astype(x.dtype)
-

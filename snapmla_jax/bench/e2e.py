@@ -52,6 +52,7 @@ import snapmla_jax.models.moe
 
 from snapmla_jax import models
 from snapmla_jax.models import MLAConfig, MLAModel
+from snapmla_jax.models.sharding import key_name
 from snapmla_jax import cli, data_parallel
 from snapmla_jax.backend import BACKENDS
 from snapmla_jax.bench import timing
@@ -169,7 +170,7 @@ def _random_array(key, shape, dtype, role: str = "weight"):
 
 
 def _leaf_role(path, shape) -> str:
-    name = str(getattr(path[-1], "key", getattr(path[-1], "name", path[-1]))) if path else ""
+    name = key_name(path[-1]) if path else ""
     return "scales" if name == "scales" else "norm" if len(shape) == 1 else "weight"
 
 
