@@ -44,6 +44,12 @@ gate weight 0) and returns each device its tokens' sums over all experts (``psum
 float32). Two collectives of T x hidden a layer, against the dispatch's reading of E / N
 experts' weights; the shared experts run on each device's own tokens.
 
+Block-FP8 experts (``fp8_weights.BlockFP8Weight`` stacks): on a Hopper GPU the gathered and
+dense dispatches run on the FP8 GEMM (``fp8_weights.fp8_grouped_matmul``, one launch a weight
+stack, each matrix's e4m3 bytes read where they lie; ``MoE.fp8_kernel_stacks``), and a gathered
+call with as many assignments as experts runs dense (``MoE.dispatch``). The ragged dispatch and
+the "xla" backend dequantize the stacks in XLA (``MoE.expert_stacks``).
+
 The choice is two static attributes of each layer, ``MoE.dense_token_range`` and
 ``MoE.gather_max_tokens`` (``set_dense_token_range`` and ``set_gather_max_tokens`` set
 them on every layer of a model), so it is part of the layer's graph definition: a jit
@@ -53,12 +59,14 @@ module-level switch read while tracing would not be: a jit cache hit would keep 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from snapmla_jax.backend import resolve_backend
-from snapmla_jax.fp8_weights import BlockFP8Weight, dequantize_weight
+from snapmla_jax.fp8_weights import BlockFP8Weight, dequantize_weight, fp8_grouped_matmul, kernel_runs
 from snapmla_jax.models.config import MLAConfig
 from snapmla_jax.models.layers import MLP
 from snapmla_jax.pallas_kernels.grouped_experts import combine_assignments, grouped_experts, grouped_experts_reference
@@ -252,17 +260,31 @@ class MoE(nnx.Module):
         out_dtype = flat.dtype if axis is None else jnp.float32
         if axis is not None:
             weights, ids = self._local_assignments(weights, ids, axis)
-        name = choose_dispatch(flat.shape[0], self.dense_token_range, self.gather_max_tokens)
+        name = self.dispatch(flat.shape[0], backend)
         if name == "gathered":
             routed = self._gathered_experts(flat, weights, ids, backend=backend, out_dtype=out_dtype)
         else:
-            dispatch = {"dense": self._dense_experts, "ragged": self._ragged_experts}[name]
+            dispatch = {"dense": functools.partial(self._dense_experts, backend=backend),
+                        "ragged": self._ragged_experts}[name]
             routed = dispatch(flat, weights, ids, out_dtype=out_dtype)
         if axis is not None:
             routed = jax.lax.psum_scatter(routed, axis, scatter_dimension=0, tiled=True).astype(x.dtype)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(local)
         return routed.reshape(x.shape)
+
+    def dispatch(self, num_tokens: int, backend: str) -> str:
+        """"gathered", "dense" or "ragged": how a call of ``num_tokens`` tokens (all devices' with
+        ``expert_axis``) runs with ``backend`` (resolved): ``choose_dispatch`` on the layer's
+        settings, except that on the FP8 GEMM (``fp8_kernel_stacks``) a gathered call with at least
+        as many assignments as experts runs dense. Gathered reads one matrix an assignment, dense
+        each matrix once (H200, 32 experts of V3's shape, 8 tokens x 8 assignments: dense 0.422 ms,
+        gathered 0.834; scripts/bench_fp8_experts.py)."""
+        name = choose_dispatch(num_tokens, self.dense_token_range, self.gather_max_tokens)
+        if (name == "gathered" and num_tokens * self.cfg.num_experts_per_tok >= self.num_local_experts()
+                and self.fp8_kernel_stacks(num_tokens, backend) is not None):
+            return "dense"
+        return name
 
     def num_local_experts(self) -> int:
         """The experts whose weights this layer holds: E, or E / N inside ``shard_map`` over N
@@ -283,10 +305,11 @@ class MoE(nnx.Module):
         """(w_gate, w_up, w_down) as [E, in, out] arrays in ``dtype``: plain weights as they
         are, block-FP8 ones dequantized (values * scale in float32, one rounding to ``dtype``)
         and transposed back. ``chosen`` int32 [n]: only those experts' matrices, [n, in, out].
-        XLA computes them inside the calling program; with FP8 weights the ragged and dense
-        dispatches read the FP8 bytes of all E experts and make a dense copy of them there (the
-        FP8 grouped GEMM that would not is not built); the gathered one dequantizes only the
-        chosen experts."""
+        XLA computes them inside the calling program. With FP8 weights this is the path where the
+        FP8 GEMM kernel does not run (``fp8_kernel_stacks``: the ragged dispatch, the "xla"
+        backend, other GPUs): the ragged and dense dispatches read the FP8 bytes of all E experts
+        and make a dense copy of them there; the gathered one dequantizes only the chosen
+        experts."""
         def dense(weight):
             value = weight.get_value()
             if isinstance(value, BlockFP8Weight):
@@ -295,6 +318,15 @@ class MoE(nnx.Module):
                 return jnp.swapaxes(dequantize_weight(value, dtype), -1, -2)
             return value if chosen is None else value[chosen]
         return dense(self.w_gate), dense(self.w_up), dense(self.w_down)
+
+    def fp8_kernel_stacks(self, rows: int, backend: str) -> tuple[BlockFP8Weight, ...] | None:
+        """(w_gate, w_up, w_down) as they are stored, when all three are block-FP8 and the FP8 GEMM
+        kernel runs products of ``rows`` tokens with them (``fp8_weights.kernel_runs``, ``backend``
+        resolved); else None."""
+        stacks = tuple(w.get_value() for w in (self.w_gate, self.w_up, self.w_down))
+        if all(isinstance(w, BlockFP8Weight) and kernel_runs(w, rows, backend) for w in stacks):
+            return stacks
+        return None
 
     def _ragged_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array, *, out_dtype=None) -> jax.Array:
         """The chosen experts only: flat [T, hidden], gate weights [T, k] f32, expert ids [T, k]
@@ -319,6 +351,18 @@ class MoE(nnx.Module):
         token instead of all E. ``backend`` "pallas" / "interpret": the grouped-experts kernel
         (each chosen matrix read where it lies); "xla": jnp, with [T*k, hidden, inner]
         gathered copies."""
+        fp8_stacks = self.fp8_kernel_stacks(flat.shape[0], backend)
+        if fp8_stacks is not None:
+            # Each assignment's matrices read in FP8 where they lie: gate and up for all T tokens
+            # (the assignment's own row kept), down for the assignment's hidden row.
+            w_gate, w_up, w_down = fp8_stacks
+            chosen = ids.reshape(-1)
+            rows = (jnp.arange(chosen.shape[0]), jnp.arange(chosen.shape[0]) // ids.shape[1])
+            gate = fp8_grouped_matmul(flat[None], w_gate, matrices=chosen, backend=backend)[rows]
+            up = fp8_grouped_matmul(flat[None], w_up, matrices=chosen, backend=backend)[rows]
+            hidden = (jax.nn.silu(gate) * up)[:, None, :]                       # [T*k, 1, inner]
+            down = fp8_grouped_matmul(hidden, w_down, matrices=chosen, backend=backend)[:, 0]
+            return combine_assignments(down, weights).astype(out_dtype or flat.dtype)
         if any(isinstance(w.get_value(), BlockFP8Weight) for w in (self.w_gate, self.w_up, self.w_down)):
             # Only the chosen experts' FP8 matrices are dequantized: [T*k, ...] stacks, one an
             # assignment, which the assignments then index in order.
@@ -334,7 +378,8 @@ class MoE(nnx.Module):
             out = grouped_experts(*experts, interpret=backend == "interpret")
         return out.astype(out_dtype or flat.dtype)
 
-    def _dense_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array, *, out_dtype=None) -> jax.Array:
+    def _dense_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array, *, out_dtype=None,
+                       backend: str = "xla") -> jax.Array:
         """Every expert on every token, the same arguments and result as ``_ragged_experts``.
 
         Gate and up are batched products over the experts ([E, T, I]); each expert's
@@ -342,11 +387,24 @@ class MoE(nnx.Module):
         down projection, which is then one product contracting experts and features together
         ([T, E*I] x [E*I, hidden]): no [E, T, hidden] intermediate, and the weights are read in
         their stored layout.
+
+        Block-FP8 experts where the FP8 GEMM kernel runs (``fp8_kernel_stacks``; ``backend``
+        resolved): the same three products as FP8 GEMM launches over the stacks' e4m3 bytes,
+        gate and up in float32, the down projection summed over the experts inside its launch.
         """
-        w_gate, w_up, w_down = self.expert_stacks(flat.dtype)
-        num_tokens, num_experts = flat.shape[0], w_gate.shape[0]
+        num_tokens = flat.shape[0]
+        fp8_stacks = self.fp8_kernel_stacks(num_tokens, backend)
+        num_experts = self.num_local_experts()
         gate_of = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
             jnp.arange(num_tokens)[:, None], ids].add(weights)                 # [T, E]
+        if fp8_stacks is not None:
+            w_gate, w_up, w_down = fp8_stacks
+            hidden = (jax.nn.silu(fp8_grouped_matmul(flat[None], w_gate, backend=backend))
+                      * fp8_grouped_matmul(flat[None], w_up, backend=backend))   # [E, T, I] f32
+            scaled = hidden * gate_of.T[:, :, None]
+            out = fp8_grouped_matmul(scaled, w_down, sum_groups=True, backend=backend)
+            return out.astype(out_dtype or flat.dtype)
+        w_gate, w_up, w_down = self.expert_stacks(flat.dtype)
         tokens = jnp.broadcast_to(flat, (num_experts, *flat.shape))            # [E, T, hidden]
         hidden = (jax.nn.silu(jnp.einsum("eth,ehi->eti", tokens, w_gate))
                   * jnp.einsum("eth,ehi->eti", tokens, w_up))

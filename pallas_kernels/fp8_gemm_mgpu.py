@@ -1,4 +1,5 @@
-"""Block-scaled FP8 GEMM for decode-sized token counts on Mosaic GPU (Hopper wgmma + TMA).
+"""Block-scaled FP8 GEMMs for decode-sized token counts on Mosaic GPU (Hopper wgmma + TMA): one
+product, or a MoE layer's experts in one launch.
 
 DeepSeek's recipe: a weight W [N, K] stored as e4m3 with one float32 scale per 128 x 128 block,
 activations x [M, K] quantized per token and 128 channels on the fly, FP8 x FP8 products summed
@@ -9,29 +10,37 @@ in float32 per 128-channel block and scaled there:
 For a decode step M is a few tokens and the product reads W once: its time is W's bytes. The
 tokens go on the wgmma N dimension and the weight's rows on M, so W is the A operand straight
 from its K-major rows and no token padding reaches 64 ("swap AB"). Each CTA computes y^T for
-TILE_N = 64 weight rows over one split of K, its weight and token tiles streaming through a TMA
-pipeline; the splits' partial sums [splits, N, M] float32 are added by XLA. A CTA keeps two
-[64, M] float32 accumulators: the running sum and each 128-channel block's fresh product (the
-block's scale is applied before the fresh product joins the sum, so the FP8 accumulator never
-carries more than 128 channels: Hopper's FP8 wgmma keeps ~14 bits).
+TILE_N = 64 weight rows and one token tile (all M up to MAX_TOKENS, else LARGE_TILE tokens)
+over one split of K, its weight and token tiles streaming through a TMA pipeline; the splits'
+partial sums [splits, ..., N, M] float32 are added by XLA. A CTA keeps two [64, tokens] float32
+accumulators: the running sum and each 128-channel block's fresh product (the block's scale is
+applied before the fresh product joins the sum, so the FP8 accumulator never carries more than
+128 channels: Hopper's FP8 wgmma keeps ~14 bits).
 
-Measured (H100, jax 0.11.2; ``scripts/bench_fp8_gemm.py``, the product chained over weight copies
-of >= 384 MiB, round-robin with XLA's bf16 product of the same shape): M = 16 runs 1.64-1.76x the
-bf16 GEMM at 24576 x 1536 and 18432 x 7168 / 7168 x 18432 (2.0-2.2 TB/s of weight bytes, 68-77%
-of the copy ceiling); M = 64 1.63x at the two 18432 x 7168 shapes, 1.28x at 24576 x 1536. At
-10944 x 2048 (V2-Lite's dense MLP) 1.30x / 1.08x, and at 2048 x 7168 and 7168 x 2048 (14 MiB,
-DeepSeek-V3's experts) 1.03-1.16x: there the launches around it (the activation quantization
-and the partials' sum) take what the bytes save. XLA's product with the weight dequantized in
-the program (``fp8_weights.fp8_matmul`` elsewhere) runs 0.38-0.45x the bf16 GEMM. Limits: M = 8
-fails the tensor map's alignment on large shapes (tokens are padded to a multiple of
-TOKEN_MULTIPLE); M = 256 does not fit the pipeline in shared memory (4 slots of 64 KB token
-tiles): MAX_TOKENS.
+Groups (``fp8_grouped_gemm_mgpu``): a stack of E weight matrices [E, N, K] (a MoE layer's
+experts) and G groups of tokens in one launch, grid (group, weight tile, split, token tile).
+Group g multiplies its tokens (or tokens all groups share) by matrix ``matrices[g]``, read
+where it lies (the MoE's gathered dispatch: one group an assignment), or by matrix g (dense:
+one group an expert). Summed, the groups are the splits' contraction: a CTA's pipeline runs over
+its groups' whole K, so the MoE's down projection sums over the experts inside the launch.
+
+Measured (``scripts/bench_fp8_gemm.py``, the product chained over weight copies of >= 384 MiB,
+round-robin with XLA's bf16 product of the same shape; docs/benchmarks/fp8_gemm_h100.md,
+fp8_gemm_h200.md): at 16 tokens 1.64-1.76x the bf16 GEMM at 24576 x 1536 and 18432 x 7168 /
+7168 x 18432 on an H100 (68-77% of the copy ceiling), 1.60x at 18432 x 7168 on an H200; 64
+tokens 1.63x / 1.42x there. On the 14 MiB expert matrices ~1x alone: the launches around the
+kernel (the activation quantization and the partials' sum) take what the bytes save; one
+launch over a layer's experts reads them at 46-83% of the copy bandwidth (H200,
+scripts/bench_fp8_experts.py). Above 64 tokens each token tile re-reads its weight tile and the
+CTA's one warpgroup, waiting for each block's product before it scales it, sets the pace:
+0.94x / 0.81x the bf16 GEMM at 128 / 256 tokens (H200, 18432 x 7168). M = 8 fails the tensor
+map's alignment on large shapes (tokens are padded to a multiple of TOKEN_MULTIPLE).
 
 Arguments of ``fp8_gemm_mgpu`` (``fp8_gemm_reference`` is its float32 twin):
 
-  x8        [M, K] e4m3, M a multiple of TOKEN_MULTIPLE and at most MAX_TOKENS
+  x8        [M, K] e4m3, M a multiple of TOKEN_MULTIPLE up to MAX_TOKENS, of LARGE_TILE above
   x_scales  [K / 128, M] float32 (``fp8_weights.quantize_activations``: the transpose of [M, K / 128])
-  w8        [N, K] e4m3, N a multiple of 64, K of 128 * kb_per_step
+  w8        [N, K] e4m3, N a multiple of 64, K of 128 (of 256 for two blocks a pipeline step)
   w_scales  [ceil(N / 128), K / 128] float32
   -> y [M, N] float32
 """
@@ -51,102 +60,193 @@ from snapmla_jax.pallas_kernels.mgpu_bytes import BYTE_TILE_TRANSFORMS
 
 BLOCK = 128  # channels (and weight rows) a scale covers
 TILE_N = 64  # weight rows a CTA: one wgmma M
-MAX_TOKENS = 64  # tokens (wgmma N) a call takes: the measured range (module docstring)
+MAX_TOKENS = 64  # tokens of a call that one CTA takes whole (the wgmma N); more come in tiles of
+LARGE_TILE = 128  # tokens (``token_tile``): a wgmma of N = 128 reads shared memory for twice the products
+SMEM_BYTES = 227 * 1024  # shared memory a CTA may use on Hopper: the pipeline's depth gives way to it
 TOKEN_MULTIPLE = 16  # M = 8 failed the tensor map's alignment on an H100 (module docstring)
+SCALE_SLOT_FLOATS = 32  # the fewest float32 a pipeline slot of scales holds: 128 bytes (``fp8_grouped_gemm_mgpu``)
 COL = plgpu.Layout.WGMMA.reduce(0)  # a vector with one value per accumulator column (token)
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
     """kb_per_step: 128-channel blocks a pipeline step brings (its weight tile is 64 x 128 x this
-    bytes); depth: pipeline steps in flight; splits: None picks ``choose_splits``."""
-    kb_per_step: int = 2
+    bytes; None: 2 where K allows, else 1); depth: pipeline steps in flight; splits: None picks
+    ``choose_splits``."""
+    kb_per_step: int | None = None
     depth: int = 4
     splits: int | None = None
 
+    def blocks_per_step(self, k: int) -> int:
+        """128-channel blocks a step for a K of ``k`` channels."""
+        if self.kb_per_step is not None:
+            return self.kb_per_step
+        return 2 if k % (2 * BLOCK) == 0 else 1
+
 
 def choose_splits(n_tiles: int, steps: int, num_sms: int) -> int:
-    """Splits of K (a divisor of ``steps``) that give at least two CTAs an SM where the weight
-    rows alone give fewer: a CTA streams its tiles with ``depth`` in flight, and a memory-bound
-    product needs every SM streaming."""
+    """Splits of ``steps`` (K's pipeline steps, or the groups of a summed product: a divisor) that
+    give at least two CTAs an SM where the other grid axes (``n_tiles`` CTAs) give fewer: a CTA
+    streams its tiles with ``depth`` in flight, and a memory-bound product needs every SM
+    streaming."""
     target = 2 * num_sms
     divisors = [d for d in range(1, steps + 1) if steps % d == 0]
     return next((d for d in divisors if n_tiles * d >= target), divisors[-1])
 
 
-def _kernel(w_gmem, x_gmem, s_gmem, out_gmem, out_s, *, steps: int, config: GemmConfig, tokens: int):
-    """One CTA: weight rows [64 n, 64 n + 64) over split s of K (``steps`` pipeline steps)."""
-    n, split = lax.axis_index("n"), lax.axis_index("s")
-    tk = BLOCK * config.kb_per_step
-    k0 = split * steps * tk
-    w_rows = w_gmem.at[pl.ds(n * TILE_N, TILE_N), pl.ds(k0, steps * tk)]
-    x_cols = x_gmem.at[:, pl.ds(k0, steps * tk)]
-    # The combined scales of this tile's 128-row block [K / 128, M], this split's blocks.
-    s_rows = s_gmem.at[lax.div(n, BLOCK // TILE_N), pl.ds(split * steps * config.kb_per_step,
-                                                          steps * config.kb_per_step)]
+def token_tile(m: int) -> int:
+    """Tokens a CTA (the wgmma N): M itself up to MAX_TOKENS, else tiles of LARGE_TILE."""
+    return m if m <= MAX_TOKENS else LARGE_TILE
+
+
+def pipeline_depth(config: GemmConfig, tokens: int, kb_per_step: int, scale_tokens: int) -> int:
+    """``config.depth``, or fewer steps in flight where that many slots (weight and token tiles and
+    scales) and the output tile would not fit SMEM_BYTES (128-token tiles of 256 channels: 3)."""
+    slot = (TILE_N + tokens) * BLOCK * kb_per_step + 4 * kb_per_step * scale_tokens
+    return max(1, min(config.depth, (SMEM_BYTES - 4 * TILE_N * tokens) // slot))
+
+
+def _kernel(experts_gmem, w_gmem, x_gmem, s_gmem, out_gmem, out_s, *, steps: int, groups: int, sum_groups: bool,
+            shared_x: bool, kb_per_step: int, depth: int, tokens: int, scale_tokens: int):
+    """One CTA of grid (g, n, s, m): weight rows [64 n, 64 n + 64) times token tile m, over ``steps``
+    pipeline steps of K for each of ``groups`` groups. Batched (``sum_groups`` False): group g
+    (its weight matrix experts[g], or g), split s of K. Summed: groups [s groups, (s + 1) groups),
+    the whole K of each."""
+    g, n, split, mt = (lax.axis_index(name) for name in ("g", "n", "s", "m"))
+    tk = BLOCK * kb_per_step
+    if sum_groups:
+        g0, k0 = split * groups, 0
+    else:
+        g0, k0 = g, split * steps * tk
+    matrix0 = g0 if experts_gmem is None else experts_gmem[g]
+    w_rows = w_gmem.at[pl.ds(matrix0, groups), pl.ds(n * TILE_N, TILE_N), pl.ds(k0, steps * tk)]
+    x_cols = x_gmem.at[pl.ds(0, 1) if shared_x else pl.ds(g0, groups), pl.ds(mt * tokens, tokens),
+                       pl.ds(k0, steps * tk)]
+    # The combined scales of this tile's 128-row block [groups, K / 128, tokens], this CTA's blocks.
+    s_rows = s_gmem.at[pl.ds(g0, groups), lax.div(n, BLOCK // TILE_N), pl.ds(k0 // BLOCK, steps * kb_per_step),
+                       pl.ds(mt * scale_tokens, scale_tokens)]
 
     def body(_, w_s, x_s, s_s, total):
-        for kb in range(config.kb_per_step):
+        for kb in range(kb_per_step):
             def product(acc_ref, kb=kb):
                 plgpu.wgmma(acc_ref, w_s.at[:, pl.ds(kb * BLOCK, BLOCK)],
                             x_s.at[:, pl.ds(kb * BLOCK, BLOCK)].transpose((1, 0)))
                 return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
 
             fresh = pl.run_scoped(product, plgpu.ACC((TILE_N, tokens), jnp.float32))
-            scale = lax.broadcast_in_dim(plgpu.load(s_s.at[kb], layout=COL), (TILE_N, tokens), [1])
+            scale_row = s_s.at[kb] if scale_tokens == tokens else s_s.at[kb, pl.ds(0, tokens)]
+            scale = lax.broadcast_in_dim(plgpu.load(scale_row, layout=COL), (TILE_N, tokens), [1])
             total = total + fresh * scale
         return total
 
     zeros = plgpu.layout_cast(jnp.zeros((TILE_N, tokens), jnp.float32), plgpu.Layout.WGMMA)
     pipeline = plgpu.emit_pipeline(
-        body, grid=(steps,), max_concurrent_steps=min(config.depth, steps), init_carry=zeros,
-        in_specs=[plgpu.BlockSpec((TILE_N, tk), lambda k: (0, k), transforms=BYTE_TILE_TRANSFORMS),
-                  plgpu.BlockSpec((tokens, tk), lambda k: (0, k), transforms=BYTE_TILE_TRANSFORMS),
-                  plgpu.BlockSpec((config.kb_per_step, tokens), lambda k: (k, 0))])
+        body, grid=(groups, steps), max_concurrent_steps=min(depth, groups * steps), init_carry=zeros,
+        in_specs=[plgpu.BlockSpec((None, TILE_N, tk), lambda e, k: (e, 0, k), transforms=BYTE_TILE_TRANSFORMS),
+                  plgpu.BlockSpec((None, tokens, tk), (lambda e, k: (0, 0, k)) if shared_x else (lambda e, k: (e, 0, k)),
+                                  transforms=BYTE_TILE_TRANSFORMS),
+                  plgpu.BlockSpec((None, kb_per_step, scale_tokens), lambda e, k: (e, k, 0))])
     total = pipeline(w_rows, x_cols, s_rows)
     out_s[...] = total
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_s, out_gmem.at[split, pl.ds(n * TILE_N, TILE_N)])
+    plgpu.copy_smem_to_gmem(out_s, out_gmem.at[split, 0 if sum_groups else g, pl.ds(n * TILE_N, TILE_N),
+                                               pl.ds(mt * tokens, tokens)])
     plgpu.wait_smem_to_gmem(0)
 
 
 def kernel_takes(m: int, n: int, k: int, config: GemmConfig = GemmConfig()) -> bool:
-    """Whether ``fp8_gemm_mgpu`` runs an [M, K] x [N, K]^T product, M padded to a multiple of
-    TOKEN_MULTIPLE."""
-    return 0 < m <= MAX_TOKENS and n % TILE_N == 0 and k % (BLOCK * config.kb_per_step) == 0
+    """Whether the FP8 GEMM runs an [M, K] x [N, K]^T product (a group's), M padded by
+    ``pad_tokens``: N a multiple of 64 and K of the step's channels."""
+    return m > 0 and n % TILE_N == 0 and k % (BLOCK * config.blocks_per_step(k)) == 0
+
+
+def pad_tokens(m: int) -> int:
+    """M padded to what the kernel takes: a multiple of TOKEN_MULTIPLE up to MAX_TOKENS, of
+    LARGE_TILE (whole token tiles) above."""
+    multiple = TOKEN_MULTIPLE if m <= MAX_TOKENS else LARGE_TILE
+    return -(-m // multiple) * multiple
 
 
 def combined_scales(x_scales: jax.Array, w_scales: jax.Array) -> jax.Array:
-    """x_scales [KB, M], w_scales [NB, KB] -> [NB, KB, M]: the factor of each block's product."""
-    return w_scales[:, :, None] * x_scales[None, :, :]
+    """x_scales [X, KB, M] (X 1 or G), w_scales [G, NB, KB] -> [G, NB, KB, M]: the factor of each
+    block's product."""
+    return w_scales[:, :, :, None] * x_scales[:, None, :, :]
+
+
+@functools.partial(jax.jit, static_argnames=("sum_groups", "config", "num_sms", "interpret"))
+def fp8_grouped_gemm_mgpu(x8: jax.Array, x_scales: jax.Array, w8: jax.Array, w_scales: jax.Array,
+                          matrices: jax.Array | None = None, *, sum_groups: bool = False,
+                          config: GemmConfig = GemmConfig(), num_sms: int = 132,
+                          interpret: bool = False) -> jax.Array:
+    """G block-scaled products of one launch (module docstring), group g multiplying its tokens
+    x8[g] (or the one x8[0] all groups share) by weight matrix ``matrices[g]`` of w8 (None: g).
+
+      x8        [X, M, K] e4m3, X = 1 (shared) or G; M as ``pad_tokens`` leaves it
+      x_scales  [X, K / 128, M] float32 (``fp8_weights.quantize_activations`` per group)
+      w8        [E, N, K] e4m3;  w_scales [E, ceil(N / 128), K / 128] float32
+      matrices  None (G = E) or int32 [G]: each group's matrix, in [0, E) (not checked in a trace)
+      -> y [G, M, N] float32, or with ``sum_groups`` [M, N] = the sum over the groups (the K of
+         one product that runs over every group's channels; ``matrices`` must be None).
+
+    ValueError for shapes the kernel does not take (``kernel_takes``, ``pad_tokens``).
+    """
+    num_x, m, k = x8.shape
+    num_matrices, n, _ = w8.shape
+    groups_total = num_matrices if matrices is None else matrices.shape[0]
+    kb_per_step = config.blocks_per_step(k)
+    if not kernel_takes(m, n, k, config) or m != pad_tokens(m) or w8.shape[2] != k:
+        raise ValueError(f"x8, w8: the FP8 GEMM takes M a multiple of {TOKEN_MULTIPLE} up to {MAX_TOKENS} (of "
+                         f"{LARGE_TILE} above), N of {TILE_N} and K of {BLOCK * kb_per_step}, got M={m}, N={n}, "
+                         f"K={k} (weights K={w8.shape[2]})")
+    if num_x not in (1, groups_total):
+        raise ValueError(f"x8: expected 1 or {groups_total} groups of tokens, got {num_x}")
+    if sum_groups and matrices is not None:
+        raise ValueError("matrices: a summed product runs every matrix in order (matrices=None)")
+    steps_total = k // (BLOCK * kb_per_step)
+    tokens = token_tile(m)
+    n_tiles, m_tiles = n // TILE_N, m // tokens
+    if sum_groups:
+        splits = config.splits or choose_splits(n_tiles * m_tiles, groups_total, num_sms)
+        if groups_total % splits:
+            raise ValueError(f"config: splits={splits} must divide the {groups_total} groups")
+        grid, groups, steps = (1, n_tiles, splits, m_tiles), groups_total // splits, steps_total
+    else:
+        splits = config.splits or choose_splits(groups_total * n_tiles * m_tiles, steps_total, num_sms)
+        if steps_total % splits:
+            raise ValueError(f"config: splits={splits} must divide the {steps_total} pipeline steps")
+        grid, groups, steps = (groups_total, n_tiles, splits, m_tiles), 1, steps_total // splits
+    w_scales = w_scales if matrices is None else w_scales[matrices]
+    scales = combined_scales(x_scales, w_scales)
+    # A TMA writes shared memory at 128-byte aligned addresses, so a pipeline slot of scales holds
+    # at least 32 floats: 16 tokens' scales of one block (64 bytes) are padded to 32
+    # (CUDA_ERROR_MISALIGNED_ADDRESS on an H200 without it).
+    scale_tokens = max(tokens, SCALE_SLOT_FLOATS // kb_per_step)
+    if scale_tokens > tokens:  # then M = tokens: one token tile
+        scales = jnp.pad(scales, ((0, 0), (0, 0), (0, 0), (0, scale_tokens - tokens)))
+    body = functools.partial(_kernel, steps=steps, groups=groups, sum_groups=sum_groups, shared_x=num_x == 1,
+                             kb_per_step=kb_per_step, depth=pipeline_depth(config, tokens, kb_per_step, scale_tokens),
+                             tokens=tokens, scale_tokens=scale_tokens)
+    kernel = plgpu.kernel(
+        body if matrices is not None else functools.partial(body, None),
+        out_type=jax.ShapeDtypeStruct((splits, 1 if sum_groups else groups_total, n, m), jnp.float32),
+        scratch_types=[plgpu.SMEM((TILE_N, tokens), jnp.float32)],
+        grid=grid, grid_names=("g", "n", "s", "m"),
+        kernel_name="snapmla_fp8_gemm",
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    partials = kernel(w8, x8, scales) if matrices is None else kernel(matrices.astype(jnp.int32), w8, x8, scales)
+    summed = jnp.sum(partials, axis=0)
+    return jnp.swapaxes(summed[0] if sum_groups else summed, -1, -2)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_sms", "interpret"))
 def fp8_gemm_mgpu(x8: jax.Array, x_scales: jax.Array, w8: jax.Array, w_scales: jax.Array, *,
                   config: GemmConfig = GemmConfig(), num_sms: int = 132, interpret: bool = False) -> jax.Array:
-    """y [M, N] float32 = the block-scaled product (module docstring); ValueError for shapes the
-    kernel does not take (``kernel_takes``)."""
-    m, k = x8.shape
-    n = w8.shape[0]
-    if not kernel_takes(m, n, k, config) or m % TOKEN_MULTIPLE:
-        raise ValueError(f"x8, w8: the FP8 GEMM takes M a multiple of {TOKEN_MULTIPLE} up to {MAX_TOKENS}, N of "
-                         f"{TILE_N} and K of {BLOCK * config.kb_per_step}, got M={m}, N={n}, K={k}")
-    steps_total = k // (BLOCK * config.kb_per_step)
-    n_tiles = n // TILE_N
-    splits = config.splits or choose_splits(n_tiles, steps_total, num_sms)
-    if steps_total % splits:
-        raise ValueError(f"config: splits={splits} must divide the {steps_total} pipeline steps")
-    scales = combined_scales(x_scales, w_scales)
-    kernel = plgpu.kernel(
-        functools.partial(_kernel, steps=steps_total // splits, config=config, tokens=m),
-        out_type=jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
-        scratch_types=[plgpu.SMEM((TILE_N, m), jnp.float32)],
-        grid=(n_tiles, splits), grid_names=("n", "s"),
-        kernel_name="snapmla_fp8_gemm",
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )
-    partials = kernel(w8, x8, scales)
-    return jnp.sum(partials, axis=0).T
+    """One product: x8 [M, K] e4m3, x_scales [K / 128, M], w8 [N, K] e4m3, w_scales
+    [ceil(N / 128), K / 128] -> y [M, N] float32 (``fp8_grouped_gemm_mgpu`` with one group)."""
+    y = fp8_grouped_gemm_mgpu(x8[None], x_scales[None], w8[None], w_scales[None], config=config,
+                              num_sms=num_sms, interpret=interpret)
+    return y[0]
 
 
 def fp8_gemm_reference(x8: jax.Array, x_scales: jax.Array, w8: jax.Array, w_scales: jax.Array) -> jax.Array:

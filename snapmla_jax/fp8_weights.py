@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from snapmla_jax.backend import on_hopper, resolve_backend, sm_count
-from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, TOKEN_MULTIPLE, fp8_gemm_mgpu
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, fp8_gemm_mgpu, fp8_grouped_gemm_mgpu, pad_tokens
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import kernel_takes as gemm_takes
 
 FP8_E4M3_MAX = 448.0  # largest finite e4m3 value: a block's amax maps onto it
@@ -115,33 +115,89 @@ def dequantize_weight(w: BlockFP8Weight, dtype=jnp.float32) -> jax.Array:
     return scaled.astype(dtype)
 
 
+# Most rows of x ``fp8_matmul`` and ``fp8_grouped_matmul`` give the FP8 GEMM kernel: decode steps.
+# Up to 64 rows it runs 1.4-1.8x the bf16 GEMM at large shapes; above, 0.6-1.4x, and still 2-3x
+# XLA's dequantized path (H200, 128 and 256 rows; docs/benchmarks/fp8_gemm_h200.md). 512: the
+# MoE's dense dispatch's top (``models.moe.DENSE_TOKEN_RANGE``).
+KERNEL_MAX_TOKENS = 512
+
+
+def kernel_runs(w: BlockFP8Weight, rows: int, backend: str) -> bool:
+    """Whether a product of ``rows`` rows with the block-FP8 weight (stack) ``w`` runs the FP8 GEMM
+    kernel: ``backend`` (resolved) "interpret", or "pallas" on a Hopper GPU; 128 x 128 blocks;
+    at most KERNEL_MAX_TOKENS rows; shapes of whole tiles (``fp8_gemm_mgpu.kernel_takes``)."""
+    return (w.block == (BLOCK, BLOCK) and 0 < rows <= KERNEL_MAX_TOKENS
+            and gemm_takes(pad_tokens(rows), *w.shape[-2:])
+            and (backend == "interpret" or (backend == "pallas" and on_hopper())))
+
+
+def _quantized_rows(x: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+    """x [..., M, K] padded to ``rows`` rows and quantized per row and 128 channels:
+    (x8 [..., rows, K] e4m3, scales [..., K / 128, rows] float32)."""
+    pad = [(0, 0)] * (x.ndim - 2) + [(0, rows - x.shape[-2]), (0, 0)]
+    q = quantize_blocks(jnp.pad(x, pad), (1, BLOCK))
+    return q.values, jnp.swapaxes(q.scales, -1, -2)
+
+
 def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax.Array:
     """x [..., in] @ W^T for a block-FP8 weight W [out, in] -> [..., out] in x's dtype.
 
-    Compiled on a Hopper GPU (backend "pallas", or "auto" there), for at most
-    ``fp8_gemm_mgpu.MAX_TOKENS`` rows of x and shapes the kernel takes (out a multiple of 64,
-    in of 256, 128 x 128 weight blocks): DeepSeek's FP8 GEMM (``pallas_kernels/fp8_gemm_mgpu.py``),
-    x quantized to e4m3 per row and 128 channels, FP8 x FP8 products summed in float32 per block
-    and scaled there; it reads the weight's e4m3 bytes once (1.6-1.8x the bf16 GEMM at large
-    decode shapes on an H100). "interpret" runs that kernel in Pallas' interpreter.
+    Where ``kernel_runs`` (compiled on a Hopper GPU: backend "pallas", or "auto" there; at most
+    KERNEL_MAX_TOKENS rows of x; out a multiple of 64, in of 128; 128 x 128 weight blocks):
+    DeepSeek's FP8 GEMM (``pallas_kernels/fp8_gemm_mgpu.py``), x quantized to e4m3 per row and 128
+    channels, FP8 x FP8 products summed in float32 per block and scaled there; up to 64 rows it
+    reads the weight's e4m3 bytes once (1.6-1.8x the bf16 GEMM at large decode shapes, H100 and
+    H200). "interpret" runs that kernel in Pallas' interpreter.
 
     Otherwise (prefill-sized x, other shapes, other devices, "xla") plain XLA: the weight
     dequantized inside the caller's jitted program (one float32 multiply by the tile's scale, one
     rounding to x's dtype) and fed to an ordinary dot accumulating in float32, x unquantized. XLA
-    materializes the dequantized weight: 0.38-0.45x the bf16 GEMM at decode shapes, 0.62-1.10x at
-    4096 rows (H100, docs/benchmarks/fp8_gemm_h100.md).
+    materializes the dequantized weight: 0.30-0.45x the bf16 GEMM at decode shapes, 0.62-1.10x at
+    4096 rows (docs/benchmarks/fp8_gemm_h100.md, fp8_gemm_h200.md).
     """
     if len(w.shape) != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"x: expected [..., {w.shape[-1]}] for a weight matrix, got {list(x.shape)} against "
                          f"{list(w.shape)}")
     backend = resolve_backend(backend)
     rows = math.prod(x.shape[:-1])
-    padded = -(-rows // TOKEN_MULTIPLE) * TOKEN_MULTIPLE
-    if (w.block == (BLOCK, BLOCK) and gemm_takes(padded, *w.shape)
-            and (backend == "interpret" or (backend == "pallas" and on_hopper()))):
-        x2 = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, padded - rows), (0, 0)))
-        x8, x_scales = quantize_activations(x2)
+    if kernel_runs(w, rows, backend):
+        x8, x_scales = _quantized_rows(x.reshape(rows, x.shape[-1]), pad_tokens(rows))
         y = fp8_gemm_mgpu(x8, x_scales, w.values, w.scales, num_sms=sm_count(), interpret=backend == "interpret")
         return y[:rows].astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     product = jnp.einsum("...i,oi->...o", x, dequantize_weight(w, x.dtype), preferred_element_type=jnp.float32)
     return product.astype(x.dtype)
+
+
+def fp8_grouped_matmul(x: jax.Array, w: BlockFP8Weight, *, matrices: jax.Array | None = None,
+                       sum_groups: bool = False, backend: str = "auto") -> jax.Array:
+    """Products of token groups with matrices of a block-FP8 stack (a MoE layer's experts), in
+    float32.
+
+      x         [X, T, in], X = 1 (every group multiplies the same tokens) or G
+      w         BlockFP8Weight stack [E, out, in]
+      matrices  None (G = E, group g multiplies matrix g) or int [G]: each group's matrix
+      -> [G, T, out] float32: y[g] = x[g or 0] @ W[matrices[g]]^T; with ``sum_groups`` (matrices
+         None), [T, out] = the sum over g.
+
+    Where ``kernel_runs`` (a Hopper GPU or the interpreter, at most KERNEL_MAX_TOKENS rows) this is
+    one launch of the FP8 GEMM (``fp8_grouped_gemm_mgpu``): x quantized per row and 128 channels,
+    each matrix's e4m3 bytes read where they lie. Otherwise XLA on the dequantized weights (the
+    chosen matrices only), x unquantized.
+    """
+    if len(w.shape) != 3 or x.ndim != 3 or x.shape[-1] != w.shape[-1]:
+        raise ValueError(f"x: expected [groups, tokens, {w.shape[-1]}] against a weight stack [E, out, in], got "
+                         f"{list(x.shape)} against {list(w.shape)}")
+    if sum_groups and matrices is not None:
+        raise ValueError("matrices: a summed product runs every matrix in order (matrices=None)")
+    backend = resolve_backend(backend)
+    rows = x.shape[1]
+    if kernel_runs(w, rows, backend):
+        x8, x_scales = _quantized_rows(x, pad_tokens(rows))
+        y = fp8_grouped_gemm_mgpu(x8, x_scales, w.values, w.scales, matrices, sum_groups=sum_groups,
+                                  num_sms=sm_count(), interpret=backend == "interpret")
+        return y[:rows] if sum_groups else y[:, :rows]
+    if matrices is not None:
+        w = BlockFP8Weight(w.values[matrices], w.scales[matrices], w.block)
+    shared = x.shape[0] == 1
+    spec = f"{'ti' if shared else 'gti'},goi->{'to' if sum_groups else 'gto'}"
+    return jnp.einsum(spec, x[0] if shared else x, dequantize_weight(w, x.dtype), preferred_element_type=jnp.float32)

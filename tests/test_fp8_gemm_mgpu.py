@@ -7,8 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from snapmla_jax.fp8_weights import dequantize_weight, fp8_matmul, quantize_activations, quantize_blocks
-from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, GemmConfig, choose_splits, fp8_gemm_mgpu, kernel_takes
+from snapmla_jax.fp8_weights import (KERNEL_MAX_TOKENS, dequantize_weight, fp8_grouped_matmul, fp8_matmul,
+                                     quantize_activations, quantize_blocks)
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import (BLOCK, GemmConfig, choose_splits, fp8_gemm_mgpu,
+                                                      fp8_grouped_gemm_mgpu, kernel_takes, pad_tokens,
+                                                      pipeline_depth)
 
 
 def _operands(seed: int, m: int, n: int, k: int):
@@ -87,13 +90,119 @@ def test_fp8_matmul_through_the_kernel_is_within_the_activation_rounding(lead):
 
 
 def test_fp8_matmul_keeps_xla_where_the_kernel_does_not_take_the_shape():
-    x, w = _operands(0, 80, 128, 512)  # 80 rows: past the kernel's 64
+    x, w = _operands(0, KERNEL_MAX_TOKENS + 8, 128, 256)  # prefill-sized: past the kernel's rows
     np.testing.assert_array_equal(np.asarray(fp8_matmul(x, w, backend="interpret")),
                                   np.asarray(fp8_matmul(x, w, backend="xla")))
-    x, w = _operands(1, 4, 128, 384)  # K = 384: not whole 256-channel steps
+    x, w = _operands(1, 4, 96, 256)  # N = 96: not whole 64-row tiles
     np.testing.assert_array_equal(np.asarray(fp8_matmul(x, w, backend="interpret")),
                                   np.asarray(fp8_matmul(x, w, backend="xla")))
-    assert not kernel_takes(16, 100, 512) and kernel_takes(64, 128, 512) and not kernel_takes(80, 128, 512)
+    assert not kernel_takes(16, 100, 512) and kernel_takes(64, 128, 512) and kernel_takes(128, 128, 384)
+    assert not kernel_takes(16, 128, 200)  # K not whole 128-channel blocks
+    assert [pad_tokens(m) for m in (1, 16, 17, 64, 65, 200)] == [16, 16, 32, 64, 128, 256]
+    # 128-token tiles of 256 channels: 3 slots of 48 KB beside the 32 KB output tile; 4 would overflow.
+    assert pipeline_depth(GemmConfig(), 128, 2, 128) == 3 and pipeline_depth(GemmConfig(), 64, 2, 64) == 4
+
+
+def _group_operands(seed, groups, matrices, m, n, k):
+    """x [groups, m, k] f32 (an outlier row and a quiet channel block in each group), a block-FP8
+    stack [matrices, n, k] whose matrices differ in scale by 1000x."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((groups, m, k))
+    x[:, 0] *= 50.0
+    x[:, :, :BLOCK] *= 0.01
+    w = rng.standard_normal((matrices, n, k)) * np.geomspace(1e-2, 10.0, matrices)[:, None, None]
+    return jnp.asarray(x, jnp.float32), quantize_blocks(jnp.asarray(w, jnp.float32))
+
+
+def _quantized_stack_f64(x8, x_scales, w):
+    """x8 [G, M, K] with x_scales [G, K / 128, M], and the stack w, as float64."""
+    xs = np.repeat(np.swapaxes(np.asarray(x_scales, np.float64), -1, -2), BLOCK, axis=-1)
+    return np.asarray(x8.astype(jnp.float32), np.float64) * xs, np.asarray(dequantize_weight(w, jnp.float32), np.float64)
+
+
+def _quantize_groups(x):
+    q = quantize_blocks(x, (1, BLOCK))
+    return q.values, jnp.swapaxes(q.scales, -1, -2)
+
+
+# Each mode of the grouped launch (``fp8_grouped_gemm_mgpu``): (groups of tokens, matrices, M, N, K,
+# chosen matrices, summed). 256 tokens: two token tiles; K = 384: one-block pipeline steps.
+GROUPED_CASES = [
+    ("per-group tokens", 3, 3, 16, 128, 512, None, False),
+    ("shared tokens, chosen matrices repeated", 1, 4, 32, 192, 256, [3, 0, 3, 1, 2], False),
+    ("summed over the groups", 5, 5, 16, 64, 384, None, True),
+    ("two token tiles", 1, 2, 256, 64, 256, None, False),
+]
+
+
+def _check_grouped(case, interpret, rel_bound, config=GemmConfig()):
+    _, groups, matrices, m, n, k, chosen, summed = case
+    x, w = _group_operands(m + n + k + groups, groups, matrices, m, n, k)
+    x8, x_scales = _quantize_groups(x)
+    ids = None if chosen is None else jnp.asarray(chosen, jnp.int32)
+    y = fp8_grouped_gemm_mgpu(x8, x_scales, w.values, w.scales, ids, sum_groups=summed, config=config,
+                              num_sms=4, interpret=interpret)
+    xq, wq = _quantized_stack_f64(x8, x_scales, w)
+    wq = wq if chosen is None else wq[np.asarray(chosen)]
+    if groups == 1:
+        xq = np.broadcast_to(xq, (wq.shape[0], m, k))
+    spec = "gmk,gnk->mn" if summed else "gmk,gnk->gmn"
+    want = np.einsum(spec, xq, wq, optimize=True)
+    size = np.einsum(spec, np.abs(xq), np.abs(wq), optimize=True)  # the size of the terms summed, per output
+    assert y.shape == want.shape
+    err = np.abs(np.asarray(y, np.float64) - want)
+    assert (err <= rel_bound * size + 1e-30).all(), float((err / (size + 1e-30)).max())
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=[c[0] for c in GROUPED_CASES])
+def test_the_grouped_launch_matches_float64_on_its_quantized_operands(case):
+    # Interpreted: the bound of the one-product test (float32 sums of 128-channel blocks, scaled and
+    # added over the blocks and, summed, over the groups: ~(128 + K / 128 + G) roundings of 2^-24).
+    _check_grouped(case, interpret=True, rel_bound=2.0**-15)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GROUPED_CASES + [("V2-Lite experts, summed down", 64, 64, 64, 2048, 1408, None, True),
+                                                  ("V3 experts, chosen", 1, 8, 16, 2048, 7168, [5, 1, 5, 7], False)],
+                         ids=lambda c: c[0])
+def test_the_compiled_grouped_launch_matches_float64_on_its_quantized_operands(case):
+    # The FP8 wgmma's ~14-bit accumulation of four 32-channel slices a block, as the one-product test.
+    _check_grouped(case, interpret=False, rel_bound=2.0**-10)
+
+
+@pytest.mark.parametrize("summed, chosen", [(False, None), (False, [1, 1, 0]), (True, None)])
+def test_fp8_grouped_matmul_through_the_kernel_is_within_the_activation_rounding(summed, chosen):
+    """11 tokens padded to 16 and cut back; against float64 x times the dequantized matrices, the
+    error is x's e4m3 rounding (the bound of the one-product test, per group)."""
+    groups, m, n, k = 2, 11, 128, 512
+    x, w = _group_operands(7, groups if chosen is None else 1, groups, m, n, k)
+    ids = None if chosen is None else jnp.asarray(chosen)
+    y = fp8_grouped_matmul(x, w, matrices=ids, sum_groups=summed, backend="interpret")
+    x64 = np.asarray(x, np.float64)
+    w64 = np.asarray(dequantize_weight(w, jnp.float32), np.float64)
+    w64 = w64 if chosen is None else w64[np.asarray(chosen)]
+    x64 = np.broadcast_to(x64, (w64.shape[0], m, k))
+    scales = np.abs(x64.reshape(*x64.shape[:2], k // BLOCK, BLOCK)).max(-1) / 448.0
+    x_err = 2.0**-4 * np.abs(x64) + 2.0**-10 * np.repeat(scales, BLOCK, axis=-1)
+    spec = "gmk,gnk->mn" if summed else "gmk,gnk->gmn"
+    want = np.einsum(spec, x64, w64)
+    bound = np.einsum(spec, x_err, np.abs(w64)) + 2.0**-15 * np.einsum(spec, np.abs(x64), np.abs(w64))
+    err = np.abs(np.asarray(y, np.float64) - want)
+    assert y.shape == want.shape and (err <= bound).all(), float((err / bound).max())
+    fallback = fp8_grouped_matmul(x, w, matrices=ids, sum_groups=summed, backend="xla")
+    assert not np.array_equal(np.asarray(y), np.asarray(fallback))  # the kernel ran: x's rounding shows
+    np.testing.assert_allclose(np.asarray(fallback, np.float64), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_fp8_grouped_matmul_refuses_what_it_cannot_run_naming_the_argument():
+    x, w = _group_operands(0, 1, 2, 4, 64, 256)
+    with pytest.raises(ValueError, match="x: expected"):
+        fp8_grouped_matmul(x[0], w, backend="xla")
+    with pytest.raises(ValueError, match="matrices: a summed product"):
+        fp8_grouped_matmul(x, w, matrices=jnp.zeros(2, jnp.int32), sum_groups=True, backend="xla")
+    with pytest.raises(ValueError, match="x8: expected 1 or 2 groups"):
+        x8, xs = _quantize_groups(jnp.ones((3, 16, 256), jnp.float32))
+        fp8_grouped_gemm_mgpu(x8, xs, w.values, w.scales, interpret=True)
 
 
 def test_splits_fill_two_ctas_an_sm_and_divide_the_steps():
@@ -117,6 +226,9 @@ def test_a_shape_the_kernel_does_not_take_is_refused_naming_it():
     x8, xs = quantize_activations(jnp.ones((8, 256), jnp.float32))
     w = quantize_blocks(jnp.ones((64, 256), jnp.float32))
     with pytest.raises(ValueError, match="x8, w8: the FP8 GEMM takes M a multiple of 16"):
+        fp8_gemm_mgpu(x8, xs, w.values, w.scales, interpret=True)
+    x8, xs = quantize_activations(jnp.ones((96, 256), jnp.float32))  # past 64: whole tiles of 64
+    with pytest.raises(ValueError, match="of 128 above"):
         fp8_gemm_mgpu(x8, xs, w.values, w.scales, interpret=True)
 
 

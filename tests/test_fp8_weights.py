@@ -2,6 +2,7 @@
 FP8 kernels in the model (quantize_weights, the Hugging Face loader's fp8_weights=True, orbax,
 the convert CLI)."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -163,6 +164,82 @@ def test_fp8_experts_compute_what_float64_does_with_their_dequantized_weights(nu
     want += np.asarray(moe.shared_experts(x), np.float64)
     got = np.asarray(moe(x, backend=backend), np.float64)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+# A layer whose expert shapes the FP8 GEMM kernel takes (inner 128 and hidden 256: whole 64-row
+# tiles and 128-channel blocks, DeepSeek's 128 x 128 weight blocks).
+KERNEL_CFG = dataclasses.replace(CFG, hidden_size=256, intermediate_size=128, moe_intermediate_size=128,
+                                 n_routed_experts=8)
+
+
+def _e4m3_rounding(v: np.ndarray) -> np.ndarray:
+    """The most ``quantize_blocks(v, (1, 128))`` can move each element of v [..., K]: 2**-4 of a
+    normal value, 2**-10 of its 128-channel block's scale (amax / 448) for a subnormal one."""
+    blocks = np.abs(v).reshape(*v.shape[:-1], -1, 128).max(-1) / FP8_E4M3_MAX
+    return E4M3_REL * np.abs(v) + E4M3_SUBNORMAL_ABS * np.repeat(blocks, 128, axis=-1)
+
+
+@pytest.mark.parametrize("num_tokens, dispatch, backend", [
+    (3, "gathered", "interpret"), (5, "dense", "interpret"), (1, "dense", "interpret"),
+    pytest.param(3, "gathered", "pallas", marks=pytest.mark.gpu),
+    pytest.param(200, "dense", "pallas", marks=pytest.mark.gpu)])  # two token tiles
+def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(num_tokens, dispatch, backend):
+    """The routed experts on the FP8 GEMM kernel (interpreted) against float64 experts on the
+    dequantized weights. The kernel quantizes each product's input to e4m3 per row and 128
+    channels (x for gate and up; the gate-weighted (dense) or plain (gathered) hidden row for down),
+    so the bound carries those roundings through: |d silu| <= 1.1 |d g|, then the product with up,
+    then the down projection's absolute sums; float32 sums add 2**-15 of the terms' size."""
+    model = MLAModel(KERNEL_CFG, rngs=nnx.Rngs(3), dtype=jnp.float32)
+    moe = model.layers[1].mlp
+    quantize_weights(model, (128, 128))
+    moe.gather_max_tokens = num_tokens if dispatch == "gathered" else 0
+    moe.dense_token_range = (1, num_tokens) if dispatch == "dense" else None
+    assert moe.dispatch(num_tokens, backend) == dispatch
+    assert moe.fp8_kernel_stacks(num_tokens, backend) is not None
+    rng = np.random.default_rng(num_tokens)
+    x = rng.normal(size=(num_tokens, KERNEL_CFG.hidden_size))
+    x[0, :7] *= 30.0  # outlier channels
+    x = jnp.asarray(x, jnp.float32)
+    weights, ids = moe.gate(x)
+    w_gate, w_up, w_down = (np.swapaxes(reference_dequantize(w.get_value()), -1, -2)
+                            for w in (moe.w_gate, moe.w_up, moe.w_down))
+    x64 = np.asarray(x, np.float64)
+    x_err = _e4m3_rounding(x64)
+    want, bound = np.zeros((num_tokens, KERNEL_CFG.hidden_size)), np.zeros((num_tokens, KERNEL_CFG.hidden_size))
+    for t in range(num_tokens):
+        for a, e in zip(np.asarray(weights[t], np.float64), np.asarray(ids[t])):
+            g, u = x64[t] @ w_gate[e], x64[t] @ w_up[e]
+            g_err = x_err[t] @ np.abs(w_gate[e]) + 2.0**-15 * (np.abs(x64[t]) @ np.abs(w_gate[e]))
+            u_err = x_err[t] @ np.abs(w_up[e]) + 2.0**-15 * (np.abs(x64[t]) @ np.abs(w_up[e]))
+            silu = g / (1 + np.exp(-g))
+            h = silu * u
+            h_err = 1.1 * g_err * (np.abs(u) + u_err) + np.abs(silu) * u_err
+            h_err = h_err + _e4m3_rounding(np.abs(h) + h_err)  # the hidden row's own quantization
+            want[t] += a * (h @ w_down[e])
+            bound[t] += a * (h_err @ np.abs(w_down[e]) + 2.0**-15 * (np.abs(h) @ np.abs(w_down[e])))
+    shared = np.asarray(moe.shared_experts(x), np.float64)
+    got = np.asarray(moe(x, backend=backend), np.float64) - shared
+    err = np.abs(got - want)
+    assert (err <= bound + 1e-6 * np.abs(want).max()).all(), float((err / bound).max())
+    # The worst case above adds every rounding with one sign; e4m3's roundings (RMS ~2**-4 / 3 of a
+    # value) add in quadrature: two of them in series stay far below 0.1 of the output's L2 norm,
+    # where a wrong expert, scale or token gives an O(1) error.
+    assert np.linalg.norm(err) <= 0.1 * np.linalg.norm(want)
+    unquantized = np.asarray(moe(x, backend="xla"), np.float64) - shared
+    assert not np.array_equal(got, unquantized)  # the kernel ran: the activations' rounding shows
+
+
+def test_fp8_experts_run_dense_once_the_assignments_reach_the_experts():
+    """On the FP8 GEMM a gathered call reads a matrix an assignment: from T * k >= E on, dense
+    (each matrix once) runs instead; bf16 experts and the "xla" backend keep the settings' choice."""
+    model = MLAModel(KERNEL_CFG, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    moe = model.layers[1].mlp
+    moe.gather_max_tokens, moe.dense_token_range = 8, (1, 512)
+    assert [moe.dispatch(t, "interpret") for t in (3, 4)] == ["gathered", "gathered"]  # bf16
+    quantize_weights(model, (128, 128))
+    # 8 experts, 2 a token: 3 tokens are 6 assignments, 4 tokens 8.
+    assert [moe.dispatch(t, "interpret") for t in (3, 4, 9)] == ["gathered", "dense", "dense"]
+    assert moe.dispatch(4, "xla") == "gathered"  # no FP8 GEMM there
 
 
 def test_one_row_through_an_fp8_linear_equals_that_row_of_a_batch():

@@ -1,0 +1,134 @@
+"""Time one DeepSeek MoE layer with block-FP8 weights against the same layer in bf16, side by side:
+the measurement behind ``fp8_weights.fp8_grouped_matmul`` in models/moe.py.
+
+    python scripts/bench_fp8_experts.py --out /tmp/bench_fp8_experts [--shapes v2_lite v3_ep8] [--tokens 1 8 64 ...]
+
+The layer (router, routed and shared experts) has random bf16 weights (``bench_moe.random_layer``)
+and its FP8 twin is those weights quantized in 128 x 128 blocks (``models.quantize_weights``).
+Each runs the model's own dispatch for T tokens (gathered up to ``GATHER_MAX_TOKENS``, dense up to
+512): in bf16 the grouped-experts kernel or XLA's batched products; in FP8 the FP8 GEMM launches
+(pallas_kernels/fp8_gemm_mgpu.py). "fp8_dense" is the FP8 layer always dense. Round-robin medians
+(``timing.time_round_robin``); floor = the weight bytes the dispatch must read (router, shared
+experts, and the chosen experts (gathered) or all of them (dense)) over the copy bandwidth measured
+in the run. v3_ep8: a DeepSeek-V3 layer's share of its experts on one of 8 GPUs (32 of 256), which
+receives every device's tokens. Writes bench_fp8_experts.json and .md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_moe import SHAPES as MOE_SHAPES, random_layer  # noqa: E402
+
+from snapmla_jax.bench import timing  # noqa: E402
+from snapmla_jax.models import quantize_weights  # noqa: E402
+from snapmla_jax.models.moe import set_dense_token_range, set_gather_max_tokens  # noqa: E402
+
+SHAPES = {"v2_lite": MOE_SHAPES["v2_lite"], "v3_ep8": dataclasses.replace(MOE_SHAPES["v3"], experts=32)}
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+PROGRAMS = ("bf16", "fp8", "fp8_dense")
+
+
+def layer_bytes(layer, ids: jax.Array, dispatch: str) -> int:
+    """Weight bytes the dispatch must read: router, shared experts, and the routed experts chosen
+    (gathered) or all (dense), in the layer's storage (bf16, or FP8 values and scales)."""
+    leaves = lambda module: sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(module)))
+    experts = sum(leaf.nbytes for name in ("w_gate", "w_up", "w_down")
+                  for leaf in jax.tree.leaves(getattr(layer, name).get_value()))
+    per_expert = experts // layer.num_local_experts()
+    routed = len(np.unique(np.asarray(ids))) * per_expert if dispatch == "gathered" else experts
+    shared = leaves(layer.shared_experts) if layer.shared_experts is not None else 0
+    return leaves(layer.gate) + shared + routed
+
+
+def programs(tokens: int, layers: dict) -> tuple[dict, dict]:
+    """For T = ``tokens`` random tokens: ({program: (compiled layer call, [args])}, {program:
+    (dispatch, weight bytes it reads)}). The kernels run compiled on a GPU, interpreted on a CPU."""
+    x = jax.random.normal(jax.random.key(tokens), (tokens, layers["bf16"].cfg.hidden_size), jnp.bfloat16)
+    backend = "pallas" if jax.default_backend() == "gpu" else "interpret"
+    call = jax.jit(lambda state, x, graphdef: nnx.merge(graphdef, state)(x, backend=backend),
+                   static_argnames="graphdef")
+    runs, floors = {}, {}
+    for program, layer in (("bf16", layers["bf16"]), ("fp8", layers["fp8"]), ("fp8_dense", layers["fp8"])):
+        saved = layer.dense_token_range, layer.gather_max_tokens
+        if program == "fp8_dense":
+            set_dense_token_range(layer, (1, 1 << 30))
+            set_gather_max_tokens(layer, 0)
+        dispatch = layer.dispatch(tokens, backend)
+        graphdef, state = nnx.split(layer)
+        runs[program] = (call.lower(state, x, graphdef=graphdef).compile(), [(state, x)])
+        floors[program] = (dispatch, layer_bytes(layer, layer.gate(x)[1], dispatch))
+        set_dense_token_range(layer, saved[0])
+        set_gather_max_tokens(layer, saved[1])
+    return runs, floors
+
+
+def measure(name: str, tokens: int, layers: dict, copy_gbps: float, iters: int) -> dict:
+    runs, floors = programs(tokens, layers)
+    outs = {p: np.asarray(fn(*args[0]), np.float64) for p, (fn, args) in runs.items()}
+    times = timing.time_round_robin(runs, iters=iters, min_sample_ms=10.0)
+    row = {"shape": name, "tokens": tokens}
+    for program in PROGRAMS:
+        dispatch, nbytes = floors[program]
+        row[f"{program}_dispatch"] = dispatch
+        row[f"{program}_ms"] = times[program]
+        row[f"{program}_of_floor"] = nbytes / (copy_gbps * 1e9) * 1e3 / times[program]
+        if program != "bf16":
+            row[f"{program}_speedup"] = times["bf16"] / times[program]
+            row[f"{program}_rel_l2"] = float(np.linalg.norm(outs[program] - outs["bf16"]) / np.linalg.norm(outs["bf16"]))
+    return row
+
+
+def table(env: dict, rows: list[dict]) -> str:
+    header = (f"# MoE layer: block-FP8 weights vs bf16\n\n{env['device']}, jax {env['jax']}, {env['date']}; copy "
+              f"{env['copy_gbps']:.0f} GB/s. Command: `python scripts/bench_fp8_experts.py --out DIR`. One layer "
+              "(router, routed and shared experts), each with the model's dispatch for T tokens; round-robin "
+              "medians; % floor = the weight bytes the dispatch reads over the copy bandwidth. rel. L2: FP8 "
+              "output against bf16's.\n\n")
+    columns = ["shape", "T", "dispatch", "bf16 ms", "fp8 ms", "fp8 dense ms", "fp8 / bf16", "fp8 dense / bf16",
+               "bf16 % floor", "fp8 % floor", "fp8 dense % floor", "rel. L2"]
+    body = [[r["shape"], r["tokens"], r["fp8_dispatch"], f"{r['bf16_ms']:.3f}", f"{r['fp8_ms']:.3f}",
+             f"{r['fp8_dense_ms']:.3f}", f"{r['fp8_speedup']:.2f}x", f"{r['fp8_dense_speedup']:.2f}x",
+             f"{r['bf16_of_floor']:.0%}", f"{r['fp8_of_floor']:.0%}", f"{r['fp8_dense_of_floor']:.0%}",
+             f"{r['fp8_rel_l2']:.3f}"] for r in rows]
+    return header + timing.markdown_table(columns, body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory for bench_fp8_experts.json / .md")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args(argv)
+    if any(t < 1 for t in args.tokens):
+        parser.error("--tokens: expected positive token counts")
+    if timing.missing_gpu("FP8 experts benchmark"):
+        return 2
+    env = dict(timing.environment(), copy_gbps=timing.measure_copy_gbps())
+    rows = []
+    for name in args.shapes:
+        layers = {"bf16": random_layer(SHAPES[name])}
+        layers["fp8"] = quantize_weights(random_layer(SHAPES[name]))
+        for tokens in args.tokens:
+            rows.append(measure(name, tokens, layers, env["copy_gbps"], args.iters))
+            r = rows[-1]
+            print(f"{name} T={tokens} ({r['fp8_dispatch']}): bf16 {r['bf16_ms']:.3f} ms, fp8 {r['fp8_ms']:.3f} ms "
+                  f"({r['fp8_speedup']:.2f}x), fp8 dense {r['fp8_dense_ms']:.3f} ms", flush=True)
+            timing.write_results(args.out, "bench_fp8_experts", env, rows, table(env, rows))
+        del layers
+    print(table(env, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
