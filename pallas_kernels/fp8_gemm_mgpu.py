@@ -12,10 +12,14 @@ tokens go on the wgmma N dimension and the weight's rows on M, so W is the A ope
 from its K-major rows and no token padding reaches 64 ("swap AB"). Each CTA computes y^T for
 TILE_N = 64 weight rows and one token tile (all M up to MAX_TOKENS, else LARGE_TILE tokens)
 over one split of K, its weight and token tiles streaming through a TMA pipeline; the splits'
-partial sums [splits, ..., N, M] float32 are added by XLA. A CTA keeps two [64, tokens] float32
-accumulators: the running sum and each 128-channel block's fresh product (the block's scale is
-applied before the fresh product joins the sum, so the FP8 accumulator never carries more than
-128 channels: Hopper's FP8 wgmma keeps ~14 bits).
+partial sums [splits, ..., N, M] float32 are added by XLA. A CTA keeps a running [64, tokens]
+float32 sum and a fresh accumulator for each 128-channel block of a pipeline step (the block's
+scale is applied before the fresh product joins the sum, so the FP8 accumulator never carries
+more than 128 channels: Hopper's FP8 wgmma keeps ~14 bits). A step issues all its blocks'
+products before it reads the first, so a block's scaling runs under the next block's product:
+against reading each product before issuing the next, 70.1 vs 74.7 us at 18432 x 7168 x 128
+tokens, 115 vs 125 at 256, 383 vs 403 at a V2-Lite layer's 64 gate matrices x 512 tokens, the
+same at 64 tokens and fewer (H200, side by side).
 
 Groups (``fp8_grouped_gemm_mgpu``): a stack of E weight matrices [E, N, K] (a MoE layer's
 experts) and G groups of tokens in one launch, grid (group, weight tile, split, token tile).
@@ -127,17 +131,21 @@ def _kernel(experts_gmem, w_gmem, x_gmem, s_gmem, out_gmem, out_s, *, steps: int
                        pl.ds(mt * scale_tokens, scale_tokens)]
 
     def body(_, w_s, x_s, s_s, total):
-        for kb in range(kb_per_step):
-            def product(acc_ref, kb=kb):
+        def products(*acc_refs):
+            # Every block's product is issued before the first is read: block kb's scaling runs
+            # while the tensor cores work on the blocks after it.
+            for kb, acc_ref in enumerate(acc_refs):
                 plgpu.wgmma(acc_ref, w_s.at[:, pl.ds(kb * BLOCK, BLOCK)],
                             x_s.at[:, pl.ds(kb * BLOCK, BLOCK)].transpose((1, 0)))
-                return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
+            result = total
+            for kb, acc_ref in enumerate(acc_refs):
+                fresh = plgpu.wgmma_accumulator_load(acc_ref, wait_n=kb_per_step - 1 - kb)
+                scale_row = s_s.at[kb] if scale_tokens == tokens else s_s.at[kb, pl.ds(0, tokens)]
+                scale = lax.broadcast_in_dim(plgpu.load(scale_row, layout=COL), (TILE_N, tokens), [1])
+                result = result + fresh * scale
+            return result
 
-            fresh = pl.run_scoped(product, plgpu.ACC((TILE_N, tokens), jnp.float32))
-            scale_row = s_s.at[kb] if scale_tokens == tokens else s_s.at[kb, pl.ds(0, tokens)]
-            scale = lax.broadcast_in_dim(plgpu.load(scale_row, layout=COL), (TILE_N, tokens), [1])
-            total = total + fresh * scale
-        return total
+        return pl.run_scoped(products, *[plgpu.ACC((TILE_N, tokens), jnp.float32) for _ in range(kb_per_step)])
 
     zeros = plgpu.layout_cast(jnp.zeros((TILE_N, tokens), jnp.float32), plgpu.Layout.WGMMA)
     pipeline = plgpu.emit_pipeline(
