@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from snapmla_jax.fp8_weights import DEFAULT_BLOCK, BlockFP8Weight, fp8_matmul, quantize_blocks
+from snapmla_jax.backend import resolve_backend
+from snapmla_jax.fp8_weights import (DEFAULT_BLOCK, BlockFP8Weight, fp8_grouped_matmul, fp8_matmul, kernel_runs,
+                                     quantize_blocks)
 from snapmla_jax.models.config import MLAConfig
 
 
@@ -125,8 +127,31 @@ class MLP(nnx.Module):
         self.up_proj = linear(hidden, intermediate, dtype=dtype, rngs=rngs)
         self.down_proj = linear(intermediate, hidden, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, backend: str = "auto") -> jax.Array:
+        """``backend`` (snapmla_jax.backend): where both gate and up kernels are block-FP8, whether
+        they run as one FP8 GEMM launch ("pallas" on Hopper, "interpret"); each ``Linear`` on its
+        own otherwise."""
+        gate_up = self._fp8_gate_up(x, resolve_backend(backend))
+        if gate_up is None:
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = gate_up
+        return self.down_proj((jax.nn.silu(gate) * up).astype(x.dtype if self.up_proj.dtype is None else self.up_proj.dtype))
+
+    def _fp8_gate_up(self, x: jax.Array, backend: str) -> tuple[jax.Array, jax.Array] | None:
+        """gate(x) and up(x) in float32 from one FP8 GEMM launch (x quantized once) when both
+        kernels are block-FP8 and the kernel runs them (``fp8_weights.kernel_runs``, ``backend``
+        resolved); else None."""
+        kernels = [linear.kernel.get_value() for linear in (self.gate_proj, self.up_proj)]
+        if not all(isinstance(k, BlockFP8Weight) for k in kernels):
+            return None
+        rows = math.prod(x.shape[:-1])
+        stacks = tuple(BlockFP8Weight(k.values[None], k.scales[None], k.block) for k in kernels)
+        if not all(kernel_runs(stack, rows, backend) for stack in stacks):
+            return None
+        dtype = self.gate_proj.dtype
+        x2 = (x if dtype is None else x.astype(dtype)).reshape(1, rows, x.shape[-1])
+        gate, up = fp8_grouped_matmul(x2, stacks, backend=backend)
+        return gate.reshape(*x.shape[:-1], -1), up.reshape(*x.shape[:-1], -1)
 
 
 def rope_inv_freq(cfg: MLAConfig) -> np.ndarray:

@@ -270,7 +270,7 @@ class MoE(nnx.Module):
         if axis is not None:
             routed = jax.lax.psum_scatter(routed, axis, scatter_dimension=0, tiled=True).astype(x.dtype)
         if self.shared_experts is not None:
-            routed = routed + self.shared_experts(local)
+            routed = routed + self.shared_experts(local, backend=backend)
         return routed.reshape(x.shape)
 
     def dispatch(self, num_tokens: int, backend: str) -> str:
@@ -353,14 +353,13 @@ class MoE(nnx.Module):
         gathered copies."""
         fp8_stacks = self.fp8_kernel_stacks(flat.shape[0], backend)
         if fp8_stacks is not None:
-            # Each assignment's matrices read in FP8 where they lie: gate and up for all T tokens
-            # (the assignment's own row kept), down for the assignment's hidden row.
+            # Each assignment's matrices read in FP8 where they lie: gate and up (one launch) for all
+            # T tokens (the assignment's own row kept), down for the assignment's hidden row.
             w_gate, w_up, w_down = fp8_stacks
             chosen = ids.reshape(-1)
             rows = (jnp.arange(chosen.shape[0]), jnp.arange(chosen.shape[0]) // ids.shape[1])
-            gate = fp8_grouped_matmul(flat[None], w_gate, matrices=chosen, backend=backend)[rows]
-            up = fp8_grouped_matmul(flat[None], w_up, matrices=chosen, backend=backend)[rows]
-            hidden = (jax.nn.silu(gate) * up)[:, None, :]                       # [T*k, 1, inner]
+            gate, up = fp8_grouped_matmul(flat[None], (w_gate, w_up), matrices=chosen, backend=backend)
+            hidden = (jax.nn.silu(gate[rows]) * up[rows])[:, None, :]          # [T*k, 1, inner]
             down = fp8_grouped_matmul(hidden, w_down, matrices=chosen, backend=backend)[:, 0]
             return combine_assignments(down, weights).astype(out_dtype or flat.dtype)
         if any(isinstance(w.get_value(), BlockFP8Weight) for w in (self.w_gate, self.w_up, self.w_down)):
@@ -389,8 +388,9 @@ class MoE(nnx.Module):
         their stored layout.
 
         Block-FP8 experts where the FP8 GEMM kernel runs (``fp8_kernel_stacks``; ``backend``
-        resolved): the same three products as FP8 GEMM launches over the stacks' e4m3 bytes,
-        gate and up in float32, the down projection summed over the experts inside its launch.
+        resolved): the same products as two FP8 GEMM launches over the stacks' e4m3 bytes, gate
+        and up together in float32, then the down projection summed over the experts inside its
+        launch.
         """
         num_tokens = flat.shape[0]
         fp8_stacks = self.fp8_kernel_stacks(num_tokens, backend)
@@ -399,8 +399,8 @@ class MoE(nnx.Module):
             jnp.arange(num_tokens)[:, None], ids].add(weights)                 # [T, E]
         if fp8_stacks is not None:
             w_gate, w_up, w_down = fp8_stacks
-            hidden = (jax.nn.silu(fp8_grouped_matmul(flat[None], w_gate, backend=backend))
-                      * fp8_grouped_matmul(flat[None], w_up, backend=backend))   # [E, T, I] f32
+            gate, up = fp8_grouped_matmul(flat[None], (w_gate, w_up), backend=backend)
+            hidden = jax.nn.silu(gate) * up                                    # [E, T, I] f32
             scaled = hidden * gate_of.T[:, :, None]
             out = fp8_grouped_matmul(scaled, w_down, sum_groups=True, backend=backend)
             return out.astype(out_dtype or flat.dtype)

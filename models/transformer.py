@@ -34,9 +34,10 @@ class DecoderLayer(nnx.Module):
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
 
     def feed_forward(self, x: jax.Array, backend: str = "xla") -> jax.Array:
-        """x + the feed-forward of x; ``backend`` reaches a MoE's gathered dispatch (``MoE.__call__``)."""
+        """x + the feed-forward of x; ``backend`` reaches the MoE's dispatches (``MoE.__call__``) and the
+        FP8 gate and up launch of an MLP (``MLP.__call__``)."""
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, backend=backend) if isinstance(self.mlp, MoE) else self.mlp(h))
+        return x + self.mlp(h, backend=backend)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         return self.feed_forward(x + self.self_attn(self.input_layernorm(x), positions))

@@ -110,25 +110,30 @@ def pipeline_depth(config: GemmConfig, tokens: int, kb_per_step: int, scale_toke
     return max(1, min(config.depth, (SMEM_BYTES - 4 * TILE_N * tokens) // slot))
 
 
-def _kernel(experts_gmem, w_gmem, x_gmem, s_gmem, out_gmem, out_s, *, steps: int, groups: int, sum_groups: bool,
+def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int, groups: int, sum_groups: bool,
             shared_x: bool, kb_per_step: int, depth: int, tokens: int, scale_tokens: int):
     """One CTA of grid (g, n, s, m): weight rows [64 n, 64 n + 64) times token tile m, over ``steps``
     pipeline steps of K for each of ``groups`` groups. Batched (``sum_groups`` False): group g
-    (its weight matrix experts[g], or g), split s of K. Summed: groups [s groups, (s + 1) groups),
-    the whole K of each."""
-    g, n, split, mt = (lax.axis_index(name) for name in ("g", "n", "s", "m"))
+    (of stack g // ``stack_groups``: its weight matrix experts[g % stack_groups], or g % it),
+    split s of K. Summed (one stack): groups [s groups, (s + 1) groups), the whole K of each.
+
+    refs: the ``num_stacks`` weight stacks' refs, then x, the combined scales, the output and
+    its SMEM tile."""
+    w_gmems, (x_gmem, s_gmem, out_gmem, out_s) = refs[:num_stacks], refs[num_stacks:]
+    gg, n, split, mt = (lax.axis_index(name) for name in ("g", "n", "s", "m"))
+    g = gg if num_stacks == 1 else lax.rem(gg, stack_groups)
     tk = BLOCK * kb_per_step
     if sum_groups:
         g0, k0 = split * groups, 0
     else:
         g0, k0 = g, split * steps * tk
     matrix0 = g0 if experts_gmem is None else experts_gmem[g]
-    w_rows = w_gmem.at[pl.ds(matrix0, groups), pl.ds(n * TILE_N, TILE_N), pl.ds(k0, steps * tk)]
     x_cols = x_gmem.at[pl.ds(0, 1) if shared_x else pl.ds(g0, groups), pl.ds(mt * tokens, tokens),
                        pl.ds(k0, steps * tk)]
-    # The combined scales of this tile's 128-row block [groups, K / 128, tokens], this CTA's blocks.
-    s_rows = s_gmem.at[pl.ds(g0, groups), lax.div(n, BLOCK // TILE_N), pl.ds(k0 // BLOCK, steps * kb_per_step),
-                       pl.ds(mt * scale_tokens, scale_tokens)]
+    # The combined scales of this tile's 128-row block [groups, K / 128, tokens], this CTA's blocks
+    # (one stack's groups after another's).
+    s_rows = s_gmem.at[pl.ds(g0 if sum_groups else gg, groups), lax.div(n, BLOCK // TILE_N),
+                       pl.ds(k0 // BLOCK, steps * kb_per_step), pl.ds(mt * scale_tokens, scale_tokens)]
 
     def body(_, w_s, x_s, s_s, total):
         def products(*acc_refs):
@@ -154,12 +159,21 @@ def _kernel(experts_gmem, w_gmem, x_gmem, s_gmem, out_gmem, out_s, *, steps: int
                   plgpu.BlockSpec((None, tokens, tk), (lambda e, k: (0, 0, k)) if shared_x else (lambda e, k: (e, 0, k)),
                                   transforms=BYTE_TILE_TRANSFORMS),
                   plgpu.BlockSpec((None, kb_per_step, scale_tokens), lambda e, k: (e, k, 0))])
-    total = pipeline(w_rows, x_cols, s_rows)
-    out_s[...] = total
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_s, out_gmem.at[split, 0 if sum_groups else g, pl.ds(n * TILE_N, TILE_N),
-                                               pl.ds(mt * tokens, tokens)])
-    plgpu.wait_smem_to_gmem(0)
+
+    def run(w_gmem):
+        w_rows = w_gmem.at[pl.ds(matrix0, groups), pl.ds(n * TILE_N, TILE_N), pl.ds(k0, steps * tk)]
+        out_s[...] = pipeline(w_rows, x_cols, s_rows)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_s, out_gmem.at[split, 0 if sum_groups else gg, pl.ds(n * TILE_N, TILE_N),
+                                                   pl.ds(mt * tokens, tokens)])
+        plgpu.wait_smem_to_gmem(0)
+
+    if num_stacks == 1:
+        run(w_gmems[0])
+        return
+    stack = lax.div(gg, stack_groups)
+    for index, w_gmem in enumerate(w_gmems):
+        pl.when(stack == index)(functools.partial(run, w_gmem))
 
 
 def kernel_takes(m: int, n: int, k: int, config: GemmConfig = GemmConfig()) -> bool:
@@ -182,69 +196,83 @@ def combined_scales(x_scales: jax.Array, w_scales: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("sum_groups", "config", "num_sms", "interpret"))
-def fp8_grouped_gemm_mgpu(x8: jax.Array, x_scales: jax.Array, w8: jax.Array, w_scales: jax.Array,
-                          matrices: jax.Array | None = None, *, sum_groups: bool = False,
-                          config: GemmConfig = GemmConfig(), num_sms: int = 132,
-                          interpret: bool = False) -> jax.Array:
+def fp8_grouped_gemm_mgpu(x8: jax.Array, x_scales: jax.Array, w8, w_scales, matrices: jax.Array | None = None, *,
+                          sum_groups: bool = False, config: GemmConfig = GemmConfig(), num_sms: int = 132,
+                          interpret: bool = False):
     """G block-scaled products of one launch (module docstring), group g multiplying its tokens
     x8[g] (or the one x8[0] all groups share) by weight matrix ``matrices[g]`` of w8 (None: g).
 
       x8        [X, M, K] e4m3, X = 1 (shared) or G; M as ``pad_tokens`` leaves it
       x_scales  [X, K / 128, M] float32 (``fp8_weights.quantize_activations`` per group)
-      w8        [E, N, K] e4m3;  w_scales [E, ceil(N / 128), K / 128] float32
+      w8        [E, N, K] e4m3;  w_scales [E, ceil(N / 128), K / 128] float32; or tuples of such
+                stacks of one shape (a MoE's gate and up: both products of the same tokens in one
+                launch)
       matrices  None (G = E) or int32 [G]: each group's matrix, in [0, E) (not checked in a trace)
-      -> y [G, M, N] float32, or with ``sum_groups`` [M, N] = the sum over the groups (the K of
-         one product that runs over every group's channels; ``matrices`` must be None).
+      -> y [G, M, N] float32 (a tuple of them, one a stack, for tuples), or with ``sum_groups``
+         [M, N] = the sum over the groups (the K of one product that runs over every group's
+         channels; one stack, ``matrices`` None).
 
     ValueError for shapes the kernel does not take (``kernel_takes``, ``pad_tokens``).
     """
+    stacked = isinstance(w8, tuple)
+    w8s, w_scales_s = (tuple(w8), tuple(w_scales)) if stacked else ((w8,), (w_scales,))
     num_x, m, k = x8.shape
-    num_matrices, n, _ = w8.shape
+    num_matrices, n, _ = w8s[0].shape
     groups_total = num_matrices if matrices is None else matrices.shape[0]
     kb_per_step = config.blocks_per_step(k)
-    if not kernel_takes(m, n, k, config) or m != pad_tokens(m) or w8.shape[2] != k:
+    if not kernel_takes(m, n, k, config) or m != pad_tokens(m) or w8s[0].shape[2] != k:
         raise ValueError(f"x8, w8: the FP8 GEMM takes M a multiple of {TOKEN_MULTIPLE} up to {MAX_TOKENS} (of "
                          f"{LARGE_TILE} above), N of {TILE_N} and K of {BLOCK * kb_per_step}, got M={m}, N={n}, "
-                         f"K={k} (weights K={w8.shape[2]})")
+                         f"K={k} (weights K={w8s[0].shape[2]})")
+    if any(w.shape != w8s[0].shape for w in w8s) or len(w_scales_s) != len(w8s):
+        raise ValueError(f"w8: stacks of one shape, with a scale stack each; got {[w.shape for w in w8s]} and "
+                         f"{len(w_scales_s)} scale stacks")
     if num_x not in (1, groups_total):
         raise ValueError(f"x8: expected 1 or {groups_total} groups of tokens, got {num_x}")
-    if sum_groups and matrices is not None:
-        raise ValueError("matrices: a summed product runs every matrix in order (matrices=None)")
+    if sum_groups and (matrices is not None or stacked):
+        raise ValueError("matrices: a summed product runs every matrix of one stack in order (matrices=None)")
     steps_total = k // (BLOCK * kb_per_step)
     tokens = token_tile(m)
     n_tiles, m_tiles = n // TILE_N, m // tokens
+    num_stacks = len(w8s)
     if sum_groups:
         splits = config.splits or choose_splits(n_tiles * m_tiles, groups_total, num_sms)
         if groups_total % splits:
             raise ValueError(f"config: splits={splits} must divide the {groups_total} groups")
         grid, groups, steps = (1, n_tiles, splits, m_tiles), groups_total // splits, steps_total
     else:
-        splits = config.splits or choose_splits(groups_total * n_tiles * m_tiles, steps_total, num_sms)
+        splits = config.splits or choose_splits(num_stacks * groups_total * n_tiles * m_tiles, steps_total, num_sms)
         if steps_total % splits:
             raise ValueError(f"config: splits={splits} must divide the {steps_total} pipeline steps")
-        grid, groups, steps = (groups_total, n_tiles, splits, m_tiles), 1, steps_total // splits
-    w_scales = w_scales if matrices is None else w_scales[matrices]
-    scales = combined_scales(x_scales, w_scales)
+        grid, groups, steps = (num_stacks * groups_total, n_tiles, splits, m_tiles), 1, steps_total // splits
+    scales = jnp.concatenate([combined_scales(x_scales, ws if matrices is None else ws[matrices])
+                              for ws in w_scales_s])
     # A TMA writes shared memory at 128-byte aligned addresses, so a pipeline slot of scales holds
     # at least 32 floats: 16 tokens' scales of one block (64 bytes) are padded to 32
     # (CUDA_ERROR_MISALIGNED_ADDRESS on an H200 without it).
     scale_tokens = max(tokens, SCALE_SLOT_FLOATS // kb_per_step)
     if scale_tokens > tokens:  # then M = tokens: one token tile
         scales = jnp.pad(scales, ((0, 0), (0, 0), (0, 0), (0, scale_tokens - tokens)))
-    body = functools.partial(_kernel, steps=steps, groups=groups, sum_groups=sum_groups, shared_x=num_x == 1,
-                             kb_per_step=kb_per_step, depth=pipeline_depth(config, tokens, kb_per_step, scale_tokens),
-                             tokens=tokens, scale_tokens=scale_tokens)
+    body = functools.partial(_kernel, num_stacks=num_stacks, stack_groups=groups_total, steps=steps, groups=groups,
+                             sum_groups=sum_groups, shared_x=num_x == 1, kb_per_step=kb_per_step,
+                             depth=pipeline_depth(config, tokens, kb_per_step, scale_tokens), tokens=tokens,
+                             scale_tokens=scale_tokens)
     kernel = plgpu.kernel(
         body if matrices is not None else functools.partial(body, None),
-        out_type=jax.ShapeDtypeStruct((splits, 1 if sum_groups else groups_total, n, m), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((splits, 1 if sum_groups else num_stacks * groups_total, n, m), jnp.float32),
         scratch_types=[plgpu.SMEM((TILE_N, tokens), jnp.float32)],
         grid=grid, grid_names=("g", "n", "s", "m"),
         kernel_name="snapmla_fp8_gemm",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    partials = kernel(w8, x8, scales) if matrices is None else kernel(matrices.astype(jnp.int32), w8, x8, scales)
-    summed = jnp.sum(partials, axis=0)
-    return jnp.swapaxes(summed[0] if sum_groups else summed, -1, -2)
+    operands = (*w8s, x8, scales)
+    partials = kernel(*operands) if matrices is None else kernel(matrices.astype(jnp.int32), *operands)
+    summed = jnp.swapaxes(jnp.sum(partials, axis=0), -1, -2)
+    if sum_groups:
+        return summed[0]
+    if not stacked:
+        return summed
+    return tuple(summed.reshape(num_stacks, groups_total, m, n))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_sms", "interpret"))

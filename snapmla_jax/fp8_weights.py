@@ -168,36 +168,51 @@ def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax
     return product.astype(x.dtype)
 
 
-def fp8_grouped_matmul(x: jax.Array, w: BlockFP8Weight, *, matrices: jax.Array | None = None,
-                       sum_groups: bool = False, backend: str = "auto") -> jax.Array:
+def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, sum_groups: bool = False,
+                       backend: str = "auto"):
     """Products of token groups with matrices of a block-FP8 stack (a MoE layer's experts), in
     float32.
 
       x         [X, T, in], X = 1 (every group multiplies the same tokens) or G
-      w         BlockFP8Weight stack [E, out, in]
+      w         BlockFP8Weight stack [E, out, in], or a tuple of stacks of one shape and block
+                (a MoE's gate and up: one launch for both, x quantized once)
       matrices  None (G = E, group g multiplies matrix g) or int [G]: each group's matrix
-      -> [G, T, out] float32: y[g] = x[g or 0] @ W[matrices[g]]^T; with ``sum_groups`` (matrices
-         None), [T, out] = the sum over g.
+      -> [G, T, out] float32 (a tuple of them for a tuple of stacks): y[g] = x[g or 0] @
+         W[matrices[g]]^T; with ``sum_groups`` (one stack, matrices None), [T, out] = the sum
+         over g.
 
     Where ``kernel_runs`` (a Hopper GPU or the interpreter, at most KERNEL_MAX_TOKENS rows) this is
     one launch of the FP8 GEMM (``fp8_grouped_gemm_mgpu``): x quantized per row and 128 channels,
     each matrix's e4m3 bytes read where they lie. Otherwise XLA on the dequantized weights (the
     chosen matrices only), x unquantized.
     """
-    if len(w.shape) != 3 or x.ndim != 3 or x.shape[-1] != w.shape[-1]:
-        raise ValueError(f"x: expected [groups, tokens, {w.shape[-1]}] against a weight stack [E, out, in], got "
-                         f"{list(x.shape)} against {list(w.shape)}")
-    if sum_groups and matrices is not None:
-        raise ValueError("matrices: a summed product runs every matrix in order (matrices=None)")
+    stacks = w if isinstance(w, tuple) else (w,)
+    first = stacks[0]
+    if (len(first.shape) != 3 or x.ndim != 3 or x.shape[-1] != first.shape[-1]
+            or any(s.shape != first.shape or s.block != first.block for s in stacks)):
+        raise ValueError(f"x: expected [groups, tokens, {first.shape[-1]}] against weight stacks [E, out, in] of one "
+                         f"shape, got {list(x.shape)} against {[list(s.shape) for s in stacks]}")
+    if sum_groups and (matrices is not None or len(stacks) > 1):
+        raise ValueError("matrices: a summed product runs every matrix of one stack in order (matrices=None)")
     backend = resolve_backend(backend)
     rows = x.shape[1]
-    if kernel_runs(w, rows, backend):
+    if all(kernel_runs(s, rows, backend) for s in stacks):
         x8, x_scales = _quantized_rows(x, pad_tokens(rows))
-        y = fp8_grouped_gemm_mgpu(x8, x_scales, w.values, w.scales, matrices, sum_groups=sum_groups,
-                                  num_sms=sm_count(), interpret=backend == "interpret")
-        return y[:rows] if sum_groups else y[:, :rows]
-    if matrices is not None:
-        w = BlockFP8Weight(w.values[matrices], w.scales[matrices], w.block)
+        values, scales = tuple(s.values for s in stacks), tuple(s.scales for s in stacks)
+        if len(stacks) == 1:
+            values, scales = values[0], scales[0]
+        ys = fp8_grouped_gemm_mgpu(x8, x_scales, values, scales, matrices, sum_groups=sum_groups,
+                                   num_sms=sm_count(), interpret=backend == "interpret")
+        ys = tuple(y[:rows] if sum_groups else y[:, :rows] for y in (ys if isinstance(ys, tuple) else (ys,)))
+        return ys if isinstance(w, tuple) else ys[0]
     shared = x.shape[0] == 1
     spec = f"{'ti' if shared else 'gti'},goi->{'to' if sum_groups else 'gto'}"
-    return jnp.einsum(spec, x[0] if shared else x, dequantize_weight(w, x.dtype), preferred_element_type=jnp.float32)
+
+    def product(stack):
+        if matrices is not None:
+            stack = BlockFP8Weight(stack.values[matrices], stack.scales[matrices], stack.block)
+        return jnp.einsum(spec, x[0] if shared else x, dequantize_weight(stack, x.dtype),
+                          preferred_element_type=jnp.float32)
+
+    ys = tuple(product(s) for s in stacks)
+    return ys if isinstance(w, tuple) else ys[0]

@@ -170,6 +170,29 @@ def test_the_compiled_grouped_launch_matches_float64_on_its_quantized_operands(c
     _check_grouped(case, interpret=False, rel_bound=2.0**-10)
 
 
+@pytest.mark.parametrize("chosen, interpret", [(None, True), ([2, 0, 2], True),
+                                               pytest.param([2, 0, 2], False, marks=pytest.mark.gpu)])
+def test_two_stacks_in_one_launch_each_match_their_own_product(chosen, interpret):
+    """A MoE's gate and up as one launch (a tuple of stacks): each stack's result is its own
+    product against float64, at the bound of the one-stack tests (interpreted 2^-15, compiled
+    2^-10 of the terms' size)."""
+    m, n, k = 16, 128, 256
+    x, gate = _group_operands(11, 1, 3, m, n, k)
+    _, up = _group_operands(12, 1, 3, m, n, k)
+    x8, x_scales = _quantize_groups(x)
+    ids = None if chosen is None else jnp.asarray(chosen, jnp.int32)
+    ys = fp8_grouped_gemm_mgpu(x8, x_scales, (gate.values, up.values), (gate.scales, up.scales), ids, num_sms=4,
+                               interpret=interpret)
+    assert isinstance(ys, tuple) and len(ys) == 2
+    for y, w in zip(ys, (gate, up)):
+        xq, wq = _quantized_stack_f64(x8, x_scales, w)
+        wq = wq if chosen is None else wq[np.asarray(chosen)]
+        want = np.einsum("mk,gnk->gmn", xq[0], wq)
+        size = np.einsum("mk,gnk->gmn", np.abs(xq[0]), np.abs(wq))
+        err = np.abs(np.asarray(y, np.float64) - want)
+        assert (err <= (2.0**-15 if interpret else 2.0**-10) * size + 1e-30).all()
+
+
 @pytest.mark.parametrize("summed, chosen", [(False, None), (False, [1, 1, 0]), (True, None)])
 def test_fp8_grouped_matmul_through_the_kernel_is_within_the_activation_rounding(summed, chosen):
     """11 tokens padded to 16 and cut back; against float64 x times the dequantized matrices, the

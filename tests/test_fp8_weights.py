@@ -188,7 +188,8 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
     dequantized weights. The kernel quantizes each product's input to e4m3 per row and 128
     channels (x for gate and up; the gate-weighted (dense) or plain (gathered) hidden row for down),
     so the bound carries those roundings through: |d silu| <= 1.1 |d g|, then the product with up,
-    then the down projection's absolute sums; float32 sums add 2**-15 of the terms' size."""
+    then the down projection's absolute sums; the sums add 2**-15 of the terms' size interpreted
+    (float32), 2**-10 compiled (the FP8 wgmma's accumulation)."""
     model = MLAModel(KERNEL_CFG, rngs=nnx.Rngs(3), dtype=jnp.float32)
     moe = model.layers[1].mlp
     quantize_weights(model, (128, 128))
@@ -205,19 +206,20 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
                             for w in (moe.w_gate, moe.w_up, moe.w_down))
     x64 = np.asarray(x, np.float64)
     x_err = _e4m3_rounding(x64)
+    sums = 2.0**-15 if backend == "interpret" else 2.0**-10  # float32 / the FP8 wgmma's ~14 bits
     want, bound = np.zeros((num_tokens, KERNEL_CFG.hidden_size)), np.zeros((num_tokens, KERNEL_CFG.hidden_size))
     for t in range(num_tokens):
         for a, e in zip(np.asarray(weights[t], np.float64), np.asarray(ids[t])):
             g, u = x64[t] @ w_gate[e], x64[t] @ w_up[e]
-            g_err = x_err[t] @ np.abs(w_gate[e]) + 2.0**-15 * (np.abs(x64[t]) @ np.abs(w_gate[e]))
-            u_err = x_err[t] @ np.abs(w_up[e]) + 2.0**-15 * (np.abs(x64[t]) @ np.abs(w_up[e]))
+            g_err = x_err[t] @ np.abs(w_gate[e]) + sums * (np.abs(x64[t]) @ np.abs(w_gate[e]))
+            u_err = x_err[t] @ np.abs(w_up[e]) + sums * (np.abs(x64[t]) @ np.abs(w_up[e]))
             silu = g / (1 + np.exp(-g))
             h = silu * u
             h_err = 1.1 * g_err * (np.abs(u) + u_err) + np.abs(silu) * u_err
             h_err = h_err + _e4m3_rounding(np.abs(h) + h_err)  # the hidden row's own quantization
             want[t] += a * (h @ w_down[e])
-            bound[t] += a * (h_err @ np.abs(w_down[e]) + 2.0**-15 * (np.abs(h) @ np.abs(w_down[e])))
-    shared = np.asarray(moe.shared_experts(x), np.float64)
+            bound[t] += a * (h_err @ np.abs(w_down[e]) + sums * (np.abs(h) @ np.abs(w_down[e])))
+    shared = np.asarray(moe.shared_experts(x, backend=backend), np.float64)
     got = np.asarray(moe(x, backend=backend), np.float64) - shared
     err = np.abs(got - want)
     assert (err <= bound + 1e-6 * np.abs(want).max()).all(), float((err / bound).max())
@@ -225,8 +227,47 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
     # value) add in quadrature: two of them in series stay far below 0.1 of the output's L2 norm,
     # where a wrong expert, scale or token gives an O(1) error.
     assert np.linalg.norm(err) <= 0.1 * np.linalg.norm(want)
-    unquantized = np.asarray(moe(x, backend="xla"), np.float64) - shared
+    unquantized = np.asarray(moe(x, backend="xla"), np.float64) - np.asarray(moe.shared_experts(x, backend="xla"))
     assert not np.array_equal(got, unquantized)  # the kernel ran: the activations' rounding shows
+
+
+@pytest.mark.parametrize("lead, backend", [((1,), "interpret"), ((2, 3), "interpret"),
+                                           pytest.param((5,), "pallas", marks=pytest.mark.gpu)])
+def test_fp8_mlp_runs_gate_and_up_in_one_launch_within_the_activation_rounding(lead, backend):
+    """An MLP whose gate and up kernels are block-FP8 multiplies x by both in one FP8 GEMM launch
+    (x quantized once): against float64 on the dequantized weights, the bound of x's e4m3
+    rounding carried through silu and up (as the experts' test), then the down product's own."""
+    model = quantize_weights(MLAModel(KERNEL_CFG, rngs=nnx.Rngs(2), dtype=jnp.float32), (128, 128))
+    mlp = model.layers[0].mlp  # the dense layer
+    assert mlp._fp8_gate_up(jnp.ones((*lead, KERNEL_CFG.hidden_size)), backend) is not None
+    rng = np.random.default_rng(sum(lead))
+    x = rng.normal(size=(*lead, KERNEL_CFG.hidden_size))
+    x[..., :5] *= 20.0
+    x = jnp.asarray(x, jnp.float32)
+    w_gate, w_up, w_down = (np.swapaxes(reference_dequantize(linear.kernel.get_value()), -1, -2)
+                            for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    x64 = np.asarray(x, np.float64).reshape(-1, KERNEL_CFG.hidden_size)
+    x_err = _e4m3_rounding(x64)
+    # Sums: float32 interpreted (2^-15 of the terms' size), the FP8 wgmma's ~14-bit accumulation
+    # compiled (2^-10, the compiled GEMM tests' bound).
+    sums = 2.0**-15 if backend == "interpret" else 2.0**-10
+    g, u = x64 @ w_gate, x64 @ w_up
+    g_err = x_err @ np.abs(w_gate) + sums * (np.abs(x64) @ np.abs(w_gate))
+    u_err = x_err @ np.abs(w_up) + sums * (np.abs(x64) @ np.abs(w_up))
+    silu = g / (1 + np.exp(-g))
+    h = silu * u
+    h_err = 1.1 * g_err * (np.abs(u) + u_err) + np.abs(silu) * u_err
+    # down: fp8_matmul on the CPU backend "auto" ("xla": h unquantized), float32 sums.
+    want = h @ w_down
+    bound = (h_err + 2.0**-23 * (np.abs(h) + h_err)) @ np.abs(w_down) + sums * (np.abs(h) @ np.abs(w_down))
+    got = np.asarray(mlp(x, backend=backend), np.float64).reshape(want.shape)
+    err = np.abs(got - want)
+    if backend == "pallas":  # the down product through the kernel as well: h's own e4m3 rounding
+        bound = bound + _e4m3_rounding(np.abs(h) + h_err) @ np.abs(w_down)
+    assert (err <= bound + 1e-6 * np.abs(want).max()).all(), float((err / bound).max())
+    assert np.linalg.norm(err) <= 0.1 * np.linalg.norm(want)  # RMS e4m3 rounding, as the experts' test
+    if backend == "interpret":  # the launch ran: x's rounding shows against the CPU's unquantized path
+        assert not np.array_equal(got, np.asarray(mlp(x, backend="xla"), np.float64).reshape(want.shape))
 
 
 def test_fp8_experts_run_dense_once_the_assignments_reach_the_experts():
