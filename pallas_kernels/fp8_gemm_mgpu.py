@@ -27,6 +27,8 @@ Group g multiplies its tokens (or tokens all groups share) by matrix ``matrices[
 where it lies (the MoE's gathered dispatch: one group an assignment), or by matrix g (dense:
 one group an expert). Summed, the groups are the splits' contraction: a CTA's pipeline runs over
 its groups' whole K, so the MoE's down projection sums over the experts inside the launch.
+Several stacks of one shape (gate and up) share a launch and their tokens' quantization: the
+group axis runs over each stack's groups in turn.
 
 Measured (``scripts/bench_fp8_gemm.py``, the product chained over weight copies of >= 384 MiB,
 round-robin with XLA's bf16 product of the same shape; docs/benchmarks/fp8_gemm_h100.md,
