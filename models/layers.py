@@ -135,7 +135,8 @@ class MLP(nnx.Module):
         if gate_up is None:
             return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
         gate, up = gate_up
-        return self.down_proj((jax.nn.silu(gate) * up).astype(x.dtype if self.up_proj.dtype is None else self.up_proj.dtype))
+        dtype = x.dtype if self.up_proj.dtype is None else self.up_proj.dtype
+        return self.down_proj((jax.nn.silu(gate) * up).astype(dtype))
 
     def _fp8_gate_up(self, x: jax.Array, backend: str) -> tuple[jax.Array, jax.Array] | None:
         """gate(x) and up(x) in float32 from one FP8 GEMM launch (x quantized once) when both
