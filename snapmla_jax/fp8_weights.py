@@ -101,11 +101,11 @@ def quantize_blocks(w: jax.Array, block: tuple[int, int] = DEFAULT_BLOCK) -> Blo
 
 
 def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [M, K] -> (x8 [M, K] e4m3, x_scales [K / 128, M] float32): DeepSeek's activation
-    quantization, one scale per row and 128 channels (``quantize_blocks`` with 1 x 128 blocks),
-    the scales transposed as ``fp8_gemm_mgpu`` reads them."""
+    """x [..., M, K] -> (x8 [..., M, K] e4m3, x_scales [..., K / 128, M] float32): DeepSeek's
+    activation quantization, one scale per row and 128 channels (``quantize_blocks`` with 1 x 128
+    blocks), the scales' last two axes swapped as ``fp8_gemm_mgpu`` reads them."""
     q = quantize_blocks(x, (1, BLOCK))
-    return q.values, q.scales.T
+    return q.values, jnp.swapaxes(q.scales, -1, -2)
 
 
 def dequantize_weight(w: BlockFP8Weight, dtype=jnp.float32) -> jax.Array:
@@ -135,8 +135,7 @@ def _quantized_rows(x: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
     """x [..., M, K] padded to ``rows`` rows and quantized per row and 128 channels:
     (x8 [..., rows, K] e4m3, scales [..., K / 128, rows] float32)."""
     pad = [(0, 0)] * (x.ndim - 2) + [(0, rows - x.shape[-2]), (0, 0)]
-    q = quantize_blocks(jnp.pad(x, pad), (1, BLOCK))
-    return q.values, jnp.swapaxes(q.scales, -1, -2)
+    return quantize_activations(jnp.pad(x, pad))
 
 
 def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax.Array:

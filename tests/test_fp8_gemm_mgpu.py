@@ -120,11 +120,6 @@ def _quantized_stack_f64(x8, x_scales, w):
     return np.asarray(x8.astype(jnp.float32), np.float64) * xs, np.asarray(dequantize_weight(w, jnp.float32), np.float64)
 
 
-def _quantize_groups(x):
-    q = quantize_blocks(x, (1, BLOCK))
-    return q.values, jnp.swapaxes(q.scales, -1, -2)
-
-
 # Each mode of the grouped launch (``fp8_grouped_gemm_mgpu``): (groups of tokens, matrices, M, N, K,
 # chosen matrices, summed). 256 tokens: two token tiles; K = 384: one-block pipeline steps.
 GROUPED_CASES = [
@@ -138,7 +133,7 @@ GROUPED_CASES = [
 def _check_grouped(case, interpret, rel_bound, config=GemmConfig()):
     _, groups, matrices, m, n, k, chosen, summed = case
     x, w = _group_operands(m + n + k + groups, groups, matrices, m, n, k)
-    x8, x_scales = _quantize_groups(x)
+    x8, x_scales = quantize_activations(x)
     ids = None if chosen is None else jnp.asarray(chosen, jnp.int32)
     y = fp8_grouped_gemm_mgpu(x8, x_scales, w.values, w.scales, ids, sum_groups=summed, config=config,
                               num_sms=4, interpret=interpret)
@@ -179,7 +174,7 @@ def test_two_stacks_in_one_launch_each_match_their_own_product(chosen, interpret
     m, n, k = 16, 128, 256
     x, gate = _group_operands(11, 1, 3, m, n, k)
     _, up = _group_operands(12, 1, 3, m, n, k)
-    x8, x_scales = _quantize_groups(x)
+    x8, x_scales = quantize_activations(x)
     ids = None if chosen is None else jnp.asarray(chosen, jnp.int32)
     ys = fp8_grouped_gemm_mgpu(x8, x_scales, (gate.values, up.values), (gate.scales, up.scales), ids, num_sms=4,
                                interpret=interpret)
@@ -224,7 +219,7 @@ def test_fp8_grouped_matmul_refuses_what_it_cannot_run_naming_the_argument():
     with pytest.raises(ValueError, match="matrices: a summed product"):
         fp8_grouped_matmul(x, w, matrices=jnp.zeros(2, jnp.int32), sum_groups=True, backend="xla")
     with pytest.raises(ValueError, match="x8: expected 1 or 2 groups"):
-        x8, xs = _quantize_groups(jnp.ones((3, 16, 256), jnp.float32))
+        x8, xs = quantize_activations(jnp.ones((3, 16, 256), jnp.float32))
         fp8_grouped_gemm_mgpu(x8, xs, w.values, w.scales, interpret=True)
 
 
