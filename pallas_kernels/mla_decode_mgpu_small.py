@@ -27,7 +27,7 @@ test_no_kernel_reduces_through_the_shared_scratch checks the lowering). Warpgrou
 TMA ring.
 
 Shared with ``mla_decode_mgpu``: the inputs (rows padded to a multiple of R instead of 64, the
-token scales in step order with their log2 and reciprocals), the step order (even tokens of a
+token scales in step order; their log2 and reciprocals are taken here), the step order (even tokens of a
 step in SMEM rows 0..63, odd ones in 64..127), the TMA ring of whole steps, masks only in a row's
 last steps, split-KV by the plan of work items (``split_plan``), the named barriers and the
 output's store (``write_outputs_t``).
@@ -50,6 +50,7 @@ from snapmla_jax.pallas_kernels.combine_splits import partial_dtype
 from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms,
                                                    store_token_bytes)
+from snapmla_jax.pallas_kernels.mgpu_decode_inputs import SCALE_FLOOR
 from snapmla_jax.pallas_kernels.mla_decode import LOG2E, resolve_num_pages
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, FRAME_DROP, HALF,
                                                         LOG2_FP8_MAX, NAMED_SYNC, NUM_CHUNKS, NUM_SLOTS, NUM_WGS,
@@ -226,8 +227,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
 
     SMEM (R = 16 or 32 rows): q8_s e4m3 [4, R, 128], qr_s bf16 [R, 64], qsc_s f32
     [R], lse_s f32 [R], kv8_s e4m3 [2, 4, 128, 128] and rope_s bf16 [2, 128, 64] (the
-    ring, step order), ksc_s f32 [2, 3, 128] (a slot's token scales, their log2, their
-    reciprocals), p8_s e4m3 [2, R, 128] (a slot's P', both warpgroups' halves, the B operand
+    ring, step order), ksc_s f32 [2, 128] (a slot's token scales), p8_s e4m3 [2, R, 128] (a slot's P', both warpgroups' halves, the B operand
     of both), stats_s f32 [2 slots, 2 warpgroups, 1, R] (each warpgroup's row max of
     log_pv), lsum_s f32 [2, R] (each warpgroup's l' after the loop), red_s f32 [2,
     ``reduce_scratch_size``] (each warpgroup's reduction scratch), o_s [2, R, 64] (each
@@ -252,10 +252,16 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
         accs, (m, l_tile, frame) = carry[:-3], carry[-3:]
         t0 = (where.first_step + j) * STEP
         slot = begin_step(j, wg, where.first_step, where.num_steps, issue, step_bar, consumed_bar, issuer=ISSUER)
-        half_scales = lambda plane: plgpu.load(ksc_s.at[slot, plane, pl.ds(my_rows, HALF)], layout=TOKENS)
+        k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=TOKENS)
         scores = half_scores_t(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], plgpu.load(qsc_s, layout=QROWS),
-                               half_scales(0), my_rows, interpret=interpret)
-        log_pv = scores * scale_log2 + lax.broadcast_in_dim(half_scales(1), scores.shape, [0])
+                               k_scale, my_rows, interpret=interpret)
+        # The log2 and reciprocal of the token scales (``mgpu_decode_inputs.with_scale_planes``' math)
+        # cost two values a thread a step here; as planes from the inputs launch they cost 8 bytes a
+        # token written there and read here: 0.339 vs 0.349 ms a call at 64 x 32k x 16 (kernel 316
+        # vs 323 us), the same within noise at 8 x 32k, 1 x 32k and 32 x 16k x 2 (H200,
+        # tools/time_mgpu_variants.py --kernel small --compare-file).
+        floored = jnp.maximum(k_scale, SCALE_FLOOR)
+        log_pv = scores * scale_log2 + lax.broadcast_in_dim(jnp.log2(floored), scores.shape, [0])
         visible = None
         if masked:  # masked slots may hold any bytes, NaN included
             visible = visibility_t(row0, t0, where.seq_len, wg, s_q=s_q, num_heads=num_heads, rows=rows)
@@ -265,7 +271,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
         store_rows((log_pv_max,), stats_s.at[slot, wg], layout=QROWS, unsynced=named_sync and UNSYNCED_ROW_STORES)
         meet(STATS_SYNC_ID, stats_bar.at[slot], named_sync)
         log_pv_max = jnp.maximum(log_pv_max, plgpu.load(stats_s.at[slot, 1 - wg, 0], layout=QROWS))
-        m, l_tile, frame, p8, ratio = softmax_frame_t(log_pv, half_scales(2), m, l_tile, frame, log_pv_max, visible)
+        m, l_tile, frame, p8, ratio = softmax_frame_t(log_pv, 1.0 / floored, m, l_tile, frame, log_pv_max, visible)
         p8 = jnp.minimum(p8, FP8_E4M3_MAX).astype(FP8_DTYPE)  # the SnapMLA math: P' in e4m3
         if interpret:
             p8_s[slot, :, pl.ds(my_rows, HALF)] = p8.T
@@ -325,7 +331,7 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
     num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
     q8, q_scale, q_rope, latent_pairs, rope_pairs, scales, plan = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, page_size=page_size,
-        num_splits=num_splits, balanced=balanced, num_pages=num_pages, block_rows=rows, scale_planes=True,
+        num_splits=num_splits, balanced=balanced, num_pages=num_pages, block_rows=rows, scale_planes=False,
         interpret=interpret)
     num_rows = q8.shape[1]  # padded to whole blocks
     out_dtype = partial_dtype(q_rows.dtype)  # output and partials: bf16 for a bf16 output, else float32
@@ -340,7 +346,7 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
             plgpu.SMEM((rows,), jnp.float32),
             plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
             plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
-            plgpu.SMEM((NUM_SLOTS, 3, STEP), jnp.float32),
+            plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
             # P' (``store_token_bytes``): its byte stores compute addresses for this layout.
             plgpu.SMEM((NUM_SLOTS, rows, STEP), FP8_DTYPE, transforms=BYTE_TILE_TRANSFORMS),
             plgpu.SMEM((NUM_SLOTS, NUM_WGS, 1, rows), jnp.float32),
