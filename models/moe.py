@@ -27,10 +27,10 @@ of three ways (``MoE.__call__`` picks by the token count T, a static shape):
 * gathered (T <= the layer's ``gather_max_tokens``, checked first): each
   assignment is one vector-matrix product with its expert's weights: a
   one-token decode step reads k experts, not all E (``ragged_dot`` on Hopper
-  reads all E at any T). With ``backend`` "pallas" (a decode step on a GPU) two
-  Pallas launches read the chosen experts' matrices where they lie
-  (pallas_kernels/grouped_experts.py); with "xla" (the default) jnp gathers
-  them per assignment ([T*k, hidden, inner] copies). With the experts split
+  reads all E at any T). With ``backend`` "pallas" (a decode step on a Hopper GPU)
+  two Mosaic GPU launches read the chosen experts' matrices where they lie
+  (pallas_kernels/grouped_experts.py, bf16 stacks); with "xla" (the default),
+  and elsewhere, jnp gathers them per assignment ([T*k, hidden, inner] copies). With the experts split
   over devices either would move expert weights between devices, so the
   placements (``models.sharding``, the loaders' ``sharding=``) turn it off
   there (``match_dispatch_to_placement``).
@@ -65,11 +65,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from snapmla_jax.backend import resolve_backend
+from snapmla_jax.backend import on_hopper, resolve_backend, sm_count
 from snapmla_jax.fp8_weights import BlockFP8Weight, dequantize_weight, fp8_grouped_matmul, kernel_runs
 from snapmla_jax.models.config import MLAConfig
 from snapmla_jax.models.layers import MLP
-from snapmla_jax.pallas_kernels.grouped_experts import combine_assignments, grouped_experts, grouped_experts_reference
+from snapmla_jax.pallas_kernels.grouped_experts import (combine_assignments, grouped_experts, grouped_experts_reference,
+                                                        takes as grouped_experts_takes)
 
 # The default ``MoE.dense_token_range`` of new layers: token counts T (tokens in one call:
 # batch x sequence) for which the routed experts run dense (module docstring), as an
@@ -100,8 +101,9 @@ def check_token_range(token_range) -> tuple[int, int] | None:
 
 # The default ``MoE.gather_max_tokens`` of new layers: calls of at most this many tokens run
 # the gathered dispatch (module docstring); 0: never. Set for a decode step on a GPU, where it
-# runs as the grouped-experts kernel (backend "pallas"): in the 27-layer feed-forward stack of
-# V2-Lite shapes on an H100 the kernel took 2.36 / 3.11 / 4.69 / 7.31 ms at T = 1 / 2 / 4 / 8
+# runs as the grouped experts (backend "pallas"): in the 27-layer feed-forward stack of V2-Lite
+# shapes on an H100 their Triton launches of the time (the Mosaic ones that replaced them are
+# 1.07-1.13x as fast at those shapes on an H200) took 2.36 / 3.11 / 4.69 / 7.31 ms at T = 1 / 2 / 4 / 8
 # against the jnp gathered dispatch's 6.70 / 11.7 / 22.0 / 42.7 (XLA compiles its gathers into
 # slow reduce fusions there) and ragged / dense's 11.4 / 11.4 / 10.6 / 10.8
 # (scripts/bench_ffn_stack.py). With backend "xla" (a CPU, or a caller's choice) the same range
@@ -248,7 +250,7 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array, *, backend: str = "xla") -> jax.Array:
         """x [..., hidden] -> same; ``backend`` (snapmla_jax.backend) runs the gathered dispatch:
-        "xla" in jnp (differentiable), "pallas" / "interpret" as the grouped-experts kernel.
+        "xla" in jnp (differentiable), "pallas" / "interpret" as the grouped experts' launches.
         With ``expert_axis`` set, x is this device's tokens and the call must run inside
         ``shard_map`` over that axis (module docstring)."""
         backend = resolve_backend(backend)
@@ -348,9 +350,9 @@ class MoE(nnx.Module):
                           backend: str = "xla", out_dtype=None) -> jax.Array:
         """Each assignment's vector-matrix products with its expert's weights, the same arguments
         and result as ``_ragged_experts``: for the few tokens this runs on, k experts' bytes a
-        token instead of all E. ``backend`` "pallas" / "interpret": the grouped-experts kernel
-        (each chosen matrix read where it lies); "xla": jnp, with [T*k, hidden, inner]
-        gathered copies."""
+        token instead of all E. ``backend`` "pallas" on a Hopper GPU, or "interpret": the
+        grouped-experts launches (each chosen matrix read where it lies; bf16 stacks of the shapes
+        ``grouped_experts.takes``); otherwise jnp, with [T*k, hidden, inner] gathered copies."""
         fp8_stacks = self.fp8_kernel_stacks(flat.shape[0], backend)
         if fp8_stacks is not None:
             # Each assignment's matrices read in FP8 where they lie: gate and up (one launch) for all
@@ -371,10 +373,11 @@ class MoE(nnx.Module):
         else:
             stacks = self.expert_stacks(flat.dtype)
         experts = (flat, weights, ids, *stacks)
-        if backend == "xla":
-            out = grouped_experts_reference(*experts)
+        kernel_here = backend == "interpret" or (backend == "pallas" and on_hopper())
+        if kernel_here and grouped_experts_takes(flat.shape[0], *stacks):
+            out = grouped_experts(*experts, num_sms=sm_count(), interpret=backend == "interpret")
         else:
-            out = grouped_experts(*experts, interpret=backend == "interpret")
+            out = grouped_experts_reference(*experts)
         return out.astype(out_dtype or flat.dtype)
 
     def _dense_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array, *, out_dtype=None,

@@ -170,7 +170,13 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
                                                    pl.ds(mt * tokens, tokens)])
         plgpu.wait_smem_to_gmem(0)
 
-    if num_stacks == 1:
+    run_on_stack(run, w_gmems, gg, stack_groups)
+
+
+def run_on_stack(run, w_gmems: tuple, gg, stack_groups: int) -> None:
+    """``run(w_gmem)`` for the stack of grid group ``gg`` (stacks' groups one stack after another,
+    ``stack_groups`` each): the only one, or the one ``gg`` falls in."""
+    if len(w_gmems) == 1:
         run(w_gmems[0])
         return
     stack = lax.div(gg, stack_groups)

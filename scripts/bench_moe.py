@@ -3,8 +3,8 @@ decode-sized token counts, against the weight-read floor: the measurement that s
 ``models.moe.DENSE_TOKEN_RANGE`` and ``GATHER_MAX_TOKENS`` (the defaults of ``MoE.dense_token_range``
 and ``MoE.gather_max_tokens``). The gathered dispatch runs twice, up to ``GATHER_BENCH_MAX``
 tokens: "gathered" in jnp (backend "xla": XLA's gather copies the chosen experts) and "grouped"
-as the grouped-experts kernel (backend "pallas", the model's decode path on a GPU:
-pallas_kernels/grouped_experts.py; interpreted on a CPU, for the tests).
+as the grouped experts' Mosaic GPU launches (backend "pallas", the model's decode path on a
+Hopper GPU: pallas_kernels/grouped_experts.py; interpreted on a CPU, for the tests).
 
     python scripts/bench_moe.py --out /tmp/bench_moe [--shapes v2_lite v3] [--tokens 1 8 64 ...]
 

@@ -49,7 +49,7 @@ def test_the_step_breakdown_sorts_kernels_into_attention_collectives_and_the_res
               GpuEvent("s", "snapmla_write_kv", 0, ms),
               GpuEvent("s", "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 0, 2 * ms),
               GpuEvent("s", "gemm_fusion_dot_1155", 0, 6 * ms),
-              GpuEvent("s", "snapmla_experts_gate_up", 0, ms)]
+              GpuEvent("s", "snapmla_grouped_gemm", 0, ms)]
     # 2 steps on 2 devices: each part / 4.
     assert capacity.step_breakdown(events, steps=2, devices=2) == {"attention": 2.75, "collectives": 0.5,
                                                                    "other": 1.75, "busy": 5.0}

@@ -13,29 +13,44 @@ bench_moe = load_script("bench_moe")
 TINY = bench_moe.MoEShape(hidden=32, inner=16, experts=8, top_k=2, shared=1)
 
 
-@pytest.mark.parametrize("tokens, names", [(5, {"ragged", "dense", "gathered", "grouped"}),
-                                           (bench_moe.GATHER_BENCH_MAX + 1, {"ragged", "dense"})])
-def test_the_dispatch_programs_compute_the_same_layer(tokens, names):
-    layer = bench_moe.random_layer(TINY, dtype=jnp.float32)
-    x = jax.random.normal(jax.random.key(1), (tokens, TINY.hidden), jnp.float32)
+# The grouped experts take bf16 stacks whose hidden and inner sizes are multiples of 128.
+GROUPED = bench_moe.MoEShape(hidden=128, inner=128, experts=8, top_k=2, shared=1)
+
+
+@pytest.mark.parametrize("shape, dtype, tokens, names, bound", [
+    # float32: the jnp dispatches (the grouped one runs its jnp gathers: no kernel takes float32
+    # stacks); sums of <= 32 products in another order, ~1e-7 relative.
+    (TINY, jnp.float32, 5, {"ragged", "dense", "gathered", "grouped"}, 1e-5),
+    (TINY, jnp.float32, bench_moe.GATHER_BENCH_MAX + 1, {"ragged", "dense"}, 1e-5),
+    # bf16 at sizes the grouped experts take: each dispatch rounds its products to bf16 at other
+    # points (2**-9 relative each, a few in a row): 1e-2.
+    (GROUPED, jnp.bfloat16, 3, {"ragged", "dense", "gathered", "grouped"}, 1e-2),
+])
+def test_the_dispatch_programs_compute_the_same_layer(shape, dtype, tokens, names, bound):
+    layer = bench_moe.random_layer(shape, dtype=dtype)
+    x = jax.random.normal(jax.random.key(1), (tokens, shape.hidden), jnp.float32).astype(dtype)
     programs = bench_moe.compiled_dispatches(layer, x)
     assert set(programs) == names
     # One program per dispatch (the GPU run that first used this compiled the ragged one
     # twice: a jit cache hit), and the layer's own dispatch left as it was.
     texts = {name: fn.as_text() for name, (fn, _) in programs.items()}
-    every_expert = f"f32[{TINY.experts},{tokens},{TINY.inner}]"  # dense: every expert x every token
+    type_name = "f32" if dtype == jnp.float32 else "bf16"
+    every_expert = f"{type_name}[{shape.experts},{tokens},{shape.inner}]"  # dense: every expert x every token
     assert every_expert in texts["dense"] and every_expert not in texts["ragged"]
     if "gathered" in texts:
-        chosen_copies = f"f32[{tokens * TINY.top_k},{TINY.hidden},{TINY.inner}]"  # gathered: per assignment
-        assert chosen_copies in texts["gathered"] and chosen_copies not in texts["ragged"]
-        # grouped: the same dispatch as the kernel, which reads the experts where they lie
-        assert chosen_copies not in texts["grouped"] and "snapmla_experts_gate_up" in texts["grouped"]
+        # grouped: the same dispatch through the grouped experts where they take the stacks, else
+        # through the jnp gathers of "gathered"
+        kernel = dtype == jnp.bfloat16
+        assert ("snapmla_grouped_gemm" in texts["grouped"]) == kernel
+        assert "snapmla_grouped_gemm" not in texts["gathered"]
+        if not kernel:  # XLA's gathers copy each assignment's expert matrices (float32: visible as such)
+            chosen_copies = f"f32[{tokens * shape.top_k},{shape.hidden},{shape.inner}]"
+            assert chosen_copies in texts["gathered"] and chosen_copies not in texts["ragged"]
     assert (layer.dense_token_range, layer.gather_max_tokens) == (bench_moe.models.moe.DENSE_TOKEN_RANGE,
                                                                   bench_moe.models.moe.GATHER_MAX_TOKENS)
-    outs = {name: np.asarray(fn(*args), np.float64) for name, (fn, args) in programs.items()}
-    # float32 sums of <= 32 products, in another order: ~1e-7 relative.
+    outs = {name: np.asarray(jnp.asarray(fn(*args), jnp.float32), np.float64) for name, (fn, args) in programs.items()}
     for name in names - {"ragged"}:
-        assert np.abs(outs[name] - outs["ragged"]).max() <= 1e-5 * np.abs(outs["ragged"]).max(), name
+        assert np.abs(outs[name] - outs["ragged"]).max() <= bound * np.abs(outs["ragged"]).max(), name
     assert np.abs(outs["ragged"]).max() > 0
 
 

@@ -1,5 +1,6 @@
-"""The grouped-experts kernel (pallas_kernels/grouped_experts.py) against float64, interpreted on the CPU and
-compiled under ``pytest -m gpu``, and the MoE's gathered dispatch through it."""
+"""The grouped experts (pallas_kernels/grouped_experts.py: two launches of the BF16 grouped GEMM) against
+float64, interpreted on the CPU and compiled under ``pytest -m gpu``, and the MoE's gathered dispatch
+through them."""
 
 from __future__ import annotations
 
@@ -13,17 +14,14 @@ from flax import nnx
 import snapmla_jax.models.moe
 
 from snapmla_jax import models
-import snapmla_jax.pallas_kernels.grouped_experts as grouped_experts_module
-from snapmla_jax.pallas_kernels.grouped_experts import (COLUMNS, FEW_ASSIGNMENTS, FEW_SETTING, NUM_STAGES, NUM_WARPS,
-                                                        RUN, SPLIT_PROGRAMS, contraction_splits, grouped_experts,
-                                                        grouped_experts_reference, launch_setting)
+from snapmla_jax.pallas_kernels.grouped_experts import grouped_experts, grouped_experts_reference, takes
 from snapmla_jax.backend import lower_for_cuda
 
 
-def _problem(seed, *, tokens, k, experts=8, hidden=96, inner=80, dtype=jnp.bfloat16):
+def _problem(seed, *, tokens, k, experts=8, hidden=256, inner=128, dtype=jnp.bfloat16):
     """Random bf16-representable weights and tokens (one token 30x the others), distinct experts a
-    token but shared between tokens, positive gate weights. hidden 96 and inner 80 are not powers
-    of two: the kernels' column blocks (32, 16) and runs are what divides them."""
+    token but shared between tokens, positive gate weights; hidden and inner the smallest the
+    grouped GEMM takes in both launches (multiples of 128)."""
     rng = np.random.default_rng(seed)
     bf = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
     w_gate, w_up = (bf(rng.standard_normal((experts, hidden, inner)) / np.sqrt(hidden)) for _ in range(2))
@@ -58,57 +56,28 @@ def _rel(out, ref):
     return float(np.max(np.abs(np.asarray(jnp.asarray(out, jnp.float32), np.float64) - ref)) / np.max(np.abs(ref)))
 
 
-# Up to FEW_ASSIGNMENTS (16) assignments the kernel takes FEW_SETTING, above it the module's
-# COLUMNS / RUN (5 x 4 = 20): both paths run, though at hidden 96 / inner 80 their blocks
-# coincide (32 / 16); the GPU test at V2-Lite shapes (T = 1 and 3) compiles both settings.
 @pytest.mark.parametrize("tokens,k", [(1, 6), (3, 2), (2, 4), (5, 4)])
 def test_interpreted_kernel_matches_float64(tokens, k):
     problem = _problem(tokens, tokens=tokens, k=k)
     out = grouped_experts(*problem, interpret=True)
     assert out.shape == problem[0].shape and out.dtype == jnp.bfloat16
     # With hidden rounded to bf16 as the kernel rounds it, what is left is float32 sums of
-    # <= 96 products (~1e-6 relative) and the bf16 output (2**-9 = 2e-3 of the largest
+    # <= 256 products (~1e-6 relative) and the bf16 output (2**-9 = 2e-3 of the largest
     # output, relative to the max): 4e-3.
     assert _rel(out, _float64(*problem, round_hidden=jnp.bfloat16)) < 4e-3
     # Against unrounded float64: plus hidden's bf16 rounding (2**-9 relative a value, summed
-    # over 80 features with mixed signs), as the jnp path pays it too: 1e-2.
+    # over 128 features with mixed signs), as the jnp path pays it too: 1e-2.
     assert _rel(out, _float64(*problem)) < 1e-2
     assert _rel(grouped_experts_reference(*problem), _float64(*problem)) < 1e-2
 
 
-def test_contraction_splits_fill_the_grid_up_to_its_bound():
-    assert contraction_splits(132, 16) == 4  # V2-Lite, one token: 6 x 22 programs, 16 runs of 128
-    assert contraction_splits(30, 4) == 4  # the test below: all four runs
-    assert contraction_splits(30, 3) == 1  # an odd run count does not split
-    assert contraction_splits(SPLIT_PROGRAMS, 16) == 1
-
-
-@pytest.mark.parametrize("split_programs", [SPLIT_PROGRAMS, 0])
-def test_split_contraction_matches_float64(monkeypatch, split_programs):
-    """A 512-long contraction (4 runs of 128) over 30 programs: launch 1 splits it in 4 float32
-    partials that XLA sums (``SPLIT_PROGRAMS`` 0: unsplit, the activation in the kernel). Bounds
-    as in ``test_interpreted_kernel_matches_float64`` (512-term float32 sums still ~1e-6)."""
-    monkeypatch.setattr(grouped_experts_module, "SPLIT_PROGRAMS", split_programs)
-    jax.clear_caches()
-    problem = _problem(11, tokens=1, k=6, hidden=512)
-    out = grouped_experts(*problem, interpret=True)
-    assert _rel(out, _float64(*problem, round_hidden=jnp.bfloat16)) < 4e-3
-    assert _rel(out, _float64(*problem)) < 1e-2
-    monkeypatch.undo()
-    jax.clear_caches()
-
-
-def test_launch_setting_switches_above_few_assignments():
-    assert launch_setting(1) == launch_setting(FEW_ASSIGNMENTS) == FEW_SETTING
-    assert launch_setting(FEW_ASSIGNMENTS + 1) == (COLUMNS, RUN, NUM_WARPS, NUM_STAGES) != FEW_SETTING
-
-
-def test_interpreted_kernel_in_float32_is_float32_exact():
-    """float32 activations and weights: hidden stays float32, so only summation order differs
-    from float64 (sums of <= 96 float32 products: ~1e-6 relative): 1e-5."""
-    problem = _problem(7, tokens=2, k=3, dtype=jnp.float32)
-    with jax.default_matmul_precision("float32"):
-        assert _rel(grouped_experts(*problem, interpret=True), _float64(*problem)) < 1e-5
+def test_takes_bf16_stacks_of_whole_tiles_only():
+    x, _, _, w_gate, w_up, w_down = _problem(0, tokens=2, k=2)
+    assert takes(2, w_gate, w_up, w_down)
+    assert not takes(2, w_gate.astype(jnp.float32), w_up, w_down)
+    assert not takes(65, w_gate, w_up, w_down)  # more tokens than one token tile: not a decode step's
+    narrow = _problem(0, tokens=2, k=2, hidden=96, inner=80)
+    assert not takes(2, *narrow[3:])
 
 
 def test_out_of_range_ids_are_clipped_not_read_past_the_weights():
@@ -123,6 +92,7 @@ def test_out_of_range_ids_are_clipped_not_read_past_the_weights():
     (lambda p: p.__setitem__(2, p[2].astype(jnp.int16)), "ids"),
     (lambda p: p.__setitem__(1, p[1][:, :1]), "weights / ids"),
     (lambda p: p.__setitem__(5, p[5][:, :, :8]), "w_gate / w_up / w_down"),
+    (lambda p: p.__setitem__(3, p[3].astype(jnp.float32)), "bf16 stacks"),
 ])
 def test_bad_input_raises_value_error_naming_the_argument(change, name):
     problem = _problem(0, tokens=2, k=2)
@@ -132,8 +102,8 @@ def test_bad_input_raises_value_error_naming_the_argument(change, name):
 
 
 def test_kernels_lower_for_cuda_at_model_shapes():
-    """Both launches lower through Pallas' Triton backend at V2-Lite's and V3's expert shapes
-    (T = 1, 4), without a GPU."""
+    """Both launches lower through Mosaic GPU at V2-Lite's and V3's expert shapes (T = 1, 4),
+    without a GPU."""
     for experts, hidden, inner, k in [(64, 2048, 1408, 6), (256, 7168, 2048, 8)]:
         for tokens in (1, 4):
             args = (jnp.zeros((tokens, hidden), jnp.bfloat16), jnp.ones((tokens, k), jnp.float32),
@@ -144,28 +114,41 @@ def test_kernels_lower_for_cuda_at_model_shapes():
             lower_for_cuda(lambda *a: grouped_experts(*a), *args)
 
 
-def _moe_layer(dtype):
+def _moe_layer(dtype, hidden=256, inner=128):
     from snapmla_jax.models.config import MLAConfig
-    cfg = MLAConfig(vocab_size=16, hidden_size=96, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8,
-                    moe_intermediate_size=80, num_experts_per_tok=3, n_shared_experts=1, topk_method="greedy",
-                    scoring_func="softmax")
+    cfg = MLAConfig(vocab_size=16, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                    n_routed_experts=8, moe_intermediate_size=inner, num_experts_per_tok=3, n_shared_experts=1,
+                    topk_method="greedy", scoring_func="softmax")
     layer = models.moe.MoE(cfg, dtype=dtype, rngs=nnx.Rngs(0))
     models.moe.set_gather_max_tokens(layer, 4)
     return layer
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_moe_gathered_dispatch_through_the_kernel_matches_jnp(tokens):
-    """``MoE(x, backend="interpret")`` runs its gathered dispatch as the kernel; in float32 it
-    matches the jnp dispatch (backend "xla") to float32 summation order (<= 96-term sums, and the
-    router's identical choice): 1e-5 of the output scale."""
-    layer = _moe_layer(jnp.float32)
-    x = jax.random.normal(jax.random.key(tokens), (1, tokens, 96), jnp.float32)
-    with jax.default_matmul_precision("float32"):
-        want = layer(x, backend="xla")
-        got = layer(x, backend="interpret")
-    assert _rel(got, np.asarray(want, np.float64)) < 1e-5
+def test_moe_gathered_dispatch_through_the_kernel_matches_jnp(monkeypatch, tokens):
+    """``MoE(x, backend="interpret")`` runs its gathered dispatch through ``grouped_experts`` (a
+    bf16 layer of the shapes it takes; checked by making the jnp reference unreachable from it) and
+    matches the jnp dispatch (backend "xla"), which rounds each assignment's products to bf16
+    where the kernel keeps float32 until hidden: bf16 roundings of the output and of hidden
+    (2**-9 each, relative), 1e-2 of the output scale."""
+    layer = _moe_layer(jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(tokens), (1, tokens, 256), jnp.float32).astype(jnp.bfloat16)
+    want = layer(x, backend="xla")
+    monkeypatch.setattr(snapmla_jax.models.moe, "grouped_experts_reference", None)
+    got = layer(x, backend="interpret")
+    assert _rel(got, np.asarray(jnp.asarray(want, jnp.float32), np.float64)) < 1e-2
+
+
+def test_moe_gathered_dispatch_falls_back_to_jnp_where_the_kernel_does_not_take_the_stacks():
+    """float32 stacks, and hidden / inner not multiples of 128: the gathered dispatch runs the jnp
+    reference with backend "interpret" too, to float32 summation order of the "xla" one."""
+    for dtype, hidden, inner in [(jnp.float32, 256, 128), (jnp.bfloat16, 96, 80)]:
+        layer = _moe_layer(dtype, hidden, inner)
+        x = jax.random.normal(jax.random.key(0), (1, 3, hidden), jnp.float32).astype(dtype)
+        with jax.default_matmul_precision("float32"):
+            want, got = layer(x, backend="xla"), layer(x, backend="interpret")
+        assert _rel(got, np.asarray(jnp.asarray(want, jnp.float32), np.float64)) < 1e-5
 
 
 @pytest.mark.gpu
