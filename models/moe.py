@@ -30,10 +30,10 @@ of three ways (``MoE.__call__`` picks by the token count T, a static shape):
   reads all E at any T). With ``backend`` "pallas" (a decode step on a Hopper GPU)
   two Mosaic GPU launches read the chosen experts' matrices where they lie
   (pallas_kernels/grouped_experts.py, bf16 stacks); with "xla" (the default),
-  and elsewhere, jnp gathers them per assignment ([T*k, hidden, inner] copies). With the experts split
-  over devices either would move expert weights between devices, so the
-  placements (``models.sharding``, the loaders' ``sharding=``) turn it off
-  there (``match_dispatch_to_placement``).
+  and elsewhere, jnp gathers them per assignment ([T*k, hidden, inner] copies).
+  With the experts split over devices either would move expert weights between
+  devices, so the placements (``models.sharding``, the loaders' ``sharding=``)
+  turn it off there (``match_dispatch_to_placement``).
 
 Expert parallelism (``expert_axis``, set by ``snapmla_jax.data_parallel.place_model``): inside
 ``jax.shard_map`` over a mesh axis whose devices each hold E / N of the experts

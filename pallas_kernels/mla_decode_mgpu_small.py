@@ -27,10 +27,10 @@ test_no_kernel_reduces_through_the_shared_scratch checks the lowering). Warpgrou
 TMA ring.
 
 Shared with ``mla_decode_mgpu``: the inputs (rows padded to a multiple of R instead of 64, the
-token scales in step order; their log2 and reciprocals are taken here), the step order (even tokens of a
-step in SMEM rows 0..63, odd ones in 64..127), the TMA ring of whole steps, masks only in a row's
-last steps, split-KV by the plan of work items (``split_plan``), the named barriers and the
-output's store (``write_outputs_t``).
+token scales in step order; their log2 and reciprocals are taken here), the step order (even
+tokens of a step in SMEM rows 0..63, odd ones in 64..127), the TMA ring of whole steps, masks
+only in a row's last steps, split-KV by the plan of work items (``split_plan``), the named
+barriers and the output's store (``write_outputs_t``).
 
 SMEM: ring 2 x 80.5 KB, Q 10 or 20 KB, P' 2 x 2 or 4 KB, the reduction scratch 2 x 2 KB, the
 output staging 4-16 KB: about 190 KB at R = 16, 212 KB at R = 32.
@@ -227,8 +227,8 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
 
     SMEM (R = 16 or 32 rows): q8_s e4m3 [4, R, 128], qr_s bf16 [R, 64], qsc_s f32
     [R], lse_s f32 [R], kv8_s e4m3 [2, 4, 128, 128] and rope_s bf16 [2, 128, 64] (the
-    ring, step order), ksc_s f32 [2, 128] (a slot's token scales), p8_s e4m3 [2, R, 128] (a slot's P', both warpgroups' halves, the B operand
-    of both), stats_s f32 [2 slots, 2 warpgroups, 1, R] (each warpgroup's row max of
+    ring, step order), ksc_s f32 [2, 128] (a slot's token scales), p8_s e4m3 [2, R, 128]
+    (a slot's P', both warpgroups' halves, the B operand of both), stats_s f32 [2 slots, 2 warpgroups, 1, R] (each warpgroup's row max of
     log_pv), lsum_s f32 [2, R] (each warpgroup's l' after the loop), red_s f32 [2,
     ``reduce_scratch_size``] (each warpgroup's reduction scratch), o_s [2, R, 64] (each
     warpgroup's output staging tile, in the output's dtype).
