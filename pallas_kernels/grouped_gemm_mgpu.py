@@ -16,7 +16,8 @@ Arguments of ``grouped_gemm_mgpu`` (``grouped_gemm_reference`` is its float32 tw
   x         [X, M, K] bf16, X = 1 (shared by every group) or G; M as ``fp8_gemm_mgpu.pad_tokens``
             leaves it
   w         [E, K, N] bf16, or a tuple of such stacks of one shape (gate and up)
-  matrices  None (G = E) or int32 [G]: each group's matrix in [0, E)
+  matrices  None (G = E) or int32 [G]: each group's matrix in [0, E) (not checked in a trace:
+            the caller clips them)
   -> [G, M, N] float32 (a tuple for a tuple of stacks)
 """
 
@@ -112,8 +113,8 @@ def grouped_gemm_mgpu(x: jax.Array, w, matrices: jax.Array | None = None, *,
         raise ValueError(f"x, w: the grouped GEMM takes M a multiple of {TOKEN_MULTIPLE} up to {MAX_TOKENS} (of "
                          f"{LARGE_TILE} above), N of {TILE_N} and K of {BLOCK_K}, got M={m}, N={n}, K={k} "
                          f"(weights K={k_w})")
-    if any(s.shape != stacks[0].shape for s in stacks):
-        raise ValueError(f"w: stacks of one shape, got {[s.shape for s in stacks]}")
+    if any(s.shape != stacks[0].shape or s.dtype != jnp.bfloat16 for s in stacks):
+        raise ValueError(f"w: bf16 stacks of one shape, got {[f'{s.dtype}{list(s.shape)}' for s in stacks]}")
     groups = num_matrices if matrices is None else matrices.shape[0]
     if num_x not in (1, groups):
         raise ValueError(f"x: expected 1 or {groups} groups of tokens, got {num_x}")
@@ -134,7 +135,7 @@ def grouped_gemm_mgpu(x: jax.Array, w, matrices: jax.Array | None = None, *,
         kernel_name="snapmla_grouped_gemm",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    operands = (*(s.astype(jnp.bfloat16) for s in stacks), x.astype(jnp.bfloat16))
+    operands = (*stacks, x.astype(jnp.bfloat16))
     partials = kernel(*operands) if matrices is None else kernel(matrices.astype(jnp.int32), *operands)
     summed = jnp.swapaxes(jnp.sum(partials, axis=0), -1, -2)
     if not stacked:

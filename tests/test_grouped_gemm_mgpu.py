@@ -80,6 +80,8 @@ def test_shapes_the_kernel_does_not_take_raise_value_error():
         grouped_gemm_mgpu(_bf16_normal(rng, (1, 16, 192)), w, interpret=True)
     with pytest.raises(ValueError, match="M a multiple of 16"):
         grouped_gemm_mgpu(_bf16_normal(rng, (1, 8, 256)), _bf16_normal(rng, (2, 256, 64)), interpret=True)
+    with pytest.raises(ValueError, match="bf16 stacks"):
+        grouped_gemm_mgpu(_bf16_normal(rng, (1, 16, 256)), jnp.zeros((2, 256, 64), jnp.float32), interpret=True)
     with pytest.raises(ValueError, match="groups of tokens"):
         grouped_gemm_mgpu(_bf16_normal(rng, (3, 16, 256)), _bf16_normal(rng, (2, 256, 64)), interpret=True)
 
