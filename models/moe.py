@@ -69,8 +69,8 @@ from snapmla_jax.backend import on_hopper, resolve_backend, sm_count
 from snapmla_jax.fp8_weights import BlockFP8Weight, dequantize_weight, fp8_grouped_matmul, kernel_runs
 from snapmla_jax.models.config import MLAConfig
 from snapmla_jax.models.layers import MLP
-from snapmla_jax.pallas_kernels.grouped_experts import (combine_assignments, grouped_experts, grouped_experts_reference,
-                                                        takes as grouped_experts_takes)
+from snapmla_jax.pallas_kernels.grouped_experts import (combine_assignments, gathered_products, grouped_experts,
+                                                        grouped_experts_reference, takes as grouped_experts_takes)
 
 # The default ``MoE.dense_token_range`` of new layers: token counts T (tokens in one call:
 # batch x sequence) for which the routed experts run dense (module docstring), as an
@@ -358,12 +358,12 @@ class MoE(nnx.Module):
             # Each assignment's matrices read in FP8 where they lie: gate and up (one launch) for all
             # T tokens (the assignment's own row kept), down for the assignment's hidden row.
             w_gate, w_up, w_down = fp8_stacks
-            chosen = ids.reshape(-1)
-            rows = (jnp.arange(chosen.shape[0]), jnp.arange(chosen.shape[0]) // ids.shape[1])
-            gate, up = fp8_grouped_matmul(flat[None], (w_gate, w_up), matrices=chosen, backend=backend)
-            hidden = (jax.nn.silu(gate[rows]) * up[rows])[:, None, :]          # [T*k, 1, inner]
-            down = fp8_grouped_matmul(hidden, w_down, matrices=chosen, backend=backend)[:, 0]
-            return combine_assignments(down, weights).astype(out_dtype or flat.dtype)
+            out = gathered_products(
+                flat, weights, ids,
+                lambda x, chosen: fp8_grouped_matmul(x, (w_gate, w_up), matrices=chosen, backend=backend),
+                lambda hidden, chosen: fp8_grouped_matmul(hidden, w_down, matrices=chosen, backend=backend),
+                num_experts=w_gate.shape[0])
+            return out.astype(out_dtype or flat.dtype)
         if any(isinstance(w.get_value(), BlockFP8Weight) for w in (self.w_gate, self.w_up, self.w_down)):
             # Only the chosen experts' FP8 matrices are dequantized: [T*k, ...] stacks, one an
             # assignment, which the assignments then index in order.

@@ -21,6 +21,7 @@ multiple of 64 (``takes``: every DeepSeek expert shape); the model runs the jnp 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -92,16 +93,31 @@ def grouped_experts(flat: jax.Array, weights: jax.Array, ids: jax.Array, w_gate:
     ids in range), so no read leaves the weights.
     """
     _check(flat, weights, ids, w_gate, w_up, w_down)
-    num_tokens, _ = flat.shape
-    num_experts = w_gate.shape[0]
-    k = ids.shape[1]
+    # The GEMM takes whole 16-token tiles: x's and hidden's rows are padded with zeros.
+    padded = lambda x: jnp.pad(x, ((0, 0), (0, pad_tokens(x.shape[1]) - x.shape[1]), (0, 0)))
+    out = gathered_products(
+        flat, weights, ids,
+        lambda x, chosen: grouped_gemm_mgpu(padded(x), (w_gate, w_up), chosen, num_sms=num_sms, interpret=interpret),
+        lambda hidden, chosen: grouped_gemm_mgpu(padded(hidden), w_down, chosen, num_sms=num_sms, interpret=interpret),
+        num_experts=w_gate.shape[0], hidden_dtype=jnp.result_type(flat.dtype, w_gate.dtype))
+    return out.astype(flat.dtype)
+
+
+def gathered_products(flat: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: Callable, down: Callable, *,
+                      num_experts: int, hidden_dtype=None) -> jax.Array:
+    """The gathered dispatch over two grouped products, one group an assignment (a = t * k + s):
+    ``gate_up(x [1, T, hidden], chosen [T*k])`` -> (gate, up), each [T*k, >= T, inner] float32
+    (matrix chosen[a] of each stack times every token), then ``down(hidden [T*k, 1, inner],
+    chosen)`` -> [T*k, >= 1, hidden] float32 (each assignment's own row). flat [T, hidden],
+    weights [T, k] f32, ids [T, k] int32, clipped into [0, ``num_experts``) (a traced id cannot be
+    checked), so no product reads past its stack. ``hidden_dtype``: what silu(gate) * up is
+    rounded to between the products (None: float32). -> float32 [T, hidden]
+    (``combine_assignments``)."""
     chosen = jnp.clip(ids.reshape(-1), 0, num_experts - 1)
     assignments = jnp.arange(chosen.shape[0])
-    padded = jnp.pad(flat, ((0, pad_tokens(num_tokens) - num_tokens), (0, 0)))[None]
-    gate, up = grouped_gemm_mgpu(padded, (w_gate, w_up), chosen, num_sms=num_sms, interpret=interpret)
-    rows = (assignments, assignments // k)  # each assignment's own token
-    hidden_dtype = jnp.result_type(flat.dtype, w_gate.dtype)
-    hidden = (jax.nn.silu(gate[rows]) * up[rows]).astype(hidden_dtype)[:, None, :]     # [T*k, 1, inner]
-    hidden = jnp.pad(hidden, ((0, 0), (0, pad_tokens(1) - 1), (0, 0)))
-    per_assignment = grouped_gemm_mgpu(hidden, w_down, chosen, num_sms=num_sms, interpret=interpret)[:, 0]
-    return combine_assignments(per_assignment, weights).astype(flat.dtype)
+    rows = (assignments, assignments // ids.shape[1])  # each assignment's own token
+    gate, up = gate_up(flat[None], chosen)
+    hidden = jax.nn.silu(gate[rows]) * up[rows]                                       # [T*k, inner]
+    if hidden_dtype is not None:
+        hidden = hidden.astype(hidden_dtype)
+    return combine_assignments(down(hidden[:, None, :], chosen)[:, 0], weights)
