@@ -59,11 +59,22 @@ def test_profile_adds_the_breakdown_table(tmp_path):
     assert capacity.main(["--tiny", "--profile", "--batch-per-device", "2", "--contexts", "64", "--backend", "xla",
                           "--steps", "2", "--iters", "1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "capacity.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok", "ok"]  # the profiled call had tokens left to decode
     # A CPU trace has no GPU activity: zeros, and the table says "-" for the share.
     assert all(r["profile_ms"] == {"attention": 0.0, "collectives": 0.0, "other": 0.0, "busy": 0.0} for r in rows)
     page = (tmp_path / "capacity.md").read_text()
     assert "| context | cache | attention | collectives | other | busy | collectives / busy |" in page
     assert "| 64 | fp8 | 0.00 | 0.00 | 0.00 | 0.00 | - |" in page
+
+
+def test_a_call_that_runs_out_of_tokens_fails_its_row(tmp_path, monkeypatch):
+    # Rows sized without the profiled call's steps: that call would decode nothing and its trace
+    # would hold no kernels, so it must fail the row instead of reporting an empty breakdown.
+    monkeypatch.setattr(capacity, "decode_steps", lambda steps, iters, profile: 1 + (iters + 1) * steps)
+    assert capacity.main(["--tiny", "--profile", "--batch-per-device", "2", "--contexts", "64", "--backend", "xla",
+                          "--steps", "2", "--iters", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "capacity.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["failed: decoded 0 of 2 steps: the rows hold 5 tokens"] * 2
 
 
 def test_random_fp8_weights_are_made_fp8_with_the_spread_of_the_bf16_ones():

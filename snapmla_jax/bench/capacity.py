@@ -48,6 +48,12 @@ GIB = 2**30
 MODEL_NAMES = {"v2-lite": "DeepSeek-V2-Lite", "v2": "DeepSeek-V2", "v3": "DeepSeek-V3"}
 
 
+def decode_steps(steps: int, iters: int, profile: bool) -> int:
+    """Tokens a row gains over a measurement: the first decoded token, the warm-up call's and the
+    timed calls' ``steps`` each, and the profiled call's with ``profile``."""
+    return 1 + (iters + 1 + profile) * steps
+
+
 def rows_that_fit(cfg, free_bytes: int | None, context: int, total_steps: int, kv_cache: str,
                   backend: str = "auto") -> tuple[int, str]:
     """(rows of ``context`` + ``total_steps`` tokens one device holds the caches of, what limits
@@ -98,7 +104,7 @@ def decode_tokens_per_s(model, mesh, per_device: int, context: int, kv_cache: st
     with ``profile`` also trace one more call (``step_breakdown``: "profile_ms")."""
     devices = 1 if mesh is None else mesh.size
     batch = per_device * devices
-    total_steps = 1 + (iters + 1) * steps  # the warm-up call and the timed ones
+    total_steps = decode_steps(steps, iters, profile)
     pages = allocate_pages([context] * batch, total_steps, page_size=PAGE_SIZE, groups=devices)
     put = jnp.asarray if mesh is None else (lambda x: jax.device_put(x, data_parallel.rows_sharding(mesh)))
     graphdef, params = nnx.split(model)
@@ -109,10 +115,14 @@ def decode_tokens_per_s(model, mesh, per_device: int, context: int, kv_cache: st
     lengths, table, key = put(np.full(batch, context, np.int32)), put(pages.block_table), jax.random.key(0)
 
     def call():
-        stop = jnp.asarray(int(state["s"].step) + steps, jnp.int32)
-        state["s"] = decode_chunk(params, state["s"], lengths, table, key, stop, graphdef=graphdef,
-                                  sampling=SamplingConfig(), eos_id=None, backend=backend, mesh=mesh)
-        int(state["s"].step)
+        start = int(state["s"].step)
+        state["s"] = decode_chunk(params, state["s"], lengths, table, key, jnp.asarray(start + steps, jnp.int32),
+                                  graphdef=graphdef, sampling=SamplingConfig(), eos_id=None, backend=backend,
+                                  mesh=mesh)
+        # The loop stops where the tokens array ends: a call past it would time no steps at all.
+        if int(state["s"].step) != start + steps:
+            raise RuntimeError(f"decoded {int(state['s'].step) - start} of {steps} steps: the rows hold "
+                               f"{total_steps} tokens")
 
     step_ms = e2e.timed_calls(call, iters) / steps * 1e3  # the first call compiles and warms up
     result = dict(step_ms=step_ms, tokens_per_s=batch / step_ms * 1e3, batch=batch)
@@ -224,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                weights="block-FP8" if args.fp8_weights else "bf16",
                command=" ".join(["python -m snapmla_jax.bench capacity",
                                  *(a for a in (argv if argv is not None else []) if a != "--publish")]))
-    total_steps = 1 + (args.iters + 1) * args.steps
+    total_steps = decode_steps(args.steps, args.iters, args.profile)
     rows = []
     for context in args.contexts:
         for kind in CACHE_DTYPES:
