@@ -13,7 +13,7 @@ Scores are softmax or sigmoid of the router logits (``scoring_func``),
 optionally renormalized over the chosen k, then times ``routed_scaling_factor``.
 
 The experts are dropless: every (token, expert) assignment is computed, in one
-of three ways (``MoE.__call__`` picks by the token count T, a static shape):
+of four ways (``MoE.__call__`` picks by the token count T, a static shape):
 
 * ragged (any T the two below leave): the T*k assignments are sorted by expert so each
   expert's tokens are contiguous, and ``jax.lax.ragged_dot`` multiplies each
@@ -34,6 +34,14 @@ of three ways (``MoE.__call__`` picks by the token count T, a static shape):
   With the experts split over devices either would move expert weights between
   devices, so the placements (``models.sharding``, the loaders' ``sharding=``)
   turn it off there (``match_dispatch_to_placement``).
+* sorted (opt-in: where dense would run, from the layer's ``sorted_min_tokens`` on, when the grouped
+  GEMMs run: backend "pallas" on a Hopper GPU or "interpret", bf16 stacks of whole tiles or
+  block-FP8 ones): the assignments sorted by expert and cut into chunks of one expert's tokens,
+  one GEMM group a chunk (pallas_kernels/grouped_experts.py ``sorted_products``): each chosen
+  expert's matrices read once a chunk, as dense reads them, but each token multiplied only by its
+  k experts instead of all E. Dense's arithmetic grows with T x E: at a serving batch's token
+  counts it sets the step's pace (4 H200s, V2 shapes with FP8 weights, 184 rows of 32k: its FP8
+  GEMM launches took 43.5 of the step's 99.6 ms of GPU time).
 
 Expert parallelism (``expert_axis``, set by ``snapmla_jax.data_parallel.place_model``): inside
 ``jax.shard_map`` over a mesh axis whose devices each hold E / N of the experts
@@ -44,15 +52,15 @@ gate weight 0) and returns each device its tokens' sums over all experts (``psum
 float32). Two collectives of T x hidden a layer, against the dispatch's reading of E / N
 experts' weights; the shared experts run on each device's own tokens.
 
-Block-FP8 experts (``fp8_weights.BlockFP8Weight`` stacks): on a Hopper GPU the gathered and
-dense dispatches run on the FP8 GEMM (``fp8_weights.fp8_grouped_matmul``, one launch a weight
+Block-FP8 experts (``fp8_weights.BlockFP8Weight`` stacks): on a Hopper GPU the gathered, dense
+and sorted dispatches run on the FP8 GEMM (``fp8_weights.fp8_grouped_matmul``, one launch a weight
 stack, each matrix's e4m3 bytes read where they lie; ``MoE.fp8_kernel_stacks``), and a gathered
 call with as many assignments as experts runs dense (``MoE.dispatch``). The ragged dispatch and
 the "xla" backend dequantize the stacks in XLA (``MoE.expert_stacks``).
 
-The choice is two static attributes of each layer, ``MoE.dense_token_range`` and
-``MoE.gather_max_tokens`` (``set_dense_token_range`` and ``set_gather_max_tokens`` set
-them on every layer of a model), so it is part of the layer's graph definition: a jit
+The choice is three static attributes of each layer, ``MoE.dense_token_range``,
+``MoE.gather_max_tokens`` and ``MoE.sorted_min_tokens`` (``set_dense_token_range``,
+``set_gather_max_tokens`` and ``set_sorted_min_tokens`` set them on every layer of a model), so it is part of the layer's graph definition: a jit
 keyed on ``nnx.split``'s graphdef, or ``nnx.jit``, compiles a new program when it changes (a
 module-level switch read while tracing would not be: a jit cache hit would keep the old dispatch).
 """
@@ -69,8 +77,10 @@ from snapmla_jax.backend import on_hopper, resolve_backend, sm_count
 from snapmla_jax.fp8_weights import BlockFP8Weight, dequantize_weight, fp8_grouped_matmul, kernel_runs
 from snapmla_jax.models.config import MLAConfig
 from snapmla_jax.models.layers import MLP
-from snapmla_jax.pallas_kernels.grouped_experts import (combine_assignments, gathered_products, grouped_experts,
-                                                        grouped_experts_reference, takes as grouped_experts_takes)
+from snapmla_jax.pallas_kernels.grouped_experts import (chunk_rows, combine_assignments, gathered_products,
+                                                        grouped_experts, grouped_experts_reference, sorted_experts,
+                                                        sorted_products, sorted_takes,
+                                                        takes as grouped_experts_takes)
 
 # The default ``MoE.dense_token_range`` of new layers: token counts T (tokens in one call:
 # batch x sequence) for which the routed experts run dense (module docstring), as an
@@ -109,6 +119,20 @@ def check_token_range(token_range) -> tuple[int, int] | None:
 # (scripts/bench_ffn_stack.py). With backend "xla" (a CPU, or a caller's choice) the same range
 # runs the jnp gather, slower than ragged/dense from T = 2 on a GPU; the CPU's speed is not a target.
 GATHER_MAX_TOKENS = 8
+
+# The default ``MoE.sorted_min_tokens`` of new layers: the token count from which the sorted
+# dispatch replaces dense where its GEMMs run (module docstring); None: never, the default. One
+# layer on one H200 against dense (scripts/bench_moe.py, docs/benchmarks/moe_sorted_h200.md): at
+# V3's shapes 2.19 / 1.38 / 1.08 / 1.04 / 1.57x as fast at T = 16 / 32 / 64 / 128 / 256 (95-100%
+# of the floor of the chosen experts' bytes); at V2-Lite's 1.02 / 1.45x at T = 16 / 32, 0.91 /
+# 0.90x at 64 / 128, even at 256, 1.28 / 1.94 / 2.21x at 512 / 1024 / 1664. Under expert
+# parallelism its launches are sized for the worst routing (every assignment on one device's
+# experts), about 3x the chunks a balanced one fills at 4 devices, and XLA's work around them (the
+# partials' sum and transpose, silu) grows with that size: a one-off run at V2-Lite's capacity
+# batches on 4 H200s with it on took 4-9% more a step than docs/benchmarks/capacity_4xh200.md's
+# dense rows (another lease of the same kind, not side by side). Its compiled test of 128-token
+# chunks has not passed on a GPU yet.
+SORTED_MIN_TOKENS: int | None = None
 
 
 def choose_dispatch(num_tokens: int, dense_token_range: tuple[int, int] | None, gather_max_tokens: int) -> str:
@@ -151,6 +175,17 @@ def match_dispatch_to_placement(model: nnx.Module) -> int:
             layer.gather_max_tokens = 0
             turned_off += 1
     return turned_off
+
+
+def set_sorted_min_tokens(model: nnx.Module, min_tokens: int | None) -> int:
+    """Set ``sorted_min_tokens`` (an int >= 1, or None: never sorted) on every ``MoE`` layer
+    inside ``model``; returns how many. ValueError naming ``sorted_min_tokens`` otherwise."""
+    if min_tokens is not None and (isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1):
+        raise ValueError(f"sorted_min_tokens: expected None or an int >= 1, got {min_tokens!r}")
+    layers = moe_layers(model)
+    for layer in layers:
+        layer.sorted_min_tokens = min_tokens
+    return len(layers)
 
 
 def set_dense_token_range(model: nnx.Module, token_range: tuple[int, int] | None) -> int:
@@ -216,6 +251,14 @@ class Router(nnx.Module):
         return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
 
 
+def _fp8_products(stacks: tuple[BlockFP8Weight, ...], backend: str) -> tuple:
+    """(gate_up, down) for ``gathered_products`` / ``sorted_products`` on block-FP8 (w_gate, w_up,
+    w_down): each group's chosen matrices read in FP8 where they lie, gate and up in one launch."""
+    w_gate, w_up, w_down = stacks
+    return (lambda x, chosen: fp8_grouped_matmul(x, (w_gate, w_up), matrices=chosen, backend=backend),
+            lambda hidden, chosen: fp8_grouped_matmul(hidden, w_down, matrices=chosen, backend=backend))
+
+
 def _expert_init(rngs: nnx.Rngs, shape: tuple[int, int, int], dtype) -> nnx.Param:
     # One fan-in-scaled normal matrix per expert (axis 0 indexes experts).
     init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))
@@ -244,6 +287,7 @@ class MoE(nnx.Module):
         # Static (part of the graphdef): which token counts run dense (module docstring).
         self.dense_token_range = check_token_range(DENSE_TOKEN_RANGE)
         self.gather_max_tokens = GATHER_MAX_TOKENS
+        self.sorted_min_tokens = SORTED_MIN_TOKENS
         # Static: the mesh axis the routed experts are split over when the layer runs inside
         # ``jax.shard_map`` (module docstring); None: every expert is here.
         self.expert_axis: str | None = None
@@ -265,6 +309,8 @@ class MoE(nnx.Module):
         name = self.dispatch(flat.shape[0], backend)
         if name == "gathered":
             routed = self._gathered_experts(flat, weights, ids, backend=backend, out_dtype=out_dtype)
+        elif name == "sorted":
+            routed = self._sorted_experts(flat, weights, ids, backend=backend, out_dtype=out_dtype)
         else:
             dispatch = {"dense": functools.partial(self._dense_experts, backend=backend),
                         "ragged": self._ragged_experts}[name]
@@ -276,17 +322,39 @@ class MoE(nnx.Module):
         return routed.reshape(x.shape)
 
     def dispatch(self, num_tokens: int, backend: str) -> str:
-        """"gathered", "dense" or "ragged": how a call of ``num_tokens`` tokens (all devices' with
-        ``expert_axis``) runs with ``backend`` (resolved): ``choose_dispatch`` on the layer's
-        settings, except that on the FP8 GEMM (``fp8_kernel_stacks``) a gathered call with at least
-        as many assignments as experts runs dense. Gathered reads one matrix an assignment, dense
-        each matrix once (H200, 32 experts of V3's shape, 8 tokens x 8 assignments: dense 0.422 ms,
-        gathered 0.834; scripts/bench_fp8_experts.py)."""
+        """"gathered", "dense", "sorted" or "ragged": how a call of ``num_tokens`` tokens (all
+        devices' with ``expert_axis``) runs with ``backend`` (resolved): ``choose_dispatch`` on the
+        layer's settings, except that on the FP8 GEMM (``fp8_kernel_stacks``) a gathered call with
+        at least as many assignments as experts runs dense, and that dense gives way to sorted from
+        ``sorted_min_tokens`` on where its GEMMs run (``sorted_runs``). Gathered reads one matrix
+        an assignment, dense each matrix once (H200, 32 experts of V3's shape, 8 tokens x 8
+        assignments: dense 0.422 ms, gathered 0.834; scripts/bench_fp8_experts.py)."""
         name = choose_dispatch(num_tokens, self.dense_token_range, self.gather_max_tokens)
         if (name == "gathered" and num_tokens * self.cfg.num_experts_per_tok >= self.num_local_experts()
                 and self.fp8_kernel_stacks(num_tokens, backend) is not None):
-            return "dense"
+            name = "dense"
+        if name == "dense" and self.sorted_runs(num_tokens, backend):
+            return "sorted"
         return name
+
+    def sorted_chunk(self, num_tokens: int) -> int:
+        """Tokens a chunk of the sorted dispatch for a call of ``num_tokens`` tokens
+        (``grouped_experts.chunk_rows`` over all the model's experts, wherever they are)."""
+        return chunk_rows(num_tokens, self.cfg.num_experts_per_tok, self.cfg.n_routed_experts)
+
+    def sorted_runs(self, num_tokens: int, backend: str) -> bool:
+        """Whether a call of ``num_tokens`` tokens may run the sorted dispatch with ``backend``
+        (resolved): from ``sorted_min_tokens`` on, with its chunks on the FP8 GEMM
+        (``fp8_kernel_stacks``) or on the bf16 grouped GEMM ("pallas" on a Hopper GPU, or
+        "interpret"; ``grouped_experts.sorted_takes``)."""
+        if self.sorted_min_tokens is None or num_tokens < self.sorted_min_tokens:
+            return False
+        chunk = self.sorted_chunk(num_tokens)
+        if self.fp8_kernel_stacks(chunk, backend) is not None:
+            return True
+        kernel_here = backend == "interpret" or (backend == "pallas" and on_hopper())
+        stacks = tuple(w.get_value() for w in (self.w_gate, self.w_up, self.w_down))
+        return kernel_here and all(isinstance(w, jax.Array) for w in stacks) and sorted_takes(chunk, *stacks)
 
     def num_local_experts(self) -> int:
         """The experts whose weights this layer holds: E, or E / N inside ``shard_map`` over N
@@ -357,12 +425,8 @@ class MoE(nnx.Module):
         if fp8_stacks is not None:
             # Each assignment's matrices read in FP8 where they lie: gate and up (one launch) for all
             # T tokens (the assignment's own row kept), down for the assignment's hidden row.
-            w_gate, w_up, w_down = fp8_stacks
-            out = gathered_products(
-                flat, weights, ids,
-                lambda x, chosen: fp8_grouped_matmul(x, (w_gate, w_up), matrices=chosen, backend=backend),
-                lambda hidden, chosen: fp8_grouped_matmul(hidden, w_down, matrices=chosen, backend=backend),
-                num_experts=w_gate.shape[0])
+            out = gathered_products(flat, weights, ids, *_fp8_products(fp8_stacks, backend),
+                                    num_experts=fp8_stacks[0].shape[0])
             return out.astype(out_dtype or flat.dtype)
         if any(isinstance(w.get_value(), BlockFP8Weight) for w in (self.w_gate, self.w_up, self.w_down)):
             # Only the chosen experts' FP8 matrices are dequantized: [T*k, ...] stacks, one an
@@ -378,6 +442,20 @@ class MoE(nnx.Module):
             out = grouped_experts(*experts, num_sms=sm_count(), interpret=backend == "interpret")
         else:
             out = grouped_experts_reference(*experts)
+        return out.astype(out_dtype or flat.dtype)
+
+    def _sorted_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array, *, backend: str,
+                        out_dtype=None) -> jax.Array:
+        """The assignments sorted by expert into chunks, one GEMM group a chunk (``sorted_runs``
+        must hold), the same arguments and result as ``_ragged_experts``."""
+        chunk = self.sorted_chunk(flat.shape[0])
+        fp8_stacks = self.fp8_kernel_stacks(chunk, backend)
+        if fp8_stacks is not None:
+            out = sorted_products(flat, weights, ids, *_fp8_products(fp8_stacks, backend),
+                                  num_experts=fp8_stacks[0].shape[0], chunk=chunk)
+        else:
+            out = sorted_experts(flat, weights, ids, *self.expert_stacks(flat.dtype), chunk=chunk,
+                                 num_sms=sm_count(), interpret=backend == "interpret")
         return out.astype(out_dtype or flat.dtype)
 
     def _dense_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array, *, out_dtype=None,

@@ -24,8 +24,9 @@ same at 64 tokens and fewer (H200, side by side).
 Groups (``fp8_grouped_gemm_mgpu``): a stack of E weight matrices [E, N, K] (a MoE layer's
 experts) and G groups of tokens in one launch, grid (group, weight tile, split, token tile).
 Group g multiplies its tokens (or tokens all groups share) by matrix ``matrices[g]``, read
-where it lies (the MoE's gathered dispatch: one group an assignment), or by matrix g (dense:
-one group an expert). Summed, the groups are the splits' contraction: a CTA's pipeline runs over
+where it lies (the MoE's gathered dispatch: one group an assignment; its sorted dispatch: one
+group a chunk of one expert's tokens, negative ids skipping the chunks a call leaves unused), or
+by matrix g (dense: one group an expert). Summed, the groups are the splits' contraction: a CTA's pipeline runs over
 its groups' whole K, so the MoE's down projection sums over the experts inside the launch.
 Several stacks of one shape (gate and up) share a launch and their tokens' quantization: the
 group axis runs over each stack's groups in turn.
@@ -170,7 +171,10 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
                                                    pl.ds(mt * tokens, tokens)])
         plgpu.wait_smem_to_gmem(0)
 
-    run_on_stack(run, w_gmems, gg, stack_groups)
+    if experts_gmem is None:
+        run_on_stack(run, w_gmems, gg, stack_groups)
+    else:
+        pl.when(matrix0 >= 0)(lambda: run_on_stack(run, w_gmems, gg, stack_groups))
 
 
 def run_on_stack(run, w_gmems: tuple, gg, stack_groups: int) -> None:
@@ -215,7 +219,9 @@ def fp8_grouped_gemm_mgpu(x8: jax.Array, x_scales: jax.Array, w8, w_scales, matr
       w8        [E, N, K] e4m3;  w_scales [E, ceil(N / 128), K / 128] float32; or tuples of such
                 stacks of one shape (a MoE's gate and up: both products of the same tokens in one
                 launch)
-      matrices  None (G = E) or int32 [G]: each group's matrix, in [0, E) (not checked in a trace)
+      matrices  None (G = E) or int32 [G]: each group's matrix, in [0, E) (not checked in a trace),
+                or negative: the group is skipped, its output rows left unwritten (as in
+                ``grouped_gemm_mgpu``)
       -> y [G, M, N] float32 (a tuple of them, one a stack, for tuples), or with ``sum_groups``
          [M, N] = the sum over the groups (the K of one product that runs over every group's
          channels; one stack, ``matrices`` None).

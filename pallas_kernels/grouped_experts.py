@@ -14,19 +14,28 @@ chosen matrix in place, once an assignment:
 2. down, one group an assignment, each multiplying its own hidden row.
 
 The gate weights combine the k assignments of a token in XLA (``combine_assignments``). Accumulation
-in float32. The GEMM takes bf16 stacks whose contraction is a multiple of 128 and whose output a
+in float32.
+
+For more tokens (``sorted_experts``, the MoE's sorted dispatch) one group an assignment would read
+each matrix about T*k/E times. There the assignments are sorted by expert and cut into chunks of
+at most ``chunk_rows`` tokens of one expert, one group a chunk: each chosen matrix is read once a
+chunk, and each token row is multiplied only by the experts it was routed to (the dense dispatch
+multiplies every token by every expert). The chunk count depends on the routing, so the launches
+are sized for the most chunks T*k assignments can make (``num_chunks``) and the GEMMs skip the
+chunks a call leaves empty (a negative matrix id) without reading their weights. The GEMM takes bf16 stacks whose contraction is a multiple of 128 and whose output a
 multiple of 64 (``takes``: every DeepSeek expert shape); the model runs the jnp reference elsewhere.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import MAX_TOKENS, pad_tokens
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import LARGE_TILE, MAX_TOKENS, pad_tokens
 from snapmla_jax.pallas_kernels.grouped_gemm_mgpu import grouped_gemm_mgpu, kernel_takes
 
 
@@ -65,6 +74,38 @@ def takes(num_tokens: int, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
             and kernel_takes(pad_tokens(num_tokens), inner, hidden) and kernel_takes(pad_tokens(1), hidden, inner))
 
 
+def sorted_takes(chunk: int, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> bool:
+    """Whether ``sorted_experts`` runs chunks of ``chunk`` tokens over these stacks: bf16 weights,
+    hidden and inner multiples of 128, ``chunk`` as ``pad_tokens`` leaves it (``chunk_rows``)."""
+    hidden, inner = w_gate.shape[1:]
+    return (w_gate.dtype == w_up.dtype == w_down.dtype == jnp.bfloat16 and 0 < chunk == pad_tokens(chunk)
+            and kernel_takes(chunk, inner, hidden) and kernel_takes(chunk, hidden, inner))
+
+
+# How much larger a chunk is than the assignments an expert gets on average (T * k / E with
+# balanced routing): a chunk of exactly the mean would leave about half the experts a second,
+# nearly empty chunk that reads the expert's matrices again.
+CHUNK_HEADROOM = 1.5
+
+
+def chunk_rows(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Tokens a chunk of the sorted dispatch for T = ``num_tokens`` tokens routed to ``top_k`` of
+    ``num_experts`` experts (all of them, on every device): CHUNK_HEADROOM x the mean assignments
+    an expert, padded as the GEMMs take tokens (``pad_tokens``: 16, 32, 48, 64 or 128), at most
+    one 128-token tile."""
+    mean = num_tokens * top_k / num_experts
+    return pad_tokens(min(LARGE_TILE, max(1, math.ceil(CHUNK_HEADROOM * mean))))
+
+
+def num_chunks(num_tokens: int, top_k: int, num_experts: int, chunk: int) -> int:
+    """The most chunks of ``chunk`` rows that T = ``num_tokens`` tokens of ``top_k`` assignments
+    can make over ``num_experts`` experts: each expert's ceil(count / chunk) summed is at most
+    T*k // chunk plus one per expert that has any, and an expert gets at most T assignments (a
+    token's k experts are distinct)."""
+    assignments = num_tokens * top_k
+    return min(assignments // chunk + min(num_experts, assignments), num_experts * -(-num_tokens // chunk))
+
+
 def _check(flat, weights, ids, w_gate, w_up, w_down) -> None:
     num_tokens, hidden = flat.shape
     num_experts, _, inner = w_gate.shape
@@ -76,10 +117,6 @@ def _check(flat, weights, ids, w_gate, w_up, w_down) -> None:
     if w_up.shape != w_gate.shape or w_down.shape != (num_experts, inner, hidden) or w_gate.shape[1] != hidden:
         raise ValueError(f"w_gate / w_up / w_down: expected [E, {hidden}, I], [E, {hidden}, I], [E, I, {hidden}], "
                          f"got {list(w_gate.shape)}, {list(w_up.shape)}, {list(w_down.shape)}")
-    if not takes(num_tokens, w_gate, w_up, w_down):
-        raise ValueError(f"w_gate / w_up / w_down: the grouped GEMM takes bf16 stacks with hidden and inner "
-                         f"multiples of 128 and at most {MAX_TOKENS} tokens, got {w_gate.dtype} [E, {hidden}, "
-                         f"{inner}] and {num_tokens} tokens")
 
 
 @functools.partial(jax.jit, static_argnames=("num_sms", "interpret"))
@@ -93,6 +130,10 @@ def grouped_experts(flat: jax.Array, weights: jax.Array, ids: jax.Array, w_gate:
     ids in range), so no read leaves the weights.
     """
     _check(flat, weights, ids, w_gate, w_up, w_down)
+    if not takes(flat.shape[0], w_gate, w_up, w_down):
+        raise ValueError(f"w_gate / w_up / w_down: the grouped GEMM takes bf16 stacks with hidden and inner "
+                         f"multiples of 128 and at most {MAX_TOKENS} tokens, got {w_gate.dtype} "
+                         f"{list(w_gate.shape)} and {flat.shape[0]} tokens")
     # The GEMM takes whole 16-token tiles: x's and hidden's rows are padded with zeros.
     padded = lambda x: jnp.pad(x, ((0, 0), (0, pad_tokens(x.shape[1]) - x.shape[1]), (0, 0)))
     out = gathered_products(
@@ -121,3 +162,61 @@ def gathered_products(flat: jax.Array, weights: jax.Array, ids: jax.Array, gate_
     if hidden_dtype is not None:
         hidden = hidden.astype(hidden_dtype)
     return combine_assignments(down(hidden[:, None, :], chosen)[:, 0], weights)
+
+
+def sorted_products(flat: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: Callable, down: Callable, *,
+                    num_experts: int, chunk: int, hidden_dtype=None) -> jax.Array:
+    """The sorted dispatch over two grouped products, one group a chunk of at most ``chunk``
+    assignments of one expert (module docstring): ``gate_up(x [G, chunk, hidden], matrices [G])``
+    -> (gate, up), each [G, >= chunk, inner] float32, then ``down(hidden [G, chunk, inner],
+    matrices)`` -> [G, >= chunk, hidden] float32; ``matrices[g]`` is chunk g's expert, or -1 for a
+    chunk this call leaves empty (G = ``num_chunks``, the most there can be), whose rows are never
+    read. flat [T, hidden], weights [T, k] f32, ids [T, k] int32, clipped into [0,
+    ``num_experts``). An assignment of weight 0 takes no row: its product would be multiplied by
+    0 (under expert parallelism, the assignments to another device's experts,
+    ``MoE._local_assignments``). ``hidden_dtype``: what silu(gate) * up is rounded to between
+    the products (None: float32). -> float32 [T, hidden] (``combine_assignments``)."""
+    num_tokens, k = ids.shape
+    groups = num_chunks(num_tokens, k, num_experts, chunk)
+    # Expert of each assignment (a = t * k + s); num_experts where it takes no row.
+    expert = jnp.where(weights.reshape(-1) != 0, jnp.clip(ids.reshape(-1), 0, num_experts - 1), num_experts)
+    order = jnp.argsort(expert, stable=True)
+    sorted_expert = expert[order]
+    counts = jnp.zeros(num_experts + 1, jnp.int32).at[expert].add(1)[:num_experts]
+    first = jnp.cumsum(counts) - counts                      # sorted position of each expert's first
+    chunks = -(-counts // chunk)
+    first_chunk = jnp.cumsum(chunks) - chunks
+    e = jnp.minimum(sorted_expert, num_experts - 1)
+    rank = jnp.arange(num_tokens * k) - first[e]
+    chunk_of = jnp.where(sorted_expert < num_experts, first_chunk[e] + rank // chunk, groups)  # groups: no row
+    row_of = rank % chunk
+    x = jnp.zeros((groups, chunk, flat.shape[1]), flat.dtype).at[chunk_of, row_of].set(flat[order // k], mode="drop")
+    matrices = jnp.full(groups, -1, jnp.int32).at[chunk_of].set(e, mode="drop")
+    gate, up = gate_up(x, matrices)
+    hidden = jax.nn.silu(gate[:, :chunk]) * up[:, :chunk]
+    if hidden_dtype is not None:
+        hidden = hidden.astype(hidden_dtype)
+    out = down(hidden, matrices)[:, :chunk]                 # [G, chunk, hidden]
+    per_sorted = out.at[chunk_of, row_of].get(mode="fill", fill_value=0)
+    per_assignment = jnp.zeros_like(per_sorted).at[order].set(per_sorted)
+    return combine_assignments(per_assignment, weights)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "num_sms", "interpret"))
+def sorted_experts(flat: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                   w_down: jax.Array, *, chunk: int, num_sms: int = 132, interpret: bool = False) -> jax.Array:
+    """``grouped_experts_reference``'s arguments and result (``num_experts`` the stacks' E), the
+    assignments sorted by expert into chunks of ``chunk`` tokens (``chunk_rows``) and run as two
+    grouped-GEMM launches, one group a chunk (module docstring); assignments of weight 0 are
+    skipped. ValueError where the GEMM does not take the stacks (``sorted_takes``)."""
+    _check(flat, weights, ids, w_gate, w_up, w_down)
+    if not sorted_takes(chunk, w_gate, w_up, w_down):
+        raise ValueError(f"w_gate / w_up / w_down: the grouped GEMM takes bf16 stacks with hidden and inner "
+                         f"multiples of 128 and chunks as pad_tokens leaves them, got {w_gate.dtype} "
+                         f"{list(w_gate.shape)} and chunk {chunk}")
+    out = sorted_products(
+        flat, weights, ids,
+        lambda x, chosen: grouped_gemm_mgpu(x, (w_gate, w_up), chosen, num_sms=num_sms, interpret=interpret),
+        lambda hidden, chosen: grouped_gemm_mgpu(hidden, w_down, chosen, num_sms=num_sms, interpret=interpret),
+        num_experts=w_gate.shape[0], chunk=chunk, hidden_dtype=jnp.result_type(flat.dtype, w_gate.dtype))
+    return out.astype(flat.dtype)

@@ -17,7 +17,9 @@ Arguments of ``grouped_gemm_mgpu`` (``grouped_gemm_reference`` is its float32 tw
             leaves it
   w         [E, K, N] bf16, or a tuple of such stacks of one shape (gate and up)
   matrices  None (G = E) or int32 [G]: each group's matrix in [0, E) (not checked in a trace:
-            the caller clips them)
+            the caller clips them), or negative: the group is skipped (its CTAs exit at once and
+            its output rows are left unwritten: a caller sizing its groups for the worst case
+            reads none of the weights for the groups it does not use)
   -> [G, M, N] float32 (a tuple for a tuple of stacks)
 """
 
@@ -95,7 +97,10 @@ def _kernel(matrices_gmem, *refs, num_stacks: int, stack_groups: int, steps: int
         plgpu.copy_smem_to_gmem(out_s, out_gmem.at[split, gg, pl.ds(n * TILE_N, TILE_N), pl.ds(mt * tokens, tokens)])
         plgpu.wait_smem_to_gmem(0)
 
-    run_on_stack(run, w_gmems, gg, stack_groups)
+    if matrices_gmem is None:
+        run_on_stack(run, w_gmems, gg, stack_groups)
+    else:
+        pl.when(matrix >= 0)(lambda: run_on_stack(run, w_gmems, gg, stack_groups))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_sms", "interpret"))
@@ -144,8 +149,9 @@ def grouped_gemm_mgpu(x: jax.Array, w, matrices: jax.Array | None = None, *,
 
 
 def grouped_gemm_reference(x: jax.Array, w: jax.Array, matrices: jax.Array | None = None) -> jax.Array:
-    """``grouped_gemm_mgpu`` for one stack in float32 with XLA: [G, M, N]."""
-    chosen = w if matrices is None else w[matrices]
+    """``grouped_gemm_mgpu`` for one stack in float32 with XLA: [G, M, N] (a skipped group's
+    rows, negative matrix, are zeros)."""
+    chosen = w if matrices is None else jnp.where((matrices >= 0)[:, None, None], w[jnp.maximum(matrices, 0)], 0)
     xs = jnp.broadcast_to(x, (chosen.shape[0], *x.shape[1:]))
     return jnp.einsum("gmk,gkn->gmn", xs.astype(jnp.float32), chosen.astype(jnp.float32),
                       precision=lax.Precision.HIGHEST)

@@ -1,18 +1,19 @@
-"""Time one DeepSeek MoE layer with its routed experts ragged vs dense vs gathered (models/moe.py) at
-decode-sized token counts, against the weight-read floor: the measurement that sets
-``models.moe.DENSE_TOKEN_RANGE`` and ``GATHER_MAX_TOKENS`` (the defaults of ``MoE.dense_token_range``
-and ``MoE.gather_max_tokens``). The gathered dispatch runs twice, up to ``GATHER_BENCH_MAX``
+"""Time one DeepSeek MoE layer with its routed experts ragged vs dense vs gathered vs sorted
+(models/moe.py) at decode-sized token counts, against the weight-read floor: the measurement that sets
+``models.moe.DENSE_TOKEN_RANGE``, ``GATHER_MAX_TOKENS`` and ``SORTED_MIN_TOKENS`` (the defaults of
+``MoE.dense_token_range``, ``MoE.gather_max_tokens`` and ``MoE.sorted_min_tokens``). The gathered dispatch runs twice, up to ``GATHER_BENCH_MAX``
 tokens: "gathered" in jnp (backend "xla": XLA's gather copies the chosen experts) and "grouped"
 as the grouped experts' Mosaic GPU launches (backend "pallas", the model's decode path on a
-Hopper GPU: pallas_kernels/grouped_experts.py; interpreted on a CPU, for the tests).
+Hopper GPU: pallas_kernels/grouped_experts.py; interpreted on a CPU, for the tests). "sorted" runs
+the assignments sorted by expert into chunks on the same grouped GEMM, at every T.
 
     python scripts/bench_moe.py --out /tmp/bench_moe [--shapes v2_lite v3] [--tokens 1 8 64 ...]
 
 One layer (router, routed experts, shared experts) with random bf16 weights and random
 tokens, each dispatch compiled ahead of time and timed with warm-up and a median
 (snapmla_jax/bench/timing.py), side by side in one run. The floor is the bytes of the
-weights the dispatch must read (ragged: the experts the router chose for these tokens;
-dense: every expert; both: router and shared experts) over the copy bandwidth measured in
+weights the dispatch must read (ragged, gathered and sorted: the experts the router chose for
+these tokens; dense: every expert; all: router and shared experts) over the copy bandwidth measured in
 the run. A random router spreads tokens evenly over the experts, as a trained,
 load-balanced one does. Writes bench_moe.json and bench_moe.md under --out.
 """
@@ -51,10 +52,11 @@ SHAPES = {
     "v3": MoEShape(hidden=7168, inner=2048, experts=256, top_k=8, shared=1),
 }
 TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
-# (MoE.dense_token_range, MoE.gather_max_tokens, backend of MoE.__call__) of each dispatch;
-# "kernel": "pallas" on a GPU, "interpret" on a CPU.
-DISPATCHES = {"ragged": (None, 0, "xla"), "dense": ((1, 1 << 30), 0, "xla"), "gathered": (None, 1 << 30, "xla"),
-              "grouped": (None, 1 << 30, "kernel")}
+# (MoE.dense_token_range, MoE.gather_max_tokens, MoE.sorted_min_tokens, backend of MoE.__call__) of
+# each dispatch; "kernel": "pallas" on a GPU, "interpret" on a CPU.
+DISPATCHES = {"ragged": (None, 0, None, "xla"), "dense": ((1, 1 << 30), 0, None, "xla"),
+              "gathered": (None, 1 << 30, None, "xla"), "grouped": (None, 1 << 30, None, "kernel"),
+              "sorted": ((1, 1 << 30), 0, 1, "kernel")}
 # The gathered dispatches run one vector-matrix product an assignment (and in jnp copy T*k
 # expert matrices a call): timed only for the few tokens they are meant for.
 GATHER_BENCH_MAX = 16
@@ -97,9 +99,10 @@ def floor_bytes(layer: MoE, x: jax.Array) -> dict[str, int]:
 
 
 def compiled_dispatches(layer: MoE, x: jax.Array) -> dict:
-    """Per ``DISPATCHES`` entry (gathered only up to ``GATHER_BENCH_MAX`` tokens), the layer's
-    call on x compiled ahead of time with that ``dense_token_range`` and ``gather_max_tokens``
-    (the layer's own are restored after): ``(compiled, args)``.
+    """Per ``DISPATCHES`` entry (gathered only up to ``GATHER_BENCH_MAX`` tokens, sorted where its
+    GEMMs take the stacks), the layer's call on x compiled ahead of time with that
+    ``dense_token_range``, ``gather_max_tokens`` and ``sorted_min_tokens`` (the layer's own are
+    restored after): ``(compiled, args)``.
 
     The dispatch is part of the graphdef, a static argument here, so each entry compiles its
     own program. (A closure over one graphdef, with the range a global read while tracing,
@@ -107,27 +110,34 @@ def compiled_dispatches(layer: MoE, x: jax.Array) -> dict:
     call = jax.jit(lambda state, x, graphdef, backend: nnx.merge(graphdef, state)(x, backend=backend),
                    static_argnames=("graphdef", "backend"))
     kernel = "pallas" if jax.default_backend() == "gpu" else "interpret"
-    saved = layer.dense_token_range, layer.gather_max_tokens
+    saved = layer.dense_token_range, layer.gather_max_tokens, layer.sorted_min_tokens
     programs = {}
     try:
-        for name, (token_range, gather_max, backend) in DISPATCHES.items():
+        for name, (token_range, gather_max, sorted_min, backend) in DISPATCHES.items():
             if name in GATHERED and x.shape[0] > GATHER_BENCH_MAX:
                 continue
             models.moe.set_dense_token_range(layer, token_range)
             models.moe.set_gather_max_tokens(layer, gather_max)
-            graphdef, state = nnx.split(layer)
+            layer.sorted_min_tokens = sorted_min
             backend = kernel if backend == "kernel" else backend
+            runs = layer.dispatch(x.shape[0], backend)
+            if name == "sorted" and runs != name:
+                continue  # its GEMMs do not take these stacks (not bf16, or not whole tiles)
+            if runs != name.replace("grouped", "gathered"):
+                raise ValueError(f"{name}: the layer runs {runs!r} instead")
+            graphdef, state = nnx.split(layer)
             programs[name] = (call.lower(state, x, graphdef=graphdef, backend=backend).compile(), (state, x))
     finally:
         models.moe.set_dense_token_range(layer, saved[0])
         models.moe.set_gather_max_tokens(layer, saved[1])
+        layer.sorted_min_tokens = saved[2]
     return programs
 
 
 def measure(shape_name: str, tokens: int, layer: MoE, copy_gbps: float, iters: int) -> dict:
     x = jax.random.normal(jax.random.key(tokens), (tokens, layer.cfg.hidden_size), jnp.bfloat16)
     floors = floor_bytes(layer, x)
-    floors["gathered"] = floors["grouped"] = floors["ragged"]  # the chosen experts (jnp's copies aside)
+    floors["gathered"] = floors["grouped"] = floors["sorted"] = floors["ragged"]  # the chosen experts
     programs = compiled_dispatches(layer, x)
     outs = {name: np.asarray(fn(*args), np.float64) for name, (fn, args) in programs.items()}
     row = {"shape": shape_name, "tokens": tokens, "chosen_experts": floors["chosen_experts"]}
@@ -146,22 +156,24 @@ def measure(shape_name: str, tokens: int, layer: MoE, copy_gbps: float, iters: i
 
 
 def table(env: dict, rows: list[dict]) -> str:
-    header = (f"# MoE layer: ragged vs dense vs gathered routed experts\n\nDevice: {env['device']}, jax "
+    header = (f"# MoE layer: ragged vs dense vs gathered vs sorted routed experts\n\nDevice: {env['device']}, jax "
               f"{env['jax']}, date {env['date']}; copy {env['copy_gbps']:.0f} GB/s. One layer (router, routed and "
               "shared experts), bf16, times are medians; floor = weight bytes the dispatch must read / copy "
-              "bandwidth (ragged and gathered: the chosen experts; dense: all); speed-ups are over ragged; "
+              "bandwidth (ragged, gathered, sorted: the chosen experts; dense: all); speed-ups are over ragged; "
               "gathered = the gathered dispatch in jnp (XLA copies the chosen experts), grouped = the same "
-              f"dispatch as the grouped-experts kernel; both are run up to T = {GATHER_BENCH_MAX}. "
+              f"dispatch as the grouped-experts kernel; both are run up to T = {GATHER_BENCH_MAX}; sorted = "
+              "the assignments sorted by expert into chunks on the grouped GEMM. "
               "`scripts/bench_moe.py`.\n\n")
-    columns = ["shape", "T", "experts chosen", "ragged ms", "dense ms", "gathered ms", "grouped ms",
-               "dense speed-up", "gathered speed-up", "grouped speed-up", "ragged % floor", "dense % floor",
-               "gathered % floor", "grouped % floor", "max rel. L2 to ragged"]
+    columns = ["shape", "T", "experts chosen", "ragged ms", "dense ms", "gathered ms", "grouped ms", "sorted ms",
+               "dense speed-up", "gathered speed-up", "grouped speed-up", "sorted speed-up", "ragged % floor",
+               "dense % floor", "gathered % floor", "grouped % floor", "sorted % floor", "max rel. L2 to ragged"]
     opt = lambda r, key, spec: "-" if key not in r else spec.format(r[key])
     body = [[r["shape"], r["tokens"], r["chosen_experts"], r["ragged_ms"], r["dense_ms"],
-             opt(r, "gathered_ms", "{:.3g}"), opt(r, "grouped_ms", "{:.3g}"), f"{r['dense_speedup']:.2f}x",
-             opt(r, "gathered_speedup", "{:.2f}x"), opt(r, "grouped_speedup", "{:.2f}x"),
-             f"{r['ragged_of_floor']:.0%}", f"{r['dense_of_floor']:.0%}", opt(r, "gathered_of_floor", "{:.0%}"),
-             opt(r, "grouped_of_floor", "{:.0%}"),
+             opt(r, "gathered_ms", "{:.3g}"), opt(r, "grouped_ms", "{:.3g}"), opt(r, "sorted_ms", "{:.3g}"),
+             f"{r['dense_speedup']:.2f}x", opt(r, "gathered_speedup", "{:.2f}x"), opt(r, "grouped_speedup", "{:.2f}x"),
+             opt(r, "sorted_speedup", "{:.2f}x"), f"{r['ragged_of_floor']:.0%}", f"{r['dense_of_floor']:.0%}",
+             opt(r, "gathered_of_floor", "{:.0%}"), opt(r, "grouped_of_floor", "{:.0%}"),
+             opt(r, "sorted_of_floor", "{:.0%}"),
              f"{max(v for k, v in r.items() if k.endswith('_vs_ragged_rel_l2')):.1e}"] for r in rows]
     return header + timing.markdown_table(columns, body)
 
@@ -182,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in args.tokens:
             rows.append(measure(shape_name, tokens, layer, env["copy_gbps"], args.iters))
             r = rows[-1]
-            gathered = "".join(f", {name} {r[name + '_ms']:.3f} ms" for name in GATHERED if name + "_ms" in r)
+            gathered = "".join(f", {name} {r[name + '_ms']:.3f} ms" for name in (*GATHERED, "sorted")
+                               if name + "_ms" in r)
             print(f"{shape_name} T={tokens}: ragged {r['ragged_ms']:.3f} ms, dense {r['dense_ms']:.3f} ms "
                   f"({r['dense_speedup']:.2f}x){gathered}, {r['chosen_experts']} experts chosen", flush=True)
             timing.write_results(args.out, "bench_moe", env, rows, table(env, rows))

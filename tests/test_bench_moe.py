@@ -24,7 +24,8 @@ GROUPED = bench_moe.MoEShape(hidden=128, inner=128, experts=8, top_k=2, shared=1
     (TINY, jnp.float32, bench_moe.GATHER_BENCH_MAX + 1, {"ragged", "dense"}, 1e-5),
     # bf16 at sizes the grouped experts take: each dispatch rounds its products to bf16 at other
     # points (2**-9 relative each, a few in a row): 1e-2.
-    (GROUPED, jnp.bfloat16, 3, {"ragged", "dense", "gathered", "grouped"}, 1e-2),
+    (GROUPED, jnp.bfloat16, 3, {"ragged", "dense", "gathered", "grouped", "sorted"}, 1e-2),
+    (GROUPED, jnp.bfloat16, bench_moe.GATHER_BENCH_MAX + 1, {"ragged", "dense", "sorted"}, 1e-2),
 ])
 def test_the_dispatch_programs_compute_the_same_layer(shape, dtype, tokens, names, bound):
     layer = bench_moe.random_layer(shape, dtype=dtype)
@@ -46,8 +47,11 @@ def test_the_dispatch_programs_compute_the_same_layer(shape, dtype, tokens, name
         if not kernel:  # XLA's gathers copy each assignment's expert matrices (float32: visible as such)
             chosen_copies = f"f32[{tokens * shape.top_k},{shape.hidden},{shape.inner}]"
             assert chosen_copies in texts["gathered"] and chosen_copies not in texts["ragged"]
-    assert (layer.dense_token_range, layer.gather_max_tokens) == (bench_moe.models.moe.DENSE_TOKEN_RANGE,
-                                                                  bench_moe.models.moe.GATHER_MAX_TOKENS)
+    if "sorted" in texts:  # the assignments in chunks of the grouped GEMM, no every-expert product
+        assert "snapmla_grouped_gemm" in texts["sorted"] and every_expert not in texts["sorted"]
+    assert (layer.dense_token_range, layer.gather_max_tokens, layer.sorted_min_tokens) == (
+        bench_moe.models.moe.DENSE_TOKEN_RANGE, bench_moe.models.moe.GATHER_MAX_TOKENS,
+        bench_moe.models.moe.SORTED_MIN_TOKENS)
     outs = {name: np.asarray(jnp.asarray(fn(*args), jnp.float32), np.float64) for name, (fn, args) in programs.items()}
     for name in names - {"ragged"}:
         assert np.abs(outs[name] - outs["ragged"]).max() <= bound * np.abs(outs["ragged"]).max(), name

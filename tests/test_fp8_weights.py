@@ -180,13 +180,15 @@ def _e4m3_rounding(v: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("num_tokens, dispatch, backend", [
-    (3, "gathered", "interpret"), (5, "dense", "interpret"), (1, "dense", "interpret"),
+    (3, "gathered", "interpret"), (5, "dense", "interpret"), (1, "dense", "interpret"), (37, "sorted", "interpret"),
     pytest.param(3, "gathered", "pallas", marks=pytest.mark.gpu),
-    pytest.param(200, "dense", "pallas", marks=pytest.mark.gpu)])  # two token tiles
+    pytest.param(200, "dense", "pallas", marks=pytest.mark.gpu),  # two token tiles
+    pytest.param(200, "sorted", "pallas", marks=pytest.mark.gpu)])
 def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(num_tokens, dispatch, backend):
     """The routed experts on the FP8 GEMM kernel (interpreted) against float64 experts on the
     dequantized weights. The kernel quantizes each product's input to e4m3 per row and 128
-    channels (x for gate and up; the gate-weighted (dense) or plain (gathered) hidden row for down),
+    channels (x for gate and up; the gate-weighted (dense) or plain (gathered, sorted) hidden row
+    for down),
     so the bound carries those roundings through: |d silu| <= 1.1 |d g|, then the product with up,
     then the down projection's absolute sums; the sums add 2**-15 of the terms' size interpreted
     (float32), 2**-10 compiled (the FP8 wgmma's accumulation)."""
@@ -194,9 +196,11 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
     moe = model.layers[1].mlp
     quantize_weights(model, (128, 128))
     moe.gather_max_tokens = num_tokens if dispatch == "gathered" else 0
-    moe.dense_token_range = (1, num_tokens) if dispatch == "dense" else None
+    moe.dense_token_range = (1, num_tokens) if dispatch in ("dense", "sorted") else None
+    moe.sorted_min_tokens = 1 if dispatch == "sorted" else None
     assert moe.dispatch(num_tokens, backend) == dispatch
-    assert moe.fp8_kernel_stacks(num_tokens, backend) is not None
+    assert moe.fp8_kernel_stacks(moe.sorted_chunk(num_tokens) if dispatch == "sorted" else num_tokens,
+                                 backend) is not None
     rng = np.random.default_rng(num_tokens)
     x = rng.normal(size=(num_tokens, KERNEL_CFG.hidden_size))
     x[0, :7] *= 30.0  # outlier channels
@@ -272,7 +276,8 @@ def test_fp8_mlp_runs_gate_and_up_in_one_launch_within_the_activation_rounding(l
 
 def test_fp8_experts_run_dense_once_the_assignments_reach_the_experts():
     """On the FP8 GEMM a gathered call reads a matrix an assignment: from T * k >= E on, dense
-    (each matrix once) runs instead; bf16 experts and the "xla" backend keep the settings' choice."""
+    (each matrix once) runs instead, and sorted from ``sorted_min_tokens`` on; bf16 experts and the
+    "xla" backend keep the settings' choice."""
     model = MLAModel(KERNEL_CFG, rngs=nnx.Rngs(0), dtype=jnp.float32)
     moe = model.layers[1].mlp
     moe.gather_max_tokens, moe.dense_token_range = 8, (1, 512)
@@ -280,7 +285,11 @@ def test_fp8_experts_run_dense_once_the_assignments_reach_the_experts():
     quantize_weights(model, (128, 128))
     # 8 experts, 2 a token: 3 tokens are 6 assignments, 4 tokens 8.
     assert [moe.dispatch(t, "interpret") for t in (3, 4, 9)] == ["gathered", "dense", "dense"]
-    assert moe.dispatch(4, "xla") == "gathered"  # no FP8 GEMM there
+    # Sorted is opt-in; from sorted_min_tokens on it replaces dense.
+    assert moe.sorted_min_tokens is None and moe.dispatch(16, "interpret") == "dense"
+    moe.sorted_min_tokens = 16
+    assert [moe.dispatch(t, "interpret") for t in (15, 16)] == ["dense", "sorted"]
+    assert moe.dispatch(4, "xla") == "gathered" and moe.dispatch(16, "xla") == "dense"  # no FP8 GEMM there
 
 
 def test_one_row_through_an_fp8_linear_equals_that_row_of_a_batch():

@@ -1,6 +1,7 @@
-"""The grouped experts (pallas_kernels/grouped_experts.py: two launches of the BF16 grouped GEMM) against
-float64, interpreted on the CPU and compiled under ``pytest -m gpu``, and the MoE's gathered dispatch
-through them."""
+"""The grouped experts (pallas_kernels/grouped_experts.py: two launches of the BF16 grouped GEMM, one
+group an assignment or one group a chunk of an expert's sorted tokens) against float64, interpreted
+on the CPU and compiled under ``pytest -m gpu``, and the MoE's gathered and sorted dispatches through
+them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from flax import nnx
 import snapmla_jax.models.moe
 
 from snapmla_jax import models
-from snapmla_jax.pallas_kernels.grouped_experts import grouped_experts, grouped_experts_reference, takes
+from snapmla_jax.pallas_kernels.grouped_experts import (chunk_rows, grouped_experts, grouped_experts_reference,
+                                                        num_chunks, sorted_experts, sorted_products, sorted_takes,
+                                                        takes)
 from snapmla_jax.backend import lower_for_cuda
 
 
@@ -71,6 +74,61 @@ def test_interpreted_kernel_matches_float64(tokens, k):
     assert _rel(grouped_experts_reference(*problem), _float64(*problem)) < 1e-2
 
 
+@pytest.mark.parametrize("tokens,k,chunk", [(37, 3, 16), (81, 2, 32), (41, 4, 16), (70, 3, 128)])
+def test_interpreted_sorted_experts_match_float64(tokens, k, chunk):
+    """Sorted into chunks: a hot expert (half the tokens) spans several chunks, the last chunk of
+    an expert is partial, and the launches' unused chunks are skipped. The same roundings as the
+    gathered launches (hidden to bf16 between them, the bf16 output), so the same bounds."""
+    problem = _problem(tokens, tokens=tokens, k=k)
+    ids = np.asarray(problem[2]).copy()
+    rng, others = np.random.default_rng(tokens), [e for e in range(8) if e != 5]
+    for t in range(0, tokens, 2):  # expert 5 in half the tokens
+        ids[t] = [5, *rng.choice(others, k - 1, replace=False)]
+    problem[2] = jnp.asarray(ids)
+    assert (ids == 5).sum() > chunk or chunk == 128  # several chunks of one expert
+    out = sorted_experts(*problem, chunk=chunk, interpret=True)
+    assert out.shape == problem[0].shape and out.dtype == jnp.bfloat16
+    assert _rel(out, _float64(*problem, round_hidden=jnp.bfloat16)) < 4e-3
+    assert _rel(out, _float64(*problem)) < 1e-2
+
+
+def test_sorted_products_skip_assignments_of_weight_zero():
+    """An assignment of weight 0 takes no chunk row (another device's expert under expert
+    parallelism): the products never see it, and the rest are those of the assignments left.
+    float32 products on both sides: only summation order differs (1e-6)."""
+    x, weights, ids, *experts = _problem(4, tokens=24, k=3, dtype=jnp.float32)
+    zero = jnp.asarray(np.random.default_rng(0).random(weights.shape) < 0.5)
+    weights = jnp.where(zero, 0.0, weights)
+    seen = []
+
+    def product(stack):
+        def run(x, chosen):
+            seen.append(np.asarray(chosen))
+            return jnp.einsum("gth,gho->gto", x, stack[jnp.maximum(chosen, 0)])
+        return run
+
+    chunk = 16
+    out = sorted_products(x, weights, ids, lambda x, c: (product(experts[0])(x, c), product(experts[1])(x, c)),
+                          product(experts[2]), num_experts=8, chunk=chunk)
+    assert _rel(out, _float64(x, weights, ids, *experts)) < 1e-5
+    counts = np.bincount(np.asarray(ids)[~np.asarray(zero)], minlength=8)
+    used = seen[0][seen[0] >= 0]
+    # One chunk an expert for each chunk of rows it has, none for an expert left without rows.
+    np.testing.assert_array_equal(np.bincount(used, minlength=8), -(-counts // chunk))
+    assert len(seen[0]) == num_chunks(24, 3, 8, chunk)
+
+
+def test_chunks_hold_the_mean_assignments_with_headroom_and_bound_every_routing():
+    assert chunk_rows(1, 6, 64) == 16 and chunk_rows(184, 6, 160) == 16  # 7 a chunk on average
+    assert chunk_rows(364, 6, 160) == 32 and chunk_rows(836, 6, 64) == 128  # 14; 78
+    assert chunk_rows(100_000, 8, 256) == 128  # one 128-token tile at most
+    # The worst routing: every token on the same k experts, T rows each.
+    for tokens, k, experts, chunk in [(37, 3, 8, 16), (5, 2, 64, 16), (300, 6, 16, 128)]:
+        worst = k * -(-tokens // chunk)
+        spread = (tokens * k) // chunk + min(experts, tokens * k)
+        assert worst <= num_chunks(tokens, k, experts, chunk) and spread >= num_chunks(tokens, k, experts, chunk)
+
+
 def test_takes_bf16_stacks_of_whole_tiles_only():
     x, _, _, w_gate, w_up, w_down = _problem(0, tokens=2, k=2)
     assert takes(2, w_gate, w_up, w_down)
@@ -78,6 +136,9 @@ def test_takes_bf16_stacks_of_whole_tiles_only():
     assert not takes(65, w_gate, w_up, w_down)  # more tokens than one token tile: not a decode step's
     narrow = _problem(0, tokens=2, k=2, hidden=96, inner=80)
     assert not takes(2, *narrow[3:])
+    assert sorted_takes(128, w_gate, w_up, w_down) and sorted_takes(16, w_gate, w_up, w_down)
+    assert not sorted_takes(20, w_gate, w_up, w_down)  # not a whole token tile
+    assert not sorted_takes(16, *narrow[3:]) and not sorted_takes(16, w_gate, w_up, w_down.astype(jnp.float32))
 
 
 def test_out_of_range_ids_are_clipped_not_read_past_the_weights():
@@ -140,6 +201,32 @@ def test_moe_gathered_dispatch_through_the_kernel_matches_jnp(monkeypatch, token
     assert _rel(got, np.asarray(jnp.asarray(want, jnp.float32), np.float64)) < 1e-2
 
 
+def test_moe_sorted_dispatch_through_the_kernel_matches_jnp(monkeypatch):
+    """From ``sorted_min_tokens`` on, where dense would run, a bf16 layer the grouped GEMM takes
+    runs sorted with backend "interpret" (checked by making the dense path unreachable) and keeps
+    dense with "xla"; the two agree within the bf16 roundings of hidden and of the output (1e-2)."""
+    layer = _moe_layer(jnp.bfloat16)
+    models.moe.set_dense_token_range(layer, (1, 64))
+    tokens = 40
+    assert layer.sorted_min_tokens == models.moe.SORTED_MIN_TOKENS is None  # opt-in
+    assert layer.dispatch(tokens, "interpret") == "dense"
+    assert models.moe.set_sorted_min_tokens(layer, tokens + 1) == 1
+    assert layer.dispatch(tokens, "interpret") == "dense"
+    models.moe.set_sorted_min_tokens(layer, 16)
+    assert layer.dispatch(tokens, "interpret") == "sorted" and layer.dispatch(tokens, "xla") == "dense"
+    x = jax.random.normal(jax.random.key(1), (2, tokens // 2, 256), jnp.float32).astype(jnp.bfloat16)
+    want = layer(x, backend="xla")
+    monkeypatch.setattr(models.moe.MoE, "_dense_experts", None)
+    got = layer(x, backend="interpret")
+    assert _rel(got, np.asarray(jnp.asarray(want, jnp.float32), np.float64)) < 1e-2
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "16"])
+def test_set_sorted_min_tokens_refuses_what_is_not_none_or_a_positive_int(bad):
+    with pytest.raises(ValueError, match="sorted_min_tokens: expected None or an int >= 1"):
+        models.moe.set_sorted_min_tokens(_moe_layer(jnp.bfloat16), bad)
+
+
 def test_moe_gathered_dispatch_falls_back_to_jnp_where_the_kernel_does_not_take_the_stacks():
     """float32 stacks, and hidden / inner not multiples of 128: the gathered dispatch runs the jnp
     reference with backend "interpret" too, to float32 summation order of the "xla" one."""
@@ -151,19 +238,57 @@ def test_moe_gathered_dispatch_falls_back_to_jnp_where_the_kernel_does_not_take_
         assert _rel(got, np.asarray(jnp.asarray(want, jnp.float32), np.float64)) < 1e-5
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_compiled_kernel_matches_float64_at_v2_lite_shapes(tokens):
-    """Compiled, at V2-Lite's expert shapes (2048-term sums: float32 order ~1e-6), against float64
-    with hidden rounded as the kernel rounds it (bounds as in the interpreter test), and against
-    the jnp path (which rounds each assignment's output to bf16 too: 1e-2)."""
+def _v2_lite_problem(tokens):
+    """The routed experts of ``tokens`` tokens at V2-Lite's expert shapes (64 experts, 6 a token)."""
     rng = np.random.default_rng(tokens)
     experts, hidden, inner, k = 64, 2048, 1408, 6
     w = lambda *shape: jnp.asarray(rng.standard_normal(shape) * 0.02, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
     ids = jnp.asarray(np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]), jnp.int32)
     weights = jnp.asarray(rng.random((tokens, k)) + 0.1, jnp.float32)
-    problem = (x, weights, ids, w(experts, hidden, inner), w(experts, hidden, inner), w(experts, inner, hidden))
+    return x, weights, ids, w(experts, hidden, inner), w(experts, hidden, inner), w(experts, inner, hidden)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_compiled_kernel_matches_float64_at_v2_lite_shapes(tokens):
+    """Compiled, at V2-Lite's expert shapes (2048-term sums: float32 order ~1e-6), against float64
+    with hidden rounded as the kernel rounds it (bounds as in the interpreter test), and against
+    the jnp path (which rounds each assignment's output to bf16 too: 1e-2)."""
+    problem = _v2_lite_problem(tokens)
     compiled = grouped_experts(*problem)
     assert _rel(compiled, _float64(*problem, round_hidden=jnp.bfloat16)) < 4e-3  # as the interpreter test
     assert _rel(compiled, np.asarray(jnp.asarray(grouped_experts_reference(*problem), jnp.float32), np.float64)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [40, 836])
+def test_compiled_sorted_experts_match_float64_at_v2_lite_shapes(tokens):
+    """Compiled at V2-Lite's expert shapes and the chunk the MoE picks (16 and 128 rows; at 836
+    tokens 103 launched, about 64 used, the rest skipped): bounds as in the interpreter test."""
+    problem = _v2_lite_problem(tokens)
+    out = sorted_experts(*problem, chunk=chunk_rows(tokens, 6, 64))
+    assert _rel(out, _by_expert_float32(*problem)) < 1e-2
+
+
+def _by_expert_float32(x, weights, ids, w_gate, w_up, w_down):
+    """The routed experts in float32 (HIGHEST: sums of exact bf16 products, ~1e-6 relative), one
+    expert at a time on its tokens: at 836 tokens x 6 the per-assignment gathers of
+    ``grouped_experts_reference`` would copy 58 GB of weights a stack."""
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    ids, weights = np.asarray(ids), f32(weights)
+    out = jnp.zeros(x.shape, jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        for e in np.unique(ids):
+            tokens, slots = np.nonzero(ids == e)
+            rows = f32(x)[tokens]
+            hidden = jax.nn.silu(rows @ f32(w_gate[e])) * (rows @ f32(w_up[e]))
+            out = out.at[tokens].add(weights[tokens, slots][:, None] * (hidden @ f32(w_down[e])))
+    return np.asarray(out, np.float64)
+
+
+def test_the_by_expert_reference_is_the_per_assignment_one():
+    """The compiled test's reference against the float64 per-assignment one (hidden unrounded):
+    float32 sums of 256 terms, 1e-5."""
+    problem = _problem(9, tokens=11, k=3)
+    assert _rel(_by_expert_float32(*problem), _float64(*problem)) < 1e-5
