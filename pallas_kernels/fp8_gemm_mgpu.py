@@ -279,14 +279,21 @@ def fp8_grouped_gemm_mgpu(x8: jax.Array, x_scales: jax.Array, w8, w_scales, matr
         kernel_name="snapmla_fp8_gemm",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    operands = (*w8s, x8, scales)
+    ys = summed_partials(kernel, (*w8s, x8, scales), matrices, stacked=stacked, num_stacks=num_stacks,
+                         groups=groups_total)
+    return ys[0] if sum_groups else ys
+
+
+def summed_partials(kernel, operands: tuple, matrices: jax.Array | None, *, stacked: bool, num_stacks: int,
+                    groups: int):
+    """Run a grouped launch (``matrices`` its first operand when given) and add its splits' partial
+    sums [splits, num_stacks * groups, N, M] float32 into [num_stacks * groups, M, N], or for
+    ``stacked`` a tuple of ``num_stacks`` [groups, M, N]."""
     partials = kernel(*operands) if matrices is None else kernel(matrices.astype(jnp.int32), *operands)
     summed = jnp.swapaxes(jnp.sum(partials, axis=0), -1, -2)
-    if sum_groups:
-        return summed[0]
     if not stacked:
         return summed
-    return tuple(summed.reshape(num_stacks, groups_total, m, n))
+    return tuple(summed.reshape(num_stacks, groups, *summed.shape[1:]))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_sms", "interpret"))

@@ -35,7 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import (LARGE_TILE, MAX_TOKENS, SMEM_BYTES, TILE_N, TOKEN_MULTIPLE,
-                                                      choose_splits, pad_tokens, run_on_stack, token_tile)
+                                                      choose_splits, pad_tokens, run_on_stack, summed_partials,
+                                                      token_tile)
 
 BLOCK_K = 128  # contraction channels a pipeline step brings: a [128, 64] bf16 weight tile, 16 KiB
 
@@ -140,12 +141,8 @@ def grouped_gemm_mgpu(x: jax.Array, w, matrices: jax.Array | None = None, *,
         kernel_name="snapmla_grouped_gemm",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    operands = (*stacks, x.astype(jnp.bfloat16))
-    partials = kernel(*operands) if matrices is None else kernel(matrices.astype(jnp.int32), *operands)
-    summed = jnp.swapaxes(jnp.sum(partials, axis=0), -1, -2)
-    if not stacked:
-        return summed
-    return tuple(summed.reshape(num_stacks, groups, m, n))
+    return summed_partials(kernel, (*stacks, x.astype(jnp.bfloat16)), matrices, stacked=stacked,
+                           num_stacks=num_stacks, groups=groups)
 
 
 def grouped_gemm_reference(x: jax.Array, w: jax.Array, matrices: jax.Array | None = None) -> jax.Array:
