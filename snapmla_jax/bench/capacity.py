@@ -15,7 +15,8 @@ DeepSeek-V2 on 4 x H100 needs) on ``--devices N`` (data-parallel attention with 
   caches filled with constant values instead of a prefill: the kernels' time does not depend on
   them): tokens/s, and FP8 / BF16, the throughput ratio at capacity.
 
-``--batch-per-device B`` times that batch instead of the largest (the same per-device batch on
+``--sorted-moe-tokens N`` turns the MoE's opt-in sorted dispatch on from N tokens (side by side
+with a run without it). ``--batch-per-device B`` times that batch instead of the largest (the same per-device batch on
 1 and N devices gives the scaling). The device memory the run may use is XLA's
 (``XLA_PYTHON_CLIENT_MEM_FRACTION``, default 0.75 of the GPU); the table records it.
 ``--profile`` traces one more call a row and adds where a step's GPU time goes (``step_breakdown``:
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from snapmla_jax import cli, data_parallel
+from snapmla_jax import cli, data_parallel, models
 from snapmla_jax.backend import BACKENDS
 from snapmla_jax.bench import e2e, timing
 from snapmla_jax.decode import max_token_slots
@@ -142,7 +143,9 @@ def markdown(env: dict, rows: list[dict]) -> str:
                                  f"{env['devices']} x {env['device']}, data-parallel attention with the routed experts "
                                  f"split over the devices") + f"; jax {env['jax']}, {env['date']}. Device memory: "
              f"{f'XLA_PYTHON_CLIENT_MEM_FRACTION={memory}' if memory else 'XLA default 75%'} of each GPU, "
-             f"{env['reserve_gib']:g} GiB of it kept for activations. Each row: `generate`'s decode loop "
+             f"{env['reserve_gib']:g} GiB of it kept for activations. "
+             + (f"The MoE's sorted dispatch from {env['sorted_moe_tokens']} tokens on. "
+                if env.get("sorted_moe_tokens") else "") + "Each row: `generate`'s decode loop "
              f"({env['steps']} steps a timed call, median of {env['iters']}), every row of the batch holding the "
              f"context. Produced by `{env['command']}`.\n",
              "| context | cache | rows a device | limited by | batch | step ms | tokens/s | FP8 / BF16 |",
@@ -195,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="write_kv/mla_decode backend (default auto)")
     parser.add_argument("--profile", action="store_true",
                         help="trace one more call a row: GPU ms a step and a device in attention, collectives, other")
+    parser.add_argument("--sorted-moe-tokens", type=int, default=None, metavar="N",
+                        help="run the MoE's sorted dispatch from N gathered tokens on "
+                             "(models.moe.set_sorted_min_tokens; default: the library's, off)")
     parser.add_argument("--fp8-weights", action="store_true",
                         help="make the linear kernels and routed experts block-FP8 (never held in bf16)")
     cli.add_bench_output_flags(parser, "capacity.json / capacity.md")
@@ -204,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         raise cli.UsageError(f"--contexts: expected ints >= 1, got {' '.join(map(str, args.contexts))}")
     if args.batch_per_device is not None and args.batch_per_device < 1:
         raise cli.UsageError(f"--batch-per-device: expected an int >= 1, got {args.batch_per_device}")
+    if args.sorted_moe_tokens is not None and args.sorted_moe_tokens < 1:
+        raise cli.UsageError(f"--sorted-moe-tokens: expected an int >= 1, got {args.sorted_moe_tokens}")
     if not args.reserve_gib >= 0:
         raise cli.UsageError(f"--reserve-gib: expected a number >= 0, got {args.reserve_gib}")
     if args.devices > jax.device_count():
@@ -218,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     mesh = data_parallel.mesh_of(args.devices) if args.devices > 1 else None
     model = e2e.random_model(cfg, jnp.bfloat16, mesh=mesh, fp8_weights=args.fp8_weights)
+    if args.sorted_moe_tokens is not None:
+        models.moe.set_sorted_min_tokens(model, args.sorted_moe_tokens)
     devices = jax.devices()[:args.devices]
     free = free_bytes_per_device(devices)
     if free is None and args.batch_per_device is None:
@@ -231,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                params_b=sum(x.size for x in jax.tree.leaves(state)) / 1e9, weights_gib=weights / GIB,
                reserve_gib=args.reserve_gib, xla_mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
                steps=args.steps, iters=args.iters, backend=args.backend,
-               weights="block-FP8" if args.fp8_weights else "bf16",
+               weights="block-FP8" if args.fp8_weights else "bf16", sorted_moe_tokens=args.sorted_moe_tokens,
                command=" ".join(["python -m snapmla_jax.bench capacity",
                                  *(a for a in (argv if argv is not None else []) if a != "--publish")]))
     total_steps = decode_steps(args.steps, args.iters, args.profile)
