@@ -40,8 +40,8 @@ of four ways (``MoE.__call__`` picks by the token count T, a static shape):
   one GEMM group a chunk (pallas_kernels/grouped_experts.py ``sorted_products``): each chosen
   expert's matrices read once a chunk, as dense reads them, but each token multiplied only by its
   k experts instead of all E. Dense's arithmetic grows with T x E: at a serving batch's token
-  counts it sets the step's pace (4 H200s, V2 shapes with FP8 weights, 184 rows of 32k: its FP8
-  GEMM launches took 43.5 of the step's 99.6 ms of GPU time).
+  counts it sets the step's pace (4 H200s, V2 shapes with FP8 weights, 184 rows of 32k: the FP8
+  GEMM launches, dense's and the projections', took 43.5 of the step's 99.6 ms of GPU time).
 
 Expert parallelism (``expert_axis``, set by ``snapmla_jax.data_parallel.place_model``): inside
 ``jax.shard_map`` over a mesh axis whose devices each hold E / N of the experts
@@ -60,9 +60,10 @@ the "xla" backend dequantize the stacks in XLA (``MoE.expert_stacks``).
 
 The choice is three static attributes of each layer, ``MoE.dense_token_range``,
 ``MoE.gather_max_tokens`` and ``MoE.sorted_min_tokens`` (``set_dense_token_range``,
-``set_gather_max_tokens`` and ``set_sorted_min_tokens`` set them on every layer of a model), so it is part of the layer's graph definition: a jit
-keyed on ``nnx.split``'s graphdef, or ``nnx.jit``, compiles a new program when it changes (a
-module-level switch read while tracing would not be: a jit cache hit would keep the old dispatch).
+``set_gather_max_tokens`` and ``set_sorted_min_tokens`` set them on every layer of a model), so
+it is part of the layer's graph definition: a jit keyed on ``nnx.split``'s graphdef, or
+``nnx.jit``, compiles a new program when it changes (a module-level switch read while tracing
+would not be: a jit cache hit would keep the old dispatch).
 """
 
 from __future__ import annotations

@@ -22,8 +22,11 @@ at most ``chunk_rows`` tokens of one expert, one group a chunk: each chosen matr
 chunk, and each token row is multiplied only by the experts it was routed to (the dense dispatch
 multiplies every token by every expert). The chunk count depends on the routing, so the launches
 are sized for the most chunks T*k assignments can make (``num_chunks``) and the GEMMs skip the
-chunks a call leaves empty (a negative matrix id) without reading their weights. The GEMM takes bf16 stacks whose contraction is a multiple of 128 and whose output a
-multiple of 64 (``takes``: every DeepSeek expert shape); the model runs the jnp reference elsewhere.
+chunks a call leaves empty (a negative matrix id) without reading their weights.
+
+The GEMM takes bf16 stacks whose contraction is a multiple of 128 and whose output a multiple of 64
+(``takes``, ``sorted_takes``: every DeepSeek expert shape); the model runs the jnp reference
+elsewhere.
 """
 
 from __future__ import annotations
