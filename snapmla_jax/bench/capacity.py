@@ -15,10 +15,10 @@ DeepSeek-V2 on 4 x H100 needs) on ``--devices N`` (data-parallel attention with 
   caches filled with constant values instead of a prefill: the kernels' time does not depend on
   them): tokens/s, and FP8 / BF16, the throughput ratio at capacity.
 
-``--sorted-moe-tokens N`` turns the MoE's opt-in sorted dispatch on from N tokens (side by side
-with a run without it). ``--batch-per-device B`` times that batch instead of the largest (the same per-device batch on
-1 and N devices gives the scaling). The device memory the run may use is XLA's
-(``XLA_PYTHON_CLIENT_MEM_FRACTION``, default 0.75 of the GPU); the table records it.
+``--sorted-moe-tokens N`` turns the MoE's opt-in sorted dispatch on from N tokens (to compare
+with a run without it). ``--batch-per-device B`` times that batch instead of the largest (the
+same per-device batch on 1 and N devices gives the scaling). The device memory the run may use
+is XLA's (``XLA_PYTHON_CLIENT_MEM_FRACTION``, default 0.75 of the GPU); the table records it.
 ``--profile`` traces one more call a row and adds where a step's GPU time goes (``step_breakdown``:
 attention, collectives, the rest). ``--tiny`` runs a 2-layer model anywhere (with
 ``--batch-per-device``: a CPU reports no memory).
