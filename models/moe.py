@@ -252,6 +252,12 @@ class Router(nnx.Module):
         return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
 
 
+def _grouped_gemm_here(backend: str) -> bool:
+    """Whether the BF16 grouped GEMM runs with ``backend`` (resolved): "interpret", or "pallas" on a
+    Hopper GPU."""
+    return backend == "interpret" or (backend == "pallas" and on_hopper())
+
+
 def _fp8_products(stacks: tuple[BlockFP8Weight, ...], backend: str) -> tuple:
     """(gate_up, down) for ``gathered_products`` / ``sorted_products`` on block-FP8 (w_gate, w_up,
     w_down): each group's chosen matrices read in FP8 where they lie, gate and up in one launch."""
@@ -353,9 +359,8 @@ class MoE(nnx.Module):
         chunk = self.sorted_chunk(num_tokens)
         if self.fp8_kernel_stacks(chunk, backend) is not None:
             return True
-        kernel_here = backend == "interpret" or (backend == "pallas" and on_hopper())
         stacks = tuple(w.get_value() for w in (self.w_gate, self.w_up, self.w_down))
-        return kernel_here and all(isinstance(w, jax.Array) for w in stacks) and sorted_takes(chunk, *stacks)
+        return _grouped_gemm_here(backend) and all(isinstance(w, jax.Array) for w in stacks) and sorted_takes(chunk, *stacks)
 
     def num_local_experts(self) -> int:
         """The experts whose weights this layer holds: E, or E / N inside ``shard_map`` over N
@@ -438,8 +443,7 @@ class MoE(nnx.Module):
         else:
             stacks = self.expert_stacks(flat.dtype)
         experts = (flat, weights, ids, *stacks)
-        kernel_here = backend == "interpret" or (backend == "pallas" and on_hopper())
-        if kernel_here and grouped_experts_takes(flat.shape[0], *stacks):
+        if _grouped_gemm_here(backend) and grouped_experts_takes(flat.shape[0], *stacks):
             out = grouped_experts(*experts, num_sms=sm_count(), interpret=backend == "interpret")
         else:
             out = grouped_experts_reference(*experts)

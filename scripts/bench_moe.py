@@ -1,8 +1,8 @@
 """Time one DeepSeek MoE layer with its routed experts ragged vs dense vs gathered vs sorted
-(models/moe.py) at decode-sized token counts, against the weight-read floor: the measurement that sets
-``models.moe.DENSE_TOKEN_RANGE``, ``GATHER_MAX_TOKENS`` and ``SORTED_MIN_TOKENS`` (the defaults of
-``MoE.dense_token_range``, ``MoE.gather_max_tokens`` and ``MoE.sorted_min_tokens``). The gathered dispatch runs twice, up to ``GATHER_BENCH_MAX``
-tokens: "gathered" in jnp (backend "xla": XLA's gather copies the chosen experts) and "grouped"
+(models/moe.py) at decode-sized token counts, against the weight-read floor: the measurement that
+sets ``models.moe.DENSE_TOKEN_RANGE``, ``GATHER_MAX_TOKENS`` and ``SORTED_MIN_TOKENS`` (the
+defaults of ``MoE.dense_token_range``, ``MoE.gather_max_tokens`` and ``MoE.sorted_min_tokens``).
+The gathered dispatch runs twice, up to ``GATHER_BENCH_MAX`` tokens: "gathered" in jnp (backend "xla": XLA's gather copies the chosen experts) and "grouped"
 as the grouped experts' Mosaic GPU launches (backend "pallas", the model's decode path on a
 Hopper GPU: pallas_kernels/grouped_experts.py; interpreted on a CPU, for the tests). "sorted" runs
 the assignments sorted by expert into chunks on the same grouped GEMM, at every T.
