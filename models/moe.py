@@ -34,14 +34,15 @@ of four ways (``MoE.__call__`` picks by the token count T, a static shape):
   With the experts split over devices either would move expert weights between
   devices, so the placements (``models.sharding``, the loaders' ``sharding=``)
   turn it off there (``match_dispatch_to_placement``).
-* sorted (opt-in: where dense would run, from the layer's ``sorted_min_tokens`` on, when the grouped
+* sorted (where dense would run, from the layer's ``sorted_min_tokens`` on (160 by default), when the grouped
   GEMMs run: backend "pallas" on a Hopper GPU or "interpret", bf16 stacks of whole tiles or
   block-FP8 ones): the assignments sorted by expert and cut into chunks of one expert's tokens,
   one GEMM group a chunk (pallas_kernels/grouped_experts.py ``sorted_products``): each chosen
   expert's matrices read once a chunk, as dense reads them, but each token multiplied only by its
   k experts instead of all E. Dense's arithmetic grows with T x E: at a serving batch's token
   counts it sets the step's pace (4 H200s, V2 shapes with FP8 weights, 184 rows of 32k: the FP8
-  GEMM launches, dense's and the projections', took 43.5 of the step's 99.6 ms of GPU time).
+  GEMM launches, dense's and the projections', took 43.5 of the step's 99.6 ms of GPU time; sorted
+  made the step 71.5 ms instead of 102.8).
 
 Expert parallelism (``expert_axis``, set by ``snapmla_jax.data_parallel.place_model``): inside
 ``jax.shard_map`` over a mesh axis whose devices each hold E / N of the experts
@@ -122,18 +123,17 @@ def check_token_range(token_range) -> tuple[int, int] | None:
 GATHER_MAX_TOKENS = 8
 
 # The default ``MoE.sorted_min_tokens`` of new layers: the token count from which the sorted
-# dispatch replaces dense where its GEMMs run (module docstring); None: never, the default. One
-# layer on one H200 against dense (scripts/bench_moe.py, docs/benchmarks/moe_sorted_h200.md): at
-# V3's shapes 2.19 / 1.38 / 1.08 / 1.04 / 1.57x as fast at T = 16 / 32 / 64 / 128 / 256 (95-100%
-# of the floor of the chosen experts' bytes); at V2-Lite's 1.02 / 1.45x at T = 16 / 32, 0.91 /
-# 0.90x at 64 / 128, even at 256, 1.28 / 1.94 / 2.21x at 512 / 1024 / 1664. Under expert
-# parallelism its launches are sized for the worst routing (every assignment on one device's
-# experts), about 3x the chunks a balanced one fills at 4 devices, and XLA's work around them (the
-# partials' sum and transpose, silu) grows with that size: a one-off run at V2-Lite's capacity
-# batches on 4 H200s with it on took 4-9% more a step than docs/benchmarks/capacity_4xh200.md's
-# dense rows (another lease of the same kind, not side by side). Its compiled test of 128-token
-# chunks has not passed on a GPU yet.
-SORTED_MIN_TOKENS: int | None = None
+# dispatch replaces dense where its GEMMs run (module docstring); None: never. One layer on one
+# H200 against dense (scripts/bench_moe.py): at V2-Lite's shapes 0.93 / 0.99 / 0.92 / 0.92x as
+# fast at T = 16 / 32 / 64 / 128, 1.10 / 1.45 / 2.33 / 2.79x at 256 / 512 / 1024 / 1664
+# (docs/benchmarks/moe_sorted_v2_lite_h200.md); at V3's 1.04-2.19x at T = 16-256, measured when
+# the rows still moved by XLA scatters (docs/benchmarks/moe_sorted_h200.md). Under expert
+# parallelism, side by side at V2-Lite's capacity batches on 2 H200s (32k context), a step took
+# 0.89x dense's time at 392 gathered tokens (FP8 cache) and 0.95x at 218 (BF16 cache); at V2's
+# shapes with block-FP8 weights on 4 H200s, 184 gathered tokens, 71.5 ms against dense's
+# 102.8 (docs/benchmarks/capacity_sorted.md). Below 160 tokens V2-Lite's shapes lose, so the
+# default starts there; V3's gain at 16-128 tokens is left to ``set_sorted_min_tokens``.
+SORTED_MIN_TOKENS: int | None = 160
 
 
 def choose_dispatch(num_tokens: int, dense_token_range: tuple[int, int] | None, gather_max_tokens: int) -> str:

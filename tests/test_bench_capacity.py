@@ -40,18 +40,25 @@ def test_capacity_bench_makes_block_fp8_weights_with_fp8_weights(tmp_path):
     assert "random block-FP8 weights" in (tmp_path / "capacity.md").read_text()
 
 
-def test_sorted_moe_tokens_turns_the_sorted_dispatch_on_in_every_moe_layer(tmp_path, monkeypatch):
+@pytest.mark.parametrize("flag, set_to, recorded, says", [
+    (["--sorted-moe-tokens", "4"], 4, 4, "The MoE's sorted dispatch from 4 gathered tokens on."),
+    (["--sorted-moe-tokens", "0"], None, None, "The MoE's sorted dispatch off (dense)."),
+    ([], "unset", 160, "The MoE's sorted dispatch from 160 gathered tokens on.")])
+def test_sorted_moe_tokens_sets_the_sorted_dispatch_in_every_moe_layer(tmp_path, monkeypatch, flag, set_to, recorded,
+                                                                       says):
     from snapmla_jax import models
     from snapmla_jax.bench.capacity import main
 
     seen = []
     monkeypatch.setattr(models.moe, "set_sorted_min_tokens",
                         lambda model, n: seen.append((len(models.moe.moe_layers(model)), n)))
-    assert main(["--tiny", "--sorted-moe-tokens", "4", "--batch-per-device", "2", "--contexts", "64",
+    assert main(["--tiny", *flag, "--batch-per-device", "2", "--contexts", "64", "--caches", "fp8",
                  "--backend", "xla", "--steps", "2", "--iters", "1", "--out", str(tmp_path)]) == 0
-    assert seen == [(1, 4)]  # the tiny model's one MoE layer
-    assert json.loads((tmp_path / "capacity.json").read_text())["environment"]["sorted_moe_tokens"] == 4
-    assert "The MoE's sorted dispatch from 4 tokens on." in (tmp_path / "capacity.md").read_text()
+    assert seen == ([] if set_to == "unset" else [(1, set_to)])  # the tiny model's one MoE layer
+    result = json.loads((tmp_path / "capacity.json").read_text())
+    assert result["environment"]["sorted_moe_tokens"] == recorded
+    assert [row["kv_cache"] for row in result["rows"]] == ["fp8"]  # --caches
+    assert says in (tmp_path / "capacity.md").read_text()
 
 
 def test_the_step_breakdown_sorts_kernels_into_attention_collectives_and_the_rest():
@@ -127,7 +134,8 @@ def test_rows_that_fit_are_bounded_by_memory_and_by_the_int32_rows():
     (["--tiny", "--batch-per-device", "0"], "--batch-per-device: expected an int >= 1, got 0"),
     (["--tiny", "--devices", "2"], "--devices: expected 1 to 1 (the devices JAX sees), got 2"),
     (["--tiny", "--reserve-gib", "-1"], "--reserve-gib: expected a number >= 0, got -1.0"),
-    (["--tiny", "--sorted-moe-tokens", "0"], "--sorted-moe-tokens: expected an int >= 1, got 0"),
+    (["--tiny", "--sorted-moe-tokens", "-1"], "--sorted-moe-tokens: expected an int >= 0 (0: never), got -1"),
+    (["--tiny", "--caches", "fp16"], "--caches"),
     (["--tiny", "--backend", "xla"], "--batch-per-device: needed where the device reports no memory (a CPU)"),
 ])
 def test_bad_flags_are_refused_naming_them(tmp_path, flags, message):

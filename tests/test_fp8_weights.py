@@ -285,8 +285,8 @@ def test_fp8_experts_run_dense_once_the_assignments_reach_the_experts():
     quantize_weights(model, (128, 128))
     # 8 experts, 2 a token: 3 tokens are 6 assignments, 4 tokens 8.
     assert [moe.dispatch(t, "interpret") for t in (3, 4, 9)] == ["gathered", "dense", "dense"]
-    # Sorted is opt-in; from sorted_min_tokens on it replaces dense.
-    assert moe.sorted_min_tokens is None and moe.dispatch(16, "interpret") == "dense"
+    # From sorted_min_tokens on (160 by default) sorted replaces dense.
+    assert moe.sorted_min_tokens == 160 and [moe.dispatch(t, "interpret") for t in (159, 160)] == ["dense", "sorted"]
     moe.sorted_min_tokens = 16
     assert [moe.dispatch(t, "interpret") for t in (15, 16)] == ["dense", "sorted"]
     assert moe.dispatch(4, "xla") == "gathered" and moe.dispatch(16, "xla") == "dense"  # no FP8 GEMM there

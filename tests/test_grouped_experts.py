@@ -208,7 +208,9 @@ def test_moe_sorted_dispatch_through_the_kernel_matches_jnp(monkeypatch):
     layer = _moe_layer(jnp.bfloat16)
     models.moe.set_dense_token_range(layer, (1, 64))
     tokens = 40
-    assert layer.sorted_min_tokens == models.moe.SORTED_MIN_TOKENS is None  # opt-in
+    assert layer.sorted_min_tokens == models.moe.SORTED_MIN_TOKENS == 160  # the default
+    assert layer.dispatch(tokens, "interpret") == "dense"
+    assert models.moe.set_sorted_min_tokens(layer, None) == 1  # never
     assert layer.dispatch(tokens, "interpret") == "dense"
     assert models.moe.set_sorted_min_tokens(layer, tokens + 1) == 1
     assert layer.dispatch(tokens, "interpret") == "dense"

@@ -15,8 +15,9 @@ DeepSeek-V2 on 4 x H100 needs) on ``--devices N`` (data-parallel attention with 
   caches filled with constant values instead of a prefill: the kernels' time does not depend on
   them): tokens/s, and FP8 / BF16, the throughput ratio at capacity.
 
-``--sorted-moe-tokens N`` turns the MoE's opt-in sorted dispatch on from N tokens (to compare
-with a run without it). ``--batch-per-device B`` times that batch instead of the largest (the
+``--sorted-moe-tokens N`` runs the MoE's sorted dispatch from N gathered tokens on instead of the
+library's default (0: never, dense instead; to compare the two). ``--caches`` runs only the
+cache dtypes named. ``--batch-per-device B`` times that batch instead of the largest (the
 same per-device batch on 1 and N devices gives the scaling). The device memory the run may use
 is XLA's (``XLA_PYTHON_CLIENT_MEM_FRACTION``, default 0.75 of the GPU); the table records it.
 ``--profile`` traces one more call a row and adds where a step's GPU time goes (``step_breakdown``:
@@ -144,8 +145,8 @@ def markdown(env: dict, rows: list[dict]) -> str:
                                  f"split over the devices") + f"; jax {env['jax']}, {env['date']}. Device memory: "
              f"{f'XLA_PYTHON_CLIENT_MEM_FRACTION={memory}' if memory else 'XLA default 75%'} of each GPU, "
              f"{env['reserve_gib']:g} GiB of it kept for activations. "
-             + (f"The MoE's sorted dispatch from {env['sorted_moe_tokens']} tokens on. "
-                if env.get("sorted_moe_tokens") else "") + "Each row: `generate`'s decode loop "
+             + (f"The MoE's sorted dispatch from {env['sorted_moe_tokens']} gathered tokens on. "
+                if env.get("sorted_moe_tokens") else "The MoE's sorted dispatch off (dense). ") + "Each row: `generate`'s decode loop "
              f"({env['steps']} steps a timed call, median of {env['iters']}), every row of the batch holding the "
              f"context. Produced by `{env['command']}`.\n",
              "| context | cache | rows a device | limited by | batch | step ms | tokens/s | FP8 / BF16 |",
@@ -199,8 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="trace one more call a row: GPU ms a step and a device in attention, collectives, other")
     parser.add_argument("--sorted-moe-tokens", type=int, default=None, metavar="N",
-                        help="run the MoE's sorted dispatch from N gathered tokens on "
-                             "(models.moe.set_sorted_min_tokens; default: the library's, off)")
+                        help="run the MoE's sorted dispatch from N gathered tokens on, 0: never "
+                             "(models.moe.set_sorted_min_tokens; default: the library's, "
+                             f"{models.moe.SORTED_MIN_TOKENS})")
+    parser.add_argument("--caches", choices=CACHE_DTYPES, nargs="+", default=list(CACHE_DTYPES),
+                        help="cache dtypes to run (default: %(default)s)")
     parser.add_argument("--fp8-weights", action="store_true",
                         help="make the linear kernels and routed experts block-FP8 (never held in bf16)")
     cli.add_bench_output_flags(parser, "capacity.json / capacity.md")
@@ -210,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         raise cli.UsageError(f"--contexts: expected ints >= 1, got {' '.join(map(str, args.contexts))}")
     if args.batch_per_device is not None and args.batch_per_device < 1:
         raise cli.UsageError(f"--batch-per-device: expected an int >= 1, got {args.batch_per_device}")
-    if args.sorted_moe_tokens is not None and args.sorted_moe_tokens < 1:
-        raise cli.UsageError(f"--sorted-moe-tokens: expected an int >= 1, got {args.sorted_moe_tokens}")
+    if args.sorted_moe_tokens is not None and args.sorted_moe_tokens < 0:
+        raise cli.UsageError(f"--sorted-moe-tokens: expected an int >= 0 (0: never), got {args.sorted_moe_tokens}")
     if not args.reserve_gib >= 0:
         raise cli.UsageError(f"--reserve-gib: expected a number >= 0, got {args.reserve_gib}")
     if args.devices > jax.device_count():
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = data_parallel.mesh_of(args.devices) if args.devices > 1 else None
     model = e2e.random_model(cfg, jnp.bfloat16, mesh=mesh, fp8_weights=args.fp8_weights)
     if args.sorted_moe_tokens is not None:
-        models.moe.set_sorted_min_tokens(model, args.sorted_moe_tokens)
+        models.moe.set_sorted_min_tokens(model, args.sorted_moe_tokens or None)
     devices = jax.devices()[:args.devices]
     free = free_bytes_per_device(devices)
     if free is None and args.batch_per_device is None:
@@ -241,13 +245,15 @@ def main(argv: list[str] | None = None) -> int:
                params_b=sum(x.size for x in jax.tree.leaves(state)) / 1e9, weights_gib=weights / GIB,
                reserve_gib=args.reserve_gib, xla_mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
                steps=args.steps, iters=args.iters, backend=args.backend,
-               weights="block-FP8" if args.fp8_weights else "bf16", sorted_moe_tokens=args.sorted_moe_tokens,
+               weights="block-FP8" if args.fp8_weights else "bf16",
+               sorted_moe_tokens=(models.moe.SORTED_MIN_TOKENS if args.sorted_moe_tokens is None
+                                  else args.sorted_moe_tokens or None),
                command=" ".join(["python -m snapmla_jax.bench capacity",
                                  *(a for a in (argv if argv is not None else []) if a != "--publish")]))
     total_steps = decode_steps(args.steps, args.iters, args.profile)
     rows = []
     for context in args.contexts:
-        for kind in CACHE_DTYPES:
+        for kind in (c for c in CACHE_DTYPES if c in args.caches):
             fit, limit = rows_that_fit(cfg, budget, context, total_steps, kind, args.backend)
             per_device = args.batch_per_device or fit
             if args.batch_per_device is not None:
