@@ -34,7 +34,7 @@ of four ways (``MoE.__call__`` picks by the token count T, a static shape):
   With the experts split over devices either would move expert weights between
   devices, so the placements (``models.sharding``, the loaders' ``sharding=``)
   turn it off there (``match_dispatch_to_placement``).
-* sorted (where dense would run, from the layer's ``sorted_min_tokens`` on (160 by default), when the grouped
+* sorted (where dense would run, from the layer's ``sorted_min_tokens`` on (``default_sorted_min_tokens``), when the grouped
   GEMMs run: backend "pallas" on a Hopper GPU or "interpret", bf16 stacks of whole tiles or
   block-FP8 ones): the assignments sorted by expert and cut into chunks of one expert's tokens,
   one GEMM group a chunk (pallas_kernels/grouped_experts.py ``sorted_products``): each chosen
@@ -131,9 +131,24 @@ GATHER_MAX_TOKENS = 8
 # parallelism, side by side at V2-Lite's capacity batches on 2 H200s (32k context), a step took
 # 0.89x dense's time at 392 gathered tokens (FP8 cache) and 0.95x at 218 (BF16 cache); at V2's
 # shapes with block-FP8 weights on 4 H200s, 184 gathered tokens, 71.5 ms against dense's
-# 102.8 (docs/benchmarks/capacity_sorted.md). Below 160 tokens V2-Lite's shapes lose, so the
-# default starts there; V3's gain at 16-128 tokens is left to ``set_sorted_min_tokens``.
+# 102.8 (docs/benchmarks/capacity_sorted.md). Below 160 tokens V2-Lite's shapes lose: their
+# experts are small (8.7M parameters), and the sort, the gathers and the launches cost about as
+# much as the experts sorted leaves unread. Layers of larger experts (``default_sorted_min_tokens``)
+# start at SORTED_MIN_TOKENS_LARGE_EXPERTS instead.
 SORTED_MIN_TOKENS: int | None = 160
+# Parameters an expert (3 x hidden x inner) from which a layer's default is
+# SORTED_MIN_TOKENS_LARGE_EXPERTS: V3's 44M won from T = 16 on in the one-layer runs above (sorted
+# reads only the chosen experts, 40% of them at 16 tokens), V2's 23.6M at its capacity batch.
+LARGE_EXPERT_PARAMS = 16 * 2**20
+SORTED_MIN_TOKENS_LARGE_EXPERTS = 16
+
+
+def default_sorted_min_tokens(cfg: MLAConfig) -> int | None:
+    """The ``sorted_min_tokens`` a new ``MoE`` layer of ``cfg`` starts with: SORTED_MIN_TOKENS,
+    or SORTED_MIN_TOKENS_LARGE_EXPERTS where an expert holds at least LARGE_EXPERT_PARAMS
+    parameters (None stays None: sorted off)."""
+    large = 3 * cfg.hidden_size * cfg.moe_intermediate_size >= LARGE_EXPERT_PARAMS
+    return SORTED_MIN_TOKENS_LARGE_EXPERTS if large and SORTED_MIN_TOKENS is not None else SORTED_MIN_TOKENS
 
 
 def choose_dispatch(num_tokens: int, dense_token_range: tuple[int, int] | None, gather_max_tokens: int) -> str:
@@ -294,7 +309,7 @@ class MoE(nnx.Module):
         # Static (part of the graphdef): which token counts run dense (module docstring).
         self.dense_token_range = check_token_range(DENSE_TOKEN_RANGE)
         self.gather_max_tokens = GATHER_MAX_TOKENS
-        self.sorted_min_tokens = SORTED_MIN_TOKENS
+        self.sorted_min_tokens = default_sorted_min_tokens(cfg)
         # Static: the mesh axis the routed experts are split over when the layer runs inside
         # ``jax.shard_map`` (module docstring); None: every expert is here.
         self.expert_axis: str | None = None

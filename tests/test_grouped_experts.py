@@ -223,6 +223,17 @@ def test_moe_sorted_dispatch_through_the_kernel_matches_jnp(monkeypatch):
     assert _rel(got, np.asarray(jnp.asarray(want, jnp.float32), np.float64)) < 1e-2
 
 
+@pytest.mark.parametrize("shape, default", [("v2-lite", 160), ("v2", 16), ("v3", 16)])
+def test_the_sorted_default_starts_earlier_for_large_experts(shape, default, monkeypatch):
+    """V2-Lite's experts (8.7M parameters) run sorted from SORTED_MIN_TOKENS tokens, V2's (23.6M)
+    and V3's (44M) from SORTED_MIN_TOKENS_LARGE_EXPERTS; a library default of None stays None."""
+    from snapmla_jax.capacity import MODEL_SHAPES
+    cfg = MODEL_SHAPES[shape]
+    assert models.moe.default_sorted_min_tokens(cfg) == default
+    monkeypatch.setattr(models.moe, "SORTED_MIN_TOKENS", None)
+    assert models.moe.default_sorted_min_tokens(cfg) is None
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "16"])
 def test_set_sorted_min_tokens_refuses_what_is_not_none_or_a_positive_int(bad):
     with pytest.raises(ValueError, match="sorted_min_tokens: expected None or an int >= 1"):

@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sorted-moe-tokens", type=int, default=None, metavar="N",
                         help="run the MoE's sorted dispatch from N gathered tokens on, 0: never "
                              "(models.moe.set_sorted_min_tokens; default: the library's, "
-                             f"{models.moe.SORTED_MIN_TOKENS})")
+                             "models.moe.default_sorted_min_tokens)")
     parser.add_argument("--caches", choices=CACHE_DTYPES, nargs="+", default=list(CACHE_DTYPES),
                         help="cache dtypes to run (default: %(default)s)")
     parser.add_argument("--fp8-weights", action="store_true",
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                reserve_gib=args.reserve_gib, xla_mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
                steps=args.steps, iters=args.iters, backend=args.backend,
                weights="block-FP8" if args.fp8_weights else "bf16",
-               sorted_moe_tokens=(models.moe.SORTED_MIN_TOKENS if args.sorted_moe_tokens is None
+               sorted_moe_tokens=(models.moe.default_sorted_min_tokens(cfg) if args.sorted_moe_tokens is None
                                   else args.sorted_moe_tokens or None),
                command=" ".join(["python -m snapmla_jax.bench capacity",
                                  *(a for a in (argv if argv is not None else []) if a != "--publish")]))
