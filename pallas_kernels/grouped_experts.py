@@ -193,15 +193,14 @@ def sorted_products(flat: jax.Array, weights: jax.Array, ids: jax.Array, gate_up
     first_chunk = jnp.cumsum(chunks) - chunks
     e = jnp.minimum(sorted_expert, num_experts - 1)
     rank = jnp.arange(num_assignments) - first[e]
-    takes_row = sorted_expert < num_experts
     # The GEMMs' row (chunk * chunk rows + row in the chunk) of each sorted assignment; num_slots: none.
-    slot = jnp.where(takes_row, (first_chunk[e] + rank // chunk) * chunk + rank % chunk, num_slots)
+    slot = jnp.where(sorted_expert < num_experts, (first_chunk[e] + rank // chunk) * chunk + rank % chunk, num_slots)
     # Rows move by gathers only; the index arrays are scattered (XLA's scatters of [T*k, hidden]
     # rows took 2-5 ms a decode step at V2-Lite's capacity on 4 H200s, more than the GEMMs).
     token_of_slot = jnp.full(num_slots, num_tokens, jnp.int32).at[slot].set(
         (order // k).astype(jnp.int32), mode="drop")           # num_tokens: an empty row
     x = flat.at[token_of_slot].get(mode="fill", fill_value=0).reshape(groups, chunk, flat.shape[1])
-    matrices = jnp.full(groups, -1, jnp.int32).at[jnp.where(takes_row, slot // chunk, groups)].set(e, mode="drop")
+    matrices = jnp.full(groups, -1, jnp.int32).at[slot // chunk].set(e, mode="drop")  # num_slots // chunk: dropped
     gate, up = gate_up(x, matrices)
     hidden = jax.nn.silu(gate[:, :chunk]) * up[:, :chunk]
     if hidden_dtype is not None:

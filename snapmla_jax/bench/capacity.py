@@ -146,7 +146,8 @@ def markdown(env: dict, rows: list[dict]) -> str:
              f"{f'XLA_PYTHON_CLIENT_MEM_FRACTION={memory}' if memory else 'XLA default 75%'} of each GPU, "
              f"{env['reserve_gib']:g} GiB of it kept for activations. "
              + (f"The MoE's sorted dispatch from {env['sorted_moe_tokens']} gathered tokens on. "
-                if env.get("sorted_moe_tokens") else "The MoE's sorted dispatch off (dense). ") + "Each row: `generate`'s decode loop "
+                if env.get("sorted_moe_tokens") else "The MoE's sorted dispatch off (dense). ")
+             + "Each row: `generate`'s decode loop "
              f"({env['steps']} steps a timed call, median of {env['iters']}), every row of the batch holding the "
              f"context. Produced by `{env['command']}`.\n",
              "| context | cache | rows a device | limited by | batch | step ms | tokens/s | FP8 / BF16 |",
@@ -230,8 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     mesh = data_parallel.mesh_of(args.devices) if args.devices > 1 else None
     model = e2e.random_model(cfg, jnp.bfloat16, mesh=mesh, fp8_weights=args.fp8_weights)
+    # The MoE's sorted dispatch: the flag's (0: never), else the library's default for this shape.
+    sorted_min_tokens = (models.moe.default_sorted_min_tokens(cfg) if args.sorted_moe_tokens is None
+                         else args.sorted_moe_tokens or None)
     if args.sorted_moe_tokens is not None:
-        models.moe.set_sorted_min_tokens(model, args.sorted_moe_tokens or None)
+        models.moe.set_sorted_min_tokens(model, sorted_min_tokens)
     devices = jax.devices()[:args.devices]
     free = free_bytes_per_device(devices)
     if free is None and args.batch_per_device is None:
@@ -246,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                reserve_gib=args.reserve_gib, xla_mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
                steps=args.steps, iters=args.iters, backend=args.backend,
                weights="block-FP8" if args.fp8_weights else "bf16",
-               sorted_moe_tokens=(models.moe.default_sorted_min_tokens(cfg) if args.sorted_moe_tokens is None
-                                  else args.sorted_moe_tokens or None),
+               sorted_moe_tokens=sorted_min_tokens,
                command=" ".join(["python -m snapmla_jax.bench capacity",
                                  *(a for a in (argv if argv is not None else []) if a != "--publish")]))
     total_steps = decode_steps(args.steps, args.iters, args.profile)
