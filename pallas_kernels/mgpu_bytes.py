@@ -35,8 +35,6 @@ from jaxlib.mlir.dialects import arith, llvm, nvvm, vector
 # XOR-swizzled by the row's index in its group).
 SWIZZLE = 128
 BYTE_TILE_TRANSFORMS = (plgpu.TilingTransform((8, SWIZZLE)), plgpu.SwizzleTransform(SWIZZLE))
-# The same for a tile of 64-byte rows (P' of one 64-token page, ``store_quads``): 64-byte swizzle.
-HALF_BYTE_TILE_TRANSFORMS = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE // 2))
 
 
 # --- V^T as the register A operand of O^T = V^T.P'^T (``mla_decode_mgpu.pv_update_t``) ---------
@@ -74,23 +72,19 @@ def vt_step_row(column: int) -> int:
     return 16 * group + 8 * (e // 2) + 2 * q + e % 2
 
 
-def _swizzled_offset(row, byte_col, *, tiles_per_row: int = 1, swizzle: int = SWIZZLE):
-    """Byte offset of (row, byte_col) in a tile tiled (8, ``swizzle`` bytes) with that swizzle
-    (128 or 64): tiles of 8 rows x ``swizzle`` bytes, ``tiles_per_row`` of them side by side, each
-    row's 16-byte chunks XOR-swizzled by the tile's address bits 7.. (128: the row's index in the
-    tile; 64: half of it) (i32 values or python ints in, i32 value out)."""
-    if swizzle not in (64, 128):
-        raise ValueError(f"_swizzled_offset: swizzle: expected 64 or 128, got {swizzle!r}")
+def _swizzled_offset(row, byte_col, *, tiles_per_row: int = 1):
+    """Byte offset of (row, byte_col) in a tile tiled (8, 128 bytes) with the 128-byte swizzle:
+    tiles of 8 rows x 128 bytes, ``tiles_per_row`` of them side by side, each row's 16-byte chunks
+    XOR-swizzled by its index in the tile (i32 values or python ints in, i32 value out)."""
     i32 = ir.IntegerType.get_signless(32)
     c32 = lambda v: v if isinstance(v, ir.Value) else mgpu_utils.c(v, i32)
     row, byte_col = c32(row), c32(byte_col)
     tile = arith.addi(arith.muli(arith.shrui(row, c32(3)), c32(tiles_per_row)),
-                      arith.shrui(byte_col, c32(swizzle.bit_length() - 1)))
-    in_row = arith.andi(byte_col, c32(swizzle - 1))
+                      arith.shrui(byte_col, c32(7)))
+    in_row = arith.andi(byte_col, c32(SWIZZLE - 1))
     row_in_tile = arith.andi(row, c32(7))
-    pattern = row_in_tile if swizzle == 128 else arith.shrui(row_in_tile, c32(1))
-    chunk = arith.xori(arith.shrui(in_row, c32(4)), pattern)
-    return arith.addi(arith.addi(arith.muli(tile, c32(8 * swizzle)), arith.muli(row_in_tile, c32(swizzle))),
+    chunk = arith.xori(arith.shrui(in_row, c32(4)), row_in_tile)
+    return arith.addi(arith.addi(arith.muli(tile, c32(8 * SWIZZLE)), arith.muli(row_in_tile, c32(SWIZZLE))),
                       arith.addi(arith.shli(chunk, c32(4)), arith.andi(in_row, c32(15))))
 
 
@@ -101,42 +95,36 @@ def _byte_addressing(ref) -> tuple:
     return ir.IntegerType.get_signless(8), i32, (lambda v: mgpu_utils.c(v, i32)), mgpu_utils.memref_ptr(ref)
 
 
-def load_vt_quads(chunk_ref, tile: int, visible=None, *, page: int | None = None) -> jax.Array:
+def load_vt_quads(chunk_ref, tile: int, visible=None) -> jax.Array:
     """V^T of 64 features of a step's V chunk, as the 8-bit register A operand of an FP8 wgmma:
-    e4m3 [64, R] in the 8-bit WGMMA layout, row r holding feature 64 tile + ``vt_feature(r)``
-    and column k step row ``vt_step_row(k)`` of ``chunk_ref`` (e4m3 [R step rows, 128 features]
-    in the FP8 wgmma's tiled, swizzled SMEM layout). R = 128: a whole step, token t0 + 2c in step
-    row c and t0 + 2c + 1 in row 64 + c (``mla_decode_mgpu``); with ``page`` (0 or 1) R = 64: the
-    step's page ``page`` alone, token t0 + 64 page + 2c in row c and + 1 in row 32 + c
-    (``mla_decode_mgpu_roles``).
+    e4m3 [64, 128] in the 8-bit WGMMA layout, row r holding feature 64 tile + ``vt_feature(r)``
+    and column k step row ``vt_step_row(k)`` of ``chunk_ref`` (e4m3 [128 step rows, 128 features]
+    in the FP8 wgmma's tiled, swizzled SMEM layout).
 
     ``visible``: None, or int32 [64] (the ``ROW`` layout of the 64-row kernel, one value
-    throughout) the number of the step's tokens below seq_len, counted from the step's first
-    token t0: the bytes of tokens past it are zeroed (cache slots past seq_len may hold NaN, and
-    0 * NaN would poison the product).
+    throughout) the number of the step's tokens below seq_len, the step's first token t0 being
+    step row 0, token t0 + 2c + 1 row 64 + c: the bytes of tokens past it are zeroed (cache slots
+    past seq_len may hold NaN, and 0 * NaN would poison the product).
 
     One ``ldmatrix.x4.trans`` (32 step rows x 16 features a warp) and four ``prmt`` make a K block
     of 32 columns; GPU only (inline PTX).
     """
-    num_rows = 128 if page is None else 64
-    if tuple(chunk_ref.shape) != (num_rows, SWIZZLE) or chunk_ref.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"load_vt_quads: chunk_ref: expected e4m3 [{num_rows}, {SWIZZLE}], got {chunk_ref.shape} "
+    if tuple(chunk_ref.shape) != (128, SWIZZLE) or chunk_ref.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"load_vt_quads: chunk_ref: expected e4m3 [128, {SWIZZLE}], got {chunk_ref.shape} "
                          f"{chunk_ref.dtype}")
     if tile not in (0, 1):
         raise ValueError(f"load_vt_quads: tile: expected 0 or 1, got {tile!r}")
-    if page not in (None, 0, 1):
-        raise ValueError(f"load_vt_quads: page: expected None, 0 or 1, got {page!r}")
     arg_types = (plgpu.RefType(BYTE_TILE_TRANSFORMS),) + ((plgpu.Layout.WGMMA.reduce(1),) if visible is not None
                                                           else ())
-    result = plgpu.ShapeDtypeStruct((64, num_rows), jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA_8BIT)
+    result = plgpu.ShapeDtypeStruct((64, 128), jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA_8BIT)
 
     @plgpu.inline_mgpu(arg_types=arg_types, return_type=result)
     def load(ctx, src, *visible_fa):
         del ctx
         layout = mgpu.WGMMA_LAYOUT_8BIT
         reg_ty = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
-        regs_shape = layout.registers_shape((64, num_rows))
-        if regs_shape != (1, num_rows // 16, 1, 1, 2, 1, 1, 1, 1):
+        regs_shape = layout.registers_shape((64, 128))
+        if regs_shape != (1, 8, 1, 1, 2, 1, 1, 1, 1):
             raise NotImplementedError(f"load_vt_quads: unexpected 8-bit WGMMA registers {regs_shape}")
         i8, i32, c32, base = _byte_addressing(src)
         tid = mgpu_utils.thread_idx()
@@ -153,7 +141,7 @@ def load_vt_quads(chunk_ref, tile: int, visible=None, *, page: int | None = None
                 limit = vector.extract(limit, dynamic_position=[], static_position=[0])
         shape_attr = ir.Attribute.parse("#nvvm.ld_st_matrix_shape<m=8, n=8>")
         out = np.empty(regs_shape, dtype=object)
-        for block in range(num_rows // 32):  # K blocks of 32 step rows
+        for block in range(4):  # K blocks of 32 step rows
             row = arith.addi(lane, c32(32 * block))
             offset = _swizzled_offset(row, segment_bytes)
             ptr = mgpu_utils.getelementptr(base, [offset], i8)
@@ -167,13 +155,9 @@ def load_vt_quads(chunk_ref, tile: int, visible=None, *, page: int | None = None
                     mask = c32(0)
                     for e in range(4):
                         # Step row 32 block + 16 j + 8 (e // 2) + 2q + e % 2; its token's offset from
-                        # t0 is twice its index in its half, plus 1 in the odd half (rows 64..127;
-                        # with ``page``: rows 32..63, after the page's first token 64 page).
-                        if page is None:
-                            half_row, odd, first = 32 * (block % 2) + 16 * j + 8 * (e // 2) + e % 2, block // 2, 0
-                        else:
-                            half_row, odd, first = 16 * j + 8 * (e // 2) + e % 2, block, 64 * page
-                        token = arith.addi(arith.shli(q, c32(2)), c32(first + 2 * half_row + odd))
+                        # t0 is twice its index in its half, plus 1 in the odd half (rows 64..127).
+                        half_row = 32 * (block % 2) + 16 * j + 8 * (e // 2) + e % 2
+                        token = arith.addi(arith.shli(q, c32(2)), c32(2 * half_row + block // 2))
                         seen = arith.cmpi(arith.CmpIPredicate.slt, token, limit)
                         mask = arith.ori(mask, arith.select(seen, c32(0xFF << (8 * e)), c32(0)))
                 for h, selector in enumerate((_FEATURE_0, _FEATURE_1)):
@@ -190,8 +174,7 @@ def store_quads(values: jax.Array, dst_ref, lane: int | None) -> None:
     """Store e4m3 [64, 64] (WGMMA layout, score columns in step-row order) into columns
     [64 lane, 64 lane + 64) of an e4m3 [64, 128] SMEM tile in ``vt_step_row`` order: column 64 lane
     + k of the tile takes column ``vt_step_row(k)`` of ``values`` (lane 0 or 1; None: the calling
-    warpgroup's index mod 2). Into an e4m3 [64, 64] tile (``HALF_BYTE_TILE_TRANSFORMS``), lane 0:
-    the whole tile.
+    warpgroup's index mod 2).
 
     No value moves between threads: a thread's registers j' = 2J, 2J + 1 hold exactly the four
     columns that land at 16J + 4q .. + 3, stored as one 32-bit word (``st.shared.b32``).
@@ -201,16 +184,13 @@ def store_quads(values: jax.Array, dst_ref, lane: int | None) -> None:
     if values.dtype != jnp.float8_e4m3fn or tuple(values.shape) != (64, SWIZZLE // 2):
         raise ValueError(f"store_quads: values: expected e4m3 [64, {SWIZZLE // 2}], got {values.shape} "
                          f"{values.dtype}")
-    width = dst_ref.shape[1] if dst_ref.ndim == 2 else None
-    if dst_ref.shape[0] != 64 or width not in (SWIZZLE // 2, SWIZZLE) or dst_ref.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"store_quads: dst_ref: expected e4m3 [64, {SWIZZLE}] or [64, {SWIZZLE // 2}], got "
-                         f"{dst_ref.shape} {dst_ref.dtype}")
-    if lane not in ((0, 1, None) if width == SWIZZLE else (0,)):
-        raise ValueError(f"store_quads: lane: expected 0, 1 or None (0 into a [64, 64] tile), got {lane!r}")
+    if tuple(dst_ref.shape) != (64, SWIZZLE) or dst_ref.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"store_quads: dst_ref: expected e4m3 [64, {SWIZZLE}], got {dst_ref.shape} {dst_ref.dtype}")
+    if lane not in (0, 1, None):
+        raise ValueError(f"store_quads: lane: expected 0, 1 or None, got {lane!r}")
     rows, cols = values.shape
-    transforms = BYTE_TILE_TRANSFORMS if width == SWIZZLE else HALF_BYTE_TILE_TRANSFORMS
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(transforms)))
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(BYTE_TILE_TRANSFORMS)))
     def store(ctx, values_fa, dst):
         del ctx
         i8, i32, c32, base = _byte_addressing(dst)
@@ -228,8 +208,7 @@ def store_quads(values: jax.Array, dst_ref, lane: int | None) -> None:
             # col = 16J + 2q holds (with its partner) columns 16J + 4q .. + 3 of the tile's half.
             quad_col = arith.addi(col, arith.andi(col, c32(15)))
             byte_col = arith.addi(arith.shli(lane_value, c32(6)), quad_col)
-            offset = _swizzled_offset(row, byte_col, swizzle=width)
-            llvm.store(word, mgpu_utils.getelementptr(base, [offset], i8))
+            llvm.store(word, mgpu_utils.getelementptr(base, [_swizzled_offset(row, byte_col)], i8))
 
     store(values, dst_ref)
 

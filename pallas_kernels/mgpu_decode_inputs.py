@@ -61,22 +61,18 @@ SCALE_FLOOR = 2.0 ** -60
 NUM_WARPS = 4
 
 
-def step_token_order(num_tokens: int, page_major: bool = False) -> jax.Array:
+def step_token_order(num_tokens: int) -> jax.Array:
     """Token offset held by each SMEM row of a step, for ``num_tokens`` = k * STEP positions.
 
     Within a step, rows 0..63 hold the even tokens and rows 64..127 the odd ones
-    (row c < 64: token 2c; row c >= 64: token 2(c - 64) + 1). ``page_major``: a page after
-    the other, each its even tokens then its odd ones (row 64 p + 32 e + c: token 64 p + 2c + e;
-    ``mla_decode_mgpu_roles``, whose ring slots hold a page each).
+    (row c < 64: token 2c; row c >= 64: token 2(c - 64) + 1).
     """
-    return _token_at(jnp.arange(num_tokens), page_major)
+    return _token_at(jnp.arange(num_tokens))
 
 
-def _token_at(position, page_major: bool = False):
+def _token_at(position):
     """The token at step-order ``position`` (any int array): see ``step_token_order``."""
     c = position % STEP
-    if page_major:
-        return position - c + (c // PAGE) * PAGE + 2 * (c % (PAGE // 2)) + (c % PAGE) // (PAGE // 2)
     return position - c + jnp.where(c < STEP // 2, 2 * c, 2 * (c - STEP // 2) + 1)
 
 
@@ -86,7 +82,7 @@ def num_step_tokens(max_pages: int) -> int:
 
 
 def step_scales(scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array,
-                num_pages: int | None = None, page_major: bool = False) -> jax.Array:
+                num_pages: int | None = None) -> jax.Array:
     """Token scales [B, steps * 128] f32 of each batch row's pages, in step order (jnp).
 
     scale [N] f32 (flat cache rows), block_table [B, max_pages] int32,
@@ -96,7 +92,7 @@ def step_scales(scale: jax.Array, block_table: jax.Array, layer_offset: jax.Arra
     """
     max_pages = block_table.shape[1]
     num_pages = resolve_num_pages(num_pages, scale.shape[0], PAGE)
-    positions = step_token_order(num_step_tokens(max_pages), page_major)
+    positions = step_token_order(num_step_tokens(max_pages))
     pages = jnp.clip(jnp.take(block_table, jnp.minimum(positions // PAGE, max_pages - 1), axis=1), 0, num_pages - 1)
     return jnp.take(scale, layer_offset[0] + pages * PAGE + positions % PAGE, mode="clip")
 
@@ -134,13 +130,13 @@ def pad_rows(rows: jax.Array, padded_rows: int) -> jax.Array:
 def decode_inputs_reference(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array,
                             layer_offset: jax.Array, num_pages: int | None = None, *,
                             scale_planes: bool = False, q_rope_rows: jax.Array | None = None,
-                            padded_rows: int | None = None, page_major: bool = False) -> DecodeInputs:
+                            padded_rows: int | None = None) -> DecodeInputs:
     """``decode_inputs`` in jnp (no plan): q_rows [B, rows, 512] (bf16/f32), scale [N] f32,
     block_table [B, max_pages] int32, layer_offset [1] int32, num_pages (``step_scales``),
     q_rope_rows [B, rows, 64] or None, padded_rows (None: rows) -> ``DecodeInputs``."""
     padded_rows = q_rows.shape[1] if padded_rows is None else padded_rows
     q8, q_scale = quantize_per_token(pad_rows(q_rows, padded_rows).astype(jnp.float32))
-    scales = step_scales(scale, block_table, layer_offset, num_pages, page_major)
+    scales = step_scales(scale, block_table, layer_offset, num_pages)
     q_rope = None if q_rope_rows is None else pad_rows(q_rope_rows, padded_rows).astype(jnp.bfloat16)
     return DecodeInputs(q8, q_scale, with_scale_planes(scales) if scale_planes else scales, q_rope)
 
@@ -204,13 +200,12 @@ def _call_plan_then_rows(kernel, args: list, out_shape: list, batch: int, progra
 
 def inputs_program(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref, b, j, *, qr_ref=None,
                    qr_out_ref=None, q_programs: int, num_rows: int, num_tokens: int, scales_block: int,
-                   num_pages: int, scale_planes: bool, page_major: bool = False):
+                   num_pages: int, scale_planes: bool):
     """Program (b, j): j < ``q_programs`` quantizes padded query rows [16 j, 16 j + 16) of batch
     row b (rows from ``num_rows`` on are padding: zero, as ``jnp.pad`` leaves them; with
     ``qr_ref`` it also copies those RoPE rows, zero-padded, to ``qr_out_ref``); j >= it gathers
     b's step-ordered scales [n i, n i + n), n = ``scales_block``, i = j - q_programs (with
-    ``scale_planes`` also their logarithms and reciprocals, each step's after its scales;
-    ``page_major``: ``step_token_order``'s page-major order).
+    ``scale_planes`` also their logarithms and reciprocals, each step's after its scales).
 
     q_ref [B * num_rows, 512], scale_ref [N], bt_ref [B, max_pages], off_ref [1], qr_ref
     [B * num_rows, 64] (whole); q8_ref [B * P, 512] e4m3, qsc_ref [B * P], qr_out_ref [B * P, 64]
@@ -233,7 +228,7 @@ def inputs_program(q_ref, scale_ref, bt_ref, off_ref, q8_ref, qsc_ref, steps_ref
     @pl.when(j >= q_programs)
     def _():
         position = (j - q_programs) * scales_block + jnp.arange(scales_block, dtype=jnp.int32)
-        token = _token_at(position, page_major)
+        token = _token_at(position)
         max_pages = bt_ref.shape[1]
         page = jnp.clip(plgpu_tr.load(bt_ref.at[b, jnp.minimum(token // PAGE, max_pages - 1)]), 0, num_pages - 1)
         row = jnp.clip(off_ref[0] + page * PAGE + token % PAGE, 0, scale_ref.shape[0] - 1)
@@ -270,8 +265,7 @@ def _check_rows(q_rows, q_rope_rows, padded_rows: int) -> None:
 
 
 def _launch(q_rows, scale, block_table, layer_offset, seq_lens, q_rope_rows, *, padded_rows: int | None,
-            num_pages, scale_planes: bool, plan: PlanLaunch | None, interpret: bool,
-            page_major: bool = False) -> DecodeInputs:
+            num_pages, scale_planes: bool, plan: PlanLaunch | None, interpret: bool) -> DecodeInputs:
     """``decode_inputs``' Pallas call, with ``plan``'s programs (``split_plan_kernel``) first in
     its grid when one is asked for."""
     batch, num_rows, rank = q_rows.shape
@@ -284,8 +278,7 @@ def _launch(q_rows, scale, block_table, layer_offset, seq_lens, q_rope_rows, *, 
     per_row = q_programs + num_tokens // block
     rope = q_rope_rows is not None
     inputs = functools.partial(inputs_program, q_programs=q_programs, num_rows=num_rows, num_tokens=num_tokens,
-                               scales_block=block, num_pages=num_pages, scale_planes=scale_planes,
-                               page_major=page_major)
+                               scales_block=block, num_pages=num_pages, scale_planes=scale_planes)
 
     def kernel(q_ref, scale_ref, bt_ref, off_ref, *refs):
         refs = list(refs)
@@ -321,38 +314,35 @@ def _launch(q_rows, scale, block_table, layer_offset, seq_lens, q_rope_rows, *, 
                         as_split_plan(*outputs[3 + rope:]) if plan is not None else None)
 
 
-@functools.partial(jax.jit, static_argnames=("padded_rows", "num_pages", "scale_planes", "page_major", "interpret"))
+@functools.partial(jax.jit, static_argnames=("padded_rows", "num_pages", "scale_planes", "interpret"))
 def decode_inputs(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array, *,
                   q_rope_rows: jax.Array | None = None, padded_rows: int | None = None,
-                  num_pages: int | None = None, scale_planes: bool = False, page_major: bool = False,
+                  num_pages: int | None = None, scale_planes: bool = False,
                   interpret: bool = False) -> DecodeInputs:
     """``decode_inputs_reference`` in one Pallas launch: q_rows [B, rows, 512], scale [N] f32,
     block_table [B, max_pages] int32, layer_offset [1] int32, q_rope_rows [B, rows, 64] or
     None, padded_rows: the rows of the outputs (a multiple of 16, at least rows; None: rows
-    rounded up to one), num_pages: pages in one layer (None: N / 64), page_major: the scales
-    in ``step_token_order``'s page-major order -> ``DecodeInputs`` (plan None).
+    rounded up to one), num_pages: pages in one layer (None: N / 64) -> ``DecodeInputs``
+    (plan None).
 
     Padding here (the kernels take rows in blocks of 16 or 64) saves the call the XLA pads of
     q and q_rope, a launch each (2-3 us on an H100 at 64 x 32 rows)."""
     return _launch(q_rows, scale, block_table, layer_offset, None, q_rope_rows, padded_rows=padded_rows,
-                   num_pages=num_pages, scale_planes=scale_planes, plan=None, interpret=interpret,
-                   page_major=page_major)
+                   num_pages=num_pages, scale_planes=scale_planes, plan=None, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("num_items", "padded_rows", "num_pages", "scale_planes", "page_major",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_items", "padded_rows", "num_pages", "scale_planes", "interpret"))
 def decode_inputs_and_plan(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array,
                            seq_lens: jax.Array, *, num_items: int, q_rope_rows: jax.Array | None = None,
                            padded_rows: int | None = None, num_pages: int | None = None,
-                           scale_planes: bool = False, page_major: bool = False,
-                           interpret: bool = False) -> DecodeInputs:
+                           scale_planes: bool = False, interpret: bool = False) -> DecodeInputs:
     """``decode_inputs`` and the balanced split plan of seq_lens [B] int32 in W = ``num_items``
     items of 128-token steps (``split_plan.balanced_plan`` with the table's capacity, the same
     values as ``split_plan_kernel.balanced_plan_kernel``) in the same launch: one launch a decode
     call fewer. Returns ``DecodeInputs`` with its plan."""
     return _launch(q_rows, scale, block_table, layer_offset, seq_lens, q_rope_rows, padded_rows=padded_rows,
                    num_pages=num_pages, scale_planes=scale_planes, plan=plan_launch(seq_lens, num_items),
-                   interpret=interpret, page_major=page_major)
+                   interpret=interpret)
 
 
 class TwinInputs(NamedTuple):

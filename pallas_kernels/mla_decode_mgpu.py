@@ -523,8 +523,7 @@ def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, *, i
     return slot
 
 
-def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool, page: int | None = None,
-                ratio_per_tile: bool = False) -> list:
+def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool) -> list:
     """Fold this step's V^T.P'^T into each of this warpgroup's four O^T tiles [64 features, 64 rows]
     (tile 2 i + t holds features 64 t .. 64 t + 63 of its chunk i): acc * ratio + V^T.P'^T
     (``softmax_frame``).
@@ -534,8 +533,6 @@ def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool,
     factor a step is why ``softmax_frame`` keeps a frame). p8_ref e4m3 [64 rows, 128]: P' in
     ``vt_step_row`` order, the K-major B operand as it is. ``visible``: None (every token of the
     step is below seq_len) or int32 [64] (``ROW``) the number that is (``load_vt_quads``).
-    ``page``: None (kv_slot e4m3 [4, 128, 128], a whole step; p8_ref [64, 128]) or the page of
-    the step kv_slot holds alone (e4m3 [4, 64, 128]; p8_ref [64, 64]: ``mla_decode_mgpu_roles``).
 
     On the GPU each tile's V^T is the register A operand (``load_vt_quads``); the interpreter,
     which has no inline PTX, reads the slot's V chunk transposed as an SMEM A operand (masked in
@@ -544,21 +541,20 @@ def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool,
     room for a second 32-register product in flight (two in flight ran 0.750 against 0.562 ms at
     64 x 16k x 128 on an H100).
     """
-    load_ratio = lambda: lax.broadcast_in_dim(plgpu.load(fac_ref.at[0], layout=COL), (BLOCK_M, HALF), [1])
-    ratio = None if ratio_per_tile else load_ratio()
+    ratio = lax.broadcast_in_dim(plgpu.load(fac_ref.at[0], layout=COL), (BLOCK_M, HALF), [1])
     new_accs = []
     for k, acc in enumerate(accs):
         i, t = divmod(k, 2)
         chunk = kv_slot.at[wg * CHUNKS_PER_WG + i]
         a_operand = (chunk.at[:, pl.ds(t * HALF, HALF)].transpose((1, 0)) if interpret
-                     else load_vt_quads(chunk, t, visible, page=page))
+                     else load_vt_quads(chunk, t, visible))
 
         def product(acc_ref, a_operand=a_operand):
             plgpu.wgmma(acc_ref, a_operand, p8_ref.transpose((1, 0)))
             return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
 
         fresh = pl.run_scoped(product, plgpu.ACC((BLOCK_M, HALF), jnp.float32))
-        new_accs.append(acc * (load_ratio() if ratio_per_tile else ratio) + fresh)
+        new_accs.append(acc * ratio + fresh)
     return new_accs
 
 
@@ -948,7 +944,7 @@ class KernelInputs(NamedTuple):
 
 def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, *, page_size: int,
                    num_splits: int, balanced: bool, num_pages: int, block_rows: int = BLOCK_M,
-                   scale_planes: bool = False, page_major: bool = False, interpret: bool = False) -> KernelInputs:
+                   scale_planes: bool = False, interpret: bool = False) -> KernelInputs:
     """Checks and launcher-side inputs (``block_rows``: the query rows of a CTA; ``num_pages``:
     pages in one layer, resolved by ``resolve_num_pages``), and the call's split plan:
     ``num_splits`` items a row (``uniform_plan``), or with ``balanced`` (and B > 1)
@@ -956,8 +952,7 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, lay
 
     q_rows [B, rows, 512] and q_rope_rows [B, rows, 64], any rows: padded here to whole blocks.
     Returns ``KernelInputs``: the quantized rows, the padded RoPE rows, the step-ordered token
-    scales (with their base-2 logarithms and reciprocals if ``scale_planes``; in the page-major
-    order with ``page_major``, ``mgpu_decode_inputs.step_token_order``) and a balanced plan
+    scales (with their base-2 logarithms and reciprocals if ``scale_planes``) and a balanced plan
     in one launch (``mgpu_decode_inputs.decode_inputs_and_plan``; a uniform plan is a constant).
     """
     check_launch("mla_decode_mgpu: FP8 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
@@ -968,7 +963,7 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, lay
     # Rows already whole blocks need no copy of q_rope; others are padded in the same launch.
     rope_rows = q_rope_rows if rows != num_rows else None
     common = dict(q_rope_rows=rope_rows, padded_rows=rows, num_pages=num_pages, scale_planes=scale_planes,
-                  page_major=page_major, interpret=interpret)
+                  interpret=interpret)
     num_items = balanced_plan_size(batch, num_splits, balanced)
     if num_items is not None:
         inputs = decode_inputs_and_plan(q_rows, scale, block_table, layer_offset, seq_lens, num_items=num_items,

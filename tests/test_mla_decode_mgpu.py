@@ -97,10 +97,9 @@ def _kernel_and_rows(kernel: str):
     """"mgpu": pallas_kernels/mla_decode_mgpu.py (64-row blocks); "small":
     pallas_kernels/mla_decode_mgpu_small.py (16-row blocks, transposed products); "small32":
     the same kernel in 32-row blocks."""
-    from snapmla_jax.pallas_kernels import mla_decode_mgpu, mla_decode_mgpu_roles, mla_decode_mgpu_small
+    from snapmla_jax.pallas_kernels import mla_decode_mgpu, mla_decode_mgpu_small
     small = mla_decode_mgpu_small.mla_decode_mgpu_small
     return {"mgpu": (mla_decode_mgpu.mla_decode_mgpu, mla_decode_mgpu.BLOCK_M),
-            "roles": (mla_decode_mgpu_roles.mla_decode_mgpu_roles, mla_decode_mgpu.BLOCK_M),
             "small": (small, mla_decode_mgpu_small.ROWS),
             "small32": (functools.partial(small, block_rows=32), 32)}[kernel]
 
@@ -377,10 +376,9 @@ def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu
                             layer_pages=layer_pages, num_splits=splits, balanced=balanced, interpret=interpret,
                             kernel=kernel)
     # The reference rounds Q and P' to e4m3 as the kernel does (P' factor per
-    # 128-token step; per 64-token page in the "roles" kernel), with exact products, on the same
-    # pages without a layer offset.
+    # 128-token step), with exact products, on the same pages without a layer offset.
     ref, ref_lse = mla_decode_reference(q, q_rope, latent, scale, rope, block_table, lens,
-                                        softmax_scale=softmax_scale, block_n=64 if kernel == "roles" else 128)
+                                        softmax_scale=softmax_scale, block_n=128)
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
     seen = np.asarray(lens) > 0
