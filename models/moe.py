@@ -126,8 +126,8 @@ GATHER_MAX_TOKENS = 8
 # dispatch replaces dense where its GEMMs run (module docstring); None: never. One layer on one
 # H200 against dense (scripts/bench_moe.py): at V2-Lite's shapes 0.93 / 0.99 / 0.92 / 0.92x as
 # fast at T = 16 / 32 / 64 / 128, 1.10 / 1.45 / 2.33 / 2.79x at 256 / 512 / 1024 / 1664
-# (docs/benchmarks/moe_sorted_v2_lite_h200.md); at V3's 1.04-2.19x at T = 16-256, measured when
-# the rows still moved by XLA scatters (docs/benchmarks/moe_sorted_h200.md). Under expert
+# (docs/benchmarks/moe_sorted_v2_lite_h200.md); at V3's 2.21 / 1.40 / 1.10 / 1.05 / 1.65x at
+# T = 16 / 32 / 64 / 128 / 256 and 4.08x at 8 (docs/benchmarks/moe_sorted_v3_h200.md). Under expert
 # parallelism, side by side at V2-Lite's capacity batches on 2 H200s (32k context), a step took
 # 0.89x dense's time at 392 gathered tokens (FP8 cache) and 0.95x at 218 (BF16 cache); at V2's
 # shapes with block-FP8 weights on 4 H200s, 184 gathered tokens, 71.5 ms against dense's
