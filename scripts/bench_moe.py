@@ -48,6 +48,7 @@ class MoEShape:
 
 # One MoE layer of each family (the models' config.json values).
 SHAPES = {
+    "v2": MoEShape(hidden=5120, inner=1536, experts=160, top_k=6, shared=2),
     "v2_lite": MoEShape(hidden=2048, inner=1408, experts=64, top_k=6, shared=2),
     "v3": MoEShape(hidden=7168, inner=2048, experts=256, top_k=8, shared=1),
 }
