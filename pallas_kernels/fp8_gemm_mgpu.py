@@ -40,7 +40,9 @@ kernel (the activation quantization and the partials' sum) take what the bytes s
 launch over a layer's experts reads them at 46-83% of the copy bandwidth (H200,
 scripts/bench_fp8_experts.py). Above 64 tokens each token tile re-reads its weight tile and the
 CTA's one warpgroup, waiting for each block's product before it scales it, sets the pace:
-0.94x / 0.81x the bf16 GEMM at 128 / 256 tokens (H200, 18432 x 7168). M = 8 fails the tensor
+0.94x / 0.81x the bf16 GEMM at 128 / 256 tokens (H200, 18432 x 7168); there ``fp8_matmul`` runs
+``fp8_gemm_tiles_mgpu`` (128 x 128 output tiles, 1.08-1.76x this kernel at 128-512 tokens) where
+the weight is whole 128-blocks, and this kernel serves the grouped launches. M = 8 fails the tensor
 map's alignment on large shapes (tokens are padded to a multiple of TOKEN_MULTIPLE).
 
 Arguments of ``fp8_gemm_mgpu`` (``fp8_gemm_reference`` is its float32 twin):

@@ -1,16 +1,19 @@
 """Time the block-FP8 weight product (``snapmla_jax.fp8_weights.fp8_matmul``) against the bf16 GEMM
-of the same shape at decode-sized token counts: the measurement behind
-pallas_kernels/fp8_gemm_mgpu.py's docstring and ``MAX_TOKENS``.
+of the same shape, from decode-sized token counts to prefill: the measurement behind
+pallas_kernels/fp8_gemm_mgpu.py's and fp8_gemm_tiles_mgpu.py's docstrings.
 
-    python scripts/bench_fp8_gemm.py --out /tmp/bench_fp8_gemm [--tokens 16 64] [--shapes 18432x7168 ...]
+    python scripts/bench_fp8_gemm.py --out /tmp/bench_fp8_gemm [--tokens 16 64 4096] [--shapes 18432x7168 ...]
 
-Three programs a shape, side by side (``timing.time_round_robin``): "bf16" is XLA's x @ W^T with
-W in bf16; "fp8" is ``fp8_matmul`` (on a Hopper GPU the Mosaic kernel with its activation
-quantization and the sum of its partials); "fp8_xla" is ``fp8_matmul(..., backend="xla")``, the
-weight dequantized in the program. Each program chains its product over enough weight copies
-(>= 384 MiB of e4m3) that the weights come from HBM, not L2, and one call's time is the chain's
-over the copies. GB/s counts the weight bytes each program must read (2 a weight in bf16, 1 in
-FP8) against the copy bandwidth measured in the run. Writes bench_fp8_gemm.json and .md under --out.
+Four programs a shape, side by side (``timing.time_round_robin``): "bf16" is XLA's x @ W^T with
+W in bf16; "fp8" is ``fp8_matmul`` (on a Hopper GPU the Mosaic kernels with their activation
+quantization and the sum of their partials); "fp8_xla" is ``fp8_matmul(..., backend="xla")``, the
+weight dequantized in the program; "fp8_tensor" is XLA's FP8 product with one scale for each
+operand (cuBLAS's FP8 GEMM: the ceiling a product with block scales is held against). Below
+COMPUTE_TOKENS tokens each program chains its product over enough weight copies (>= 384 MiB of
+e4m3) that the weights come from HBM, not L2, and one call's time is the chain's over the copies;
+from there on the product is compute-bound and runs once a call. GB/s counts the weight bytes each program must
+read (2 a weight in bf16, 1 in FP8) against the copy bandwidth measured in the run; TFLOP/s
+counts 2 x tokens x out x in. Writes bench_fp8_gemm.json and .md under --out.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from snapmla_jax.fp8_weights import fp8_matmul, quantize_blocks
 SHAPES = ("18432x7168", "7168x18432", "2048x7168", "7168x2048", "24576x1536", "1536x7168", "10944x2048")
 TOKENS = (16, 64)
 CHAIN_BYTES = 384 << 20
-PROGRAMS = ("bf16", "fp8", "fp8_xla")
+COMPUTE_TOKENS = 1024
+PROGRAMS = ("bf16", "fp8", "fp8_xla", "fp8_tensor")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -42,8 +46,28 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 
 def chained(product):
-    """One jitted program: ``product(x, w)`` over every weight copy, summed in float32."""
-    return jax.jit(lambda x, ws: sum(product(x, w).astype(jnp.float32) for w in ws))
+    """One jitted program: ``product(x, w)`` over every weight copy, summed in float32 (one copy:
+    the product itself, with no sum to add memory traffic)."""
+    def chain(x, ws):
+        if len(ws) == 1:
+            return product(x, ws[0])
+        return sum(product(x, w).astype(jnp.float32) for w in ws)
+    return jax.jit(chain)
+
+
+def tensor_scaled_fp8(x: jax.Array, w8_scale: tuple) -> jax.Array:
+    """XLA's FP8 product with per-tensor scales: x quantized to e4m3 by its amax, times the e4m3
+    weight, the two scales applied to the float32 result -> [tokens, out] in x's dtype."""
+    w8, w_scale = w8_scale
+    x_scale = jnp.max(jnp.abs(x)).astype(jnp.float32) / 448.0
+    x8 = (x.astype(jnp.float32) / x_scale).astype(jnp.float8_e4m3fn)
+    y = jax.lax.dot_general(x8, w8, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * (x_scale * w_scale)).astype(x.dtype)
+
+
+def copies_for(out_dim: int, in_dim: int, tokens: int) -> int:
+    """Weight copies a chain runs over: enough that they come from HBM, or 1 from COMPUTE_TOKENS."""
+    return 1 if tokens >= COMPUTE_TOKENS else max(2, -(-CHAIN_BYTES // (out_dim * in_dim)))
 
 
 def programs(out_dim: int, in_dim: int, tokens: int, copies: int) -> dict:
@@ -51,21 +75,32 @@ def programs(out_dim: int, in_dim: int, tokens: int, copies: int) -> dict:
     keys = jax.random.split(jax.random.key(0), copies + 1)
     dense = [jax.random.normal(k, (out_dim, in_dim), jnp.bfloat16) * 0.02 for k in keys[1:]]
     fp8 = [quantize_blocks(w) for w in dense]
+    tensor = [w8_tensor(w) for w in dense]
     x = jax.random.normal(keys[0], (tokens, in_dim), jnp.bfloat16)
     return {"bf16": (chained(lambda x, w: x @ w.T), [(x, dense)]),
             "fp8": (chained(fp8_matmul), [(x, fp8)]),
-            "fp8_xla": (chained(lambda x, w: fp8_matmul(x, w, backend="xla")), [(x, fp8)])}
+            "fp8_xla": (chained(lambda x, w: fp8_matmul(x, w, backend="xla")), [(x, fp8)]),
+            "fp8_tensor": (chained(tensor_scaled_fp8), [(x, tensor)])}
+
+
+def w8_tensor(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """w as e4m3 with one float32 scale (its amax on 448)."""
+    scale = jnp.max(jnp.abs(w)).astype(jnp.float32) / 448.0
+    return (w.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale
 
 
 def table(env: dict, rows: list[dict]) -> str:
     lines = [f"# Block-FP8 weight product vs bf16 GEMM\n\n{env['device']}, jax {env['jax']}, {env['date']}; copy "
              f"{env['copy_gbps']:.0f} GB/s. Command: `python scripts/bench_fp8_gemm.py`.\n",
-             "| out x in | tokens | bf16 us | fp8 us | fp8_xla us | fp8 / bf16 | fp8 GB/s | fp8 % copy | fp8_xla / bf16 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| out x in | tokens | bf16 us | fp8 us | fp8_xla us | fp8_tensor us | fp8 / bf16 | fp8 GB/s | fp8 % copy "
+             "| fp8 TFLOP/s | fp8 % fp8_tensor | fp8_xla / bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        tflops = 2 * r["tokens"] * r["out"] * r["in"] / r["fp8_us"] / 1e6
         lines.append(f"| {r['out']} x {r['in']} | {r['tokens']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | "
-                     f"{r['fp8_xla_us']:.1f} | {r['bf16_us'] / r['fp8_us']:.2f}x | {r['fp8_gbps']:.0f} | "
-                     f"{r['fp8_gbps'] / env['copy_gbps']:.0%} | {r['bf16_us'] / r['fp8_xla_us']:.2f}x |")
+                     f"{r['fp8_xla_us']:.1f} | {r['fp8_tensor_us']:.1f} | {r['bf16_us'] / r['fp8_us']:.2f}x | "
+                     f"{r['fp8_gbps']:.0f} | {r['fp8_gbps'] / env['copy_gbps']:.0%} | {tflops:.0f} | "
+                     f"{r['fp8_tensor_us'] / r['fp8_us']:.0%} | {r['bf16_us'] / r['fp8_xla_us']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -84,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(timing.environment(), copy_gbps=timing.measure_copy_gbps())
     rows = []
     for out_dim, in_dim in args.shapes:
-        copies = max(2, -(-CHAIN_BYTES // (out_dim * in_dim)))
         for tokens in args.tokens:
+            copies = copies_for(out_dim, in_dim, tokens)
             times = timing.time_round_robin(programs(out_dim, in_dim, tokens, copies), iters=args.iters,
                                             min_sample_ms=5)
             for value in times.values():

@@ -23,8 +23,10 @@ import jax
 import jax.numpy as jnp
 
 from snapmla_jax.backend import on_hopper, resolve_backend, sm_count
-from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, fp8_gemm_mgpu, fp8_grouped_gemm_mgpu, pad_tokens
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, MAX_TOKENS, fp8_gemm_mgpu, fp8_grouped_gemm_mgpu, pad_tokens
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import kernel_takes as gemm_takes
+from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import TilesConfig, fp8_gemm_tiles_mgpu
+from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import kernel_takes as tiles_takes
 
 FP8_E4M3_MAX = 448.0  # largest finite e4m3 value: a block's amax maps onto it
 DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size
@@ -115,11 +117,16 @@ def dequantize_weight(w: BlockFP8Weight, dtype=jnp.float32) -> jax.Array:
     return scaled.astype(dtype)
 
 
-# Most rows of x ``fp8_matmul`` and ``fp8_grouped_matmul`` give the FP8 GEMM kernel: decode steps.
-# Up to 64 rows it runs 1.4-1.8x the bf16 GEMM at large shapes; above, 0.6-1.4x, and still 2-3x
-# XLA's dequantized path (H200, 128 and 256 rows; docs/benchmarks/fp8_gemm_h200.md). 512: the
-# MoE's dense dispatch's top (``models.moe.DENSE_TOKEN_RANGE``).
+# Most rows of x ``fp8_grouped_matmul`` (and ``fp8_matmul`` where the tiled kernel does not take
+# the weight) give the FP8 GEMM kernel of few tokens: decode steps. Up to 64 rows it runs 1.4-1.8x
+# the bf16 GEMM at large shapes; above, 0.6-1.4x, and still 2-3x XLA's dequantized path (H200, 128
+# and 256 rows; docs/benchmarks/fp8_gemm_h200.md). 512: the MoE's dense dispatch's top
+# (``models.moe.DENSE_TOKEN_RANGE``).
 KERNEL_MAX_TOKENS = 512
+# The tiled kernel's shape (``fp8_gemm_tiles_mgpu``): two consumer warpgroups of 64 tokens, one
+# 128-channel block a step, four in flight: side by side on an H200, three consumers, two blocks a
+# step and five in flight were as fast or slower (docs/benchmarks/fp8_gemm_tiles_h200.md).
+TILES_CONFIG = TilesConfig()
 
 
 def kernel_runs(w: BlockFP8Weight, rows: int, backend: str) -> bool:
@@ -129,6 +136,21 @@ def kernel_runs(w: BlockFP8Weight, rows: int, backend: str) -> bool:
     return (w.block == (BLOCK, BLOCK) and 0 < rows <= KERNEL_MAX_TOKENS
             and gemm_takes(pad_tokens(rows), *w.shape[-2:])
             and (backend == "interpret" or (backend == "pallas" and on_hopper())))
+
+
+def tiles_run(w: BlockFP8Weight, rows: int, backend: str) -> bool:
+    """Whether ``fp8_matmul`` runs a product of ``rows`` rows with the block-FP8 matrix ``w`` on the
+    tiled FP8 GEMM (``fp8_gemm_tiles_mgpu``): more than 64 rows (fewer read the weight once in the
+    kernel of few tokens), 128 x 128 blocks, out and in whole blocks; ``backend`` (resolved)
+    "interpret", or "pallas" on a Hopper GPU."""
+    return (w.block == (BLOCK, BLOCK) and len(w.shape) == 2 and rows > MAX_TOKENS
+            and tiles_takes(_tile_rows(rows), *w.shape, TILES_CONFIG)
+            and (backend == "interpret" or (backend == "pallas" and on_hopper())))
+
+
+def _tile_rows(rows: int) -> int:
+    """``rows`` padded to whole token tiles of the tiled kernel."""
+    return -(-rows // TILES_CONFIG.tile_tokens) * TILES_CONFIG.tile_tokens
 
 
 def _quantized_rows(x: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
@@ -141,24 +163,32 @@ def _quantized_rows(x: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
 def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax.Array:
     """x [..., in] @ W^T for a block-FP8 weight W [out, in] -> [..., out] in x's dtype.
 
-    Where ``kernel_runs`` (compiled on a Hopper GPU: backend "pallas", or "auto" there; at most
-    KERNEL_MAX_TOKENS rows of x; out a multiple of 64, in of 128; 128 x 128 weight blocks):
-    DeepSeek's FP8 GEMM (``pallas_kernels/fp8_gemm_mgpu.py``), x quantized to e4m3 per row and 128
-    channels, FP8 x FP8 products summed in float32 per block and scaled there; up to 64 rows it
-    reads the weight's e4m3 bytes once (1.6-1.8x the bf16 GEMM at large decode shapes, H100 and
-    H200). "interpret" runs that kernel in Pallas' interpreter.
+    On a Hopper GPU (backend "pallas", or "auto" there; 128 x 128 weight blocks) this is DeepSeek's
+    FP8 GEMM: x quantized to e4m3 per row and 128 channels, FP8 x FP8 products summed in float32
+    per block and scaled there. Up to 64 rows of x (out a multiple of 64, in of 128) the kernel of
+    few tokens (``pallas_kernels/fp8_gemm_mgpu.py``) reads the weight's e4m3 bytes once (1.6-1.8x
+    the bf16 GEMM at large decode shapes, H100 and H200); above, where out and in are whole
+    128-blocks (``tiles_run``), the tiled kernel (``pallas_kernels/fp8_gemm_tiles_mgpu.py``: 64 x 2
+    tokens by 128 weight rows a CTA, any number of rows); else the kernel of few tokens up to
+    KERNEL_MAX_TOKENS rows. "interpret" runs those kernels in Pallas' interpreter.
 
-    Otherwise (prefill-sized x, other shapes, other devices, "xla") plain XLA: the weight
-    dequantized inside the caller's jitted program (one float32 multiply by the tile's scale, one
-    rounding to x's dtype) and fed to an ordinary dot accumulating in float32, x unquantized. XLA
-    materializes the dequantized weight: 0.30-0.45x the bf16 GEMM at decode shapes, 0.62-1.10x at
-    4096 rows (docs/benchmarks/fp8_gemm_h100.md, fp8_gemm_h200.md).
+    Otherwise (other shapes, other devices, "xla") plain XLA: the weight dequantized inside the
+    caller's jitted program (one float32 multiply by the tile's scale, one rounding to x's dtype)
+    and fed to an ordinary dot accumulating in float32, x unquantized. XLA materializes the
+    dequantized weight: 0.30-0.45x the bf16 GEMM at decode shapes, 0.62-1.10x at 4096 rows
+    (docs/benchmarks/fp8_gemm_h100.md, fp8_gemm_h200.md).
     """
     if len(w.shape) != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"x: expected [..., {w.shape[-1]}] for a weight matrix, got {list(x.shape)} against "
                          f"{list(w.shape)}")
     backend = resolve_backend(backend)
     rows = math.prod(x.shape[:-1])
+    if tiles_run(w, rows, backend):
+        x8, x_scales = _quantized_rows(x.reshape(rows, x.shape[-1]), _tile_rows(rows))
+        out_dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float32) else jnp.float32
+        y = fp8_gemm_tiles_mgpu(x8, x_scales, w.values, w.scales, out_dtype=out_dtype, config=TILES_CONFIG,
+                                num_sms=sm_count(), interpret=backend == "interpret")
+        return y[:rows].astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     if kernel_runs(w, rows, backend):
         x8, x_scales = _quantized_rows(x.reshape(rows, x.shape[-1]), pad_tokens(rows))
         y = fp8_gemm_mgpu(x8, x_scales, w.values, w.scales, num_sms=sm_count(), interpret=backend == "interpret")

@@ -17,7 +17,7 @@ def test_the_programs_compute_the_same_product_over_the_chain():
     # bf16 products of bf16 operands against block-FP8 weights (2^-4 relative a weight, averaged
     # over 256 channels and two copies): well under 5% of the largest output; a lost copy or a
     # transposed weight would be off by the output's own size.
-    for name in ("fp8", "fp8_xla"):
+    for name in ("fp8", "fp8_xla", "fp8_tensor"):
         assert np.abs(outs[name] - outs["bf16"]).max() <= 0.05 * size, name
     assert size > 0
 
@@ -25,9 +25,16 @@ def test_the_programs_compute_the_same_product_over_the_chain():
 def test_the_table_gives_ratios_and_the_copy_fraction():
     env = {"device": "H100", "jax": "0.11.2", "date": "2026-11-28", "copy_gbps": 3000.0}
     row = {"out": 18432, "in": 7168, "tokens": 16, "bf16_us": 100.0, "fp8_us": 50.0, "fp8_xla_us": 250.0,
-           "fp8_gbps": 2640.0}
+           "fp8_tensor_us": 40.0, "fp8_gbps": 2640.0}
     text = bench.table(env, [row])
-    assert "| 18432 x 7168 | 16 | 100.0 | 50.0 | 250.0 | 2.00x | 2640 | 88% | 0.40x |" in text
+    # 2 x 16 x 18432 x 7168 FLOP in 50 us: 85 TFLOP/s.
+    assert "| 18432 x 7168 | 16 | 100.0 | 50.0 | 250.0 | 40.0 | 2.00x | 2640 | 88% | 85 | 80% | 0.40x |" in text
+
+
+def test_a_chain_runs_over_enough_copies_to_come_from_hbm_below_the_compute_bound_sizes():
+    assert bench.copies_for(18432, 7168, 16) == 4  # 126 MiB a copy: 384 MiB in four
+    assert bench.copies_for(2048, 2048, 64) == 96
+    assert bench.copies_for(18432, 7168, bench.COMPUTE_TOKENS) == 1
 
 
 @pytest.mark.parametrize("flags, message", [(["--shapes", "12x"], "expected OUTxIN"),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from snapmla_jax.fp8_weights import (KERNEL_MAX_TOKENS, dequantize_weight, fp8_grouped_matmul, fp8_matmul,
-                                     quantize_activations, quantize_blocks)
+                                     quantize_activations, quantize_blocks, tiles_run)
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import (BLOCK, GemmConfig, choose_splits, fp8_gemm_mgpu,
                                                       fp8_grouped_gemm_mgpu, kernel_takes, pad_tokens,
                                                       pipeline_depth)
@@ -65,12 +65,14 @@ def test_the_compiled_kernel_matches_float64_on_its_quantized_operands(m, n, k):
     _check_kernel(m, n, k, GemmConfig(), interpret=False, rel_bound=2.0**-10)
 
 
-@pytest.mark.parametrize("lead", [(1,), (3, 5), (2, 16)])
-def test_fp8_matmul_through_the_kernel_is_within_the_activation_rounding(lead):
-    """Rows padded to the kernel's multiple of 16 (1, 15, 32 rows) and cut back; the error against
-    float64 x times the dequantized W comes from quantizing x to e4m3 only."""
-    k, n = 512, 192
+@pytest.mark.parametrize("lead, n", [((1,), 192), ((3, 5), 192), ((2, 16), 192), ((3, 50), 256), ((600,), 128)])
+def test_fp8_matmul_through_the_kernel_is_within_the_activation_rounding(lead, n):
+    """Rows padded to the kernels' tiles and cut back: up to 64 rows (1, 15, 32) the kernel of few
+    tokens (multiples of 16), above (150, 600) the tiled kernel (multiples of 128). The error
+    against float64 x times the dequantized W comes from quantizing x to e4m3 only."""
+    k = 512
     rows = int(np.prod(lead))
+    assert tiles_run(quantize_blocks(jnp.zeros((n, k))), rows, "interpret") == (rows > 64)
     x, w = _operands(rows, rows, n, k)
     x = x.reshape(*lead, k)
     y = fp8_matmul(x, w, backend="interpret")
@@ -90,7 +92,7 @@ def test_fp8_matmul_through_the_kernel_is_within_the_activation_rounding(lead):
 
 
 def test_fp8_matmul_keeps_xla_where_the_kernel_does_not_take_the_shape():
-    x, w = _operands(0, KERNEL_MAX_TOKENS + 8, 128, 256)  # prefill-sized: past the kernel's rows
+    x, w = _operands(0, KERNEL_MAX_TOKENS + 8, 192, 256)  # prefill-sized, out not whole 128-blocks
     np.testing.assert_array_equal(np.asarray(fp8_matmul(x, w, backend="interpret")),
                                   np.asarray(fp8_matmul(x, w, backend="xla")))
     x, w = _operands(1, 4, 96, 256)  # N = 96: not whole 64-row tiles
