@@ -139,17 +139,15 @@ class MLP(nnx.Module):
         return self.down_proj((jax.nn.silu(gate) * up).astype(dtype))
 
     def _fp8_gate_up(self, x: jax.Array, backend: str) -> tuple[jax.Array, jax.Array] | None:
-        """gate(x) and up(x) in float32 from one launch of the FP8 GEMM of few tokens (x quantized
-        once) when both kernels are block-FP8 and that kernel runs them (``fp8_weights.kernel_runs``,
-        ``backend`` resolved) and the tiled one would not (``fp8_weights.tiles_run``); else None."""
+        """gate(x) and up(x) in float32 from one FP8 GEMM launch (x quantized once) when both
+        kernels are block-FP8 and a kernel runs them (``fp8_weights.tiles_run`` or ``kernel_runs``,
+        ``backend`` resolved); else None."""
         kernels = [linear.kernel.get_value() for linear in (self.gate_proj, self.up_proj)]
         if not all(isinstance(k, BlockFP8Weight) for k in kernels):
             return None
         rows = math.prod(x.shape[:-1])
-        if all(tiles_run(k, rows, backend) for k in kernels):
-            return None
         stacks = tuple(BlockFP8Weight(k.values[None], k.scales[None], k.block) for k in kernels)
-        if not all(kernel_runs(stack, rows, backend) for stack in stacks):
+        if not all(tiles_run(stack, rows, backend) or kernel_runs(stack, rows, backend) for stack in stacks):
             return None
         dtype = self.gate_proj.dtype
         x2 = (x if dtype is None else x.astype(dtype)).reshape(1, rows, x.shape[-1])

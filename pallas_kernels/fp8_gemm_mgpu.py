@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +74,7 @@ MAX_TOKENS = 64  # tokens of a call that one CTA takes whole (the wgmma N); more
 LARGE_TILE = 128  # tokens (``token_tile``): a wgmma of N = 128 reads shared memory for twice the products
 SMEM_BYTES = 227 * 1024  # shared memory a CTA may use on Hopper: the pipeline's depth gives way to it
 TOKEN_MULTIPLE = 16  # M = 8 failed the tensor map's alignment on an H100 (module docstring)
-SCALE_SLOT_FLOATS = 32  # the fewest float32 a pipeline slot of scales holds: 128 bytes (``fp8_grouped_gemm_mgpu``)
+SCALE_SLOT_FLOATS = 32  # float32 in 128 bytes: a pipeline slot of scales is whole such units (``scale_slot_tokens``)
 COL = plgpu.Layout.WGMMA.reduce(0)  # a vector with one value per accumulator column (token)
 
 
@@ -106,6 +107,17 @@ def choose_splits(n_tiles: int, steps: int, num_sms: int) -> int:
 def token_tile(m: int) -> int:
     """Tokens a CTA (the wgmma N): M itself up to MAX_TOKENS, else tiles of LARGE_TILE."""
     return m if m <= MAX_TOKENS else LARGE_TILE
+
+
+def scale_slot_tokens(tokens: int, kb_per_step: int) -> int:
+    """Tokens' scales a pipeline slot holds for each of its ``kb_per_step`` blocks: ``tokens``
+    rounded up so that the slot is whole 128-byte units (SCALE_SLOT_FLOATS float32). A TMA writes
+    shared memory at 128-byte aligned addresses, and the slots lie end to end: 16 tokens' scales
+    of one block (64 bytes) failed with CUDA_ERROR_MISALIGNED_ADDRESS on an H200, and so did 48 of
+    one block (192 bytes: V2-Lite's down projection, K = 1408, on the sorted dispatch's 48-token
+    chunks)."""
+    unit = SCALE_SLOT_FLOATS // math.gcd(SCALE_SLOT_FLOATS, kb_per_step)
+    return -(-tokens // unit) * unit
 
 
 def pipeline_depth(config: GemmConfig, tokens: int, kb_per_step: int, scale_tokens: int) -> int:
@@ -263,11 +275,8 @@ def fp8_grouped_gemm_mgpu(x8: jax.Array, x_scales: jax.Array, w8, w_scales, matr
         grid, groups, steps = (num_stacks * groups_total, n_tiles, splits, m_tiles), 1, steps_total // splits
     scales = jnp.concatenate([combined_scales(x_scales, ws if matrices is None else ws[matrices])
                               for ws in w_scales_s])
-    # A TMA writes shared memory at 128-byte aligned addresses, so a pipeline slot of scales holds
-    # at least 32 floats: 16 tokens' scales of one block (64 bytes) are padded to 32
-    # (CUDA_ERROR_MISALIGNED_ADDRESS on an H200 without it).
-    scale_tokens = max(tokens, SCALE_SLOT_FLOATS // kb_per_step)
-    if scale_tokens > tokens:  # then M = tokens: one token tile
+    scale_tokens = scale_slot_tokens(tokens, kb_per_step)
+    if scale_tokens > tokens:  # then M = tokens (at most 64): one token tile
         scales = jnp.pad(scales, ((0, 0), (0, 0), (0, 0), (0, scale_tokens - tokens)))
     body = functools.partial(_kernel, num_stacks=num_stacks, stack_groups=groups_total, steps=steps, groups=groups,
                              sum_groups=sum_groups, shared_x=num_x == 1, kb_per_step=kb_per_step,

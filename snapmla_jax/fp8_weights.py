@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from snapmla_jax.backend import on_hopper, resolve_backend, sm_count
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, MAX_TOKENS, fp8_gemm_mgpu, fp8_grouped_gemm_mgpu, pad_tokens
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import kernel_takes as gemm_takes
-from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import TilesConfig, fp8_gemm_tiles_mgpu
+from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import TilesConfig, fp8_gemm_tiles_mgpu, fp8_grouped_gemm_tiles_mgpu
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import kernel_takes as tiles_takes
 
 FP8_E4M3_MAX = 448.0  # largest finite e4m3 value: a block's amax maps onto it
@@ -117,8 +117,8 @@ def dequantize_weight(w: BlockFP8Weight, dtype=jnp.float32) -> jax.Array:
     return scaled.astype(dtype)
 
 
-# Most rows of x ``fp8_grouped_matmul`` (and ``fp8_matmul`` where the tiled kernel does not take
-# the weight) give the FP8 GEMM kernel of few tokens: decode steps. Up to 64 rows it runs 1.4-1.8x
+# Most rows of x ``fp8_matmul`` and ``fp8_grouped_matmul`` give the FP8 GEMM kernel of few tokens
+# where the tiled kernel does not run (``tiles_run``; summed groups): decode steps. Up to 64 rows it runs 1.4-1.8x
 # the bf16 GEMM at large shapes; above, 0.6-1.4x, and still 2-3x XLA's dequantized path (H200, 128
 # and 256 rows; docs/benchmarks/fp8_gemm_h200.md). 512: the MoE's dense dispatch's top
 # (``models.moe.DENSE_TOKEN_RANGE``).
@@ -139,12 +139,12 @@ def kernel_runs(w: BlockFP8Weight, rows: int, backend: str) -> bool:
 
 
 def tiles_run(w: BlockFP8Weight, rows: int, backend: str) -> bool:
-    """Whether ``fp8_matmul`` runs a product of ``rows`` rows with the block-FP8 matrix ``w`` on the
+    """Whether a product of ``rows`` rows with the block-FP8 matrix (or stack) ``w`` runs on the
     tiled FP8 GEMM (``fp8_gemm_tiles_mgpu``): more than 64 rows (fewer read the weight once in the
     kernel of few tokens), 128 x 128 blocks, out and in whole blocks; ``backend`` (resolved)
     "interpret", or "pallas" on a Hopper GPU."""
-    return (w.block == (BLOCK, BLOCK) and len(w.shape) == 2 and rows > MAX_TOKENS
-            and tiles_takes(_tile_rows(rows), *w.shape, TILES_CONFIG)
+    return (w.block == (BLOCK, BLOCK) and rows > MAX_TOKENS
+            and tiles_takes(_tile_rows(rows), *w.shape[-2:], TILES_CONFIG)
             and (backend == "interpret" or (backend == "pallas" and on_hopper())))
 
 
@@ -210,10 +210,12 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
          W[matrices[g]]^T; with ``sum_groups`` (one stack, matrices None), [T, out] = the sum
          over g.
 
-    Where ``kernel_runs`` (a Hopper GPU or the interpreter, at most KERNEL_MAX_TOKENS rows) this is
-    one launch of the FP8 GEMM (``fp8_grouped_gemm_mgpu``): x quantized per row and 128 channels,
-    each matrix's e4m3 bytes read where they lie. Otherwise XLA on the dequantized weights (the
-    chosen matrices only), x unquantized.
+    On a Hopper GPU or in the interpreter this is one launch of an FP8 GEMM, x quantized per row
+    and 128 channels, each matrix's e4m3 bytes read where they lie: the tiled kernel
+    (``fp8_grouped_gemm_tiles_mgpu``) where ``tiles_run`` (more than 64 rows, out and in whole
+    128-blocks) and the groups are not summed, else the kernel of few tokens
+    (``fp8_grouped_gemm_mgpu``) where ``kernel_runs`` (at most KERNEL_MAX_TOKENS rows). Otherwise
+    XLA on the dequantized weights (the chosen matrices only), x unquantized.
     """
     stacks = w if isinstance(w, tuple) else (w,)
     first = stacks[0]
@@ -225,6 +227,13 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
         raise ValueError("matrices: a summed product runs every matrix of one stack in order (matrices=None)")
     backend = resolve_backend(backend)
     rows = x.shape[1]
+    if not sum_groups and all(tiles_run(s, rows, backend) for s in stacks):
+        x8, x_scales = _quantized_rows(x, _tile_rows(rows))
+        values, scales = tuple(s.values for s in stacks), tuple(s.scales for s in stacks)
+        ys = fp8_grouped_gemm_tiles_mgpu(x8, x_scales, values, scales, matrices, config=TILES_CONFIG,
+                                         num_sms=sm_count(), interpret=backend == "interpret")
+        ys = tuple(y[:, :rows] for y in ys)
+        return ys if isinstance(w, tuple) else ys[0]
     if all(kernel_runs(s, rows, backend) for s in stacks):
         x8, x_scales = _quantized_rows(x, pad_tokens(rows))
         values, scales = tuple(s.values for s in stacks), tuple(s.scales for s in stacks)

@@ -11,7 +11,7 @@ from snapmla_jax.fp8_weights import (KERNEL_MAX_TOKENS, dequantize_weight, fp8_g
                                      quantize_activations, quantize_blocks, tiles_run)
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import (BLOCK, GemmConfig, choose_splits, fp8_gemm_mgpu,
                                                       fp8_grouped_gemm_mgpu, kernel_takes, pad_tokens,
-                                                      pipeline_depth)
+                                                      pipeline_depth, scale_slot_tokens)
 
 
 def _operands(seed: int, m: int, n: int, k: int):
@@ -50,6 +50,7 @@ def _check_kernel(m, n, k, config, interpret, rel_bound):
     (16, 192, 512, GemmConfig()),  # 192 rows: the last 128-row scale block cropped
     (32, 64, 1024, GemmConfig(kb_per_step=1, depth=3, splits=4)),  # split K, partials summed
     (64, 128, 768, GemmConfig(kb_per_step=3, depth=2)),
+    (48, 128, 384, GemmConfig()),  # one block a step: 48 tokens' scales padded to 64 a slot
 ])
 def test_the_kernel_matches_float64_on_its_quantized_operands(m, n, k, config):
     # Interpreted: float32 sums of each block's 128 products, scaled and added over the blocks:
@@ -58,7 +59,8 @@ def test_the_kernel_matches_float64_on_its_quantized_operands(m, n, k, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, n, k", [(16, 192, 512), (64, 1024, 7168), (48, 7168, 2048)])
+@pytest.mark.parametrize("m, n, k", [(16, 192, 512), (64, 1024, 7168), (48, 7168, 2048),
+                                     (48, 2048, 1408)])  # 48 tokens, one block a step: padded scale slots
 def test_the_compiled_kernel_matches_float64_on_its_quantized_operands(m, n, k):
     # Hopper's FP8 wgmma adds each 32-channel slice with ~14 significant bits: four slices a block,
     # then float32: 2^-10 of the terms' size bounds it.
@@ -194,25 +196,32 @@ def test_two_stacks_in_one_launch_each_match_their_own_product(chosen, interpret
         assert (err <= (2.0**-15 if interpret else 2.0**-10) * size + 1e-30).all()
 
 
-@pytest.mark.parametrize("summed, chosen", [(False, None), (False, [1, 1, 0]), (True, None)])
-def test_fp8_grouped_matmul_through_the_kernel_is_within_the_activation_rounding(summed, chosen):
-    """11 tokens padded to 16 and cut back; against float64 x times the dequantized matrices, the
+@pytest.mark.parametrize("summed, chosen, m", [(False, None, 11), (False, [1, 1, 0], 11), (True, None, 11),
+                                               (False, [1, -1, 0], 100), (True, None, 100)])
+def test_fp8_grouped_matmul_through_the_kernel_is_within_the_activation_rounding(summed, chosen, m):
+    """11 tokens padded to 16 (the kernel of few tokens) or 100 padded to 128 (the tiled kernel,
+    but for summed groups) and cut back; against float64 x times the dequantized matrices, the
     error is x's e4m3 rounding (the bound of the one-product test, per group)."""
-    groups, m, n, k = 2, 11, 128, 512
+    groups, n, k = 2, 128, 512
+    assert tiles_run(_group_operands(0, 1, groups, 1, n, k)[1], m, "interpret") == (m > 64)
     x, w = _group_operands(7, groups if chosen is None else 1, groups, m, n, k)
     ids = None if chosen is None else jnp.asarray(chosen)
     y = fp8_grouped_matmul(x, w, matrices=ids, sum_groups=summed, backend="interpret")
     x64 = np.asarray(x, np.float64)
     w64 = np.asarray(dequantize_weight(w, jnp.float32), np.float64)
-    w64 = w64 if chosen is None else w64[np.asarray(chosen)]
+    kept = slice(None) if chosen is None else np.asarray(chosen) >= 0  # a negative id: the group is skipped
+    w64 = w64 if chosen is None else w64[np.asarray(chosen)][kept]
     x64 = np.broadcast_to(x64, (w64.shape[0], m, k))
     scales = np.abs(x64.reshape(*x64.shape[:2], k // BLOCK, BLOCK)).max(-1) / 448.0
     x_err = 2.0**-4 * np.abs(x64) + 2.0**-10 * np.repeat(scales, BLOCK, axis=-1)
     spec = "gmk,gnk->mn" if summed else "gmk,gnk->gmn"
     want = np.einsum(spec, x64, w64)
     bound = np.einsum(spec, x_err, np.abs(w64)) + 2.0**-15 * np.einsum(spec, np.abs(x64), np.abs(w64))
+    y = y if summed else y[kept]
     err = np.abs(np.asarray(y, np.float64) - want)
     assert y.shape == want.shape and (err <= bound).all(), float((err / bound).max())
+    if chosen is not None and min(chosen) < 0:
+        return  # XLA's fallback takes no skipped groups
     fallback = fp8_grouped_matmul(x, w, matrices=ids, sum_groups=summed, backend="xla")
     assert not np.array_equal(np.asarray(y), np.asarray(fallback))  # the kernel ran: x's rounding shows
     np.testing.assert_allclose(np.asarray(fallback, np.float64), want, rtol=0, atol=1e-5 * np.abs(want).max())
@@ -234,6 +243,17 @@ def test_splits_fill_two_ctas_an_sm_and_divide_the_steps():
     assert choose_splits(n_tiles=112, steps=72, num_sms=132) == 3  # 336 CTAs
     assert choose_splits(n_tiles=32, steps=28, num_sms=132) == 14  # 7 would give 224 < 264
     assert choose_splits(n_tiles=1, steps=6, num_sms=132) == 6  # all it can
+
+
+@pytest.mark.parametrize("kb_per_step", [1, 2, 3])
+def test_every_slot_of_scales_starts_on_a_128_byte_boundary(kb_per_step):
+    """The slots lie end to end and a TMA writes shared memory at 128-byte aligned addresses: each
+    slot's kb_per_step x scale_tokens float32 is whole 128-byte units, and holds every token."""
+    for tokens in (16, 32, 48, 64, 128):
+        scale_tokens = scale_slot_tokens(tokens, kb_per_step)
+        assert scale_tokens >= tokens and (4 * kb_per_step * scale_tokens) % 128 == 0
+        assert scale_tokens - tokens < 32  # no more than one unit of padding
+    assert scale_slot_tokens(48, 1) == 64 and scale_slot_tokens(48, 2) == 48 and scale_slot_tokens(16, 2) == 16
 
 
 def test_quantize_activations_puts_each_blocks_amax_on_448():

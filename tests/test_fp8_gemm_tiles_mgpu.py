@@ -9,7 +9,7 @@ import pytest
 
 from snapmla_jax.fp8_weights import dequantize_weight, quantize_activations, quantize_blocks
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import (BLOCK, TilesConfig, choose_splits, fp8_gemm_tiles_mgpu,
-                                                            kernel_takes, pipeline_depth)
+                                                            fp8_grouped_gemm_tiles_mgpu, kernel_takes, pipeline_depth)
 
 
 def _operands(seed: int, m: int, n: int, k: int):
@@ -113,4 +113,64 @@ def test_the_kernel_lowers_for_cuda_at_a_prefill_shape(config):
             jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct((n // BLOCK, k // BLOCK), jnp.float32))
     text = lower_for_cuda(lambda *a: fp8_gemm_tiles_mgpu(*a, out_dtype=jnp.bfloat16, config=config), *args).as_text()
+    assert "snapmla_fp8_gemm_tiles" in text
+
+
+def _stack(seed: int, experts: int, n: int, k: int):
+    """A block-FP8 stack [E, n, k] with outlier channels."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((experts, n, k)) * 0.05
+    w[:, :, rng.integers(k, size=3)] *= 40.0
+    return quantize_blocks(jnp.asarray(w, jnp.float32))
+
+
+def _check_grouped(shared, with_matrices, experts, m, n, k, interpret, rel_bound):
+    """Two stacks (a MoE's gate and up) in one launch; groups of their own tokens pick matrices by
+    id (one repeated, one skipped), or share one token set over every matrix."""
+    stacks = (_stack(1, experts, n, k), _stack(2, experts, n, k))
+    matrices = jnp.asarray([2, -1, 0, 2], jnp.int32) if with_matrices else None
+    groups = 4 if with_matrices else experts
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1 if shared else groups, m, k))
+    x[:, 5] *= 30.0
+    x8, x_scales = quantize_activations(jnp.asarray(x, jnp.float32))
+    ys = fp8_grouped_gemm_tiles_mgpu(x8, x_scales, tuple(s.values for s in stacks), tuple(s.scales for s in stacks),
+                                     matrices, interpret=interpret)
+    assert len(ys) == 2 and all(y.shape == (groups, m, n) for y in ys)
+    xs = np.repeat(np.asarray(x_scales, np.float64).swapaxes(-1, -2), BLOCK, axis=-1)
+    xq = np.asarray(x8.astype(jnp.float32), np.float64) * xs
+    for y, stack in zip(ys, stacks):
+        wq = np.asarray(dequantize_weight(stack, jnp.float32), np.float64)
+        for g in range(groups):
+            e = int(matrices[g]) if with_matrices else g
+            if e < 0:
+                continue  # skipped: its rows are left unwritten
+            xg = xq[0 if shared else g]
+            want = xg @ wq[e].T
+            assert (np.abs(np.asarray(y[g], np.float64) - want) <= rel_bound * (np.abs(xg) @ np.abs(wq[e]).T)).all()
+
+
+@pytest.mark.parametrize("shared, with_matrices", [(True, False), (False, True)])
+def test_grouped_products_match_float64_each_with_its_matrix(shared, with_matrices):
+    # The single product's bound: 2^-15 of the terms' size in the interpreter.
+    _check_grouped(shared, with_matrices, 3, 128, 128, 256, interpret=True, rel_bound=2.0**-15)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shared, with_matrices", [(True, False), (False, True)])
+def test_compiled_grouped_products_match_float64_each_with_its_matrix(shared, with_matrices):
+    # The compiled single product's bound: 2^-10 (the FP8 wgmma's ~14-bit sums).
+    _check_grouped(shared, with_matrices, 3, 256, 1408, 2048, interpret=False, rel_bound=2.0**-10)
+
+
+def test_grouped_launch_lowers_for_cuda_with_matrices_by_id():
+    from snapmla_jax.backend import lower_for_cuda
+
+    experts, groups, m, n, k = 64, 80, 128, 1408, 2048
+    args = (jax.ShapeDtypeStruct((groups, m, k), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((groups, k // BLOCK, m), jnp.float32),
+            (jax.ShapeDtypeStruct((experts, n, k), jnp.float8_e4m3fn),) * 2,
+            (jax.ShapeDtypeStruct((experts, n // BLOCK, k // BLOCK), jnp.float32),) * 2,
+            jax.ShapeDtypeStruct((groups,), jnp.int32))
+    text = lower_for_cuda(lambda *a: fp8_grouped_gemm_tiles_mgpu(*a), *args).as_text()
     assert "snapmla_fp8_gemm_tiles" in text
