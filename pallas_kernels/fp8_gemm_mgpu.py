@@ -192,8 +192,9 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
 
 
 def run_on_stack(run, w_gmems: tuple, gg, stack_groups: int) -> None:
-    """``run(w_gmem)`` for the stack of grid group ``gg`` (stacks' groups one stack after another,
-    ``stack_groups`` each): the only one, or the one ``gg`` falls in."""
+    """``run(w_gmems[i])`` for the stack i of grid group ``gg`` (stacks' groups one stack after
+    another, ``stack_groups`` each): the only one, or the one ``gg`` falls in. An entry of
+    ``w_gmems`` is whatever ``run`` takes of a stack (its weight ref, or its refs)."""
     if len(w_gmems) == 1:
         run(w_gmems[0])
         return
@@ -213,6 +214,16 @@ def pad_tokens(m: int) -> int:
     LARGE_TILE (whole token tiles) above."""
     multiple = TOKEN_MULTIPLE if m <= MAX_TOKENS else LARGE_TILE
     return -(-m // multiple) * multiple
+
+
+def check_stacks(w8s: tuple, w_scales_s: tuple, num_x: int, groups: int) -> None:
+    """ValueError unless the weight stacks are of one shape with a scale stack each and the tokens
+    come as one group shared by all or one a group."""
+    if any(w.shape != w8s[0].shape for w in w8s) or len(w_scales_s) != len(w8s):
+        raise ValueError(f"w8: stacks of one shape, with a scale stack each; got {[w.shape for w in w8s]} and "
+                         f"{len(w_scales_s)} scale stacks")
+    if num_x not in (1, groups):
+        raise ValueError(f"x8: expected 1 or {groups} groups of tokens, got {num_x}")
 
 
 def combined_scales(x_scales: jax.Array, w_scales: jax.Array) -> jax.Array:
@@ -252,11 +263,7 @@ def fp8_grouped_gemm_mgpu(x8: jax.Array, x_scales: jax.Array, w8, w_scales, matr
         raise ValueError(f"x8, w8: the FP8 GEMM takes M a multiple of {TOKEN_MULTIPLE} up to {MAX_TOKENS} (of "
                          f"{LARGE_TILE} above), N of {TILE_N} and K of {BLOCK * kb_per_step}, got M={m}, N={n}, "
                          f"K={k} (weights K={w8s[0].shape[2]})")
-    if any(w.shape != w8s[0].shape for w in w8s) or len(w_scales_s) != len(w8s):
-        raise ValueError(f"w8: stacks of one shape, with a scale stack each; got {[w.shape for w in w8s]} and "
-                         f"{len(w_scales_s)} scale stacks")
-    if num_x not in (1, groups_total):
-        raise ValueError(f"x8: expected 1 or {groups_total} groups of tokens, got {num_x}")
+    check_stacks(w8s, w_scales_s, num_x, groups_total)
     if sum_groups and (matrices is not None or stacked):
         raise ValueError("matrices: a summed product runs every matrix of one stack in order (matrices=None)")
     steps_total = k // (BLOCK * kb_per_step)

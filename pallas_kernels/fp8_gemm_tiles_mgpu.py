@@ -48,9 +48,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+# BLOCK: the channels (and weight rows) a scale covers: a pipeline step's K, a CTA's weight rows.
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, check_stacks, run_on_stack
 from snapmla_jax.pallas_kernels.mgpu_bytes import BYTE_TILE_TRANSFORMS
 
-BLOCK = 128  # channels (and weight rows) a scale covers: a pipeline step's K, a CTA's weight rows
 WG_TOKENS = 64  # tokens a consumer warpgroup: one wgmma M
 SMEM_BYTES = 227 * 1024  # shared memory a CTA may use on Hopper
 # Beside the slots and the output tile: the pipeline's barriers (six 128-token slots and a bf16
@@ -164,14 +165,8 @@ def _kernel(*refs, num_stacks: int, stack_groups: int, has_matrices: bool, share
                  xs_gmem.at[x_group, kb_steps, pl.ds(m * tokens, tokens)],
                  w_gmem.at[matrix, pl.ds(n * BLOCK, BLOCK), k_steps])
 
-    def run_stack():
-        if num_stacks == 1:
-            run(w_gmems[0], ws_gmems[0])
-            return
-        stack = lax.div(gg, stack_groups)
-        for index in range(num_stacks):
-            pl.when(stack == index)(functools.partial(run, w_gmems[index], ws_gmems[index]))
-
+    run_stack = functools.partial(run_on_stack, lambda refs: run(*refs), tuple(zip(w_gmems, ws_gmems)), gg,
+                                  stack_groups)
     if has_matrices:
         pl.when(matrix >= 0)(run_stack)
     else:
@@ -207,11 +202,7 @@ def fp8_grouped_gemm_tiles_mgpu(x8: jax.Array, x_scales: jax.Array, w8, w_scales
     if not kernel_takes(m, n, k, config) or w8s[0].shape[2] != k:
         raise ValueError(f"x8, w8: the tiled FP8 GEMM takes M a multiple of {config.tile_tokens}, N of {BLOCK} and K "
                          f"of {BLOCK * config.kb_per_step}, got M={m}, N={n}, K={k} (weights K={w8s[0].shape[2]})")
-    if any(w.shape != w8s[0].shape for w in w8s) or len(w_scales_s) != len(w8s):
-        raise ValueError(f"w8: stacks of one shape, with a scale stack each; got {[w.shape for w in w8s]} and "
-                         f"{len(w_scales_s)} scale stacks")
-    if num_x not in (1, groups):
-        raise ValueError(f"x8: expected 1 or {groups} groups of tokens, got {num_x}")
+    check_stacks(w8s, w_scales_s, num_x, groups)
     if x_scales.shape != (num_x, k // BLOCK, m) or any(ws.shape != (num_matrices, n // BLOCK, k // BLOCK)
                                                       for ws in w_scales_s):
         raise ValueError(f"x_scales, w_scales: expected {(num_x, k // BLOCK, m)} and "

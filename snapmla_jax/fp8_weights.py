@@ -118,10 +118,10 @@ def dequantize_weight(w: BlockFP8Weight, dtype=jnp.float32) -> jax.Array:
 
 
 # Most rows of x ``fp8_matmul`` and ``fp8_grouped_matmul`` give the FP8 GEMM kernel of few tokens
-# where the tiled kernel does not run (``tiles_run``; summed groups): decode steps. Up to 64 rows it runs 1.4-1.8x
-# the bf16 GEMM at large shapes; above, 0.6-1.4x, and still 2-3x XLA's dequantized path (H200, 128
-# and 256 rows; docs/benchmarks/fp8_gemm_h200.md). 512: the MoE's dense dispatch's top
-# (``models.moe.DENSE_TOKEN_RANGE``).
+# where the tiled kernel does not run (``tiles_run``; summed groups): decode steps. Up to 64 rows
+# it runs 1.4-1.8x the bf16 GEMM at large shapes; above, 0.6-1.4x, and still 2-3x XLA's
+# dequantized path (H200, 128 and 256 rows; docs/benchmarks/fp8_gemm_h200.md). 512: the MoE's
+# dense dispatch's top (``models.moe.DENSE_TOKEN_RANGE``).
 KERNEL_MAX_TOKENS = 512
 # The tiled kernel's shape (``fp8_gemm_tiles_mgpu``): two consumer warpgroups of 64 tokens, one
 # 128-channel block a step, four in flight: side by side on an H200, three consumers, two blocks a
