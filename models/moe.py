@@ -75,7 +75,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from snapmla_jax.backend import on_hopper, resolve_backend, sm_count
+from snapmla_jax.backend import mosaic_kernels_run, resolve_backend, sm_count
 from snapmla_jax.fp8_weights import BlockFP8Weight, dequantize_weight, fp8_grouped_matmul, kernel_runs
 from snapmla_jax.models.config import MLAConfig
 from snapmla_jax.models.layers import MLP
@@ -267,12 +267,6 @@ class Router(nnx.Module):
         return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
 
 
-def _grouped_gemm_here(backend: str) -> bool:
-    """Whether the BF16 grouped GEMM runs with ``backend`` (resolved): "interpret", or "pallas" on a
-    Hopper GPU."""
-    return backend == "interpret" or (backend == "pallas" and on_hopper())
-
-
 def _fp8_products(stacks: tuple[BlockFP8Weight, ...], backend: str) -> tuple:
     """(gate_up, down) for ``gathered_products`` / ``sorted_products`` on block-FP8 (w_gate, w_up,
     w_down): each group's chosen matrices read in FP8 where they lie, gate and up in one launch."""
@@ -375,7 +369,7 @@ class MoE(nnx.Module):
         if self.fp8_kernel_stacks(chunk, backend) is not None:
             return True
         stacks = tuple(w.get_value() for w in (self.w_gate, self.w_up, self.w_down))
-        return _grouped_gemm_here(backend) and all(isinstance(w, jax.Array) for w in stacks) and sorted_takes(chunk, *stacks)
+        return mosaic_kernels_run(backend) and all(isinstance(w, jax.Array) for w in stacks) and sorted_takes(chunk, *stacks)
 
     def num_local_experts(self) -> int:
         """The experts whose weights this layer holds: E, or E / N inside ``shard_map`` over N
@@ -458,7 +452,7 @@ class MoE(nnx.Module):
         else:
             stacks = self.expert_stacks(flat.dtype)
         experts = (flat, weights, ids, *stacks)
-        if _grouped_gemm_here(backend) and grouped_experts_takes(flat.shape[0], *stacks):
+        if mosaic_kernels_run(backend) and grouped_experts_takes(flat.shape[0], *stacks):
             out = grouped_experts(*experts, num_sms=sm_count(), interpret=backend == "interpret")
         else:
             out = grouped_experts_reference(*experts)

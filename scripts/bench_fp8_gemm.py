@@ -11,9 +11,9 @@ weight dequantized in the program; "fp8_tensor" is XLA's FP8 product with one sc
 operand (cuBLAS's FP8 GEMM: the ceiling a product with block scales is held against). Below
 COMPUTE_TOKENS tokens each program chains its product over enough weight copies (>= 384 MiB of
 e4m3) that the weights come from HBM, not L2, and one call's time is the chain's over the copies;
-from there on the product is compute-bound and runs once a call. GB/s counts the weight bytes each program must
-read (2 a weight in bf16, 1 in FP8) against the copy bandwidth measured in the run; TFLOP/s
-counts 2 x tokens x out x in. Writes bench_fp8_gemm.json and .md under --out.
+from there on the product is compute-bound and runs once a call. GB/s counts the weight bytes
+each program must read (2 a weight in bf16, 1 in FP8) against the copy bandwidth measured in the
+run; TFLOP/s counts 2 x tokens x out x in. Writes bench_fp8_gemm.json and .md under --out.
 """
 
 from __future__ import annotations

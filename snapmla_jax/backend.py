@@ -44,6 +44,12 @@ def on_hopper() -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
+def mosaic_kernels_run(backend: str) -> bool:
+    """Whether the Mosaic GPU kernels run with ``backend`` (resolved): "interpret" (Pallas'
+    interpreter), or "pallas" on a Hopper GPU."""
+    return backend == "interpret" or (backend == "pallas" and on_hopper())
+
+
 # The GPU an AOT lowering without a GPU targets (``lower_for_cuda``).
 ABSTRACT_GPU_KIND = "NVIDIA H100 80GB HBM3"
 

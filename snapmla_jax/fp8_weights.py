@@ -22,7 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from snapmla_jax.backend import on_hopper, resolve_backend, sm_count
+from snapmla_jax.backend import mosaic_kernels_run, resolve_backend, sm_count
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, MAX_TOKENS, fp8_gemm_mgpu, fp8_grouped_gemm_mgpu, pad_tokens
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import kernel_takes as gemm_takes
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import TilesConfig, fp8_gemm_tiles_mgpu, fp8_grouped_gemm_tiles_mgpu
@@ -135,7 +135,7 @@ def kernel_runs(w: BlockFP8Weight, rows: int, backend: str) -> bool:
     at most KERNEL_MAX_TOKENS rows; shapes of whole tiles (``fp8_gemm_mgpu.kernel_takes``)."""
     return (w.block == (BLOCK, BLOCK) and 0 < rows <= KERNEL_MAX_TOKENS
             and gemm_takes(pad_tokens(rows), *w.shape[-2:])
-            and (backend == "interpret" or (backend == "pallas" and on_hopper())))
+            and mosaic_kernels_run(backend))
 
 
 def tiles_run(w: BlockFP8Weight, rows: int, backend: str) -> bool:
@@ -145,7 +145,7 @@ def tiles_run(w: BlockFP8Weight, rows: int, backend: str) -> bool:
     "interpret", or "pallas" on a Hopper GPU."""
     return (w.block == (BLOCK, BLOCK) and rows > MAX_TOKENS
             and tiles_takes(_tile_rows(rows), *w.shape[-2:], TILES_CONFIG)
-            and (backend == "interpret" or (backend == "pallas" and on_hopper())))
+            and mosaic_kernels_run(backend))
 
 
 def _tile_rows(rows: int) -> int:
