@@ -122,7 +122,7 @@ def _split_weights(lse_ref, b, num_splits: int, num_rows: int, rows):
     return partial_index, real, weight, lse_max, jnp.sum(weight, axis=0)
 
 
-def _merged_lse(total, lse_max):
+def lse_of_total(total, lse_max):
     """The merged log-sum-exp of a row from its weights' total and max (-inf: no split saw it)."""
     return jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + lse_max, -jnp.inf)
 
@@ -153,7 +153,7 @@ def _combine_kernel(out_ref, lse_ref, o_ref, lse_out_ref, *, num_splits: int, nu
 
     @pl.when(first % rank == 0)
     def _():
-        plgpu_tr.store(lse_out_ref.at[b * num_rows + rows], _merged_lse(total, lse_max))
+        plgpu_tr.store(lse_out_ref.at[b * num_rows + rows], lse_of_total(total, lse_max))
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
@@ -212,7 +212,7 @@ def combine_items_reference(out: jax.Array, lse: jax.Array, item_start: jax.Arra
     combined = weighted / jnp.where(total > 0, total, 1.0)[..., None]
     several = (item_count >= 2)[:, None]
     return (jnp.where(several[..., None], combined.astype(merged.dtype), merged),
-            jnp.where(several, _merged_lse(total, lse_max), merged_lse))
+            jnp.where(several, lse_of_total(total, lse_max), merged_lse))
 
 
 def _merge_items(out_ref, lse_ref, start, count, rows, within, *, chunk: int, num_rows: int, rank: int):
@@ -254,7 +254,7 @@ def _merge_items(out_ref, lse_ref, start, count, rows, within, *, chunk: int, nu
     # 4.47 vs 4.77, 8 x 16 x 128 6.04 vs 6.66, 1 x 66 x 128 7.07 vs 7.43.
     top, total, acc = lax.fori_loop(1, lax.div(count + (chunk - 1), chunk), step, step(0, init))
     merged = acc / jnp.where(total > 0, total, 1.0)[:, None]
-    return merged, _merged_lse(total, jnp.where(top == -jnp.inf, 0.0, top))
+    return merged, lse_of_total(total, jnp.where(top == -jnp.inf, 0.0, top))
 
 
 def _items_kernel(out_ref, lse_ref, start_ref, count_ref, _merged_in, _merged_lse_in, o_ref, lse_out_ref, *,
@@ -285,7 +285,7 @@ def _items_kernel(out_ref, lse_ref, start_ref, count_ref, _merged_in, _merged_ls
             plgpu_tr.store(lse_out_ref.at[b * num_rows + rows], merged_lse)
 
 
-def _check_items_args(out, lse, item_start, item_count, merged, merged_lse, chunk):
+def check_items_args(out, lse, item_start, item_count, merged, merged_lse, chunk):
     """Raise ValueError unless ``combine_items``' arguments agree; return (rows, R)."""
     if out.ndim != 3 or lse.ndim != 2:
         raise ValueError(f"out, lse: expected 3 and 2 dimensions ([W, rows, R], [W, rows]), got {out.shape} and "
@@ -354,7 +354,7 @@ def combine_items(out: jax.Array, lse: jax.Array, item_start: jax.Array, item_co
     power of two, R is not one or out has 2**31 values or more. item_start and item_count are
     data, not checked: out-of-range items are clamped into out, never read past it.
     """
-    num_rows, rank = _check_items_args(out, lse, item_start, item_count, merged, merged_lse, chunk)
+    num_rows, rank = check_items_args(out, lse, item_start, item_count, merged, merged_lse, chunk)
     size = tile_size(chunk, num_rows * rank)
     whole = pl.BlockSpec(memory_space=pl.ANY)
     new_merged, new_lse = pl.pallas_call(

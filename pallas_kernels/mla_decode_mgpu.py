@@ -75,6 +75,7 @@ from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms,
                                                    store_feature_pairs, store_quads)
 from snapmla_jax.pallas_kernels.combine_splits import combine_items, combine_splits, partial_dtype
+from snapmla_jax.pallas_kernels.combine_splits_mgpu import combine_items_mgpu, combine_splits_mgpu
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import decode_inputs, decode_inputs_and_plan
 from snapmla_jax.pallas_kernels.mla_decode import LN2, LOG2E, resolve_num_pages
 from snapmla_jax.pallas_kernels.split_plan import SplitPlan, balanced_items, item_steps, uniform_plan
@@ -152,6 +153,13 @@ UNSYNCED_ROW_STORES = True
 # ``NAMED_SYNC``. 0.422 vs 0.432 ms at 32 x 16k x 128 x 2 (H100, tools/time_mgpu_variants.py
 # --shape 32x16384x128x2 --variants baseline commit_with_barrier).
 FENCE_ONLY_COMMIT = True
+# Whether the split partials of every Mosaic decode kernel are merged on Mosaic GPU
+# (``combine_splits_mgpu``: 0.98-1.45x the Triton merge's GPU time on an H200, interpret tests
+# and its own compiled tests green) rather than by the Triton merge (``merge_items``). Off until
+# the whole compiled decode suite has passed with it and a side-by-side decode run explains
+# 8 x 32k x 16 heads (wall clock 0.0673 ms with it against 0.0595, one run of
+# tools/time_mgpu_variants.py --kernel small --variants baseline mosaic_merge).
+MOSAIC_MERGE = False
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
@@ -1082,17 +1090,20 @@ def merge_items(outs: tuple, plan: SplitPlan, dtype, *, num_splits: int,
     (``combine_splits``: counts known when it compiles, 0.5-3 us faster on an H200 than
     reading them); a balanced one merges rows of several items into the rows the kernel wrote
     directly (``combine_items``, up to ``num_splits`` items, rounded up to a power of two,
-    loaded at a time)."""
+    loaded at a time). Both by the Triton merge of ``combine_splits``, or with ``MOSAIC_MERGE``
+    on Mosaic GPU (``combine_splits_mgpu``)."""
     out, lse, part_o, part_lse = outs
     batch = out.shape[0]
+    merge_splits, merge_rows = ((combine_splits_mgpu, combine_items_mgpu) if MOSAIC_MERGE
+                                else (combine_splits, combine_items))
     if plan.partials and plan.uniform_splits is not None:
         part_o = part_o.reshape(batch, plan.uniform_splits, *part_o.shape[1:])
-        out, lse = combine_splits(part_o, part_lse.reshape(batch, plan.uniform_splits, -1), dtype,
-                                  interpret=interpret)
+        out, lse = merge_splits(part_o, part_lse.reshape(batch, plan.uniform_splits, -1), dtype,
+                                interpret=interpret)
         return out, lse
     if plan.partials:
-        out, lse = combine_items(part_o, part_lse, plan.item_start, plan.item_count, out, lse,
-                                 chunk=pl.next_power_of_2(max(num_splits, 2)), interpret=interpret)
+        out, lse = merge_rows(part_o, part_lse, plan.item_start, plan.item_count, out, lse,
+                              chunk=pl.next_power_of_2(max(num_splits, 2)), interpret=interpret)
     return out.astype(dtype), lse
 
 

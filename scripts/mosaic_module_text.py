@@ -36,7 +36,7 @@ PAGES_PER_ROW = 3
 
 
 def lowered_module(kernel: str, plan: str) -> str:
-    """The Mosaic module of ``kernel`` (``KERNELS``) with a ``plan`` (``PLANS``) split plan of two
+    """The Mosaic decode module of ``kernel`` (``KERNELS``) with a ``plan`` (``PLANS``) split plan of two
     splits a row, over two batch rows of 3 pages (seq_lens 100 and 0), as MLIR text."""
     heads = 16 if kernel == "small" else 64
     batch, rows = 2, heads
@@ -56,9 +56,13 @@ def lowered_module(kernel: str, plan: str) -> str:
         return fn(q, q_rope, cache, block_table, seq_lens, jnp.zeros((1,), jnp.int32), softmax_scale=0.1,
                   page_size=PAGE, s_q=1, num_heads=heads, num_splits=2, balanced=plan == "balanced")
 
-    modules = mosaic_module_texts(lower_for_cuda(call, q, q_rope, cache, block_table, seq_lens))
+    # The call also lowers the Mosaic merge of its splits: the decode kernel's module is the one
+    # named after it.
+    modules = [module for module in mosaic_module_texts(lower_for_cuda(call, q, q_rope, cache, block_table, seq_lens))
+               if "snapmla_decode" in module]
     if len(modules) != 1:
-        raise RuntimeError(f"{kernel} ({plan} plan): expected one Mosaic module in the lowering, got {len(modules)}")
+        raise RuntimeError(f"{kernel} ({plan} plan): expected one Mosaic decode module in the lowering, "
+                           f"got {len(modules)}")
     # The dump file name Mosaic GPU would use counts the kernel's lowerings in this process.
     return re.sub(r'(mosaic_gpu\.dump_basename = "[^"]*)_\d+"', r'\1"', modules[0])
 

@@ -1,4 +1,7 @@
-"""The split-KV merge kernels (pallas_kernels/combine_splits.py) against a float64 merge."""
+"""The split-KV merges against a float64 merge: the Triton one (pallas_kernels/combine_splits.py,
+the Triton decode kernels') and the Mosaic GPU one (combine_splits_mgpu.py, the Mosaic decode
+kernels'), in interpret mode (compiled on a GPU: ``-m gpu``), and the Mosaic one's lowering for
+CUDA on the CPU."""
 
 import functools
 
@@ -8,8 +11,15 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
+from snapmla_jax.backend import lower_for_cuda
+from snapmla_jax.pallas_kernels import combine_splits_mgpu as mosaic
 from snapmla_jax.pallas_kernels.combine_splits import (combine_items, combine_items_reference, combine_splits,
                                                        combine_splits_reference, max_tile, partial_dtype, tile_size)
+
+# Each merge as (combine_splits, combine_items): the tests run both.
+MERGES = {"triton": (combine_splits, combine_items),
+          "mosaic": (mosaic.combine_splits_mgpu, mosaic.combine_items_mgpu)}
+merges = pytest.mark.parametrize("merge", list(MERGES))
 
 
 def merge_float64(out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -47,11 +57,12 @@ def random_partials(seed: int, batch: int, splits: int, rows: int, rank: int = 5
 SHAPES = [(3, 5, 16), (1, 66, 64), (2, 128, 16), (1, 2, 32), (5, 3, 64), (3, 3, 48)]
 
 
+@merges
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_combine_matches_float64(shape):
+def test_combine_matches_float64(shape, merge):
     out, lse = random_partials(sum(shape), *shape)
     want, want_lse = merge_float64(out, lse)
-    merged, merged_lse = combine_splits(jnp.asarray(out), jnp.asarray(lse), jnp.float32, interpret=True)
+    merged, merged_lse = MERGES[merge][0](jnp.asarray(out), jnp.asarray(lse), jnp.float32, interpret=True)
     # float32 sums of <= 128 terms with weights <= 1 and a float32 exp/log: a few ulps of
     # the largest partial (|out| <= ~1500 here), 1e-6 relative to it; the lse to 1e-6 of its size.
     scale = np.abs(out).max()
@@ -60,24 +71,26 @@ def test_combine_matches_float64(shape):
     assert np.isneginf(np.asarray(merged_lse)[-1, 1]) and not np.asarray(merged)[-1, 1].any()
 
 
-def test_combine_casts_to_the_callers_dtype():
+@merges
+def test_combine_casts_to_the_callers_dtype(merge):
     out, lse = random_partials(7, 2, 6, 16)
     want, _ = merge_float64(out, lse)
-    merged, _ = combine_splits(jnp.asarray(out), jnp.asarray(lse), jnp.bfloat16, interpret=True)
+    merged, _ = MERGES[merge][0](jnp.asarray(out), jnp.asarray(lse), jnp.bfloat16, interpret=True)
     assert merged.dtype == jnp.bfloat16
     # bf16 keeps 8 significant bits: within 2**-8 of each value (plus the float32 error).
     np.testing.assert_allclose(np.asarray(merged, np.float32), want, rtol=2.0 ** -8, atol=1e-6 * np.abs(out).max())
 
 
+@merges
 @pytest.mark.parametrize("shape", [(3, 5, 16), (1, 66, 64), (2, 2, 64)], ids=lambda s: "x".join(map(str, s)))
-def test_combine_takes_bf16_partials(shape):
+def test_combine_takes_bf16_partials(shape, merge):
     """bf16 partials (``partial_dtype`` of a bf16 output) are merged in float32: as float64 on
     the rounded partials to float32's error, and within one bf16 rounding (half an ulp: at most
     2**-8 of the value) of the largest partial of the float64 merge of the unrounded ones."""
     out, lse = random_partials(sum(shape) + 11, *shape)
     rounded = np.asarray(jnp.asarray(out, jnp.bfloat16).astype(jnp.float32))
-    merged, merged_lse = combine_splits(jnp.asarray(rounded, jnp.bfloat16), jnp.asarray(lse), jnp.float32,
-                                        interpret=True)
+    merged, merged_lse = MERGES[merge][0](jnp.asarray(rounded, jnp.bfloat16), jnp.asarray(lse), jnp.float32,
+                                          interpret=True)
     want, want_lse = merge_float64(rounded, lse)
     scale = np.abs(out).max()
     np.testing.assert_allclose(np.asarray(merged), want, rtol=0, atol=1e-6 * scale)
@@ -110,23 +123,60 @@ def test_tile_size_fits_and_divides():
             assert size * pl.next_power_of_2(splits) <= max_tile(splits) and (rows * 512) % size == 0
 
 
+def test_mosaic_run_shape_fits_and_divides():
+    widest = mosaic.WARPGROUP * mosaic.MIN_THREAD_VALUES
+    for splits in (1, 2, 3, 8, 33, 66, 128, 256):
+        for rows in (16, 20, 48, 64, 128):
+            for batch in (1, 8, 64):
+                run_rows, run_cols = mosaic.run_shape(splits, rows, 512, batch)
+                values = run_rows * run_cols
+                # Runs tile the slab; a thread holds whole values of each row, at most ``max_tile``
+                # values for the step's items unless MIN_THREAD_VALUES a thread and item are more.
+                assert rows % run_rows == 0 and 512 % run_cols == 0 and run_cols % mosaic.WARPGROUP == 0
+                assert values <= max(mosaic.max_tile(splits) // pl.next_power_of_2(splits), widest)
+                # Loads as wide as MIN_THREAD_VALUES where the grid keeps MIN_CTAS CTAs.
+                ctas = batch * rows * 512 // values
+                assert values >= widest or ctas < 2 * mosaic.MIN_CTAS
+                assert mosaic.run_shape(splits, rows, 512, 64)[1] >= min(widest, 512)
+
+
+@merges
 @pytest.mark.parametrize("out_shape, lse_shape, dtype, match", [
     ((2, 3, 16, 512), (2, 3, 8), jnp.float32, "lse"),
     ((2, 3, 512, 16), (2, 3, 16), jnp.float32, "lse"),
     ((2, 3, 16, 512), (2, 3, 16), jnp.float16, "float32 or bfloat16"),
     ((3, 16, 512), (3, 16), jnp.float32, "dimensions"),
 ])
-def test_bad_partials_raise(out_shape, lse_shape, dtype, match):
+def test_bad_partials_raise(out_shape, lse_shape, dtype, match, merge):
     with pytest.raises(ValueError, match=match):
-        combine_splits(jnp.ones(out_shape, dtype), jnp.zeros(lse_shape, jnp.float32), interpret=True)
+        MERGES[merge][0](jnp.ones(out_shape, dtype), jnp.zeros(lse_shape, jnp.float32), interpret=True)
+
+
+def test_mosaic_merge_refuses_a_rank_it_cannot_tile():
+    with pytest.raises(ValueError, match="R a power of two >= 128"):
+        mosaic.combine_splits_mgpu(jnp.ones((1, 2, 16, 64)), jnp.zeros((1, 2, 16)), interpret=True)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 16), (1, 66, 64), (3, 3, 48)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("partial", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_mosaic_merges_lower_for_cuda(shape, partial):
+    """Both Mosaic merges lower for CUDA on the CPU (layouts, vector widths) at the decode's R = 512."""
+    batch, splits, rows = shape
+    out, lse = jnp.zeros((batch, splits, rows, 512), partial), jnp.zeros((batch, splits, rows), jnp.float32)
+    lower_for_cuda(lambda o, l: mosaic.combine_splits_mgpu(o, l, jnp.float32), out, lse)
+    items = (out.reshape(batch * splits, rows, 512), lse.reshape(batch * splits, rows),
+             jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32),
+             jnp.zeros((batch, rows, 512), partial), jnp.zeros((batch, rows), jnp.float32))
+    lower_for_cuda(functools.partial(mosaic.combine_items_mgpu, chunk=pl.next_power_of_2(splits)), *items)
 
 
 @pytest.mark.gpu
+@merges
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_compiled_combine_matches_float64(shape):
+def test_compiled_combine_matches_float64(shape, merge):
     out, lse = random_partials(sum(shape), *shape)
     want, want_lse = merge_float64(out, lse)
-    merged, merged_lse = jax.jit(combine_splits, static_argnames=("dtype",))(
+    merged, merged_lse = jax.jit(MERGES[merge][0], static_argnames=("dtype",))(
         jnp.asarray(out), jnp.asarray(lse), jnp.float32)
     # The GPU's exp/log differ from numpy's by a few ulps: the same bounds as interpret mode.
     np.testing.assert_allclose(np.asarray(merged), want, rtol=0, atol=1e-6 * np.abs(out).max())
@@ -205,18 +255,21 @@ ITEM_IDS = ["{}-{}-{}-c{}-{}".format(r, jnp.dtype(p).name, jnp.dtype(o).name, c,
 # Half an ulp of the output (8 and 11 significant bits): its rounding moves a value by at most
 # 2**-8 (bf16) or 2**-11 (f16) of itself; float32 outputs are not rounded again.
 OUTPUT_RTOL = {jnp.dtype(jnp.float32): 0.0, jnp.dtype(jnp.bfloat16): 2.0 ** -8, jnp.dtype(jnp.float16): 2.0 ** -11}
-RANK = 64  # small R: interpret mode's cost grows with it
+# Small R: interpret mode's cost grows with it; the Mosaic merge takes R >= 128 (a thread's
+# share of a row is whole values).
+RANK = {"triton": 64, "mosaic": 128}
 
 
 @functools.lru_cache(maxsize=None)
-def run_items_case(case_index: int):
-    """(inputs of ``random_items``, merged, merged_lse as numpy) of ITEM_CASES[case_index], run once."""
+def run_items_case(case_index: int, merge: str):
+    """(inputs of ``random_items``, merged, merged_lse as numpy) of ITEM_CASES[case_index] under
+    ``merge``, run once."""
     rows, partial, output, chunk, counts = ITEM_CASES[case_index]
-    inputs = random_items(100 + case_index, counts, rows, RANK, partial, output, chunk)
+    inputs = random_items(100 + case_index, counts, rows, RANK[merge], partial, output, chunk)
     out, lse, starts, counts, merged, merged_lse = inputs
-    got, got_lse = combine_items(jnp.asarray(out, partial), jnp.asarray(lse), jnp.asarray(starts),
-                                 jnp.asarray(counts), jnp.asarray(merged), jnp.asarray(merged_lse), chunk=chunk,
-                                 interpret=True)
+    got, got_lse = MERGES[merge][1](jnp.asarray(out, partial), jnp.asarray(lse), jnp.asarray(starts),
+                                    jnp.asarray(counts), jnp.asarray(merged), jnp.asarray(merged_lse), chunk=chunk,
+                                    interpret=True)
     assert got.dtype == jnp.dtype(output) and got_lse.dtype == jnp.float32
     return inputs, np.asarray(got), np.asarray(got_lse)
 
@@ -237,29 +290,32 @@ def assert_items_match_float64(inputs, got, got_lse):
         np.testing.assert_allclose(got_lse[b], want_lse[b], rtol=1e-6, atol=1e-5, err_msg=f"batch row {b}")
 
 
+@merges
 @pytest.mark.parametrize("case_index", range(len(ITEM_CASES)), ids=ITEM_IDS)
-def test_combine_items_merges_rows_of_several_items(case_index):
-    assert_items_match_float64(*run_items_case(case_index))
+def test_combine_items_merges_rows_of_several_items(case_index, merge):
+    assert_items_match_float64(*run_items_case(case_index, merge))
 
 
+@merges
 @pytest.mark.parametrize("case_index", range(len(ITEM_CASES)), ids=ITEM_IDS)
-def test_combine_items_leaves_rows_of_one_item_bit_identical(case_index):
-    (_, _, _, counts, merged, merged_lse), got, got_lse = run_items_case(case_index)
+def test_combine_items_leaves_rows_of_one_item_bit_identical(case_index, merge):
+    (_, _, _, counts, merged, merged_lse), got, got_lse = run_items_case(case_index, merge)
     kept = counts <= 1
     bits = {2: np.uint16, 4: np.uint32}[merged.dtype.itemsize]
     assert np.array_equal(got[kept].view(bits), merged[kept].view(bits))
     assert np.array_equal(got_lse[kept].view(np.uint32), merged_lse[kept].view(np.uint32))
 
 
+@merges
 @pytest.mark.parametrize("case_index", range(len(ITEM_CASES)), ids=ITEM_IDS)
-def test_combine_items_zeroes_a_query_row_no_item_saw(case_index):
-    (_, _, _, counts, _, _), got, got_lse = run_items_case(case_index)
+def test_combine_items_zeroes_a_query_row_no_item_saw(case_index, merge):
+    (_, _, _, counts, _, _), got, got_lse = run_items_case(case_index, merge)
     b = np.flatnonzero(counts >= 2)[0]  # query row 1 is -inf in every item of this row
     assert np.isneginf(got_lse[b, 1]) and not got[b, 1].astype(np.float32).any()
 
 
 def test_combine_items_reference_agrees_with_float64():
-    inputs = random_items(5, RAGGED, 16, RANK, jnp.float32, jnp.float32, 4)
+    inputs = random_items(5, RAGGED, 16, 64, jnp.float32, jnp.float32, 4)
     got, got_lse = combine_items_reference(*map(jnp.asarray, inputs))
     assert_items_match_float64(inputs, np.asarray(got), np.asarray(got_lse))
     kept = inputs[3] <= 1
@@ -294,19 +350,21 @@ def item_args(width=6, batch=3, rows=16, rank=64, **changes):
     ({}, 3, "chunk: expected a power of two"),
     ({}, 0, "chunk: expected a power of two"),
 ])
-def test_bad_item_args_raise(changes, chunk, match):
+@merges
+def test_bad_item_args_raise(changes, chunk, match, merge):
     with pytest.raises(ValueError, match=match):
-        combine_items(**item_args(**changes), chunk=chunk, interpret=True)
+        MERGES[merge][1](**item_args(**changes), chunk=chunk, interpret=True)
 
 
 @pytest.mark.gpu
+@merges
 @pytest.mark.parametrize("case_index", range(len(ITEM_CASES)), ids=ITEM_IDS)
-def test_compiled_combine_items_matches_float64(case_index):
+def test_compiled_combine_items_matches_float64(case_index, merge):
     rows, partial, output, chunk, counts = ITEM_CASES[case_index]
     inputs = random_items(100 + case_index, counts, rows, 512, partial, output, chunk)
     out, lse, starts, counts, merged, merged_lse = inputs
-    got, got_lse = combine_items(jnp.asarray(out, partial), jnp.asarray(lse), jnp.asarray(starts),
-                                 jnp.asarray(counts), jnp.asarray(merged), jnp.asarray(merged_lse), chunk=chunk)
+    got, got_lse = MERGES[merge][1](jnp.asarray(out, partial), jnp.asarray(lse), jnp.asarray(starts),
+                                    jnp.asarray(counts), jnp.asarray(merged), jnp.asarray(merged_lse), chunk=chunk)
     got, got_lse = np.asarray(got), np.asarray(got_lse)
     # The GPU's exp/log differ from numpy's by a few ulps: the same bounds as interpret mode.
     assert_items_match_float64(inputs, got, got_lse)

@@ -363,9 +363,13 @@ def _nan_past_seq_lens(latent, scale, rope, block_table, seq_lens):
 
 
 def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu", dtype="bfloat16",
-           balanced=False, pages_per_row=5):
+           balanced=False, pages_per_row=5, mosaic_merge=None):
     """Kernel vs ``mla_decode_reference(block_n=128)``, queries in ``dtype``; returns (max error /
-    max |ref|, max lse error, lse scale)."""
+    max |ref|, max lse error, lse scale). ``mosaic_merge``: None, or the value of
+    ``mla_decode_mgpu.MOSAIC_MERGE`` (which merge the split partials take) for this call."""
+    if mosaic_merge is not None:
+        mgpu_kernel.MOSAIC_MERGE = mosaic_merge
+        jax.clear_caches()  # a cached kernel call would keep the other merge
     q, q_rope, latent, scale, rope, block_table, lens = _inputs(heads + s_q, batch=len(seq_lens), heads=heads,
                                                                 pages_per_row=pages_per_row, seq_lens=seq_lens,
                                                                 s_q=s_q)
@@ -508,6 +512,17 @@ def test_balanced_plan_interpreted_matches_reference(kernel, heads, s_q, seq_len
     output directly, the others in partial slots merged by ``combine_items``."""
     err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, 0, splits, kernel=kernel, dtype=dtype,
                                            balanced=True, pages_per_row=10)
+    assert err < _balanced_tolerance(dtype), err
+    assert lse_err < 1e-4, lse_err
+
+
+@pytest.mark.parametrize("kernel,heads,balanced,dtype", [
+    ("mgpu", 64, False, "float32"), ("mgpu", 64, True, "bfloat16"), ("small", 16, True, "float32")])
+def test_mosaic_merge_interpreted_matches_reference(kernel, heads, balanced, dtype):
+    """On CPU: the kernels' partials merged by the Mosaic GPU merge (``MOSAIC_MERGE``), uniform and
+    balanced plans, to the bounds of the Triton merge's tests (the same float32 sums in another order)."""
+    err, lse_err, _ = _check_in_subprocess(heads, 1, [640, 40, 0], 0, 2, kernel=kernel, dtype=dtype,
+                                           balanced=balanced, pages_per_row=10, mosaic_merge=True)
     assert err < _balanced_tolerance(dtype), err
     assert lse_err < 1e-4, lse_err
 

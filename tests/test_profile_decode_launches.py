@@ -57,6 +57,16 @@ def test_merge_tuning_cases_parse_and_exit_without_a_gpu(tmp_path):
         with pytest.raises(argparse.ArgumentTypeError, match="B x splits x rows"):
             script.parse_case(bad)
     assert script.main(["--out", str(tmp_path)]) == 2
+    assert script.parse_compare_case("64x8x128I") == (64, 8, 128, True)
+    assert script.parse_compare_case("1x66x128") == (1, 66, 128, False)
+    assert script.main(["--out", str(tmp_path), "--compare"]) == 2
+
+
+def test_merge_tuning_names_a_bad_case(capsys):
+    script = _script("tune_combine_splits")
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--out", "/nonexistent", "--cases", "1x66"])
+    assert exit_info.value.code == 2 and "--cases" in capsys.readouterr().err
 
 
 def test_kernel_durations_follow_the_call_order():

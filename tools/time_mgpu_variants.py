@@ -60,6 +60,7 @@ VARIANTS = {
     "mbarrier_sync": {"NAMED_SYNC": False},
     "synced_row_stores": {"UNSYNCED_ROW_STORES": False},
     "commit_with_barrier": {"FENCE_ONLY_COMMIT": False},
+    "mosaic_merge": {"MOSAIC_MERGE": True},
 }
 SMALL_VARIANTS = {
     "baseline": {},
@@ -72,13 +73,15 @@ SMALL_VARIANTS = {
     # ``grid_params``).
     "issue_by_one_thread": {"ISSUE_BY_WARPS": False},
     "precise_math": {"APPROX_MATH": False},
+    "mosaic_merge": {"MOSAIC_MERGE": True},
 }
 BF16_VARIANTS = {
     "baseline": {},
     "registers_40_232": {"PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
+    "mosaic_merge": {"MOSAIC_MERGE": True},
 }
 # Constants of ``mla_decode_mgpu`` that every Mosaic decode kernel reads.
-SHARED = ("ISSUE_BY_WARPS", "APPROX_MATH")
+SHARED = ("ISSUE_BY_WARPS", "APPROX_MATH", "MOSAIC_MERGE")
 
 
 def variant_settings(module, variants: dict[str, dict]) -> dict[str, dict[tuple, object]]:
