@@ -49,9 +49,9 @@ MAX_VECTOR_BYTES = 16  # the widest load or store a thread issues (ld.global.v4.
 # the merge of 1 x 66 splits x 128 rows took 4.79 us against the Triton merge's 3.99 (H200, bf16).
 MIN_THREAD_VALUES = 4
 # CTAs a merge keeps at least where it can, before it widens a thread's loads: one a run of 512
-# values would leave 1 x 66 splits x 16 rows 16 CTAs (2.59 us against 2.00 at 64 CTAs, H200).
+# values would leave 1 x 66 splits x 16 rows 16 CTAs (2.59 us against 2.04 at 64 CTAs, H200).
 MIN_CTAS = 64
-# Items a CTA of ``combine_items_mgpu`` loads in a step at most, whatever its ``chunk``: a step
+# Items a CTA of ``combine_items_mgpu`` loads in a step at most, whatever its ``chunk``. A step
 # of a row's whole chunk, items past its count read again weighted 0, was 1.7x slower at 66 items
 # (chunk 128). H200, bf16, us at no cap / 32 / 16 / 8 (the Triton merge): 1 x 66 x 128 9.06 /
 # 5.91 / 5.46 / 5.78 (7.65); 2 x 33 x 128 5.13 / 5.54 / 4.56 / 4.26 (5.70); 8 x 8 x 128 3.28 /
@@ -248,15 +248,15 @@ def combine_items_mgpu(out: jax.Array, lse: jax.Array, item_start: jax.Array, it
     directly; those come back bit for bit). The outputs alias merged and merged_lse: inside a
     jit where those are intermediates they are updated in place.
 
-    ``chunk`` (static, a power of two): items a CTA loads in one step; a row of more loops over
-    ceil(count / chunk) steps; counts short of ``chunk`` still load ``chunk`` items (the row's
-    first again, weighted 0). Raises ValueError as ``combine_items`` does, and for R not a power
+    ``chunk`` (static, a power of two): items a CTA loads in one step, at most ``MAX_STEP_ITEMS``;
+    a row of more loops over its steps, and a step short of items loads the row's first again,
+    weighted 0. Raises ValueError as ``combine_items`` does, and for R not a power
     of two >= 128. item_start and item_count are data, not checked: out-of-range items are
     clamped into out, never read past it.
     """
     num_rows, rank = check_items_args(out, lse, item_start, item_count, merged, merged_lse, chunk)
     _check_rank(rank)
-    chunk = min(chunk, MAX_STEP_ITEMS or chunk)
+    chunk = min(chunk, MAX_STEP_ITEMS)
     run_rows, run_cols = run_shape(chunk, num_rows, rank, item_start.shape[0])
     merged_ref, merged_lse_ref = jax.new_ref(merged), jax.new_ref(merged_lse)
     _launch(functools.partial(_items_kernel, chunk=chunk, run_rows=run_rows, run_cols=run_cols),
