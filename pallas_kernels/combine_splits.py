@@ -156,6 +156,21 @@ def _combine_kernel(out_ref, lse_ref, o_ref, lse_out_ref, *, num_splits: int, nu
         plgpu_tr.store(lse_out_ref.at[b * num_rows + rows], lse_of_total(total, lse_max))
 
 
+def check_splits_args(out: jax.Array, lse: jax.Array) -> tuple[int, int, int, int]:
+    """Raise ValueError unless out [B, S, rows, R] f32 or bf16 and lse [B, S, rows] f32 agree
+    (the arguments of ``combine_splits``); return (B, S, rows, R)."""
+    if out.ndim != 4 or lse.ndim != 3:
+        raise ValueError(f"out, lse: expected 4 and 3 dimensions, got {out.shape} and {lse.shape}")
+    batch, num_splits, num_rows, rank = out.shape
+    if lse.shape != (batch, num_splits, num_rows):
+        raise ValueError(f"lse: expected shape {(batch, num_splits, num_rows)} to match out {out.shape}, "
+                         f"got {lse.shape}")
+    if out.dtype not in (jnp.float32, jnp.bfloat16) or lse.dtype != jnp.float32:
+        raise ValueError(f"out, lse: expected float32 or bfloat16 partials and a float32 lse, got {out.dtype} "
+                         f"and {lse.dtype}")
+    return batch, num_splits, num_rows, rank
+
+
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
 def combine_splits(out: jax.Array, lse: jax.Array, dtype=jnp.float32, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Merge split partials in one Pallas launch, the math of ``combine_splits_reference``
@@ -164,16 +179,7 @@ def combine_splits(out: jax.Array, lse: jax.Array, dtype=jnp.float32, *, interpr
     out [B, S, rows, R] f32 or bf16 (``partial_dtype``), lse [B, S, rows] f32 -> (merged
     [B, rows, R] in ``dtype``, lse [B, rows] f32). The sums are float32 either way.
     """
-    if out.ndim != 4 or lse.ndim != 3:
-        raise ValueError(f"out, lse: expected 4 and 3 dimensions, got {out.shape} and {lse.shape}")
-    batch, num_splits = out.shape[:2]
-    num_rows, rank = out.shape[2:]
-    if lse.shape != (batch, num_splits, num_rows):
-        raise ValueError(f"lse: expected shape {(batch, num_splits, num_rows)} to match out {out.shape}, "
-                         f"got {lse.shape}")
-    if out.dtype not in (jnp.float32, jnp.bfloat16) or lse.dtype != jnp.float32:
-        raise ValueError(f"out, lse: expected float32 or bfloat16 partials and a float32 lse, got {out.dtype} "
-                         f"and {lse.dtype}")
+    batch, num_splits, num_rows, rank = check_splits_args(out, lse)
     size = tile_size(num_splits, num_rows * rank)
     whole = pl.BlockSpec(memory_space=pl.ANY)
     merged, merged_lse = pl.pallas_call(

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from snapmla_jax.pallas_kernels.combine_splits import check_items_args, lse_of_total
+from snapmla_jax.pallas_kernels.combine_splits import check_items_args, check_splits_args, lse_of_total
 
 WARPGROUP = 128  # threads of a CTA; a register array of n values needs n % 128 == 0
 # Partial values a CTA loads in one step (its ``chunk`` items x its run): 32 a thread, 64 from 33
@@ -204,15 +204,7 @@ def combine_splits_mgpu(out: jax.Array, lse: jax.Array, dtype=jnp.float32, *,
     Raises ValueError when the shapes or dtypes disagree (named in the message) or R is not a
     power of two >= 128.
     """
-    if out.ndim != 4 or lse.ndim != 3:
-        raise ValueError(f"out, lse: expected 4 and 3 dimensions, got {out.shape} and {lse.shape}")
-    batch, num_splits, num_rows, rank = out.shape
-    if lse.shape != (batch, num_splits, num_rows):
-        raise ValueError(f"lse: expected shape {(batch, num_splits, num_rows)} to match out {out.shape}, "
-                         f"got {lse.shape}")
-    if out.dtype not in (jnp.float32, jnp.bfloat16) or lse.dtype != jnp.float32:
-        raise ValueError(f"out, lse: expected float32 or bfloat16 partials and a float32 lse, got {out.dtype} "
-                         f"and {lse.dtype}")
+    batch, num_splits, num_rows, rank = check_splits_args(out, lse)
     _check_rank(rank)
     run_rows, run_cols = run_shape(num_splits, num_rows, rank, batch)
     return _launch(functools.partial(_splits_kernel, num_splits=num_splits, chunk=num_splits, run_rows=run_rows,
