@@ -1,4 +1,5 @@
-"""The merge of split-KV partials on Mosaic GPU: the Mosaic decode kernels' merge.
+"""The merge of split-KV partials on Mosaic GPU, for the Mosaic decode kernels (which run it where
+``mla_decode_mgpu.MOSAIC_MERGE`` says; docs/triton_backend.md says why it is not yet the default).
 
 The math of ``combine_splits.combine_splits_reference`` and ``combine_items_reference``
 (pallas_kernels/combine_splits.py, which also holds the Triton merge of the Triton decode
