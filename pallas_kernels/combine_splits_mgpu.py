@@ -117,8 +117,10 @@ def _merge(load_tile, load_lse, start, count, *, chunk: int, num_items: int, num
         return members, lses, [functools.reduce(jnp.maximum, [row[r] for row in lses], top[r])
                                for r in range(num_rows)]
 
-    def add_items(members, lses, new_top, acc, total):
-        shift = [jnp.where(t == -jnp.inf, 0.0, t) for t in new_top]  # no item saw the row yet: weights 0
+    def shift_of(top):
+        return [jnp.where(t == -jnp.inf, 0.0, t) for t in top]  # no item saw the row yet: weights 0
+
+    def add_items(members, lses, shift, acc, total):
         for (item, _), row_lse in zip(members, lses):
             weights = [jnp.exp(row_lse[r] - shift[r]) for r in range(num_rows)]
             terms = [x * w for x, w in zip(load_tile(item), weights)]
@@ -129,15 +131,15 @@ def _merge(load_tile, load_lse, start, count, *, chunk: int, num_items: int, num
     def step(k, carry):
         top, total, acc = carry
         members, lses, new_top = weigh(k, top)
-        shift = [jnp.where(t == -jnp.inf, 0.0, t) for t in new_top]
+        shift = shift_of(new_top)
         rescale = [jnp.exp(t - s) for t, s in zip(top, shift)]  # 0 while top is -inf, 1 while the max holds
         acc = [a * c for a, c in zip(acc, rescale)]
         total = [t * c for t, c in zip(total, rescale)]
-        acc, total = add_items(members, lses, new_top, acc, total)
+        acc, total = add_items(members, lses, shift, acc, total)
         return new_top, total, acc
 
     members, lses, top = weigh(0, [jnp.float32(-jnp.inf)] * num_rows)
-    acc, total = add_items(members, lses, top, None, None)
+    acc, total = add_items(members, lses, shift_of(top), None, None)
     carry = (top, total, acc)
     if static_count:
         for k in range(1, -(-count // chunk)):

@@ -154,7 +154,7 @@ UNSYNCED_ROW_STORES = True
 # --shape 32x16384x128x2 --variants baseline commit_with_barrier).
 FENCE_ONLY_COMMIT = True
 # Whether the split partials of every Mosaic decode kernel are merged on Mosaic GPU
-# (``combine_splits_mgpu``: 0.98-1.45x the Triton merge's GPU time on an H200, interpret tests
+# (``combine_splits_mgpu``: 0.98-1.45x the Triton merge's speed on an H200, interpret tests
 # and its own compiled tests green) rather than by the Triton merge (``merge_items``). Off until
 # the whole compiled decode suite has passed with it and a side-by-side decode run explains
 # 8 x 32k x 16 heads (wall clock 0.0673 ms with it against 0.0595, one run of
