@@ -1,5 +1,5 @@
-"""The merge of split-KV partials on Mosaic GPU, for the Mosaic decode kernels (which run it where
-``mla_decode_mgpu.MOSAIC_MERGE`` says; docs/triton_backend.md says why it is not yet the default).
+"""The merge of split-KV partials on Mosaic GPU: the one the Mosaic decode kernels run
+(``mla_decode_mgpu.MOSAIC_MERGE``).
 
 The math of ``combine_splits.combine_splits_reference`` and ``combine_items_reference``
 (pallas_kernels/combine_splits.py, which also holds the Triton merge of the Triton decode
@@ -19,7 +19,7 @@ a step with a step's loads issued together (a static loop), merged online across
 running max). Each weight is computed once per (item, query row), as a scalar, not per value.
 
 - ``combine_splits_mgpu``: every batch row in the same S splits, out [B, S, rows, R] (the
-  Mosaic kernels' uniform plan); S is static, so a row is one step.
+  Mosaic kernels' uniform plan); S is static, so a row's steps are unrolled.
 - ``combine_items_mgpu``: a balanced split plan (pallas_kernels/split_plan.py), batch row b in
   item_count[b] work items from item_start[b] of out [W, rows, R], merged into the decode
   call's own outputs in place (``jax.new_ref`` operands: rows of one item, which the kernel
@@ -209,8 +209,9 @@ def combine_splits_mgpu(out: jax.Array, lse: jax.Array, dtype=jnp.float32, *,
     """
     batch, num_splits, num_rows, rank = check_splits_args(out, lse)
     _check_rank(rank)
-    run_rows, run_cols = run_shape(num_splits, num_rows, rank, batch)
-    return _launch(functools.partial(_splits_kernel, num_splits=num_splits, chunk=num_splits, run_rows=run_rows,
+    chunk = min(num_splits, MAX_STEP_ITEMS)
+    run_rows, run_cols = run_shape(chunk, num_rows, rank, batch)
+    return _launch(functools.partial(_splits_kernel, num_splits=num_splits, chunk=chunk, run_rows=run_rows,
                                      run_cols=run_cols),
                    (out.reshape(batch * num_splits, num_rows, rank), lse.reshape(batch * num_splits, num_rows)),
                    (jax.ShapeDtypeStruct((batch, num_rows, rank), dtype),

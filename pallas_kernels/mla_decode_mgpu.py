@@ -154,12 +154,11 @@ UNSYNCED_ROW_STORES = True
 # --shape 32x16384x128x2 --variants baseline commit_with_barrier).
 FENCE_ONLY_COMMIT = True
 # Whether the split partials of every Mosaic decode kernel are merged on Mosaic GPU
-# (``combine_splits_mgpu``: 0.98-1.45x the Triton merge's speed on an H200, interpret tests
-# and its own compiled tests green) rather than by the Triton merge (``merge_items``). Off until
-# the whole compiled decode suite has passed with it and a side-by-side decode run explains
-# 8 x 32k x 16 heads (wall clock 0.0673 ms with it against 0.0595, one run of
-# tools/time_mgpu_variants.py --kernel small --variants baseline mosaic_merge).
-MOSAIC_MERGE = False
+# (``combine_splits_mgpu``) rather than by the Triton merge (``merge_items``). On an H200 its
+# launch took 0.64-1.02x the Triton merge's GPU time (docs/benchmarks/merge_h200.md); in a jit of
+# 8 chained decode calls the wall clock was the same within the host's noise (8 x 32k x 16 heads
+# 439 vs 440 us, 1 x 64k x 128 319 vs 316 us). The Triton merge stays for the Triton decode kernels.
+MOSAIC_MERGE = True
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
@@ -1090,8 +1089,8 @@ def merge_items(outs: tuple, plan: SplitPlan, dtype, *, num_splits: int,
     (``combine_splits``: counts known when it compiles, 0.5-3 us faster on an H200 than
     reading them); a balanced one merges rows of several items into the rows the kernel wrote
     directly (``combine_items``, up to ``num_splits`` items, rounded up to a power of two,
-    loaded at a time). Both by the Triton merge of ``combine_splits``, or with ``MOSAIC_MERGE``
-    on Mosaic GPU (``combine_splits_mgpu``)."""
+    loaded at a time). Both on Mosaic GPU (``combine_splits_mgpu``), or without ``MOSAIC_MERGE``
+    by the Triton merge of ``combine_splits``."""
     out, lse, part_o, part_lse = outs
     batch = out.shape[0]
     merge_splits, merge_rows = ((combine_splits_mgpu, combine_items_mgpu) if MOSAIC_MERGE

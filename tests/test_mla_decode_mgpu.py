@@ -518,11 +518,11 @@ def test_balanced_plan_interpreted_matches_reference(kernel, heads, s_q, seq_len
 
 @pytest.mark.parametrize("kernel,heads,balanced,dtype", [
     ("mgpu", 64, False, "float32"), ("mgpu", 64, True, "bfloat16"), ("small", 16, True, "float32")])
-def test_mosaic_merge_interpreted_matches_reference(kernel, heads, balanced, dtype):
-    """On CPU: the kernels' partials merged by the Mosaic GPU merge (``MOSAIC_MERGE``), uniform and
-    balanced plans, to the bounds of the Triton merge's tests (the same float32 sums in another order)."""
+def test_triton_merge_interpreted_matches_reference(kernel, heads, balanced, dtype):
+    """On CPU: the kernels' partials merged by the Triton merge (``MOSAIC_MERGE`` off), uniform and
+    balanced plans, to the bounds of the Mosaic merge's tests (the same float32 sums in another order)."""
     err, lse_err, _ = _check_in_subprocess(heads, 1, [640, 40, 0], 0, 2, kernel=kernel, dtype=dtype,
-                                           balanced=balanced, pages_per_row=10, mosaic_merge=True)
+                                           balanced=balanced, pages_per_row=10, mosaic_merge=False)
     assert err < _balanced_tolerance(dtype), err
     assert lse_err < 1e-4, lse_err
 

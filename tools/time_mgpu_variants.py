@@ -19,6 +19,9 @@ that a drift of the GPU's clocks falls on all alike. The relative L2 difference 
 output to the baseline's says whether it still computes the same. ``--kernel-trace-rounds N`` also
 reports each variant's decode kernel alone: its median GPU duration over N rounds of interleaved
 calls in one profiler trace (``timing.interleaved_kernel_us``), free of the launches around it.
+The timed calls are ``Compiled`` executables, whose Python dispatch cost 60-130 us a call on an
+H200's host: a wall clock under ~0.15 ms is mostly that dispatch, so compare such shapes by
+``--kernel-trace-rounds`` (or chained calls in one jit, as the decode benchmark runs them).
 Shapes: BxCONTEXTxHxS_Q, the caches and queries of scripts/bench_mgpu.py. Writes
 time_mgpu_variants.json under --out.
 """
