@@ -76,10 +76,9 @@ from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt
                                                    store_feature_pairs, store_quads)
 from snapmla_jax.pallas_kernels.combine_splits import combine_items, combine_splits, partial_dtype
 from snapmla_jax.pallas_kernels.combine_splits_mgpu import combine_items_mgpu, combine_splits_mgpu
-from snapmla_jax.pallas_kernels.mgpu_decode_inputs import decode_inputs, decode_inputs_and_plan
+from snapmla_jax.pallas_kernels.mgpu_decode_inputs import balanced_plan_kernel, decode_inputs, decode_inputs_and_plan
 from snapmla_jax.pallas_kernels.mla_decode import LN2, LOG2E, resolve_num_pages
 from snapmla_jax.pallas_kernels.split_plan import SplitPlan, balanced_items, item_steps, uniform_plan
-from snapmla_jax.pallas_kernels.split_plan_kernel import balanced_plan_kernel
 
 PAGE = 64  # cache page size this kernel supports
 STEP = 128  # tokens a step: two pages

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from snapmla_jax.pallas_kernels.fp8 import fp8_round_trip_np
+from snapmla_jax.backend import lower_for_cuda
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import (PAGE, SCALE_FLOOR, STEP, bf16_rows_and_plan, decode_inputs,
-                                                           decode_inputs_and_plan, decode_inputs_reference, pad_rows,
-                                                           scales_block, step_scales)
+                                                           decode_inputs_and_plan, decode_inputs_reference, even_steps,
+                                                           pad_rows, scale_steps, step_scales)
 from snapmla_jax.pallas_kernels.split_plan import balanced_plan
 
 
@@ -115,11 +116,46 @@ def test_scale_planes_match_their_definition(shape):
     np.testing.assert_array_equal(np.asarray(planes), np.asarray(want_planes))
 
 
-def test_scales_block_divides_the_steps():
-    for pages in (1, 2, 3, 16, 17, 1024):
-        tokens = -(-pages * PAGE // STEP) * STEP
-        block = scales_block(tokens)
-        assert tokens % block == 0 and block >= STEP
+def test_scale_ctas_cover_the_steps_in_pairs():
+    """A scale CTA stores two steps at a time: the steps it fills are the table's, rounded up to an
+    even count (the extra one sliced off), and each CTA's share divides them."""
+    for pages in (1, 2, 3, 16, 17, 1024, 1026):
+        steps = even_steps(pages)
+        assert steps % 2 == 0 and steps * STEP >= pages * PAGE > (steps - 2) * STEP
+        block = scale_steps(steps)
+        assert steps % block == 0 and block % 2 == 0
+
+
+@pytest.mark.parametrize("batch,rows,max_pages,items,rope", [(3, 16, 5, 6, "float32"), (130, 16, 3, 390, None),
+                                                             (1, 128, 1024, None, "bfloat16"), (2, 20, 7, 40, None)])
+def test_launch_lowers_for_cuda(batch, rows, max_pages, items, rope):
+    """Mosaic GPU lowering on the CPU (layouts, SMEM, the strided SMEM view of the scale CTAs, no
+    interpreter path): a plan of 3 W < 128 values, B >= 128 (seq_lens in windows), an odd step
+    count, RoPE rows to convert, rows padded to whole blocks first."""
+    S = jax.ShapeDtypeStruct
+    args = (S((batch, rows, 512), jnp.bfloat16), S((2 * batch * max_pages * PAGE,), jnp.float32),
+            S((batch, max_pages), jnp.int32), S((1,), jnp.int32), S((batch,), jnp.int32))
+    q_rope = None if rope is None else S((batch, rows, 64), rope)
+
+    def run(q, scale, table, offset, lens, q_rope_rows):
+        kw = dict(q_rope_rows=q_rope_rows, padded_rows=-(-rows // 64) * 64, scale_planes=True)
+        if items is None:
+            return decode_inputs(q, scale, table, offset, **kw)
+        return decode_inputs_and_plan(q, scale, table, offset, lens, num_items=items, **kw)
+
+    assert "snapmla_mgpu_decode_inputs" in lower_for_cuda(run, *args, q_rope).as_text()
+    if rope is not None:
+        twin = lower_for_cuda(functools.partial(bf16_rows_and_plan, padded_rows=-(-rows // 64) * 64,
+                                                num_items=items, capacity=None if items is None else max_pages * PAGE),
+                              args[0], q_rope, args[4] if items else None)
+        assert "snapmla_mgpu_bf16_rows" in twin.as_text()
+
+
+def test_scale_plane_of_partial_pages_is_refused():
+    q, scale, block_table, offset = random_inputs(9, 1, 16, 2)
+    with pytest.raises(ValueError, match="scale"):
+        decode_inputs(jnp.asarray(q), jnp.asarray(scale[:-1]), jnp.asarray(block_table), jnp.asarray(offset),
+                      interpret=True)
 
 
 def test_step_scales_reference_matches_the_loop():
@@ -130,7 +166,7 @@ def test_step_scales_reference_matches_the_loop():
 
 
 # (batch, rows, max_pages, seq_lens, items): ragged rows (seq_len 0, a partial page, the full
-# table); an odd batch; rows past the plan kernel's 16 padded ones; budgets of 1 to 3 items a row.
+# table); an odd batch; a batch past 16 rows; budgets of 1 to 3 items a row.
 PLAN_CASES = [(3, 16, 5, [0, 200, 320], 6), (1, 64, 4, [256], 3), (17, 16, 3, list(range(0, 17 * 11, 11)), 51)]
 
 

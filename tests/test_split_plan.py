@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from snapmla_jax.pallas_kernels.split_plan import balanced_items, balanced_plan, item_steps, uniform_plan
-from snapmla_jax.pallas_kernels.split_plan_kernel import balanced_plan_kernel
+from snapmla_jax.pallas_kernels.mgpu_decode_inputs import balanced_plan_kernel
 from snapmla_jax.backend import lower_for_cuda
 
 STEP = 128

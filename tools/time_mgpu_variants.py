@@ -63,7 +63,7 @@ VARIANTS = {
     "mbarrier_sync": {"NAMED_SYNC": False},
     "synced_row_stores": {"UNSYNCED_ROW_STORES": False},
     "commit_with_barrier": {"FENCE_ONLY_COMMIT": False},
-    "mosaic_merge": {"MOSAIC_MERGE": True},
+    "triton_merge": {"MOSAIC_MERGE": False},
 }
 SMALL_VARIANTS = {
     "baseline": {},
@@ -76,12 +76,12 @@ SMALL_VARIANTS = {
     # ``grid_params``).
     "issue_by_one_thread": {"ISSUE_BY_WARPS": False},
     "precise_math": {"APPROX_MATH": False},
-    "mosaic_merge": {"MOSAIC_MERGE": True},
+    "triton_merge": {"MOSAIC_MERGE": False},
 }
 BF16_VARIANTS = {
     "baseline": {},
     "registers_40_232": {"PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
-    "mosaic_merge": {"MOSAIC_MERGE": True},
+    "triton_merge": {"MOSAIC_MERGE": False},
 }
 # Constants of ``mla_decode_mgpu`` that every Mosaic decode kernel reads.
 SHARED = ("ISSUE_BY_WARPS", "APPROX_MATH", "MOSAIC_MERGE")
