@@ -497,7 +497,7 @@ def _launch(parts: Parts, *, q_rows=None, q_rope_rows=None, scale=None, block_ta
             operands.append(q_rope_rows.reshape(batch * num_rows, -1))
             out_type.append(jax.ShapeDtypeStruct((batch * padded_rows, q_rope_rows.shape[2]), jnp.bfloat16))
             scratch.append(plgpu.SMEM((Q_ROWS, q_rope_rows.shape[2]), q_rope_rows.dtype))
-            if q_rope_rows.dtype != jnp.bfloat16:
+            if rope_stage:  # RoPE rows cast to bf16 before their store
                 scratch.append(plgpu.SMEM((Q_ROWS, q_rope_rows.shape[2]), jnp.bfloat16))
         scratch.append(plgpu.Barrier(num_arrivals=2 if parts.rope else 1))
     if parts.scales:
