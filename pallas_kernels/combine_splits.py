@@ -41,7 +41,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu_tr
+try:  # Pallas' Triton backend, deprecated and to be removed: ``snapmla_jax.backend.triton_available``
+    from jax.experimental.pallas import triton as plgpu_tr
+except ImportError:
+    plgpu_tr = None
 
 # Partial values one program holds (S padded x its run of a split's slab), so that the loads of
 # every split are issued at once: ``max_tile``. H100, kernel us, 4096 / 2048 / 8192 at 4 warps:
@@ -80,6 +83,13 @@ def partial_dtype(out_dtype) -> jnp.dtype:
     5-15% faster from bf16 (scripts/tune_combine_splits.py --partial-dtype bfloat16 vs float32).
     """
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
+
+
+def require_pallas_triton(launcher: str) -> None:
+    """RuntimeError naming ``launcher`` where this jax has no Pallas Triton backend."""
+    if plgpu_tr is None:
+        raise RuntimeError(f"{launcher} lowers through Pallas' Triton backend, which jax {jax.__version__} does not "
+                           "have; mla_decode runs the XLA path in its place (snapmla_jax.backend.triton_available)")
 
 
 def combine_splits_reference(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -179,6 +189,7 @@ def combine_splits(out: jax.Array, lse: jax.Array, dtype=jnp.float32, *, interpr
     out [B, S, rows, R] f32 or bf16 (``partial_dtype``), lse [B, S, rows] f32 -> (merged
     [B, rows, R] in ``dtype``, lse [B, rows] f32). The sums are float32 either way.
     """
+    require_pallas_triton("combine_splits")
     batch, num_splits, num_rows, rank = check_splits_args(out, lse)
     size = tile_size(num_splits, num_rows * rank)
     whole = pl.BlockSpec(memory_space=pl.ANY)
@@ -360,6 +371,7 @@ def combine_items(out: jax.Array, lse: jax.Array, item_start: jax.Array, item_co
     power of two, R is not one or out has 2**31 values or more. item_start and item_count are
     data, not checked: out-of-range items are clamped into out, never read past it.
     """
+    require_pallas_triton("combine_items")
     num_rows, rank = check_items_args(out, lse, item_start, item_count, merged, merged_lse, chunk)
     size = tile_size(chunk, num_rows * rank)
     whole = pl.BlockSpec(memory_space=pl.ANY)

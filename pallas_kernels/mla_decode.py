@@ -55,9 +55,12 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu_tr
+try:  # Pallas' Triton backend, deprecated and to be removed: ``snapmla_jax.backend.triton_available``
+    from jax.experimental.pallas import triton as plgpu_tr
+except ImportError:
+    plgpu_tr = None
 
-from snapmla_jax.pallas_kernels.combine_splits import combine_splits
+from snapmla_jax.pallas_kernels.combine_splits import combine_splits, require_pallas_triton
 from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, quantize_per_token
 
 LOG2E = math.log2(math.e)  # folded into the softmax scale: exp(x) = exp2(x * log2(e))
@@ -307,6 +310,7 @@ def mla_decode_pallas(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: t
                   capacity, so that no read leaves the cache.
     Returns out [B, rows, R] in q_rows' dtype and lse [B, rows] float32 (natural log).
     """
+    require_pallas_triton("mla_decode_pallas")
     batch, num_rows, rank = q_rows.shape
     num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
     rope_dim = q_rope_rows.shape[2]

@@ -71,6 +71,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir.dialects import nvvm
 
+from snapmla_jax.backend import triton_available
 from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms,
                                                    store_feature_pairs, store_quads)
@@ -1089,10 +1090,10 @@ def merge_items(outs: tuple, plan: SplitPlan, dtype, *, num_splits: int,
     reading them); a balanced one merges rows of several items into the rows the kernel wrote
     directly (``combine_items``, up to ``num_splits`` items, rounded up to a power of two,
     loaded at a time). Both on Mosaic GPU (``combine_splits_mgpu``), or without ``MOSAIC_MERGE``
-    by the Triton merge of ``combine_splits``."""
+    (and with a jax that still has Pallas' Triton backend) by the Triton merge of ``combine_splits``."""
     out, lse, part_o, part_lse = outs
     batch = out.shape[0]
-    merge_splits, merge_rows = ((combine_splits_mgpu, combine_items_mgpu) if MOSAIC_MERGE
+    merge_splits, merge_rows = ((combine_splits_mgpu, combine_items_mgpu) if MOSAIC_MERGE or not triton_available()
                                 else (combine_splits, combine_items))
     if plan.partials and plan.uniform_splits is not None:
         part_o = part_o.reshape(batch, plan.uniform_splits, *part_o.shape[1:])

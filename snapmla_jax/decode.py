@@ -9,6 +9,7 @@ the kernel's rows. The kernels and the pure-jnp path live in
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import BLOCK_ROWS as MOSAIC_SMALL_BLOCK_ROWS
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
 from snapmla_jax.backend import on_hopper as _on_hopper  # a module name the tests fake
-from snapmla_jax.backend import resolve_backend
+from snapmla_jax.backend import resolve_backend, triton_available
 from snapmla_jax.backend import sm_count as _sm_count
 from snapmla_jax.cache import (MAX_TOKEN_SLOTS, TRITON_MAX_ELEMENTS, LatentCache, check_kernel_addressable, check_layer,
                                kernel_addressable)
@@ -39,13 +40,12 @@ TRITON_BF16_MAX_ROWS = 16
 # Small fp8 problems keep the Triton FP8 kernel: up to TRITON_FP8_MAX_ROWS query rows a batch
 # row and TRITON_FP8_MAX_TOKENS tokens of block-table capacity over the batch (B x max_pages x
 # page_size: the static bound on what a call reads). There the Mosaic kernels' fixed costs (the
-# launch of their query inputs, the prologue of their 128-token steps) outweigh their speed.
-# H100, H = 16, side by side in one run (docs/benchmarks/decode.md's Triton FP8 column): s_q = 1
-# at 1 x 1k / 4k / 16k and 8 x 1k 12.9 / 13.8 / 21.4 / 15.2 us vs the small Mosaic kernel's 15.1 / 16.3 / 21.9 /
-# 17.6; s_q = 2 17.1 / 19.5 / 31.1 / 22.0 vs 23.9 / 26.4 / 39.0 / 29.0. From 32k tokens (8 x
-# 4k, 32 x 1k) the Mosaic kernels win (26.5 vs 36.8 us at 8 x 4k, s_q = 1). At H = 128 (128
-# rows) they win from the smallest problem (19.4 vs 24.4 us at 1 x 1k).
-TRITON_FP8_MAX_ROWS = 32
+# launch of their query inputs, the prologue of their 128-token steps) can outweigh their speed.
+# H200, side by side in one run (docs/benchmarks/small_problems_h200.md, the Triton FP8 kernel
+# and the Mosaic ones forced): at 16 rows the Triton kernel is faster at B = 1 up to 8k tokens,
+# 2 x 4k and 8 x 1k, the Mosaic one at 2-4 x 2k and 4 x 4k; at 32 rows (H = 16 at s_q = 2,
+# H = 32) the Mosaic 32-row kernel is faster at every size measured.
+TRITON_FP8_MAX_ROWS = 16
 TRITON_FP8_MAX_TOKENS = 16384
 # Past this the merge's float32 partials outweigh the extra parallelism. (H100, H=16,
 # B=1 x 64k: 128 splits 0.047 ms, 64 splits 0.062 ms; scripts/sweep_splits.py.)
@@ -197,8 +197,14 @@ def default_config(cache: LatentCache, backend: str, num_rows: int | None = None
     wgmma. Both round P' to e4m3 with a factor per row and block, 64 tokens
     (Triton) or 128 (Mosaic), so their outputs differ by e4m3 rounding noise
     only (relative L2 ~1e-3 on the bench).
+
+    A jax without Pallas' Triton backend (``triton_available``: deprecated since jax 0.11 and
+    announced for removal) gets MOSAIC_CONFIG wherever the Mosaic kernels run and the Triton
+    configs elsewhere, which ``mla_decode`` then runs as its XLA path of the same math.
     """
     mosaic = mosaic_runs(cache.page_size, backend)
+    if not triton_available():  # a jax without Pallas' Triton backend: the Mosaic kernels wherever they run
+        return MOSAIC_CONFIG if mosaic else (FP8_CONFIG if cache.dtype == "fp8" else BF16_CONFIG)
     # A cache past the Triton kernels' int32 element offsets goes to a Mosaic kernel whatever its size.
     triton_takes = kernel_addressable(cache.num_slots * (cache.num_layers or 1), cache.kv_lora_rank, triton=True)
     if cache.dtype != "fp8":
@@ -220,7 +226,7 @@ def max_token_slots(kv_lora_rank: int, page_size: int, backend: str = "auto") ->
     (``default_config`` routes a cache too large for the Triton kernels to a Mosaic one), else
     what the Triton kernels' int32 element offsets address."""
     backend = resolve_backend(backend)
-    if backend == "xla" or mosaic_runs(page_size, backend):
+    if backend == "xla" or mosaic_runs(page_size, backend) or not triton_available():
         return MAX_TOKEN_SLOTS
     return TRITON_MAX_ELEMENTS // kv_lora_rank
 
@@ -271,7 +277,9 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     softmax_scale: python float multiplying q.k (e.g. 1/sqrt(qk_head_dim)).
     layer       None for a cache without a layer axis, else an int or traced
                 int32 scalar (an out-of-range traced layer yields out 0, lse -inf).
-    backend     "auto" | "pallas" | "interpret" | "xla" (see snapmla_jax.backend).
+    backend     "auto" | "pallas" | "interpret" | "xla" (see snapmla_jax.backend). Where the
+                Triton kernels would run and this jax has no Pallas Triton backend, the XLA
+                path runs instead, with a RuntimeWarning.
     num_splits  split-KV count for the Pallas kernels, the same for every row; None picks
                 it from the shapes and the GPU's SM count, and for the Mosaic GPU kernels
                 gives each row a share of the CTAs in proportion to its seq_len
@@ -303,6 +311,11 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     if mosaic and cache.page_size != MOSAIC_PAGE:
         raise ValueError(f"config: kernel='mosaic' needs a cache with page_size {MOSAIC_PAGE}, got a "
                          f"{cache.dtype} cache with page_size {cache.page_size}")
+    if not mosaic and backend != "xla" and not triton_available():
+        warnings.warn(f"mla_decode: jax {jax.__version__} has no Pallas Triton backend, so the Triton kernel's "
+                      f"work ({config.kernel}, page_size {cache.page_size}) runs as the XLA path of the same math",
+                      RuntimeWarning, stacklevel=2)
+        backend = "xla"
     if layer is not None and not _is_concrete(layer):
         # Documented behaviour for a traced out-of-range layer: nothing visible.
         seq_lens = jnp.where((layer >= 0) & (layer < cache.num_layers), seq_lens, 0)

@@ -241,6 +241,34 @@ def test_a_row_times_its_methods_side_by_side(monkeypatch):
     assert row["fp8_roofline"] == pytest.approx(decode.roofline_ms(nbytes, f8, f16, ceilings) / 0.5)
 
 
+def test_forced_mosaic_is_timed_only_when_asked_beside_triton(monkeypatch):
+    # Stand-in programs keyed by the kernel their config forces: the Mosaic one 0.3 ms, the
+    # Triton one 0.45 ms, the default 0.4 ms.
+    ms = {None: 0.4, "mosaic": 0.3, "triton": 0.45}
+    seen = []
+
+    def chain(scale, layers, backend, config=None):
+        def fn(q, q_rope, cache, block_table, seq_lens):
+            seen.append(None if config is None else config.kernel)
+            return ms[None if config is None else config.kernel]
+        return fn
+
+    monkeypatch.setattr(decode, "decode_chain", chain)
+    monkeypatch.setattr(timing, "sample_ms", lambda fn, arg_sets, *, iters, inner=10, first=0:
+                        [fn(*arg_sets[0])] * iters)
+    caches = decode.make_caches(2, 128)
+    ceilings = timing.Ceilings(**CEILINGS)
+    row = decode.measure_config(2, 128, 16, 1, caches, ceilings, 4, "does not fit", 1 << 34, rounds=2)
+    assert "fp8_mosaic_ms" not in row and "mosaic" not in seen
+    row = decode.measure_config(2, 128, 16, 1, caches, ceilings, 4, "does not fit", 1 << 34, rounds=2,
+                                methods=("fp8_triton", "fp8_mosaic"))
+    assert (row["fp8_triton_ms"], row["fp8_mosaic_ms"]) == (0.45, 0.3)
+    assert row["triton_over_mosaic"] == pytest.approx(1.5)
+    text = decode.to_markdown(ENV, CEILINGS, [dict(_row(8), **row)], "no", COMMAND)
+    header = next(line for line in text.splitlines() if line.startswith("| B |"))
+    assert "| Mosaic FP8 ms |" in header and "| Triton/Mosaic |" in header and "1.50x" in text
+
+
 def test_flashmla_columns_appear_only_where_it_was_timed():
     without = decode.to_markdown(ENV, CEILINGS, [_row(8)], "no", COMMAND)
     assert "FlashMLA" not in without

@@ -533,3 +533,66 @@ def test_num_splits_that_is_not_a_positive_int_is_refused_on_every_backend(small
     with pytest.raises(ValueError, match="num_splits: expected None or a positive int"):
         mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=SCALE, backend=backend,
                    num_splits=num_splits)
+
+
+WITHOUT_PALLAS_TRITON = r"""
+import sys, warnings
+sys.modules["jax.experimental.pallas.triton"] = None  # what a jax without Pallas' Triton backend gives
+import jax, jax.numpy as jnp, numpy as np
+import snapmla_jax.decode as decode
+from snapmla_jax.backend import triton_available
+from snapmla_jax.cache import LatentCache
+from snapmla_jax.pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG, mla_decode_pallas
+from snapmla_jax.quantization import quantize_per_token
+
+assert not triton_available()
+fp8_64 = LatentCache.create(4, page_size=64)
+assert decode.default_config(fp8_64, "interpret", 16, 1024) == FP8_CONFIG  # run as the XLA path
+decode._on_hopper = lambda: True
+assert decode.default_config(fp8_64, "pallas", 16, 1024) == MOSAIC_CONFIG  # no small Triton problem
+assert decode.default_config(LatentCache.create(4, page_size=64, dtype="bf16"), "pallas", 16) == MOSAIC_CONFIG
+assert decode.default_config(LatentCache.create(4, page_size=32), "pallas", 16, 1024) == FP8_CONFIG
+assert decode.max_token_slots(512, 32, "interpret") == decode.MAX_TOKEN_SLOTS
+
+rng = np.random.default_rng(0)
+latent = jnp.asarray(rng.normal(size=(6, 32, 512)) * np.exp(rng.normal(size=(6, 32, 1))), jnp.float32)
+q8, scale = quantize_per_token(latent)
+cache = LatentCache(latent=q8, scale=scale, rope=jnp.asarray(rng.normal(size=(6, 32, 64)), jnp.bfloat16))
+q = jnp.asarray(rng.normal(size=(2, 1, 16, 512)) * 0.2, jnp.float32)
+q_rope = jnp.asarray(rng.normal(size=(2, 1, 16, 64)) * 0.2, jnp.float32)
+table = jnp.asarray([[0, 2, 4], [5, 1, 3]], jnp.int32)
+lens = jnp.asarray([70, 0], jnp.int32)  # a partial page; a row that sees nothing
+call = lambda backend: decode.mla_decode(q, q_rope, cache, table, lens, softmax_scale=0.1, backend=backend,
+                                         return_lse=True)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out, lse = call("interpret")
+assert any("no Pallas Triton backend" in str(w.message) for w in caught), [str(w.message) for w in caught]
+ref, ref_lse = call("xla")
+assert np.array_equal(np.asarray(out), np.asarray(ref)) and np.array_equal(np.asarray(lse), np.asarray(ref_lse))
+assert np.all(np.isfinite(np.asarray(out))) and np.all(np.asarray(out[1]) == 0)
+try:
+    mla_decode_pallas(q.reshape(2, 16, 512), q_rope.reshape(2, 16, 64), (q8.reshape(-1, 512), scale.reshape(-1),
+                      cache.rope.reshape(-1, 64)), table, lens, jnp.zeros((1,), jnp.int32), softmax_scale=0.1,
+                      page_size=32, s_q=1, num_heads=16, num_splits=1, interpret=True)
+except RuntimeError as err:
+    assert "Pallas' Triton backend" in str(err) and "\n" not in str(err)
+else:
+    raise AssertionError("mla_decode_pallas ran without Pallas' Triton backend")
+print("ok")
+"""
+
+
+def test_without_pallas_triton_the_triton_kernels_work_runs_as_the_xla_path():
+    """A jax without Pallas' Triton backend (deprecated since 0.11, announced for removal): the package
+    imports, the Mosaic kernels take every compiled Hopper call with 64-token pages (small problems
+    and the bf16 cache at <= 16 rows included), and what the Triton kernels would have run (other page
+    sizes, the interpreter's default) is the XLA path's exact output, with a warning; calling a Triton
+    launcher says in one line what is missing. Run in a fresh interpreter where that module cannot
+    be imported."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", WITHOUT_PALLAS_TRITON], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -752,9 +752,10 @@ def test_default_config_picks_mosaic_for_compiled_decoding_with_64_token_pages(m
     assert default_config(bf16_64, "pallas", 17) == default_config(bf16_64, "pallas", 256) == MOSAIC_CONFIG
     assert default_config(bf16_64, "interpret", 256) == BF16_CONFIG
     assert default_config(LatentCache.create(4, page_size=32, dtype="bf16"), "pallas", 256) == BF16_CONFIG
-    # Small fp8 problems keep the Triton FP8 kernel: up to 32 rows and 16k tokens of capacity.
-    assert default_config(fp8_64, "pallas", 16, 16384) == default_config(fp8_64, "pallas", 32, 1024) == FP8_CONFIG
-    assert default_config(fp8_64, "pallas", 16, 16385) == default_config(fp8_64, "pallas", 33, 1024) == MOSAIC_CONFIG
+    # Small fp8 problems keep the Triton FP8 kernel: up to 16 rows and 16k tokens of capacity.
+    assert default_config(fp8_64, "pallas", 16, 16384) == default_config(fp8_64, "pallas", 1, 1024) == FP8_CONFIG
+    assert default_config(fp8_64, "pallas", 16, 16385) == default_config(fp8_64, "pallas", 17, 1024) == MOSAIC_CONFIG
+    assert default_config(fp8_64, "pallas", 32, 1024) == MOSAIC_CONFIG
     assert default_config(fp8_64, "pallas", 16) == default_config(fp8_64, "pallas", None, 1024) == MOSAIC_CONFIG
 
 

@@ -20,6 +20,8 @@ the row falls on all of them alike. Columns:
   % roof       roofline time / measured time, from ceilings measured in the same run (copy
                bandwidth, FP8 and BF16 GEMM rates; the FP8 kernel's 512-dim products are e4m3,
                its 64-dim RoPE product bf16)
+  Triton, Mosaic  the Triton FP8 kernel and the Mosaic FP8 kernels forced (``--methods
+               fp8_triton fp8_mosaic``), for the small problems where ``mla_decode`` picks between them
   FlashMLA     FlashMLA's dense BF16 decode (``bench.flashmla``) on the bf16 cache's contents, in
                the same process, its layers replayed from one CUDA graph; present only when
                ``--flashmla`` finds it. "FlashMLA/FP8" = FlashMLA's time / ours (> 1: ours faster)
@@ -44,7 +46,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from snapmla_jax.pallas_kernels.mla_decode import FP8_CONFIG
+from snapmla_jax.pallas_kernels.mla_decode import FP8_CONFIG, MOSAIC_CONFIG
 from snapmla_jax import cli
 from snapmla_jax.bench import flashmla as flashmla_lib
 from snapmla_jax.bench import timing
@@ -165,10 +167,14 @@ BF16_BYTES_PER_TOKEN = 2 * (RANK + ROPE)
 # The measured methods: the cache each reads (bytes a token) and whether its QK content
 # and PV products run in FP8 (the RoPE product is bf16 in all).
 METHODS = {"fp8": (FP8_BYTES_PER_TOKEN, True), "fp8_triton": (FP8_BYTES_PER_TOKEN, True),
+           "fp8_mosaic": (FP8_BYTES_PER_TOKEN, True),
            "bf16": (BF16_BYTES_PER_TOKEN, False), "xla_bf16": (BF16_BYTES_PER_TOKEN, False),
            "flashmla": (BF16_BYTES_PER_TOKEN, False)}
-# What ``--methods`` selects from (JAX's stock kernel is "stock_mqa").
+# What ``--methods`` selects from (JAX's stock kernel is "stock_mqa"), and what it times unless told:
+# "fp8_mosaic" (the Mosaic FP8 kernels forced where the default picks the Triton one) is for the
+# small problems whose kernel ``snapmla_jax.decode.default_config`` chooses by size.
 METHOD_NAMES = (*METHODS, "stock_mqa")
+DEFAULT_METHODS = tuple(m for m in METHOD_NAMES if m != "fp8_mosaic")
 
 
 def method_work(method: str, batch: int, context: int, heads: int, s_q: int) -> tuple[int, int, int]:
@@ -212,9 +218,9 @@ def make_queries(batch: int, context: int, heads: int, s_q: int) -> tuple[jax.Ar
 
 
 def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_reason, memory,
-                   rounds: int | None = None, methods: tuple[str, ...] = METHOD_NAMES,
+                   rounds: int | None = None, methods: tuple[str, ...] = DEFAULT_METHODS,
                    flashmla: flashmla_lib.FlashMLA | None = None):
-    """One row: every method of ``methods`` (``METHOD_NAMES``) timed side by side on these
+    """One row: every method of ``methods`` (``DEFAULT_METHODS`` unless told) timed side by side on these
     caches; FlashMLA too where ``flashmla`` is given and "flashmla" is among ``methods``."""
     fp8, bf16, block_table = caches
     layers = fp8.num_layers or 1
@@ -228,6 +234,7 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
         # The default FP8 kernel (page 64: the Mosaic GPU kernel) and the Triton FP8 kernel, same math.
         "fp8": (fp8, "pallas", None),
         "fp8_triton": (fp8, "pallas", FP8_CONFIG),
+        "fp8_mosaic": (fp8, "pallas", MOSAIC_CONFIG),
         "bf16": (bf16, "pallas", None),
         "xla_bf16": (bf16, "xla", None),
     }
@@ -276,7 +283,8 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
         row[f"{name}_tflops"] = (f8 + f16) / (ms * 1e-3) / 1e12
         row[f"{name}_roofline"] = roofline_ms(nbytes, f8, f16, ceilings) / ms
     for num, den, key in (("bf16", "fp8", "fp8_over_bf16"), ("xla_bf16", "fp8", "fp8_over_xla"),
-                          ("bf16", "fp8_triton", "fp8_triton_over_bf16"), ("flashmla", "fp8", "flashmla_over_fp8"),
+                          ("bf16", "fp8_triton", "fp8_triton_over_bf16"), ("fp8_triton", "fp8_mosaic", "triton_over_mosaic"),
+                          ("flashmla", "fp8", "flashmla_over_fp8"),
                           ("flashmla", "bf16", "flashmla_over_bf16")):
         if row.get(f"{num}_ms") and row.get(f"{den}_ms"):
             row[key] = row[f"{num}_ms"] / row[f"{den}_ms"]
@@ -310,6 +318,7 @@ COLUMNS = [
     ("FlashMLA % roof", "flashmla_roofline", "%"), ("BF16 % roof", "bf16_roofline", "%"),
     ("XLA % roof", "xla_bf16_roofline", "%"), ("Triton FP8 ms", "fp8_triton_ms", "ms"),
     ("Triton/BF16", "fp8_triton_over_bf16", "x"), ("Triton % roof", "fp8_triton_roofline", "%"),
+    ("Mosaic FP8 ms", "fp8_mosaic_ms", "ms"), ("Triton/Mosaic", "triton_over_mosaic", "x"),
 ]
 FORMATS = {"ms": "{:.3g}", "x": "{:.2f}x", "int": "{:.0f}"}
 # Methods whose time over batch sizes ``smoothness`` reports.
@@ -384,6 +393,8 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         "same on the bf16 cache (1152 B/token): our BF16 twin.",
         *(["XLA bf16 = `mla_decode(..., backend=\"xla\")` on the bf16 cache."] if timed("xla_bf16") else []),
         *(["Triton FP8 = the Triton FP8 kernel (`FP8_CONFIG`)."] if timed("fp8_triton") else []),
+        *(["Mosaic FP8 = the Mosaic FP8 kernels whatever the size (`MOSAIC_CONFIG`); Triton/Mosaic = the",
+           "Triton FP8 time / theirs (> 1: Mosaic faster)."] if timed("fp8_mosaic") else []),
         *([f"FlashMLA = {flashmla_name}: FlashMLA's dense BF16 decode on the bf16 cache's contents (576 bf16 a",
            "token), same process, its calls replayed from one CUDA graph; FlashMLA/FP8 = its time / ours",
            "(> 1: ours faster). Its layer-0 output against our BF16 twin's: max |diff| / max |FlashMLA| "
@@ -454,8 +465,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="explicit shapes instead of the grid, e.g. 64x16384x128x1 (batch, context, heads, s_q)")
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="a named list of shapes: " + "; ".join(f"{k}: {v[0]}" for k, v in PRESETS.items()))
-    parser.add_argument("--methods", nargs="*", choices=METHOD_NAMES, default=list(METHOD_NAMES),
-                        help="methods to time (default: all); flashmla needs --flashmla to find FlashMLA")
+    parser.add_argument("--methods", nargs="*", choices=METHOD_NAMES, default=list(DEFAULT_METHODS),
+                        help="methods to time (default: all but fp8_mosaic); flashmla needs --flashmla to find "
+                             "FlashMLA")
     parser.add_argument("--flashmla", default="auto",
                         help="FlashMLA to time beside ours: 'auto' (the flash_mla package if importable), 'none', "
                              "or the path of an extension .so with FlashMLA's dense_decode_fwd")
