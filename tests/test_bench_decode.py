@@ -215,6 +215,20 @@ def test_round_robin_samples_last_at_least_min_sample_ms(monkeypatch):
     assert inners[0.25] == [10, 120, 120] and inners[5.0] == [10, 10, 10]
 
 
+def _stand_in_rows(monkeypatch, chain):
+    """``decode.measure_config`` over B = 2 x 128 x 16 heads with ``chain`` standing in for
+    ``decode_chain`` and a sampler that reports what each stand-in returns: (measure(**kwargs)
+    -> row, the ceilings the rows use)."""
+    monkeypatch.setattr(decode, "decode_chain", chain)
+    monkeypatch.setattr(timing, "sample_ms", lambda fn, arg_sets, *, iters, inner=10, first=0:
+                        [fn(*arg_sets[0])] * iters)
+    caches = decode.make_caches(2, 128)
+    ceilings = timing.Ceilings(**CEILINGS)
+    measure = lambda **kwargs: decode.measure_config(2, 128, 16, 1, caches, ceilings, 4, "does not fit", 1 << 34,
+                                                     rounds=2, **kwargs)
+    return measure, ceilings
+
+
 def test_a_row_times_its_methods_side_by_side(monkeypatch):
     # Stand-in programs per (backend, config): each returns its own time, which the mocked
     # sampler reports; the Triton FP8 one fails to compile.
@@ -227,12 +241,8 @@ def test_a_row_times_its_methods_side_by_side(monkeypatch):
             return ms[(backend, config, "fp8" if cache.scale is not None else "bf16")]
         return fn
 
-    monkeypatch.setattr(decode, "decode_chain", chain)
-    monkeypatch.setattr(timing, "sample_ms", lambda fn, arg_sets, *, iters, inner=10, first=0:
-                        [fn(*arg_sets[0])] * iters)
-    caches = decode.make_caches(2, 128)
-    ceilings = timing.Ceilings(**CEILINGS)
-    row = decode.measure_config(2, 128, 16, 1, caches, ceilings, 4, "does not fit", 1 << 34, rounds=2)
+    measure, ceilings = _stand_in_rows(monkeypatch, chain)
+    row = measure()
     assert (row["fp8_ms"], row["bf16_ms"], row["xla_bf16_ms"]) == (0.5, 0.8, 4.0)
     assert row["fp8_over_bf16"] == pytest.approx(1.6) and row["fp8_over_xla"] == pytest.approx(8.0)
     assert row["fp8_triton_ms"] is None and row["fp8_triton_note"] == "ValueError: no Triton here"
@@ -253,15 +263,10 @@ def test_forced_mosaic_is_timed_only_when_asked_beside_triton(monkeypatch):
             return ms[None if config is None else config.kernel]
         return fn
 
-    monkeypatch.setattr(decode, "decode_chain", chain)
-    monkeypatch.setattr(timing, "sample_ms", lambda fn, arg_sets, *, iters, inner=10, first=0:
-                        [fn(*arg_sets[0])] * iters)
-    caches = decode.make_caches(2, 128)
-    ceilings = timing.Ceilings(**CEILINGS)
-    row = decode.measure_config(2, 128, 16, 1, caches, ceilings, 4, "does not fit", 1 << 34, rounds=2)
+    measure, _ = _stand_in_rows(monkeypatch, chain)
+    row = measure()
     assert "fp8_mosaic_ms" not in row and "mosaic" not in seen
-    row = decode.measure_config(2, 128, 16, 1, caches, ceilings, 4, "does not fit", 1 << 34, rounds=2,
-                                methods=("fp8_triton", "fp8_mosaic"))
+    row = measure(methods=("fp8_triton", "fp8_mosaic"))
     assert (row["fp8_triton_ms"], row["fp8_mosaic_ms"]) == (0.45, 0.3)
     assert row["triton_over_mosaic"] == pytest.approx(1.5)
     text = decode.to_markdown(ENV, CEILINGS, [dict(_row(8), **row)], "no", COMMAND)
