@@ -42,8 +42,8 @@ TRITON_BF16_MAX_ROWS = 16
 # page_size: the static bound on what a call reads). There the Mosaic kernels' fixed costs (the
 # launch of their query inputs, the prologue of their 128-token steps) can outweigh their speed.
 # H200, side by side in one run (docs/benchmarks/small_problems_h200.md, the Triton FP8 kernel
-# and the Mosaic ones forced): at 16 rows the Triton kernel is faster at B = 1 up to 8k tokens,
-# 2 x 4k and 8 x 1k, the Mosaic one at 2-4 x 2k and 4 x 4k; at 32 rows (H = 16 at s_q = 2,
+# and the Mosaic ones forced): at 16 rows the Triton kernel is faster at 1 x 1k, 1 x 4k,
+# 2 x 4k and 8 x 1k, the Mosaic one at 2 x 2k and 4 x 4k; at 32 rows (H = 16 at s_q = 2,
 # H = 32) the Mosaic 32-row kernel is faster at every size measured.
 TRITON_FP8_MAX_ROWS = 16
 TRITON_FP8_MAX_TOKENS = 16384
