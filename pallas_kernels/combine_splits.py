@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-try:  # Pallas' Triton backend, deprecated and to be removed: ``snapmla_jax.backend.triton_available``
+try:  # Pallas' Triton backend, deprecated and to be removed: ``pallas_triton_available``
     from jax.experimental.pallas import triton as plgpu_tr
 except ImportError:
     plgpu_tr = None
@@ -85,11 +85,20 @@ def partial_dtype(out_dtype) -> jnp.dtype:
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
+def pallas_triton_available() -> bool:
+    """Whether this jax still has Pallas' Triton backend (``jax.experimental.pallas.triton``),
+    deprecated since jax 0.11.0 and announced for removal (docs/triton_backend.md): the Triton
+    decode kernels and this module's merge lower through it. Without it ``mla_decode`` runs what
+    the Triton kernels would have run as the XLA path of the same math, and the Mosaic kernels
+    merge on Mosaic GPU."""
+    return plgpu_tr is not None
+
+
 def require_pallas_triton(launcher: str) -> None:
     """RuntimeError naming ``launcher`` where this jax has no Pallas Triton backend."""
-    if plgpu_tr is None:
+    if not pallas_triton_available():
         raise RuntimeError(f"{launcher} lowers through Pallas' Triton backend, which jax {jax.__version__} does not "
-                           "have; mla_decode runs the XLA path in its place (snapmla_jax.backend.triton_available)")
+                           "have; mla_decode runs the XLA path in its place (combine_splits.pallas_triton_available)")
 
 
 def combine_splits_reference(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:

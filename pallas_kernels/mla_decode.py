@@ -55,7 +55,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-try:  # Pallas' Triton backend, deprecated and to be removed: ``snapmla_jax.backend.triton_available``
+try:  # Pallas' Triton backend, deprecated and to be removed: ``combine_splits.pallas_triton_available``
     from jax.experimental.pallas import triton as plgpu_tr
 except ImportError:
     plgpu_tr = None

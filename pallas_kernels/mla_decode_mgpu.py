@@ -71,11 +71,11 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir.dialects import nvvm
 
-from snapmla_jax.backend import triton_available
 from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms,
                                                    store_feature_pairs, store_quads)
-from snapmla_jax.pallas_kernels.combine_splits import combine_items, combine_splits, partial_dtype
+from snapmla_jax.pallas_kernels.combine_splits import (combine_items, combine_splits, pallas_triton_available,
+                                                       partial_dtype)
 from snapmla_jax.pallas_kernels.combine_splits_mgpu import combine_items_mgpu, combine_splits_mgpu
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import balanced_plan_kernel, decode_inputs, decode_inputs_and_plan
 from snapmla_jax.pallas_kernels.mla_decode import LN2, LOG2E, resolve_num_pages
@@ -1093,7 +1093,7 @@ def merge_items(outs: tuple, plan: SplitPlan, dtype, *, num_splits: int,
     (and with a jax that still has Pallas' Triton backend) by the Triton merge of ``combine_splits``."""
     out, lse, part_o, part_lse = outs
     batch = out.shape[0]
-    merge_splits, merge_rows = ((combine_splits_mgpu, combine_items_mgpu) if MOSAIC_MERGE or not triton_available()
+    merge_splits, merge_rows = ((combine_splits_mgpu, combine_items_mgpu) if MOSAIC_MERGE or not pallas_triton_available()
                                 else (combine_splits, combine_items))
     if plan.partials and plan.uniform_splits is not None:
         part_o = part_o.reshape(batch, plan.uniform_splits, *part_o.shape[1:])

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import functools
-import importlib
 
 import jax
 
@@ -43,23 +42,6 @@ def on_hopper() -> bool:
     """Whether the default device is a Hopper GPU (sm_90: the Mosaic GPU kernels' wgmma and TMA)."""
     device = jax.devices()[0]
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
-
-
-# Pallas' Triton backend, deprecated since jax 0.11.0 and announced for removal
-# (docs/triton_backend.md). The Triton decode kernels and their merge lower through it.
-PALLAS_TRITON_MODULE = "jax.experimental.pallas.triton"
-
-
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    """Whether this jax still has Pallas' Triton backend (``PALLAS_TRITON_MODULE`` imports).
-    Without it ``mla_decode`` runs what the Triton kernels would have run as the XLA path of the
-    same math, and the Mosaic kernels merge on Mosaic GPU."""
-    try:
-        importlib.import_module(PALLAS_TRITON_MODULE)
-    except ImportError:
-        return False
-    return True
 
 
 def mosaic_kernels_run(backend: str) -> bool:

@@ -26,8 +26,9 @@ from snapmla_jax.pallas_kernels.mgpu_decode_inputs import pad_rows
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import BLOCK_ROWS as MOSAIC_SMALL_BLOCK_ROWS
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
+from snapmla_jax.pallas_kernels.combine_splits import pallas_triton_available
 from snapmla_jax.backend import on_hopper as _on_hopper  # a module name the tests fake
-from snapmla_jax.backend import resolve_backend, triton_available
+from snapmla_jax.backend import resolve_backend
 from snapmla_jax.backend import sm_count as _sm_count
 from snapmla_jax.cache import (MAX_TOKEN_SLOTS, TRITON_MAX_ELEMENTS, LatentCache, check_kernel_addressable, check_layer,
                                kernel_addressable)
@@ -198,12 +199,12 @@ def default_config(cache: LatentCache, backend: str, num_rows: int | None = None
     (Triton) or 128 (Mosaic), so their outputs differ by e4m3 rounding noise
     only (relative L2 ~1e-3 on the bench).
 
-    A jax without Pallas' Triton backend (``triton_available``: deprecated since jax 0.11 and
+    A jax without Pallas' Triton backend (``pallas_triton_available``: deprecated since jax 0.11 and
     announced for removal) gets MOSAIC_CONFIG wherever the Mosaic kernels run and the Triton
     configs elsewhere, which ``mla_decode`` then runs as its XLA path of the same math.
     """
     mosaic = mosaic_runs(cache.page_size, backend)
-    if not triton_available():  # a jax without Pallas' Triton backend: the Mosaic kernels wherever they run
+    if not pallas_triton_available():  # a jax without Pallas' Triton backend: the Mosaic kernels wherever they run
         return MOSAIC_CONFIG if mosaic else (FP8_CONFIG if cache.dtype == "fp8" else BF16_CONFIG)
     # A cache past the Triton kernels' int32 element offsets goes to a Mosaic kernel whatever its size.
     triton_takes = kernel_addressable(cache.num_slots * (cache.num_layers or 1), cache.kv_lora_rank, triton=True)
@@ -226,7 +227,7 @@ def max_token_slots(kv_lora_rank: int, page_size: int, backend: str = "auto") ->
     (``default_config`` routes a cache too large for the Triton kernels to a Mosaic one), else
     what the Triton kernels' int32 element offsets address."""
     backend = resolve_backend(backend)
-    if backend == "xla" or mosaic_runs(page_size, backend) or not triton_available():
+    if backend == "xla" or mosaic_runs(page_size, backend) or not pallas_triton_available():
         return MAX_TOKEN_SLOTS
     return TRITON_MAX_ELEMENTS // kv_lora_rank
 
@@ -311,7 +312,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     if mosaic and cache.page_size != MOSAIC_PAGE:
         raise ValueError(f"config: kernel='mosaic' needs a cache with page_size {MOSAIC_PAGE}, got a "
                          f"{cache.dtype} cache with page_size {cache.page_size}")
-    if not mosaic and backend != "xla" and not triton_available():
+    if not mosaic and backend != "xla" and not pallas_triton_available():
         warnings.warn(f"mla_decode: jax {jax.__version__} has no Pallas Triton backend, so the Triton kernel's "
                       f"work ({config.kernel}, page_size {cache.page_size}) runs as the XLA path of the same math",
                       RuntimeWarning, stacklevel=2)

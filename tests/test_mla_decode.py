@@ -540,12 +540,12 @@ import sys, warnings
 sys.modules["jax.experimental.pallas.triton"] = None  # what a jax without Pallas' Triton backend gives
 import jax, jax.numpy as jnp, numpy as np
 import snapmla_jax.decode as decode
-from snapmla_jax.backend import triton_available
+from snapmla_jax.pallas_kernels.combine_splits import pallas_triton_available
 from snapmla_jax.cache import LatentCache
 from snapmla_jax.pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG, mla_decode_pallas
 from snapmla_jax.quantization import quantize_per_token
 
-assert not triton_available()
+assert not pallas_triton_available()
 fp8_64 = LatentCache.create(4, page_size=64)
 assert decode.default_config(fp8_64, "interpret", 16, 1024) == FP8_CONFIG  # run as the XLA path
 decode._on_hopper = lambda: True
