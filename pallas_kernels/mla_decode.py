@@ -55,12 +55,9 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-try:  # Pallas' Triton backend, deprecated and to be removed: ``combine_splits.pallas_triton_available``
-    from jax.experimental.pallas import triton as plgpu_tr
-except ImportError:
-    plgpu_tr = None
 
-from snapmla_jax.pallas_kernels.combine_splits import combine_splits, require_pallas_triton
+# Pallas' Triton backend as combine_splits imports it: None in a jax without it (``pallas_triton_available``).
+from snapmla_jax.pallas_kernels.combine_splits import combine_splits, plgpu_tr, require_pallas_triton
 from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, quantize_per_token
 
 LOG2E = math.log2(math.e)  # folded into the softmax scale: exp(x) = exp2(x * log2(e))
