@@ -491,8 +491,8 @@ def _launch(parts: Parts, *, q_rows=None, q_rope_rows=None, scale=None, block_ta
         out_type.append(jax.ShapeDtypeStruct((batch * padded_rows, q_rows.shape[2]), out_dtype))
         if quantize:
             out_type.append(jax.ShapeDtypeStruct((batch * padded_rows,), jnp.float32))
-        scratch += [plgpu.SMEM((Q_ROWS, q_rows.shape[2]), q_rows.dtype), plgpu.SMEM((Q_ROWS, q_rows.shape[2]), out_dtype),
-                    plgpu.SMEM((Q_ROWS,), jnp.float32)]
+        scratch += [plgpu.SMEM((Q_ROWS, q_rows.shape[2]), q_rows.dtype),
+                    plgpu.SMEM((Q_ROWS, q_rows.shape[2]), out_dtype), plgpu.SMEM((Q_ROWS,), jnp.float32)]
         if parts.rope:
             operands.append(q_rope_rows.reshape(batch * num_rows, -1))
             out_type.append(jax.ShapeDtypeStruct((batch * padded_rows, q_rope_rows.shape[2]), jnp.bfloat16))

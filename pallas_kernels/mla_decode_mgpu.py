@@ -1093,7 +1093,8 @@ def merge_items(outs: tuple, plan: SplitPlan, dtype, *, num_splits: int,
     (and with a jax that still has Pallas' Triton backend) by the Triton merge of ``combine_splits``."""
     out, lse, part_o, part_lse = outs
     batch = out.shape[0]
-    merge_splits, merge_rows = ((combine_splits_mgpu, combine_items_mgpu) if MOSAIC_MERGE or not pallas_triton_available()
+    mosaic_merge = MOSAIC_MERGE or not pallas_triton_available()
+    merge_splits, merge_rows = ((combine_splits_mgpu, combine_items_mgpu) if mosaic_merge
                                 else (combine_splits, combine_items))
     if plan.partials and plan.uniform_splits is not None:
         part_o = part_o.reshape(batch, plan.uniform_splits, *part_o.shape[1:])
