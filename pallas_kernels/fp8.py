@@ -28,7 +28,11 @@ FP8_E4M3_EPS = 2.0**-3
 
 def per_token_scale(x: jnp.ndarray) -> jnp.ndarray:
     """Scale per row of ``x`` [..., D] (any float dtype) -> float32 [...]."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    return scale_of_amax(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1))
+
+
+def scale_of_amax(amax: jnp.ndarray) -> jnp.ndarray:
+    """The scale of rows whose largest magnitude is ``amax`` (float32 [...]): ``per_token_scale``'s."""
     return jnp.maximum(amax, AMAX_FLOOR) / FP8_E4M3_MAX
 
 

@@ -335,7 +335,7 @@ def _store_items_one_at_a_time(items_ref, end_s, count_s, *, batch: int, num_ite
 # Query rows
 
 
-def _by_row(scale, shape, layout, interpret: bool):
+def by_row(scale, shape, layout, interpret: bool):
     """scale [rows] broadcast along the rows of ``shape`` in ``layout``. The interpreter's is
     ``fp8.quantize_with_scale``'s ``scale[..., None]``: XLA on the CPU turns x / layout_cast(
     broadcast(scale)) into x * (1 / scale), one float32 rounding off the division's (a q8 value
@@ -376,7 +376,7 @@ def _row_cta(q_ref, qr_ref, q_out_ref, qsc_ref, qr_out_ref, q_s, q8_s, qsc_s, qr
         x = plgpu.load(q_s.at[rows], layout=layout).astype(jnp.float32)
         if quantize:
             scale = per_token_scale(x)
-            q8_s[rows, :] = saturate_to_e4m3(x / _by_row(scale, x.shape, layout, interpret))
+            q8_s[rows, :] = saturate_to_e4m3(x / by_row(scale, x.shape, layout, interpret))
             qsc_s[rows] = scale
         else:
             q8_s[rows, :] = x.astype(q8_s.dtype)

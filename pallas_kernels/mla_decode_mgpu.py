@@ -202,10 +202,16 @@ def step_page_columns(step, max_pages: int) -> tuple:
     return tuple(jnp.minimum(step * 2 + half, max_pages - 1) for half in range(2))
 
 
-def page_boxes(bt_ref, b, step, layer_offset, num_pages: int):
-    """TMA boxes of a step, yielding (parity, source token pairs, destination rows):
-    per page of the step and token parity, the pairs ``pl.ds`` in the [N/2, 2, ...]
-    pair views and the 32 step-order rows (even tokens to rows 0..63) they fill.
+def step_pages(bt_ref, b, step, num_pages: int):
+    """The page ids of a step's two pages (``step_page_columns``), clipped into [0, num_pages): a
+    generator, read as ``page_boxes`` needs them."""
+    return (jnp.clip(bt_ref[b, column], 0, num_pages - 1) for column in step_page_columns(step, bt_ref.shape[1]))
+
+
+def page_boxes(pages, layer_offset):
+    """TMA boxes of a step of ``pages`` (``step_pages``), yielding (page, parity, source token
+    pairs, destination rows): per page of the step and token parity, the pairs ``pl.ds`` in the
+    [N/2, 2, ...] pair views and the 32 step-order rows (even tokens to rows 0..63) they fill.
 
     Pages past the table's end (only in a partial last step) are clamped; their
     tokens are masked. Page ids are clipped into [0, num_pages) (a traced block
@@ -216,12 +222,11 @@ def page_boxes(bt_ref, b, step, layer_offset, num_pages: int):
     64-bit load, not two dependent 32-bit ones (2.9-3.5% of the kernel at 32 x 16k-64k x 128 on
     an H100).
     """
-    for half, column in enumerate(step_page_columns(step, bt_ref.shape[1])):
-        page = jnp.clip(bt_ref[b, column], 0, num_pages - 1)
+    for half, page in enumerate(pages):
         # layer_offset is a multiple of PAGE: the TMA boxes start on whole pages.
         first_pair = aligned((layer_offset + page * PAGE) // 2, PAGE // 2)
         for parity in range(2):
-            yield parity, pl.ds(first_pair, PAGE // 2), pl.ds(parity * HALF + half * (PAGE // 2), PAGE // 2)
+            yield page, parity, pl.ds(first_pair, PAGE // 2), pl.ds(parity * HALF + half * (PAGE // 2), PAGE // 2)
 
 
 def issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, bar) -> None:
@@ -415,7 +420,9 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
                 by_warps: bool, num_pages: int):
     """``issue(step, slot)``: the TMA of a step of batch row b into a ring slot, arriving on
     ``step_bar[slot]``: latent chunks and RoPE rows in step order (even tokens to rows 0..63),
-    and token scales.
+    and token scales: ksc_ref [B, steps * 128] (step order), [B, steps, 3, 128] (with their
+    planes, ``mgpu_decode_inputs``), or [N / 64, 64] the cache's scale plane by page (the step's
+    two pages in token order, two copies: ``scale_copies``).
 
     ``by_warps``: each warp of the issuing warpgroup issues the copies of one (page, parity)
     box, the last one also the token scales (four threads issue in parallel instead of one
@@ -426,31 +433,37 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
                                     kv8_s.at[slot, ch, dst], step_bar.at[slot])
         plgpu.copy_gmem_to_smem(ropep_ref.at[src, parity], rope_s.at[slot, dst], step_bar.at[slot])
 
-    def copy_scales(step, first_token, slot):
-        if ksc_ref.ndim == 4:  # [B, steps, 3, STEP]: the scales, their logarithms and reciprocals
+    def copy_scales(step, first_token, slot, pages):
+        if ksc_ref.shape[-1] == PAGE:  # the scale plane by page: the step's pages in token order
+            for half, page in enumerate(pages):
+                plgpu.copy_gmem_to_smem(ksc_ref.at[lax.div(layer_offset, PAGE) + page],
+                                        ksc_s.at[slot, pl.ds(half * PAGE, PAGE)], step_bar.at[slot],
+                                        oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+        elif ksc_ref.ndim == 4:  # [B, steps, 3, STEP]: the scales, their logarithms and reciprocals
             plgpu.copy_gmem_to_smem(ksc_ref.at[b, step], ksc_s.at[slot], step_bar.at[slot])
         else:
             plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(first_token, STEP)], ksc_s.at[slot], step_bar.at[slot])
 
     def issue(step, slot):
         # Box starts computed here: ``pl.multiple_of`` does not lower in a warp's code.
-        boxes = list(page_boxes(bt_ref, b, step, layer_offset, num_pages))
+        boxes = list(page_boxes(step_pages(bt_ref, b, step, num_pages), layer_offset))
+        pages = [page for page, parity, _, _ in boxes if parity == 0]
         first_token = aligned(step * STEP, STEP)
         if not by_warps:
-            for parity, src, dst in boxes:
+            for _, parity, src, dst in boxes:
                 copy_box(slot, parity, src, dst)
-            copy_scales(step, first_token, slot)
+            copy_scales(step, first_token, slot, pages)
             return
 
         def per_warp(warp):
-            for k, (parity, src, dst) in enumerate(boxes):
+            for k, (_, parity, src, dst) in enumerate(boxes):
                 @pl.when(warp == k)
                 def _():
                     copy_box(slot, parity, src, dst)
 
             @pl.when(warp == 3)
             def _():
-                copy_scales(step, first_token, slot)
+                copy_scales(step, first_token, slot, pages)
 
         plgpu.warp_map(per_warp)
     return issue

@@ -44,21 +44,28 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, gpu, memref
 
 from snapmla_jax.pallas_kernels.combine_splits import partial_dtype
-from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
+from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, saturate_to_e4m3, scale_of_amax
 from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms,
                                                    store_token_bytes)
-from snapmla_jax.pallas_kernels.mgpu_decode_inputs import SCALE_FLOOR
+from snapmla_jax.pallas_kernels.mgpu_decode_inputs import GROUP_ROWS, SCALE_FLOOR, by_row
 from snapmla_jax.pallas_kernels.mla_decode import LOG2E, resolve_num_pages
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, FRAME_DROP, HALF,
                                                         LOG2_FP8_MAX, NAMED_SYNC, NUM_CHUNKS, NUM_SLOTS, NUM_WGS,
-                                                        ROPE, ROW, STATS_SYNC_ID, STEP, aligned,
-                                                        begin_cta, begin_step, consumers_sync, for_used_items,
+                                                        PAGE, RANK, ROPE, ROW, STATS_SYNC_ID, STEP, aligned,
+                                                        balanced_plan_size, begin_cta, begin_step, check_launch,
+                                                        consumers_sync, for_used_items,
                                                         gather_p, grid_params, initial_carry, merge_items,
                                                         output_target, output_types, prepare_inputs, publish_p,
-                                                        store_rows, walk_steps, unpadded, write_outputs_t, Where)
+                                                        store_rows, walk_steps, unpadded, write_outputs_t,
+                                                        Where)
+from snapmla_jax.pallas_kernels.split_plan import uniform_plan
+from snapmla_jax.pallas_kernels.write_kv import row_layout
 
 ROWS = 16  # query rows a CTA by default: the wgmma N of every product
 # Features a fp32 promotion of the FP8 S^T product, as ``mla_decode_mgpu.QK_PROMOTION``: with all
@@ -66,10 +73,12 @@ ROWS = 16  # query rows a CTA by default: the wgmma N of every product
 # 128 x 16k x 16 (H100, tools/time_mgpu_variants.py --kernel small --variants baseline promotion_128).
 QK_PROMOTION = 512
 BLOCK_ROWS = (16, 32)  # the row blocks the kernel takes (``block_rows``)
+QUERY_IN_KERNEL_ROWS = 16  # the row block that quantizes its query in the kernel (``runs_query_in_kernel``)
 TOKENS = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per token (axis 0 of a [64, R] tile)
 QROWS = plgpu.Layout.WGMMA.reduce(0)  # an [R] vector with one value per query row (axis 1)
 # The warpgroup that issues the ring's TMAs (``begin_step``).
 ISSUER = 1
+WARPGROUP = 128  # threads a warpgroup
 # Whether each warpgroup stores its row max of a step (``stats_s``) without the warpgroup barriers
 # Pallas puts around every SMEM store (``mla_decode_mgpu.store_rows``): the statistics exchange's
 # named barrier orders it (``NAMED_SYNC``). GPU only.
@@ -216,14 +225,71 @@ def pv_update_t(accs, p8_ref, kv_slot, wg, ratio, visible, t0, seq_len, *, inter
     return [acc * ratio_b + f for acc, f in zip(accs, fresh)]
 
 
+def quantize_query(q_in_s, q8_s, qsc_s, wg, *, interpret: bool) -> None:
+    """Warpgroup wg's half of the block's query rows quantized per row, ``fp8.quantize_per_token``'s
+    math as the inputs launch's row CTAs run it (``write_kv.row_layout``, ``GROUP_ROWS`` rows at
+    a time, a row's 512 values as four 128-value chunks): q_in_s bf16 [4, R, 128] -> q8_s e4m3
+    [4, R, 128] and qsc_s f32 [R]."""
+    rows = q_in_s.shape[1]
+    layout = row_layout(CHUNK, q_in_s.dtype)
+    for g in range(rows // NUM_WGS // GROUP_ROWS):
+        group = pl.ds(aligned(wg * (rows // NUM_WGS) + g * GROUP_ROWS, GROUP_ROWS), GROUP_ROWS)
+        chunks = [plgpu.load(q_in_s.at[ch, group], layout=layout).astype(jnp.float32) for ch in range(NUM_CHUNKS)]
+        scale = scale_of_amax(functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=-1) for x in chunks]))
+        for ch, x in enumerate(chunks):
+            q8_s[ch, group, :] = saturate_to_e4m3(x / by_row(scale, x.shape, layout, interpret))
+        qsc_s[group] = scale
+
+
+def parity_scales(ksc_s, slot, wg, *, interpret: bool) -> jax.Array:
+    """This warpgroup's token scales of a step from ksc_s f32 [2 slots, 128], the step's two pages
+    in token order: [64] (``TOKENS``), token 2c + wg at c, as the step order puts the tokens of
+    parity wg in this warpgroup's SMEM rows.
+
+    A TMA cannot read every other float, and Pallas' layout inference takes no strided view of
+    SMEM, so on the GPU each thread loads its own values (two, as a ``TOKENS`` load of a
+    contiguous [64] would) at the addresses ``mgpu.FragmentedArray.build`` gives their indices."""
+    if interpret:
+        pairs = ksc_s[slot].reshape(HALF, 2)
+        return jnp.where(wg == 0, pairs[:, 0], pairs[:, 1])
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct((HALF,), jnp.float32, layout=TOKENS))
+    def gather(ctx, step_ref):
+        del ctx
+        index = ir.IndexType.get()
+        parity = arith.divui(gpu.thread_id(gpu.Dimension.x), arith.constant(index, WARPGROUP))
+        two = arith.constant(index, 2)
+        return mgpu.FragmentedArray.build(
+            (HALF,), TOKENS.to_mgpu(), lambda c: memref.load(step_ref, [arith.addi(arith.muli(c, two), parity)]))
+
+    return gather(ksc_s.at[slot])
+
+
 @for_used_items
-def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
-            o_ref, lse_ref, part_o_ref, part_lse_ref,
-            q8_s, qr_s, qsc_s, lse_s, kv8_s, rope_s, ksc_s, p8_s, stats_s, lsum_s, red_s, o_s,
-            step_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar,
-            *, s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, interpret: bool):
+def _kernel(*refs, query_in_kernel: bool, **params):
+    """``_cta`` on the launch's refs. With ``query_in_kernel`` the operands have no q_scale
+    (their q_ref holds the bf16 query rows, their ksc_ref the cache's scale plane by page) and
+    the scratch ends with the rows' staging tile and their barrier (``quantize_query``)."""
+    if query_in_kernel:
+        refs = (*refs[:5], None, *refs[5:])
+    _cta(*refs, **params)
+
+
+def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
+         o_ref, lse_ref, part_o_ref, part_lse_ref,
+         q8_s, qr_s, qsc_s, lse_s, kv8_s, rope_s, ksc_s, p8_s, stats_s, lsum_s, red_s, o_s,
+         step_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar, q_in_s=None, q_ready_bar=None,
+         *, s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, interpret: bool):
     """One CTA: (work item w: a run of steps of batch row b, block of R query rows), two
     warpgroups; outputs as ``mla_decode_mgpu.OutputTarget``.
+
+    Its query rows either arrive quantized (q_ref e4m3 [B, P, 512], qsc_ref f32 [B, P], ksc_ref
+    the step-ordered token scales [B, steps * 128], all from the inputs launch) or, with qsc_ref
+    None, as the bf16 rows (q_ref [B, P, 512]) that the warpgroups quantize into q8_s
+    (``quantize_query``, through q_in_s bf16 [4, R, 128]; both meet at q_ready_bar, NUM_WGS
+    arrivals, in the interpreter) beside the first step's copies, ksc_ref then the cache's
+    scale plane [N / 64, 64] (``parity_scales``).
 
     SMEM (R = 16 or 32 rows): q8_s e4m3 [4, R, 128], qr_s bf16 [R, 64], qsc_s f32
     [R], lse_s f32 [R], kv8_s e4m3 [2, 4, 128, 128] and rope_s bf16 [2, 128, 64] (the
@@ -240,19 +306,28 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
     warpgroups have passed this step's P' exchange and so have read it.
     """
     rows = q8_s.shape[1]
+    query_in_kernel = qsc_ref is None
     where, issue = begin_cta(
-        seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
-        q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_pages=num_pages, issuer=ISSUER)
+        seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
+        q_in_s if query_in_kernel else q8_s, qr_s, None if query_in_kernel else qsc_s, kv8_s, rope_s, ksc_s,
+        step_bar, q_bar, s_q=s_q, num_pages=num_pages, issuer=ISSUER)
     _, wg, _, row0, _, _, _ = where
     my_rows = aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
     named_sync = NAMED_SYNC and not interpret
     my_scratch = red_s.at[wg]
+    if query_in_kernel:
+        quantize_query(q_in_s, q8_s, qsc_s, wg, interpret=interpret)
+        plgpu.commit_smem()  # the rows' stores before the products (the async proxy) read them
+        meet(STATS_SYNC_ID, q_ready_bar, named_sync)
 
     def step(j, carry, *, where: Where, masked: bool):
         accs, (m, l_tile, frame) = carry[:-3], carry[-3:]
         t0 = (where.first_step + j) * STEP
         slot = begin_step(j, wg, where.first_step, where.num_steps, issue, step_bar, consumed_bar, issuer=ISSUER)
-        k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=TOKENS)
+        if query_in_kernel:
+            k_scale = parity_scales(ksc_s, slot, wg, interpret=interpret)
+        else:
+            k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=TOKENS)
         scores = half_scores_t(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], plgpu.load(qsc_s, layout=QROWS),
                                k_scale, my_rows, interpret=interpret)
         # The log2 and reciprocal of the token scales (``mgpu_decode_inputs.with_scale_planes``' math)
@@ -315,29 +390,59 @@ def meet(barrier_id: int, bar, named_sync: bool) -> None:
         plgpu.barrier_wait(bar)
 
 
+def runs_query_in_kernel(q_rows: jax.Array, q_rope_rows: jax.Array, *, block_rows: int, batch: int,
+                         num_splits: int, balanced: bool) -> bool:
+    """Whether ``mla_decode_mgpu_small`` takes its query rows and token scales in the kernel
+    (``quantize_query``, ``parity_scales``) instead of from the inputs launch: 16-row blocks (the
+    bf16 staging tile's 16 KB fits beside the rest; at 32 rows it would not), bf16 rows that are
+    whole blocks (no padding to make) and a uniform split plan (``balanced_plan_size``: none to
+    compute). Then the call is the kernel and, with splits, the merge: one launch less."""
+    return (block_rows == QUERY_IN_KERNEL_ROWS and q_rows.shape[1] % block_rows == 0
+            and q_rows.dtype == q_rope_rows.dtype == jnp.bfloat16
+            and balanced_plan_size(batch, num_splits, balanced) is None)
+
+
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
-                                             "balanced", "block_rows", "num_pages", "interpret"))
+                                             "balanced", "block_rows", "num_pages", "query_in_kernel", "interpret"))
 def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                           seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
                           s_q: int, num_heads: int, num_splits: int = 1, balanced: bool = False,
-                          block_rows: int = ROWS, num_pages: int | None = None,
+                          block_rows: int = ROWS, num_pages: int | None = None, query_in_kernel: bool | None = None,
                           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """FP8 decode for blocks of ``block_rows`` (16 or 32) query rows; arguments and results as
     ``mla_decode_mgpu``'s (``num_splits``, ``balanced`` and ``num_pages`` included): q_rows
-    [B, rows, 512] of any rows (padded to whole blocks of ``block_rows`` in the inputs launch)."""
+    [B, rows, 512] of any rows (padded to whole blocks of ``block_rows`` in the inputs launch).
+    ``query_in_kernel``: the query rows quantized and the token scales read in the kernel, no
+    inputs launch (None: where ``runs_query_in_kernel`` says it can; False: never)."""
     if block_rows not in BLOCK_ROWS:
         raise ValueError(f"block_rows: expected one of {BLOCK_ROWS}, got {block_rows!r}")
     rows = block_rows
     num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
-    q8, q_scale, q_rope, latent_pairs, rope_pairs, scales, plan = prepare_inputs(
-        q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, page_size=page_size,
-        num_splits=num_splits, balanced=balanced, num_pages=num_pages, block_rows=rows, scale_planes=False,
-        interpret=interpret)
-    num_rows = q8.shape[1]  # padded to whole blocks
+    can = runs_query_in_kernel(q_rows, q_rope_rows, block_rows=rows, batch=q_rows.shape[0], num_splits=num_splits,
+                               balanced=balanced)
+    if query_in_kernel and not can:
+        raise ValueError(f"query_in_kernel: takes {QUERY_IN_KERNEL_ROWS}-row blocks of bf16 rows and a uniform "
+                         f"plan, got {rows}-row blocks, {q_rows.shape[1]} {q_rows.dtype} rows, balanced={balanced}")
+    in_kernel = can if query_in_kernel is None else query_in_kernel
     out_dtype = partial_dtype(q_rows.dtype)  # output and partials: bf16 for a bf16 output, else float32
+    if in_kernel:
+        check_launch("mla_decode_mgpu_small: FP8 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
+                     num_arrays=3, block_rows=rows, num_splits=num_splits)
+        latent, scale, rope = cache_arrays
+        plan = uniform_plan(q_rows.shape[0], num_splits)
+        # The latent and RoPE parts as token pairs (the step order's boxes) and the scales by page.
+        operands = (q_rows, q_rope_rows, latent.reshape(-1, 2, RANK), scale.reshape(-1, PAGE), rope.reshape(-1, 2, ROPE))
+        num_rows = q_rows.shape[1]
+    else:
+        q8, q_scale, q_rope, latent_pairs, rope_pairs, scales, plan = prepare_inputs(
+            q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, page_size=page_size,
+            num_splits=num_splits, balanced=balanced, num_pages=num_pages, block_rows=rows, scale_planes=False,
+            interpret=interpret)
+        operands = (q8, q_scale, q_rope, latent_pairs, scales, rope_pairs)
+        num_rows = q8.shape[1]  # padded to whole blocks
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          partials=plan.partials, num_pages=num_pages, interpret=interpret),
+                          partials=plan.partials, num_pages=num_pages, interpret=interpret, query_in_kernel=in_kernel),
         out_type=output_types(plan, num_rows, out_dtype),
         scratch_types=[
             plgpu.SMEM((NUM_CHUNKS, rows, CHUNK), FP8_DTYPE),
@@ -353,17 +458,19 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
             plgpu.SMEM((NUM_WGS, rows), jnp.float32),
             plgpu.SMEM((NUM_WGS, reduce_scratch_size(rows)), jnp.float32),
             plgpu.SMEM((NUM_WGS, rows, HALF), out_dtype, transforms=() if interpret else output_transforms(out_dtype)),
-            plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
+            # The scales of a step by page are one copy more (``step_issuer``).
+            plgpu.Barrier(num_arrivals=COPIES_STEP + in_kernel, num_barriers=NUM_SLOTS),
             plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),  # statistics (the interpreter)
             plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),  # P'^T halves (the interpreter)
             plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),  # consumed (both warpgroups)
-            plgpu.Barrier(num_arrivals=COPIES_Q),
+            plgpu.Barrier(num_arrivals=COPIES_Q - in_kernel),  # no q_scale copy when the kernel makes it
             plgpu.Barrier(num_arrivals=NUM_WGS),
+            *([plgpu.SMEM((NUM_CHUNKS, rows, CHUNK), jnp.bfloat16), plgpu.Barrier(num_arrivals=NUM_WGS)]
+              if in_kernel else []),
         ],
         # Its reductions across warps bring their own scratch (``token_reduce``).
         **grid_params(plan, num_rows // rows, "snapmla_decode_fp8_mgpu_small", interpret, reduction_scratch_bytes=0),
     )
-    outs = kernel(seq_lens, plan.items, block_table, layer_offset, q8, q_scale, q_rope, latent_pairs, scales,
-                  rope_pairs)
+    outs = kernel(seq_lens, plan.items, block_table, layer_offset, *operands)
     out, lse = merge_items(outs, plan, q_rows.dtype, num_splits=num_splits, interpret=interpret)
     return unpadded(out, lse, q_rows.shape[1])

@@ -48,6 +48,9 @@ TRITON_BF16_MAX_ROWS = 16
 # H = 32) the Mosaic 32-row kernel is faster at every size measured.
 TRITON_FP8_MAX_ROWS = 16
 TRITON_FP8_MAX_TOKENS = 16384
+# Up to this many tokens of block-table capacity over the batch the Mosaic kernels take a uniform
+# split plan (``uniform_plan_only``).
+UNIFORM_PLAN_MAX_TOKENS = 16384
 # Past this the merge's float32 partials outweigh the extra parallelism. (H100, H=16,
 # B=1 x 64k: 128 splits 0.047 ms, 64 splits 0.062 ms; scripts/sweep_splits.py.)
 MAX_SPLITS = 128
@@ -88,6 +91,17 @@ def choose_num_splits(batch: int, row_blocks: int, max_tokens: int, num_sms: int
     slots = waves * num_sms
     candidates = range(1, min(MAX_SPLITS, steps) + 1)
     return min(candidates, key=lambda splits: (split_cost(batch, row_blocks, steps, splits, slots), splits))
+
+
+def uniform_plan_only(capacity_tokens: int) -> bool:
+    """Whether a Mosaic kernel call over ``capacity_tokens`` tokens of block-table capacity (B x
+    max_pages x page_size) takes a uniform split plan (``num_splits`` items a row) even where
+    ``mla_decode`` picks the split count: up to ``UNIFORM_PLAN_MAX_TOKENS``. A balanced plan is
+    computed on the device in the launch that prepares the query (``mgpu_decode_inputs``); a
+    uniform one is a constant, and with it the 16-row kernel quantizes its query itself
+    (``mla_decode_mgpu_small.runs_query_in_kernel``): one launch fewer, which is much of a small
+    call. Small problems have few steps a row, so there is little left to balance."""
+    return capacity_tokens <= UNIFORM_PLAN_MAX_TOKENS
 
 
 def min_tokens_per_split(page_size: int, config: DecodeConfig) -> int:
@@ -341,8 +355,9 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     cache_arrays = tuple(a for a in (flat(cache.latent), flat(cache.scale), flat(cache.rope)) if a is not None)
     layer_offset = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32) * cache.num_slots, (1,))
     layer_offset = jnp.clip(layer_offset, 0, (cache.num_layers or 1) * cache.num_slots - cache.num_slots)
-    # Left to us, the Mosaic kernels' split count follows each row's seq_len (``split_plan``).
-    balanced = num_splits is None
+    # Left to us, the Mosaic kernels' split count follows each row's seq_len (``split_plan``),
+    # but for small problems (``uniform_plan_only``).
+    balanced = num_splits is None and not uniform_plan_only(batch * block_table.shape[1] * cache.page_size)
     if num_splits is None:
         num_splits = planned_num_splits(q_latent, cache, block_table, config=config)
     if mosaic:

@@ -105,14 +105,15 @@ def _kernel_and_rows(kernel: str):
 
 
 def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_scale, *, layer_pages=0, num_splits=1,
-                 balanced=False, interpret=False, kernel="mgpu", pad_rows=False):
+                 balanced=False, interpret=False, kernel="mgpu", pad_rows=False, **kernel_kw):
     """A Mosaic kernel (``_kernel_and_rows``) on the API's shapes: s_q x H rows (padded to its
     block here with ``pad_rows``; else the kernel's inputs launch pads them), the cache
     flattened; ``balanced``: its split plan follows the rows' seq_lens
     (``split_plan.balanced_plan``, sized for ``num_splits`` a row).
 
     ``layer_pages`` > 0 puts a layer of NaN pages in front of the cache and reads
-    the second layer through ``layer_offset``, as a multi-layer cache does.
+    the second layer through ``layer_offset``, as a multi-layer cache does. ``kernel_kw``: more
+    keyword arguments of the kernel (``query_in_kernel``).
     """
     kernel_fn, block_rows = _kernel_and_rows(kernel)
     batch, s_q, heads, rank = q.shape
@@ -126,7 +127,7 @@ def _call_kernel(q, q_rope, latent, scale, rope, block_table, seq_lens, softmax_
     out, lse = kernel_fn(to_rows(q), to_rows(q_rope), tuple(cache), block_table, seq_lens,
                          jnp.full((1,), layer_pages * 64, jnp.int32), softmax_scale=softmax_scale,
                          page_size=64, s_q=s_q, num_heads=heads, num_splits=num_splits, balanced=balanced,
-                         interpret=interpret)
+                         interpret=interpret, **kernel_kw)
     return out[:, :rows].reshape(q.shape), lse[:, :rows].reshape(batch, s_q, heads)
 
 
@@ -237,10 +238,12 @@ def test_small_kernel_stores_its_row_vectors_without_warpgroup_barriers(monkeypa
 
 def test_small_kernel_warpgroups_meet_twice_a_step():
     """Both warpgroups of the 16-row kernel score half of each step: they meet at the 64-row
-    kernel's two named barriers (the statistics, then P'^T), once a step loop each."""
+    kernel's two named barriers (the statistics, then P'^T), once a step loop each, and (the
+    module's uniform plan: its query quantized in the kernel) once more at the first before the
+    loops, when both halves of the query are in SMEM."""
     text = _mosaic_module_text("small")
-    for barrier_id in (mgpu_kernel.STATS_SYNC_ID, mgpu_kernel.P_SYNC_ID):
-        assert text.count(f"bar.sync {barrier_id}, 256;") == 2, barrier_id
+    for barrier_id, meetings in ((mgpu_kernel.STATS_SYNC_ID, 3), (mgpu_kernel.P_SYNC_ID, 2)):
+        assert text.count(f"bar.sync {barrier_id}, 256;") == meetings, barrier_id
 
 
 def test_qk_precision_tool_runs_interpreted(tmp_path):
@@ -570,6 +573,51 @@ def test_mosaic_kernel_routes_by_rows():
     assert mosaic_kernel(48) == (mla_decode_mgpu, 64)
 
 
+def test_small_kernel_takes_its_query_in_the_kernel_where_it_can():
+    """``runs_query_in_kernel``: 16-row blocks of bf16 rows that are whole blocks, with a uniform
+    plan (a balanced one over one row is the uniform one); asked for elsewhere, a ValueError."""
+    from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small, runs_query_in_kernel
+
+    def can(rows=16, dtype=jnp.bfloat16, block_rows=16, batch=2, balanced=False):
+        q = jax.ShapeDtypeStruct((batch, rows, 512), dtype)
+        q_rope = jax.ShapeDtypeStruct((batch, rows, 64), dtype)
+        return runs_query_in_kernel(q, q_rope, block_rows=block_rows, batch=batch, num_splits=2, balanced=balanced)
+
+    assert can() and can(rows=48) and can(batch=1, balanced=True)
+    assert not any([can(rows=8), can(dtype=jnp.float32), can(rows=32, block_rows=32), can(balanced=True)])
+    q, q_rope, latent, scale, rope, block_table, lens = _inputs(0, batch=2, heads=16, pages_per_row=3,
+                                                                seq_lens=[100, 0])
+    with pytest.raises(ValueError, match="query_in_kernel"):
+        _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, 0.1, num_splits=2, balanced=True,
+                     interpret=True, kernel="small", query_in_kernel=True)
+
+
+def _query_paths(heads, s_q, seq_lens, layer_pages, splits):
+    """The 16-row kernel interpreted with its query quantized in the kernel and from the inputs
+    launch, on the same inputs (NaN past the rows' seq_lens): (max |out difference|, max |lse
+    difference|) over the rows that see a token."""
+    q, q_rope, latent, scale, rope, block_table, lens = _inputs(7, batch=len(seq_lens), heads=heads,
+                                                                pages_per_row=5, seq_lens=seq_lens, s_q=s_q)
+    latent, scale, rope = _nan_past_seq_lens(latent, scale, rope, block_table, seq_lens)
+    seen = np.asarray(lens) > 0
+    (out_a, lse_a), (out_b, lse_b) = [
+        (np.asarray(out, np.float64)[seen], np.asarray(lse, np.float64)[seen])
+        for out, lse in (_call_kernel(q, q_rope, latent, scale, rope, block_table, lens, 576 ** -0.5,
+                                      layer_pages=layer_pages, num_splits=splits, interpret=True, kernel="small",
+                                      query_in_kernel=flag) for flag in (True, False))]
+    return float(np.max(np.abs(out_a - out_b))), float(np.max(np.abs(lse_a - lse_b)))
+
+
+def test_small_kernel_query_in_kernel_matches_its_inputs_launch():
+    """The query quantized in the kernel (``quantize_query``) and the token scales read from the
+    cache's pages (``parity_scales``) against the inputs launch's, through the split merge and a
+    layer offset: the interpreter runs the same float32 operations on the same values either way
+    (the quantizer's division as the inputs launch writes it, the scales gathered, not computed),
+    so the outputs are the same bits; a wrong row, parity or page differs by O(1)."""
+    out_diff, lse_diff = _in_subprocess("_query_paths(16, 1, [129, 64, 1], 3, 2)")
+    assert out_diff == 0.0 and lse_diff == 0.0, (out_diff, lse_diff)
+
+
 def test_small_kernel_interpreted_float32_output():
     """float32 queries, one split: the 16-row kernel's float32 output leaves transposed, as
     its split partials do, and the launcher transposes it back."""
@@ -710,7 +758,8 @@ def test_mla_decode_mosaic_config_refuses_what_it_cannot_run():
 
 def test_mla_decode_balances_splits_unless_num_splits_is_given(monkeypatch):
     """Left to ``mla_decode``, the Mosaic kernels get the balanced split plan sized for the planned
-    count; an explicit ``num_splits`` keeps every row at that count."""
+    count past ``UNIFORM_PLAN_MAX_TOKENS`` of block-table capacity, and a uniform plan up to it;
+    an explicit ``num_splits`` keeps every row at that count."""
     import snapmla_jax.decode as decode
     from snapmla_jax.pallas_kernels.mla_decode import MOSAIC_CONFIG
     from snapmla_jax.cache import LatentCache
@@ -724,12 +773,17 @@ def test_mla_decode_balances_splits_unless_num_splits_is_given(monkeypatch):
     monkeypatch.setattr(decode, "mosaic_kernel", lambda rows, dtype="fp8": (fake_kernel, 64))
     cache = LatentCache.create(8, page_size=64)
     q, q_rope = jnp.ones((2, 1, 64, 512), jnp.bfloat16), jnp.ones((2, 1, 64, 64), jnp.bfloat16)
-    table, lens = jnp.zeros((2, 4), jnp.int32), jnp.asarray([200, 10], jnp.int32)
+    # 2 rows x 128 pages: one page past the uniform plan's capacity; then 4 pages a row.
+    pages = decode.UNIFORM_PLAN_MAX_TOKENS // (2 * 64) + 1
+    large, small = jnp.zeros((2, pages), jnp.int32), jnp.zeros((2, 4), jnp.int32)
+    lens = jnp.asarray([200, 10], jnp.int32)
     kw = dict(softmax_scale=0.1, backend="interpret", config=MOSAIC_CONFIG)
-    decode.mla_decode(q, q_rope, cache, table, lens, **kw)
-    decode.mla_decode(q, q_rope, cache, table, lens, num_splits=3, **kw)
-    planned = decode.planned_num_splits(q, cache, table, backend="interpret", config=MOSAIC_CONFIG)
-    assert calls == [(planned, True), (3, False)]
+    decode.mla_decode(q, q_rope, cache, large, lens, **kw)
+    decode.mla_decode(q, q_rope, cache, large, lens, num_splits=3, **kw)
+    decode.mla_decode(q, q_rope, cache, small, lens, **kw)
+    planned = [decode.planned_num_splits(q, cache, table, backend="interpret", config=MOSAIC_CONFIG)
+               for table in (large, small)]
+    assert calls == [(planned[0], True), (3, False), (planned[1], False)]
 
 
 def test_default_config_picks_mosaic_for_compiled_decoding_with_64_token_pages(monkeypatch):
