@@ -40,9 +40,9 @@ Split-KV (flash-decoding): with ``num_splits > 1`` each split writes its fp32
 partial output and log-sum-exp; ``combine_splits`` merges them (one Pallas launch,
 reading B x splits x rows x 512 floats; pallas_kernels/combine_splits.py).
 
-Backend: Pallas' Triton lowering. Compiled decoding uses these kernels for small FP8 problems
-and for the bf16 cache at few query rows; the Mosaic GPU kernels (mla_decode_mgpu*.py) take the
-rest on Hopper (``snapmla_jax.decode.default_config``). Triton's ``tt.dot`` re-lays the
+Backend: Pallas' Triton lowering. Compiled decoding on Hopper uses these kernels for the bf16
+cache at few query rows and for pages other than 64 tokens; the Mosaic GPU kernels
+(mla_decode_mgpu*.py) take the rest there (``snapmla_jax.decode.default_config``). Triton's ``tt.dot`` re-lays the
 token-major FP8 latent for P.V through registers, so the FP8 body is register-bound.
 """
 

@@ -4,15 +4,16 @@
 
 Same caches and queries as ``python -m snapmla_jax.bench decode`` (page 64, every
 row at the full context), each variant timed with warm-up and a median
-(snapmla_jax/bench/timing.py), side by side in one run. Variants: the Mosaic
-kernel ("mosaic", pallas_kernels/mla_decode_mgpu.py, the default), where
+(snapmla_jax/bench/timing.py), side by side in one run. Variants: the 64-row Mosaic
+kernel ("mosaic", pallas_kernels/mla_decode_mgpu.py, the default above 32 rows), where
 s_q x H <= 32 the 16-row kernel ("mosaic_small", mla_decode_mgpu_small.py, the
 default up to 16 rows), where 16 < s_q x H <= 32 the same kernel in 32-row blocks
-("mosaic_small32"; the 64-row kernel is the default there), all with KV splits from ``choose_num_splits``, the
-Triton FP8 kernel and the two BF16 twins (Triton, "triton_bf16"; Mosaic GPU,
-"mosaic_bf16", pallas_kernels/mla_decode_mgpu_bf16.py, compared with the Triton one). Each Mosaic output is compared with the
-Triton FP8 kernel's (relative L2 difference: both round Q and P' to e4m3, with
-P' factors per 64 vs 128 tokens). Writes bench_mgpu.json under --out.
+("mosaic_small32", the default there), all with KV splits from ``choose_num_splits``,
+the Triton FP8 kernel and the two BF16 twins (Triton, "triton_bf16"; Mosaic GPU,
+"mosaic_bf16", pallas_kernels/mla_decode_mgpu_bf16.py, compared with the Triton one).
+Each Mosaic output is compared with the Triton FP8 kernel's (relative L2 difference:
+both round Q and P' to e4m3, with P' factors per 64 vs 128 tokens). Writes
+bench_mgpu.json under --out.
 """
 
 from __future__ import annotations

@@ -38,16 +38,6 @@ from snapmla_jax.cache import (MAX_TOKEN_SLOTS, TRITON_MAX_ELEMENTS, LatentCache
 # B=128 x 16k: Triton 0.58 ms vs Mosaic 0.70); from 64 rows up the Mosaic one is 1.8x faster
 # (0.69 vs 1.26 ms at B=64 x 16k x 128; mla_decode with config=BF16_CONFIG and with the default).
 TRITON_BF16_MAX_ROWS = 16
-# Small fp8 problems keep the Triton FP8 kernel: up to TRITON_FP8_MAX_ROWS query rows a batch
-# row and TRITON_FP8_MAX_TOKENS tokens of block-table capacity over the batch (B x max_pages x
-# page_size: the static bound on what a call reads). There the Mosaic kernels' fixed costs (the
-# launch of their query inputs, the prologue of their 128-token steps) can outweigh their speed.
-# H200, side by side in one run (docs/benchmarks/small_problems_h200.md, the Triton FP8 kernel
-# and the Mosaic ones forced): at 16 rows the Triton kernel is faster at 1 x 1k, 1 x 4k,
-# 2 x 4k and 8 x 1k, the Mosaic one at 2 x 2k and 4 x 4k; at 32 rows (H = 16 at s_q = 2,
-# H = 32) the Mosaic 32-row kernel is faster at every size measured.
-TRITON_FP8_MAX_ROWS = 16
-TRITON_FP8_MAX_TOKENS = 16384
 # Up to this many tokens of block-table capacity over the batch the Mosaic kernels take a uniform
 # split plan (``uniform_plan_only``).
 UNIFORM_PLAN_MAX_TOKENS = 16384
@@ -128,7 +118,7 @@ def planned_num_splits(q_latent: jax.Array, cache: LatentCache, block_table: jax
     """The split-KV count ``mla_decode`` uses for these arguments when ``num_splits`` is None
     (q_latent [B, s_q, H, R], the kernel ``config`` or ``default_config`` picks)."""
     batch, s_q, heads, _ = q_latent.shape
-    config = config_for(config, cache, resolve_backend(backend), q_latent, block_table)
+    config = config_for(config, cache, resolve_backend(backend), q_latent)
     block_m = block_rows(s_q * heads, config, cache.dtype)
     return choose_num_splits(batch, -(-(s_q * heads) // block_m), block_table.shape[1] * cache.page_size,
                              _sm_count(), min_tokens_per_split(cache.page_size, config), waves_per_split_plan(config))
@@ -189,29 +179,24 @@ def _validate(q_latent, q_rope, cache, block_table, seq_lens, softmax_scale, lay
                                  f"seq_lens uses, got {int(table[row, col])} at [{row}, {col}]")
 
 
-def default_config(cache: LatentCache, backend: str, num_rows: int | None = None,
-                   capacity_tokens: int | None = None) -> DecodeConfig:
+def default_config(cache: LatentCache, backend: str, num_rows: int | None = None) -> DecodeConfig:
     """The kernel and knobs ``mla_decode`` uses when ``config`` is None, for ``num_rows`` query
-    rows (s_q x H) a batch row and ``capacity_tokens`` tokens of block-table capacity over the
-    batch (B x max_pages x page_size); None: unknown.
+    rows (s_q x H) a batch row (None: unknown).
 
-    Compiled (backend "pallas") on a Hopper GPU over an fp8 cache with
-    page_size 64: the Mosaic GPU kernels (``mosaic_kernel`` picks one by the
-    query rows), faster than the Triton FP8 kernel at every shape measured on
-    an H100 (docs/benchmarks/decode.md's Triton FP8 column) but the small
-    ones: up to ``TRITON_FP8_MAX_ROWS`` rows and ``TRITON_FP8_MAX_TOKENS`` tokens
-    of capacity the Triton FP8 kernel stays (both known only). Over a bf16
-    cache there, the Mosaic BF16 twin above ``TRITON_BF16_MAX_ROWS`` rows (known
-    ``num_rows`` only). There a cache past the Triton kernels' int32 element offsets
-    (2**31 - 1 latent elements, ``cache.TRITON_MAX_ELEMENTS``) runs a Mosaic kernel at any
-    size. Elsewhere the
-    Triton kernels (FP8_CONFIG / BF16_CONFIG): the Mosaic kernels need 64-token
-    pages, and in the interpreter they run their two warpgroups as host
-    threads (slow, and they can stall on small CPUs), so "interpret" and the
-    "xla" emulation stay with the Triton kernel's math; other GPUs have no
-    wgmma. Both round P' to e4m3 with a factor per row and block, 64 tokens
-    (Triton) or 128 (Mosaic), so their outputs differ by e4m3 rounding noise
-    only (relative L2 ~1e-3 on the bench).
+    Compiled (backend "pallas") on a Hopper GPU over an fp8 cache with page_size 64: the Mosaic
+    GPU kernels (``mosaic_kernel`` picks one by the query rows), faster than the Triton FP8
+    kernel at every shape measured, small problems included (H200,
+    docs/benchmarks/small_problems_h200.md: 1.07-1.92x at 16 query rows and 1k-16k tokens, where
+    the 16-row kernel takes its query without a launch of its own, ``uniform_plan_only``). Over a
+    bf16 cache there, the Mosaic BF16 twin above ``TRITON_BF16_MAX_ROWS`` rows (known
+    ``num_rows`` only), or at any size for a cache past the Triton kernels' int32 element offsets
+    (2**31 - 1 latent elements, ``cache.TRITON_MAX_ELEMENTS``). Elsewhere the Triton kernels
+    (FP8_CONFIG / BF16_CONFIG): the Mosaic kernels need 64-token pages, and in the interpreter
+    they run their two warpgroups as host threads (slow, and they can stall on small CPUs), so
+    "interpret" and the "xla" emulation stay with the Triton kernel's math; other GPUs have no
+    wgmma. Both round P' to e4m3 with a factor per row and block, 64 tokens (Triton) or 128
+    (Mosaic), so their outputs differ by e4m3 rounding noise only (relative L2 ~1e-3 on the
+    bench).
 
     A jax without Pallas' Triton backend (``pallas_triton_available``: deprecated since jax 0.11 and
     announced for removal) gets MOSAIC_CONFIG wherever the Mosaic kernels run and the Triton
@@ -220,13 +205,11 @@ def default_config(cache: LatentCache, backend: str, num_rows: int | None = None
     mosaic = mosaic_runs(cache.page_size, backend)
     if not pallas_triton_available():  # a jax without Pallas' Triton backend: the Mosaic kernels wherever they run
         return MOSAIC_CONFIG if mosaic else (FP8_CONFIG if cache.dtype == "fp8" else BF16_CONFIG)
-    # A cache past the Triton kernels' int32 element offsets goes to a Mosaic kernel whatever its size.
+    # A bf16 cache past the Triton kernels' int32 element offsets goes to a Mosaic kernel whatever its size.
     triton_takes = kernel_addressable(cache.num_slots * (cache.num_layers or 1), cache.kv_lora_rank, triton=True)
     if cache.dtype != "fp8":
         return MOSAIC_CONFIG if mosaic and ((num_rows or 0) > TRITON_BF16_MAX_ROWS or not triton_takes) else BF16_CONFIG
-    small = (num_rows is not None and capacity_tokens is not None and num_rows <= TRITON_FP8_MAX_ROWS
-             and capacity_tokens <= TRITON_FP8_MAX_TOKENS and triton_takes)
-    return MOSAIC_CONFIG if mosaic and not small else FP8_CONFIG
+    return MOSAIC_CONFIG if mosaic else FP8_CONFIG
 
 
 def mosaic_runs(page_size: int, backend: str) -> bool:
@@ -247,11 +230,12 @@ def max_token_slots(kv_lora_rank: int, page_size: int, backend: str = "auto") ->
 
 
 def config_for(config: DecodeConfig | None, cache: LatentCache, backend: str, q_latent: jax.Array,
-               block_table: jax.Array) -> DecodeConfig:
-    """``config``, or ``default_config``'s pick for q_latent [B, s_q, H, R] and block_table
-    [B, max_pages] (its query rows and block-table capacity)."""
-    batch, s_q, heads, _ = q_latent.shape
-    return config or default_config(cache, backend, s_q * heads, batch * block_table.shape[1] * cache.page_size)
+               block_table: jax.Array | None = None) -> DecodeConfig:
+    """``config``, or ``default_config``'s pick for q_latent [B, s_q, H, R] (its query rows).
+    ``block_table``: accepted and unused (the pick does not depend on the table's capacity)."""
+    del block_table
+    _, s_q, heads, _ = q_latent.shape
+    return config or default_config(cache, backend, s_q * heads)
 
 
 def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8"):
@@ -320,7 +304,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
         raise ValueError(f"num_splits: expected None or a positive int, got {num_splits!r}")
     backend = resolve_backend(backend)
     batch, s_q, heads, rank = q_latent.shape
-    config = config_for(config, cache, backend, q_latent, block_table)
+    config = config_for(config, cache, backend, q_latent)
     softmax_scale = float(softmax_scale)
     mosaic = config.kernel == "mosaic"
     if mosaic and cache.page_size != MOSAIC_PAGE:

@@ -55,13 +55,14 @@ def test_a_cache_past_the_int32_element_offsets_gives_the_bits_of_a_small_one(dt
     if dtype == "fp8":
         np.testing.assert_array_equal(np.asarray(large.scale[first:]), np.asarray(small.scale))
 
-    # A problem small enough for the Triton kernels (1024 tokens) runs a Mosaic one on the large pool.
-    assert default_config(large, "pallas", heads, batch * context) == MOSAIC_CONFIG
+    # On the large pool a Mosaic kernel, also where the small pool's bf16 cache takes the Triton
+    # twin (16 heads).
+    assert default_config(large, "pallas", heads) == MOSAIC_CONFIG
     seq_lens = jnp.asarray([context, context - 37, 1, 0], jnp.int32)
     q = jnp.asarray(rng.standard_normal((batch, 1, heads, 512)), jnp.bfloat16)
     q_rope = jnp.asarray(rng.standard_normal((batch, 1, heads, 64)), jnp.bfloat16)
     decode = jax.jit(mla_decode, static_argnames=("softmax_scale", "return_lse", "config"))
-    config = MOSAIC_CONFIG  # the small pool would take the Triton kernel at 1024 tokens
+    config = MOSAIC_CONFIG  # the small pool's bf16 cache would take the Triton twin at 16 heads
     out_large, lse_large = decode(q, q_rope, large, table_large, seq_lens, softmax_scale=0.04, return_lse=True)
     out_small, lse_small = decode(q, q_rope, small, table_small, seq_lens, softmax_scale=0.04, return_lse=True,
                                   config=config)

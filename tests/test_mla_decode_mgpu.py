@@ -806,16 +806,15 @@ def test_default_config_picks_mosaic_for_compiled_decoding_with_64_token_pages(m
     assert default_config(bf16_64, "pallas", 17) == default_config(bf16_64, "pallas", 256) == MOSAIC_CONFIG
     assert default_config(bf16_64, "interpret", 256) == BF16_CONFIG
     assert default_config(LatentCache.create(4, page_size=32, dtype="bf16"), "pallas", 256) == BF16_CONFIG
-    # Small fp8 problems keep the Triton FP8 kernel: up to 16 rows and 16k tokens of capacity.
-    assert default_config(fp8_64, "pallas", 16, 16384) == default_config(fp8_64, "pallas", 1, 1024) == FP8_CONFIG
-    assert default_config(fp8_64, "pallas", 16, 16385) == default_config(fp8_64, "pallas", 17, 1024) == MOSAIC_CONFIG
-    assert default_config(fp8_64, "pallas", 32, 1024) == MOSAIC_CONFIG
-    assert default_config(fp8_64, "pallas", 16) == default_config(fp8_64, "pallas", None, 1024) == MOSAIC_CONFIG
+    # An fp8 cache: a Mosaic kernel whatever the query rows, small problems included.
+    assert all(default_config(fp8_64, "pallas", rows) == MOSAIC_CONFIG for rows in (1, 16, 17, 32, 128))
 
 
-def test_mla_decode_routes_small_fp8_problems_to_the_triton_kernel(monkeypatch):
-    """``mla_decode``'s default routing passes the batch's block-table capacity: B=1 x 4k at H=16
-    takes the Triton FP8 kernel, B=8 x 4k the small Mosaic one (what each lowers to, without a GPU)."""
+def test_mla_decode_runs_small_fp8_problems_without_an_inputs_launch(monkeypatch):
+    """``mla_decode``'s default routing on Hopper (faked) at H = 16: B = 1 x 4k (within
+    ``UNIFORM_PLAN_MAX_TOKENS``) lowers to the 16-row Mosaic kernel taking its query itself, its
+    merge on Mosaic GPU, nothing on Triton; B = 8 x 4k (32k tokens of capacity) to the same kernel
+    behind the inputs launch that computes its balanced plan (what each lowers to, without a GPU)."""
     import snapmla_jax.decode as decode
     from snapmla_jax.cache import LatentCache
 
@@ -830,8 +829,9 @@ def test_mla_decode_routes_small_fp8_problems_to_the_triton_kernel(monkeypatch):
         call = lambda q, qr, t: decode.mla_decode(q, qr, cache, t, jnp.full((t.shape[0],), 100, jnp.int32),
                                                   softmax_scale=0.1, backend="pallas")
         text = lower_for_cuda(call, q, q_rope, table).as_text()
-        kernels[batch] = ("mosaic_gpu" in text, "triton" in text.lower())
-    assert kernels[1] == (False, True) and kernels[8][0]
+        kernels[batch] = ("snapmla_decode_fp8_mgpu_small" in text, "snapmla_mgpu_decode_inputs" in text,
+                          "triton" in text.lower())
+    assert kernels == {1: (True, False, False), 8: (True, True, False)}, kernels
 
 
 def test_small_kernel_refuses_other_row_blocks():

@@ -21,7 +21,8 @@ the row falls on all of them alike. Columns:
                bandwidth, FP8 and BF16 GEMM rates; the FP8 kernel's 512-dim products are e4m3,
                its 64-dim RoPE product bf16)
   Triton, Mosaic  the Triton FP8 kernel and the Mosaic FP8 kernels forced (``--methods
-               fp8_triton fp8_mosaic``), for the small problems where ``mla_decode`` picks between them
+               fp8_triton fp8_mosaic``): on Hopper with 64-token pages ``mla_decode`` runs the
+               Mosaic ones, elsewhere the Triton one
   FlashMLA     FlashMLA's dense BF16 decode (``bench.flashmla``) on the bf16 cache's contents, in
                the same process, its layers replayed from one CUDA graph; present only when
                ``--flashmla`` finds it. "FlashMLA/FP8" = FlashMLA's time / ours (> 1: ours faster)
@@ -171,8 +172,8 @@ METHODS = {"fp8": (FP8_BYTES_PER_TOKEN, True), "fp8_triton": (FP8_BYTES_PER_TOKE
            "bf16": (BF16_BYTES_PER_TOKEN, False), "xla_bf16": (BF16_BYTES_PER_TOKEN, False),
            "flashmla": (BF16_BYTES_PER_TOKEN, False)}
 # What ``--methods`` selects from (JAX's stock kernel is "stock_mqa"), and what it times unless told:
-# "fp8_mosaic" (the Mosaic FP8 kernels forced where the default picks the Triton one) is for the
-# small problems whose kernel ``snapmla_jax.decode.default_config`` chooses by size.
+# "fp8_mosaic" (the Mosaic FP8 kernels forced) is the default FP8 kernel on Hopper with 64-token
+# pages, so it is timed only when asked for (beside "fp8_triton", the kernel of other GPUs).
 METHOD_NAMES = (*METHODS, "stock_mqa")
 DEFAULT_METHODS = tuple(m for m in METHOD_NAMES if m != "fp8_mosaic")
 
@@ -231,8 +232,8 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
     row = dict(batch=batch, context=context, heads=heads, s_q=s_q, layers=layers,
                measured_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
     plans = {
-        # The default FP8 kernel (page 64: a Mosaic GPU kernel but at small problems), the Triton FP8
-        # kernel and the Mosaic ones forced: the same math.
+        # The default FP8 kernel (page 64 on Hopper: a Mosaic GPU kernel), the Triton FP8 kernel and
+        # the Mosaic ones forced: the same math.
         "fp8": (fp8, "pallas", None),
         "fp8_triton": (fp8, "pallas", FP8_CONFIG),
         "fp8_mosaic": (fp8, "pallas", MOSAIC_CONFIG),
