@@ -35,10 +35,26 @@ CASES = ("1x1024x128x1:1,2,4,8", "1x4096x128x1:4,8,16,32", "8x4096x128x1:4,8,16"
 MIN_SAMPLE_MS = 5.0
 
 
+def parse_case(text: str) -> tuple[tuple[int, int, int, int], list[int]]:
+    """"BxCONTEXTxHxS_Q:SPLITS,SPLITS,..." -> ((B, context, H, s_q), [splits, ...]), all positive;
+    argparse.ArgumentTypeError naming the form otherwise."""
+    try:
+        shape, counts = text.split(":")
+        dims = tuple(int(v) for v in shape.split("x"))
+        splits = [int(v) for v in counts.split(",")]
+        if len(dims) == 4 and min(*dims, *splits) > 0:
+            return dims, splits
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected BxCONTEXTxHxS_Q:SPLITS,SPLITS,... of positive ints "
+                                     f"(e.g. 1x4096x16x1:8,16), got {text!r}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="/tmp/sweep_splits")
-    parser.add_argument("--cases", nargs="*", default=CASES, help="BxCONTEXTxHxS_Q:SPLITS,SPLITS,...")
+    parser.add_argument("--cases", nargs="*", type=parse_case, default=[parse_case(case) for case in CASES],
+                        help="BxCONTEXTxHxS_Q:SPLITS,SPLITS,...")
     parser.add_argument("--caches", nargs="*", default=("fp8", "bf16"), choices=("fp8", "bf16"))
     parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds (one sample of each count a round)")
     args = parser.parse_args(argv)
@@ -47,9 +63,8 @@ def main(argv=None) -> int:
     results = {"env": timing.environment(), "rounds": args.rounds, "layers": {}, "ms": {}, "chosen": {}}
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for case in args.cases:
-        shape, counts = case.split(":")
-        batch, context, heads, s_q = map(int, shape.split("x"))
+    for (batch, context, heads, s_q), counts in args.cases:
+        shape = f"{batch}x{context}x{heads}x{s_q}"
         layers = chain_layers(batch, context)
         results["layers"][shape] = layers
         fp8, bf16, block_table = make_caches(batch, context, layers=layers)
@@ -59,7 +74,7 @@ def main(argv=None) -> int:
             cache = fp8 if cache_name == "fp8" else bf16
             chosen = planned_num_splits(q, cache, block_table)
             results["chosen"][f"{shape} {cache_name}"] = chosen
-            for splits in sorted({*map(int, counts.split(",")), chosen}):
+            for splits in sorted({*counts, chosen}):
                 key = f"{shape} {cache_name} splits={splits}" + (" (chosen)" if splits == chosen else "")
                 runs[key] = (decode_chain(scale, layers, "pallas", num_splits=splits),
                              [(q, q_rope, cache, block_table, seq_lens)])

@@ -205,11 +205,11 @@ def default_config(cache: LatentCache, backend: str, num_rows: int | None = None
     mosaic = mosaic_runs(cache.page_size, backend)
     if not pallas_triton_available():  # a jax without Pallas' Triton backend: the Mosaic kernels wherever they run
         return MOSAIC_CONFIG if mosaic else (FP8_CONFIG if cache.dtype == "fp8" else BF16_CONFIG)
-    # A bf16 cache past the Triton kernels' int32 element offsets goes to a Mosaic kernel whatever its size.
+    if cache.dtype == "fp8":
+        return MOSAIC_CONFIG if mosaic else FP8_CONFIG
+    # A bf16 cache past the Triton kernels' int32 element offsets goes to the Mosaic twin whatever its size.
     triton_takes = kernel_addressable(cache.num_slots * (cache.num_layers or 1), cache.kv_lora_rank, triton=True)
-    if cache.dtype != "fp8":
-        return MOSAIC_CONFIG if mosaic and ((num_rows or 0) > TRITON_BF16_MAX_ROWS or not triton_takes) else BF16_CONFIG
-    return MOSAIC_CONFIG if mosaic else FP8_CONFIG
+    return MOSAIC_CONFIG if mosaic and ((num_rows or 0) > TRITON_BF16_MAX_ROWS or not triton_takes) else BF16_CONFIG
 
 
 def mosaic_runs(page_size: int, backend: str) -> bool:

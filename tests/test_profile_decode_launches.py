@@ -1,6 +1,6 @@
-"""scripts/profile_decode_launches.py and scripts/tune_combine_splits.py: their case parsing,
-a clean exit without a GPU, and the profiler helpers (timing.kernel_times_us, timeline_us,
-kernel_us_by_call)."""
+"""scripts/profile_decode_launches.py, scripts/tune_combine_splits.py and scripts/sweep_splits.py:
+their case parsing, a clean exit without a GPU, and the profiler helpers (timing.kernel_times_us,
+timeline_us, kernel_us_by_call)."""
 
 import argparse
 
@@ -93,3 +93,16 @@ def test_interleaved_kernel_times_say_when_no_gpu_ran():
     with pytest.raises(ValueError, match="is there a GPU"):
         timing.interleaved_kernel_us({"one": (fn, (jnp.ones(3),)), "two": (fn, (jnp.ones(3),))},
                                      kernel="snapmla", rounds=2)
+
+
+def test_sweep_splits_parses_its_cases_and_exits_2_without_a_gpu(tmp_path, capsys):
+    script = _script("sweep_splits")
+    assert script.parse_case("1x4096x16x1:8,16") == ((1, 4096, 16, 1), [8, 16])
+    for bad in ("1x4096x16x1", "1x4096x16:8", "1x4096x16x1:0,8", "1x4k x16x1:8"):
+        with pytest.raises(argparse.ArgumentTypeError, match="BxCONTEXTxHxS_Q:SPLITS"):
+            script.parse_case(bad)
+    with pytest.raises(SystemExit) as exit_info:  # argparse: one line naming --cases, status 2
+        script.main(["--out", str(tmp_path), "--cases", "1x4096x16x1"])
+    assert exit_info.value.code == 2 and "--cases" in capsys.readouterr().err
+    assert script.main(["--out", str(tmp_path)]) == 2
+    assert not (tmp_path / "split_sweep.json").exists()
