@@ -63,7 +63,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, per_token_scale, quantize_per_token, saturate_to_e4m3
+from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, quantize_per_token, saturate_to_e4m3, scale_of_amax
 from snapmla_jax.pallas_kernels.mla_decode import resolve_num_pages
 from snapmla_jax.pallas_kernels.split_plan import SplitPlan
 from snapmla_jax.pallas_kernels.write_kv import row_layout
@@ -347,6 +347,15 @@ def by_row(scale, shape, layout, interpret: bool):
     return plgpu.layout_cast(lax.broadcast_in_dim(scale, shape, [0]), layout)
 
 
+def quantized_rows(chunks: list, layout, interpret: bool) -> tuple:
+    """Rows quantized per row, ``fp8.quantize_per_token``'s math in registers: chunks, float32
+    [rows, W] each in ``layout``, together a row's values -> (their e4m3 values chunk for chunk,
+    a generator: each is computed when the caller takes it, as it stores them; the rows' scales
+    [rows]). A row's amax is exact whatever the chunking."""
+    scale = scale_of_amax(functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=-1) for x in chunks]))
+    return (saturate_to_e4m3(x / by_row(scale, x.shape, layout, interpret)) for x in chunks), scale
+
+
 def _row_cta(q_ref, qr_ref, q_out_ref, qsc_ref, qr_out_ref, q_s, q8_s, qsc_s, qr_s, qr_stage, bar, b, j, *,
              num_rows: int, padded_rows: int, quantize: bool, interpret: bool):
     """Rows [16 j, 16 j + 16) of batch row b: q_ref [B * rows, 512] (whole) -> q_out_ref [B * P,
@@ -377,8 +386,8 @@ def _row_cta(q_ref, qr_ref, q_out_ref, qsc_ref, qr_out_ref, q_s, q8_s, qsc_s, qr
         rows = pl.ds(g * GROUP_ROWS, GROUP_ROWS)
         x = plgpu.load(q_s.at[rows], layout=layout).astype(jnp.float32)
         if quantize:
-            scale = per_token_scale(x)
-            q8_s[rows, :] = saturate_to_e4m3(x / by_row(scale, x.shape, layout, interpret))
+            (q8,), scale = quantized_rows([x], layout, interpret)
+            q8_s[rows, :] = q8
             qsc_s[rows] = scale
         else:
             q8_s[rows, :] = x.astype(q8_s.dtype)

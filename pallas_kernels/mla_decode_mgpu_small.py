@@ -58,10 +58,10 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, gpu, memref
 
 from snapmla_jax.pallas_kernels.combine_splits import partial_dtype
-from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, saturate_to_e4m3, scale_of_amax
+from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms,
                                                    store_token_bytes)
-from snapmla_jax.pallas_kernels.mgpu_decode_inputs import GROUP_ROWS, SCALE_FLOOR, by_row
+from snapmla_jax.pallas_kernels.mgpu_decode_inputs import GROUP_ROWS, SCALE_FLOOR, quantized_rows
 from snapmla_jax.pallas_kernels.mla_decode import LOG2E, resolve_num_pages
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, FRAME_DROP, HALF,
                                                         LOG2_FP8_MAX, NAMED_SYNC, NUM_CHUNKS, NUM_SLOTS, NUM_WGS,
@@ -243,9 +243,9 @@ def quantize_query(q_in_s, q8_s, qsc_s, wg, *, interpret: bool) -> None:
     for g in range(rows // NUM_WGS // GROUP_ROWS):
         group = pl.ds(aligned(wg * (rows // NUM_WGS) + g * GROUP_ROWS, GROUP_ROWS), GROUP_ROWS)
         chunks = [plgpu.load(q_in_s.at[ch, group], layout=layout).astype(jnp.float32) for ch in range(NUM_CHUNKS)]
-        scale = scale_of_amax(functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=-1) for x in chunks]))
-        for ch, x in enumerate(chunks):
-            q8_s[ch, group, :] = saturate_to_e4m3(x / by_row(scale, x.shape, layout, interpret))
+        q8_chunks, scale = quantized_rows(chunks, layout, interpret)
+        for ch, q8 in enumerate(q8_chunks):
+            q8_s[ch, group, :] = q8
         qsc_s[group] = scale
 
 
