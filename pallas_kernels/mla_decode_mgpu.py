@@ -422,7 +422,7 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
     ``step_bar[slot]``: latent chunks and RoPE rows in step order (even tokens to rows 0..63),
     and token scales: ksc_ref [B, steps * 128] (step order), [B, steps, 3, 128] (with their
     planes, ``mgpu_decode_inputs``), or [N / 64, 64] the cache's scale plane by page (the step's
-    two pages in token order, two copies: ``scale_copies``).
+    two pages in token order, two copies: ``copy_scales``).
 
     ``by_warps``: each warp of the issuing warpgroup issues the copies of one (page, parity)
     box, the last one also the token scales (four threads issue in parallel instead of one

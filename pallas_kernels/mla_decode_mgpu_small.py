@@ -439,7 +439,8 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
         latent, scale, rope = cache_arrays
         plan = uniform_plan(q_rows.shape[0], num_splits)
         # The latent and RoPE parts as token pairs (the step order's boxes) and the scales by page.
-        operands = (q_rows, q_rope_rows, latent.reshape(-1, 2, RANK), scale.reshape(-1, PAGE), rope.reshape(-1, 2, ROPE))
+        operands = (q_rows, q_rope_rows, latent.reshape(-1, 2, RANK), scale.reshape(-1, PAGE),
+                    rope.reshape(-1, 2, ROPE))
         num_rows = q_rows.shape[1]
     else:
         q8, q_scale, q_rope, latent_pairs, rope_pairs, scales, plan = prepare_inputs(
