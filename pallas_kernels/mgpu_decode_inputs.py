@@ -16,8 +16,9 @@ The Mosaic FP8 kernels (mla_decode_mgpu.py, mla_decode_mgpu_small.py) take
 
 and a balanced split plan (``split_plan.balanced_plan``) where a call's rows differ in length.
 The BF16 twin takes its query rows padded to whole blocks and the same plan. The 16-row FP8
-kernel with a uniform plan needs none of this: it quantizes its query and reads the cache's
-scales itself (``mla_decode_mgpu_small.runs_query_in_kernel``).
+kernel on bf16 rows of whole blocks needs none of this but the plan: it quantizes its query and
+reads the cache's scales itself (``mla_decode_mgpu_small.runs_query_in_kernel``), and a balanced
+plan comes from the plan alone (``balanced_plan_kernel``).
 
 Why one launch. In jnp XLA runs these as four launches (the row maxima, the scales, the
 quantized rows, the gather) and the plan as three to five more, ~1 us each on an H100 whatever

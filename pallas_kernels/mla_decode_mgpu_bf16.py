@@ -204,6 +204,26 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
                           PRODUCER_REGISTERS, CONSUMER_REGISTERS)
 
 
+def twin_rows_and_plan(q_rows, q_rope_rows, seq_lens, block_table, *, block_rows: int, num_splits: int,
+                       balanced: bool, interpret: bool) -> tuple:
+    """A BF16 twin's inputs: (q [B, P, 512] bf16, q_rope [B, P, 64] bf16, the split plan of
+    one-page steps), P = rows padded to whole blocks of ``block_rows``. Rows short of whole blocks
+    are padded (and a balanced plan computed) in one launch, as the FP8 kernels' inputs launch
+    does, where XLA would pad q and q_rope in two; whole blocks need at most the plan's launch."""
+    batch, num_rows = q_rows.shape[:2]
+    rows = padded_rows(num_rows, block_rows)
+    if rows == num_rows:
+        plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP,
+                          interpret=interpret)
+        return q_rows.astype(jnp.bfloat16), q_rope_rows.astype(jnp.bfloat16), plan
+    num_items = balanced_plan_size(batch, num_splits, balanced)
+    with_plan = num_items is not None
+    q, q_rope, plan = bf16_rows_and_plan(
+        q_rows, q_rope_rows, seq_lens if with_plan else None, padded_rows=rows, num_items=num_items,
+        capacity=block_table.shape[1] * PAGE if with_plan else None, interpret=interpret)
+    return q, q_rope, plan if with_plan else uniform_plan(batch, num_splits)
+
+
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
                                              "balanced", "num_pages", "interpret"))
 def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
@@ -224,22 +244,9 @@ def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays
     check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
     latent, rope = cache_arrays
     num_pages = resolve_num_pages(num_pages, latent.shape[0], page_size)
-    batch, num_rows = q_rows.shape[:2]
-    rows = padded_rows(num_rows, BLOCK_M)
-    if rows == num_rows:
-        q, q_rope = q_rows.astype(jnp.bfloat16), q_rope_rows.astype(jnp.bfloat16)
-        plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP,
-                          interpret=interpret)
-    else:
-        # Rows short of whole blocks: padded (and the balanced plan computed) in one launch,
-        # as the FP8 kernels' inputs launch does, where XLA would pad q and q_rope in two.
-        num_items = balanced_plan_size(batch, num_splits, balanced)
-        with_plan = num_items is not None
-        q, q_rope, plan = bf16_rows_and_plan(
-            q_rows, q_rope_rows, seq_lens if with_plan else None, padded_rows=rows, num_items=num_items,
-            capacity=block_table.shape[1] * PAGE if with_plan else None, interpret=interpret)
-        plan = plan if with_plan else uniform_plan(batch, num_splits)
-    num_rows = rows
+    q, q_rope, plan = twin_rows_and_plan(q_rows, q_rope_rows, seq_lens, block_table, block_rows=BLOCK_M,
+                                         num_splits=num_splits, balanced=balanced, interpret=interpret)
+    num_rows = q.shape[1]
     out_dtype = partial_dtype(q_rows.dtype)
     stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # a warpgroup's staging tile: 16 KB
     kernel = plgpu.kernel(

@@ -32,8 +32,8 @@ Shared with ``mla_decode_mgpu``: the inputs launch (rows padded to a multiple of
 masks only in a row's last steps, split-KV by the plan of work items (``split_plan``), the named
 barriers and the output's store (``write_outputs_t``).
 
-Without the inputs launch (``runs_query_in_kernel``: 16-row blocks of bf16 rows, a uniform
-plan): the CTA copies its bf16 query rows to SMEM and both warpgroups quantize half of them
+Without the inputs launch (``runs_query_in_kernel``: 16-row blocks of bf16 rows; a balanced
+plan then comes from the plan-only launch): the CTA copies its bf16 query rows to SMEM and both warpgroups quantize half of them
 each (``quantize_query``, the inputs launch's math) while the first step's copies fly, and each
 step brings its two pages' token scales in token order, from which each warpgroup reads its
 parity (``parity_scales``). At small problems the inputs launch is a fifth of the call: 2.0-2.2
@@ -66,13 +66,13 @@ from snapmla_jax.pallas_kernels.mla_decode import LOG2E, resolve_num_pages
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, FRAME_DROP, HALF,
                                                         LOG2_FP8_MAX, NAMED_SYNC, NUM_CHUNKS, NUM_SLOTS, NUM_WGS,
                                                         PAGE, RANK, ROPE, ROW, STATS_SYNC_ID, STEP, aligned,
-                                                        balanced_plan_size, begin_cta, begin_step, check_launch,
+                                                        begin_cta, begin_step, check_launch,
                                                         consumers_sync, for_used_items,
                                                         gather_p, grid_params, initial_carry, merge_items,
-                                                        output_target, output_types, prepare_inputs, publish_p,
+                                                        output_target, output_types, plan_items, prepare_inputs,
+                                                        publish_p,
                                                         store_rows, walk_steps, unpadded, write_outputs_t,
                                                         Where)
-from snapmla_jax.pallas_kernels.split_plan import uniform_plan
 from snapmla_jax.pallas_kernels.write_kv import row_layout
 
 ROWS = 16  # query rows a CTA by default: the wgmma N of every product
@@ -398,16 +398,14 @@ def meet(barrier_id: int, bar, named_sync: bool) -> None:
         plgpu.barrier_wait(bar)
 
 
-def runs_query_in_kernel(q_rows: jax.Array, q_rope_rows: jax.Array, *, block_rows: int, batch: int,
-                         num_splits: int, balanced: bool) -> bool:
+def runs_query_in_kernel(q_rows: jax.Array, q_rope_rows: jax.Array, *, block_rows: int) -> bool:
     """Whether ``mla_decode_mgpu_small`` takes its query rows and token scales in the kernel
     (``quantize_query``, ``parity_scales``) instead of from the inputs launch: 16-row blocks (the
-    bf16 staging tile's 16 KB fits beside the rest; at 32 rows it would not), bf16 rows that are
-    whole blocks (no padding to make) and a uniform split plan (``balanced_plan_size``: none to
-    compute). Then the call is the kernel and, with splits, the merge: one launch less."""
+    bf16 staging tile's 16 KB fits beside the rest; at 32 rows it would not) of bf16 rows that
+    are whole blocks (no padding to make). Then the call is the kernel, the plan-only launch for a
+    balanced plan (``plan_items``; a uniform plan is a constant) and, with splits, the merge."""
     return (block_rows == QUERY_IN_KERNEL_ROWS and q_rows.shape[1] % block_rows == 0
-            and q_rows.dtype == q_rope_rows.dtype == jnp.bfloat16
-            and balanced_plan_size(batch, num_splits, balanced) is None)
+            and q_rows.dtype == q_rope_rows.dtype == jnp.bfloat16)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
@@ -426,18 +424,18 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
         raise ValueError(f"block_rows: expected one of {BLOCK_ROWS}, got {block_rows!r}")
     rows = block_rows
     num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
-    can = runs_query_in_kernel(q_rows, q_rope_rows, block_rows=rows, batch=q_rows.shape[0], num_splits=num_splits,
-                               balanced=balanced)
+    can = runs_query_in_kernel(q_rows, q_rope_rows, block_rows=rows)
     if query_in_kernel and not can:
-        raise ValueError(f"query_in_kernel: takes {QUERY_IN_KERNEL_ROWS}-row blocks of bf16 rows and a uniform "
-                         f"plan, got {rows}-row blocks, {q_rows.shape[1]} {q_rows.dtype} rows, balanced={balanced}")
+        raise ValueError(f"query_in_kernel: takes {QUERY_IN_KERNEL_ROWS}-row blocks of bf16 rows, got {rows}-row "
+                         f"blocks, {q_rows.shape[1]} rows of {q_rows.dtype} (RoPE part {q_rope_rows.dtype})")
     in_kernel = can if query_in_kernel is None else query_in_kernel
     out_dtype = partial_dtype(q_rows.dtype)  # output and partials: bf16 for a bf16 output, else float32
     if in_kernel:
         check_launch("mla_decode_mgpu_small: FP8 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
                      num_arrays=3, block_rows=rows, num_splits=num_splits)
         latent, scale, rope = cache_arrays
-        plan = uniform_plan(q_rows.shape[0], num_splits)
+        plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP,
+                          interpret=interpret)
         # The latent and RoPE parts as token pairs (the step order's boxes) and the scales by page.
         operands = (q_rows, q_rope_rows, latent.reshape(-1, 2, RANK), scale.reshape(-1, PAGE),
                     rope.reshape(-1, 2, ROPE))

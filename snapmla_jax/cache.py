@@ -37,8 +37,8 @@ CACHE_DTYPES = ("fp8", "bf16")
 # Every kernel names a token row with an int32 (slot ids, a layer's first row, TMA coordinates,
 # the scale plane's index): one cache array holds at most this many token slots over its layers.
 MAX_TOKEN_SLOTS = 2**31 - 1
-# The Triton kernels (decode's small-problem FP8 kernel and its BF16 twin up to 16 query rows,
-# ``snapmla_jax.decode.default_config``) address latent *elements* with int32 offsets: past this
+# The Triton kernels (decode's kernels for page sizes that are not multiples of 64 and GPUs
+# other than Hopper, ``snapmla_jax.decode.default_config``) address latent *elements* with int32 offsets: past this
 # the FP8 one reads out of bounds (an illegal address on an H100). The Mosaic GPU kernels address
 # rows by TMA coordinates and pass it: compiled on an H100, decode (FP8 16 and 128 heads, the
 # BF16 twin) and write_kv over a latent array of 2.29e9 elements gave the same bits as over a
@@ -191,7 +191,7 @@ def check_kernel_addressable(cache: LatentCache, *, triton: bool = False) -> Non
                          f"{INT32_LIMIT}; split it (one cache per layer, fewer pages)")
     raise ValueError(f"cache: its latent array {list(cache.latent.shape)} holds {cache.latent.size} elements, "
                      f"too many for the Triton kernel this call runs: {TRITON_LIMIT}; on a Hopper GPU with "
-                     "page_size 64 the Mosaic GPU kernels take it (config=None or DecodeConfig(kernel='mosaic')), "
+                     "page_size a multiple of 64 the Mosaic GPU kernels take it (config=None or DecodeConfig(kernel='mosaic')), "
                      "else split it or use backend='xla'")
 
 

@@ -24,20 +24,18 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu import STEP as MOSAIC_STEP
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import mla_decode_mgpu, padded_rows
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import pad_rows
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16_small import ROWS as MOSAIC_BF16_SMALL_ROWS
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16_small import mla_decode_mgpu_bf16_small
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16_small import takes as bf16_small_takes
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import BLOCK_ROWS as MOSAIC_SMALL_BLOCK_ROWS
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
 from snapmla_jax.pallas_kernels.combine_splits import pallas_triton_available
 from snapmla_jax.backend import on_hopper as _on_hopper  # a module name the tests fake
 from snapmla_jax.backend import resolve_backend
 from snapmla_jax.backend import sm_count as _sm_count
-from snapmla_jax.cache import (MAX_TOKEN_SLOTS, TRITON_MAX_ELEMENTS, LatentCache, check_kernel_addressable, check_layer,
-                               kernel_addressable)
+from snapmla_jax.cache import (MAX_TOKEN_SLOTS, TRITON_MAX_ELEMENTS, LatentCache, check_kernel_addressable,
+                               check_layer)
 
-# Query rows (s_q x H) a batch row up to which a compiled bf16 cache keeps the Triton BF16
-# twin: with fewer rows than its 64-row block the Mosaic BF16 twin pads them (H200, H=16,
-# B=128 x 16k: Triton 0.58 ms vs Mosaic 0.70); from 64 rows up the Mosaic one is 1.8x faster
-# (0.69 vs 1.26 ms at B=64 x 16k x 128; mla_decode with config=BF16_CONFIG and with the default).
-TRITON_BF16_MAX_ROWS = 16
 # Up to this many tokens of block-table capacity over the batch the Mosaic kernels take a uniform
 # split plan (``uniform_plan_only``).
 UNIFORM_PLAN_MAX_TOKENS = 16384
@@ -87,10 +85,10 @@ def uniform_plan_only(capacity_tokens: int) -> bool:
     """Whether a Mosaic kernel call over ``capacity_tokens`` tokens of block-table capacity (B x
     max_pages x page_size) takes a uniform split plan (``num_splits`` items a row) even where
     ``mla_decode`` picks the split count: up to ``UNIFORM_PLAN_MAX_TOKENS``. A balanced plan is
-    computed on the device in the launch that prepares the query (``mgpu_decode_inputs``); a
-    uniform one is a constant, and with it the 16-row kernel quantizes its query itself
-    (``mla_decode_mgpu_small.runs_query_in_kernel``): one launch fewer, which is much of a small
-    call. Small problems have few steps a row, so there is little left to balance."""
+    computed on the device, in the launch that prepares the query (``mgpu_decode_inputs``) or,
+    for the 16-row kernel, which takes its query itself, in a launch of its own; a uniform one is
+    a constant: one launch fewer, which is much of a small call. Small problems have few steps a
+    row, so there is little left to balance."""
     return capacity_tokens <= UNIFORM_PLAN_MAX_TOKENS
 
 
@@ -119,16 +117,16 @@ def planned_num_splits(q_latent: jax.Array, cache: LatentCache, block_table: jax
     (q_latent [B, s_q, H, R], the kernel ``config`` or ``default_config`` picks)."""
     batch, s_q, heads, _ = q_latent.shape
     config = config_for(config, cache, resolve_backend(backend), q_latent)
-    block_m = block_rows(s_q * heads, config, cache.dtype)
+    block_m = block_rows(s_q * heads, config, cache.dtype, q_latent.dtype)
     return choose_num_splits(batch, -(-(s_q * heads) // block_m), block_table.shape[1] * cache.page_size,
                              _sm_count(), min_tokens_per_split(cache.page_size, config), waves_per_split_plan(config))
 
 
-def block_rows(num_rows: int, config: DecodeConfig, cache_dtype: str = "fp8") -> int:
+def block_rows(num_rows: int, config: DecodeConfig, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16) -> int:
     """Query rows a program of the kernel ``config`` runs over a ``cache_dtype`` cache takes, for
-    ``num_rows`` = s_q x H."""
+    ``num_rows`` = s_q x H queries of ``q_dtype``."""
     if config.kernel == "mosaic":
-        return mosaic_kernel(num_rows, cache_dtype)[1]
+        return mosaic_kernel(num_rows, cache_dtype, q_dtype)[1]
     return rows_per_block(num_rows, config)
 
 
@@ -179,43 +177,52 @@ def _validate(q_latent, q_rope, cache, block_table, seq_lens, softmax_scale, lay
                                  f"seq_lens uses, got {int(table[row, col])} at [{row}, {col}]")
 
 
-def default_config(cache: LatentCache, backend: str, num_rows: int | None = None) -> DecodeConfig:
-    """The kernel and knobs ``mla_decode`` uses when ``config`` is None, for ``num_rows`` query
-    rows (s_q x H) a batch row (None: unknown).
+def default_config(cache: LatentCache, backend: str) -> DecodeConfig:
+    """The kernel and knobs ``mla_decode`` uses when ``config`` is None.
 
-    Compiled (backend "pallas") on a Hopper GPU over an fp8 cache with page_size 64: the Mosaic
-    GPU kernels (``mosaic_kernel`` picks one by the query rows), faster than the Triton FP8
-    kernel at every shape measured, small problems included (H200,
-    docs/benchmarks/small_problems_h200.md: 1.07-1.92x at 16 query rows and 1k-16k tokens, where
-    the 16-row kernel takes its query without a launch of its own, ``uniform_plan_only``). Over a
-    bf16 cache there, the Mosaic BF16 twin above ``TRITON_BF16_MAX_ROWS`` rows (known
-    ``num_rows`` only), or at any size for a cache past the Triton kernels' int32 element offsets
-    (2**31 - 1 latent elements, ``cache.TRITON_MAX_ELEMENTS``). Elsewhere the Triton kernels
-    (FP8_CONFIG / BF16_CONFIG): the Mosaic kernels need 64-token pages, and in the interpreter
-    they run their two warpgroups as host threads (slow, and they can stall on small CPUs), so
-    "interpret" and the "xla" emulation stay with the Triton kernel's math; other GPUs have no
-    wgmma. Both round P' to e4m3 with a factor per row and block, 64 tokens (Triton) or 128
-    (Mosaic), so their outputs differ by e4m3 rounding noise only (relative L2 ~1e-3 on the
-    bench).
+    Compiled (backend "pallas") on a Hopper GPU over a cache of pages of a multiple of 64 tokens
+    (``mosaic_runs``): the Mosaic GPU kernels (``mosaic_kernel`` picks one by the cache, the query
+    rows and their dtype). Over an fp8 cache they are faster than the Triton FP8 kernel at every
+    shape measured, small problems included (H200, docs/benchmarks/small_problems_h200.md:
+    1.07-1.95x at 16 query rows and 1k-16k tokens). Over a bf16 cache the 16-row Mosaic twin
+    against the Triton twin is 0.85-1.42x at those small problems and 1.01-1.09x from 8 x 32k up
+    (the same page and docs/decode_kernel.md); it is taken there so that no compiled call on
+    Hopper lowers through Pallas' deprecated Triton backend. Elsewhere the Triton kernels
+    (FP8_CONFIG / BF16_CONFIG): other page sizes, other GPUs (no wgmma), and the interpreter and
+    the "xla" emulation, where the Mosaic kernels' two warpgroups would run as host threads (slow,
+    and they can stall on small CPUs). Both round P' to e4m3 with a factor per row and block, 64
+    tokens (Triton) or 128 (Mosaic), so their outputs differ by e4m3 rounding noise only
+    (relative L2 ~1e-3 on the bench).
 
-    A jax without Pallas' Triton backend (``pallas_triton_available``: deprecated since jax 0.11 and
-    announced for removal) gets MOSAIC_CONFIG wherever the Mosaic kernels run and the Triton
-    configs elsewhere, which ``mla_decode`` then runs as its XLA path of the same math.
+    A jax without Pallas' Triton backend (``pallas_triton_available``: deprecated since jax 0.11
+    and announced for removal) gets the same picks; ``mla_decode`` runs the Triton configs there
+    as its XLA path of the same math.
     """
-    mosaic = mosaic_runs(cache.page_size, backend)
-    if not pallas_triton_available():  # a jax without Pallas' Triton backend: the Mosaic kernels wherever they run
-        return MOSAIC_CONFIG if mosaic else (FP8_CONFIG if cache.dtype == "fp8" else BF16_CONFIG)
-    if cache.dtype == "fp8":
-        return MOSAIC_CONFIG if mosaic else FP8_CONFIG
-    # A bf16 cache past the Triton kernels' int32 element offsets goes to the Mosaic twin whatever its size.
-    triton_takes = kernel_addressable(cache.num_slots * (cache.num_layers or 1), cache.kv_lora_rank, triton=True)
-    return MOSAIC_CONFIG if mosaic and ((num_rows or 0) > TRITON_BF16_MAX_ROWS or not triton_takes) else BF16_CONFIG
+    if mosaic_runs(cache.page_size, backend):
+        return MOSAIC_CONFIG
+    return FP8_CONFIG if cache.dtype == "fp8" else BF16_CONFIG
 
 
 def mosaic_runs(page_size: int, backend: str) -> bool:
     """Whether ``mla_decode`` can run its Mosaic GPU kernels for a cache of ``page_size`` under the
-    resolved ``backend``: compiled ("pallas") on a Hopper GPU, 64-token pages."""
-    return backend == "pallas" and page_size == MOSAIC_PAGE and _on_hopper()
+    resolved ``backend``: compiled ("pallas") on a Hopper GPU, pages of a multiple of 64 tokens
+    (``mosaic_pages``)."""
+    return backend == "pallas" and page_size % MOSAIC_PAGE == 0 and _on_hopper()
+
+
+def mosaic_pages(block_table: jax.Array, num_pages: int, page_size: int) -> tuple[jax.Array, int]:
+    """The block table [B, max_pages] and page count of a cache of ``page_size``-token pages (a
+    multiple of 64) as the Mosaic kernels read it: in 64-token pages, k = page_size / 64 of them
+    a page (page p's tokens are rows p * page_size .. of the flat arrays, the same rows as
+    64-token pages k p .. k p + k - 1). Returns (block table [B, max_pages * k], num_pages * k);
+    64-token pages as they are (no launch). Page ids are clipped into [0, num_pages) first, as
+    every backend clips a traced table's, so that a bad id reads the same tokens everywhere."""
+    k = page_size // MOSAIC_PAGE
+    if k == 1:
+        return block_table, num_pages
+    pages = jnp.clip(block_table, 0, num_pages - 1)
+    sub_pages = pages[:, :, None] * k + jnp.arange(k, dtype=block_table.dtype)
+    return sub_pages.reshape(block_table.shape[0], -1), num_pages * k
 
 
 def max_token_slots(kv_lora_rank: int, page_size: int, backend: str = "auto") -> int:
@@ -231,28 +238,31 @@ def max_token_slots(kv_lora_rank: int, page_size: int, backend: str = "auto") ->
 
 def config_for(config: DecodeConfig | None, cache: LatentCache, backend: str, q_latent: jax.Array,
                block_table: jax.Array | None = None) -> DecodeConfig:
-    """``config``, or ``default_config``'s pick for q_latent [B, s_q, H, R] (its query rows).
-    ``block_table``: accepted and unused (the pick does not depend on the table's capacity)."""
-    del block_table
-    _, s_q, heads, _ = q_latent.shape
-    return config or default_config(cache, backend, s_q * heads)
+    """``config``, or ``default_config``'s pick. ``q_latent`` [B, s_q, H, R] and ``block_table``:
+    accepted and unused (the pick depends on neither the query rows nor the table's capacity)."""
+    del q_latent, block_table
+    return config or default_config(cache, backend)
 
 
-def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8"):
-    """The Mosaic GPU kernel for ``num_rows`` query rows (s_q x heads) a batch row over a
-    ``cache_dtype`` cache, and its rows per CTA: (kernel function, block rows).
+def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16):
+    """The Mosaic GPU kernel for ``num_rows`` query rows (s_q x heads) of ``q_dtype`` a batch row
+    over a ``cache_dtype`` cache, and its rows per CTA: (kernel function, block rows).
 
-    A bf16 cache: the BF16 twin ``mla_decode_mgpu_bf16`` in 64-row blocks. An fp8 cache: up to
-    32 rows, ``mla_decode_mgpu_small`` in the smallest of its blocks (16 or 32 rows) that holds
-    them, the query rows on the wgmma N dimension; above, the 64-row ``mla_decode_mgpu``, its rows
-    padded to whole blocks. All compute the same math. At 16 rows (H = 16 at s_q = 1:
-    DeepSeek-V2-Lite, V3 over 8 GPUs by heads) the small kernel runs 1.55-1.63x FlashMLA on an
-    H100 where the 64-row one, 48 of its rows padding, ran 0.74-0.79x the BF16 twin. At 17-32
-    rows (H = 16 at s_q = 2, multi-token prediction; H = 32) its 32-row blocks run 1.04-1.11x the
-    64-row kernel (H100, one process, round-robin: 0.504 vs 0.535 ms at 128 x 16k x 16 x 2,
-    0.147 vs 0.162 at 32 x 16k x 16 x 2, 0.266 vs 0.280 at 64 x 16k x 32 x 1).
+    A bf16 cache: up to 16 bf16 rows, the BF16 twin in 16-row blocks
+    (``mla_decode_mgpu_bf16_small``, rows on the wgmma N dimension); else ``mla_decode_mgpu_bf16``
+    in 64-row blocks (its output may be float32). An fp8 cache: up to 32 rows,
+    ``mla_decode_mgpu_small`` in the smallest of its blocks (16 or 32 rows) that holds them, the
+    query rows on the wgmma N dimension; above, the 64-row ``mla_decode_mgpu``, its rows padded to
+    whole blocks. All compute the same math. At 16 rows (H = 16 at s_q = 1: DeepSeek-V2-Lite, V3
+    over 8 GPUs by heads) the small FP8 kernel runs 1.55-1.63x FlashMLA on an H100 where the 64-row
+    one, 48 of its rows padding, ran 0.74-0.79x the BF16 twin. At 17-32 rows (H = 16 at s_q = 2,
+    multi-token prediction; H = 32) its 32-row blocks run 1.04-1.11x the 64-row kernel (H100, one
+    process, round-robin: 0.504 vs 0.535 ms at 128 x 16k x 16 x 2, 0.147 vs 0.162 at 32 x 16k x 16
+    x 2, 0.266 vs 0.280 at 64 x 16k x 32 x 1).
     """
     if cache_dtype == "bf16":
+        if num_rows <= MOSAIC_BF16_SMALL_ROWS and bf16_small_takes(jax.ShapeDtypeStruct((1, num_rows), q_dtype)):
+            return mla_decode_mgpu_bf16_small, MOSAIC_BF16_SMALL_ROWS
         return mla_decode_mgpu_bf16, MOSAIC_BLOCK_M
     if num_rows <= MOSAIC_SMALL_BLOCK_ROWS[-1]:
         rows = next(r for r in MOSAIC_SMALL_BLOCK_ROWS if num_rows <= r)
@@ -307,8 +317,8 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     config = config_for(config, cache, backend, q_latent)
     softmax_scale = float(softmax_scale)
     mosaic = config.kernel == "mosaic"
-    if mosaic and cache.page_size != MOSAIC_PAGE:
-        raise ValueError(f"config: kernel='mosaic' needs a cache with page_size {MOSAIC_PAGE}, got a "
+    if mosaic and cache.page_size % MOSAIC_PAGE:
+        raise ValueError(f"config: kernel='mosaic' needs a cache with page_size a multiple of {MOSAIC_PAGE}, got a "
                          f"{cache.dtype} cache with page_size {cache.page_size}")
     if not mosaic and backend != "xla" and not pallas_triton_available():
         warnings.warn(f"mla_decode: jax {jax.__version__} has no Pallas Triton backend, so the Triton kernel's "
@@ -329,7 +339,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
 
     check_kernel_addressable(cache, triton=not mosaic)
     num_rows = s_q * heads
-    block_m = block_rows(num_rows, config, cache.dtype)
+    block_m = block_rows(num_rows, config, cache.dtype, q_latent.dtype)
     # The Mosaic kernels pad the rows to whole blocks themselves, in one launch with other inputs
     # (the FP8 kernels' query quantization, the BF16 twin's split plan): no XLA pad launches of
     # q and q_rope (2-3 us each at 64 x 32 rows on an H100). The Triton kernels take them padded.
@@ -345,10 +355,11 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     if num_splits is None:
         num_splits = planned_num_splits(q_latent, cache, block_table, config=config)
     if mosaic:
-        out, lse = mosaic_kernel(num_rows, cache.dtype)[0](
-            to_rows(q_latent), to_rows(q_rope), cache_arrays, block_table, seq_lens, layer_offset,
-            softmax_scale=softmax_scale, page_size=cache.page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,
-            balanced=balanced, num_pages=cache.num_pages, interpret=backend == "interpret")
+        table, num_pages = mosaic_pages(block_table, cache.num_pages, cache.page_size)
+        out, lse = mosaic_kernel(num_rows, cache.dtype, q_latent.dtype)[0](
+            to_rows(q_latent), to_rows(q_rope), cache_arrays, table, seq_lens, layer_offset,
+            softmax_scale=softmax_scale, page_size=MOSAIC_PAGE, s_q=s_q, num_heads=heads, num_splits=num_splits,
+            balanced=balanced, num_pages=num_pages, interpret=backend == "interpret")
     else:
         out, lse = mla_decode_pallas(
             to_rows(q_latent), to_rows(q_rope), cache_arrays, block_table, seq_lens, layer_offset,

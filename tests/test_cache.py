@@ -111,9 +111,9 @@ def test_the_triton_kernels_refuse_a_cache_beyond_their_int32_element_offsets():
 
 
 def test_a_cache_too_large_for_triton_goes_to_a_mosaic_kernel(monkeypatch):
-    """On a Hopper GPU (faked) a problem small enough for the Triton BF16 twin (16 query rows) still
-    runs the Mosaic one when its cache is past the Triton kernels' offsets (an fp8 cache runs a
-    Mosaic kernel at any size there); ``max_token_slots`` says what each backend takes."""
+    """On a Hopper GPU (faked) every cache with 64-token pages runs a Mosaic kernel, one past the
+    Triton kernels' offsets included; the interpreter keeps the Triton kernels' config (which
+    ``mla_decode`` refuses for such a cache); ``max_token_slots`` says what each backend takes."""
     from snapmla_jax import decode
     from snapmla_jax.pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG
 
@@ -121,9 +121,8 @@ def test_a_cache_too_large_for_triton_goes_to_a_mosaic_kernel(monkeypatch):
     monkeypatch.setattr(decode, "resolve_backend", lambda backend: backend)  # "pallas" without a GPU
     for dtype, triton in (("fp8", FP8_CONFIG), ("bf16", BF16_CONFIG)):
         small, large = _abstract_cache(2**16 - 1, dtype), _abstract_cache(2**16 + 1, dtype)
-        assert decode.default_config(small, "pallas", 16) == (triton if dtype == "bf16" else MOSAIC_CONFIG)
-        assert decode.default_config(large, "pallas", 16) == MOSAIC_CONFIG
-        assert decode.default_config(large, "interpret", 16) == triton  # refused by mla_decode
+        assert decode.default_config(small, "pallas") == decode.default_config(large, "pallas") == MOSAIC_CONFIG
+        assert decode.default_config(large, "interpret") == triton  # refused by mla_decode
     assert decode.max_token_slots(512, 64, "pallas") == decode.max_token_slots(512, 64, "xla") == 2**31 - 1
     assert decode.max_token_slots(512, 16, "pallas") == decode.max_token_slots(512, 64, "interpret") == 2**22 - 1
 

@@ -547,11 +547,11 @@ from snapmla_jax.quantization import quantize_per_token
 
 assert not pallas_triton_available()
 fp8_64 = LatentCache.create(4, page_size=64)
-assert decode.default_config(fp8_64, "interpret", 16) == FP8_CONFIG  # run as the XLA path
+assert decode.default_config(fp8_64, "interpret") == FP8_CONFIG  # run as the XLA path
 decode._on_hopper = lambda: True
-assert decode.default_config(fp8_64, "pallas", 16) == MOSAIC_CONFIG
-assert decode.default_config(LatentCache.create(4, page_size=64, dtype="bf16"), "pallas", 16) == MOSAIC_CONFIG
-assert decode.default_config(LatentCache.create(4, page_size=32), "pallas", 16) == FP8_CONFIG
+assert decode.default_config(fp8_64, "pallas") == MOSAIC_CONFIG
+assert decode.default_config(LatentCache.create(4, page_size=64, dtype="bf16"), "pallas") == MOSAIC_CONFIG
+assert decode.default_config(LatentCache.create(4, page_size=32), "pallas") == FP8_CONFIG
 assert decode.max_token_slots(512, 32, "interpret") == decode.MAX_TOKEN_SLOTS
 
 rng = np.random.default_rng(0)

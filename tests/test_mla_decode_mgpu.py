@@ -574,27 +574,28 @@ def test_mosaic_kernel_routes_by_rows():
 
 
 def test_small_kernel_takes_its_query_in_the_kernel_where_it_can():
-    """``runs_query_in_kernel``: 16-row blocks of bf16 rows that are whole blocks, with a uniform
-    plan (a balanced one over one row is the uniform one); asked for elsewhere, a ValueError."""
-    from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small, runs_query_in_kernel
+    """``runs_query_in_kernel``: 16-row blocks of bf16 rows that are whole blocks, whatever the
+    split plan; asked for elsewhere, a ValueError."""
+    from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import runs_query_in_kernel
 
-    def can(rows=16, dtype=jnp.bfloat16, block_rows=16, batch=2, balanced=False):
+    def can(rows=16, dtype=jnp.bfloat16, block_rows=16, batch=2):
         q = jax.ShapeDtypeStruct((batch, rows, 512), dtype)
         q_rope = jax.ShapeDtypeStruct((batch, rows, 64), dtype)
-        return runs_query_in_kernel(q, q_rope, block_rows=block_rows, batch=batch, num_splits=2, balanced=balanced)
+        return runs_query_in_kernel(q, q_rope, block_rows=block_rows)
 
-    assert can() and can(rows=48) and can(batch=1, balanced=True)
-    assert not any([can(rows=8), can(dtype=jnp.float32), can(rows=32, block_rows=32), can(balanced=True)])
+    assert can() and can(rows=48) and can(batch=1)
+    assert not any([can(rows=8), can(dtype=jnp.float32), can(rows=32, block_rows=32)])
     q, q_rope, latent, scale, rope, block_table, lens = _inputs(0, batch=2, heads=16, pages_per_row=3,
                                                                 seq_lens=[100, 0])
     with pytest.raises(ValueError, match="query_in_kernel"):
-        _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, 0.1, num_splits=2, balanced=True,
-                     interpret=True, kernel="small", query_in_kernel=True)
+        _call_kernel(q.astype(jnp.float32), q_rope.astype(jnp.float32), latent, scale, rope, block_table, lens, 0.1,
+                     num_splits=2, balanced=True, interpret=True, kernel="small", query_in_kernel=True)
 
 
-def _query_paths(heads, s_q, seq_lens, layer_pages, splits):
+def _query_paths(heads, s_q, seq_lens, layer_pages, splits, balanced=False):
     """The 16-row kernel interpreted with its query quantized in the kernel and from the inputs
-    launch, on the same inputs (NaN past the rows' seq_lens): (max |out difference|, max |lse
+    launch, on the same inputs (NaN past the rows' seq_lens) and split plan (``balanced``: the
+    plan-only launch's against the inputs launch's): (max |out difference|, max |lse
     difference|) over the rows that see a token."""
     q, q_rope, latent, scale, rope, block_table, lens = _inputs(7, batch=len(seq_lens), heads=heads,
                                                                 pages_per_row=5, seq_lens=seq_lens, s_q=s_q)
@@ -603,8 +604,8 @@ def _query_paths(heads, s_q, seq_lens, layer_pages, splits):
     (out_a, lse_a), (out_b, lse_b) = [
         (np.asarray(out, np.float64)[seen], np.asarray(lse, np.float64)[seen])
         for out, lse in (_call_kernel(q, q_rope, latent, scale, rope, block_table, lens, 576 ** -0.5,
-                                      layer_pages=layer_pages, num_splits=splits, interpret=True, kernel="small",
-                                      query_in_kernel=flag) for flag in (True, False))]
+                                      layer_pages=layer_pages, num_splits=splits, balanced=balanced, interpret=True,
+                                      kernel="small", query_in_kernel=flag) for flag in (True, False))]
     return float(np.max(np.abs(out_a - out_b))), float(np.max(np.abs(lse_a - lse_b)))
 
 
@@ -615,6 +616,15 @@ def test_small_kernel_query_in_kernel_matches_its_inputs_launch():
     (the quantizer's division as the inputs launch writes it, the scales gathered, not computed),
     so the outputs are the same bits; a wrong row, parity or page differs by O(1)."""
     out_diff, lse_diff = _in_subprocess("_query_paths(16, 1, [129, 64, 1], 3, 2)")
+    assert out_diff == 0.0 and lse_diff == 0.0, (out_diff, lse_diff)
+
+
+def test_small_kernel_query_in_kernel_under_a_balanced_plan():
+    """The same under a balanced plan (items that start mid-row, rows of several items, a row of
+    none): the kernel quantizes its query and reads its scales itself beside the plan-only
+    launch, with the same bits as beside the inputs launch that also computes the plan. s_q = 2
+    (query positions masked differently in a row's last step), ragged rows, a partial page."""
+    out_diff, lse_diff = _in_subprocess("_query_paths(8, 2, [300, 0, 40, 257], 2, 3, balanced=True)")
     assert out_diff == 0.0 and lse_diff == 0.0, (out_diff, lse_diff)
 
 
@@ -653,12 +663,14 @@ def _layered_fp8_cache(rng, pages: int, layers: int = 2):
                        rope=jnp.asarray(rng.standard_normal((layers, pages, 64, 64)), jnp.bfloat16))
 
 
-def _api_check(seed: int, backend: str = "interpret", heads: int = 24, s_q: int = 2) -> tuple[float, float, float]:
+def _api_check(seed: int, backend: str = "interpret", heads: int = 24, s_q: int = 2,
+               page_size: int = 64) -> tuple[float, float, float]:
     """``mla_decode(config=DecodeConfig(kernel="mosaic"))``, ``backend`` vs xla, through the public API.
 
-    A 2-layer fp8 cache read at layer 1, ``heads`` x ``s_q`` rows (API_SHAPES),
-    ragged lengths incl. 0, 2 KV splits. Returns (max output error / max |xla|,
-    max lse error, max |lse|).
+    A 2-layer fp8 cache of ``page_size``-token pages (768 tokens a layer) read at layer 1,
+    ``heads`` x ``s_q`` rows (API_SHAPES), ragged lengths incl. 0, 2 KV splits, each row's
+    pages scrambled over the cache. Returns (max output error / max |xla|, max lse error,
+    max |lse|).
     """
     from snapmla_jax.pallas_kernels.mla_decode import DecodeConfig
     from snapmla_jax.decode import mla_decode
@@ -666,7 +678,10 @@ def _api_check(seed: int, backend: str = "interpret", heads: int = 24, s_q: int 
     rng = np.random.default_rng(seed)
     pages, batch = 12, 3
     cache = _layered_fp8_cache(rng, pages)
-    block_table = jnp.asarray(rng.permutation(pages)[:batch * 4].reshape(batch, 4), jnp.int32)
+    if page_size != 64:  # the same tokens in pages of page_size
+        cache = jax.tree.map(lambda a: a.reshape(2, pages * 64 // page_size, page_size, *a.shape[3:]), cache)
+    num_pages, per_row = pages * 64 // page_size, 256 // page_size
+    block_table = jnp.asarray(rng.permutation(num_pages)[:batch * per_row].reshape(batch, per_row), jnp.int32)
     seq_lens = jnp.asarray([250, 0, 131], jnp.int32)
     q = jnp.asarray(rng.standard_normal((batch, s_q, heads, 512)) * 0.3, jnp.bfloat16)
     q_rope = jnp.asarray(rng.standard_normal((batch, s_q, heads, 64)) * 0.3, jnp.bfloat16)
@@ -688,6 +703,28 @@ def test_mla_decode_mosaic_config_interpreted_matches_xla(heads, s_q):
     err, lse_err, _ = _in_subprocess(f"_api_check(3, heads={heads}, s_q={s_q})")
     assert err < 4e-3, err  # as test_kernel_interpreted_matches_reference
     assert lse_err < 1e-4, lse_err
+
+
+@pytest.mark.parametrize("heads,s_q,page_size", [(16, 1, 128), (24, 2, 256)])
+def test_mosaic_kernels_read_pages_of_several_64_token_pages(heads, s_q, page_size):
+    """A cache of 128- or 256-token pages reaches the Mosaic kernels as 64-token pages
+    (``decode.mosaic_pages``): against the XLA path on the same pages, the 16-row and the 64-row
+    kernel, with splits, a layer offset and a row whose last page is partial."""
+    err, lse_err, _ = _in_subprocess(f"_api_check(3, heads={heads}, s_q={s_q}, page_size={page_size})")
+    assert err < 4e-3, err  # as test_mla_decode_mosaic_config_interpreted_matches_xla
+    assert lse_err < 1e-4, lse_err
+
+
+def test_mosaic_pages_clip_before_they_split():
+    """Page ids out of range are clipped to the cache's pages before each becomes its 64-token
+    pages, so the kernels read the tokens of the page the other backends clip it to."""
+    from snapmla_jax.decode import mosaic_pages
+
+    table, num_pages = mosaic_pages(jnp.asarray([[2, -1], [7, 0]], jnp.int32), 4, 128)
+    assert num_pages == 8
+    np.testing.assert_array_equal(np.asarray(table), [[4, 5, 0, 1], [6, 7, 0, 1]])
+    same, count = mosaic_pages(jnp.asarray([[9]], jnp.int32), 4, 64)
+    assert count == 4 and int(same[0, 0]) == 9  # 64-token pages go as they are: the kernels clip them
 
 
 @pytest.mark.gpu
@@ -751,7 +788,7 @@ def test_mla_decode_mosaic_config_refuses_what_it_cannot_run():
     q, q_rope = jnp.ones((1, 1, 16, 512), jnp.bfloat16), jnp.ones((1, 1, 16, 64), jnp.bfloat16)
     table, lens = jnp.zeros((1, 2), jnp.int32), jnp.asarray([10], jnp.int32)
     for cache in (LatentCache.create(8, page_size=32, dtype="bf16"), LatentCache.create(8, page_size=32)):
-        with pytest.raises(ValueError, match="config: kernel='mosaic' needs a cache with page_size 64"):
+        with pytest.raises(ValueError, match="config: kernel='mosaic' needs a cache with page_size a multiple of 64"):
             mla_decode(q, q_rope, cache, table, lens, softmax_scale=0.1, backend="xla",
                        config=DecodeConfig(kernel="mosaic"))
 
@@ -770,7 +807,7 @@ def test_mla_decode_balances_splits_unless_num_splits_is_given(monkeypatch):
         calls.append((kw["num_splits"], kw["balanced"]))
         return jnp.zeros(q_rows.shape, q_rows.dtype), jnp.zeros(q_rows.shape[:2], jnp.float32)
 
-    monkeypatch.setattr(decode, "mosaic_kernel", lambda rows, dtype="fp8": (fake_kernel, 64))
+    monkeypatch.setattr(decode, "mosaic_kernel", lambda rows, dtype="fp8", q_dtype=None: (fake_kernel, 64))
     cache = LatentCache.create(8, page_size=64)
     q, q_rope = jnp.ones((2, 1, 64, 512), jnp.bfloat16), jnp.ones((2, 1, 64, 64), jnp.bfloat16)
     # 2 rows x 128 pages: one page past the uniform plan's capacity; then 4 pages a row.
@@ -796,25 +833,25 @@ def test_default_config_picks_mosaic_for_compiled_decoding_with_64_token_pages(m
     assert default_config(fp8_64, "pallas") == FP8_CONFIG  # this CPU is no Hopper GPU: no wgmma
     monkeypatch.setattr(decode, "_on_hopper", lambda: True)
     assert default_config(fp8_64, "pallas") == MOSAIC_CONFIG
-    # Other page sizes, the interpreter and the xla emulation keep the Triton kernel's math.
+    # Pages of several 64-token pages too (``decode.mosaic_pages``); other page sizes, the
+    # interpreter and the xla emulation keep the Triton kernel's math.
+    assert default_config(LatentCache.create(4, page_size=128), "pallas") == MOSAIC_CONFIG
     assert default_config(fp8_32, "pallas") == FP8_CONFIG
     assert default_config(fp8_64, "interpret") == FP8_CONFIG
     assert default_config(fp8_64, "xla") == FP8_CONFIG
-    # A bf16 cache: the Mosaic BF16 twin from 17 query rows a batch row (below, it would pad to 64).
+    # A bf16 cache: the Mosaic BF16 twins too (``mosaic_kernel`` picks 16- or 64-row blocks).
     bf16_64 = LatentCache.create(4, page_size=64, dtype="bf16")
-    assert default_config(bf16_64, "pallas") == default_config(bf16_64, "pallas", 16) == BF16_CONFIG
-    assert default_config(bf16_64, "pallas", 17) == default_config(bf16_64, "pallas", 256) == MOSAIC_CONFIG
-    assert default_config(bf16_64, "interpret", 256) == BF16_CONFIG
-    assert default_config(LatentCache.create(4, page_size=32, dtype="bf16"), "pallas", 256) == BF16_CONFIG
-    # An fp8 cache: a Mosaic kernel whatever the query rows, small problems included.
-    assert all(default_config(fp8_64, "pallas", rows) == MOSAIC_CONFIG for rows in (1, 16, 17, 32, 128))
+    assert default_config(bf16_64, "pallas") == MOSAIC_CONFIG
+    assert default_config(bf16_64, "interpret") == BF16_CONFIG
+    assert default_config(LatentCache.create(4, page_size=32, dtype="bf16"), "pallas") == BF16_CONFIG
 
 
 def test_mla_decode_runs_small_fp8_problems_without_an_inputs_launch(monkeypatch):
     """``mla_decode``'s default routing on Hopper (faked) at H = 16: B = 1 x 4k (within
     ``UNIFORM_PLAN_MAX_TOKENS``) lowers to the 16-row Mosaic kernel taking its query itself, its
-    merge on Mosaic GPU, nothing on Triton; B = 8 x 4k (32k tokens of capacity) to the same kernel
-    behind the inputs launch that computes its balanced plan (what each lowers to, without a GPU)."""
+    merge on Mosaic GPU, nothing on Triton; B = 8 x 4k (32k tokens of capacity) to the same kernel,
+    still taking its query itself, behind the plan-only launch of its balanced plan (what each
+    lowers to, without a GPU)."""
     import snapmla_jax.decode as decode
     from snapmla_jax.cache import LatentCache
 
@@ -830,8 +867,8 @@ def test_mla_decode_runs_small_fp8_problems_without_an_inputs_launch(monkeypatch
                                                   softmax_scale=0.1, backend="pallas")
         text = lower_for_cuda(call, q, q_rope, table).as_text()
         kernels[batch] = ("snapmla_decode_fp8_mgpu_small" in text, "snapmla_mgpu_decode_inputs" in text,
-                          "triton" in text.lower())
-    assert kernels == {1: (True, False, False), 8: (True, True, False)}, kernels
+                          "snapmla_split_plan" in text, "triton" in text.lower())
+    assert kernels == {1: (True, False, False, False), 8: (True, False, True, False)}, kernels
 
 
 def test_small_kernel_refuses_other_row_blocks():

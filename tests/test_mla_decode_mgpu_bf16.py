@@ -1,4 +1,5 @@
-"""The BF16 twin on Mosaic GPU (pallas_kernels/mla_decode_mgpu_bf16.py), through ``mla_decode``.
+"""The BF16 twins on Mosaic GPU (pallas_kernels/mla_decode_mgpu_bf16.py in 64-row blocks,
+mla_decode_mgpu_bf16_small.py in 16-row blocks), through ``mla_decode``.
 
 CPU: the kernel lowers for CUDA (layout inference, SMEM within an H100's 227 KB), and the
 interpreter runs it against float64 attention over the bf16 cache. The interpreter takes no
@@ -15,6 +16,7 @@ import pytest
 
 from snapmla_jax.pallas_kernels.mla_decode import MOSAIC_CONFIG
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16_small import mla_decode_mgpu_bf16_small
 from snapmla_jax.backend import lower_for_cuda
 from snapmla_jax.cache import LatentCache
 from snapmla_jax.decode import mla_decode, mosaic_kernel
@@ -35,6 +37,15 @@ CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer,splits,dtype", [
     # merged by ``combine_items``, the others one item each written directly, unused items.
     (64, 1, [384, 40, 0], None, None, "float32"),
     (16, 2, [380, 65, 3], 1, None, "bfloat16"),
+])
+# The 16-row twin (bf16 queries, at most 16 rows a batch row: ``mosaic_kernel``), as CASES.
+SMALL_CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer,splits,dtype", [
+    (16, 1, [100, 300, 0], None, 1, "bfloat16"),  # ragged; 5 steps: both ring slots reused
+    (8, 2, [200, 2, 0], 1, 1, "bfloat16"),        # s_q = 2 (causal rule), layer 1 of 2
+    (16, 1, [320, 257, 0], None, 3, "bfloat16"),  # split-KV: splits of 2 steps, a 1-token one, empty ones
+    (4, 4, [129, 4, 0], 1, 2, "bfloat16"),        # s_q = 4: masked steps in a row
+    (8, 1, [380, 65, 3], 1, None, "bfloat16"),    # 8 rows padded to 16 in the launch that plans (balanced)
+    (16, 1, [384, 40, 0], None, None, "bfloat16"),  # balanced plan from the plan-only launch
 ])
 
 
@@ -112,8 +123,62 @@ def test_bf16_kernel_matches_float64(heads, s_q, seq_lens, layer, splits, dtype)
     _assert_close(*_check(heads, s_q, seq_lens, layer, splits, dtype, backend="pallas"), dtype)
 
 
-def test_bf16_cache_routes_to_the_bf16_twin():
-    assert mosaic_kernel(16, "bf16") == mosaic_kernel(256, "bf16") == (mla_decode_mgpu_bf16, 64)
+@pytest.mark.parametrize("rows,balanced", [(16, False), (32, True), (8, True)])
+def test_bf16_small_kernel_lowers_for_cuda(rows, balanced):
+    """The 16-row twin: layout inference (P and the output through transposed stores, V^T and P^T
+    as transposed wgmma operands), SMEM within 227 KB, lowering, without a GPU; rows of whole
+    blocks (two at 32), or padded in the launch that plans."""
+    batch = 2
+    q = jnp.ones((batch, rows, 512), jnp.bfloat16)
+    cache = (jnp.ones((6 * PAGE, 512), jnp.bfloat16), jnp.ones((6 * PAGE, 64), jnp.bfloat16))
+    call = lambda q, qr, lat, rope, bt, n: mla_decode_mgpu_bf16_small(
+        q, qr, (lat, rope), bt, n, jnp.zeros((1,), jnp.int32), softmax_scale=0.1, page_size=PAGE, s_q=1,
+        num_heads=rows, num_splits=2, balanced=balanced)
+    lower_for_cuda(call, q, jnp.ones((batch, rows, 64), jnp.bfloat16), *cache, jnp.zeros((batch, 3), jnp.int32),
+                   jnp.asarray([100, 0], jnp.int32))
+
+
+@SMALL_CASES
+def test_bf16_small_kernel_interpreted_matches_float64(heads, s_q, seq_lens, layer, splits, dtype):
+    """The 16-row twin: paging, both loops with NaN past seq_len, s_q > 1, a layer offset,
+    uniform and balanced plans and their merges, rows padded in the launch."""
+    _assert_close(*_in_subprocess(f"_check({heads}, {s_q}, {seq_lens!r}, {layer!r}, {splits}, {dtype!r})",
+                                  module="test_mla_decode_mgpu_bf16"), dtype)
+
+
+@pytest.mark.gpu
+@SMALL_CASES
+def test_bf16_small_kernel_matches_float64(heads, s_q, seq_lens, layer, splits, dtype):
+    _assert_close(*_check(heads, s_q, seq_lens, layer, splits, dtype, backend="pallas"), dtype)
+
+
+def test_bf16_cache_routes_to_the_bf16_twins():
+    """bf16 queries of at most 16 rows: the 16-row twin; float32 ones (a float32 output) and more
+    rows: the 64-row twin."""
+    assert mosaic_kernel(16, "bf16") == mosaic_kernel(1, "bf16") == (mla_decode_mgpu_bf16_small, 16)
+    assert mosaic_kernel(16, "bf16", jnp.float32) == mosaic_kernel(17, "bf16") == (mla_decode_mgpu_bf16, 64)
+    assert mosaic_kernel(256, "bf16") == (mla_decode_mgpu_bf16, 64)
+
+
+def test_small_bf16_problems_lower_to_the_16_row_twin_and_no_triton(monkeypatch):
+    """``mla_decode``'s default routing on Hopper (faked), bf16 cache, H = 16: the 16-row twin,
+    behind the plan-only launch of a balanced plan at 8 x 4k (32k tokens of capacity), merged on
+    Mosaic GPU; nothing lowers through Pallas' Triton backend (what each lowers to, without a GPU)."""
+    import snapmla_jax.decode as decode
+
+    monkeypatch.setattr(decode, "_on_hopper", lambda: True)
+    monkeypatch.setattr(decode, "resolve_backend", lambda backend: "pallas")  # lowered for CUDA here
+    cache = LatentCache.create(8 * 64 + 2, page_size=64, dtype="bf16")
+    found = {}
+    for batch in (1, 8):
+        q, q_rope = jnp.zeros((batch, 1, 16, 512), jnp.bfloat16), jnp.zeros((batch, 1, 16, 64), jnp.bfloat16)
+        table = jnp.zeros((batch, 64), jnp.int32)  # 4096 tokens of capacity a row
+        call = lambda q, qr, t: decode.mla_decode(q, qr, cache, t, jnp.full((t.shape[0],), 100, jnp.int32),
+                                                  softmax_scale=0.1, backend="pallas")
+        text = lower_for_cuda(call, q, q_rope, table).as_text()
+        found[batch] = ("snapmla_decode_bf16_mgpu_small" in text, "snapmla_split_plan" in text,
+                        "triton" in text.lower())
+    assert found == {1: (True, False, False), 8: (True, True, False)}, found
 
 
 def test_bf16_kernel_refuses_what_it_cannot_run():
@@ -127,3 +192,8 @@ def test_bf16_kernel_refuses_what_it_cannot_run():
         mla_decode_mgpu_bf16(q[:, :48], q[:, :32, :64], cache, *args, page_size=64, **kw)
     with pytest.raises(ValueError, match="num_splits"):
         mla_decode_mgpu_bf16(q, q[..., :64], cache, *args, page_size=64, num_splits=0, **kw)
+    small = q[:, :16]
+    with pytest.raises(ValueError, match="q_rows: mla_decode_mgpu_bf16_small takes bfloat16"):
+        mla_decode_mgpu_bf16_small(small.astype(jnp.float32), small[..., :64], cache, *args, page_size=64, **kw)
+    with pytest.raises(ValueError, match="page_size 64"):
+        mla_decode_mgpu_bf16_small(small, small[..., :64], cache, *args, page_size=32, **kw)

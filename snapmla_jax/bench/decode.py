@@ -23,6 +23,8 @@ the row falls on all of them alike. Columns:
   Triton, Mosaic  the Triton FP8 kernel and the Mosaic FP8 kernels forced (``--methods
                fp8_triton fp8_mosaic``): on Hopper with 64-token pages ``mla_decode`` runs the
                Mosaic ones, elsewhere the Triton one
+  BF16 Triton, BF16 Mosaic  the Triton BF16 twin and the Mosaic BF16 twins forced (``--methods
+               bf16_triton bf16_mosaic``), likewise
   FlashMLA     FlashMLA's dense BF16 decode (``bench.flashmla``) on the bf16 cache's contents, in
                the same process, its layers replayed from one CUDA graph; present only when
                ``--flashmla`` finds it. "FlashMLA/FP8" = FlashMLA's time / ours (> 1: ours faster)
@@ -47,7 +49,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from snapmla_jax.pallas_kernels.mla_decode import FP8_CONFIG, MOSAIC_CONFIG
+from snapmla_jax.pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG
 from snapmla_jax import cli
 from snapmla_jax.bench import flashmla as flashmla_lib
 from snapmla_jax.bench import timing
@@ -169,13 +171,15 @@ BF16_BYTES_PER_TOKEN = 2 * (RANK + ROPE)
 # and PV products run in FP8 (the RoPE product is bf16 in all).
 METHODS = {"fp8": (FP8_BYTES_PER_TOKEN, True), "fp8_triton": (FP8_BYTES_PER_TOKEN, True),
            "fp8_mosaic": (FP8_BYTES_PER_TOKEN, True),
-           "bf16": (BF16_BYTES_PER_TOKEN, False), "xla_bf16": (BF16_BYTES_PER_TOKEN, False),
+           "bf16": (BF16_BYTES_PER_TOKEN, False), "bf16_triton": (BF16_BYTES_PER_TOKEN, False),
+           "bf16_mosaic": (BF16_BYTES_PER_TOKEN, False), "xla_bf16": (BF16_BYTES_PER_TOKEN, False),
            "flashmla": (BF16_BYTES_PER_TOKEN, False)}
 # What ``--methods`` selects from (JAX's stock kernel is "stock_mqa"), and what it times unless told:
-# "fp8_mosaic" (the Mosaic FP8 kernels forced) is the default FP8 kernel on Hopper with 64-token
-# pages, so it is timed only when asked for (beside "fp8_triton", the kernel of other GPUs).
+# "fp8_mosaic" and "bf16_mosaic" (the Mosaic kernels forced) are the default kernels on Hopper with
+# 64-token pages, so they are timed only when asked for (beside "fp8_triton" and "bf16_triton", the
+# kernels of other GPUs).
 METHOD_NAMES = (*METHODS, "stock_mqa")
-DEFAULT_METHODS = tuple(m for m in METHOD_NAMES if m != "fp8_mosaic")
+DEFAULT_METHODS = tuple(m for m in METHOD_NAMES if m not in ("fp8_mosaic", "bf16_mosaic"))
 
 
 def method_work(method: str, batch: int, context: int, heads: int, s_q: int) -> tuple[int, int, int]:
@@ -238,6 +242,8 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
         "fp8_triton": (fp8, "pallas", FP8_CONFIG),
         "fp8_mosaic": (fp8, "pallas", MOSAIC_CONFIG),
         "bf16": (bf16, "pallas", None),
+        "bf16_triton": (bf16, "pallas", BF16_CONFIG),
+        "bf16_mosaic": (bf16, "pallas", MOSAIC_CONFIG),
         "xla_bf16": (bf16, "xla", None),
     }
     # The XLA path gathers the pages (a bf16 copy) and keeps fp32 scores and weights.
@@ -286,7 +292,8 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
         row[f"{name}_roofline"] = roofline_ms(nbytes, f8, f16, ceilings) / ms
     for num, den, key in (("bf16", "fp8", "fp8_over_bf16"), ("xla_bf16", "fp8", "fp8_over_xla"),
                           ("bf16", "fp8_triton", "fp8_triton_over_bf16"),
-                          ("fp8_triton", "fp8_mosaic", "triton_over_mosaic"), ("flashmla", "fp8", "flashmla_over_fp8"),
+                          ("fp8_triton", "fp8_mosaic", "triton_over_mosaic"),
+                          ("bf16_triton", "bf16_mosaic", "bf16_triton_over_mosaic"), ("flashmla", "fp8", "flashmla_over_fp8"),
                           ("flashmla", "bf16", "flashmla_over_bf16")):
         if row.get(f"{num}_ms") and row.get(f"{den}_ms"):
             row[key] = row[f"{num}_ms"] / row[f"{den}_ms"]
@@ -321,6 +328,8 @@ COLUMNS = [
     ("XLA % roof", "xla_bf16_roofline", "%"), ("Triton FP8 ms", "fp8_triton_ms", "ms"),
     ("Triton/BF16", "fp8_triton_over_bf16", "x"), ("Triton % roof", "fp8_triton_roofline", "%"),
     ("Mosaic FP8 ms", "fp8_mosaic_ms", "ms"), ("Triton/Mosaic", "triton_over_mosaic", "x"),
+    ("Triton BF16 ms", "bf16_triton_ms", "ms"), ("Mosaic BF16 ms", "bf16_mosaic_ms", "ms"),
+    ("BF16 Triton/Mosaic", "bf16_triton_over_mosaic", "x"),
 ]
 FORMATS = {"ms": "{:.3g}", "x": "{:.2f}x", "int": "{:.0f}"}
 # Methods whose time over batch sizes ``smoothness`` reports.
@@ -397,6 +406,10 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         *(["Triton FP8 = the Triton FP8 kernel (`FP8_CONFIG`)."] if timed("fp8_triton") else []),
         *(["Mosaic FP8 = the Mosaic FP8 kernels whatever the size (`MOSAIC_CONFIG`); Triton/Mosaic = the",
            "Triton FP8 time / theirs (> 1: Mosaic faster)."] if timed("fp8_mosaic") else []),
+        *(["Triton BF16 = the Triton BF16 twin (`BF16_CONFIG`)."] if timed("bf16_triton") else []),
+        *(["Mosaic BF16 = the Mosaic BF16 twins whatever the size (`MOSAIC_CONFIG`: 16-row blocks for up to 16",
+           "bf16 query rows, else 64-row ones); BF16 Triton/Mosaic = the Triton twin's time / theirs."]
+          if timed("bf16_mosaic") else []),
         *([f"FlashMLA = {flashmla_name}: FlashMLA's dense BF16 decode on the bf16 cache's contents (576 bf16 a",
            "token), same process, its calls replayed from one CUDA graph; FlashMLA/FP8 = its time / ours",
            "(> 1: ours faster). Its layer-0 output against our BF16 twin's: max |diff| / max |FlashMLA| "
