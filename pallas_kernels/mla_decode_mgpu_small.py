@@ -33,8 +33,9 @@ masks only in a row's last steps, split-KV by the plan of work items (``split_pl
 barriers and the output's store (``write_outputs_t``).
 
 Without the inputs launch (``runs_query_in_kernel``: 16-row blocks of bf16 rows; a balanced
-plan then comes from the plan-only launch): the CTA copies its bf16 query rows to SMEM and both warpgroups quantize half of them
-each (``quantize_query``, the inputs launch's math) while the first step's copies fly, and each
+plan then comes from the plan-only launch): the CTA copies its bf16 query rows to SMEM and both
+warpgroups quantize half of them each (``quantize_query``, the inputs launch's math) while the
+first step's copies fly, and each
 step brings its two pages' token scales in token order, from which each warpgroup reads its
 parity (``parity_scales``). At small problems the inputs launch is a fifth of the call: 2.0-2.2
 us of GPU time against a kernel of 6-8 us (H200, B = 1-16, 1k-16k tokens).

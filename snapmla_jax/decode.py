@@ -184,8 +184,8 @@ def default_config(cache: LatentCache, backend: str) -> DecodeConfig:
     (``mosaic_runs``): the Mosaic GPU kernels (``mosaic_kernel`` picks one by the cache, the query
     rows and their dtype). Over an fp8 cache they are faster than the Triton FP8 kernel at every
     shape measured, small problems included (H200, docs/benchmarks/small_problems_h200.md:
-    1.07-1.95x at 16 query rows and 1k-16k tokens). Over a bf16 cache the 16-row Mosaic twin
-    against the Triton twin is 0.85-1.42x at those small problems and 1.01-1.09x from 8 x 32k up
+    1.07-1.94x at 16 query rows and 1k-16k tokens). Over a bf16 cache the 16-row Mosaic twin
+    against the Triton twin is 0.84-1.41x at those small problems and 1.01-1.09x from 8 x 32k up
     (the same page and docs/decode_kernel.md); it is taken there so that no compiled call on
     Hopper lowers through Pallas' deprecated Triton backend. Elsewhere the Triton kernels
     (FP8_CONFIG / BF16_CONFIG): other page sizes, other GPUs (no wgmma), and the interpreter and
@@ -261,7 +261,7 @@ def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16)
     x 2, 0.266 vs 0.280 at 64 x 16k x 32 x 1).
     """
     if cache_dtype == "bf16":
-        if num_rows <= MOSAIC_BF16_SMALL_ROWS and bf16_small_takes(jax.ShapeDtypeStruct((1, num_rows), q_dtype)):
+        if num_rows <= MOSAIC_BF16_SMALL_ROWS and bf16_small_takes(q_dtype):
             return mla_decode_mgpu_bf16_small, MOSAIC_BF16_SMALL_ROWS
         return mla_decode_mgpu_bf16, MOSAIC_BLOCK_M
     if num_rows <= MOSAIC_SMALL_BLOCK_ROWS[-1]:

@@ -37,9 +37,7 @@ CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer,splits,dtype", [
     # merged by ``combine_items``, the others one item each written directly, unused items.
     (64, 1, [384, 40, 0], None, None, "float32"),
     (16, 2, [380, 65, 3], 1, None, "bfloat16"),
-])
-# The 16-row twin (bf16 queries, at most 16 rows a batch row: ``mosaic_kernel``), as CASES.
-SMALL_CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer,splits,dtype", [
+    # The 16-row twin (bf16 queries, at most 16 rows a batch row: ``mosaic_kernel``).
     (16, 1, [100, 300, 0], None, 1, "bfloat16"),  # ragged; 5 steps: both ring slots reused
     (8, 2, [200, 2, 0], 1, 1, "bfloat16"),        # s_q = 2 (causal rule), layer 1 of 2
     (16, 1, [320, 257, 0], None, 3, "bfloat16"),  # split-KV: splits of 2 steps, a 1-token one, empty ones
@@ -112,7 +110,8 @@ def test_bf16_kernel_lowers_for_cuda(s_q, splits, dtype):
 @CASES
 def test_bf16_kernel_interpreted_matches_float64(heads, s_q, seq_lens, layer, splits, dtype):
     """Paging, the unmasked and masked loops with NaN past seq_len, s_q > 1, a layer offset,
-    split-KV and its merge, the producer's ring and both warpgroups on the same rows."""
+    split-KV (uniform and balanced plans) and its merge, the ring and both warpgroups on the same
+    rows, rows padded in the launch; the 64-row twin and the 16-row one."""
     _assert_close(*_in_subprocess(f"_check({heads}, {s_q}, {seq_lens!r}, {layer!r}, {splits}, {dtype!r})",
                                   module="test_mla_decode_mgpu_bf16"), dtype)
 
@@ -136,20 +135,6 @@ def test_bf16_small_kernel_lowers_for_cuda(rows, balanced):
         num_heads=rows, num_splits=2, balanced=balanced)
     lower_for_cuda(call, q, jnp.ones((batch, rows, 64), jnp.bfloat16), *cache, jnp.zeros((batch, 3), jnp.int32),
                    jnp.asarray([100, 0], jnp.int32))
-
-
-@SMALL_CASES
-def test_bf16_small_kernel_interpreted_matches_float64(heads, s_q, seq_lens, layer, splits, dtype):
-    """The 16-row twin: paging, both loops with NaN past seq_len, s_q > 1, a layer offset,
-    uniform and balanced plans and their merges, rows padded in the launch."""
-    _assert_close(*_in_subprocess(f"_check({heads}, {s_q}, {seq_lens!r}, {layer!r}, {splits}, {dtype!r})",
-                                  module="test_mla_decode_mgpu_bf16"), dtype)
-
-
-@pytest.mark.gpu
-@SMALL_CASES
-def test_bf16_small_kernel_matches_float64(heads, s_q, seq_lens, layer, splits, dtype):
-    _assert_close(*_check(heads, s_q, seq_lens, layer, splits, dtype, backend="pallas"), dtype)
 
 
 def test_bf16_cache_routes_to_the_bf16_twins():

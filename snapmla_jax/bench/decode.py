@@ -293,7 +293,8 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
     for num, den, key in (("bf16", "fp8", "fp8_over_bf16"), ("xla_bf16", "fp8", "fp8_over_xla"),
                           ("bf16", "fp8_triton", "fp8_triton_over_bf16"),
                           ("fp8_triton", "fp8_mosaic", "triton_over_mosaic"),
-                          ("bf16_triton", "bf16_mosaic", "bf16_triton_over_mosaic"), ("flashmla", "fp8", "flashmla_over_fp8"),
+                          ("bf16_triton", "bf16_mosaic", "bf16_triton_over_mosaic"),
+                          ("flashmla", "fp8", "flashmla_over_fp8"),
                           ("flashmla", "bf16", "flashmla_over_bf16")):
         if row.get(f"{num}_ms") and row.get(f"{den}_ms"):
             row[key] = row[f"{num}_ms"] / row[f"{den}_ms"]
