@@ -60,7 +60,7 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, HA
                                                         write_lse_and_wait, Where)
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import (COPIES_Q, COPIES_STEP, step_issuer, twin_rows_and_plan,
                                                              zero_past_seq_len)
-from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import ISSUER, reduce_scratch_size, token_reduce
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import ISSUER, reduce_scratch_size, token_reduce, visibility_t
 from snapmla_jax.pallas_kernels.mgpu_bytes import output_transforms
 
 ROWS = 16  # query rows a CTA: the wgmma N of every product
@@ -78,17 +78,6 @@ def page_scores_t(q_s, qr_s, kv_slot, rope_slot) -> jax.Array:
         plgpu.wgmma(acc_ref, rope_slot, qr_s.transpose((1, 0)))
         return acc_ref[...]
     return pl.run_scoped(chain, plgpu.ACC((STEP, q_s.shape[1]), jnp.float32))
-
-
-def page_visibility_t(row0, t0, seq_len, *, s_q: int, num_heads: int, rows: int) -> jax.Array:
-    """bool [64, R]: which tokens t0 .. t0 + 63 each query row sees (row i * H + h is query
-    position i: tokens below seq_len - s_q + i + 1; padding rows are capped at seq_len)."""
-    tokens = t0 + plgpu.broadcasted_iota(jnp.int32, (STEP, rows), 0, layout=plgpu.Layout.WGMMA)
-    if s_q == 1:
-        return tokens < seq_len
-    row_ids = plgpu.broadcasted_iota(jnp.int32, (STEP, rows), 1, layout=plgpu.Layout.WGMMA)
-    visible_len = jnp.minimum(seq_len - s_q + lax.div(row0 + row_ids, jnp.int32(num_heads)) + 1, seq_len)
-    return tokens < visible_len
 
 
 def pv_update_t(accs, p_ref, kv_slot, wg, alpha, *, interpret: bool) -> list:
@@ -183,7 +172,8 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
         slot = begin_page(j, wg, where.first_step, where.num_steps, issue, step_bar, consumed_bar)
         scores = page_scores_t(q_s, qr_s, kv_s.at[slot], rope_s.at[slot]) * scale_log2
         if masked:  # masked slots may hold any bytes, NaN included
-            visible = page_visibility_t(row0, t0, where.seq_len, s_q=s_q, num_heads=num_heads, rows=rows)
+            visible = visibility_t(row0, t0, where.seq_len, 0, s_q=s_q, num_heads=num_heads, rows=rows,
+                                   token_stride=1)
             scores = jnp.where(visible, scores, -jnp.inf)
         m_new = jnp.maximum(m, token_reduce(scores, "max", my_scratch, interpret=interpret))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no token seen yet: P is 0

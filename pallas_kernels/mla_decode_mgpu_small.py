@@ -133,12 +133,14 @@ def half_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *
     return pl.run_state(qk_rope)(plgpu.ACC.init(scaled))
 
 
-def visibility_t(row0, t0, seq_len, half, *, s_q: int, num_heads: int, rows: int) -> jax.Array:
+def visibility_t(row0, t0, seq_len, half, *, s_q: int, num_heads: int, rows: int,
+                 token_stride: int = 2) -> jax.Array:
     """bool [64, R]: which tokens of a half step (SMEM row c: token t0 + 2c + half) each query
     row sees (row i * H + h is query position i: tokens below seq_len - s_q + i + 1; padding
-    rows are capped at seq_len)."""
+    rows are capped at seq_len). ``token_stride`` 1, ``half`` 0: 64 consecutive tokens (the
+    16-row BF16 twin's page), as ``mla_decode_mgpu.step_visibility`` takes them."""
     token_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, rows), 0, layout=plgpu.Layout.WGMMA)
-    tokens = t0 + 2 * token_ids + half
+    tokens = t0 + token_stride * token_ids + half
     if s_q == 1:
         return tokens < seq_len
     row_ids = plgpu.broadcasted_iota(jnp.int32, (HALF, rows), 1, layout=plgpu.Layout.WGMMA)

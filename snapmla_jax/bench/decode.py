@@ -175,8 +175,8 @@ METHODS = {"fp8": (FP8_BYTES_PER_TOKEN, True), "fp8_triton": (FP8_BYTES_PER_TOKE
            "bf16_mosaic": (BF16_BYTES_PER_TOKEN, False), "xla_bf16": (BF16_BYTES_PER_TOKEN, False),
            "flashmla": (BF16_BYTES_PER_TOKEN, False)}
 # What ``--methods`` selects from (JAX's stock kernel is "stock_mqa"), and what it times unless told:
-# "fp8_mosaic" and "bf16_mosaic" (the Mosaic kernels forced) are the default kernels on Hopper with
-# 64-token pages, so they are timed only when asked for (beside "fp8_triton" and "bf16_triton", the
+# "fp8_mosaic" and "bf16_mosaic" (the Mosaic kernels forced) are the default kernels on Hopper with pages
+# of a multiple of 64 tokens, so they are timed only when asked for (beside "fp8_triton" and "bf16_triton", the
 # kernels of other GPUs).
 METHOD_NAMES = (*METHODS, "stock_mqa")
 DEFAULT_METHODS = tuple(m for m in METHOD_NAMES if m not in ("fp8_mosaic", "bf16_mosaic"))
