@@ -205,16 +205,16 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
 
 
 def twin_rows_and_plan(q_rows, q_rope_rows, seq_lens, block_table, *, block_rows: int, num_splits: int,
-                       balanced: bool, interpret: bool, step_tokens: int = STEP) -> tuple:
+                       balanced: bool, interpret: bool) -> tuple:
     """A BF16 twin's inputs: (q [B, P, 512] bf16, q_rope [B, P, 64] bf16, the split plan of
-    steps of ``step_tokens``), P = rows padded to whole blocks of ``block_rows``. Rows short of whole blocks
+    one-page steps), P = rows padded to whole blocks of ``block_rows``. Rows short of whole blocks
     are padded (and a balanced plan computed) in one launch, as the FP8 kernels' inputs launch
     does, where XLA would pad q and q_rope in two; whole blocks need at most the plan's launch."""
     batch, num_rows = q_rows.shape[:2]
     rows = padded_rows(num_rows, block_rows)
     if rows == num_rows:
-        plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced,
-                          step_tokens=step_tokens, interpret=interpret)
+        plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP,
+                          interpret=interpret)
         return q_rows.astype(jnp.bfloat16), q_rope_rows.astype(jnp.bfloat16), plan
     num_items = balanced_plan_size(batch, num_splits, balanced)
     with_plan = num_items is not None

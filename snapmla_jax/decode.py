@@ -21,6 +21,7 @@ from snapmla_jax.pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, MOSA
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import BLOCK_M as MOSAIC_BLOCK_M
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import PAGE as MOSAIC_PAGE
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import STEP as MOSAIC_STEP
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import STEP as MOSAIC_TWIN_STEP
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import mla_decode_mgpu, padded_rows
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import pad_rows
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
@@ -53,23 +54,25 @@ MERGE_STEPS = 1.5
 MERGE_STEPS_PER_WAVE = 1.0
 
 
-def split_cost(batch: int, row_blocks: int, steps: int, splits: int, slots: int) -> float:
+def split_cost(batch: int, row_blocks: int, steps: int, splits: int, slots: int, overhead: float = 1.0) -> float:
     """Modelled time, in steps of one CTA, of a call whose ``batch`` x ``row_blocks`` CTAs each
     walk ``steps`` steps cut into ``splits`` items, ``slots`` CTAs running at a time: whole waves
     of items (a partial wave costs as much as a full one), each item its steps plus
-    ``ITEM_STEPS``, and the merge of the partials when there are splits."""
+    ``ITEM_STEPS``, and the merge of the partials when there are splits; the fixed costs times
+    ``overhead`` (their size in this kernel's steps against the steps they were fitted to)."""
     ctas = batch * row_blocks * splits
-    cost = -(-ctas // slots) * (-(-steps // splits) + ITEM_STEPS)
+    cost = -(-ctas // slots) * (-(-steps // splits) + ITEM_STEPS * overhead)
     if splits > 1:
-        cost += MERGE_STEPS + MERGE_STEPS_PER_WAVE * ctas / slots
+        cost += (MERGE_STEPS + MERGE_STEPS_PER_WAVE * ctas / slots) * overhead
     return cost
 
 
 def choose_num_splits(batch: int, row_blocks: int, max_tokens: int, num_sms: int, min_tokens: int,
-                      waves: int = 1) -> int:
+                      waves: int = 1, overhead: float = 1.0) -> int:
     """Split-KV count: the one of least ``split_cost`` for rows of ``max_tokens`` tokens in steps
     of ``min_tokens`` (no split shorter than a step), at most MAX_SPLITS, with ``waves`` x
-    ``num_sms`` CTAs running at a time (``waves_per_split_plan``).
+    ``num_sms`` CTAs running at a time (``waves_per_split_plan``) and the fixed costs times
+    ``overhead`` (``split_overhead``).
 
     Counting whole waves is what keeps the time smooth in the batch size: one more row than a
     wave holds would otherwise cost a second wave as long as the first (H=128 x 16k: B=72 runs
@@ -78,7 +81,7 @@ def choose_num_splits(batch: int, row_blocks: int, max_tokens: int, num_sms: int
     steps = max(1, -(-max_tokens // min_tokens))
     slots = waves * num_sms
     candidates = range(1, min(MAX_SPLITS, steps) + 1)
-    return min(candidates, key=lambda splits: (split_cost(batch, row_blocks, steps, splits, slots), splits))
+    return min(candidates, key=lambda splits: (split_cost(batch, row_blocks, steps, splits, slots, overhead), splits))
 
 
 def uniform_plan_only(capacity_tokens: int) -> bool:
@@ -92,11 +95,28 @@ def uniform_plan_only(capacity_tokens: int) -> bool:
     return capacity_tokens <= UNIFORM_PLAN_MAX_TOKENS
 
 
-def min_tokens_per_split(page_size: int, config: DecodeConfig) -> int:
-    """The shortest split ``choose_num_splits`` makes for the kernel ``config`` runs: 128 tokens
-    for the Mosaic kernels (one step of the FP8 ones, two of the BF16 twin), the block's tokens
-    for the Triton ones (one step)."""
-    return MOSAIC_STEP if config.kernel == "mosaic" else tokens_per_block(page_size, config)
+def min_tokens_per_split(page_size: int, config: DecodeConfig, cache_dtype: str = "fp8") -> int:
+    """The shortest split ``choose_num_splits`` makes for the kernel ``config`` runs over a
+    ``cache_dtype`` cache: one step of it. 128 tokens for the Mosaic FP8 kernels, a 64-token page
+    for the Mosaic BF16 twins, the block's tokens for the Triton kernels.
+
+    A one-page split for the twins, against two pages, at B = 1: 10.98 vs 12.50 us a call at
+    1 x 1k x 16 heads, 13.24 vs 15.02 at 1 x 1k x 128; no slower at 1 x 4k, 2 x 2k-4k and 8 x 1k
+    (H200, jax 0.11.2, round-robin, calls chained over the layers of the cache)."""
+    if config.kernel != "mosaic":
+        return tokens_per_block(page_size, config)
+    return MOSAIC_TWIN_STEP if cache_dtype == "bf16" else MOSAIC_STEP
+
+
+def split_overhead(page_size: int, config: DecodeConfig, cache_dtype: str = "fp8") -> float:
+    """``split_cost``'s fixed costs in steps of the kernel ``config`` runs (``min_tokens_per_split``):
+    they were fitted in 128-token steps of the Mosaic FP8 kernels, so the Mosaic twins' one-page
+    steps count them twice; the Triton kernels' as fitted. So the twins' split counts stay near
+    those of 128-token splits, and double at small batches of short rows, where one-page items
+    fill the SMs (1-8 rows of 1k-4k tokens: the measurements in ``min_tokens_per_split``)."""
+    if config.kernel != "mosaic":
+        return 1.0
+    return MOSAIC_STEP / min_tokens_per_split(page_size, config, cache_dtype)
 
 
 def waves_per_split_plan(config: DecodeConfig) -> int:
@@ -119,7 +139,8 @@ def planned_num_splits(q_latent: jax.Array, cache: LatentCache, block_table: jax
     config = config_for(config, cache, resolve_backend(backend), q_latent)
     block_m = block_rows(s_q * heads, config, cache.dtype, q_latent.dtype)
     return choose_num_splits(batch, -(-(s_q * heads) // block_m), block_table.shape[1] * cache.page_size,
-                             _sm_count(), min_tokens_per_split(cache.page_size, config), waves_per_split_plan(config))
+                             _sm_count(), min_tokens_per_split(cache.page_size, config, cache.dtype),
+                             waves_per_split_plan(config), split_overhead(cache.page_size, config, cache.dtype))
 
 
 def block_rows(num_rows: int, config: DecodeConfig, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16) -> int:

@@ -21,7 +21,7 @@ from snapmla_jax.pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, MOSA
                                                    rows_per_block, tokens_per_block)
 from snapmla_jax.cache import LatentCache
 from snapmla_jax.decode import (ITEM_STEPS, MAX_SPLITS, MERGE_STEPS, choose_num_splits, min_tokens_per_split, mla_decode,
-                                planned_num_splits, split_cost, waves_per_split_plan)
+                                planned_num_splits, split_cost, split_overhead, waves_per_split_plan)
 from snapmla_jax.quantization import AMAX_FLOOR, FP8_E4M3_EPS, FP8_E4M3_MAX, quantize_per_token
 
 RANK, ROPE = 512, 64
@@ -443,6 +443,14 @@ def test_xla_backend_is_the_cpu_default_and_lse_is_optional(paged_setup):
 def test_split_heuristic_fills_the_gpu_down_to_one_step_a_split():
     step = min_tokens_per_split(64, MOSAIC_CONFIG)
     assert step == 128 and min_tokens_per_split(64, BF16_CONFIG) == 64  # Triton: its 64-token block
+    assert min_tokens_per_split(64, MOSAIC_CONFIG, "bf16") == 64  # the Mosaic twins' step: one page
+    # Their fixed costs count twice in one-page steps: one-page items where B x ctx is small (the
+    # counts measured faster), the 128-token counts where whole waves are full anyway.
+    twin = functools.partial(choose_num_splits, num_sms=132, min_tokens=64,
+                             overhead=split_overhead(64, MOSAIC_CONFIG, "bf16"))
+    assert split_overhead(64, MOSAIC_CONFIG, "fp8") == 1.0 and split_overhead(64, BF16_CONFIG, "bf16") == 1.0
+    assert twin(batch=1, row_blocks=1, max_tokens=1024) == 16 and twin(batch=2, row_blocks=1, max_tokens=2048) == 32
+    assert twin(batch=32, row_blocks=2, max_tokens=16384) == 2 and twin(batch=128, row_blocks=2, max_tokens=16384) == 1
     assert waves_per_split_plan(MOSAIC_CONFIG) == 1 and waves_per_split_plan(BF16_CONFIG) == 2
     plan = functools.partial(choose_num_splits, num_sms=132, min_tokens=step)
     assert plan(batch=128, row_blocks=2, max_tokens=16384) == 1  # 256 CTAs: two full waves
