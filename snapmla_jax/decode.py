@@ -205,8 +205,8 @@ def default_config(cache: LatentCache, backend: str) -> DecodeConfig:
     (``mosaic_runs``): the Mosaic GPU kernels (``mosaic_kernel`` picks one by the cache, the query
     rows and their dtype). Over an fp8 cache they are faster than the Triton FP8 kernel at every
     shape measured, small problems included (H200, docs/benchmarks/small_problems_h200.md:
-    1.07-1.94x at 16 query rows and 1k-16k tokens). Over a bf16 cache the 16-row Mosaic twin
-    against the Triton twin is 0.84-1.41x at those small problems and 1.01-1.09x from 8 x 32k up
+    1.08-1.93x at 16 query rows and 1k-16k tokens). Over a bf16 cache the 16-row Mosaic twin
+    against the Triton twin is 0.88-1.43x at those small problems and 1.01-1.09x from 8 x 32k up
     (the same page and docs/decode_kernel.md); it is taken there so that no compiled call on
     Hopper lowers through Pallas' deprecated Triton backend. Elsewhere the Triton kernels
     (FP8_CONFIG / BF16_CONFIG): other page sizes, other GPUs (no wgmma), and the interpreter and
