@@ -40,6 +40,9 @@ from snapmla_jax.cache import (MAX_TOKEN_SLOTS, TRITON_MAX_ELEMENTS, LatentCache
 # Up to this many tokens of block-table capacity over the batch the Mosaic kernels take a uniform
 # split plan (``uniform_plan_only``).
 UNIFORM_PLAN_MAX_TOKENS = 16384
+# Up to this many tokens of block-table capacity over the batch, 17-32 bf16 query rows over a bf16
+# cache run the 16-row BF16 twin in two row blocks, above it the 64-row twin (``mosaic_kernel``).
+TWIN_SMALL_BLOCKS_MAX_TOKENS = 16384
 # Past this the merge's float32 partials outweigh the extra parallelism. (H100, H=16,
 # B=1 x 64k: 128 splits 0.047 ms, 64 splits 0.062 ms; scripts/sweep_splits.py.)
 MAX_SPLITS = 128
@@ -137,17 +140,23 @@ def planned_num_splits(q_latent: jax.Array, cache: LatentCache, block_table: jax
     (q_latent [B, s_q, H, R], the kernel ``config`` or ``default_config`` picks)."""
     batch, s_q, heads, _ = q_latent.shape
     config = config_for(config, cache, resolve_backend(backend), q_latent)
-    block_m = block_rows(s_q * heads, config, cache.dtype, q_latent.dtype)
+    block_m = block_rows(s_q * heads, config, cache.dtype, q_latent.dtype, capacity_tokens(block_table, cache))
     return choose_num_splits(batch, -(-(s_q * heads) // block_m), block_table.shape[1] * cache.page_size,
                              _sm_count(), min_tokens_per_split(cache.page_size, config, cache.dtype),
                              waves_per_split_plan(config), split_overhead(cache.page_size, config, cache.dtype))
 
 
-def block_rows(num_rows: int, config: DecodeConfig, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16) -> int:
+def capacity_tokens(block_table: jax.Array, cache: LatentCache) -> int:
+    """Tokens of block-table capacity over the batch: B x max_pages x page_size."""
+    return block_table.shape[0] * block_table.shape[1] * cache.page_size
+
+
+def block_rows(num_rows: int, config: DecodeConfig, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16,
+               capacity: int | None = None) -> int:
     """Query rows a program of the kernel ``config`` runs over a ``cache_dtype`` cache takes, for
-    ``num_rows`` = s_q x H queries of ``q_dtype``."""
+    ``num_rows`` = s_q x H queries of ``q_dtype`` and ``capacity`` tokens (``mosaic_kernel``)."""
     if config.kernel == "mosaic":
-        return mosaic_kernel(num_rows, cache_dtype, q_dtype)[1]
+        return mosaic_kernel(num_rows, cache_dtype, q_dtype, capacity)[1]
     return rows_per_block(num_rows, config)
 
 
@@ -265,13 +274,18 @@ def config_for(config: DecodeConfig | None, cache: LatentCache, backend: str, q_
     return config or default_config(cache, backend)
 
 
-def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16):
+def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16, capacity: int | None = None):
     """The Mosaic GPU kernel for ``num_rows`` query rows (s_q x heads) of ``q_dtype`` a batch row
-    over a ``cache_dtype`` cache, and its rows per CTA: (kernel function, block rows).
+    over a ``cache_dtype`` cache of ``capacity`` tokens of block-table capacity over the batch
+    (``capacity_tokens``; None: large), and its rows per CTA: (kernel function, block rows).
 
-    A bf16 cache: up to 16 bf16 rows, the BF16 twin in 16-row blocks
-    (``mla_decode_mgpu_bf16_small``, rows on the wgmma N dimension); else ``mla_decode_mgpu_bf16``
-    in 64-row blocks (its output may be float32). An fp8 cache: up to 32 rows,
+    A bf16 cache: up to 16 bf16 rows, and 17-32 of them up to ``TWIN_SMALL_BLOCKS_MAX_TOKENS`` of
+    capacity, the BF16 twin in 16-row blocks (``mla_decode_mgpu_bf16_small``, rows on the wgmma N
+    dimension); else ``mla_decode_mgpu_bf16`` in 64-row blocks (its output may be float32). At 32
+    rows (H = 16 x s_q = 2) two 16-row blocks read each page twice where one 64-row block reads it
+    once with half its rows padding: 1.36-1.44x the 64-row twin at 1 x 1k, 8 x 1k and 1 x 16k, and
+    0.70-0.78x at 8 x 32k, 32 x 16k, 128 x 16k and 64 x 16k x 32 x 1 (H200, jax 0.11.2, round-robin:
+    0.0114 vs 0.0164 ms at 1 x 1k, 0.0201 vs 0.0276 at 1 x 16k, 0.140 vs 0.109 at 8 x 32k). An fp8 cache: up to 32 rows,
     ``mla_decode_mgpu_small`` in the smallest of its blocks (16 or 32 rows) that holds them, the
     query rows on the wgmma N dimension; above, the 64-row ``mla_decode_mgpu``, its rows padded to
     whole blocks. All compute the same math. At 16 rows (H = 16 at s_q = 1: DeepSeek-V2-Lite, V3
@@ -282,7 +296,9 @@ def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16)
     x 2, 0.266 vs 0.280 at 64 x 16k x 32 x 1).
     """
     if cache_dtype == "bf16":
-        if num_rows <= MOSAIC_BF16_SMALL_ROWS and bf16_small_takes(q_dtype):
+        small_problem = capacity is not None and capacity <= TWIN_SMALL_BLOCKS_MAX_TOKENS
+        small = num_rows <= MOSAIC_BF16_SMALL_ROWS or (num_rows <= 2 * MOSAIC_BF16_SMALL_ROWS and small_problem)
+        if small and bf16_small_takes(q_dtype):
             return mla_decode_mgpu_bf16_small, MOSAIC_BF16_SMALL_ROWS
         return mla_decode_mgpu_bf16, MOSAIC_BLOCK_M
     if num_rows <= MOSAIC_SMALL_BLOCK_ROWS[-1]:
@@ -360,7 +376,8 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
 
     check_kernel_addressable(cache, triton=not mosaic)
     num_rows = s_q * heads
-    block_m = block_rows(num_rows, config, cache.dtype, q_latent.dtype)
+    capacity = capacity_tokens(block_table, cache)
+    block_m = block_rows(num_rows, config, cache.dtype, q_latent.dtype, capacity)
     # The Mosaic kernels pad the rows to whole blocks themselves, in one launch with other inputs
     # (the FP8 kernels' query quantization, the BF16 twin's split plan): no XLA pad launches of
     # q and q_rope (2-3 us each at 64 x 32 rows on an H100). The Triton kernels take them padded.
@@ -372,12 +389,12 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     layer_offset = jnp.clip(layer_offset, 0, (cache.num_layers or 1) * cache.num_slots - cache.num_slots)
     # Left to us, the Mosaic kernels' split count follows each row's seq_len (``split_plan``),
     # but for small problems (``uniform_plan_only``).
-    balanced = num_splits is None and not uniform_plan_only(batch * block_table.shape[1] * cache.page_size)
+    balanced = num_splits is None and not uniform_plan_only(capacity)
     if num_splits is None:
         num_splits = planned_num_splits(q_latent, cache, block_table, config=config)
     if mosaic:
         table, num_pages = mosaic_pages(block_table, cache.num_pages, cache.page_size)
-        out, lse = mosaic_kernel(num_rows, cache.dtype, q_latent.dtype)[0](
+        out, lse = mosaic_kernel(num_rows, cache.dtype, q_latent.dtype, capacity)[0](
             to_rows(q_latent), to_rows(q_rope), cache_arrays, table, seq_lens, layer_offset,
             softmax_scale=softmax_scale, page_size=MOSAIC_PAGE, s_q=s_q, num_heads=heads, num_splits=num_splits,
             balanced=balanced, num_pages=num_pages, interpret=backend == "interpret")

@@ -807,7 +807,8 @@ def test_mla_decode_balances_splits_unless_num_splits_is_given(monkeypatch):
         calls.append((kw["num_splits"], kw["balanced"]))
         return jnp.zeros(q_rows.shape, q_rows.dtype), jnp.zeros(q_rows.shape[:2], jnp.float32)
 
-    monkeypatch.setattr(decode, "mosaic_kernel", lambda rows, dtype="fp8", q_dtype=None: (fake_kernel, 64))
+    monkeypatch.setattr(decode, "mosaic_kernel",
+                        lambda rows, dtype="fp8", q_dtype=None, capacity=None: (fake_kernel, 64))
     cache = LatentCache.create(8, page_size=64)
     q, q_rope = jnp.ones((2, 1, 64, 512), jnp.bfloat16), jnp.ones((2, 1, 64, 64), jnp.bfloat16)
     # 2 rows x 128 pages: one page past the uniform plan's capacity; then 4 pages a row.

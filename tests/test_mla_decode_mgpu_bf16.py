@@ -19,7 +19,7 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16_small import mla_decode_mgpu_bf16_small
 from snapmla_jax.backend import lower_for_cuda
 from snapmla_jax.cache import LatentCache
-from snapmla_jax.decode import mla_decode, mosaic_kernel
+from snapmla_jax.decode import TWIN_SMALL_BLOCKS_MAX_TOKENS, mla_decode, mosaic_kernel
 from test_mla_decode import SCALE, attention_f64, make_latent, make_queries, rel_err, scrambled_block_table
 from test_mla_decode_mgpu import _in_subprocess, _nan_past_seq_lens
 
@@ -36,7 +36,7 @@ CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer,splits,dtype", [
     # splits None: mla_decode's balanced plan (``split_plan``): the long row in one-step items
     # merged by ``combine_items``, the others one item each written directly, unused items.
     (64, 1, [384, 40, 0], None, None, "float32"),
-    (16, 2, [380, 65, 3], 1, None, "bfloat16"),
+    (16, 2, [380, 65, 3], 1, None, "bfloat16"),   # 32 rows of a small problem: the 16-row twin, two blocks
     # The 16-row twin (bf16 queries, at most 16 rows a batch row: ``mosaic_kernel``).
     (16, 1, [100, 300, 0], None, 1, "bfloat16"),  # ragged; 5 steps: both ring slots reused
     (8, 2, [200, 2, 0], 1, 1, "bfloat16"),        # s_q = 2 (causal rule), layer 1 of 2
@@ -138,11 +138,18 @@ def test_bf16_small_kernel_lowers_for_cuda(rows, balanced):
 
 
 def test_bf16_cache_routes_to_the_bf16_twins():
-    """bf16 queries of at most 16 rows: the 16-row twin; float32 ones (a float32 output) and more
-    rows: the 64-row twin."""
+    """bf16 queries of at most 16 rows, and 17-32 rows of small problems: the 16-row twin (in two
+    blocks past 16); float32 ones (a float32 output) and more rows: the 64-row twin."""
     assert mosaic_kernel(16, "bf16") == mosaic_kernel(1, "bf16") == (mla_decode_mgpu_bf16_small, 16)
     assert mosaic_kernel(16, "bf16", jnp.float32) == mosaic_kernel(17, "bf16") == (mla_decode_mgpu_bf16, 64)
     assert mosaic_kernel(256, "bf16") == (mla_decode_mgpu_bf16, 64)
+    small, large = TWIN_SMALL_BLOCKS_MAX_TOKENS, TWIN_SMALL_BLOCKS_MAX_TOKENS + 64
+    assert mosaic_kernel(32, "bf16", jnp.bfloat16, small) == (mla_decode_mgpu_bf16_small, 16)
+    assert mosaic_kernel(17, "bf16", jnp.bfloat16, small) == (mla_decode_mgpu_bf16_small, 16)
+    assert mosaic_kernel(32, "bf16", jnp.bfloat16, large) == (mla_decode_mgpu_bf16, 64)
+    assert mosaic_kernel(33, "bf16", jnp.bfloat16, small) == (mla_decode_mgpu_bf16, 64)
+    assert mosaic_kernel(32, "bf16", jnp.float32, small) == (mla_decode_mgpu_bf16, 64)
+    assert mosaic_kernel(32, "fp8", jnp.bfloat16, small)[1] == 32  # the FP8 kernels: no capacity rule
 
 
 def test_small_bf16_problems_lower_to_the_16_row_twin_and_no_triton(monkeypatch):

@@ -409,7 +409,8 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
            "Triton FP8 time / theirs (> 1: Mosaic faster)."] if timed("fp8_mosaic") else []),
         *(["Triton BF16 = the Triton BF16 twin (`BF16_CONFIG`)."] if timed("bf16_triton") else []),
         *(["Mosaic BF16 = the Mosaic BF16 twins whatever the size (`MOSAIC_CONFIG`: 16-row blocks for up to 16",
-           "bf16 query rows, else 64-row ones); BF16 Triton/Mosaic = the Triton twin's time / theirs."]
+           "bf16 query rows and for 17-32 on small problems, else 64-row ones; `decode.mosaic_kernel`); BF16",
+           "Triton/Mosaic = the Triton twin's time / theirs."]
           if timed("bf16_mosaic") else []),
         *([f"FlashMLA = {flashmla_name}: FlashMLA's dense BF16 decode on the bf16 cache's contents (576 bf16 a",
            "token), same process, its calls replayed from one CUDA graph; FlashMLA/FP8 = its time / ours",
