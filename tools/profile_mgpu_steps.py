@@ -13,7 +13,7 @@ truncated there; 80 do not fit an H100): hence short contexts (2048 tokens = 16 
 CTA). The per-step behaviour does not depend on the context; the first two steps and the
 last one recorded are left out. ``--kernel bf16`` profiles the BF16 twin
 (``mla_decode_mgpu_bf16``: phases ``wait_step``, ``qk``, ``softmax``, ``v_mask``, ``pv`` of a
-64-token step) on the bf16 cache instead (not yet run on a GPU).
+64-token step) on the bf16 cache instead (docs/design_notes.md, section 13, has its numbers).
 
 Reports, per warpgroup, the median over CTAs of each phase's cycles per step,
 their sum, and the step period (first to last ``wait_step`` start, over the
