@@ -29,6 +29,7 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16_small import ROWS as MOSAIC
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16_small import mla_decode_mgpu_bf16_small
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16_small import takes as bf16_small_takes
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import BLOCK_ROWS as MOSAIC_SMALL_BLOCK_ROWS
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import QUERY_IN_KERNEL_ROWS as MOSAIC_QUERY_IN_KERNEL_ROWS
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
 from snapmla_jax.pallas_kernels.combine_splits import pallas_triton_available
 from snapmla_jax.backend import on_hopper as _on_hopper  # a module name the tests fake
@@ -40,9 +41,9 @@ from snapmla_jax.cache import (MAX_TOKEN_SLOTS, TRITON_MAX_ELEMENTS, LatentCache
 # Up to this many tokens of block-table capacity over the batch the Mosaic kernels take a uniform
 # split plan (``uniform_plan_only``).
 UNIFORM_PLAN_MAX_TOKENS = 16384
-# Up to this many tokens of block-table capacity over the batch, 17-32 bf16 query rows over a bf16
-# cache run the 16-row BF16 twin in two row blocks, above it the 64-row twin (``mosaic_kernel``).
-TWIN_SMALL_BLOCKS_MAX_TOKENS = 16384
+# Up to this many tokens of block-table capacity over the batch, 32 bf16 query rows (17-32 over a
+# bf16 cache) run a 16-row kernel in two row blocks, above it a 32- or 64-row one (``mosaic_kernel``).
+SMALL_BLOCKS_MAX_TOKENS = 16384
 # Past this the merge's float32 partials outweigh the extra parallelism. (H100, H=16,
 # B=1 x 64k: 128 splits 0.047 ms, 64 splits 0.062 ms; scripts/sweep_splits.py.)
 MAX_SPLITS = 128
@@ -279,7 +280,7 @@ def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16,
     over a ``cache_dtype`` cache of ``capacity`` tokens of block-table capacity over the batch
     (``capacity_tokens``; None: large), and its rows per CTA: (kernel function, block rows).
 
-    A bf16 cache: up to 16 bf16 rows, and 17-32 of them up to ``TWIN_SMALL_BLOCKS_MAX_TOKENS`` of
+    A bf16 cache: up to 16 bf16 rows, and 17-32 of them up to ``SMALL_BLOCKS_MAX_TOKENS`` of
     capacity, the BF16 twin in 16-row blocks (``mla_decode_mgpu_bf16_small``, rows on the wgmma N
     dimension); else ``mla_decode_mgpu_bf16`` in 64-row blocks (its output may be float32). At 32
     rows (H = 16 x s_q = 2) two 16-row blocks read each page twice where one 64-row block reads it
@@ -295,15 +296,23 @@ def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16,
     the BF16 twin. At 17-32 rows (H = 16 at s_q = 2, multi-token prediction; H = 32) its 32-row
     blocks run 1.04-1.11x the 64-row kernel (H100, one process, round-robin: 0.504 vs 0.535 ms at
     128 x 16k x 16 x 2, 0.147 vs 0.162 at 32 x 16k x 16 x 2, 0.266 vs 0.280 at 64 x 16k x 32 x 1).
+    32 bf16 rows of a small problem (up to ``SMALL_BLOCKS_MAX_TOKENS``) run its 16-row blocks
+    instead, two of them: they quantize their query in the kernel, so the call saves the inputs
+    launch, which there outweighs the second read of each page: 1.26-1.39x the 32-row blocks at
+    1 x 1k, 8 x 1k, 1 x 16k, 2 x 4k (H = 16, s_q = 2) and 4 x 4k x 32, 0.72-0.87x at 8 x 32k,
+    32 x 16k x 16 x 2 and 64 x 16k x 32 (H200, jax 0.11.2, round-robin: 0.0118 vs 0.0156 ms at
+    1 x 1k, 0.0168 vs 0.0223 at 1 x 16k, 0.090 vs 0.078 at 8 x 32k).
     """
+    small_problem = capacity is not None and capacity <= SMALL_BLOCKS_MAX_TOKENS
     if cache_dtype == "bf16":
-        small_problem = capacity is not None and capacity <= TWIN_SMALL_BLOCKS_MAX_TOKENS
         small = num_rows <= MOSAIC_BF16_SMALL_ROWS or (num_rows <= 2 * MOSAIC_BF16_SMALL_ROWS and small_problem)
         if small and bf16_small_takes(q_dtype):
             return mla_decode_mgpu_bf16_small, MOSAIC_BF16_SMALL_ROWS
         return mla_decode_mgpu_bf16, MOSAIC_BLOCK_M
     if num_rows <= MOSAIC_SMALL_BLOCK_ROWS[-1]:
         rows = next(r for r in MOSAIC_SMALL_BLOCK_ROWS if num_rows <= r)
+        if num_rows == 2 * MOSAIC_QUERY_IN_KERNEL_ROWS and small_problem and q_dtype == jnp.bfloat16:
+            rows = MOSAIC_QUERY_IN_KERNEL_ROWS
         return functools.partial(mla_decode_mgpu_small, block_rows=rows), rows
     return mla_decode_mgpu, MOSAIC_BLOCK_M
 

@@ -553,8 +553,8 @@ def test_rows_padded_in_the_launch_give_the_callers_bits(kernel, heads, s_q, bal
     assert np.isfinite(np.asarray(out, np.float32)).all()
 
 
-# Through the public API: (heads, s_q) with 48 and 32 rows (the 64-row kernel, rows
-# padded) and 16 (the 16-row kernel), as ``mosaic_kernel`` routes them.
+# Through the public API: (heads, s_q) with 48 rows (the 64-row kernel, rows padded), 16 (the
+# 16-row kernel) and 32 (these small problems: two 16-row blocks), as ``mosaic_kernel`` routes them.
 API_SHAPES = pytest.mark.parametrize("heads,s_q", [(24, 2), (16, 1), (16, 2)])
 
 
@@ -571,6 +571,18 @@ def test_mosaic_kernel_routes_by_rows():
     assert small(17) == small(32) == 32   # H = 16 at s_q = 2, H = 32
     assert mosaic_kernel(33) == (mla_decode_mgpu, 64)
     assert mosaic_kernel(48) == (mla_decode_mgpu, 64)
+
+
+def test_32_bf16_rows_of_a_small_fp8_problem_run_two_16_row_blocks():
+    """32 bf16 rows up to ``SMALL_BLOCKS_MAX_TOKENS`` of capacity: 16-row blocks, which quantize
+    their query in the kernel; more capacity, float32 rows or rows that are not whole 16-row
+    blocks: the 32-row blocks."""
+    from snapmla_jax.decode import SMALL_BLOCKS_MAX_TOKENS, mosaic_kernel
+    rows = lambda *args: mosaic_kernel(*args)[1]
+    small, large = SMALL_BLOCKS_MAX_TOKENS, SMALL_BLOCKS_MAX_TOKENS + 64
+    assert rows(32, "fp8", jnp.bfloat16, small) == rows(16, "fp8", jnp.bfloat16, large) == 16
+    assert rows(32, "fp8", jnp.bfloat16, large) == rows(32, "fp8", jnp.bfloat16) == 32
+    assert rows(32, "fp8", jnp.float32, small) == rows(24, "fp8", jnp.bfloat16, small) == 32
 
 
 def test_small_kernel_takes_its_query_in_the_kernel_where_it_can():

@@ -19,7 +19,7 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16_small import mla_decode_mgpu_bf16_small
 from snapmla_jax.backend import lower_for_cuda
 from snapmla_jax.cache import LatentCache
-from snapmla_jax.decode import TWIN_SMALL_BLOCKS_MAX_TOKENS, mla_decode, mosaic_kernel
+from snapmla_jax.decode import SMALL_BLOCKS_MAX_TOKENS, mla_decode, mosaic_kernel
 from test_mla_decode import SCALE, attention_f64, make_latent, make_queries, rel_err, scrambled_block_table
 from test_mla_decode_mgpu import _in_subprocess, _nan_past_seq_lens
 
@@ -143,13 +143,12 @@ def test_bf16_cache_routes_to_the_bf16_twins():
     assert mosaic_kernel(16, "bf16") == mosaic_kernel(1, "bf16") == (mla_decode_mgpu_bf16_small, 16)
     assert mosaic_kernel(16, "bf16", jnp.float32) == mosaic_kernel(17, "bf16") == (mla_decode_mgpu_bf16, 64)
     assert mosaic_kernel(256, "bf16") == (mla_decode_mgpu_bf16, 64)
-    small, large = TWIN_SMALL_BLOCKS_MAX_TOKENS, TWIN_SMALL_BLOCKS_MAX_TOKENS + 64
+    small, large = SMALL_BLOCKS_MAX_TOKENS, SMALL_BLOCKS_MAX_TOKENS + 64
     assert mosaic_kernel(32, "bf16", jnp.bfloat16, small) == (mla_decode_mgpu_bf16_small, 16)
     assert mosaic_kernel(17, "bf16", jnp.bfloat16, small) == (mla_decode_mgpu_bf16_small, 16)
     assert mosaic_kernel(32, "bf16", jnp.bfloat16, large) == (mla_decode_mgpu_bf16, 64)
     assert mosaic_kernel(33, "bf16", jnp.bfloat16, small) == (mla_decode_mgpu_bf16, 64)
     assert mosaic_kernel(32, "bf16", jnp.float32, small) == (mla_decode_mgpu_bf16, 64)
-    assert mosaic_kernel(32, "fp8", jnp.bfloat16, small)[1] == 32  # the FP8 kernels: no capacity rule
 
 
 def test_small_bf16_problems_lower_to_the_16_row_twin_and_no_triton(monkeypatch):
