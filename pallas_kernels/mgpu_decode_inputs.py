@@ -70,8 +70,11 @@ from snapmla_jax.pallas_kernels.split_plan import SplitPlan
 from snapmla_jax.pallas_kernels.write_kv import row_layout
 
 PAGE = 64  # the Mosaic kernels' page size
+# Page sizes the FP8 kernels take: a step holds STEP / page_size pages. Not 16: a page's token
+# scales arrive by a TMA copy of their own, and Pallas' copies move multiples of 128 bytes (a
+# 16-token page's scales are 64).
+FP8_PAGE_SIZES = (32, PAGE)
 STEP = 128  # their tokens a step: two pages, even tokens first, then the odd ones
-HALF_PAGE = PAGE // 2
 WARPGROUP = 128  # threads of a CTA; values of a plan window
 # Rows a plan CTA's thread-a-row arrays hold: seq_lens are read in windows of 128 where B >= 128,
 # else one scalar at a time.
@@ -107,25 +110,26 @@ def _token_at(position):
     return position - c + jnp.where(c < STEP // 2, 2 * c, 2 * (c - STEP // 2) + 1)
 
 
-def num_step_tokens(max_pages: int) -> int:
+def num_step_tokens(max_pages: int, page_size: int = PAGE) -> int:
     """Step-ordered positions of a block table with ``max_pages`` pages: whole steps."""
-    return pl.cdiv(max_pages * PAGE, STEP) * STEP
+    return pl.cdiv(max_pages * page_size, STEP) * STEP
 
 
 def step_scales(scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array,
-                num_pages: int | None = None) -> jax.Array:
+                num_pages: int | None = None, page_size: int = PAGE) -> jax.Array:
     """Token scales [B, steps * 128] f32 of each batch row's pages, in step order (jnp).
 
-    scale [N] f32 (flat cache rows), block_table [B, max_pages] int32,
-    layer_offset [1] int32, num_pages: pages in one layer (None: N / 64). Positions
-    past the table read its last page (the kernels mask them); page ids are clipped
+    scale [N] f32 (flat cache rows), block_table [B, max_pages] int32 (pages of ``page_size``
+    tokens), layer_offset [1] int32, num_pages: pages in one layer (None: N / page_size).
+    Positions past the table read its last page (the kernels mask them); page ids are clipped
     into [0, num_pages) and cache rows into [0, N).
     """
     max_pages = block_table.shape[1]
-    num_pages = resolve_num_pages(num_pages, scale.shape[0], PAGE)
-    positions = step_token_order(num_step_tokens(max_pages))
-    pages = jnp.clip(jnp.take(block_table, jnp.minimum(positions // PAGE, max_pages - 1), axis=1), 0, num_pages - 1)
-    return jnp.take(scale, layer_offset[0] + pages * PAGE + positions % PAGE, mode="clip")
+    num_pages = resolve_num_pages(num_pages, scale.shape[0], page_size)
+    positions = step_token_order(num_step_tokens(max_pages, page_size))
+    columns = jnp.minimum(positions // page_size, max_pages - 1)
+    pages = jnp.clip(jnp.take(block_table, columns, axis=1), 0, num_pages - 1)
+    return jnp.take(scale, layer_offset[0] + pages * page_size + positions % page_size, mode="clip")
 
 
 def with_scale_planes(scales: jax.Array) -> jax.Array:
@@ -161,13 +165,14 @@ def pad_rows(rows: jax.Array, padded_rows: int) -> jax.Array:
 def decode_inputs_reference(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array,
                             layer_offset: jax.Array, num_pages: int | None = None, *,
                             scale_planes: bool = False, q_rope_rows: jax.Array | None = None,
-                            padded_rows: int | None = None) -> DecodeInputs:
+                            padded_rows: int | None = None, page_size: int = PAGE) -> DecodeInputs:
     """``decode_inputs`` in jnp (no plan): q_rows [B, rows, 512] (bf16/f32), scale [N] f32,
-    block_table [B, max_pages] int32, layer_offset [1] int32, num_pages (``step_scales``),
-    q_rope_rows [B, rows, 64] or None, padded_rows (None: rows) -> ``DecodeInputs``."""
+    block_table [B, max_pages] int32, layer_offset [1] int32, num_pages and page_size
+    (``step_scales``), q_rope_rows [B, rows, 64] or None, padded_rows (None: rows) ->
+    ``DecodeInputs``."""
     padded_rows = q_rows.shape[1] if padded_rows is None else padded_rows
     q8, q_scale = quantize_per_token(pad_rows(q_rows, padded_rows).astype(jnp.float32))
-    scales = step_scales(scale, block_table, layer_offset, num_pages)
+    scales = step_scales(scale, block_table, layer_offset, num_pages, page_size)
     q_rope = None if q_rope_rows is None else pad_rows(q_rope_rows, padded_rows).astype(jnp.bfloat16)
     return DecodeInputs(q8, q_scale, with_scale_planes(scales) if scale_planes else scales, q_rope)
 
@@ -200,10 +205,10 @@ def scale_steps(num_steps: int) -> int:
     return block
 
 
-def even_steps(max_pages: int) -> int:
-    """Steps the scale CTAs fill for a table of ``max_pages`` pages: whole steps, rounded up to
-    an even count (a CTA stores two steps at a time)."""
-    steps = pl.cdiv(max_pages * PAGE, STEP)
+def even_steps(max_pages: int, page_size: int = PAGE) -> int:
+    """Steps the scale CTAs fill for a table of ``max_pages`` pages of ``page_size`` tokens: whole
+    steps, rounded up to an even count (a CTA stores two steps at a time)."""
+    steps = pl.cdiv(max_pages * page_size, STEP)
     return steps + steps % 2
 
 
@@ -410,32 +415,35 @@ def _row_cta(q_ref, qr_ref, q_out_ref, qsc_ref, qr_out_ref, q_s, q8_s, qsc_s, qr
 
 def _scale_cta(scale_ref, bt_ref, off_ref, steps_ref, in_s, bar, b, block, *, num_steps: int, num_pages: int,
                interpret: bool):
-    """Steps [n i, n i + n) of batch row b, n = ``num_steps`` (even), i = ``block``.
+    """Steps [n i, n i + n) of batch row b, n = ``num_steps`` (even), i = ``block``, over pages of
+    S tokens (S = 32 or 64; k = 128 / S of them a step).
 
-    scale_ref [N / 64, 64] f32: the scale plane by page; bt_ref [B, max_pages] int32; off_ref
-    [1] int32 (a multiple of 64); steps_ref [B, steps, 2, 2, 32]
-    (parity, page, token pair: the step order) or [B, steps, 3, 2, 2, 32] (each step's scales,
+    scale_ref [N / S, S] f32: the scale plane by page; bt_ref [B, max_pages] int32; off_ref
+    [1] int32 (a multiple of S); steps_ref [B, steps, 2, k, S / 2]
+    (parity, page, token pair: the step order) or [B, steps, 3, 2, k, S / 2] (each step's scales,
     their base-2 logarithms and their reciprocals, both of the scales floored at
-    ``SCALE_FLOOR``); in_s: SMEM [n, 2, 64] f32 (step, page, token); bar: its barrier (2 n
+    ``SCALE_FLOOR``); in_s: SMEM [n, k, S] f32 (step, page, token); bar: its barrier (k n
     arrivals). ``interpret``: the parities taken apart from a whole load (the interpreter does not
     reshape refs)."""
-    max_pages = bt_ref.shape[1]
-    first_page = lax.div(off_ref[0], jnp.int32(PAGE))
+    max_pages, page_size = bt_ref.shape[1], scale_ref.shape[1]
+    per_step = STEP // page_size
+    first_page = lax.div(off_ref[0], jnp.int32(page_size))
     last_page = scale_ref.shape[0] - 1
-    for k in range(2 * num_steps):
-        index = jnp.minimum(block * 2 * num_steps + k, max_pages - 1)
+    for k in range(per_step * num_steps):
+        index = jnp.minimum(block * per_step * num_steps + k, max_pages - 1)
         page = jnp.clip(first_page + jnp.clip(bt_ref[b, index], 0, num_pages - 1), 0, last_page)
-        plgpu.copy_gmem_to_smem(scale_ref.at[page], in_s.at[k // 2, k % 2], bar,
+        plgpu.copy_gmem_to_smem(scale_ref.at[page], in_s.at[k // per_step, k % per_step], bar,
                                 oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
     plgpu.barrier_wait(bar)
-    layout = plgpu.Layout.WG_STRIDED((2, 2, HALF_PAGE), 1)
-    by_parity = None if interpret else in_s.reshape(num_steps, 2, HALF_PAGE, 2)  # [step, page, pair, parity]
+    pairs = page_size // 2
+    layout = plgpu.Layout.WG_STRIDED((2, per_step, pairs), 1)
+    by_parity = None if interpret else in_s.reshape(num_steps, per_step, pairs, 2)  # [step, page, pair, parity]
     planes = steps_ref.ndim == 6
     for pair in range(num_steps // 2):
         steps = pl.ds(block * num_steps + 2 * pair, 2)
         for parity in range(2):
             if interpret:
-                values = in_s[pl.ds(2 * pair, 2)].reshape(2, 2, HALF_PAGE, 2)[..., parity]
+                values = in_s[pl.ds(2 * pair, 2)].reshape(2, per_step, pairs, 2)[..., parity]
             else:
                 values = plgpu.load(by_parity.at[pl.ds(2 * pair, 2), :, :, parity], layout=layout)
             if not planes:
@@ -472,17 +480,18 @@ class Outputs(NamedTuple):
 
 
 def _launch(parts: Parts, *, q_rows=None, q_rope_rows=None, scale=None, block_table=None, layer_offset=None,
-            seq_lens=None, padded_rows: int = 0, num_pages: int = 0, capacity: int = 0, step_tokens: int = STEP,
-            interpret: bool = False) -> Outputs:
+            seq_lens=None, padded_rows: int = 0, num_pages: int = 0, page_size: int = PAGE, capacity: int = 0,
+            step_tokens: int = STEP, interpret: bool = False) -> Outputs:
     """One launch of ``parts``: q_rows [B, rows, 512] (rows a multiple of 16) and q_rope_rows [B,
-    rows, 64] any float dtype, padded to ``padded_rows``; scale [N] f32 (N a multiple of 64),
-    block_table [B, max_pages] int32, layer_offset [1] int32 (a multiple of 64), ``num_pages``
-    pages a layer; seq_lens [B] int32, the table's ``capacity`` in tokens and the plan's
-    ``step_tokens`` for the plan. Shapes are checked by the public launches below."""
+    rows, 64] any float dtype, padded to ``padded_rows``; scale [N] f32 (N a multiple of
+    ``page_size``), block_table [B, max_pages] int32, layer_offset [1] int32 (a multiple of
+    ``page_size``), ``num_pages`` pages a layer; seq_lens [B] int32, the table's ``capacity`` in
+    tokens and the plan's ``step_tokens`` for the plan. Shapes are checked by the public launches
+    below."""
     batch = (q_rows if q_rows is not None else seq_lens).shape[0]
     plan_ctas = plan_windows(parts.num_items) if parts.num_items is not None else 0
     row_ctas = padded_rows // Q_ROWS if parts.rows else 0
-    num_steps = even_steps(block_table.shape[1]) if parts.scales else 0
+    num_steps = even_steps(block_table.shape[1], page_size) if parts.scales else 0
     cta_steps = scale_steps(num_steps) if parts.scales else 0
     scale_ctas = num_steps // cta_steps if parts.scales else 0
 
@@ -513,11 +522,12 @@ def _launch(parts: Parts, *, q_rows=None, q_rope_rows=None, scale=None, block_ta
                 scratch.append(plgpu.SMEM((Q_ROWS, q_rope_rows.shape[2]), jnp.bfloat16))
         scratch.append(plgpu.Barrier(num_arrivals=2 if parts.rope else 1))
     if parts.scales:
-        operands += [scale.reshape(-1, PAGE), block_table, layer_offset]
+        per_step = STEP // page_size
+        operands += [scale.reshape(-1, page_size), block_table, layer_offset]
         planes = (3,) if parts.scales == "planes" else ()
-        out_type.append(jax.ShapeDtypeStruct((batch, num_steps, *planes, 2, 2, HALF_PAGE), jnp.float32))
-        scratch += [plgpu.SMEM((cta_steps, 2, PAGE), jnp.float32),
-                    plgpu.Barrier(num_arrivals=2 * cta_steps)]
+        out_type.append(jax.ShapeDtypeStruct((batch, num_steps, *planes, 2, per_step, page_size // 2), jnp.float32))
+        scratch += [plgpu.SMEM((cta_steps, per_step, page_size), jnp.float32),
+                    plgpu.Barrier(num_arrivals=per_step * cta_steps)]
 
     def body(*refs):
         refs = list(refs)
@@ -587,7 +597,7 @@ def _launch(parts: Parts, *, q_rows=None, q_rope_rows=None, scale=None, block_ta
         if parts.rope:
             q_rope = results.pop(0).reshape(batch, padded_rows, -1)
     if parts.scales:
-        real_steps = pl.cdiv(block_table.shape[1] * PAGE, STEP)
+        real_steps = pl.cdiv(block_table.shape[1] * page_size, STEP)
         scales = results.pop(0).reshape(batch, num_steps, *((3,) if parts.scales == "planes" else ()), STEP)
         if real_steps != num_steps:  # an odd step count: the last pair's second step is not the table's
             scales = scales[:, :real_steps]
@@ -634,51 +644,59 @@ def _plan_of(out: Outputs) -> SplitPlan | None:
 
 
 def _fp8_inputs(q_rows, scale, block_table, layer_offset, seq_lens, q_rope_rows, *, num_items: int | None,
-                padded_rows: int | None, num_pages, scale_planes: bool, interpret: bool) -> DecodeInputs:
+                padded_rows: int | None, num_pages, page_size: int, scale_planes: bool,
+                interpret: bool) -> DecodeInputs:
     """``decode_inputs`` and, with ``num_items``, its plan: the arguments checked, then one launch."""
     padded_rows = pl.cdiv(q_rows.shape[1], Q_ROWS) * Q_ROWS if padded_rows is None else padded_rows
     _check_rows(q_rows, q_rope_rows, padded_rows)
     if num_items is not None:
         _check_plan(seq_lens, num_items)
-    if scale.shape[0] % PAGE:
-        raise ValueError(f"scale: expected whole {PAGE}-token pages (N a multiple of {PAGE}), got N = {scale.shape[0]}")
-    num_pages = resolve_num_pages(num_pages, scale.shape[0], PAGE)
+    if page_size not in FP8_PAGE_SIZES:
+        raise ValueError(f"page_size: expected one of {FP8_PAGE_SIZES}, got {page_size!r}")
+    if scale.shape[0] % page_size:
+        raise ValueError(f"scale: expected whole {page_size}-token pages (N a multiple of {page_size}), "
+                         f"got N = {scale.shape[0]}")
+    num_pages = resolve_num_pages(num_pages, scale.shape[0], page_size)
     q_rows, q_rope_rows = _whole_row_blocks(q_rows, q_rope_rows)
     out = _launch(Parts(num_items, "quantize", q_rope_rows is not None, "planes" if scale_planes else "flat"),
                   q_rows=q_rows, q_rope_rows=q_rope_rows, scale=scale, block_table=block_table,
                   layer_offset=layer_offset, seq_lens=seq_lens, padded_rows=padded_rows, num_pages=num_pages,
-                  capacity=block_table.shape[1] * PAGE, interpret=interpret)
+                  page_size=page_size, capacity=block_table.shape[1] * page_size, interpret=interpret)
     return DecodeInputs(out.q8, out.q_scale, out.scales, out.q_rope, _plan_of(out))
 
 
-@functools.partial(jax.jit, static_argnames=("padded_rows", "num_pages", "scale_planes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("padded_rows", "num_pages", "page_size", "scale_planes", "interpret"))
 def decode_inputs(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array, *,
                   q_rope_rows: jax.Array | None = None, padded_rows: int | None = None,
-                  num_pages: int | None = None, scale_planes: bool = False,
+                  num_pages: int | None = None, page_size: int = PAGE, scale_planes: bool = False,
                   interpret: bool = False) -> DecodeInputs:
     """``decode_inputs_reference`` in one launch: q_rows [B, rows, 512], scale [N] f32 (N a
-    multiple of 64), block_table [B, max_pages] int32, layer_offset [1] int32 (a multiple of 64),
-    q_rope_rows [B, rows, 64] or None, padded_rows: the rows of the outputs (a multiple of 16, at
-    least rows; None: rows rounded up to one), num_pages: pages in one layer (None: N / 64) ->
-    ``DecodeInputs`` (plan None). ValueError for arguments that disagree (named in the message).
+    multiple of ``page_size``: 32 or 64), block_table [B, max_pages] int32, layer_offset [1]
+    int32 (a multiple of page_size), q_rope_rows [B, rows, 64] or None, padded_rows: the rows of
+    the outputs (a multiple of 16, at least rows; None: rows rounded up to one), num_pages: pages
+    in one layer (None: N / page_size) -> ``DecodeInputs`` (plan None). ValueError for arguments
+    that disagree (named in the message).
 
     Padding here (the kernels take rows in blocks of 16 or 64) saves the call the XLA pads of
     q and q_rope, a launch each (2-3 us on an H100 at 64 x 32 rows)."""
     return _fp8_inputs(q_rows, scale, block_table, layer_offset, None, q_rope_rows, num_items=None,
-                       padded_rows=padded_rows, num_pages=num_pages, scale_planes=scale_planes, interpret=interpret)
+                       padded_rows=padded_rows, num_pages=num_pages, page_size=page_size, scale_planes=scale_planes,
+                       interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("num_items", "padded_rows", "num_pages", "scale_planes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_items", "padded_rows", "num_pages", "page_size", "scale_planes",
+                                             "interpret"))
 def decode_inputs_and_plan(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, layer_offset: jax.Array,
                            seq_lens: jax.Array, *, num_items: int, q_rope_rows: jax.Array | None = None,
-                           padded_rows: int | None = None, num_pages: int | None = None,
+                           padded_rows: int | None = None, num_pages: int | None = None, page_size: int = PAGE,
                            scale_planes: bool = False, interpret: bool = False) -> DecodeInputs:
     """``decode_inputs`` and the balanced split plan of seq_lens [B] int32 in W = ``num_items``
     items of 128-token steps (``split_plan.balanced_plan`` with the table's capacity) in the same
     launch: one launch a decode call fewer. Returns ``DecodeInputs`` with its plan; ValueError
     also for seq_lens not 1-d int32 or W <= B."""
     return _fp8_inputs(q_rows, scale, block_table, layer_offset, seq_lens, q_rope_rows, num_items=num_items,
-                       padded_rows=padded_rows, num_pages=num_pages, scale_planes=scale_planes, interpret=interpret)
+                       padded_rows=padded_rows, num_pages=num_pages, page_size=page_size, scale_planes=scale_planes,
+                       interpret=interpret)
 
 
 class TwinInputs(NamedTuple):

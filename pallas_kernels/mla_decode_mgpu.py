@@ -1,17 +1,17 @@
 """SnapMLA FP8 MLA decode on Mosaic GPU (Hopper wgmma + TMA), 64 query rows a CTA.
 
-The default for compiled FP8 decoding with 64-token pages on Hopper
+The default for compiled FP8 decoding with 64-token pages (or 32, or a multiple of 64) on Hopper
 (``snapmla_jax.decode.default_config``). Its reference is ``mla_decode_reference(...,
 block_n=128)``; ``interpret=True`` runs it in the Mosaic GPU interpreter on CPU.
 
 Arguments of ``mla_decode_mgpu`` (those of ``mla_decode.mla_decode_pallas`` with an FP8 cache and
-``page_size == 64``):
+``page_size`` 32 or 64, ``PAGE_SIZES``: a step's 128 tokens are 4 or 2 pages):
 
   q_rows       [B, rows, 512] bf16 or f32, rows = s_q * H (query position major)
   q_rope_rows  [B, rows, 64] bf16 or f32
   cache_arrays (latent [N, 512] e4m3, scale [N] f32, rope [N, 64] bf16): flat token rows
   block_table  [B, max_pages] int32; seq_lens [B] int32
-  layer_offset [1] int32: the layer's first token row, a multiple of 64
+  layer_offset [1] int32: the layer's first token row, a multiple of page_size
   -> out [B, rows, 512] in q_rows' dtype, lse [B, rows] f32 (natural log)
 
 Scaling math, per 128-token step and query row, in base 2. Q8, q_scale: the query quantized
@@ -77,12 +77,13 @@ from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt
 from snapmla_jax.pallas_kernels.combine_splits import (combine_items, combine_splits, pallas_triton_available,
                                                        partial_dtype)
 from snapmla_jax.pallas_kernels.combine_splits_mgpu import combine_items_mgpu, combine_splits_mgpu
+from snapmla_jax.pallas_kernels.mgpu_decode_inputs import FP8_PAGE_SIZES as PAGE_SIZES
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import balanced_plan_kernel, decode_inputs, decode_inputs_and_plan
 from snapmla_jax.pallas_kernels.mla_decode import LN2, LOG2E, resolve_num_pages
 from snapmla_jax.pallas_kernels.split_plan import SplitPlan, balanced_items, item_steps, uniform_plan
 
-PAGE = 64  # cache page size this kernel supports
-STEP = 128  # tokens a step: two pages
+PAGE = 64  # cache page size the kernels are built around (``PAGE_SIZES``: the ones they take)
+STEP = 128  # tokens a step: two pages (four of 32 tokens)
 HALF = STEP // 2  # a consumer's tokens a step
 BLOCK_M = 64  # query rows a CTA (one wgmma M)
 CHUNK = 128  # output features an accumulator, and the K width of each Q.K wgmma
@@ -92,8 +93,8 @@ NUM_CHUNKS = RANK // CHUNK
 NUM_WGS = 2  # consumer warpgroups
 CHUNKS_PER_WG = NUM_CHUNKS // NUM_WGS
 NUM_SLOTS = 2  # TMA ring slots, a whole step each
-# TMA copies arriving on a slot's barrier a step: per page and token parity, the 4 latent chunks
-# and the RoPE rows; plus one box of token scales.
+# TMA copies arriving on a slot's barrier a step of 64-token pages: per page and token parity,
+# the 4 latent chunks and the RoPE rows; plus one box of token scales (``step_copies``).
 COPIES_STEP = 2 * 2 * (NUM_CHUNKS + 1) + 1
 COPIES_Q = NUM_CHUNKS + 2  # Q8 chunks, Q rope, q scale
 # Features a fp32 promotion of the FP8 Q.K product (Hopper's FP8 wgmma accumulates in ~14 bits;
@@ -193,25 +194,34 @@ def step_visibility(row0, t0, seq_len, half: int, *, s_q: int, num_heads: int, t
     return tokens < visible_len
 
 
-def step_page_columns(step, max_pages: int) -> tuple:
-    """The block-table columns of a step's two pages (``page_boxes``), clamped into the table:
-    with an even ``max_pages``, the step (so that the two stay adjacent), else each page."""
-    if max_pages % 2 == 0:
-        pair = jnp.minimum(step, max_pages // 2 - 1) * 2
-        return pair, pair + 1
-    return tuple(jnp.minimum(step * 2 + half, max_pages - 1) for half in range(2))
+def step_page_columns(step, max_pages: int, per_step: int = 2) -> tuple:
+    """The block-table columns of a step's ``per_step`` pages (``page_boxes``), clamped into the
+    table: with a ``max_pages`` multiple of ``per_step``, the step (so that they stay adjacent),
+    else each page."""
+    if max_pages % per_step == 0:
+        first = jnp.minimum(step, max_pages // per_step - 1) * per_step
+        return tuple(first + k for k in range(per_step))
+    return tuple(jnp.minimum(step * per_step + k, max_pages - 1) for k in range(per_step))
 
 
-def step_pages(bt_ref, b, step, num_pages: int):
-    """The page ids of a step's two pages (``step_page_columns``), clipped into [0, num_pages): a
-    generator, read as ``page_boxes`` needs them."""
-    return (jnp.clip(bt_ref[b, column], 0, num_pages - 1) for column in step_page_columns(step, bt_ref.shape[1]))
+def step_pages(bt_ref, b, step, num_pages: int, page_size: int = PAGE):
+    """The page ids of a step's pages of ``page_size`` tokens (``step_page_columns``), clipped
+    into [0, num_pages): a generator, read as ``page_boxes`` needs them."""
+    columns = step_page_columns(step, bt_ref.shape[1], STEP // page_size)
+    return (jnp.clip(bt_ref[b, column], 0, num_pages - 1) for column in columns)
 
 
-def page_boxes(pages, layer_offset):
+def step_copies(page_size: int, scale_copies: int = 1) -> int:
+    """TMA copies arriving on a slot's barrier a step of ``page_size``-token pages: per page and
+    token parity the latent chunks and the RoPE rows, and ``scale_copies`` of token scales."""
+    return STEP // page_size * 2 * (NUM_CHUNKS + 1) + scale_copies
+
+
+def page_boxes(pages, layer_offset, page_size: int = PAGE):
     """TMA boxes of a step of ``pages`` (``step_pages``), yielding (page, parity, source token
     pairs, destination rows): per page of the step and token parity, the pairs ``pl.ds`` in the
-    [N/2, 2, ...] pair views and the 32 step-order rows (even tokens to rows 0..63) they fill.
+    [N/2, 2, ...] pair views and the page_size / 2 step-order rows (even tokens to rows 0..63)
+    they fill.
 
     Pages past the table's end (only in a partial last step) are clamped; their
     tokens are masked. Page ids are clipped into [0, num_pages) (a traced block
@@ -222,11 +232,12 @@ def page_boxes(pages, layer_offset):
     64-bit load, not two dependent 32-bit ones (2.9-3.5% of the kernel at 32 x 16k-64k x 128 on
     an H100).
     """
-    for half, page in enumerate(pages):
-        # layer_offset is a multiple of PAGE: the TMA boxes start on whole pages.
-        first_pair = aligned((layer_offset + page * PAGE) // 2, PAGE // 2)
+    pairs = page_size // 2
+    for k, page in enumerate(pages):
+        # layer_offset is a multiple of page_size: the TMA boxes start on whole pages.
+        first_pair = aligned((layer_offset + page * page_size) // 2, pairs)
         for parity in range(2):
-            yield page, parity, pl.ds(first_pair, PAGE // 2), pl.ds(parity * HALF + half * (PAGE // 2), PAGE // 2)
+            yield page, parity, pl.ds(first_pair, pairs), pl.ds(parity * HALF + k * pairs, pairs)
 
 
 def issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, bar) -> None:
@@ -417,16 +428,17 @@ def v_masked_token_major(chunk_ref, t0, seq_len) -> jax.Array:
 
 
 def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, rope_s, ksc_s, step_bar, *,
-                by_warps: bool, num_pages: int):
-    """``issue(step, slot)``: the TMA of a step of batch row b into a ring slot, arriving on
-    ``step_bar[slot]``: latent chunks and RoPE rows in step order (even tokens to rows 0..63),
-    and token scales: ksc_ref [B, steps * 128] (step order), [B, steps, 3, 128] (with their
-    planes, ``mgpu_decode_inputs``), or [N / 64, 64] the cache's scale plane by page (the step's
-    two pages in token order, two copies: ``copy_scales``).
+                by_warps: bool, num_pages: int, page_size: int = PAGE):
+    """``issue(step, slot)``: the TMA of a step of batch row b (its 128 / ``page_size`` pages)
+    into a ring slot, arriving on ``step_bar[slot]`` (``step_copies``): latent chunks and RoPE
+    rows in step order (even tokens to rows 0..63), and token scales: ksc_ref [B, steps * 128]
+    (step order), [B, steps, 3, 128] (with their planes, ``mgpu_decode_inputs``), or
+    [N / page_size, page_size] the cache's scale plane by page (the step's pages in token order,
+    a copy each: ``copy_scales``).
 
-    ``by_warps``: each warp of the issuing warpgroup issues the copies of one (page, parity)
-    box, the last one also the token scales (four threads issue in parallel instead of one
-    issuing all 21)."""
+    ``by_warps``: the warps of the issuing warpgroup take the (page, parity) boxes in turn, the
+    last one also the token scales (four threads issue in parallel instead of one issuing all
+    21 of a step of 64-token pages)."""
     def copy_box(slot, parity, src, dst):
         for ch in range(NUM_CHUNKS):
             plgpu.copy_gmem_to_smem(latp_ref.at[src, parity, pl.ds(ch * CHUNK, CHUNK)],
@@ -434,10 +446,10 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
         plgpu.copy_gmem_to_smem(ropep_ref.at[src, parity], rope_s.at[slot, dst], step_bar.at[slot])
 
     def copy_scales(step, first_token, slot, pages):
-        if ksc_ref.shape[-1] == PAGE:  # the scale plane by page: the step's pages in token order
-            for half, page in enumerate(pages):
-                plgpu.copy_gmem_to_smem(ksc_ref.at[lax.div(layer_offset, PAGE) + page],
-                                        ksc_s.at[slot, pl.ds(half * PAGE, PAGE)], step_bar.at[slot],
+        if ksc_ref.ndim == 2 and ksc_ref.shape[-1] == page_size:  # the scale plane by page, in token order
+            for k, page in enumerate(pages):
+                plgpu.copy_gmem_to_smem(ksc_ref.at[lax.div(layer_offset, page_size) + page],
+                                        ksc_s.at[slot, pl.ds(k * page_size, page_size)], step_bar.at[slot],
                                         oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
         elif ksc_ref.ndim == 4:  # [B, steps, 3, STEP]: the scales, their logarithms and reciprocals
             plgpu.copy_gmem_to_smem(ksc_ref.at[b, step], ksc_s.at[slot], step_bar.at[slot])
@@ -446,7 +458,7 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
 
     def issue(step, slot):
         # Box starts computed here: ``pl.multiple_of`` does not lower in a warp's code.
-        boxes = list(page_boxes(step_pages(bt_ref, b, step, num_pages), layer_offset))
+        boxes = list(page_boxes(step_pages(bt_ref, b, step, num_pages, page_size), layer_offset, page_size))
         pages = [page for page, parity, _, _ in boxes if parity == 0]
         first_token = aligned(step * STEP, STEP)
         if not by_warps:
@@ -457,7 +469,7 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
 
         def per_warp(warp):
             for k, (_, parity, src, dst) in enumerate(boxes):
-                @pl.when(warp == k)
+                @pl.when(warp == k % 4)
                 def _():
                     copy_box(slot, parity, src, dst)
 
@@ -496,30 +508,33 @@ class Where(NamedTuple):
 
 def begin_cta(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
               q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, *, s_q: int,
-              num_pages: int, issuer: int = 0, by_warps: bool | None = None) -> tuple[Where, Callable]:
+              num_pages: int, page_size: int = PAGE, issuer: int = 0,
+              by_warps: bool | None = None) -> tuple[Where, Callable]:
     """The start of a Mosaic decode CTA (grid work item, row block of q8_s's rows): where it is
     (``locate_cta``), the TMA issuer of the ring (its copies shared by the issuing warpgroup's
     warps if ``by_warps``; None: ``ISSUE_BY_WARPS``), then ``start_cta`` (query tiles and first
     step in flight from warpgroup ``issuer``, the query waited for). Returns the CTA's ``Where``
     and the issuer (``step_issuer``'s issue(step, slot))."""
-    where = locate_cta(seq_lens_ref, items_ref, bt_ref, q8_s.shape[1], s_q=s_q)
+    where = locate_cta(seq_lens_ref, items_ref, bt_ref, q8_s.shape[1], s_q=s_q, page_size=page_size)
     b, wg, _, row0, first_step, num_steps, _ = where
     issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, off_ref[0], kv8_s, rope_s, ksc_s, step_bar,
-                        by_warps=ISSUE_BY_WARPS if by_warps is None else by_warps, num_pages=num_pages)
+                        by_warps=ISSUE_BY_WARPS if by_warps is None else by_warps, num_pages=num_pages,
+                        page_size=page_size)
     start_cta(wg, first_step, num_steps, issue,
               functools.partial(issue_query, q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar, issuer=issuer)
     return where, issue
 
 
-def locate_cta(seq_lens_ref, items_ref, bt_ref, rows: int, *, s_q: int, step_tokens: int = STEP) -> Where:
+def locate_cta(seq_lens_ref, items_ref, bt_ref, rows: int, *, s_q: int, step_tokens: int = STEP,
+               page_size: int = PAGE) -> Where:
     """Where a Mosaic decode CTA (grid work item w, row block of ``rows`` rows) is, for warpgroup
     wg, from the plan's items_ref int32 [3, W] (``split_plan.SplitPlan.items``) and its steps of
-    ``step_tokens`` tokens (``split_plan.item_steps``)."""
+    ``step_tokens`` tokens (``split_plan.item_steps``) over a table of ``page_size``-token pages."""
     item, r, wg = (lax.axis_index(name) for name in ("w", "r", "wg"))
     b, split, count = items_ref[0, item], items_ref[1, item], items_ref[2, item]
     # A traced seq_len is not validated: past the table's capacity it would walk steps of
     # clamped pages (the XLA reference clips it there too).
-    seq_len = jnp.clip(seq_lens_ref[b], 0, bt_ref.shape[1] * PAGE)
+    seq_len = jnp.clip(seq_lens_ref[b], 0, bt_ref.shape[1] * page_size)
     first_step, num_steps, unmasked_steps = item_steps(seq_len, split, count, s_q=s_q, step_tokens=step_tokens)
     return Where(b, wg, seq_len, aligned(r * rows, rows), first_step, num_steps, unmasked_steps)
 
@@ -767,7 +782,8 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
             o_ref, lse_ref, part_o_ref, part_lse_ref,
             q_union, qr_s, qsc_s, lse_s, kv8_s, rope_s, ksc_s, p8_s, stats_s, lsum_s, fac_s,
             step_bar, qk_done_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar,
-            *, s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, interpret: bool):
+            *, s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, page_size: int,
+            interpret: bool):
     """One CTA: (work item w: a run of steps of batch row b, row block r), two consumer warpgroups
     and the producer (wg 2, ``PRODUCER_WG``); shapes in the module docstring, outputs as
     ``OutputTarget`` (``partials``: whether the plan has rows of several items).
@@ -785,13 +801,14 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
     q8_s, o_s = q_union
     where, issue = begin_cta(
         seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
-        q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q,
-        num_pages=num_pages, issuer=NUM_WGS if PRODUCER_WG else 0, by_warps=PRODUCER_ISSUE_BY_WARPS if PRODUCER_WG else None)
+        q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_pages=num_pages,
+        page_size=page_size, issuer=NUM_WGS if PRODUCER_WG else 0,
+        by_warps=PRODUCER_ISSUE_BY_WARPS if PRODUCER_WG else None)
     _, wg, _, row0, first_step, num_steps, _ = where
     # With a producer warpgroup the consumers' unmasked steps read nothing of the item: its
     # masked tail locates the CTA again (``walk_steps``).
-    relocate = (functools.partial(locate_cta, seq_lens_ref, items_ref, bt_ref, q8_s.shape[1], s_q=s_q)
-                if PRODUCER_WG else None)
+    relocate = (functools.partial(locate_cta, seq_lens_ref, items_ref, bt_ref, q8_s.shape[1], s_q=s_q,
+                                  page_size=page_size) if PRODUCER_WG else None)
 
     # Nothing is written over a slot on the GPU; the interpreter masks V in place once both
     # warpgroups have read the slot as K (``qk_done``).
@@ -929,14 +946,16 @@ def check_registers(producer: int, consumer: int) -> None:
 
 
 def check_launch(kernel: str, q_rows, q_rope_rows, cache_arrays: tuple, *, page_size: int, num_arrays: int,
-                 block_rows: int | None, num_splits) -> None:
+                 block_rows: int | None, num_splits, page_sizes: tuple = (PAGE,)) -> None:
     """ValueError unless a Mosaic decode kernel (``kernel``: its name and cache, for the message)
-    takes these: page_size ``PAGE``, rank ``RANK``, rope ``ROPE``, ``num_arrays`` cache arrays,
-    query rows padded to ``block_rows`` (None: any number, the kernel pads them), q_rope_rows
-    with q_rows' batch and rows, a positive int ``num_splits``."""
+    takes these: a page_size of ``page_sizes``, rank ``RANK``, rope ``ROPE``, ``num_arrays`` cache
+    arrays, query rows padded to ``block_rows`` (None: any number, the kernel pads them),
+    q_rope_rows with q_rows' batch and rows, a positive int ``num_splits``."""
     batch, num_rows, rank = q_rows.shape
-    if page_size != PAGE or rank != RANK or q_rope_rows.shape[2] != ROPE or len(cache_arrays) != num_arrays:
-        raise ValueError(f"{kernel}, page_size {PAGE}, rank {RANK}, rope {ROPE} only")
+    if page_size not in page_sizes or rank != RANK or q_rope_rows.shape[2] != ROPE or len(cache_arrays) != num_arrays:
+        sizes = " or ".join(map(str, page_sizes))
+        raise ValueError(f"{kernel}, page_size {sizes}, rank {RANK}, rope {ROPE} only; got page_size {page_size}, "
+                         f"rank {rank}, rope {q_rope_rows.shape[2]}")
     if q_rope_rows.shape[:2] != (batch, num_rows):
         raise ValueError(f"q_rope_rows: expected shape ({batch}, {num_rows}, {ROPE}) like q_rows, got "
                          f"{q_rope_rows.shape}")
@@ -976,14 +995,14 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, lay
     in one launch (``mgpu_decode_inputs.decode_inputs_and_plan``; a uniform plan is a constant).
     """
     check_launch("mla_decode_mgpu: FP8 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
-                 num_arrays=3, block_rows=None, num_splits=num_splits)
+                 num_arrays=3, block_rows=None, num_splits=num_splits, page_sizes=PAGE_SIZES)
     latent, scale, rope = cache_arrays
     batch, num_rows, _ = q_rows.shape
     rows = padded_rows(num_rows, block_rows)
     # Rows already whole blocks need no copy of q_rope; others are padded in the same launch.
     rope_rows = q_rope_rows if rows != num_rows else None
-    common = dict(q_rope_rows=rope_rows, padded_rows=rows, num_pages=num_pages, scale_planes=scale_planes,
-                  interpret=interpret)
+    common = dict(q_rope_rows=rope_rows, padded_rows=rows, num_pages=num_pages, page_size=page_size,
+                  scale_planes=scale_planes, interpret=interpret)
     num_items = balanced_plan_size(batch, num_splits, balanced)
     if num_items is not None:
         inputs = decode_inputs_and_plan(q_rows, scale, block_table, layer_offset, seq_lens, num_items=num_items,
@@ -1012,7 +1031,7 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          partials=plan.partials, num_pages=num_pages, interpret=interpret),
+                          partials=plan.partials, num_pages=num_pages, page_size=page_size, interpret=interpret),
         out_type=output_types(plan, num_rows, out_dtype),
         scratch_types=[
             plgpu.RefUnion(plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), FP8_DTYPE),
@@ -1029,7 +1048,7 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
             plgpu.SMEM((NUM_SLOTS, NUM_WGS, 1, BLOCK_M), jnp.float32),
             plgpu.SMEM((NUM_WGS, BLOCK_M), jnp.float32),
             plgpu.SMEM((NUM_WGS, 1, BLOCK_M), jnp.float32),  # fac_s: the fold's ratio per warpgroup
-            plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
+            plgpu.Barrier(num_arrivals=step_copies(page_size), num_barriers=NUM_SLOTS),
             *(slot_barrier() for _ in range(4)),  # qk_done (interpreter), stats, pexch, consumed
             plgpu.Barrier(num_arrivals=COPIES_Q),
             plgpu.Barrier(num_arrivals=NUM_WGS),
@@ -1073,16 +1092,16 @@ def balanced_plan_size(batch: int, num_splits: int, balanced: bool) -> int | Non
 
 
 def plan_items(seq_lens, block_table, *, num_splits: int, balanced: bool, step_tokens: int,
-               interpret: bool = False) -> SplitPlan:
-    """The work items of a call over seq_lens [B] and block_table [B, max_pages]:
-    ``split_plan.balanced_plan`` (in one launch: ``balanced_plan_kernel``) of
-    ``balanced_plan_size`` items, or ``uniform_plan`` (``num_splits`` items a row)."""
+               page_size: int = PAGE, interpret: bool = False) -> SplitPlan:
+    """The work items of a call over seq_lens [B] and block_table [B, max_pages] (pages of
+    ``page_size`` tokens): ``split_plan.balanced_plan`` (in one launch: ``balanced_plan_kernel``)
+    of ``balanced_plan_size`` items, or ``uniform_plan`` (``num_splits`` items a row)."""
     batch = seq_lens.shape[0]
     num_items = balanced_plan_size(batch, num_splits, balanced)
     if num_items is None:
         return uniform_plan(batch, num_splits)
     return balanced_plan_kernel(seq_lens, num_items=num_items, step_tokens=step_tokens,
-                                capacity=block_table.shape[1] * PAGE, interpret=interpret)
+                                capacity=block_table.shape[1] * page_size, interpret=interpret)
 
 
 def output_types(plan: SplitPlan, num_rows: int, dtype) -> tuple:

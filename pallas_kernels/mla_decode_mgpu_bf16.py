@@ -11,8 +11,8 @@ program in Triton's registers. This kernel is built like the FP8 Mosaic kernel
                with the split plan in one launch: ``mgpu_decode_inputs.bf16_rows_and_plan``)
   q_rope_rows  [B, rows, 64]
   cache_arrays (latent [N, 512] bf16, rope [N, 64] bf16), flat rows
-  block_table  [B, max_pages] int32, seq_lens [B] int32,
-  layer_offset [1] int32, a multiple of 64 (layer x pages x 64)
+  block_table  [B, max_pages] int32 (pages of ``page_size`` = 16, 32 or 64 tokens), seq_lens [B] int32,
+  layer_offset [1] int32, a multiple of the page size (layer x pages x page_size)
   -> out [B, rows, 512] (q_rows' dtype), lse [B, rows] f32 (natural log)
 
 Math: ``mla_decode_reference`` over a bf16 cache: scores = (Q.K^T + Qr.Kr^T) *
@@ -20,10 +20,10 @@ softmax_scale * log2(e), BF16 wgmma with fp32 accumulation; online softmax on
 exp2 in fp32; P rounded to bf16 for the P.V wgmma, fp32 accumulation.
 
 Layout of the work. Grid (work item: a run of steps of one batch row, ``split_plan``; block
-of 64 query rows). A step is one 64-token page: its latent (four [64, 128] bf16 chunks, 64 KB) and RoPE
-rows (8 KB) arrive by TMA in a two-slot ring, which with the bf16 query (72 KB)
-is what an H100's 227 KB of SMEM holds (a 128-token step would need 144 KB a
-slot). Warpgroup w owns output columns [256 w, 256 w + 256) (two fp32
+of 64 query rows). A step is 64 tokens, one page or 64 / page_size of them: their latent (four
+[64, 128] bf16 chunks, 64 KB) and RoPE rows (8 KB) arrive by TMA in a two-slot ring, which with
+the bf16 query (72 KB) is what an H100's 227 KB of SMEM holds (a 128-token step would need 144 KB
+a slot). Warpgroup w owns output columns [256 w, 256 w + 256) (two fp32
 accumulators of 64 x 128, 128 registers a thread) and computes the whole 64 x 64
 score tile of the step itself, so the two warpgroups never exchange anything:
 each has the same m, l and P, P stays in registers as the A operand of its P.V
@@ -72,7 +72,7 @@ from snapmla_jax.pallas_kernels.mgpu_decode_inputs import bf16_rows_and_plan
 from snapmla_jax.pallas_kernels.split_plan import uniform_plan
 
 STEP = PAGE  # tokens a step: one page (see the module docstring)
-COPIES_STEP = NUM_CHUNKS + 1  # TMA copies arriving on a slot's barrier: latent chunks, RoPE rows
+PAGE_SIZES = (16, 32, PAGE)  # page sizes the twins take: a step holds STEP / page_size pages
 COPIES_Q = NUM_CHUNKS + 1  # query chunks, query RoPE part
 # Registers a thread for the producer (it only computes TMA addresses) and the two
 # consumers (output 128, score tile 32, P 16); within ``check_registers``' budget.
@@ -80,18 +80,28 @@ PRODUCER_REGISTERS = 24
 CONSUMER_REGISTERS = 240
 
 
-def step_issuer(bt_ref, lat_ref, rope_ref, b, layer_offset, kv_s, rope_s, step_bar, *, num_pages: int):
-    """``issue(step, slot)``: the TMA of step ``step`` (page ``step`` of row b) into a ring slot,
-    arriving on ``step_bar[slot]``. Page ids are clipped into [0, num_pages) (a traced block
-    table is not validated), as the XLA reference's gather clips them."""
-    max_pages = bt_ref.shape[1]
+def step_copies(page_size: int) -> int:
+    """TMA copies arriving on a slot's barrier a step: latent chunks and RoPE rows of each page."""
+    return STEP // page_size * (NUM_CHUNKS + 1)
+
+
+def step_issuer(bt_ref, lat_ref, rope_ref, b, layer_offset, kv_s, rope_s, step_bar, *, num_pages: int,
+                page_size: int = PAGE):
+    """``issue(step, slot)``: the TMA of step ``step`` of row b (its STEP / ``page_size`` pages,
+    columns past the table's end clamped to its last) into a ring slot, arriving on
+    ``step_bar[slot]`` (``step_copies``). Page ids are clipped into [0, num_pages) (a traced
+    block table is not validated), as the XLA reference's gather clips them."""
+    max_pages, per_step = bt_ref.shape[1], STEP // page_size
 
     def issue(step, slot):
-        page = jnp.clip(bt_ref[b, jnp.minimum(step, max_pages - 1)], 0, num_pages - 1)
-        rows = pl.ds(aligned(layer_offset + page * PAGE, PAGE), PAGE)
-        for ch in range(NUM_CHUNKS):
-            plgpu.copy_gmem_to_smem(lat_ref.at[rows, pl.ds(ch * CHUNK, CHUNK)], kv_s.at[slot, ch], step_bar.at[slot])
-        plgpu.copy_gmem_to_smem(rope_ref.at[rows], rope_s.at[slot], step_bar.at[slot])
+        for k in range(per_step):
+            page = jnp.clip(bt_ref[b, jnp.minimum(step * per_step + k, max_pages - 1)], 0, num_pages - 1)
+            rows = pl.ds(aligned(layer_offset + page * page_size, page_size), page_size)
+            dst = pl.ds(k * page_size, page_size)
+            for ch in range(NUM_CHUNKS):
+                plgpu.copy_gmem_to_smem(lat_ref.at[rows, pl.ds(ch * CHUNK, CHUNK)], kv_s.at[slot, ch, dst],
+                                        step_bar.at[slot])
+            plgpu.copy_gmem_to_smem(rope_ref.at[rows], rope_s.at[slot, dst], step_bar.at[slot])
     return issue
 
 
@@ -140,7 +150,8 @@ def pv_update(accs, p16, v_chunks, alpha, p_ref=None) -> list:
 def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, rope_ref,
             o_ref, lse_ref, part_o_ref, part_lse_ref,
             q_union, qr_s, lse_s, kv_s, rope_s, step_bar, consumed_bar, q_bar, end_bar, *interpreter_p,
-            s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, interpret: bool):
+            s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, page_size: int,
+            interpret: bool):
     """One CTA: (work item w: a run of steps of batch row b, row block r), consumer warpgroups 0
     and 1 and the producer (wg 2); outputs as ``mla_decode_mgpu.OutputTarget``.
 
@@ -150,9 +161,10 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
     interpreter only, interpreter_p = (P tiles bf16 [2, 64, 64], one a warpgroup,).
     """
     q_s, o_s = q_union
-    where = locate_cta(seq_lens_ref, items_ref, bt_ref, BLOCK_M, s_q=s_q, step_tokens=STEP)
+    where = locate_cta(seq_lens_ref, items_ref, bt_ref, BLOCK_M, s_q=s_q, step_tokens=STEP, page_size=page_size)
     b, wg, _, row0, first_step, num_steps, _ = where
-    issue = step_issuer(bt_ref, lat_ref, rope_ref, b, off_ref[0], kv_s, rope_s, step_bar, num_pages=num_pages)
+    issue = step_issuer(bt_ref, lat_ref, rope_ref, b, off_ref[0], kv_s, rope_s, step_bar, num_pages=num_pages,
+                        page_size=page_size)
     start_cta(wg, first_step, num_steps, issue,
               functools.partial(issue_query, q_ref, qr_ref, None, b, row0, q_s, qr_s, None), q_bar, issuer=NUM_WGS)
 
@@ -193,7 +205,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
 
         *accs, m, l = walk_steps(step, initial_carry(), where, consumed_bar, issuer=None,
                                  relocate=functools.partial(locate_cta, seq_lens_ref, items_ref, bt_ref, BLOCK_M,
-                                                            s_q=s_q, step_tokens=STEP))
+                                                            s_q=s_q, step_tokens=STEP, page_size=page_size))
         # Both warpgroups are past their last Q.K: the query's bytes become the output staging.
         plgpu.barrier_arrive(end_bar)
         plgpu.barrier_wait(end_bar)
@@ -205,22 +217,23 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
 
 
 def twin_rows_and_plan(q_rows, q_rope_rows, seq_lens, block_table, *, block_rows: int, num_splits: int,
-                       balanced: bool, interpret: bool) -> tuple:
+                       balanced: bool, page_size: int, interpret: bool) -> tuple:
     """A BF16 twin's inputs: (q [B, P, 512] bf16, q_rope [B, P, 64] bf16, the split plan of
-    one-page steps), P = rows padded to whole blocks of ``block_rows``. Rows short of whole blocks
+    64-token steps over a table of ``page_size``-token pages), P = rows padded to whole blocks of
+    ``block_rows``. Rows short of whole blocks
     are padded (and a balanced plan computed) in one launch, as the FP8 kernels' inputs launch
     does, where XLA would pad q and q_rope in two; whole blocks need at most the plan's launch."""
     batch, num_rows = q_rows.shape[:2]
     rows = padded_rows(num_rows, block_rows)
     if rows == num_rows:
         plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP,
-                          interpret=interpret)
+                          page_size=page_size, interpret=interpret)
         return q_rows.astype(jnp.bfloat16), q_rope_rows.astype(jnp.bfloat16), plan
     num_items = balanced_plan_size(batch, num_splits, balanced)
     with_plan = num_items is not None
     q, q_rope, plan = bf16_rows_and_plan(
         q_rows, q_rope_rows, seq_lens if with_plan else None, padded_rows=rows, num_items=num_items,
-        capacity=block_table.shape[1] * PAGE if with_plan else None, interpret=interpret)
+        capacity=block_table.shape[1] * page_size if with_plan else None, interpret=interpret)
     return q, q_rope, plan if with_plan else uniform_plan(batch, num_splits)
 
 
@@ -240,18 +253,19 @@ def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays
     a cache or row count this kernel does not take.
     """
     check_launch("mla_decode_mgpu_bf16: bf16 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
-                 num_arrays=2, block_rows=None, num_splits=num_splits)
+                 num_arrays=2, block_rows=None, num_splits=num_splits, page_sizes=PAGE_SIZES)
     check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
     latent, rope = cache_arrays
     num_pages = resolve_num_pages(num_pages, latent.shape[0], page_size)
     q, q_rope, plan = twin_rows_and_plan(q_rows, q_rope_rows, seq_lens, block_table, block_rows=BLOCK_M,
-                                         num_splits=num_splits, balanced=balanced, interpret=interpret)
+                                         num_splits=num_splits, balanced=balanced, page_size=page_size,
+                                         interpret=interpret)
     num_rows = q.shape[1]
     out_dtype = partial_dtype(q_rows.dtype)
     stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # a warpgroup's staging tile: 16 KB
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          partials=plan.partials, num_pages=num_pages, interpret=interpret),
+                          partials=plan.partials, num_pages=num_pages, page_size=page_size, interpret=interpret),
         out_type=output_types(plan, num_rows, out_dtype),
         scratch_types=[
             plgpu.RefUnion(plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), jnp.bfloat16),
@@ -260,7 +274,7 @@ def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays
             plgpu.SMEM((BLOCK_M,), jnp.float32),
             plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), jnp.bfloat16),
             plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
-            plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
+            plgpu.Barrier(num_arrivals=step_copies(page_size), num_barriers=NUM_SLOTS),
             plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),  # consumed
             plgpu.Barrier(num_arrivals=COPIES_Q),
             plgpu.Barrier(num_arrivals=NUM_WGS),  # end of the step loop

@@ -9,8 +9,8 @@ tokens or features are M:
                split plan in one launch: ``mgpu_decode_inputs.bf16_rows_and_plan``)
   q_rope_rows  [B, rows, 64] bf16
   cache_arrays (latent [N, 512] bf16, rope [N, 64] bf16), flat rows
-  block_table  [B, max_pages] int32, seq_lens [B] int32,
-  layer_offset [1] int32, a multiple of 64 (layer x pages x 64)
+  block_table  [B, max_pages] int32 (pages of ``page_size`` = 16, 32 or 64 tokens), seq_lens [B] int32,
+  layer_offset [1] int32, a multiple of the page size (layer x pages x page_size)
   -> out [B, rows, 512] bf16, lse [B, rows] f32 (natural log)
 
 Math: the BF16 twin's (``mla_decode_mgpu_bf16``): scores (Q.K^T + Qr.Kr^T) * softmax_scale *
@@ -18,7 +18,8 @@ log2(e) from BF16 wgmmas with fp32 accumulation, the online softmax on exp2 in f
 to bf16 for the P.V wgmma, fp32 accumulation in place (a BF16 wgmma's accumulator keeps full
 precision).
 
-A step is one 64-token page (its latent, four [64, 128] bf16 chunks, and RoPE rows) in a
+A step is 64 tokens, one page or 64 / page_size of them (their latent, four [64, 128] bf16
+chunks, and RoPE rows) in a
 two-slot ring; warpgroup 1 issues the copies, a page ahead (``begin_page``), so the CTA has no
 producer warpgroup (its accumulators are 32 registers a thread, there is nothing to give up). Each warpgroup:
 
@@ -58,8 +59,8 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, HA
                                                         initial_carry, issue_query, locate_cta, merge_items,
                                                         output_target, output_types, start_cta, unpadded, walk_steps,
                                                         write_lse_and_wait, Where)
-from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import (COPIES_Q, COPIES_STEP, step_issuer, twin_rows_and_plan,
-                                                             zero_past_seq_len)
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import (COPIES_Q, PAGE_SIZES, step_copies, step_issuer,
+                                                             twin_rows_and_plan, zero_past_seq_len)
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import ISSUER, reduce_scratch_size, token_reduce, visibility_t
 from snapmla_jax.pallas_kernels.mgpu_bytes import output_transforms
 
@@ -145,7 +146,8 @@ def write_outputs_t(accs, m, l, o_s, lse_s, target, row0, wg) -> None:
 def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, rope_ref,
             o_ref, lse_ref, part_o_ref, part_lse_ref,
             q_s, qr_s, lse_s, kv_s, rope_s, p_s, red_s, o_s, step_bar, consumed_bar, q_bar,
-            *, s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, interpret: bool):
+            *, s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, page_size: int,
+            interpret: bool):
     """One CTA: (work item w: a run of pages of batch row b, block of R query rows), warpgroups 0
     and 1; outputs as ``mla_decode_mgpu.OutputTarget``.
 
@@ -159,9 +161,10 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
     products are read back into registers before the arrival).
     """
     rows = q_s.shape[1]
-    where = locate_cta(seq_lens_ref, items_ref, bt_ref, rows, s_q=s_q, step_tokens=STEP)
+    where = locate_cta(seq_lens_ref, items_ref, bt_ref, rows, s_q=s_q, step_tokens=STEP, page_size=page_size)
     b, wg, _, row0, first_step, num_steps, _ = where
-    issue = step_issuer(bt_ref, lat_ref, rope_ref, b, off_ref[0], kv_s, rope_s, step_bar, num_pages=num_pages)
+    issue = step_issuer(bt_ref, lat_ref, rope_ref, b, off_ref[0], kv_s, rope_s, step_bar, num_pages=num_pages,
+                        page_size=page_size)
     start_cta(wg, first_step, num_steps, issue,
               functools.partial(issue_query, q_ref, qr_ref, None, b, row0, q_s, qr_s, None), q_bar, issuer=ISSUER)
     my_scratch, my_p = red_s.at[wg], p_s.at[wg]
@@ -217,20 +220,21 @@ def mla_decode_mgpu_bf16_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_
     split-KV, ``num_pages`` and the clipping of traced inputs as ``mla_decode_mgpu_bf16``.
     ValueError for a cache, row count or query dtype this kernel does not take."""
     check_launch("mla_decode_mgpu_bf16_small: bf16 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
-                 num_arrays=2, block_rows=None, num_splits=num_splits)
+                 num_arrays=2, block_rows=None, num_splits=num_splits, page_sizes=PAGE_SIZES)
     if not takes(q_rows.dtype):
         raise ValueError(f"q_rows: mla_decode_mgpu_bf16_small takes bfloat16 rows, got {q_rows.dtype}")
     latent, rope = cache_arrays
     num_pages = resolve_num_pages(num_pages, latent.shape[0], page_size)
     q, q_rope, plan = twin_rows_and_plan(q_rows, q_rope_rows, seq_lens, block_table, block_rows=ROWS,
-                                         num_splits=num_splits, balanced=balanced, interpret=interpret)
+                                         num_splits=num_splits, balanced=balanced, page_size=page_size,
+                                         interpret=interpret)
     rows = q.shape[1]
     # P's and the staging tiles: 128-byte rows, swizzled as the ring's chunks (a wgmma's two
     # operands share their swizzle) and as the output's TMA reads them.
     tile_transforms = () if interpret else output_transforms(jnp.bfloat16)
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          partials=plan.partials, num_pages=num_pages, interpret=interpret),
+                          partials=plan.partials, num_pages=num_pages, page_size=page_size, interpret=interpret),
         out_type=output_types(plan, rows, jnp.bfloat16),
         scratch_types=[
             plgpu.SMEM((NUM_CHUNKS, ROWS, CHUNK), jnp.bfloat16),
@@ -241,7 +245,7 @@ def mla_decode_mgpu_bf16_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_
             plgpu.SMEM((NUM_WGS, ROWS, STEP), jnp.bfloat16, transforms=tile_transforms),
             plgpu.SMEM((NUM_WGS, reduce_scratch_size(ROWS)), jnp.float32),
             plgpu.SMEM((NUM_WGS, ROWS, HALF), jnp.bfloat16, transforms=tile_transforms),
-            plgpu.Barrier(num_arrivals=COPIES_STEP, num_barriers=NUM_SLOTS),
+            plgpu.Barrier(num_arrivals=step_copies(page_size), num_barriers=NUM_SLOTS),
             plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),  # consumed (both warpgroups)
             plgpu.Barrier(num_arrivals=COPIES_Q),
         ],

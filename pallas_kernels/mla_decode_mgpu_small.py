@@ -64,14 +64,14 @@ from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt
                                                    store_token_bytes)
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import GROUP_ROWS, SCALE_FLOOR, quantized_rows
 from snapmla_jax.pallas_kernels.mla_decode import LOG2E, resolve_num_pages
-from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, COPIES_STEP, FRAME_DROP, HALF,
+from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, FRAME_DROP, HALF,
                                                         LOG2_FP8_MAX, NAMED_SYNC, NUM_CHUNKS, NUM_SLOTS, NUM_WGS,
-                                                        PAGE, RANK, ROPE, ROW, STATS_SYNC_ID, STEP, aligned,
+                                                        PAGE_SIZES, RANK, ROPE, ROW, STATS_SYNC_ID, STEP, aligned,
                                                         begin_cta, begin_step, check_launch,
                                                         consumers_sync, for_used_items,
                                                         gather_p, grid_params, initial_carry, merge_items,
                                                         output_target, output_types, plan_items, prepare_inputs,
-                                                        publish_p,
+                                                        publish_p, step_copies,
                                                         store_rows, walk_steps, unpadded, write_outputs_t,
                                                         Where)
 from snapmla_jax.pallas_kernels.write_kv import row_layout
@@ -291,7 +291,8 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
          o_ref, lse_ref, part_o_ref, part_lse_ref,
          q8_s, qr_s, qsc_s, lse_s, kv8_s, rope_s, ksc_s, p8_s, stats_s, lsum_s, red_s, o_s,
          step_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar, q_in_s=None, q_ready_bar=None,
-         *, s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, interpret: bool):
+         *, s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, page_size: int,
+         interpret: bool):
     """One CTA: (work item w: a run of steps of batch row b, block of R query rows), two
     warpgroups; outputs as ``mla_decode_mgpu.OutputTarget``.
 
@@ -300,7 +301,7 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
     None, as the bf16 rows (q_ref [B, P, 512]) that the warpgroups quantize into q8_s
     (``quantize_query``, through q_in_s bf16 [4, R, 128]; both meet at q_ready_bar, NUM_WGS
     arrivals, in the interpreter) beside the first step's copies, ksc_ref then the cache's
-    scale plane [N / 64, 64] (``parity_scales``).
+    scale plane [N / page_size, page_size] (``parity_scales``).
 
     SMEM (R = 16 or 32 rows): q8_s e4m3 [4, R, 128], qr_s bf16 [R, 64], qsc_s f32
     [R], lse_s f32 [R], kv8_s e4m3 [2, 4, 128, 128] and rope_s bf16 [2, 128, 64] (the
@@ -321,7 +322,7 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
     where, issue = begin_cta(
         seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q_in_s if query_in_kernel else q8_s, qr_s, None if query_in_kernel else qsc_s, kv8_s, rope_s, ksc_s,
-        step_bar, q_bar, s_q=s_q, num_pages=num_pages, issuer=ISSUER)
+        step_bar, q_bar, s_q=s_q, num_pages=num_pages, page_size=page_size, issuer=ISSUER)
     _, wg, _, row0, _, _, _ = where
     my_rows = aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
     named_sync = NAMED_SYNC and not interpret
@@ -435,12 +436,12 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
     out_dtype = partial_dtype(q_rows.dtype)  # output and partials: bf16 for a bf16 output, else float32
     if in_kernel:
         check_launch("mla_decode_mgpu_small: FP8 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
-                     num_arrays=3, block_rows=rows, num_splits=num_splits)
+                     num_arrays=3, block_rows=rows, num_splits=num_splits, page_sizes=PAGE_SIZES)
         latent, scale, rope = cache_arrays
         plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP,
-                          interpret=interpret)
+                          page_size=page_size, interpret=interpret)
         # The latent and RoPE parts as token pairs (the step order's boxes) and the scales by page.
-        operands = (q_rows, q_rope_rows, latent.reshape(-1, 2, RANK), scale.reshape(-1, PAGE),
+        operands = (q_rows, q_rope_rows, latent.reshape(-1, 2, RANK), scale.reshape(-1, page_size),
                     rope.reshape(-1, 2, ROPE))
         num_rows = q_rows.shape[1]
     else:
@@ -452,7 +453,8 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
         num_rows = q8.shape[1]  # padded to whole blocks
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          partials=plan.partials, num_pages=num_pages, interpret=interpret, query_in_kernel=in_kernel),
+                          partials=plan.partials, num_pages=num_pages, page_size=page_size, interpret=interpret,
+                          query_in_kernel=in_kernel),
         out_type=output_types(plan, num_rows, out_dtype),
         scratch_types=[
             plgpu.SMEM((NUM_CHUNKS, rows, CHUNK), FP8_DTYPE),
@@ -468,8 +470,9 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
             plgpu.SMEM((NUM_WGS, rows), jnp.float32),
             plgpu.SMEM((NUM_WGS, reduce_scratch_size(rows)), jnp.float32),
             plgpu.SMEM((NUM_WGS, rows, HALF), out_dtype, transforms=() if interpret else output_transforms(out_dtype)),
-            # The scales of a step by page are one copy more (``step_issuer``).
-            plgpu.Barrier(num_arrivals=COPIES_STEP + in_kernel, num_barriers=NUM_SLOTS),
+            # The scales of a step by page are a copy a page (``step_issuer``).
+            plgpu.Barrier(num_arrivals=step_copies(page_size, STEP // page_size if in_kernel else 1),
+                          num_barriers=NUM_SLOTS),
             plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),  # statistics (the interpreter)
             plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),  # P'^T halves (the interpreter)
             plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),  # consumed (both warpgroups)

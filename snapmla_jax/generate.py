@@ -295,7 +295,7 @@ def check_cache_fits(model, lengths: Sequence[int], max_new_tokens: int, kv_cach
     lengths = np.asarray(lengths, np.int64)
     one_page = jax.eval_shape(lambda: model.init_cache(1, page_size, kv_cache=kv_cache))
     page_bytes = sum(c.nbytes for c in one_page)
-    fit_pages = max_token_slots(model.cfg.kv_lora_rank, page_size, backend) // page_size
+    fit_pages = max_token_slots(model.cfg.kv_lora_rank, page_size, backend, kv_cache) // page_size
     limit = f"{fit_pages} pages of {page_size} tokens (what the kernels address in one layer's cache array)"
     if budget is not None and budget[0] // page_bytes < fit_pages:
         fit_pages, limit = budget[0] // page_bytes, budget[1]

@@ -16,19 +16,20 @@ from snapmla_jax.pallas_kernels.mgpu_decode_inputs import (PAGE, SCALE_FLOOR, ST
 from snapmla_jax.pallas_kernels.split_plan import balanced_plan
 
 
-def expected_step_scales(scale: np.ndarray, block_table: np.ndarray, layer_offset: int) -> np.ndarray:
+def expected_step_scales(scale: np.ndarray, block_table: np.ndarray, layer_offset: int,
+                         page_size: int = PAGE) -> np.ndarray:
     """Token scales in step order, one token at a time: within each 128-token step the even
     tokens first, then the odd ones; positions past the table read its last page."""
     batch, max_pages = block_table.shape
-    steps = -(-max_pages * PAGE // STEP)
+    steps = -(-max_pages * page_size // STEP)
     out = np.zeros((batch, steps * STEP), np.float32)
     for b in range(batch):
         for step in range(steps):
             order = list(range(0, STEP, 2)) + list(range(1, STEP, 2))
             for c, offset in enumerate(order):
                 token = step * STEP + offset
-                page = block_table[b, min(token // PAGE, max_pages - 1)]
-                row = min(max(layer_offset + page * PAGE + token % PAGE, 0), scale.shape[0] - 1)
+                page = block_table[b, min(token // page_size, max_pages - 1)]
+                row = min(max(layer_offset + page * page_size + token % page_size, 0), scale.shape[0] - 1)
                 out[b, step * STEP + c] = scale[row]
     return out
 
@@ -43,7 +44,7 @@ def assert_same_inputs(got, want):
                                           err_msg=name)
 
 
-def random_inputs(seed: int, batch: int, rows: int, max_pages: int, layers: int = 2):
+def random_inputs(seed: int, batch: int, rows: int, max_pages: int, layers: int = 2, page_size: int = PAGE):
     """Query rows with an outlier row (1000x) and a tiny one; a layered cache's token scales
     (all distinct) and a block table of shuffled pages; layer 1 selected."""
     rng = np.random.default_rng(seed)
@@ -51,9 +52,9 @@ def random_inputs(seed: int, batch: int, rows: int, max_pages: int, layers: int 
     q[0, 1] *= 1000.0
     q[-1, -1] *= 1e-3
     pages = batch * max_pages + 3
-    scale = rng.uniform(0.5, 2.0, layers * pages * PAGE).astype(np.float32)
+    scale = rng.uniform(0.5, 2.0, layers * pages * page_size).astype(np.float32)
     block_table = rng.permutation(pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
-    return q, scale, block_table, np.array([pages * PAGE], np.int32)
+    return q, scale, block_table, np.array([pages * page_size], np.int32)
 
 
 # (batch, rows, max_pages): odd batch; an odd page count (the last step half past the
@@ -116,6 +117,24 @@ def test_scale_planes_match_their_definition(shape):
     np.testing.assert_array_equal(np.asarray(planes), np.asarray(want_planes))
 
 
+@pytest.mark.parametrize("shape", [(3, 16, 3), (1, 64, 72), (2, 32, 33)], ids=lambda s: "x".join(map(str, s)))
+def test_scales_of_32_token_pages_match_their_definition(shape):
+    """Pages of 32 tokens, 4 a step, each page's scales a copy of its own: the step-ordered scales
+    and their planes as the token-at-a-time definition and the jnp reference give them (a table
+    of less than a step, an odd step count, several scale CTAs a row); 16-token pages refused."""
+    page_size = 32
+    q, scale, block_table, offset = random_inputs(sum(shape) + page_size, *shape, page_size=page_size)
+    args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
+    got = decode_inputs(*args, page_size=page_size, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got.scales),
+                                  expected_step_scales(scale, block_table, int(offset[0]), page_size))
+    assert_same_inputs(got, decode_inputs_reference(*args, page_size=page_size))
+    planes = decode_inputs(*args, page_size=page_size, scale_planes=True, interpret=True)
+    assert_same_inputs(planes, decode_inputs_reference(*args, page_size=page_size, scale_planes=True))
+    with pytest.raises(ValueError, match="page_size: expected one of"):
+        decode_inputs(*args, page_size=16, interpret=True)
+
+
 def test_scale_ctas_cover_the_steps_in_pairs():
     """A scale CTA stores two steps at a time: the steps it fills are the table's, rounded up to an
     even count (the extra one sliced off), and each CTA's share divides them."""
@@ -126,19 +145,20 @@ def test_scale_ctas_cover_the_steps_in_pairs():
         assert steps % block == 0 and block % 2 == 0
 
 
-@pytest.mark.parametrize("batch,rows,max_pages,items,rope", [(3, 16, 5, 6, "float32"), (130, 16, 3, 390, None),
-                                                             (1, 128, 1024, None, "bfloat16"), (2, 20, 7, 40, None)])
-def test_launch_lowers_for_cuda(batch, rows, max_pages, items, rope):
+@pytest.mark.parametrize("batch,rows,max_pages,items,rope,page_size", [
+    (3, 16, 5, 6, "float32", 64), (130, 16, 3, 390, None, 64), (1, 128, 1024, None, "bfloat16", 64),
+    (2, 20, 7, 40, None, 64), (3, 16, 20, 6, None, 32), (2, 64, 9, None, "bfloat16", 32)])
+def test_launch_lowers_for_cuda(batch, rows, max_pages, items, rope, page_size):
     """Mosaic GPU lowering on the CPU (layouts, SMEM, the strided SMEM view of the scale CTAs, no
     interpreter path): a plan of 3 W < 128 values, B >= 128 (seq_lens in windows), an odd step
-    count, RoPE rows to convert, rows padded to whole blocks first."""
+    count, RoPE rows to convert, rows padded to whole blocks first, pages of 32 tokens."""
     S = jax.ShapeDtypeStruct
-    args = (S((batch, rows, 512), jnp.bfloat16), S((2 * batch * max_pages * PAGE,), jnp.float32),
+    args = (S((batch, rows, 512), jnp.bfloat16), S((2 * batch * max_pages * page_size,), jnp.float32),
             S((batch, max_pages), jnp.int32), S((1,), jnp.int32), S((batch,), jnp.int32))
     q_rope = None if rope is None else S((batch, rows, 64), rope)
 
     def run(q, scale, table, offset, lens, q_rope_rows):
-        kw = dict(q_rope_rows=q_rope_rows, padded_rows=-(-rows // 64) * 64, scale_planes=True)
+        kw = dict(q_rope_rows=q_rope_rows, padded_rows=-(-rows // 64) * 64, scale_planes=True, page_size=page_size)
         if items is None:
             return decode_inputs(q, scale, table, offset, **kw)
         return decode_inputs_and_plan(q, scale, table, offset, lens, num_items=items, **kw)

@@ -353,12 +353,13 @@ SMALL_CASES = pytest.mark.parametrize("kernel,heads,s_q,seq_lens,layer_pages,spl
 
 def _nan_past_seq_lens(latent, scale, rope, block_table, seq_lens):
     """The cache with NaN in every slot of a row's pages past its seq_len (latent, scale if not
-    None, and RoPE part; [..., pages, 64, ...]: in every layer of a layered cache), as
+    None, and RoPE part; [..., pages, page_size, ...]: in every layer of a layered cache), as
     never-written or recycled pages may hold: a kernel must mask them, not multiply them by 0."""
     arrays = [None if a is None else np.array(a, np.float32) for a in (latent, scale, rope)]
+    page_size = latent.shape[-2]
     for row, length in enumerate(seq_lens):
         for slot, page in enumerate(np.asarray(block_table)[row]):
-            past = np.arange(64) + slot * 64 >= length
+            past = np.arange(page_size) + slot * page_size >= length
             for a, trailing in zip(arrays, (1, 0, 1)):
                 if a is not None:
                     a[(Ellipsis, page, past) + (slice(None),) * trailing] = np.nan
@@ -717,14 +718,28 @@ def test_mla_decode_mosaic_config_interpreted_matches_xla(heads, s_q):
     assert lse_err < 1e-4, lse_err
 
 
-@pytest.mark.parametrize("heads,s_q,page_size", [(16, 1, 128), (24, 2, 256)])
-def test_mosaic_kernels_read_pages_of_several_64_token_pages(heads, s_q, page_size):
-    """A cache of 128- or 256-token pages reaches the Mosaic kernels as 64-token pages
-    (``decode.mosaic_pages``): against the XLA path on the same pages, the 16-row and the 64-row
-    kernel, with splits, a layer offset and a row whose last page is partial."""
+# Pages other than 64 tokens: 128 and 256 (several 64-token pages, ``decode.mosaic_pages``) and 32
+# (four a step); the 16-row kernel taking its query itself (16 rows, and 32 of this small problem:
+# a scale copy a page) and the 64-row one behind the inputs launch (48 rows).
+OTHER_PAGES = pytest.mark.parametrize("heads,s_q,page_size", [(16, 1, 128), (24, 2, 256), (16, 1, 32),
+                                                              (24, 2, 32), (16, 2, 32)])
+
+
+@OTHER_PAGES
+def test_mosaic_kernels_read_other_page_sizes(heads, s_q, page_size):
+    """Against the XLA path on the same pages, with splits, a layer offset and a row whose last
+    page is partial."""
     err, lse_err, _ = _in_subprocess(f"_api_check(3, heads={heads}, s_q={s_q}, page_size={page_size})")
     assert err < 4e-3, err  # as test_mla_decode_mosaic_config_interpreted_matches_xla
     assert lse_err < 1e-4, lse_err
+
+
+@pytest.mark.gpu
+@OTHER_PAGES
+def test_mosaic_kernels_read_other_page_sizes_compiled(heads, s_q, page_size):
+    err, lse_err, lse_scale = _api_check(3, backend="pallas", heads=heads, s_q=s_q, page_size=page_size)
+    assert err < (MGPU_TOL if heads * s_q > 16 else 2e-2), err  # as test_mla_decode_mosaic_config_compiled_...
+    assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
 
 def test_mosaic_pages_clip_before_they_split():
@@ -732,11 +747,12 @@ def test_mosaic_pages_clip_before_they_split():
     pages, so the kernels read the tokens of the page the other backends clip it to."""
     from snapmla_jax.decode import mosaic_pages
 
-    table, num_pages = mosaic_pages(jnp.asarray([[2, -1], [7, 0]], jnp.int32), 4, 128)
-    assert num_pages == 8
+    table, num_pages, page_size = mosaic_pages(jnp.asarray([[2, -1], [7, 0]], jnp.int32), 4, 128)
+    assert (num_pages, page_size) == (8, 64)
     np.testing.assert_array_equal(np.asarray(table), [[4, 5, 0, 1], [6, 7, 0, 1]])
-    same, count = mosaic_pages(jnp.asarray([[9]], jnp.int32), 4, 64)
-    assert count == 4 and int(same[0, 0]) == 9  # 64-token pages go as they are: the kernels clip them
+    for size in (64, 32, 16):  # 64 tokens or fewer go as they are: the kernels clip them
+        same, count, same_size = mosaic_pages(jnp.asarray([[9]], jnp.int32), 4, size)
+        assert (count, same_size, int(same[0, 0])) == (4, size, 9)
 
 
 @pytest.mark.gpu
@@ -799,8 +815,10 @@ def test_mla_decode_mosaic_config_refuses_what_it_cannot_run():
         DecodeConfig(kernel="cutlass")
     q, q_rope = jnp.ones((1, 1, 16, 512), jnp.bfloat16), jnp.ones((1, 1, 16, 64), jnp.bfloat16)
     table, lens = jnp.zeros((1, 2), jnp.int32), jnp.asarray([10], jnp.int32)
-    for cache in (LatentCache.create(8, page_size=32, dtype="bf16"), LatentCache.create(8, page_size=32)):
-        with pytest.raises(ValueError, match="config: kernel='mosaic' needs a cache with page_size a multiple of 64"):
+    for cache, sizes in ((LatentCache.create(8, page_size=48, dtype="bf16"), "16 or 32"),
+                         (LatentCache.create(8, page_size=16), "32")):
+        with pytest.raises(ValueError, match=f"config: kernel='mosaic' needs a {cache.dtype} cache with page_size "
+                                             f"a multiple of 64 or {sizes}, got page_size {cache.page_size}"):
             mla_decode(q, q_rope, cache, table, lens, softmax_scale=0.1, backend="xla",
                        config=DecodeConfig(kernel="mosaic"))
 
@@ -842,21 +860,26 @@ def test_default_config_picks_mosaic_for_compiled_decoding_with_64_token_pages(m
     from snapmla_jax.cache import LatentCache
     from snapmla_jax.decode import default_config
 
-    fp8_64, fp8_32 = LatentCache.create(4, page_size=64), LatentCache.create(4, page_size=32)
+    fp8_64, fp8_16 = LatentCache.create(4, page_size=64), LatentCache.create(4, page_size=16)
     assert default_config(fp8_64, "pallas") == FP8_CONFIG  # this CPU is no Hopper GPU: no wgmma
     monkeypatch.setattr(decode, "_on_hopper", lambda: True)
     assert default_config(fp8_64, "pallas") == MOSAIC_CONFIG
     # Pages of several 64-token pages too (``decode.mosaic_pages``); other page sizes, the
     # interpreter and the xla emulation keep the Triton kernel's math.
     assert default_config(LatentCache.create(4, page_size=128), "pallas") == MOSAIC_CONFIG
-    assert default_config(fp8_32, "pallas") == FP8_CONFIG
+    assert default_config(LatentCache.create(4, page_size=32), "pallas") == MOSAIC_CONFIG
+    assert default_config(fp8_16, "pallas") == FP8_CONFIG
     assert default_config(fp8_64, "interpret") == FP8_CONFIG
     assert default_config(fp8_64, "xla") == FP8_CONFIG
     # A bf16 cache: the Mosaic BF16 twins too (``mosaic_kernel`` picks 16- or 64-row blocks).
     bf16_64 = LatentCache.create(4, page_size=64, dtype="bf16")
     assert default_config(bf16_64, "pallas") == MOSAIC_CONFIG
     assert default_config(bf16_64, "interpret") == BF16_CONFIG
-    assert default_config(LatentCache.create(4, page_size=32, dtype="bf16"), "pallas") == BF16_CONFIG
+    # Pages of 16 or 32 tokens: the BF16 twins take several a step (the FP8 kernels 32, above).
+    for page_size in (16, 32):
+        assert default_config(LatentCache.create(4, page_size=page_size, dtype="bf16"), "pallas") == MOSAIC_CONFIG
+    assert default_config(LatentCache.create(4, page_size=48, dtype="bf16"), "pallas") == BF16_CONFIG
+    assert default_config(LatentCache.create(4, page_size=8, dtype="bf16"), "pallas") == BF16_CONFIG
 
 
 def test_mla_decode_runs_small_fp8_problems_without_an_inputs_launch(monkeypatch):

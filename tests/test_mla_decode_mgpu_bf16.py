@@ -47,10 +47,24 @@ CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer,splits,dtype", [
 ])
 
 
-def _layered_bf16_cache(rng, pages: int, layers: int | None, seq_lens, block_table):
-    """A bf16 LatentCache of ``pages`` pages of 64 (a layer axis if ``layers``), random latent with
-    outlier tokens, NaN in every slot of a row's pages past its seq_len (``_nan_past_seq_lens``)."""
-    latent, rope = (np.stack(parts) for parts in zip(*(make_latent(rng, pages, PAGE) for _ in range(layers or 1))))
+# Pages of 16 and 32 tokens (several a 64-token step of the twins), each twin: (heads, s_q,
+# seq_lens, layer, splits, query dtype, page_size); partial pages, a row of length 0 (or 3).
+SMALL_PAGE_CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer,splits,dtype,page_size", [
+    (64, 1, [100, 300, 0], 1, 1, "float32", 16),       # the 64-row twin, layer 1 of 2, 4 pages a step
+    (24, 2, [200, 2, 0], None, 3, "float32", 32),      # s_q = 2, split-KV
+    (64, 1, [384, 40, 0], None, None, "float32", 16),  # balanced plan, a row at the table's capacity
+    (16, 1, [100, 300, 0], 1, 2, "bfloat16", 16),      # the 16-row twin, layer 1, split-KV
+    (8, 2, [380, 65, 3], None, None, "bfloat16", 32),  # rows padded in the launch that plans
+    (16, 2, [200, 2, 0], 1, 1, "bfloat16", 32),        # 32 rows of a small problem: two 16-row blocks
+])
+
+
+def _layered_bf16_cache(rng, pages: int, layers: int | None, seq_lens, block_table, page_size: int = PAGE):
+    """A bf16 LatentCache of ``pages`` pages of ``page_size`` (a layer axis if ``layers``), random
+    latent with outlier tokens, NaN in every slot of a row's pages past its seq_len
+    (``_nan_past_seq_lens``)."""
+    latent, rope = (np.stack(parts)
+                    for parts in zip(*(make_latent(rng, pages, page_size) for _ in range(layers or 1))))
     if layers is None:
         latent, rope = latent[0], rope[0]
     latent, _, rope = _nan_past_seq_lens(jnp.asarray(latent, jnp.bfloat16), None, jnp.asarray(rope, jnp.bfloat16),
@@ -58,15 +72,16 @@ def _layered_bf16_cache(rng, pages: int, layers: int | None, seq_lens, block_tab
     return LatentCache(latent=latent, scale=None, rope=rope)
 
 
-def _check(heads, s_q, seq_lens, layer, splits, dtype, backend="interpret", seed=0) -> list:
-    """``mla_decode(config=MOSAIC_CONFIG)`` over a bf16 cache vs float64 attention on the same
-    cache contents. Returns [max error / max |ref| over rows that see a token, max lse error,
-    whether rows that see none give out 0 and lse -inf]."""
+def _check(heads, s_q, seq_lens, layer, splits, dtype, backend="interpret", seed=0, page_size=PAGE) -> list:
+    """``mla_decode(config=MOSAIC_CONFIG)`` over a bf16 cache of ``page_size``-token pages (384
+    tokens of table a row) vs float64 attention on the same cache contents. Returns [max error /
+    max |ref| over rows that see a token, max lse error, whether rows that see none give out 0
+    and lse -inf]."""
     rng = np.random.default_rng(seed)
-    batch, pages_per_row = len(seq_lens), 6
+    batch, pages_per_row = len(seq_lens), 6 * PAGE // page_size
     pages = batch * pages_per_row + 2
     block_table = scrambled_block_table(rng, batch, pages_per_row, pages)
-    cache = _layered_bf16_cache(rng, pages, None if layer is None else 2, seq_lens, block_table)
+    cache = _layered_bf16_cache(rng, pages, None if layer is None else 2, seq_lens, block_table, page_size)
     q, q_rope = make_queries(rng, batch, s_q, heads)
     q, q_rope = q.astype(dtype), q_rope.astype(dtype)
     lens = jnp.asarray(seq_lens, jnp.int32)
@@ -120,6 +135,36 @@ def test_bf16_kernel_interpreted_matches_float64(heads, s_q, seq_lens, layer, sp
 @CASES
 def test_bf16_kernel_matches_float64(heads, s_q, seq_lens, layer, splits, dtype):
     _assert_close(*_check(heads, s_q, seq_lens, layer, splits, dtype, backend="pallas"), dtype)
+
+
+@SMALL_PAGE_CASES
+def test_bf16_kernels_interpreted_read_pages_of_16_and_32_tokens(heads, s_q, seq_lens, layer, splits, dtype,
+                                                                 page_size):
+    """Several pages a step (each its own TMA boxes into the slot), the table's columns past its
+    end clamped, a layer offset in small pages; both twins."""
+    _assert_close(*_in_subprocess(f"_check({heads}, {s_q}, {seq_lens!r}, {layer!r}, {splits}, {dtype!r}, "
+                                  f"page_size={page_size})", module="test_mla_decode_mgpu_bf16"), dtype)
+
+
+@pytest.mark.gpu
+@SMALL_PAGE_CASES
+def test_bf16_kernels_read_pages_of_16_and_32_tokens(heads, s_q, seq_lens, layer, splits, dtype, page_size):
+    _assert_close(*_check(heads, s_q, seq_lens, layer, splits, dtype, backend="pallas", page_size=page_size), dtype)
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_bf16_kernels_lower_for_cuda_with_small_pages(page_size):
+    """Both twins over 16- and 32-token pages: the step's boxes into row slices of the ring's
+    slots lower, and the SMEM is as at 64-token pages, without a GPU."""
+    batch, pages = 2, 6 * PAGE // page_size
+    cache = (jnp.ones((pages * page_size, 512), jnp.bfloat16), jnp.ones((pages * page_size, 64), jnp.bfloat16))
+    for kernel, rows in ((mla_decode_mgpu_bf16, 64), (mla_decode_mgpu_bf16_small, 16)):
+        q = jnp.ones((batch, rows, 512), jnp.bfloat16)
+        call = lambda q, qr, lat, rope, bt, n, kernel=kernel, rows=rows: kernel(
+            q, qr, (lat, rope), bt, n, jnp.zeros((1,), jnp.int32), softmax_scale=0.1, page_size=page_size, s_q=1,
+            num_heads=rows, num_splits=2, balanced=True)
+        lower_for_cuda(call, q, jnp.ones((batch, rows, 64), jnp.bfloat16), *cache,
+                       jnp.zeros((batch, pages // 2), jnp.int32), jnp.asarray([100, 0], jnp.int32))
 
 
 @pytest.mark.parametrize("rows,balanced", [(16, False), (32, True), (8, True)])
@@ -177,8 +222,8 @@ def test_bf16_kernel_refuses_what_it_cannot_run():
                                                        jnp.ones((64, 64), jnp.bfloat16))
     args = (jnp.zeros((1, 1), jnp.int32), jnp.asarray([10], jnp.int32), jnp.zeros((1,), jnp.int32))
     kw = dict(softmax_scale=0.1, s_q=1, num_heads=64)
-    with pytest.raises(ValueError, match="page_size 64"):
-        mla_decode_mgpu_bf16(q, q[..., :64], cache, *args, page_size=32, **kw)
+    with pytest.raises(ValueError, match="page_size 16 or 32 or 64, .* got page_size 48"):
+        mla_decode_mgpu_bf16(q, q[..., :64], cache, *args, page_size=48, **kw)
     with pytest.raises(ValueError, match="q_rope_rows: expected shape"):  # rows of q_rows: any (padded inside)
         mla_decode_mgpu_bf16(q[:, :48], q[:, :32, :64], cache, *args, page_size=64, **kw)
     with pytest.raises(ValueError, match="num_splits"):
@@ -186,5 +231,5 @@ def test_bf16_kernel_refuses_what_it_cannot_run():
     small = q[:, :16]
     with pytest.raises(ValueError, match="q_rows: mla_decode_mgpu_bf16_small takes bfloat16"):
         mla_decode_mgpu_bf16_small(small.astype(jnp.float32), small[..., :64], cache, *args, page_size=64, **kw)
-    with pytest.raises(ValueError, match="page_size 64"):
-        mla_decode_mgpu_bf16_small(small, small[..., :64], cache, *args, page_size=32, **kw)
+    with pytest.raises(ValueError, match="page_size 16 or 32 or 64"):
+        mla_decode_mgpu_bf16_small(small, small[..., :64], cache, *args, page_size=8, **kw)
