@@ -43,9 +43,12 @@ from snapmla_jax.cache import (MAX_TOKEN_SLOTS, TRITON_MAX_ELEMENTS, LatentCache
 # Up to this many tokens of block-table capacity over the batch the Mosaic kernels take a uniform
 # split plan (``uniform_plan_only``).
 UNIFORM_PLAN_MAX_TOKENS = 16384
-# Up to this many tokens of block-table capacity over the batch, 32 bf16 query rows (17-32 over a
-# bf16 cache) run a 16-row kernel in two row blocks, above it a 32- or 64-row one (``mosaic_kernel``).
+# Up to this many tokens of block-table capacity over the batch, 17-32 bf16 query rows over a bf16
+# cache run a 16-row kernel in two row blocks, above it the 64-row one (``mosaic_kernel``). Over an
+# fp8 cache, bf16 rows in whole 16-row blocks run the 16-row kernel up to this capacity and up to
+# SMALL_BLOCKS_MAX_WORK query rows x tokens of capacity.
 SMALL_BLOCKS_MAX_TOKENS = 16384
+SMALL_BLOCKS_MAX_WORK = 2**20
 # Past this the merge's float32 partials outweigh the extra parallelism. (H100, H=16,
 # B=1 x 64k: 128 splits 0.047 ms, 64 splits 0.062 ms; scripts/sweep_splits.py.)
 MAX_SPLITS = 128
@@ -314,12 +317,16 @@ def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16,
     the BF16 twin. At 17-32 rows (H = 16 at s_q = 2, multi-token prediction; H = 32) its 32-row
     blocks run 1.04-1.11x the 64-row kernel (H100, one process, round-robin: 0.504 vs 0.535 ms at
     128 x 16k x 16 x 2, 0.147 vs 0.162 at 32 x 16k x 16 x 2, 0.266 vs 0.280 at 64 x 16k x 32 x 1).
-    32 bf16 rows of a small problem (up to ``SMALL_BLOCKS_MAX_TOKENS``) run its 16-row blocks
-    instead, two of them: they quantize their query in the kernel, so the call saves the inputs
-    launch, which there outweighs the second read of each page: 1.26-1.39x the 32-row blocks at
-    1 x 1k, 8 x 1k, 1 x 16k, 2 x 4k (H = 16, s_q = 2) and 4 x 4k x 32, 0.72-0.87x at 8 x 32k,
-    32 x 16k x 16 x 2 and 64 x 16k x 32 (H200, jax 0.11.2, round-robin: 0.0118 vs 0.0156 ms at
-    1 x 1k, 0.0168 vs 0.0223 at 1 x 16k, 0.090 vs 0.078 at 8 x 32k).
+    bf16 rows of a small problem in whole 16-row blocks (up to ``SMALL_BLOCKS_MAX_TOKENS`` of
+    capacity and ``SMALL_BLOCKS_MAX_WORK`` rows x capacity) run its 16-row blocks instead: they
+    quantize their query in the kernel, so the call saves the inputs launch, which there outweighs
+    reading each page once a block. At 32 rows 1.26-1.39x the 32-row blocks at 1 x 1k, 8 x 1k,
+    1 x 16k, 2 x 4k (H = 16, s_q = 2) and 4 x 4k x 32, 0.72-0.87x at 8 x 32k, 32 x 16k x 16 x 2
+    and 64 x 16k x 32 (H200, jax 0.11.2, round-robin: 0.0118 vs 0.0156 ms at 1 x 1k, 0.0168 vs
+    0.0223 at 1 x 16k, 0.090 vs 0.078 at 8 x 32k). At 64-256 rows against the 64-row kernel
+    1.07-1.45x at 1 x 1k x 128, 1 x 4k x 128, 2 x 4k x 128, 1 x 4k x 128 x 2, 1 x 1k x 64 and
+    4 x 4k x 64 (rows x capacity up to 2^20), 0.44-0.90x at 1 x 16k x 128, 8 x 2k x 128 (2^21)
+    and 8 x 16k x 128 (0.0117 vs 0.0169 ms at 1 x 1k x 128, 0.0276 vs 0.0249 at 1 x 16k x 128).
     """
     small_problem = capacity is not None and capacity <= SMALL_BLOCKS_MAX_TOKENS
     if cache_dtype == "bf16":
@@ -327,12 +334,16 @@ def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16,
         if small and bf16_small_takes(q_dtype):
             return mla_decode_mgpu_bf16_small, MOSAIC_BF16_SMALL_ROWS
         return mla_decode_mgpu_bf16, MOSAIC_BLOCK_M
-    if num_rows <= MOSAIC_SMALL_BLOCK_ROWS[-1]:
-        rows = next(r for r in MOSAIC_SMALL_BLOCK_ROWS if num_rows <= r)
-        if num_rows == 2 * MOSAIC_QUERY_IN_KERNEL_ROWS and small_problem and q_dtype == jnp.bfloat16:
-            rows = MOSAIC_QUERY_IN_KERNEL_ROWS
-        return functools.partial(mla_decode_mgpu_small, block_rows=rows), rows
-    return mla_decode_mgpu, MOSAIC_BLOCK_M
+    in_kernel = MOSAIC_QUERY_IN_KERNEL_ROWS
+    small_blocks = (q_dtype == jnp.bfloat16 and num_rows % in_kernel == 0 and small_problem
+                    and num_rows * capacity <= SMALL_BLOCKS_MAX_WORK)
+    if num_rows <= in_kernel or small_blocks:
+        rows = in_kernel
+    elif num_rows <= MOSAIC_SMALL_BLOCK_ROWS[-1]:
+        rows = MOSAIC_SMALL_BLOCK_ROWS[-1]
+    else:
+        return mla_decode_mgpu, MOSAIC_BLOCK_M
+    return functools.partial(mla_decode_mgpu_small, block_rows=rows), rows
 
 
 def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block_table: jax.Array,

@@ -554,9 +554,11 @@ def test_rows_padded_in_the_launch_give_the_callers_bits(kernel, heads, s_q, bal
     assert np.isfinite(np.asarray(out, np.float32)).all()
 
 
-# Through the public API: (heads, s_q) with 48 rows (the 64-row kernel, rows padded), 16 (the
-# 16-row kernel) and 32 (these small problems: two 16-row blocks), as ``mosaic_kernel`` routes them.
-API_SHAPES = pytest.mark.parametrize("heads,s_q", [(24, 2), (16, 1), (16, 2)])
+# Through the public API: (heads, s_q, table tokens a row) with 48 rows (past 16384 tokens of
+# capacity the 64-row kernel, rows padded; below, three 16-row blocks), 16 (the 16-row kernel) and
+# 32 (this small problem: two 16-row blocks), as ``mosaic_kernel`` routes them.
+API_SHAPES = pytest.mark.parametrize("heads,s_q,row_tokens", [(24, 2, 8192), (24, 2, 256), (16, 1, 256),
+                                                             (16, 2, 256)])
 
 
 def test_mosaic_kernel_routes_by_rows():
@@ -574,16 +576,21 @@ def test_mosaic_kernel_routes_by_rows():
     assert mosaic_kernel(48) == (mla_decode_mgpu, 64)
 
 
-def test_32_bf16_rows_of_a_small_fp8_problem_run_two_16_row_blocks():
-    """32 bf16 rows up to ``SMALL_BLOCKS_MAX_TOKENS`` of capacity: 16-row blocks, which quantize
-    their query in the kernel; more capacity, float32 rows or rows that are not whole 16-row
-    blocks: the 32-row blocks."""
-    from snapmla_jax.decode import SMALL_BLOCKS_MAX_TOKENS, mosaic_kernel
+def test_bf16_rows_of_a_small_fp8_problem_run_16_row_blocks():
+    """bf16 rows in whole 16-row blocks up to ``SMALL_BLOCKS_MAX_TOKENS`` of capacity and
+    ``SMALL_BLOCKS_MAX_WORK`` rows x capacity: 16-row blocks, which quantize their query in the
+    kernel; more capacity or work, float32 rows or rows that are not whole 16-row blocks: the
+    32- or 64-row blocks."""
+    from snapmla_jax.decode import SMALL_BLOCKS_MAX_TOKENS, SMALL_BLOCKS_MAX_WORK, mosaic_kernel
     rows = lambda *args: mosaic_kernel(*args)[1]
     small, large = SMALL_BLOCKS_MAX_TOKENS, SMALL_BLOCKS_MAX_TOKENS + 64
     assert rows(32, "fp8", jnp.bfloat16, small) == rows(16, "fp8", jnp.bfloat16, large) == 16
     assert rows(32, "fp8", jnp.bfloat16, large) == rows(32, "fp8", jnp.bfloat16) == 32
     assert rows(32, "fp8", jnp.float32, small) == rows(24, "fp8", jnp.bfloat16, small) == 32
+    fits = SMALL_BLOCKS_MAX_WORK // 128  # 8192 tokens at 128 rows (H = 128)
+    assert rows(128, "fp8", jnp.bfloat16, fits) == rows(256, "fp8", jnp.bfloat16, fits // 2) == 16
+    assert rows(128, "fp8", jnp.bfloat16, fits + 64) == rows(128, "fp8", jnp.float32, fits) == 64
+    assert rows(48, "fp8", jnp.bfloat16, small) == 16 and rows(40, "fp8", jnp.bfloat16, 64) == 64
 
 
 def test_small_kernel_takes_its_query_in_the_kernel_where_it_can():
@@ -677,12 +684,13 @@ def _layered_fp8_cache(rng, pages: int, layers: int = 2):
 
 
 def _api_check(seed: int, backend: str = "interpret", heads: int = 24, s_q: int = 2,
-               page_size: int = 64) -> tuple[float, float, float]:
+               page_size: int = 64, row_tokens: int = 256) -> tuple[float, float, float]:
     """``mla_decode(config=DecodeConfig(kernel="mosaic"))``, ``backend`` vs xla, through the public API.
 
     A 2-layer fp8 cache of ``page_size``-token pages (768 tokens a layer) read at layer 1,
     ``heads`` x ``s_q`` rows (API_SHAPES), ragged lengths incl. 0, 2 KV splits, each row's
-    pages scrambled over the cache. Returns (max output error / max |xla|, max lse error,
+    pages scrambled over the cache; a table of ``row_tokens`` a row (past 256 tokens its columns
+    repeat the row's pages: they widen its capacity, which ``mosaic_kernel`` routes by). Returns (max output error / max |xla|, max lse error,
     max |lse|).
     """
     from snapmla_jax.pallas_kernels.mla_decode import DecodeConfig
@@ -694,7 +702,8 @@ def _api_check(seed: int, backend: str = "interpret", heads: int = 24, s_q: int 
     if page_size != 64:  # the same tokens in pages of page_size
         cache = jax.tree.map(lambda a: a.reshape(2, pages * 64 // page_size, page_size, *a.shape[3:]), cache)
     num_pages, per_row = pages * 64 // page_size, 256 // page_size
-    block_table = jnp.asarray(rng.permutation(num_pages)[:batch * per_row].reshape(batch, per_row), jnp.int32)
+    block_table = rng.permutation(num_pages)[:batch * per_row].reshape(batch, per_row)
+    block_table = jnp.asarray(np.tile(block_table, (1, row_tokens // 256)), jnp.int32)
     seq_lens = jnp.asarray([250, 0, 131], jnp.int32)
     q = jnp.asarray(rng.standard_normal((batch, s_q, heads, 512)) * 0.3, jnp.bfloat16)
     q_rope = jnp.asarray(rng.standard_normal((batch, s_q, heads, 64)) * 0.3, jnp.bfloat16)
@@ -711,33 +720,35 @@ def _api_check(seed: int, backend: str = "interpret", heads: int = 24, s_q: int 
 
 
 @API_SHAPES
-def test_mla_decode_mosaic_config_interpreted_matches_xla(heads, s_q):
+def test_mla_decode_mosaic_config_interpreted_matches_xla(heads, s_q, row_tokens):
     """The path through ``snapmla_jax.mla_decode``: kernel choice, row padding, layer offset, splits, the merge."""
-    err, lse_err, _ = _in_subprocess(f"_api_check(3, heads={heads}, s_q={s_q})")
+    err, lse_err, _ = _in_subprocess(f"_api_check(3, heads={heads}, s_q={s_q}, row_tokens={row_tokens})")
     assert err < 4e-3, err  # as test_kernel_interpreted_matches_reference
     assert lse_err < 1e-4, lse_err
 
 
 # Pages other than 64 tokens: 128 and 256 (several 64-token pages, ``decode.mosaic_pages``) and 32
-# (four a step); the 16-row kernel taking its query itself (16 rows, and 32 of this small problem:
-# a scale copy a page) and the 64-row one behind the inputs launch (48 rows).
-OTHER_PAGES = pytest.mark.parametrize("heads,s_q,page_size", [(16, 1, 128), (24, 2, 256), (16, 1, 32),
-                                                              (24, 2, 32), (16, 2, 32)])
+# (four a step); the 16-row kernel taking its query itself (16 and 32 rows of this small problem:
+# a scale copy a page) and the 64-row one behind the inputs launch (48 rows, a wide table).
+OTHER_PAGES = pytest.mark.parametrize("heads,s_q,page_size,row_tokens", [
+    (16, 1, 128, 256), (24, 2, 256, 8192), (16, 1, 32, 256), (24, 2, 32, 8192), (16, 2, 32, 256)])
 
 
 @OTHER_PAGES
-def test_mosaic_kernels_read_other_page_sizes(heads, s_q, page_size):
+def test_mosaic_kernels_read_other_page_sizes(heads, s_q, page_size, row_tokens):
     """Against the XLA path on the same pages, with splits, a layer offset and a row whose last
     page is partial."""
-    err, lse_err, _ = _in_subprocess(f"_api_check(3, heads={heads}, s_q={s_q}, page_size={page_size})")
+    err, lse_err, _ = _in_subprocess(f"_api_check(3, heads={heads}, s_q={s_q}, page_size={page_size}, "
+                                     f"row_tokens={row_tokens})")
     assert err < 4e-3, err  # as test_mla_decode_mosaic_config_interpreted_matches_xla
     assert lse_err < 1e-4, lse_err
 
 
 @pytest.mark.gpu
 @OTHER_PAGES
-def test_mosaic_kernels_read_other_page_sizes_compiled(heads, s_q, page_size):
-    err, lse_err, lse_scale = _api_check(3, backend="pallas", heads=heads, s_q=s_q, page_size=page_size)
+def test_mosaic_kernels_read_other_page_sizes_compiled(heads, s_q, page_size, row_tokens):
+    err, lse_err, lse_scale = _api_check(3, backend="pallas", heads=heads, s_q=s_q, page_size=page_size,
+                                         row_tokens=row_tokens)
     assert err < (MGPU_TOL if heads * s_q > 16 else 2e-2), err  # as test_mla_decode_mosaic_config_compiled_...
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
@@ -757,8 +768,8 @@ def test_mosaic_pages_clip_before_they_split():
 
 @pytest.mark.gpu
 @API_SHAPES
-def test_mla_decode_mosaic_config_compiled_matches_xla(heads, s_q):
-    err, lse_err, lse_scale = _api_check(3, backend="pallas", heads=heads, s_q=s_q)
+def test_mla_decode_mosaic_config_compiled_matches_xla(heads, s_q, row_tokens):
+    err, lse_err, lse_scale = _api_check(3, backend="pallas", heads=heads, s_q=s_q, row_tokens=row_tokens)
     # As test_kernel_matches_reference (64-row kernel) / test_small_kernel_matches_reference.
     assert err < (MGPU_TOL if heads * s_q > 16 else 2e-2), err
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
