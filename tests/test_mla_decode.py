@@ -559,7 +559,8 @@ assert decode.default_config(fp8_64, "interpret") == FP8_CONFIG  # run as the XL
 decode._on_hopper = lambda: True
 assert decode.default_config(fp8_64, "pallas") == MOSAIC_CONFIG
 assert decode.default_config(LatentCache.create(4, page_size=64, dtype="bf16"), "pallas") == MOSAIC_CONFIG
-assert decode.default_config(LatentCache.create(4, page_size=32), "pallas") == FP8_CONFIG
+assert decode.default_config(LatentCache.create(4, page_size=32), "pallas") == MOSAIC_CONFIG
+assert decode.default_config(LatentCache.create(4, page_size=16), "pallas") == FP8_CONFIG
 assert decode.max_token_slots(512, 32, "interpret") == decode.MAX_TOKEN_SLOTS
 
 rng = np.random.default_rng(0)
@@ -593,7 +594,7 @@ print("ok")
 
 def test_without_pallas_triton_the_triton_kernels_work_runs_as_the_xla_path():
     """A jax without Pallas' Triton backend (deprecated since 0.11, announced for removal): the package
-    imports, the Mosaic kernels take every compiled Hopper call with 64-token pages (small problems
+    imports, the Mosaic kernels take every compiled Hopper call with pages they take (small problems
     and the bf16 cache at <= 16 rows included), and what the Triton kernels would have run (other page
     sizes, the interpreter's default) is the XLA path's exact output, with a warning; calling a Triton
     launcher says in one line what is missing. Run in a fresh interpreter where that module cannot
