@@ -93,9 +93,6 @@ NUM_CHUNKS = RANK // CHUNK
 NUM_WGS = 2  # consumer warpgroups
 CHUNKS_PER_WG = NUM_CHUNKS // NUM_WGS
 NUM_SLOTS = 2  # TMA ring slots, a whole step each
-# TMA copies arriving on a slot's barrier a step of 64-token pages: per page and token parity,
-# the 4 latent chunks and the RoPE rows; plus one box of token scales (``step_copies``).
-COPIES_STEP = 2 * 2 * (NUM_CHUNKS + 1) + 1
 COPIES_Q = NUM_CHUNKS + 2  # Q8 chunks, Q rope, q scale
 # Features a fp32 promotion of the FP8 Q.K product (Hopper's FP8 wgmma accumulates in ~14 bits;
 # ``qk8_promoted``). One 512-feature chain: 0.467 vs 0.508 ms for two of 256 at 64 x 16k x 128

@@ -66,7 +66,8 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, CHUNKS_P
                                                         check_registers, grid_params, initial_carry, for_used_items,
                                                         issue_query, locate_cta, merge_items, output_target,
                                                         output_types, padded_rows, plan_items, produce_steps,
-                                                        specialize_warpgroups, start_cta, step_visibility, unpadded,
+                                                        specialize_warpgroups, start_cta, step_page_columns,
+                                                        step_visibility, unpadded,
                                                         walk_steps, write_outputs, Where)
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import bf16_rows_and_plan
 from snapmla_jax.pallas_kernels.split_plan import uniform_plan
@@ -91,11 +92,9 @@ def step_issuer(bt_ref, lat_ref, rope_ref, b, layer_offset, kv_s, rope_s, step_b
     columns past the table's end clamped to its last) into a ring slot, arriving on
     ``step_bar[slot]`` (``step_copies``). Page ids are clipped into [0, num_pages) (a traced
     block table is not validated), as the XLA reference's gather clips them."""
-    max_pages, per_step = bt_ref.shape[1], STEP // page_size
-
     def issue(step, slot):
-        for k in range(per_step):
-            page = jnp.clip(bt_ref[b, jnp.minimum(step * per_step + k, max_pages - 1)], 0, num_pages - 1)
+        for k, column in enumerate(step_page_columns(step, bt_ref.shape[1], STEP // page_size)):
+            page = jnp.clip(bt_ref[b, column], 0, num_pages - 1)
             rows = pl.ds(aligned(layer_offset + page * page_size, page_size), page_size)
             dst = pl.ds(k * page_size, page_size)
             for ch in range(NUM_CHUNKS):
