@@ -224,13 +224,13 @@ def default_config(cache: LatentCache, backend: str) -> DecodeConfig:
     Over a bf16 cache the 16-row Mosaic twin against the Triton twin is 0.88-1.43x at those small
     problems and 1.01-1.09x from 8 x 32k up (the same page and docs/decode_kernel.md); it is taken
     there so that no compiled call on Hopper lowers through Pallas' deprecated Triton backend. Over
-    16- and 32-token pages the twins run 1.14-4.39x the Triton twin from 8 x 4k up, and over 32-token
-    pages the FP8 kernels 2.1-8.9x the Triton FP8 kernel (H200, docs/decode_kernel.md). Elsewhere the
-    Triton kernels (FP8_CONFIG / BF16_CONFIG): other page sizes, other GPUs (no wgmma), and the interpreter and
-    the "xla" emulation, where the Mosaic kernels' two warpgroups would run as host threads (slow,
-    and they can stall on small CPUs). Both round P' to e4m3 with a factor per row and block, 64
-    tokens (Triton) or 128 (Mosaic), so their outputs differ by e4m3 rounding noise only
-    (relative L2 ~1e-3 on the bench).
+    16- and 32-token pages the twins run 1.14-4.39x the Triton twin from 8 x 4k up, and over
+    32-token pages the FP8 kernels 2.1-8.9x the Triton FP8 kernel (H200, docs/decode_kernel.md).
+    Elsewhere the Triton kernels (FP8_CONFIG / BF16_CONFIG): other page sizes, other GPUs (no
+    wgmma), and the interpreter and the "xla" emulation, where the Mosaic kernels' two warpgroups
+    would run as host threads (slow, and they can stall on small CPUs). Both round P' to e4m3 with
+    a factor per row and block, 64 tokens (Triton) or 128 (Mosaic), so their outputs differ by
+    e4m3 rounding noise only (relative L2 ~1e-3 on the bench).
 
     A jax without Pallas' Triton backend (``pallas_triton_available``: deprecated since jax 0.11
     and announced for removal) gets the same picks; ``mla_decode`` runs the Triton configs there
@@ -334,11 +334,12 @@ def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16,
         if small and bf16_small_takes(q_dtype):
             return mla_decode_mgpu_bf16_small, MOSAIC_BF16_SMALL_ROWS
         return mla_decode_mgpu_bf16, MOSAIC_BLOCK_M
-    in_kernel = MOSAIC_QUERY_IN_KERNEL_ROWS
-    small_blocks = (q_dtype == jnp.bfloat16 and num_rows % in_kernel == 0 and small_problem
+    # The 16-row blocks that take their query in the kernel (``runs_query_in_kernel``'s rows).
+    small_rows = MOSAIC_QUERY_IN_KERNEL_ROWS
+    small_blocks = (q_dtype == jnp.bfloat16 and num_rows % small_rows == 0 and small_problem
                     and num_rows * capacity <= SMALL_BLOCKS_MAX_WORK)
-    if num_rows <= in_kernel or small_blocks:
-        rows = in_kernel
+    if num_rows <= small_rows or small_blocks:
+        rows = small_rows
     elif num_rows <= MOSAIC_SMALL_BLOCK_ROWS[-1]:
         rows = MOSAIC_SMALL_BLOCK_ROWS[-1]
     else:
