@@ -70,10 +70,13 @@ from snapmla_jax.pallas_kernels.split_plan import SplitPlan
 from snapmla_jax.pallas_kernels.write_kv import row_layout
 
 PAGE = 64  # the Mosaic kernels' page size
-# Page sizes the FP8 kernels take: a step holds STEP / page_size pages. Not 16: a page's token
-# scales arrive by a TMA copy of their own, and Pallas' copies move multiples of 128 bytes (a
-# 16-token page's scales are 64).
-FP8_PAGE_SIZES = (32, PAGE)
+# Page sizes the FP8 kernels take: a step holds STEP / page_size pages.
+FP8_PAGE_SIZES = (16, 32, PAGE)
+# A page's token scales arrive by a copy of their own, and Pallas' copies move a multiple of 128
+# bytes (each of a warpgroup's threads arrives on the barrier with its share): 32 floats. A
+# 16-token page's copy takes the next page's 16 scales with its own (``scale_copy_pages``), into
+# an SMEM slot of 32 whose first half the readers use.
+SCALE_COPY = 32
 STEP = 128  # their tokens a step: two pages, even tokens first, then the odd ones
 WARPGROUP = 128  # threads of a CTA; values of a plan window
 # Rows a plan CTA's thread-a-row arrays hold: seq_lens are read in windows of 128 where B >= 128,
@@ -81,8 +84,8 @@ WARPGROUP = 128  # threads of a CTA; values of a plan window
 WINDOW = WARPGROUP
 Q_ROWS = 16  # query rows a row CTA takes
 GROUP_ROWS = 8  # rows quantized at a time: 32 values a thread of 512
-# Steps a scale CTA gathers at most (16 page copies): on an H200 2 and 16 steps were slower than
-# 8 at all seven FP8 shapes probed (B = 64 x 16k x 128 rows: 10.6 and 9.1 us against 8.4).
+# Steps a scale CTA gathers at most (16 copies of 64-token pages): on an H200 2 and 16 steps were
+# slower than 8 at all seven FP8 shapes probed (B = 64 x 16k x 128 rows: 10.6 and 9.1 us against 8.4).
 SCALE_STEPS = 8
 # Floor on the token scales behind the logarithm and reciprocal planes (``with_scale_planes``).
 # The 64-row kernel's softmax sums P' / k_scale with P' = 2^(score + log2 k_scale - frame + log2
@@ -203,6 +206,12 @@ def scale_steps(num_steps: int) -> int:
     while num_steps % block:
         block //= 2
     return block
+
+
+def scale_copy_pages(page_size: int) -> int:
+    """Pages of scales one copy of a page's scales moves (``SCALE_COPY``): 2 for 16-token pages
+    (the page and the next, whose scales are not read), else 1."""
+    return max(SCALE_COPY // page_size, 1)
 
 
 def even_steps(max_pages: int, page_size: int = PAGE) -> int:
@@ -416,36 +425,40 @@ def _row_cta(q_ref, qr_ref, q_out_ref, qsc_ref, qr_out_ref, q_s, q8_s, qsc_s, qr
 def _scale_cta(scale_ref, bt_ref, off_ref, steps_ref, in_s, bar, b, block, *, num_steps: int, num_pages: int,
                interpret: bool):
     """Steps [n i, n i + n) of batch row b, n = ``num_steps`` (even), i = ``block``, over pages of
-    S tokens (S = 32 or 64; k = 128 / S of them a step).
+    S tokens (S = 16, 32 or 64; k = 128 / S of them a step).
 
     scale_ref [N / S, S] f32: the scale plane by page; bt_ref [B, max_pages] int32; off_ref
     [1] int32 (a multiple of S); steps_ref [B, steps, 2, k, S / 2]
     (parity, page, token pair: the step order) or [B, steps, 3, 2, k, S / 2] (each step's scales,
     their base-2 logarithms and their reciprocals, both of the scales floored at
-    ``SCALE_FLOOR``); in_s: SMEM [n, k, S] f32 (step, page, token); bar: its barrier (k n
-    arrivals). ``interpret``: the parities taken apart from a whole load (the interpreter does not
-    reshape refs)."""
+    ``SCALE_FLOOR``); in_s: SMEM [n, k, c, S] f32 (step, page, copied page, token: c =
+    ``scale_copy_pages``, the first the page's own); bar: its barrier (k n arrivals).
+    ``interpret``: the parities taken apart from a whole load (the interpreter does not reshape
+    refs)."""
     max_pages, page_size = bt_ref.shape[1], scale_ref.shape[1]
-    per_step = STEP // page_size
+    per_step, copied = STEP // page_size, scale_copy_pages(page_size)
     first_page = lax.div(off_ref[0], jnp.int32(page_size))
     last_page = scale_ref.shape[0] - 1
     for k in range(per_step * num_steps):
         index = jnp.minimum(block * per_step * num_steps + k, max_pages - 1)
         page = jnp.clip(first_page + jnp.clip(bt_ref[b, index], 0, num_pages - 1), 0, last_page)
-        plgpu.copy_gmem_to_smem(scale_ref.at[page], in_s.at[k // per_step, k % per_step], bar,
-                                oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+        # The last page's copy of two runs past the plane: the copy stops at its end.
+        plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(page, copied)], in_s.at[k // per_step, k % per_step], bar,
+                                oob_mode=plgpu.OOBFillMode.ZEROS if copied > 1 else
+                                plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
     plgpu.barrier_wait(bar)
     pairs = page_size // 2
     layout = plgpu.Layout.WG_STRIDED((2, per_step, pairs), 1)
-    by_parity = None if interpret else in_s.reshape(num_steps, per_step, pairs, 2)  # [step, page, pair, parity]
+    # [step, page, copied page, pair, parity]
+    by_parity = None if interpret else in_s.reshape(num_steps, per_step, copied, pairs, 2)
     planes = steps_ref.ndim == 6
     for pair in range(num_steps // 2):
         steps = pl.ds(block * num_steps + 2 * pair, 2)
         for parity in range(2):
             if interpret:
-                values = in_s[pl.ds(2 * pair, 2)].reshape(2, per_step, pairs, 2)[..., parity]
+                values = in_s[pl.ds(2 * pair, 2)][:, :, 0].reshape(2, per_step, pairs, 2)[..., parity]
             else:
-                values = plgpu.load(by_parity.at[pl.ds(2 * pair, 2), :, :, parity], layout=layout)
+                values = plgpu.load(by_parity.at[pl.ds(2 * pair, 2), :, 0, :, parity], layout=layout)
             if not planes:
                 steps_ref[b, steps, parity] = values
                 continue
@@ -526,7 +539,7 @@ def _launch(parts: Parts, *, q_rows=None, q_rope_rows=None, scale=None, block_ta
         operands += [scale.reshape(-1, page_size), block_table, layer_offset]
         planes = (3,) if parts.scales == "planes" else ()
         out_type.append(jax.ShapeDtypeStruct((batch, num_steps, *planes, 2, per_step, page_size // 2), jnp.float32))
-        scratch += [plgpu.SMEM((cta_steps, per_step, page_size), jnp.float32),
+        scratch += [plgpu.SMEM((cta_steps, per_step, scale_copy_pages(page_size), page_size), jnp.float32),
                     plgpu.Barrier(num_arrivals=per_step * cta_steps)]
 
     def body(*refs):
@@ -671,7 +684,7 @@ def decode_inputs(q_rows: jax.Array, scale: jax.Array, block_table: jax.Array, l
                   num_pages: int | None = None, page_size: int = PAGE, scale_planes: bool = False,
                   interpret: bool = False) -> DecodeInputs:
     """``decode_inputs_reference`` in one launch: q_rows [B, rows, 512], scale [N] f32 (N a
-    multiple of ``page_size``: 32 or 64), block_table [B, max_pages] int32, layer_offset [1]
+    multiple of ``page_size``: 16, 32 or 64), block_table [B, max_pages] int32, layer_offset [1]
     int32 (a multiple of page_size), q_rope_rows [B, rows, 64] or None, padded_rows: the rows of
     the outputs (a multiple of 16, at least rows; None: rows rounded up to one), num_pages: pages
     in one layer (None: N / page_size) -> ``DecodeInputs`` (plan None). ValueError for arguments

@@ -1,11 +1,11 @@
 """SnapMLA FP8 MLA decode on Mosaic GPU (Hopper wgmma + TMA), 64 query rows a CTA.
 
-The default for compiled FP8 decoding with 64-token pages (or 32, or a multiple of 64) on Hopper
+The default for compiled FP8 decoding with pages of a multiple of 16 tokens on Hopper
 (``snapmla_jax.decode.default_config``). Its reference is ``mla_decode_reference(...,
 block_n=128)``; ``interpret=True`` runs it in the Mosaic GPU interpreter on CPU.
 
 Arguments of ``mla_decode_mgpu`` (those of ``mla_decode.mla_decode_pallas`` with an FP8 cache and
-``page_size`` 32 or 64, ``PAGE_SIZES``: a step's 128 tokens are 4 or 2 pages):
+``page_size`` 16, 32 or 64, ``PAGE_SIZES``: a step's 128 tokens are 8, 4 or 2 pages):
 
   q_rows       [B, rows, 512] bf16 or f32, rows = s_q * H (query position major)
   q_rope_rows  [B, rows, 64] bf16 or f32
@@ -78,7 +78,8 @@ from snapmla_jax.pallas_kernels.combine_splits import (combine_items, combine_sp
                                                        partial_dtype)
 from snapmla_jax.pallas_kernels.combine_splits_mgpu import combine_items_mgpu, combine_splits_mgpu
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import FP8_PAGE_SIZES as PAGE_SIZES
-from snapmla_jax.pallas_kernels.mgpu_decode_inputs import balanced_plan_kernel, decode_inputs, decode_inputs_and_plan
+from snapmla_jax.pallas_kernels.mgpu_decode_inputs import (balanced_plan_kernel, decode_inputs, decode_inputs_and_plan,
+                                                        scale_copy_pages)
 from snapmla_jax.pallas_kernels.mla_decode import LN2, LOG2E, resolve_num_pages
 from snapmla_jax.pallas_kernels.split_plan import SplitPlan, balanced_items, item_steps, uniform_plan
 
@@ -444,10 +445,17 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
 
     def copy_scales(step, first_token, slot, pages):
         if ksc_ref.ndim == 2 and ksc_ref.shape[-1] == page_size:  # the scale plane by page, in token order
+            copied = scale_copy_pages(page_size)  # each page's scales in the room of ``copied`` pages
             for k, page in enumerate(pages):
-                plgpu.copy_gmem_to_smem(ksc_ref.at[lax.div(layer_offset, page_size) + page],
-                                        ksc_s.at[slot, pl.ds(k * page_size, page_size)], step_bar.at[slot],
-                                        oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+                page_row = lax.div(layer_offset, page_size) + page
+                if copied == 1:
+                    plgpu.copy_gmem_to_smem(ksc_ref.at[page_row], ksc_s.at[slot, pl.ds(k * page_size, page_size)],
+                                            step_bar.at[slot], oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+                    continue
+                # ksc_s [slots, pages x copied, page_size]; the cache's last page's copy runs
+                # past the plane: the copy stops at its end.
+                plgpu.copy_gmem_to_smem(ksc_ref.at[pl.ds(page_row, copied)], ksc_s.at[slot, pl.ds(k * copied, copied)],
+                                        step_bar.at[slot], oob_mode=plgpu.OOBFillMode.ZEROS)
         elif ksc_ref.ndim == 4:  # [B, steps, 3, STEP]: the scales, their logarithms and reciprocals
             plgpu.copy_gmem_to_smem(ksc_ref.at[b, step], ksc_s.at[slot], step_bar.at[slot])
         else:

@@ -62,7 +62,7 @@ from snapmla_jax.pallas_kernels.combine_splits import partial_dtype
 from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms,
                                                    store_token_bytes)
-from snapmla_jax.pallas_kernels.mgpu_decode_inputs import GROUP_ROWS, SCALE_FLOOR, quantized_rows
+from snapmla_jax.pallas_kernels.mgpu_decode_inputs import GROUP_ROWS, SCALE_FLOOR, quantized_rows, scale_copy_pages
 from snapmla_jax.pallas_kernels.mla_decode import LOG2E, resolve_num_pages
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, FRAME_DROP, HALF,
                                                         LOG2_FP8_MAX, NAMED_SYNC, NUM_CHUNKS, NUM_SLOTS, NUM_WGS,
@@ -252,16 +252,18 @@ def quantize_query(q_in_s, q8_s, qsc_s, wg, *, interpret: bool) -> None:
         qsc_s[group] = scale
 
 
-def parity_scales(ksc_s, slot, wg, *, interpret: bool) -> jax.Array:
-    """This warpgroup's token scales of a step from ksc_s f32 [2 slots, 128], the step's two pages
-    in token order: [64] (``TOKENS``), token 2c + wg at c, as the step order puts the tokens of
-    parity wg in this warpgroup's SMEM rows.
+def parity_scales(ksc_s, slot, wg, *, page_size: int, interpret: bool) -> jax.Array:
+    """This warpgroup's token scales of a step from ksc_s f32 [2 slots, 128], the step's pages of
+    ``page_size`` tokens in token order (or [2 slots, 128 c / S, S] where a page's copy takes
+    c = ``scale_copy_pages`` pages, the first its own): [64] (``TOKENS``), token 2c + wg at c,
+    as the step order puts the tokens of parity wg in this warpgroup's SMEM rows.
 
     A TMA cannot read every other float, and Pallas' layout inference takes no strided view of
     SMEM, so on the GPU each thread loads its own values (two, as a ``TOKENS`` load of a
     contiguous [64] would) at the addresses ``mgpu.FragmentedArray.build`` gives their indices."""
+    copied = scale_copy_pages(page_size)
     if interpret:
-        pairs = ksc_s[slot].reshape(HALF, 2)
+        pairs = ksc_s[slot].reshape(STEP // page_size, copied, page_size)[:, 0].reshape(HALF, 2)
         return jnp.where(wg == 0, pairs[:, 0], pairs[:, 1])
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
@@ -270,9 +272,16 @@ def parity_scales(ksc_s, slot, wg, *, interpret: bool) -> jax.Array:
         del ctx
         index = ir.IndexType.get()
         parity = arith.divui(gpu.thread_id(gpu.Dimension.x), arith.constant(index, WARPGROUP))
-        two = arith.constant(index, 2)
-        return mgpu.FragmentedArray.build(
-            (HALF,), TOKENS.to_mgpu(), lambda c: memref.load(step_ref, [arith.addi(arith.muli(c, two), parity)]))
+        constant = functools.partial(arith.constant, index)
+
+        def address(c):
+            token = arith.addi(arith.muli(c, constant(2)), parity)
+            if copied == 1:
+                return [token]
+            page = arith.divui(token, constant(page_size))
+            return [arith.muli(page, constant(copied)), arith.remui(token, constant(page_size))]
+
+        return mgpu.FragmentedArray.build((HALF,), TOKENS.to_mgpu(), lambda c: memref.load(step_ref, address(c)))
 
     return gather(ksc_s.at[slot])
 
@@ -337,7 +346,7 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
         t0 = (where.first_step + j) * STEP
         slot = begin_step(j, wg, where.first_step, where.num_steps, issue, step_bar, consumed_bar, issuer=ISSUER)
         if query_in_kernel:
-            k_scale = parity_scales(ksc_s, slot, wg, interpret=interpret)
+            k_scale = parity_scales(ksc_s, slot, wg, page_size=page_size, interpret=interpret)
         else:
             k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=TOKENS)
         scores = half_scores_t(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], plgpu.load(qsc_s, layout=QROWS),
@@ -434,6 +443,7 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
                          f"blocks, {q_rows.shape[1]} rows of {q_rows.dtype} (RoPE part {q_rope_rows.dtype})")
     in_kernel = can if query_in_kernel is None else query_in_kernel
     out_dtype = partial_dtype(q_rows.dtype)  # output and partials: bf16 for a bf16 output, else float32
+    copied = scale_copy_pages(page_size)  # pages a page's scale copy takes (``parity_scales``)
     if in_kernel:
         check_launch("mla_decode_mgpu_small: FP8 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
                      num_arrays=3, block_rows=rows, num_splits=num_splits, page_sizes=PAGE_SIZES)
@@ -463,7 +473,8 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
             plgpu.SMEM((rows,), jnp.float32),
             plgpu.SMEM((NUM_SLOTS, NUM_CHUNKS, STEP, CHUNK), FP8_DTYPE),
             plgpu.SMEM((NUM_SLOTS, STEP, ROPE), jnp.bfloat16),
-            plgpu.SMEM((NUM_SLOTS, STEP), jnp.float32),
+            plgpu.SMEM((NUM_SLOTS, STEP // page_size * copied, page_size) if in_kernel and copied > 1
+                       else (NUM_SLOTS, STEP), jnp.float32),
             # P' (``store_token_bytes``): its byte stores compute addresses for this layout.
             plgpu.SMEM((NUM_SLOTS, rows, STEP), FP8_DTYPE, transforms=BYTE_TILE_TRANSFORMS),
             plgpu.SMEM((NUM_SLOTS, NUM_WGS, 1, rows), jnp.float32),

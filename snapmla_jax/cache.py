@@ -191,7 +191,7 @@ def check_kernel_addressable(cache: LatentCache, *, triton: bool = False) -> Non
                          f"{INT32_LIMIT}; split it (one cache per layer, fewer pages)")
     raise ValueError(f"cache: its latent array {list(cache.latent.shape)} holds {cache.latent.size} elements, "
                      f"too many for the Triton kernel this call runs: {TRITON_LIMIT}; on a Hopper GPU with "
-                     "page_size 32 or a multiple of 64 (or 16 for a bf16 cache) the Mosaic GPU kernels take it "
+                     "page_size a multiple of 16 the Mosaic GPU kernels take it "
                      "(config=None or DecodeConfig(kernel='mosaic')), else split it or use backend='xla'")
 
 

@@ -19,7 +19,6 @@ from snapmla_jax.pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, MOSA
                                                    mla_decode_pallas, mla_decode_reference, rows_per_block,
                                                    tokens_per_block)
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import BLOCK_M as MOSAIC_BLOCK_M
-from snapmla_jax.pallas_kernels.mla_decode_mgpu import PAGE as MOSAIC_PAGE
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import PAGE_SIZES as MOSAIC_FP8_PAGE_SIZES
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import STEP as MOSAIC_STEP
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import mla_decode_mgpu, padded_rows
@@ -216,17 +215,17 @@ def _validate(q_latent, q_rope, cache, block_table, seq_lens, softmax_scale, lay
 def default_config(cache: LatentCache, backend: str) -> DecodeConfig:
     """The kernel and knobs ``mla_decode`` uses when ``config`` is None.
 
-    Compiled (backend "pallas") on a Hopper GPU over a cache of pages of a multiple of 64 tokens
-    or 32, or a bf16 cache of 16-token pages (``mosaic_runs``): the Mosaic GPU kernels
+    Compiled (backend "pallas") on a Hopper GPU over a cache of pages of a multiple of 16 tokens
+    (``mosaic_runs``; read as pages of 16, 32 or 64, ``mosaic_pages``): the Mosaic GPU kernels
     (``mosaic_kernel`` picks one by the cache, the query rows and their dtype). Over an fp8 cache
     they are faster than the Triton FP8 kernel at every shape measured, small problems included
     (H200, docs/benchmarks/small_problems_h200.md: 1.08-1.93x at 16 query rows and 1k-16k tokens).
     Over a bf16 cache the 16-row Mosaic twin against the Triton twin is 0.88-1.43x at those small
     problems and 1.01-1.09x from 8 x 32k up (the same page and docs/decode_kernel.md); it is taken
     there so that no compiled call on Hopper lowers through Pallas' deprecated Triton backend. Over
-    16- and 32-token pages the twins run 1.14-4.39x the Triton twin from 8 x 4k up, and over
-    32-token pages the FP8 kernels 2.1-8.9x the Triton FP8 kernel (H200, docs/decode_kernel.md).
-    Elsewhere the Triton kernels (FP8_CONFIG / BF16_CONFIG): other page sizes, other GPUs (no
+    16- and 32-token pages the twins run 1.14-4.26x the Triton twin from 8 x 4k up, and the FP8
+    kernels 1.03-10.2x the Triton FP8 kernel (H200, docs/decode_kernel.md).
+    Elsewhere the Triton kernels (FP8_CONFIG / BF16_CONFIG): pages not a multiple of 16, other GPUs (no
     wgmma), and the interpreter and the "xla" emulation, where the Mosaic kernels' two warpgroups
     would run as host threads (slow, and they can stall on small CPUs). Both round P' to e4m3 with
     a factor per row and block, 64 tokens (Triton) or 128 (Mosaic), so their outputs differ by
@@ -242,16 +241,22 @@ def default_config(cache: LatentCache, backend: str) -> DecodeConfig:
 
 
 def mosaic_page_sizes(cache_dtype: str) -> tuple:
-    """The page sizes below 64 tokens the Mosaic GPU kernels of a ``cache_dtype`` cache take,
-    several pages a step: 16 and 32 for the BF16 twins, 32 for the FP8 kernels."""
-    sizes = MOSAIC_TWIN_PAGE_SIZES if cache_dtype == "bf16" else MOSAIC_FP8_PAGE_SIZES
-    return tuple(p for p in sizes if p < MOSAIC_PAGE)
+    """The page sizes the Mosaic GPU kernels of a ``cache_dtype`` cache read (several pages a step
+    below 64 tokens): 16, 32 and 64, for the FP8 kernels and the BF16 twins alike."""
+    return MOSAIC_TWIN_PAGE_SIZES if cache_dtype == "bf16" else MOSAIC_FP8_PAGE_SIZES
+
+
+def mosaic_sub_page(page_size: int, cache_dtype: str) -> int | None:
+    """The pages the Mosaic GPU kernels read a ``cache_dtype`` cache of ``page_size``-token pages
+    as: the largest of ``mosaic_page_sizes`` dividing it (``mosaic_pages``), None if none does."""
+    sizes = [size for size in mosaic_page_sizes(cache_dtype) if page_size % size == 0]
+    return max(sizes) if sizes else None
 
 
 def mosaic_takes(page_size: int, cache_dtype: str) -> bool:
     """Whether the Mosaic GPU kernels take a ``cache_dtype`` cache of ``page_size``-token pages:
-    a multiple of 64 tokens (``mosaic_pages``) or one of ``mosaic_page_sizes``."""
-    return page_size % MOSAIC_PAGE == 0 or page_size in mosaic_page_sizes(cache_dtype)
+    a multiple of one of ``mosaic_page_sizes`` (16 tokens)."""
+    return mosaic_sub_page(page_size, cache_dtype) is not None
 
 
 def mosaic_runs(page_size: int, backend: str, cache_dtype: str = "fp8") -> bool:
@@ -261,20 +266,22 @@ def mosaic_runs(page_size: int, backend: str, cache_dtype: str = "fp8") -> bool:
     return backend == "pallas" and mosaic_takes(page_size, cache_dtype) and _on_hopper()
 
 
-def mosaic_pages(block_table: jax.Array, num_pages: int, page_size: int) -> tuple[jax.Array, int, int]:
-    """The block table [B, max_pages], page count and page size of a cache of ``page_size``-token
-    pages as the Mosaic kernels read it. Pages of a multiple of 64 tokens become 64-token pages,
-    k = page_size / 64 of them a page (page p's tokens are rows p * page_size .. of the flat
-    arrays, the same rows as 64-token pages k p .. k p + k - 1): (block table
-    [B, max_pages * k], num_pages * k, 64). Pages of 64 tokens or fewer as they are (no launch).
-    Page ids are clipped into [0, num_pages) first, as every backend clips a traced table's, so
-    that a bad id reads the same tokens everywhere."""
-    k = page_size // MOSAIC_PAGE
-    if k <= 1:
+def mosaic_pages(block_table: jax.Array, num_pages: int, page_size: int,
+                 cache_dtype: str = "fp8") -> tuple[jax.Array, int, int]:
+    """The block table [B, max_pages], page count and page size of a ``cache_dtype`` cache of
+    ``page_size``-token pages as the Mosaic kernels read it: pages of S = ``mosaic_sub_page``
+    tokens, k = page_size / S of them a page (page p's tokens are rows p * page_size .. of the
+    flat arrays, the same rows as S-token pages k p .. k p + k - 1): (block table
+    [B, max_pages * k], num_pages * k, S). Pages the kernels read as they are, as they are (no
+    launch). Page ids are clipped into [0, num_pages) first, as every backend clips a traced
+    table's, so that a bad id reads the same tokens everywhere."""
+    sub_page = mosaic_sub_page(page_size, cache_dtype)
+    k = page_size // sub_page
+    if k == 1:
         return block_table, num_pages, page_size
     pages = jnp.clip(block_table, 0, num_pages - 1)
     sub_pages = pages[:, :, None] * k + jnp.arange(k, dtype=block_table.dtype)
-    return sub_pages.reshape(block_table.shape[0], -1), num_pages * k, MOSAIC_PAGE
+    return sub_pages.reshape(block_table.shape[0], -1), num_pages * k, sub_page
 
 
 def max_token_slots(kv_lora_rank: int, page_size: int, backend: str = "auto", cache_dtype: str = "fp8") -> int:
@@ -397,7 +404,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     if mosaic and not mosaic_takes(cache.page_size, cache.dtype):
         sizes = " or ".join(map(str, mosaic_page_sizes(cache.dtype)))
         raise ValueError(f"config: kernel='mosaic' needs a {cache.dtype} cache with page_size a multiple of "
-                         f"{MOSAIC_PAGE} or {sizes}, got page_size {cache.page_size}")
+                         f"{sizes}, got page_size {cache.page_size}")
     if not mosaic and backend != "xla" and not pallas_triton_available():
         warnings.warn(f"mla_decode: jax {jax.__version__} has no Pallas Triton backend, so the Triton kernel's "
                       f"work ({config.kernel}, page_size {cache.page_size}) runs as the XLA path of the same math",
@@ -434,7 +441,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     if num_splits is None:
         num_splits = planned_num_splits(q_latent, cache, block_table, config=config)
     if mosaic:
-        table, num_pages, page_size = mosaic_pages(block_table, cache.num_pages, cache.page_size)
+        table, num_pages, page_size = mosaic_pages(block_table, cache.num_pages, cache.page_size, cache.dtype)
         out, lse = mosaic_kernel(num_rows, cache.dtype, q_latent.dtype, capacity)[0](
             to_rows(q_latent), to_rows(q_rope), cache_arrays, table, seq_lens, layer_offset,
             softmax_scale=softmax_scale, page_size=page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,

@@ -117,22 +117,51 @@ def test_scale_planes_match_their_definition(shape):
     np.testing.assert_array_equal(np.asarray(planes), np.asarray(want_planes))
 
 
-@pytest.mark.parametrize("shape", [(3, 16, 3), (1, 64, 72), (2, 32, 33)], ids=lambda s: "x".join(map(str, s)))
-def test_scales_of_32_token_pages_match_their_definition(shape):
-    """Pages of 32 tokens, 4 a step, each page's scales a copy of its own: the step-ordered scales
-    and their planes as the token-at-a-time definition and the jnp reference give them (a table
-    of less than a step, an odd step count, several scale CTAs a row); 16-token pages refused."""
-    page_size = 32
+SMALL_PAGE_SHAPES = pytest.mark.parametrize("shape", [(3, 16, 3), (1, 64, 72), (2, 32, 33)],
+                                            ids=lambda s: "x".join(map(str, s)))
+
+
+def _check_small_page_scales(shape, page_size: int, interpret: bool) -> None:
+    """The step-ordered scales of pages of ``page_size`` tokens as the token-at-a-time definition
+    gives them, with their planes; the cache's last page in the table, whose copy of two pages
+    (at 16 tokens) runs past the plane. Interpreted, every output as the jnp reference's bits;
+    compiled, the planes' logarithms and reciprocals within the GPU's ulps
+    (``test_compiled_inputs_match_the_reference``)."""
     q, scale, block_table, offset = random_inputs(sum(shape) + page_size, *shape, page_size=page_size)
+    block_table[-1, -1] = scale.shape[0] // page_size - 1 - int(offset[0]) // page_size
     args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
-    got = decode_inputs(*args, page_size=page_size, interpret=True)
-    np.testing.assert_array_equal(np.asarray(got.scales),
-                                  expected_step_scales(scale, block_table, int(offset[0]), page_size))
-    assert_same_inputs(got, decode_inputs_reference(*args, page_size=page_size))
-    planes = decode_inputs(*args, page_size=page_size, scale_planes=True, interpret=True)
-    assert_same_inputs(planes, decode_inputs_reference(*args, page_size=page_size, scale_planes=True))
+    run = lambda **kw: jax.jit(functools.partial(decode_inputs, page_size=page_size, interpret=interpret, **kw))(*args)
+    got, planes = run(), run(scale_planes=True)
+    want_scales = expected_step_scales(scale, block_table, int(offset[0]), page_size)
+    np.testing.assert_array_equal(np.asarray(got.scales), want_scales)
+    np.testing.assert_array_equal(np.asarray(planes.scales[:, :, 0]).reshape(want_scales.shape), want_scales)
+    if interpret:
+        assert_same_inputs(got, decode_inputs_reference(*args, page_size=page_size))
+        assert_same_inputs(planes, decode_inputs_reference(*args, page_size=page_size, scale_planes=True))
+        return
+    floored = np.maximum(np.asarray(planes.scales[:, :, 0]).astype(np.float64), SCALE_FLOOR)
+    np.testing.assert_allclose(np.asarray(planes.scales[:, :, 1]), np.log2(floored), rtol=2.0 ** -22, atol=2.0 ** -22)
+    np.testing.assert_allclose(np.asarray(planes.scales[:, :, 2]), 1.0 / floored, rtol=2.0 ** -22, atol=0)
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+@SMALL_PAGE_SHAPES
+def test_scales_of_small_pages_match_their_definition(shape, page_size):
+    """Pages of 32 or 16 tokens, 4 or 8 a step, each page's scales a copy of its own (of two pages
+    at 16 tokens: the page and the next): a table of less than a step, an odd step count, several
+    scale CTAs a row; 8-token pages refused."""
+    _check_small_page_scales(shape, page_size, interpret=True)
+    q, scale, block_table, offset = random_inputs(0, *shape, page_size=16)
     with pytest.raises(ValueError, match="page_size: expected one of"):
-        decode_inputs(*args, page_size=16, interpret=True)
+        decode_inputs(jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table),
+                      jnp.asarray(offset), page_size=8, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 32])
+@SMALL_PAGE_SHAPES
+def test_compiled_scales_of_small_pages_match_their_definition(shape, page_size):
+    _check_small_page_scales(shape, page_size, interpret=False)
 
 
 def test_scale_ctas_cover_the_steps_in_pairs():
@@ -147,11 +176,12 @@ def test_scale_ctas_cover_the_steps_in_pairs():
 
 @pytest.mark.parametrize("batch,rows,max_pages,items,rope,page_size", [
     (3, 16, 5, 6, "float32", 64), (130, 16, 3, 390, None, 64), (1, 128, 1024, None, "bfloat16", 64),
-    (2, 20, 7, 40, None, 64), (3, 16, 20, 6, None, 32), (2, 64, 9, None, "bfloat16", 32)])
+    (2, 20, 7, 40, None, 64), (3, 16, 20, 6, None, 32), (2, 64, 9, None, "bfloat16", 32),
+    (2, 16, 17, 4, None, 16)])
 def test_launch_lowers_for_cuda(batch, rows, max_pages, items, rope, page_size):
     """Mosaic GPU lowering on the CPU (layouts, SMEM, the strided SMEM view of the scale CTAs, no
     interpreter path): a plan of 3 W < 128 values, B >= 128 (seq_lens in windows), an odd step
-    count, RoPE rows to convert, rows padded to whole blocks first, pages of 32 tokens."""
+    count, RoPE rows to convert, rows padded to whole blocks first, pages of 32 and 16 tokens."""
     S = jax.ShapeDtypeStruct
     args = (S((batch, rows, 512), jnp.bfloat16), S((2 * batch * max_pages * page_size,), jnp.float32),
             S((batch, max_pages), jnp.int32), S((1,), jnp.int32), S((batch,), jnp.int32))
