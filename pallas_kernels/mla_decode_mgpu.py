@@ -122,8 +122,20 @@ PRODUCER_WG = SETMAXNREG_HONOURED
 PRODUCER_REGISTERS = 24
 CONSUMER_REGISTERS = 240
 # Whether the producer's four warps share a step's TMA issue: the issue is off the consumers' path
-# there, and sharing it cost 0.873 vs 0.836 ms (tools/time_mgpu_variants.py --variants producer_by_warps).
+# there, and sharing a step's 21 copies of 64-token pages cost 0.873 vs 0.836 ms
+# (tools/time_mgpu_variants.py --variants producer_by_warps). Over pages of fewer tokens than
+# PRODUCER_BY_WARPS_BELOW the warps share it anyway (``producer_by_warps``).
 PRODUCER_ISSUE_BY_WARPS = False
+# 16-token pages: a step's 81 copies from one thread set its pace (round-robin, H200, jax 0.11.2:
+# shared 0.216 vs 0.276 ms at 32 x 16k x 128, 0.122 vs 0.152 at 8 x 32k x 128, 0.243 vs 0.299 at
+# 64 x 16k x 64, the same bits; over 64-token pages 0.207 vs 0.205 at 32 x 16k x 128). The 41
+# copies of 32-token pages are not measured either way.
+PRODUCER_BY_WARPS_BELOW = 32
+
+
+def producer_by_warps(page_size: int) -> bool:
+    """Whether the producer's warps share the issue of a step over ``page_size``-token pages."""
+    return PRODUCER_ISSUE_BY_WARPS or page_size < PRODUCER_BY_WARPS_BELOW
 # Extra ``plgpu.CompilerParams`` for the Mosaic decode kernels (``grid_params``): None in the
 # library; tools/profile_mgpu_steps.py sets the on-device profiler's here.
 COMPILER_PARAMS: plgpu.CompilerParams | None = None
@@ -808,7 +820,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
         seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, s_q=s_q, num_pages=num_pages,
         page_size=page_size, issuer=NUM_WGS if PRODUCER_WG else 0,
-        by_warps=PRODUCER_ISSUE_BY_WARPS if PRODUCER_WG else None)
+        by_warps=producer_by_warps(page_size) if PRODUCER_WG else None)
     _, wg, _, row0, first_step, num_steps, _ = where
     # With a producer warpgroup the consumers' unmasked steps read nothing of the item: its
     # masked tail locates the CTA again (``walk_steps``).

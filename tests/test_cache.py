@@ -124,9 +124,11 @@ def test_a_cache_too_large_for_triton_goes_to_a_mosaic_kernel(monkeypatch):
         assert decode.default_config(small, "pallas") == decode.default_config(large, "pallas") == MOSAIC_CONFIG
         assert decode.default_config(large, "interpret") == triton  # refused by mla_decode
     assert decode.max_token_slots(512, 64, "pallas") == decode.max_token_slots(512, 64, "xla") == 2**31 - 1
-    assert decode.max_token_slots(512, 16, "pallas") == decode.max_token_slots(512, 64, "interpret") == 2**22 - 1
-    # Pages of 32 tokens run the Mosaic kernels, and 16-token ones over a bf16 cache.
-    assert decode.max_token_slots(512, 32, "pallas") == decode.max_token_slots(512, 16, "pallas", "bf16") == 2**31 - 1
+    assert decode.max_token_slots(512, 24, "pallas") == decode.max_token_slots(512, 64, "interpret") == 2**22 - 1
+    # Pages of any multiple of 16 tokens run the Mosaic kernels.
+    for page_size in (16, 32, 48):
+        for dtype in ("fp8", "bf16"):
+            assert decode.max_token_slots(512, page_size, "pallas", dtype) == 2**31 - 1
 
 
 def test_the_int32_rules_are_one_for_create_and_the_e2e_planner():

@@ -560,7 +560,8 @@ decode._on_hopper = lambda: True
 assert decode.default_config(fp8_64, "pallas") == MOSAIC_CONFIG
 assert decode.default_config(LatentCache.create(4, page_size=64, dtype="bf16"), "pallas") == MOSAIC_CONFIG
 assert decode.default_config(LatentCache.create(4, page_size=32), "pallas") == MOSAIC_CONFIG
-assert decode.default_config(LatentCache.create(4, page_size=16), "pallas") == FP8_CONFIG
+assert decode.default_config(LatentCache.create(4, page_size=16), "pallas") == MOSAIC_CONFIG
+assert decode.default_config(LatentCache.create(4, page_size=24), "pallas") == FP8_CONFIG
 assert decode.max_token_slots(512, 32, "interpret") == decode.MAX_TOKEN_SLOTS
 
 rng = np.random.default_rng(0)

@@ -147,6 +147,25 @@ def test_kernel_lowers_for_cuda(kernel, s_q, num_splits, dtype, balanced):
     lower_for_cuda(call, *args)
 
 
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("kernel,rows,query_in_kernel", [("mgpu", 128, None), ("small", 16, None),
+                                                         ("small", 16, False), ("small32", 32, None)])
+def test_kernels_lower_for_cuda_over_small_pages(kernel, rows, query_in_kernel, page_size):
+    """Pages of 16 and 32 tokens, 8 or 4 a step: the 64-row kernel (its producer's warps sharing
+    the issue at 16 tokens, ``producer_by_warps``), the 16-row one taking its query and scales
+    itself (a scale copy of two pages at 16 tokens) or from the inputs launch, the 32-row one; a
+    balanced plan (the uniform one's code at 64-token pages: ``test_kernel_lowers_for_cuda``)."""
+    S = jax.ShapeDtypeStruct
+    batch, max_pages, tokens = 2, 12, 28 * page_size
+    args = (S((batch, rows, 512), jnp.bfloat16), S((batch, rows, 64), jnp.bfloat16),
+            (S((tokens, 512), jnp.float8_e4m3fn), S((tokens,), jnp.float32), S((tokens, 64), jnp.bfloat16)),
+            S((batch, max_pages), jnp.int32), S((batch,), jnp.int32), S((1,), jnp.int32))
+    kernel_fn = _kernel_and_rows(kernel)[0]
+    kw = {} if query_in_kernel is None else dict(query_in_kernel=query_in_kernel)
+    lower_for_cuda(functools.partial(kernel_fn, softmax_scale=0.1, page_size=page_size, s_q=1, num_heads=rows,
+                                     num_splits=2, balanced=True, **kw), *args)
+
+
 def test_register_split_must_fit_the_kernels_registers(monkeypatch):
     """The consumers' ``set_max_registers`` increase waits for registers the producer's decrease
     frees: a split above 3 x 168 a thread hung an H100 (48 / 232), so it is refused, and the
