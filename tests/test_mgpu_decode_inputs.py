@@ -124,9 +124,8 @@ SMALL_PAGE_SHAPES = pytest.mark.parametrize("shape", [(3, 16, 3), (1, 64, 72), (
 def _check_small_page_scales(shape, page_size: int, interpret: bool) -> None:
     """The step-ordered scales of pages of ``page_size`` tokens as the token-at-a-time definition
     gives them, with their planes; the cache's last page in the table, whose copy of two pages
-    (at 16 tokens) runs past the plane. Interpreted, every output as the jnp reference's bits;
-    compiled, the planes' logarithms and reciprocals within the GPU's ulps
-    (``test_compiled_inputs_match_the_reference``)."""
+    (at 16 tokens) runs past the plane. Interpreted, the query outputs as the jnp reference's
+    bits."""
     q, scale, block_table, offset = random_inputs(sum(shape) + page_size, *shape, page_size=page_size)
     block_table[-1, -1] = scale.shape[0] // page_size - 1 - int(offset[0]) // page_size
     args = jnp.asarray(q, jnp.bfloat16), jnp.asarray(scale), jnp.asarray(block_table), jnp.asarray(offset)
@@ -137,11 +136,15 @@ def _check_small_page_scales(shape, page_size: int, interpret: bool) -> None:
     np.testing.assert_array_equal(np.asarray(planes.scales[:, :, 0]).reshape(want_scales.shape), want_scales)
     if interpret:
         assert_same_inputs(got, decode_inputs_reference(*args, page_size=page_size))
-        assert_same_inputs(planes, decode_inputs_reference(*args, page_size=page_size, scale_planes=True))
-        return
+    # The logarithms and reciprocals of the floored scales: interpreted, XLA's float32 log2 within
+    # an ulp (2**-23 here, |log2| <= 1: jax 0.12's CPU log2 moved one value of a [1, 6, 3, 128]
+    # plane by an ulp against the same log2 of another shape) and the reciprocal correctly rounded;
+    # compiled, the GPU's log2 and approximate division within 2 ulps
+    # (``test_compiled_inputs_match_the_reference``).
+    log_tol, inverse_tol = (2.0 ** -23, 2.0 ** -24) if interpret else (2.0 ** -22, 2.0 ** -22)
     floored = np.maximum(np.asarray(planes.scales[:, :, 0]).astype(np.float64), SCALE_FLOOR)
-    np.testing.assert_allclose(np.asarray(planes.scales[:, :, 1]), np.log2(floored), rtol=2.0 ** -22, atol=2.0 ** -22)
-    np.testing.assert_allclose(np.asarray(planes.scales[:, :, 2]), 1.0 / floored, rtol=2.0 ** -22, atol=0)
+    np.testing.assert_allclose(np.asarray(planes.scales[:, :, 1]), np.log2(floored), rtol=log_tol, atol=log_tol)
+    np.testing.assert_allclose(np.asarray(planes.scales[:, :, 2]), 1.0 / floored, rtol=inverse_tol, atol=0)
 
 
 @pytest.mark.parametrize("page_size", [16, 32])
