@@ -1,9 +1,8 @@
 """The merge of split-KV partials on Mosaic GPU: the one the Mosaic decode kernels run
-(``mla_decode_mgpu.MOSAIC_MERGE``).
+(``mla_decode_mgpu.merge_items``).
 
 The math of ``combine_splits.combine_splits_reference`` and ``combine_items_reference``
-(pallas_kernels/combine_splits.py, which also holds the Triton merge of the Triton decode
-kernels):
+(pallas_kernels/combine_splits.py, with the argument checks):
 
   merged[b, r] = sum_s exp(lse[b, s, r] - M) out[b, s, r] / sum_s exp(lse[b, s, r] - M)
   lse[b, r]    = M + log(sum_s exp(lse[b, s, r] - M)),   M = max_s lse[b, s, r]
@@ -47,7 +46,8 @@ MAX_TILE = 4096
 MAX_VECTOR_BYTES = 16  # the widest load or store a thread issues (ld.global.v4.b32)
 # Values of an item's run a thread loads at least (8-16 byte loads), however many items a step
 # holds: with one value a thread (a run of 128, what ``max_tile`` alone gives 64 or more items)
-# the merge of 1 x 66 splits x 128 rows took 4.79 us against the Triton merge's 3.99 (H200, bf16).
+# the merge of 1 x 66 splits x 128 rows took 4.79 us against the Triton merge's 3.99 (H200, bf16;
+# the Triton merge of the Triton decode kernels, since removed).
 MIN_THREAD_VALUES = 4
 # CTAs a merge keeps at least where it can, before it widens a thread's loads: one a run of 512
 # values would leave 1 x 66 splits x 16 rows 16 CTAs (2.59 us against 2.04 at 64 CTAs, H200).
@@ -238,7 +238,7 @@ def combine_items_mgpu(out: jax.Array, lse: jax.Array, item_start: jax.Array, it
                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Merge each batch row's work items into the decode call's outputs, in one Mosaic GPU launch.
 
-    Arguments and results as ``combine_splits.combine_items``: out [W, rows, R] f32 or bf16, lse
+    The math of ``combine_splits.combine_items_reference``: out [W, rows, R] f32 or bf16, lse
     [W, rows] f32, item_start and item_count [B] int32, merged [B, rows, R] bf16, f32 or f16 and
     merged_lse [B, rows] f32 (the call's outputs, where the kernel wrote rows of at most one item
     directly; those come back bit for bit). The outputs alias merged and merged_lse: inside a
@@ -246,7 +246,7 @@ def combine_items_mgpu(out: jax.Array, lse: jax.Array, item_start: jax.Array, it
 
     ``chunk`` (static, a power of two): items a CTA loads in one step, at most ``MAX_STEP_ITEMS``;
     a row of more loops over its steps, and a step short of items loads the row's first again,
-    weighted 0. Raises ValueError as ``combine_items`` does, and for R not a power
+    weighted 0. Raises ValueError as ``combine_splits.check_items_args`` does, and for R not a power
     of two >= 128. item_start and item_count are data, not checked: out-of-range items are
     clamped into out, never read past it.
     """

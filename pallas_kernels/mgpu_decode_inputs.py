@@ -65,7 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, quantize_per_token, saturate_to_e4m3, scale_of_amax
-from snapmla_jax.pallas_kernels.mla_decode import resolve_num_pages
+from snapmla_jax.pallas_kernels.mla_decode_reference import resolve_num_pages
 from snapmla_jax.pallas_kernels.split_plan import SplitPlan
 from snapmla_jax.pallas_kernels.write_kv import row_layout
 

@@ -1,11 +1,12 @@
 """SnapMLA FP8 MLA decode on Mosaic GPU (Hopper wgmma + TMA), 64 query rows a CTA.
 
-The default for compiled FP8 decoding with pages of a multiple of 16 tokens on Hopper
-(``snapmla_jax.decode.default_config``). Its reference is ``mla_decode_reference(...,
-block_n=128)``; ``interpret=True`` runs it in the Mosaic GPU interpreter on CPU.
+What ``snapmla_jax.mla_decode`` runs over an fp8 cache of pages of a multiple of 16 tokens on
+Hopper for more than 32 query rows (``snapmla_jax.decode.mosaic_kernel``). Its reference is
+``mla_decode_reference(..., block_n=128)``; ``interpret=True`` runs it in the Mosaic GPU
+interpreter on CPU.
 
-Arguments of ``mla_decode_mgpu`` (those of ``mla_decode.mla_decode_pallas`` with an FP8 cache and
-``page_size`` 16, 32 or 64, ``PAGE_SIZES``: a step's 128 tokens are 8, 4 or 2 pages):
+Arguments of ``mla_decode_mgpu`` (an FP8 cache of pages of ``page_size`` 16, 32 or 64 tokens,
+``PAGE_SIZES``: a step's 128 tokens are 8, 4 or 2 pages):
 
   q_rows       [B, rows, 512] bf16 or f32, rows = s_q * H (query position major)
   q_rope_rows  [B, rows, 64] bf16 or f32
@@ -74,13 +75,12 @@ from jaxlib.mlir.dialects import nvvm
 from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms,
                                                    store_feature_pairs, store_quads)
-from snapmla_jax.pallas_kernels.combine_splits import (combine_items, combine_splits, pallas_triton_available,
-                                                       partial_dtype)
+from snapmla_jax.pallas_kernels.combine_splits import partial_dtype
 from snapmla_jax.pallas_kernels.combine_splits_mgpu import combine_items_mgpu, combine_splits_mgpu
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import FP8_PAGE_SIZES as PAGE_SIZES
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import (balanced_plan_kernel, decode_inputs, decode_inputs_and_plan,
                                                         scale_copy_pages)
-from snapmla_jax.pallas_kernels.mla_decode import LN2, LOG2E, resolve_num_pages
+from snapmla_jax.pallas_kernels.mla_decode_reference import LN2, LOG2E, resolve_num_pages
 from snapmla_jax.pallas_kernels.split_plan import SplitPlan, balanced_items, item_steps, uniform_plan
 
 PAGE = 64  # cache page size the kernels are built around (``PAGE_SIZES``: the ones they take)
@@ -126,11 +126,12 @@ CONSUMER_REGISTERS = 240
 # (tools/time_mgpu_variants.py --variants producer_by_warps). Over pages of fewer tokens than
 # PRODUCER_BY_WARPS_BELOW the warps share it anyway (``producer_by_warps``).
 PRODUCER_ISSUE_BY_WARPS = False
-# 16-token pages: a step's 81 copies from one thread set its pace (round-robin, H200, jax 0.11.2:
-# shared 0.216 vs 0.276 ms at 32 x 16k x 128, 0.122 vs 0.152 at 8 x 32k x 128, 0.243 vs 0.299 at
-# 64 x 16k x 64, the same bits; over 64-token pages 0.207 vs 0.205 at 32 x 16k x 128). The 41
-# copies of 32-token pages are not measured either way.
-PRODUCER_BY_WARPS_BELOW = 32
+# Over 16- and 32-token pages a step's 81 or 41 copies from one thread set its pace (round-robin,
+# H200, jax 0.11.2, the same bits either way; shared vs one thread): 16-token pages 0.216 vs 0.276
+# ms at 32 x 16k x 128, 0.122 vs 0.152 at 8 x 32k x 128, 0.243 vs 0.299 at 64 x 16k x 64;
+# 32-token pages 0.213 vs 0.231, 0.117 vs 0.129, 0.235 vs 0.257; over 64-token pages 0.207 vs
+# 0.205 at 32 x 16k x 128.
+PRODUCER_BY_WARPS_BELOW = 64
 
 
 def producer_by_warps(page_size: int) -> bool:
@@ -164,12 +165,6 @@ UNSYNCED_ROW_STORES = True
 # ``NAMED_SYNC``. 0.422 vs 0.432 ms at 32 x 16k x 128 x 2 (H100, tools/time_mgpu_variants.py
 # --shape 32x16384x128x2 --variants baseline commit_with_barrier).
 FENCE_ONLY_COMMIT = True
-# Whether the split partials of every Mosaic decode kernel are merged on Mosaic GPU
-# (``combine_splits_mgpu``) rather than by the Triton merge (``merge_items``). On an H200 its
-# launch took 0.64-1.02x the Triton merge's GPU time (docs/benchmarks/merge_h200.md); in a jit of
-# 8 chained decode calls the wall clock was the same within the host's noise (8 x 32k x 16 heads
-# 439 vs 440 us, 1 x 64k x 128 319 vs 316 us). The Triton merge stays for the Triton decode kernels.
-MOSAIC_MERGE = True
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
@@ -1135,24 +1130,20 @@ def merge_items(outs: tuple, plan: SplitPlan, dtype, *, num_splits: int,
                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """The call's (out [B, rows, 512] in ``dtype``, lse [B, rows]) from a kernel's four outputs
     (``output_types``). A uniform plan of S > 1 merges its [B x S] partial slots as [B, S]
-    (``combine_splits``: counts known when it compiles, 0.5-3 us faster on an H200 than
+    (``combine_splits_mgpu``: counts known when it compiles, 0.5-3 us faster on an H200 than
     reading them); a balanced one merges rows of several items into the rows the kernel wrote
-    directly (``combine_items``, up to ``num_splits`` items, rounded up to a power of two,
-    loaded at a time). Both on Mosaic GPU (``combine_splits_mgpu``), or without ``MOSAIC_MERGE``
-    (and with a jax that still has Pallas' Triton backend) by the Triton merge of ``combine_splits``."""
+    directly (``combine_items_mgpu``, up to ``num_splits`` items, rounded up to a power of two,
+    loaded at a time)."""
     out, lse, part_o, part_lse = outs
     batch = out.shape[0]
-    mosaic_merge = MOSAIC_MERGE or not pallas_triton_available()
-    merge_splits, merge_rows = ((combine_splits_mgpu, combine_items_mgpu) if mosaic_merge
-                                else (combine_splits, combine_items))
     if plan.partials and plan.uniform_splits is not None:
         part_o = part_o.reshape(batch, plan.uniform_splits, *part_o.shape[1:])
-        out, lse = merge_splits(part_o, part_lse.reshape(batch, plan.uniform_splits, -1), dtype,
-                                interpret=interpret)
+        out, lse = combine_splits_mgpu(part_o, part_lse.reshape(batch, plan.uniform_splits, -1), dtype,
+                                       interpret=interpret)
         return out, lse
     if plan.partials:
-        out, lse = merge_rows(part_o, part_lse, plan.item_start, plan.item_count, out, lse,
-                              chunk=pl.next_power_of_2(max(num_splits, 2)), interpret=interpret)
+        out, lse = combine_items_mgpu(part_o, part_lse, plan.item_start, plan.item_count, out, lse,
+                                      chunk=pl.next_power_of_2(max(num_splits, 2)), interpret=interpret)
     return out.astype(dtype), lse
 
 
@@ -1170,7 +1161,7 @@ def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tup
     seq_len, from a budget that gives rows of equal length ``num_splits`` each
     (``split_plan.balanced_plan``). The partials of a row's CTAs
     (``combine_splits.partial_dtype``) are merged with their log-sum-exp
-    (``combine_splits.combine_items``). ``num_pages``: pages in one layer of the
+    (``combine_splits_mgpu.combine_items_mgpu``). ``num_pages``: pages in one layer of the
     cache (None: all of the arrays' rows); traced page ids are clipped into [0, num_pages)
     and seq_lens into the table's capacity, so that no read leaves the cache.
     """

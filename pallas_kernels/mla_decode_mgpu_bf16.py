@@ -1,9 +1,9 @@
 """The BF16 twin on Mosaic GPU: MLA decode over the bf16 latent cache, two consumer warpgroups and a TMA producer.
 
 The baseline the FP8 kernels are measured against should be as good a kernel as
-they are: the Triton BF16 twin (``pallas_kernels.mla_decode``) runs the H = 128
-shapes at about a third of its own roofline, one 64 x 512 fp32 output per
-program in Triton's registers. This kernel is built like the FP8 Mosaic kernel
+they are (a Triton BF16 twin, since removed, ran the H = 128 shapes at about a third of
+its own roofline, one 64 x 512 fp32 output per program in Triton's registers). This
+kernel is built like the FP8 Mosaic kernel
 (``mla_decode_mgpu``: grid, producer warpgroup, split-KV, outputs) with what
 16-bit operands allow, and nothing the FP8 kernel needs for 8-bit ones:
 
@@ -60,7 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from snapmla_jax.pallas_kernels.combine_splits import partial_dtype
-from snapmla_jax.pallas_kernels.mla_decode import LOG2E, resolve_num_pages
+from snapmla_jax.pallas_kernels.mla_decode_reference import LOG2E, resolve_num_pages
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, CHUNKS_PER_WG, NUM_CHUNKS, NUM_SLOTS, NUM_WGS,
                                                         PAGE, ROPE, aligned, balanced_plan_size, check_launch,
                                                         check_registers, grid_params, initial_carry, for_used_items,
@@ -246,7 +246,7 @@ def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays
 
     Split-KV as ``mla_decode_mgpu`` (``num_splits`` CTAs a row, or ``balanced``: in proportion
     to the rows' seq_lens), the partials (bf16 for a bf16 output) merged with their
-    log-sum-exp (``combine_splits.combine_items``). ``num_pages``: pages in one layer of
+    log-sum-exp (``combine_splits_mgpu.combine_items_mgpu``). ``num_pages``: pages in one layer of
     the cache (None: all of the arrays' rows); traced page ids are clipped into [0, num_pages)
     and seq_lens into the table's capacity, so that no read leaves the cache. ValueError for
     a cache or row count this kernel does not take.

@@ -53,7 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from snapmla_jax.pallas_kernels.mla_decode import LOG2E, resolve_num_pages
+from snapmla_jax.pallas_kernels.mla_decode_reference import LOG2E, resolve_num_pages
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, HALF, NUM_CHUNKS, NUM_SLOTS, NUM_WGS,
                                                         PAGE, ROPE, check_launch, for_used_items, grid_params,
                                                         initial_carry, issue_query, locate_cta, merge_items,

@@ -63,7 +63,7 @@ from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms,
                                                    store_token_bytes)
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import GROUP_ROWS, SCALE_FLOOR, quantized_rows, scale_copy_pages
-from snapmla_jax.pallas_kernels.mla_decode import LOG2E, resolve_num_pages
+from snapmla_jax.pallas_kernels.mla_decode_reference import LOG2E, resolve_num_pages
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, FRAME_DROP, HALF,
                                                         LOG2_FP8_MAX, NAMED_SYNC, NUM_CHUNKS, NUM_SLOTS, NUM_WGS,
                                                         PAGE_SIZES, RANK, ROPE, ROW, STATS_SYNC_ID, STEP, aligned,

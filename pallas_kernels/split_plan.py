@@ -3,7 +3,7 @@
 A Mosaic decode call runs one CTA per (work item, block of query rows). A work item is
 one contiguous run of whole steps (``step_tokens`` tokens) of one batch row; a batch row's
 items together cover its seq_len, in order. Each item writes normalised partials and their
-log-sum-exp, merged per row by ``combine_splits.combine_items``; a row of a single item
+log-sum-exp, merged per row by ``combine_splits_mgpu.combine_items_mgpu``; a row of a single item
 writes its output directly.
 
 Two plans:

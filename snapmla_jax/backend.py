@@ -57,8 +57,8 @@ ABSTRACT_GPU_KIND = "NVIDIA H100 80GB HBM3"
 def lower_for_cuda(fn, *args):
     """``jax.jit(fn)`` traced on ``args`` and lowered for CUDA, on a machine without a GPU.
 
-    Mosaic GPU kernels lower without a device; Pallas Triton kernels ask for the GPU's
-    compute capability, which an abstract H100 (``ABSTRACT_GPU_KIND``) answers. Used to
+    Mosaic GPU kernels lower without a device; the abstract device is an H100
+    (``ABSTRACT_GPU_KIND``), for what asks the GPU's kind. Used to
     check layout inference, SMEM allocation and lowering on CPU (tests, probe scripts).
     """
     device = jax.sharding.AbstractDevice(device_kind=ABSTRACT_GPU_KIND, num_cores=None, platform="cuda")

@@ -37,24 +37,16 @@ CACHE_DTYPES = ("fp8", "bf16")
 # Every kernel names a token row with an int32 (slot ids, a layer's first row, TMA coordinates,
 # the scale plane's index): one cache array holds at most this many token slots over its layers.
 MAX_TOKEN_SLOTS = 2**31 - 1
-# The Triton kernels (decode's kernels for page sizes that are not multiples of 64 and GPUs
-# other than Hopper, ``snapmla_jax.decode.default_config``) address latent *elements* with int32 offsets: past this
-# the FP8 one reads out of bounds (an illegal address on an H100). The Mosaic GPU kernels address
-# rows by TMA coordinates and pass it: compiled on an H100, decode (FP8 16 and 128 heads, the
-# BF16 twin) and write_kv over a latent array of 2.29e9 elements gave the same bits as over a
-# small pool (tests/test_large_cache.py, under ``pytest -m gpu``).
-TRITON_MAX_ELEMENTS = 2**31 - 1
 INT32_LIMIT = "one cache array holds at most 2**31 - 1 token slots (int32 row indices)"
-TRITON_LIMIT = "the Triton kernels' int32 offsets address at most 2**31 - 1 latent elements"
 
 
-def kernel_addressable(token_slots: int, kv_lora_rank: int, *, triton: bool = False) -> bool:
-    """Whether one cache array of ``token_slots`` x ``kv_lora_rank`` (all its layers) is within the
-    kernels' int32 indices: its token rows for every kernel, and with ``triton`` its latent
-    elements too (the Triton kernels' offsets)."""
-    if token_slots > MAX_TOKEN_SLOTS:
-        return False
-    return not triton or token_slots * kv_lora_rank <= TRITON_MAX_ELEMENTS
+def kernel_addressable(token_slots: int) -> bool:
+    """Whether one cache array of ``token_slots`` token slots (all its layers) is within the
+    kernels' int32 token-row indices (``MAX_TOKEN_SLOTS``). The kernels address rows by TMA
+    coordinates, not elements: compiled on an H100, decode (FP8 16 and 128 heads, the BF16 twin)
+    and write_kv over a latent array of 2.29e9 elements gave the same bits as over a small pool
+    (tests/test_large_cache.py, under ``pytest -m gpu``)."""
+    return token_slots <= MAX_TOKEN_SLOTS
 
 
 @jax.tree_util.register_dataclass
@@ -92,7 +84,7 @@ class LatentCache:
             raise ValueError(f"dtype: expected one of {CACHE_DTYPES}, got {dtype!r}")
         lead = () if num_layers is None else (num_layers,)
         tokens = (num_layers or 1) * num_pages * page_size
-        if not kernel_addressable(tokens, kv_lora_rank):
+        if not kernel_addressable(tokens):
             raise ValueError(f"num_pages: a cache of {tokens} token slots x {kv_lora_rank} is too large: "
                              f"{INT32_LIMIT}; use one cache per layer or fewer pages")
         pages = (*lead, num_pages, page_size)
@@ -178,21 +170,14 @@ def check_layer(cache: LatentCache, layer) -> None:
         raise ValueError(f"layer: expected an int in [0, {cache.num_layers}), got {value}")
 
 
-def check_kernel_addressable(cache: LatentCache, *, triton: bool = False) -> None:
-    """ValueError if the kernels cannot address ``cache`` (``kernel_addressable``; ``triton``:
-    a Triton kernel will read it), rather than an out-of-bounds access on the GPU.
-    LatentCache.create refuses too many token slots; this also catches caches assembled from
-    arrays."""
+def check_kernel_addressable(cache: LatentCache) -> None:
+    """ValueError if the kernels cannot address ``cache`` (``kernel_addressable``), rather than an
+    out-of-bounds access on the GPU. LatentCache.create refuses too many token slots; this also
+    catches caches assembled from arrays."""
     slots = cache.num_slots * (cache.num_layers or 1)
-    if kernel_addressable(slots, cache.kv_lora_rank, triton=triton):
-        return
-    if slots > MAX_TOKEN_SLOTS:
+    if not kernel_addressable(slots):
         raise ValueError(f"cache: its latent array {list(cache.latent.shape)} holds {slots} token slots, too many: "
                          f"{INT32_LIMIT}; split it (one cache per layer, fewer pages)")
-    raise ValueError(f"cache: its latent array {list(cache.latent.shape)} holds {cache.latent.size} elements, "
-                     f"too many for the Triton kernel this call runs: {TRITON_LIMIT}; on a Hopper GPU with "
-                     "page_size a multiple of 16 the Mosaic GPU kernels take it "
-                     "(config=None or DecodeConfig(kernel='mosaic')), else split it or use backend='xla'")
 
 
 def dequantize(cache: LatentCache, *, layer: int | jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

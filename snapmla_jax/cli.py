@@ -107,11 +107,16 @@ def flag_error(err: Exception, flags: Mapping[str, str], default: str | None = N
 
 def backend(value: str, flag: str = "--backend") -> str:
     """``snapmla_jax.backend.resolve_backend(value)``, its errors naming ``flag`` (e.g. "pallas"
-    on a machine without a CUDA GPU)."""
+    on a machine without a CUDA GPU, or "interpret" where the decode kernels' interpreter lacks
+    CPU devices: ``decode.check_interpreter_devices``)."""
     from snapmla_jax.backend import resolve_backend
+    from snapmla_jax.decode import check_interpreter_devices
 
     try:
-        return resolve_backend(value)
+        resolved = resolve_backend(value)
+        if resolved == "interpret":
+            check_interpreter_devices()
+        return resolved
     except ValueError as err:
         raise flag_error(err, {"backend": flag}) from err
 

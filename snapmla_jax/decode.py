@@ -2,8 +2,9 @@
 
 Validates arguments, picks the backend (``snapmla_jax.backend``), chooses the
 split-KV count from the shapes and the GPU's SM count, and lays queries out as
-the kernel's rows. The kernels and the pure-jnp path live in
-``pallas_kernels/mla_decode.py``.
+the kernel's rows. The Mosaic GPU kernels live in ``pallas_kernels/mla_decode_mgpu*.py``, the
+pure-jnp path (backend "xla", and where no kernel serves the call) in
+``pallas_kernels/mla_decode_reference.py``.
 """
 
 from __future__ import annotations
@@ -15,14 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from snapmla_jax.pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG, DecodeConfig,
-                                                   mla_decode_pallas, mla_decode_reference, rows_per_block,
-                                                   tokens_per_block)
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import BLOCK_M as MOSAIC_BLOCK_M
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import PAGE_SIZES as MOSAIC_FP8_PAGE_SIZES
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import STEP as MOSAIC_STEP
-from snapmla_jax.pallas_kernels.mla_decode_mgpu import mla_decode_mgpu, padded_rows
-from snapmla_jax.pallas_kernels.mgpu_decode_inputs import pad_rows
+from snapmla_jax.pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import PAGE_SIZES as MOSAIC_TWIN_PAGE_SIZES
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import STEP as MOSAIC_TWIN_STEP
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
@@ -32,12 +29,11 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16_small import takes as bf16_
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import BLOCK_ROWS as MOSAIC_SMALL_BLOCK_ROWS
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import QUERY_IN_KERNEL_ROWS as MOSAIC_QUERY_IN_KERNEL_ROWS
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
-from snapmla_jax.pallas_kernels.combine_splits import pallas_triton_available
+from snapmla_jax.pallas_kernels.mla_decode_reference import mla_decode_reference
 from snapmla_jax.backend import on_hopper as _on_hopper  # a module name the tests fake
 from snapmla_jax.backend import resolve_backend
 from snapmla_jax.backend import sm_count as _sm_count
-from snapmla_jax.cache import (MAX_TOKEN_SLOTS, TRITON_MAX_ELEMENTS, LatentCache, check_kernel_addressable,
-                               check_layer)
+from snapmla_jax.cache import LatentCache, check_kernel_addressable, check_layer
 
 # Up to this many tokens of block-table capacity over the batch the Mosaic kernels take a uniform
 # split plan (``uniform_plan_only``).
@@ -48,6 +44,12 @@ UNIFORM_PLAN_MAX_TOKENS = 16384
 # SMALL_BLOCKS_MAX_WORK query rows x tokens of capacity.
 SMALL_BLOCKS_MAX_TOKENS = 16384
 SMALL_BLOCKS_MAX_WORK = 2**20
+# The Mosaic decode kernels in Pallas' interpreter run each warpgroup as a thread whose memory
+# operations are host callbacks; with two warpgroups waiting on each other's barriers, one's
+# callbacks can starve behind the other's blocked wait when the CPU client has few devices (on a
+# 2-core machine 1 run in 3 hung; with 8 CPU devices 18 of 18 finished). The count is fixed when
+# JAX starts, so ``mla_decode`` refuses to interpret them on fewer (``check_interpreter_devices``).
+INTERPRETER_CPU_DEVICES = 8
 # Past this the merge's float32 partials outweigh the extra parallelism. (H100, H=16,
 # B=1 x 64k: 128 splits 0.047 ms, 64 splits 0.062 ms; scripts/sweep_splits.py.)
 MAX_SPLITS = 128
@@ -76,18 +78,17 @@ def split_cost(batch: int, row_blocks: int, steps: int, splits: int, slots: int,
 
 
 def choose_num_splits(batch: int, row_blocks: int, max_tokens: int, num_sms: int, min_tokens: int,
-                      waves: int = 1, overhead: float = 1.0) -> int:
+                      overhead: float = 1.0) -> int:
     """Split-KV count: the one of least ``split_cost`` for rows of ``max_tokens`` tokens in steps
-    of ``min_tokens`` (no split shorter than a step), at most MAX_SPLITS, with ``waves`` x
-    ``num_sms`` CTAs running at a time (``waves_per_split_plan``) and the fixed costs times
-    ``overhead`` (``split_overhead``).
+    of ``min_tokens`` (no split shorter than a step), at most MAX_SPLITS, with ``num_sms`` CTAs
+    running at a time and the fixed costs times ``overhead`` (``split_overhead``).
 
     Counting whole waves is what keeps the time smooth in the batch size: one more row than a
     wave holds would otherwise cost a second wave as long as the first (H=128 x 16k: B=72 runs
     144 CTAs on 132 SMs); cut into five, its 720 items fill six waves of a fifth of the steps.
     """
     steps = max(1, -(-max_tokens // min_tokens))
-    slots = waves * num_sms
+    slots = num_sms
     candidates = range(1, min(MAX_SPLITS, steps) + 1)
     return min(candidates, key=lambda splits: (split_cost(batch, row_blocks, steps, splits, slots, overhead), splits))
 
@@ -103,66 +104,41 @@ def uniform_plan_only(capacity_tokens: int) -> bool:
     return capacity_tokens <= UNIFORM_PLAN_MAX_TOKENS
 
 
-def min_tokens_per_split(page_size: int, config: DecodeConfig, cache_dtype: str = "fp8") -> int:
-    """The shortest split ``choose_num_splits`` makes for the kernel ``config`` runs over a
-    ``cache_dtype`` cache: one step of it. 128 tokens for the Mosaic FP8 kernels, a 64-token page
-    for the Mosaic BF16 twins, the block's tokens for the Triton kernels.
+def min_tokens_per_split(cache_dtype: str = "fp8") -> int:
+    """The shortest split ``choose_num_splits`` makes for the Mosaic kernels over a ``cache_dtype``
+    cache: one step of them. 128 tokens for the FP8 kernels, a 64-token page for the BF16 twins.
 
     A one-page split for the twins, against two pages, at B = 1: 10.98 vs 12.50 us a call at
     1 x 1k x 16 heads, 13.24 vs 15.02 at 1 x 1k x 128; no slower at 1 x 4k, 2 x 2k-4k and 8 x 1k
     (H200, jax 0.11.2, round-robin, calls chained over the layers of the cache)."""
-    if config.kernel != "mosaic":
-        return tokens_per_block(page_size, config)
     return MOSAIC_TWIN_STEP if cache_dtype == "bf16" else MOSAIC_STEP
 
 
-def split_overhead(page_size: int, config: DecodeConfig, cache_dtype: str = "fp8") -> float:
-    """``split_cost``'s fixed costs in steps of the kernel ``config`` runs (``min_tokens_per_split``):
-    they were fitted in 128-token steps of the Mosaic FP8 kernels, so the Mosaic twins' one-page
-    steps count them twice; the Triton kernels' as fitted. So the twins' split counts stay near
-    those of 128-token splits, and double at small batches of short rows, where one-page items
-    fill the SMs (1-8 rows of 1k-4k tokens: the measurements in ``min_tokens_per_split``)."""
-    if config.kernel != "mosaic":
-        return 1.0
-    return MOSAIC_STEP / min_tokens_per_split(page_size, config, cache_dtype)
+def split_overhead(cache_dtype: str = "fp8") -> float:
+    """``split_cost``'s fixed costs in steps of the Mosaic kernel of a ``cache_dtype`` cache
+    (``min_tokens_per_split``): they were fitted in 128-token steps of the FP8 kernels, so the
+    twins' one-page steps count them twice. So the twins' split counts stay near those of
+    128-token splits, and double at small batches of short rows, where one-page items fill the
+    SMs (1-8 rows of 1k-4k tokens: the measurements in ``min_tokens_per_split``).
+
+    Each Mosaic kernel keeps one CTA an SM busy from its own TMA pipeline, so a plan fills the SMs
+    once (``choose_num_splits``' one wave; H100, H=128 x 16k: B=32 2 splits 0.426 ms vs 4 splits
+    0.444; B=16 4 splits 0.247 vs 8 splits 0.268)."""
+    return MOSAIC_STEP / min_tokens_per_split(cache_dtype)
 
 
-def waves_per_split_plan(config: DecodeConfig) -> int:
-    """How many times over the split plan fills the SMs for the kernel ``config`` runs.
-
-    The Mosaic kernels keep one CTA an SM busy from its own TMA pipeline: one wave (H100,
-    H=128 x 16k: B=32 2 splits 0.426 ms vs 4 splits 0.444; B=16 4 splits 0.247 vs 8 splits
-    0.268). The Triton kernels hide their load latency across programs instead: two waves
-    (BF16 twin, H=128 x 16k: B=32 2 splits 0.795 ms vs 1 split 0.954; B=16 4 splits 0.404 vs
-    2 splits 0.498; B=64 with 256 programs unsplit 1.29 vs 2 splits 1.75).
-    """
-    return 1 if config.kernel == "mosaic" else 2
-
-
-def planned_num_splits(q_latent: jax.Array, cache: LatentCache, block_table: jax.Array, *, backend: str = "auto",
-                       config: DecodeConfig | None = None) -> int:
-    """The split-KV count ``mla_decode`` uses for these arguments when ``num_splits`` is None
-    (q_latent [B, s_q, H, R], the kernel ``config`` or ``default_config`` picks)."""
+def planned_num_splits(q_latent: jax.Array, cache: LatentCache, block_table: jax.Array) -> int:
+    """The split-KV count ``mla_decode`` gives its Mosaic kernel for these arguments when
+    ``num_splits`` is None (q_latent [B, s_q, H, R])."""
     batch, s_q, heads, _ = q_latent.shape
-    config = config_for(config, cache, resolve_backend(backend), q_latent)
-    block_m = block_rows(s_q * heads, config, cache.dtype, q_latent.dtype, capacity_tokens(block_table, cache))
+    block_m = mosaic_kernel(s_q * heads, cache.dtype, q_latent.dtype, capacity_tokens(block_table, cache))[1]
     return choose_num_splits(batch, -(-(s_q * heads) // block_m), block_table.shape[1] * cache.page_size,
-                             _sm_count(), min_tokens_per_split(cache.page_size, config, cache.dtype),
-                             waves_per_split_plan(config), split_overhead(cache.page_size, config, cache.dtype))
+                             _sm_count(), min_tokens_per_split(cache.dtype), split_overhead(cache.dtype))
 
 
 def capacity_tokens(block_table: jax.Array, cache: LatentCache) -> int:
     """Tokens of block-table capacity over the batch: B x max_pages x page_size."""
     return block_table.shape[0] * block_table.shape[1] * cache.page_size
-
-
-def block_rows(num_rows: int, config: DecodeConfig, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16,
-               capacity: int | None = None) -> int:
-    """Query rows a program of the kernel ``config`` runs over a ``cache_dtype`` cache takes, for
-    ``num_rows`` = s_q x H queries of ``q_dtype`` and ``capacity`` tokens (``mosaic_kernel``)."""
-    if config.kernel == "mosaic":
-        return mosaic_kernel(num_rows, cache_dtype, q_dtype, capacity)[1]
-    return rows_per_block(num_rows, config)
 
 
 def _is_concrete(x) -> bool:
@@ -212,34 +188,6 @@ def _validate(q_latent, q_rope, cache, block_table, seq_lens, softmax_scale, lay
                                  f"seq_lens uses, got {int(table[row, col])} at [{row}, {col}]")
 
 
-def default_config(cache: LatentCache, backend: str) -> DecodeConfig:
-    """The kernel and knobs ``mla_decode`` uses when ``config`` is None.
-
-    Compiled (backend "pallas") on a Hopper GPU over a cache of pages of a multiple of 16 tokens
-    (``mosaic_runs``; read as pages of 16, 32 or 64, ``mosaic_pages``): the Mosaic GPU kernels
-    (``mosaic_kernel`` picks one by the cache, the query rows and their dtype). Over an fp8 cache
-    they are faster than the Triton FP8 kernel at every shape measured, small problems included
-    (H200, docs/benchmarks/small_problems_h200.md: 1.08-1.93x at 16 query rows and 1k-16k tokens).
-    Over a bf16 cache the 16-row Mosaic twin against the Triton twin is 0.88-1.43x at those small
-    problems and 1.01-1.09x from 8 x 32k up (the same page and docs/decode_kernel.md); it is taken
-    there so that no compiled call on Hopper lowers through Pallas' deprecated Triton backend. Over
-    16- and 32-token pages the twins run 1.14-4.26x the Triton twin from 8 x 4k up, and the FP8
-    kernels 1.03-10.2x the Triton FP8 kernel (H200, docs/decode_kernel.md).
-    Elsewhere the Triton kernels (FP8_CONFIG / BF16_CONFIG): pages not a multiple of 16, other GPUs (no
-    wgmma), and the interpreter and the "xla" emulation, where the Mosaic kernels' two warpgroups
-    would run as host threads (slow, and they can stall on small CPUs). Both round P' to e4m3 with
-    a factor per row and block, 64 tokens (Triton) or 128 (Mosaic), so their outputs differ by
-    e4m3 rounding noise only (relative L2 ~1e-3 on the bench).
-
-    A jax without Pallas' Triton backend (``pallas_triton_available``: deprecated since jax 0.11
-    and announced for removal) gets the same picks; ``mla_decode`` runs the Triton configs there
-    as its XLA path of the same math.
-    """
-    if mosaic_runs(cache.page_size, backend, cache.dtype):
-        return MOSAIC_CONFIG
-    return FP8_CONFIG if cache.dtype == "fp8" else BF16_CONFIG
-
-
 def mosaic_page_sizes(cache_dtype: str) -> tuple:
     """The page sizes the Mosaic GPU kernels of a ``cache_dtype`` cache read (several pages a step
     below 64 tokens): 16, 32 and 64, for the FP8 kernels and the BF16 twins alike."""
@@ -260,10 +208,31 @@ def mosaic_takes(page_size: int, cache_dtype: str) -> bool:
 
 
 def mosaic_runs(page_size: int, backend: str, cache_dtype: str = "fp8") -> bool:
-    """Whether ``mla_decode`` can run its Mosaic GPU kernels for a ``cache_dtype`` cache of
-    ``page_size`` under the resolved ``backend``: compiled ("pallas") on a Hopper GPU, pages they
-    take (``mosaic_takes``)."""
-    return backend == "pallas" and mosaic_takes(page_size, cache_dtype) and _on_hopper()
+    """Whether ``mla_decode`` runs a Mosaic GPU kernel for a ``cache_dtype`` cache of
+    ``page_size``-token pages under the resolved ``backend``: compiled ("pallas") on a Hopper GPU
+    or interpreted ("interpret"), over pages they take (``mosaic_takes``). Elsewhere it runs the
+    XLA path of the same math (``no_kernel_reason``)."""
+    return backend in ("pallas", "interpret") and mosaic_takes(page_size, cache_dtype) and (
+        backend == "interpret" or _on_hopper())
+
+
+def no_kernel_reason(page_size: int, cache_dtype: str = "fp8") -> str:
+    """Why no Mosaic GPU kernel serves a compiled or interpreted call over a ``cache_dtype`` cache
+    of ``page_size``-token pages (``mosaic_runs`` is False there), in words."""
+    if not mosaic_takes(page_size, cache_dtype):
+        return (f"its pages of {page_size} tokens (the Mosaic GPU kernels read pages of a multiple of "
+                f"{min(mosaic_page_sizes(cache_dtype))} tokens)")
+    return f"a {jax.devices()[0].device_kind} (the Mosaic GPU kernels need a Hopper GPU: wgmma and TMA)"
+
+
+def check_interpreter_devices() -> None:
+    """ValueError naming ``backend`` where Pallas' interpreter would run a Mosaic decode kernel on
+    fewer than ``INTERPRETER_CPU_DEVICES`` CPU devices."""
+    found = len(jax.devices("cpu"))
+    if found < INTERPRETER_CPU_DEVICES:
+        raise ValueError(f'backend: "interpret" runs the Mosaic GPU decode kernels in Pallas\' interpreter, which '
+                         f"needs {INTERPRETER_CPU_DEVICES} CPU devices (start Python with "
+                         f"JAX_NUM_CPU_DEVICES={INTERPRETER_CPU_DEVICES}), found {found}; or use backend=\"xla\"")
 
 
 def mosaic_pages(block_table: jax.Array, num_pages: int, page_size: int,
@@ -282,25 +251,6 @@ def mosaic_pages(block_table: jax.Array, num_pages: int, page_size: int,
     pages = jnp.clip(block_table, 0, num_pages - 1)
     sub_pages = pages[:, :, None] * k + jnp.arange(k, dtype=block_table.dtype)
     return sub_pages.reshape(block_table.shape[0], -1), num_pages * k, sub_page
-
-
-def max_token_slots(kv_lora_rank: int, page_size: int, backend: str = "auto", cache_dtype: str = "fp8") -> int:
-    """The most token slots one ``cache_dtype`` cache array (all its layers) may hold for
-    ``mla_decode`` and ``write_kv`` under ``backend``: 2**31 - 1 where the Mosaic GPU kernels or XLA
-    run (``default_config`` routes a cache too large for the Triton kernels to a Mosaic one), else
-    what the Triton kernels' int32 element offsets address."""
-    backend = resolve_backend(backend)
-    if backend == "xla" or mosaic_runs(page_size, backend, cache_dtype) or not pallas_triton_available():
-        return MAX_TOKEN_SLOTS
-    return TRITON_MAX_ELEMENTS // kv_lora_rank
-
-
-def config_for(config: DecodeConfig | None, cache: LatentCache, backend: str, q_latent: jax.Array,
-               block_table: jax.Array | None = None) -> DecodeConfig:
-    """``config``, or ``default_config``'s pick. ``q_latent`` [B, s_q, H, R] and ``block_table``:
-    accepted and unused (the pick depends on neither the query rows nor the table's capacity)."""
-    del q_latent, block_table
-    return config or default_config(cache, backend)
 
 
 def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16, capacity: int | None = None):
@@ -356,8 +306,7 @@ def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16,
 
 def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block_table: jax.Array,
                seq_lens: jax.Array, *, softmax_scale: float, layer: int | jax.Array | None = None,
-               backend: str = "auto", return_lse: bool = False, num_splits: int | None = None,
-               config: DecodeConfig | None = None):
+               backend: str = "auto", return_lse: bool = False, num_splits: int | None = None):
     """MLA decode attention (absorbed form) over the paged latent cache.
 
     q_latent    [B, s_q, H, R] bf16/f16/f32: queries in latent space (R = 512).
@@ -370,22 +319,22 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     softmax_scale: python float multiplying q.k (e.g. 1/sqrt(qk_head_dim)).
     layer       None for a cache without a layer axis, else an int or traced
                 int32 scalar (an out-of-range traced layer yields out 0, lse -inf).
-    backend     "auto" | "pallas" | "interpret" | "xla" (see snapmla_jax.backend). Where the
-                Triton kernels would run and this jax has no Pallas Triton backend, the XLA
-                path runs instead, with a RuntimeWarning.
-    num_splits  split-KV count for the Pallas kernels, the same for every row; None picks
-                it from the shapes and the GPU's SM count, and for the Mosaic GPU kernels
-                gives each row a share of the CTAs in proportion to its seq_len
+    backend     "auto" | "pallas" | "interpret" | "xla" (see snapmla_jax.backend). "pallas" and
+                "interpret" run a Mosaic GPU kernel (``mosaic_kernel`` picks it by the cache,
+                the query rows and their dtype) where one serves the call (``mosaic_runs``:
+                pages of a multiple of 16 tokens, and compiled, a Hopper GPU); elsewhere the
+                XLA path of the same math runs, with a RuntimeWarning saying why
+                (``no_kernel_reason``). "interpret" needs ``INTERPRETER_CPU_DEVICES`` CPU devices.
+    num_splits  split-KV count for the Mosaic kernels, the same for every row; None picks
+                it from the shapes and the GPU's SM count (``planned_num_splits``) and gives
+                each row a share of the CTAs in proportion to its seq_len
                 (``pallas_kernels.split_plan.balanced_plan``: a long row among short ones
-                is not left to a few SMs).
-    config      DecodeConfig tuning knobs (None: ``default_config``, measured on an H100).
-                ``DecodeConfig(kernel="mosaic")`` runs a Mosaic GPU kernel
-                (``mosaic_kernel``; page_size 64: FP8 over an fp8 cache, the BF16 twin over a
-                bf16 one), and with backend="xla" its math (P' factors per 128 tokens);
-                ``FP8_CONFIG`` the Triton FP8 kernel, ``BF16_CONFIG`` the Triton BF16 twin.
+                is not left to a few SMs), but for small problems (``uniform_plan_only``).
 
     Returns out [B, s_q, H, R] in q_latent's dtype, and with ``return_lse``
     also lse [B, s_q, H] float32 (natural log of the softmax denominator).
+    Over an fp8 cache every path rounds P' to e4m3 with a factor per row and 128-token step
+    (``mla_decode_reference``), so the kernels and the XLA path differ by float32 rounding.
     Raises ValueError naming the argument on a shape/dtype mismatch or a num_splits that is
     not a positive int (on every backend), and when concrete, on seq_lens outside the block
     table's capacity or page ids out of range.
@@ -398,18 +347,13 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
         raise ValueError(f"num_splits: expected None or a positive int, got {num_splits!r}")
     backend = resolve_backend(backend)
     batch, s_q, heads, rank = q_latent.shape
-    config = config_for(config, cache, backend, q_latent)
     softmax_scale = float(softmax_scale)
-    mosaic = config.kernel == "mosaic"
-    if mosaic and not mosaic_takes(cache.page_size, cache.dtype):
-        sizes = " or ".join(map(str, mosaic_page_sizes(cache.dtype)))
-        raise ValueError(f"config: kernel='mosaic' needs a {cache.dtype} cache with page_size a multiple of "
-                         f"{sizes}, got page_size {cache.page_size}")
-    if not mosaic and backend != "xla" and not pallas_triton_available():
-        warnings.warn(f"mla_decode: jax {jax.__version__} has no Pallas Triton backend, so the Triton kernel's "
-                      f"work ({config.kernel}, page_size {cache.page_size}) runs as the XLA path of the same math",
-                      RuntimeWarning, stacklevel=2)
+    if backend != "xla" and not mosaic_runs(cache.page_size, backend, cache.dtype):
+        warnings.warn(f"mla_decode: no Pallas kernel takes this call, for {no_kernel_reason(cache.page_size, cache.dtype)}; "
+                      "it runs the XLA path of the same math (slower)", RuntimeWarning, stacklevel=2)
         backend = "xla"
+    if backend == "interpret":
+        check_interpreter_devices()
     if layer is not None and not _is_concrete(layer):
         # Documented behaviour for a traced out-of-range layer: nothing visible.
         seq_lens = jnp.where((layer >= 0) & (layer < cache.num_layers), seq_lens, 0)
@@ -418,39 +362,28 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
         seq_lens = jnp.clip(seq_lens, 0, block_table.shape[1] * cache.page_size)
         one = cache.layer_arrays(layer)
         out, lse = mla_decode_reference(q_latent, q_rope, one.latent, one.scale, one.rope, block_table, seq_lens,
-                                        softmax_scale=softmax_scale,
-                                        block_n=MOSAIC_STEP if mosaic else tokens_per_block(cache.page_size, config))
+                                        softmax_scale=softmax_scale, block_n=MOSAIC_STEP)
         return (out, lse) if return_lse else out
 
-    check_kernel_addressable(cache, triton=not mosaic)
+    check_kernel_addressable(cache)
     num_rows = s_q * heads
     capacity = capacity_tokens(block_table, cache)
-    block_m = block_rows(num_rows, config, cache.dtype, q_latent.dtype, capacity)
-    # The Mosaic kernels pad the rows to whole blocks themselves, in one launch with other inputs
-    # (the FP8 kernels' query quantization, the BF16 twin's split plan): no XLA pad launches of
-    # q and q_rope (2-3 us each at 64 x 32 rows on an H100). The Triton kernels take them padded.
-    rows = num_rows if mosaic else padded_rows(num_rows, block_m)
-    to_rows = lambda q: pad_rows(q.reshape(batch, num_rows, q.shape[-1]), rows)
+    # The kernels pad the rows to whole blocks themselves, in one launch with other inputs (the
+    # FP8 kernels' query quantization, the BF16 twin's split plan): no XLA pad launches of q and
+    # q_rope (2-3 us each at 64 x 32 rows on an H100).
+    to_rows = lambda q: q.reshape(batch, num_rows, q.shape[-1])
     flat = lambda a: None if a is None else a.reshape(-1, *a.shape[cache.latent.ndim - 1:])
     cache_arrays = tuple(a for a in (flat(cache.latent), flat(cache.scale), flat(cache.rope)) if a is not None)
     layer_offset = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32) * cache.num_slots, (1,))
     layer_offset = jnp.clip(layer_offset, 0, (cache.num_layers or 1) * cache.num_slots - cache.num_slots)
-    # Left to us, the Mosaic kernels' split count follows each row's seq_len (``split_plan``),
-    # but for small problems (``uniform_plan_only``).
     balanced = num_splits is None and not uniform_plan_only(capacity)
     if num_splits is None:
-        num_splits = planned_num_splits(q_latent, cache, block_table, config=config)
-    if mosaic:
-        table, num_pages, page_size = mosaic_pages(block_table, cache.num_pages, cache.page_size, cache.dtype)
-        out, lse = mosaic_kernel(num_rows, cache.dtype, q_latent.dtype, capacity)[0](
-            to_rows(q_latent), to_rows(q_rope), cache_arrays, table, seq_lens, layer_offset,
-            softmax_scale=softmax_scale, page_size=page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,
-            balanced=balanced, num_pages=num_pages, interpret=backend == "interpret")
-    else:
-        out, lse = mla_decode_pallas(
-            to_rows(q_latent), to_rows(q_rope), cache_arrays, block_table, seq_lens, layer_offset,
-            softmax_scale=softmax_scale, page_size=cache.page_size, s_q=s_q, num_heads=heads,
-            num_splits=num_splits, config=config, num_pages=cache.num_pages, interpret=backend == "interpret")
+        num_splits = planned_num_splits(q_latent, cache, block_table)
+    table, num_pages, page_size = mosaic_pages(block_table, cache.num_pages, cache.page_size, cache.dtype)
+    out, lse = mosaic_kernel(num_rows, cache.dtype, q_latent.dtype, capacity)[0](
+        to_rows(q_latent), to_rows(q_rope), cache_arrays, table, seq_lens, layer_offset,
+        softmax_scale=softmax_scale, page_size=page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,
+        balanced=balanced, num_pages=num_pages, interpret=backend == "interpret")
     out = out[:, :num_rows].reshape(batch, s_q, heads, rank)
     lse = lse[:, :num_rows].reshape(batch, s_q, heads)
     return (out, lse) if return_lse else out

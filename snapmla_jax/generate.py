@@ -61,8 +61,8 @@ from jax.experimental import multihost_utils
 
 from snapmla_jax import cli
 from snapmla_jax.backend import BACKENDS, resolve_backend
-from snapmla_jax.cache import CACHE_DTYPES
-from snapmla_jax.decode import max_token_slots
+from snapmla_jax.cache import CACHE_DTYPES, MAX_TOKEN_SLOTS
+from snapmla_jax.decode import check_interpreter_devices
 from snapmla_jax import data_parallel
 from snapmla_jax.paging import allocate_pages
 from snapmla_jax.sampling import SamplingConfig, sample
@@ -288,14 +288,14 @@ def _pages(lengths: np.ndarray, new_tokens: int, page_size: int) -> np.ndarray:
 
 
 def check_cache_fits(model, lengths: Sequence[int], max_new_tokens: int, kv_cache: str, page_size: int,
-                     budget: tuple[int, str] | None, backend: str = "auto") -> None:
+                     budget: tuple[int, str] | None) -> None:
     """BatchTooLarge unless the per-layer caches for prompts of ``lengths`` plus ``max_new_tokens``
     fit ``budget`` (``cache_budget()``; None: not checked) and what the kernels ``backend`` runs
-    address (``decode.max_token_slots``: one layer's cache array, whatever the memory)."""
+    address (``cache.MAX_TOKEN_SLOTS`` in one layer's cache array, whatever the memory)."""
     lengths = np.asarray(lengths, np.int64)
     one_page = jax.eval_shape(lambda: model.init_cache(1, page_size, kv_cache=kv_cache))
     page_bytes = sum(c.nbytes for c in one_page)
-    fit_pages = max_token_slots(model.cfg.kv_lora_rank, page_size, backend, kv_cache) // page_size
+    fit_pages = MAX_TOKEN_SLOTS // page_size
     limit = f"{fit_pages} pages of {page_size} tokens (what the kernels address in one layer's cache array)"
     if budget is not None and budget[0] // page_bytes < fit_pages:
         fit_pages, limit = budget[0] // page_bytes, budget[1]
@@ -326,14 +326,14 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def _check_caches_fit_each_device(model, lengths: list[int], max_new_tokens: int, kv_cache: str, page_size: int,
-                                  budget, groups: int, backend: str = "auto") -> None:
+                                  budget, groups: int) -> None:
     """``check_cache_fits`` for each device's rows (``groups`` consecutive groups of ``lengths``):
     BatchTooLarge for the device needing the most, with the new-token count at which every
     device's rows fit (how many prompts would fit is not said: fewer prompts regroup the rows)."""
     failures = []
     for group, group_lengths in enumerate(np.split(np.asarray(lengths), groups)):
         try:
-            check_cache_fits(model, group_lengths, max_new_tokens, kv_cache, page_size, budget, backend)
+            check_cache_fits(model, group_lengths, max_new_tokens, kv_cache, page_size, budget)
         except BatchTooLarge as err:
             failures.append((group, len(group_lengths), err))
     if not failures:
@@ -379,7 +379,8 @@ class GenerationStream:
             row = int(np.argmax(lengths))
             raise ValueError(f"max_new_tokens: prompts[{row}] has {lengths[row]} tokens; with {max_new_tokens} new "
                              f"ones it exceeds the model's context of {context} tokens")
-        resolve_backend(backend)  # a bad name fails here, not at the first trace
+        if resolve_backend(backend) == "interpret":  # a bad name fails here, not at the first trace
+            check_interpreter_devices()
         self.mesh = mesh
         self.rows = len(lengths)  # the batch on one device, or padded to a multiple of the mesh's devices
         if mesh is not None:
@@ -391,9 +392,9 @@ class GenerationStream:
         self.pages = allocate_pages(lengths, max_new_tokens, page_size=page_size, groups=groups)
         budget = cache_budget(None if mesh is None else mesh.local_devices)
         if mesh is None:
-            check_cache_fits(model, lengths, max_new_tokens, kv_cache, page_size, budget, backend)
+            check_cache_fits(model, lengths, max_new_tokens, kv_cache, page_size, budget)
         else:
-            _check_caches_fit_each_device(model, lengths, max_new_tokens, kv_cache, page_size, budget, groups, backend)
+            _check_caches_fit_each_device(model, lengths, max_new_tokens, kv_cache, page_size, budget, groups)
         self.model = model
         self.max_new_tokens = max_new_tokens
         self.kv_cache = kv_cache

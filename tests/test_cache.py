@@ -75,70 +75,41 @@ def _abstract_cache(pages: int, dtype: str = "fp8") -> LatentCache:
                        rope=jax.ShapeDtypeStruct((pages, 64, 64), jnp.bfloat16))
 
 
-def test_the_triton_kernels_refuse_a_cache_beyond_their_int32_element_offsets():
-    """A cache of more than 2**31 - 1 latent elements (B=128 x 64k tokens of one layer) must not
-    reach a Triton kernel (an illegal address on the GPU): a ValueError naming the cache and the
-    way out. The Mosaic kernels, XLA and write_kv index token rows and take it. Shapes only."""
+def test_a_cache_past_2_31_latent_elements_is_taken_and_past_2_31_token_slots_refused(monkeypatch):
+    """A cache of more than 2**31 - 1 latent elements (B=128 x 64k tokens of one layer): the
+    decode kernels, XLA and write_kv index token rows and take it. Past 2**31 - 1 token slots no
+    kernel can name a row: a ValueError naming the cache. Shapes only."""
+    from snapmla_jax import decode as decode_module
     from snapmla_jax.decode import mla_decode
-    from snapmla_jax.pallas_kernels.mla_decode import MOSAIC_CONFIG
     from snapmla_jax.write import write_kv
 
+    monkeypatch.setattr(decode_module, "check_interpreter_devices", lambda: None)  # shapes only: nothing runs
     q = jax.ShapeDtypeStruct((1, 1, 16, 512), jnp.bfloat16)
     q_rope = jax.ShapeDtypeStruct((1, 1, 16, 64), jnp.bfloat16)
     table = jax.ShapeDtypeStruct((1, 4), jnp.int32)
     lens = jax.ShapeDtypeStruct((1,), jnp.int32)
-
-    def decode(backend, config=None):
-        return lambda c, q, qr, t, n: mla_decode(q, qr, c, t, n, softmax_scale=0.1, backend=backend, config=config)
-
-    too_big, just_fits = _abstract_cache(2**16 + 1), _abstract_cache(2**16 - 1)  # 2**31 elements = 2**16 pages
-    # Off Hopper the default kernel is the Triton one.
-    with pytest.raises(ValueError, match="cache: .*Triton.*2\\*\\*31 - 1 latent elements.*Mosaic"):
-        jax.eval_shape(decode("interpret"), too_big, q, q_rope, table, lens)
-    jax.eval_shape(decode("interpret"), just_fits, q, q_rope, table, lens)
-    jax.eval_shape(decode("interpret", MOSAIC_CONFIG), too_big, q, q_rope, table, lens)
+    decode = lambda backend: lambda c, q, qr, t, n: mla_decode(q, qr, c, t, n, softmax_scale=0.1, backend=backend)
+    too_big = _abstract_cache(2**16 + 1)  # 2**31 elements = 2**16 pages
+    jax.eval_shape(decode("interpret"), too_big, q, q_rope, table, lens)
     jax.eval_shape(decode("xla"), too_big, q, q_rope, table, lens)
     tokens = jax.ShapeDtypeStruct((3, 512), jnp.bfloat16), jax.ShapeDtypeStruct((3, 64), jnp.bfloat16)
     slots = jax.ShapeDtypeStruct((3,), jnp.int32)
     write = lambda c, l, r, s: write_kv(c, l, r, s, backend="interpret")
     jax.eval_shape(write, too_big, *tokens, slots)
-    # Past 2**31 - 1 token slots no kernel can name a row.
     too_many_rows = _abstract_cache(2**25 + 1)
     with pytest.raises(ValueError, match="cache: .*token slots.*2\\*\\*31 - 1"):
-        jax.eval_shape(decode("interpret", MOSAIC_CONFIG), too_many_rows, q, q_rope, table, lens)
+        jax.eval_shape(decode("interpret"), too_many_rows, q, q_rope, table, lens)
     with pytest.raises(ValueError, match="cache: .*token slots.*2\\*\\*31 - 1"):
         jax.eval_shape(write, too_many_rows, *tokens, slots)
 
 
-def test_a_cache_too_large_for_triton_goes_to_a_mosaic_kernel(monkeypatch):
-    """On a Hopper GPU (faked) every cache with 64-token pages runs a Mosaic kernel, one past the
-    Triton kernels' offsets included; the interpreter keeps the Triton kernels' config (which
-    ``mla_decode`` refuses for such a cache); ``max_token_slots`` says what each backend takes."""
-    from snapmla_jax import decode
-    from snapmla_jax.pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG
-
-    monkeypatch.setattr(decode, "_on_hopper", lambda: True)
-    monkeypatch.setattr(decode, "resolve_backend", lambda backend: backend)  # "pallas" without a GPU
-    for dtype, triton in (("fp8", FP8_CONFIG), ("bf16", BF16_CONFIG)):
-        small, large = _abstract_cache(2**16 - 1, dtype), _abstract_cache(2**16 + 1, dtype)
-        assert decode.default_config(small, "pallas") == decode.default_config(large, "pallas") == MOSAIC_CONFIG
-        assert decode.default_config(large, "interpret") == triton  # refused by mla_decode
-    assert decode.max_token_slots(512, 64, "pallas") == decode.max_token_slots(512, 64, "xla") == 2**31 - 1
-    assert decode.max_token_slots(512, 24, "pallas") == decode.max_token_slots(512, 64, "interpret") == 2**22 - 1
-    # Pages of any multiple of 16 tokens run the Mosaic kernels.
-    for page_size in (16, 32, 48):
-        for dtype in ("fp8", "bf16"):
-            assert decode.max_token_slots(512, page_size, "pallas", dtype) == 2**31 - 1
-
-
 def test_the_int32_rules_are_one_for_create_and_the_e2e_planner():
     """``kernel_addressable`` is the rule LatentCache.create and the e2e planner share: 2**31 - 1
-    token slots in one array, and 2**31 - 1 latent elements for the Triton kernels."""
+    token slots in one array."""
     from snapmla_jax.bench.e2e import V2_LITE, make_plans
     from snapmla_jax.cache import kernel_addressable
 
-    assert kernel_addressable(2**31 - 1, 512) and not kernel_addressable(2**31, 512)
-    assert kernel_addressable(2**22 - 1, 512, triton=True) and not kernel_addressable(2**22, 512, triton=True)
+    assert kernel_addressable(2**31 - 1) and not kernel_addressable(2**31)
     with pytest.raises(ValueError, match="num_pages: .*2\\*\\*31 - 1 token slots"):
         LatentCache.create(num_pages=2**25, page_size=64)
     jax.eval_shape(lambda: LatentCache.create(num_pages=2**16 + 1, page_size=64))

@@ -1,7 +1,6 @@
-"""The split-KV merges against a float64 merge: the Triton one (pallas_kernels/combine_splits.py,
-the Triton decode kernels') and the Mosaic GPU one (combine_splits_mgpu.py, the Mosaic decode
-kernels'), in interpret mode (compiled on a GPU: ``-m gpu``), and the Mosaic one's lowering for
-CUDA on the CPU."""
+"""The split-KV merge of the Mosaic decode kernels (combine_splits_mgpu.py) and its references
+(combine_splits.py) against a float64 merge, in interpret mode (compiled on a GPU: ``-m gpu``),
+and its lowering for CUDA on the CPU."""
 
 import functools
 
@@ -13,12 +12,10 @@ from jax.experimental import pallas as pl
 
 from snapmla_jax.backend import lower_for_cuda
 from snapmla_jax.pallas_kernels import combine_splits_mgpu as mosaic
-from snapmla_jax.pallas_kernels.combine_splits import (combine_items, combine_items_reference, combine_splits,
-                                                       combine_splits_reference, max_tile, partial_dtype, tile_size)
+from snapmla_jax.pallas_kernels.combine_splits import combine_items_reference, combine_splits_reference, partial_dtype
 
-# Each merge as (combine_splits, combine_items): the tests run both.
-MERGES = {"triton": (combine_splits, combine_items),
-          "mosaic": (mosaic.combine_splits_mgpu, mosaic.combine_items_mgpu)}
+# Each merge as (combine_splits, combine_items).
+MERGES = {"mosaic": (mosaic.combine_splits_mgpu, mosaic.combine_items_mgpu)}
 merges = pytest.mark.parametrize("merge", list(MERGES))
 
 
@@ -113,14 +110,6 @@ def test_reference_agrees_with_float64():
     merged, merged_lse = combine_splits_reference(jnp.asarray(out), jnp.asarray(lse))
     np.testing.assert_allclose(np.asarray(merged), want, rtol=0, atol=1e-6 * np.abs(out).max())
     np.testing.assert_allclose(np.asarray(merged_lse), want_lse, rtol=1e-6, atol=1e-5)
-
-
-def test_tile_size_fits_and_divides():
-    for splits in (1, 2, 3, 8, 33, 66, 128, 256):
-        for rows in (16, 48, 64):
-            size = tile_size(splits, rows * 512)
-            # Every split's run in one load of at most ``max_tile`` values; runs tile the slab.
-            assert size * pl.next_power_of_2(splits) <= max_tile(splits) and (rows * 512) % size == 0
 
 
 def test_mosaic_run_shape_fits_and_divides():
@@ -257,7 +246,7 @@ ITEM_IDS = ["{}-{}-{}-c{}-{}".format(r, jnp.dtype(p).name, jnp.dtype(o).name, c,
 OUTPUT_RTOL = {jnp.dtype(jnp.float32): 0.0, jnp.dtype(jnp.bfloat16): 2.0 ** -8, jnp.dtype(jnp.float16): 2.0 ** -11}
 # Small R: interpret mode's cost grows with it; the Mosaic merge takes R >= 128 (a thread's
 # share of a row is whole values).
-RANK = {"triton": 64, "mosaic": 128}
+RANK = {"mosaic": 128}
 
 
 @functools.lru_cache(maxsize=None)

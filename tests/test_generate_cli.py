@@ -204,13 +204,14 @@ def test_prompts_are_counted_from_1_as_the_lines_of_the_batch_file(checkpoint, t
     assert code == 2 and f"--max-new-tokens: prompt 1 (line 1 of {batch}) has" in err, err
 
 
-def test_a_batch_of_100k_prompts_is_refused_before_allocating_saying_what_fits(checkpoint, tmp_path, capsys):
+def test_a_batch_of_100k_prompts_is_refused_before_allocating_saying_what_fits(checkpoint, tmp_path, capsys,
+                                                                               monkeypatch):
     batch = tmp_path / "prompts.txt"
     batch.write_text("a cache\n" * 100_000)
-    # 100k pages of 64 tokens x 512: past the interpreted (Triton) kernels' int32 element offsets,
-    # whatever the host's memory (XLA and the compiled Mosaic kernels address them).
-    code, out, err = _run(capsys, "--model", checkpoint, "--batch-file", batch, "--max-new-tokens", 8,
-                          "--backend", "interpret")
+    # 100k pages of 64 tokens, past the token rows the kernels address in one layer's cache array
+    # (made 2**20 here: the real 2**31 - 1 would need 33M prompts), whatever the host's memory.
+    monkeypatch.setattr(importlib.import_module("snapmla_jax.generate"), "MAX_TOKEN_SLOTS", 2**20)
+    code, out, err = _run(capsys, "--model", checkpoint, "--batch-file", batch, "--max-new-tokens", 8)
     assert_usage_error(code, err)
     assert out == "" and err.startswith("snapmla_jax.generate: error: --batch-file: 100000 prompts with --max-new-tokens 8 need ")
     fit = int(re.search(r"the first (\d+) prompts would fit", err).group(1))
@@ -275,7 +276,7 @@ def test_shard_experts_runs_the_demo_model_over_two_devices_with_the_same_tokens
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache", ["fp8", "bf16"])
 def test_shard_experts_over_the_gpus_gives_the_tokens_of_one_gpu(capsys, kv_cache):
-    # The CPU test above runs the partitioned program with the interpreted kernels; here the
+    # The CPU test above runs the partitioned program on the XLA path; here the
     # compiled write and decode kernels run inside the expert-parallel program, their operands
     # replicated over the GPUs, and the 8 experts split over 2, 4 or 8 of them.
     gpus = len(jax.devices("gpu"))

@@ -1,7 +1,7 @@
 """The compiled kernels on one cache array past 2**31 - 1 latent elements (a Hopper GPU).
 
-The Triton kernels' int32 element offsets stop there; the Mosaic GPU kernels index token rows
-(TMA coordinates) and must not. Rows whose pages sit at the end of a pool of 2.29e9 latent
+An int32 element offset would stop there; the Mosaic GPU kernels index token rows (TMA
+coordinates) and must not. Rows whose pages sit at the end of a pool of 2.29e9 latent
 elements are written and decoded, and must give the same bits as the same rows at the start of a
 small pool: the same kernels on the same data, only the addresses differ.
 """
@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from snapmla_jax.cache import TRITON_MAX_ELEMENTS, LatentCache
-from snapmla_jax.decode import default_config, mla_decode
-from snapmla_jax.pallas_kernels.mla_decode import MOSAIC_CONFIG
+from snapmla_jax.cache import LatentCache
+from snapmla_jax.decode import mla_decode
 from snapmla_jax.write import write_kv
 
 PAGE = 64
@@ -35,7 +34,7 @@ def test_a_cache_past_the_int32_element_offsets_gives_the_bits_of_a_small_one(dt
     batch = 4
     pages_per_row = context // PAGE
     large = _zeros(LARGE_PAGES, dtype)
-    assert large.latent.size > TRITON_MAX_ELEMENTS
+    assert large.latent.size > 2**31 - 1
     small = _zeros(batch * pages_per_row, dtype)
     first = LARGE_PAGES - batch * pages_per_row
     table_small = np.arange(batch * pages_per_row, dtype=np.int32).reshape(batch, pages_per_row)
@@ -55,16 +54,12 @@ def test_a_cache_past_the_int32_element_offsets_gives_the_bits_of_a_small_one(dt
     if dtype == "fp8":
         np.testing.assert_array_equal(np.asarray(large.scale[first:]), np.asarray(small.scale))
 
-    # On the large pool a Mosaic kernel, past what the Triton kernels address.
-    assert default_config(large, "pallas") == MOSAIC_CONFIG
     seq_lens = jnp.asarray([context, context - 37, 1, 0], jnp.int32)
     q = jnp.asarray(rng.standard_normal((batch, 1, heads, 512)), jnp.bfloat16)
     q_rope = jnp.asarray(rng.standard_normal((batch, 1, heads, 64)), jnp.bfloat16)
-    decode = jax.jit(mla_decode, static_argnames=("softmax_scale", "return_lse", "config"))
-    config = MOSAIC_CONFIG  # the small pool's bf16 cache would take the Triton twin at 16 heads
+    decode = jax.jit(mla_decode, static_argnames=("softmax_scale", "return_lse"))
     out_large, lse_large = decode(q, q_rope, large, table_large, seq_lens, softmax_scale=0.04, return_lse=True)
-    out_small, lse_small = decode(q, q_rope, small, table_small, seq_lens, softmax_scale=0.04, return_lse=True,
-                                  config=config)
+    out_small, lse_small = decode(q, q_rope, small, table_small, seq_lens, softmax_scale=0.04, return_lse=True)
     np.testing.assert_array_equal(np.asarray(out_large.astype(jnp.float32)), np.asarray(out_small.astype(jnp.float32)))
     np.testing.assert_array_equal(np.asarray(lse_large), np.asarray(lse_small))
     assert np.isfinite(np.asarray(out_large.astype(jnp.float32))).all() and np.abs(np.asarray(out_large[:3], np.float32)).max() > 0

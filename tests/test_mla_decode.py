@@ -1,4 +1,6 @@
-"""mla_decode: the Pallas kernels (interpret mode), the xla path, and their contract.
+"""mla_decode: its XLA path (the kernels' math: what runs on CPU, and where no kernel serves a
+call) against float64 attention, and the contract every backend shares. The Mosaic kernels
+against the same math: tests/test_mla_decode_mgpu*.py.
 
 References are float64 numpy attention over the cache's dequantized contents
 (or the original unquantized latent where a test says so). Inputs are random
@@ -17,11 +19,9 @@ import numpy as np
 import pytest
 
 import snapmla_jax.decode as decode_module
-from snapmla_jax.pallas_kernels.mla_decode import (BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG, DecodeConfig, resolve_pv_mma,
-                                                   rows_per_block, tokens_per_block)
 from snapmla_jax.cache import LatentCache
 from snapmla_jax.decode import (ITEM_STEPS, MAX_SPLITS, MERGE_STEPS, choose_num_splits, min_tokens_per_split, mla_decode,
-                                planned_num_splits, split_cost, split_overhead, waves_per_split_plan)
+                                mosaic_kernel, planned_num_splits, split_cost, split_overhead)
 from snapmla_jax.quantization import AMAX_FLOOR, FP8_E4M3_EPS, FP8_E4M3_MAX, quantize_per_token
 
 RANK, ROPE = 512, 64
@@ -146,7 +146,7 @@ def fp8_error_bound(q, q_rope, cache, block_table, seq_lens):
     return bound
 
 
-def run(q, q_rope, cache, block_table, seq_lens, backend="interpret", **kw):
+def run(q, q_rope, cache, block_table, seq_lens, backend="xla", **kw):
     return mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=SCALE, backend=backend,
                       return_lse=True, **kw)
 
@@ -197,19 +197,6 @@ def test_fp8_kernel_within_rounding_bound(paged_setup):
     assert np.median(bound / np.abs(ref)) < 0.5
 
 
-def test_fp8_kernel_matches_xla_emulation_of_its_roundings(paged_setup):
-    latent, rope, block_table, seq_lens, q, q_rope = paged_setup
-    cache = make_cache(latent, rope, "fp8")
-    out, lse = run(q, q_rope, cache, block_table, seq_lens)
-    emu, emu_lse = run(q, q_rope, cache, block_table, seq_lens, backend="xla")
-    # Same roundings; only fp32 summation order and exp2 arguments (running vs
-    # global max) differ, which can flip a P' value sitting on an e4m3 rounding
-    # boundary by one ulp (2**-3 relative) for an isolated token: 2e-3 of the
-    # output scale allows a handful of such flips, 30x tighter than the FP8 bound.
-    assert rel_err(out, np.asarray(emu, np.float64)) <= 2e-3
-    np.testing.assert_allclose(lse, emu_lse, atol=1e-5)  # lse is unquantized: fp32 only
-
-
 def test_fp8_attends_tokens_whose_scales_differ_1000x():
     """Half the tokens are 1000x smaller yet get nearly all the attention (via the
     RoPE scores): without the per-row P' factor their P' would underflow e4m3."""
@@ -258,7 +245,7 @@ def test_fp8_error_against_bf16_attention_on_unquantized_data(paged_setup):
 
 # ---------------------------------------------------------------- structure
 
-@pytest.mark.parametrize("page_size", [16, 24, 64, 256])  # 24: not a multiple of 16, per-token gather path
+@pytest.mark.parametrize("page_size", [16, 24, 64, 256])  # 24: what no kernel reads (the XLA path serves it)
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])
 def test_paged_cache_any_page_size(page_size, dtype):
     rng = np.random.default_rng(page_size)
@@ -271,13 +258,13 @@ def test_paged_cache_any_page_size(page_size, dtype):
     seq_lens = jnp.asarray([capacity - page_size // 2 - 1, capacity // 3], jnp.int32)  # partial last pages
     q, q_rope = make_queries(rng, 2, 1, 16)
     out, lse = run(q, q_rope, cache, block_table, seq_lens)
-    emu, emu_lse = run(q, q_rope, cache, block_table, seq_lens, backend="xla")
-    # Same math both sides: fp32 order only, plus rare single e4m3 P' flips (see above).
-    assert rel_err(out, np.asarray(emu, np.float64)) <= 2e-3
-    np.testing.assert_allclose(lse, emu_lse, atol=1e-5)
-    if dtype == "bf16":
-        ref, _, _ = attention_f64(q, q_rope, *cache_contents(cache)[:2], block_table, seq_lens)
+    ref, ref_lse, _ = attention_f64(q, q_rope, *cache_contents(cache)[:2], block_table, seq_lens)
+    if dtype == "bf16":  # as test_bf16_twin_matches_float64_reference
         assert rel_err(out, ref) <= 1e-2
+        np.testing.assert_allclose(lse, ref_lse, atol=2e-2)
+    else:  # the lse carries Q's e4m3 rounding, which the output's bound accounts for
+        assert np.all(np.abs(np.asarray(out, np.float64) - ref) <= fp8_error_bound(q, q_rope, cache, block_table,
+                                                                                    seq_lens))
 
 
 def test_ragged_seq_lens_and_empty_rows(paged_setup):
@@ -310,65 +297,15 @@ def test_multi_token_queries_are_causal(s_q):
     assert not np.allclose(np.asarray(out)[:, 0], np.asarray(out)[:, -1], atol=1e-2)
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
-def test_split_kv_combine_matches_single_pass(dtype, paged_setup):
-    latent, rope, block_table, seq_lens, q, q_rope = paged_setup
-    cache = make_cache(latent, rope, dtype)
-    config = DecodeConfig(block_n=16)  # 7 token blocks per row: 3 splits get unequal work, one row ends early
-    one, one_lse = run(q, q_rope, cache, block_table, seq_lens, num_splits=1, config=config)
-    many, many_lse = run(q, q_rope, cache, block_table, seq_lens, num_splits=3, config=config)
-    # Splits start on token-block boundaries and FP8's P' scaling is relative to
-    # the block, so the same e4m3 roundings happen; BF16's P rounding sees the
-    # running max, which differs per split: <= 2**-9 per weight, i.e. <= 2**-9 of
-    # the output scale. 2**-8 covers that plus the fp32 merge.
-    reference = np.asarray(one, np.float64)
-    assert rel_err(many, reference) <= 2**-8
-    np.testing.assert_allclose(many_lse, one_lse, atol=1e-5)  # lse: unquantized fp32 sums
-    # More splits than token blocks: empty splits must merge away.
-    most, _ = run(q, q_rope, cache, block_table, seq_lens, num_splits=9, config=config)
-    assert rel_err(most, reference) <= 2**-8
-
-
-@pytest.mark.parametrize("dtype,config", [
-    ("fp8", DecodeConfig(block_n=16, pv_mma="bf16")),
-    ("fp8", DecodeConfig(block_n=16, pv_mma="fp8")),
-    ("bf16", DecodeConfig(block_n=16, pv_mma="bf16")),  # pv_mma is moot on the bf16 cache
-])
-@pytest.mark.parametrize("page_size", [64, 24])  # contiguous tiles, and the per-token gather
-def test_config_variants_compute_the_same_attention(dtype, config, page_size):
-    """The MMA that runs P'.V on e4m3 operands changes the instruction, not the math."""
-    rng = np.random.default_rng(page_size)
-    latent, rope = make_latent(rng, 12, page_size)
-    block_table = scrambled_block_table(rng, 3, 4, 12)
-    seq_lens = jnp.asarray([4 * page_size - 5, 0, page_size + 3], jnp.int32)
-    q, q_rope = make_queries(rng, 3, 2, 20)  # 40 rows: one padded row block
-    cache = make_cache(latent, rope, dtype)
-    base, base_lse = run(q, q_rope, cache, block_table, seq_lens, num_splits=2,
-                         config=DecodeConfig(block_n=16, pv_mma="fp8" if config.pv_mma == "bf16" else "bf16"))
-    got, got_lse = run(q, q_rope, cache, block_table, seq_lens, num_splits=2, config=config)
-    # Same roundings of the same operands; only fp32 summation order may differ
-    # (an e4m3 x e4m3 product is exact in bf16 x bf16 -> fp32 MMAs): 1e-5 of
-    # the output scale leaves room for that and fails on any wrong operand.
-    assert rel_err(got, np.asarray(base, np.float64)) <= 1e-5
-    np.testing.assert_allclose(got_lse, base_lse, atol=1e-5)
-    assert np.all(np.asarray(got)[1] == 0)  # seq_len 0 row
-
-
-def test_pv_mma_auto_picks_bf16_mmas_for_64_row_blocks_only():
-    assert resolve_pv_mma(DecodeConfig(), 64) == "bf16"
-    assert resolve_pv_mma(DecodeConfig(), 32) == resolve_pv_mma(DecodeConfig(), 16) == "fp8"
-    assert resolve_pv_mma(DecodeConfig(pv_mma="fp8"), 64) == "fp8"
-
-
 @pytest.mark.parametrize("heads,s_q", [(20, 1), (6, 2)])
-def test_head_count_not_a_multiple_of_the_row_block(heads, s_q):
+def test_head_counts_and_query_lengths_of_any_size(heads, s_q):
     rng = np.random.default_rng(heads)
     latent, rope = make_latent(rng, 8, 16)
     cache = make_cache(latent, rope, "fp8")
     block_table = scrambled_block_table(rng, 2, 4, 8)
     seq_lens = jnp.asarray([60, 33], jnp.int32)
     q, q_rope = make_queries(rng, 2, s_q, heads)
-    out, _ = run(q, q_rope, cache, block_table, seq_lens, config=DecodeConfig(block_m=16))
+    out, _ = run(q, q_rope, cache, block_table, seq_lens)
     ref, _, _ = attention_f64(q, q_rope, *cache_contents(cache)[:2], block_table, seq_lens)
     bound = fp8_error_bound(q, q_rope, cache, block_table, seq_lens)
     assert out.shape == (2, s_q, heads, RANK)
@@ -387,7 +324,8 @@ def test_layered_cache_selects_layer_by_offset():
     got, _ = run(q, q_rope, stacked, block_table, seq_lens, layer=2)
     np.testing.assert_array_equal(got, want)
     traced = jax.jit(lambda layer: run(q, q_rope, stacked, block_table, seq_lens, layer=layer))
-    np.testing.assert_array_equal(traced(jnp.int32(2))[0], want)
+    # Jitted whole, XLA fuses the sums otherwise than eagerly: float32 order (2**-24 a term).
+    np.testing.assert_allclose(traced(jnp.int32(2))[0], want, rtol=0, atol=1e-5 * np.abs(np.asarray(want)).max())
     out, lse = traced(jnp.int32(7))  # out of range when traced: nothing visible
     assert np.all(np.asarray(out) == 0) and np.all(np.asarray(lse) == -np.inf)
 
@@ -407,29 +345,25 @@ def out_of_range_inputs(rng, page_size, *, num_pages=10, heads=16, s_q=2):
     return layers, (jnp.asarray(block_table), jnp.asarray(seq_lens)), clipped, q, q_rope
 
 
-@pytest.mark.parametrize("backend,dtype,config", [
-    ("xla", "fp8", None),
-    ("interpret", "bf16", None),
-    ("interpret", "fp8", FP8_CONFIG),
-])
-@pytest.mark.parametrize("page_size", [64, 24])  # contiguous tiles, and the per-token gather
-def test_traced_out_of_range_pages_and_lengths_read_what_clipped_ones_read(backend, dtype, config, page_size):
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+@pytest.mark.parametrize("page_size", [64, 24])
+def test_traced_out_of_range_pages_and_lengths_read_what_clipped_ones_read(dtype, page_size):
     """Under jit a block table and seq_lens cannot be validated. Every backend then clips page ids
     into [0, num_pages) of the selected layer and seq_lens into the table's capacity, so no read
     leaves the cache and a bad row gets the output of its clipped input (bit for bit). Layer 0 of
-    two, so that an unclipped page past the end would read layer 1 (or, in the interpreter,
-    whatever its clamped slice start holds) and differ."""
+    two, so that an unclipped page past the end would read layer 1 and differ. The XLA path here;
+    the Mosaic kernels in tests/test_mla_decode_mgpu.py (``_clip_check``)."""
     rng = np.random.default_rng(page_size + 1)
     layers, bad, clipped, q, q_rope = out_of_range_inputs(rng, page_size)
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *[make_cache(lat, rope, dtype) for lat, rope in layers])
-    traced = jax.jit(lambda bt, lens: run(q, q_rope, stacked, bt, lens, backend=backend, config=config, layer=0))
+    traced = jax.jit(lambda bt, lens: run(q, q_rope, stacked, bt, lens, layer=0))
     got, got_lse = traced(*bad)
     want, want_lse = traced(*clipped)  # one program for both (XLA may sum differently in another)
     assert np.all(np.isfinite(np.asarray(got, np.float32)))
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got_lse, want_lse)
     with pytest.raises(ValueError, match="block_table"):  # concrete inputs are refused instead
-        run(q, q_rope, stacked, bad[0], clipped[1], backend=backend, config=config, layer=0)
+        run(q, q_rope, stacked, bad[0], clipped[1], layer=0)
 
 
 def test_xla_backend_is_the_cpu_default_and_lse_is_optional(paged_setup):
@@ -441,17 +375,15 @@ def test_xla_backend_is_the_cpu_default_and_lse_is_optional(paged_setup):
 
 
 def test_split_heuristic_fills_the_gpu_down_to_one_step_a_split():
-    step = min_tokens_per_split(64, MOSAIC_CONFIG)
-    assert step == 128 and min_tokens_per_split(64, BF16_CONFIG) == 64  # Triton: its 64-token block
-    assert min_tokens_per_split(64, MOSAIC_CONFIG, "bf16") == 64  # the Mosaic twins' step: one page
+    step = min_tokens_per_split("fp8")
+    assert step == 128 and min_tokens_per_split("bf16") == 64  # the Mosaic twins' step: one page
     # Their fixed costs count twice in one-page steps: one-page items where B x ctx is small (the
     # counts measured faster), the 128-token counts where whole waves are full anyway.
     twin = functools.partial(choose_num_splits, num_sms=132, min_tokens=64,
-                             overhead=split_overhead(64, MOSAIC_CONFIG, "bf16"))
-    assert split_overhead(64, MOSAIC_CONFIG, "fp8") == 1.0 and split_overhead(64, BF16_CONFIG, "bf16") == 1.0
+                             overhead=split_overhead("bf16"))
+    assert split_overhead("fp8") == 1.0 and split_overhead("bf16") == 2.0
     assert twin(batch=1, row_blocks=1, max_tokens=1024) == 16 and twin(batch=2, row_blocks=1, max_tokens=2048) == 32
     assert twin(batch=32, row_blocks=2, max_tokens=16384) == 2 and twin(batch=128, row_blocks=2, max_tokens=16384) == 1
-    assert waves_per_split_plan(MOSAIC_CONFIG) == 1 and waves_per_split_plan(BF16_CONFIG) == 2
     plan = functools.partial(choose_num_splits, num_sms=132, min_tokens=step)
     assert plan(batch=128, row_blocks=2, max_tokens=16384) == 1  # 256 CTAs: two full waves
     assert plan(batch=66, row_blocks=2, max_tokens=16384) == 1  # one full wave
@@ -461,10 +393,6 @@ def test_split_heuristic_fills_the_gpu_down_to_one_step_a_split():
     assert plan(batch=1, row_blocks=1, max_tokens=100) == 1
     # 80 CTAs of 32 steps leave 52 SMs idle; 240 CTAs of 11 steps fill two waves.
     assert plan(batch=40, row_blocks=2, max_tokens=4096) == 3
-    # Two waves (the Triton kernels): 128 programs get 2 splits, 256 none.
-    assert plan(batch=32, row_blocks=4, max_tokens=16384, waves=2) == 2
-    assert plan(batch=64, row_blocks=4, max_tokens=16384, waves=2) == 1
-    assert plan(batch=8, row_blocks=4, max_tokens=16384, waves=2) == 8
 
 
 @pytest.mark.parametrize("row_blocks, max_tokens", [(2, 16384), (1, 32768), (2, 65536)])
@@ -490,16 +418,16 @@ def test_split_count_has_no_cliff_past_a_wave(row_blocks, max_tokens):
 def test_planned_num_splits_is_what_mla_decode_runs(paged_setup, monkeypatch):
     latent, rope, block_table, seq_lens, q, q_rope = paged_setup
     cache = make_cache(latent, rope, "fp8")
-    planned = planned_num_splits(q, cache, block_table, backend="interpret", config=FP8_CONFIG)
-    block_m = rows_per_block(q.shape[1] * q.shape[2], FP8_CONFIG)
+    planned = planned_num_splits(q, cache, block_table)
+    block_m = mosaic_kernel(q.shape[1] * q.shape[2], "fp8", q.dtype, block_table.size * cache.page_size)[1]
     assert planned == choose_num_splits(q.shape[0], -(-(q.shape[1] * q.shape[2]) // block_m),
-                                        block_table.shape[1] * cache.page_size, 132,
-                                        tokens_per_block(cache.page_size, FP8_CONFIG), waves=2)
+                                        block_table.shape[1] * cache.page_size, 132, 128)
     seen = []
-    real = decode_module.mla_decode_pallas
-    monkeypatch.setattr(decode_module, "mla_decode_pallas",
-                        lambda *a, **kw: seen.append(kw["num_splits"]) or real(*a, **kw))
-    mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=SCALE, backend="interpret", config=FP8_CONFIG)
+    monkeypatch.setattr(decode_module, "check_interpreter_devices", lambda: None)  # the kernel is faked
+    monkeypatch.setattr(decode_module, "mosaic_kernel", lambda *a: (
+        lambda q_rows, *args, **kw: seen.append(kw["num_splits"]) or (q_rows, q_rows[..., 0].astype(jnp.float32)),
+        block_m))
+    mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=SCALE, backend="interpret")
     assert seen == [planned]
 
 
@@ -544,65 +472,25 @@ def test_num_splits_that_is_not_a_positive_int_is_refused_on_every_backend(small
 
 
 WITHOUT_PALLAS_TRITON = r"""
-import sys, warnings
+import importlib, pkgutil, sys
 sys.modules["jax.experimental.pallas.triton"] = None  # what a jax without Pallas' Triton backend gives
-import jax, jax.numpy as jnp, numpy as np
-import snapmla_jax.decode as decode
-from snapmla_jax.pallas_kernels.combine_splits import pallas_triton_available
-from snapmla_jax.cache import LatentCache
-from snapmla_jax.pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG, mla_decode_pallas
-from snapmla_jax.quantization import quantize_per_token
-
-assert not pallas_triton_available()
-fp8_64 = LatentCache.create(4, page_size=64)
-assert decode.default_config(fp8_64, "interpret") == FP8_CONFIG  # run as the XLA path
-decode._on_hopper = lambda: True
-assert decode.default_config(fp8_64, "pallas") == MOSAIC_CONFIG
-assert decode.default_config(LatentCache.create(4, page_size=64, dtype="bf16"), "pallas") == MOSAIC_CONFIG
-assert decode.default_config(LatentCache.create(4, page_size=32), "pallas") == MOSAIC_CONFIG
-assert decode.default_config(LatentCache.create(4, page_size=16), "pallas") == MOSAIC_CONFIG
-assert decode.default_config(LatentCache.create(4, page_size=24), "pallas") == FP8_CONFIG
-assert decode.max_token_slots(512, 32, "interpret") == decode.MAX_TOKEN_SLOTS
-
-rng = np.random.default_rng(0)
-latent = jnp.asarray(rng.normal(size=(6, 32, 512)) * np.exp(rng.normal(size=(6, 32, 1))), jnp.float32)
-q8, scale = quantize_per_token(latent)
-cache = LatentCache(latent=q8, scale=scale, rope=jnp.asarray(rng.normal(size=(6, 32, 64)), jnp.bfloat16))
-q = jnp.asarray(rng.normal(size=(2, 1, 16, 512)) * 0.2, jnp.float32)
-q_rope = jnp.asarray(rng.normal(size=(2, 1, 16, 64)) * 0.2, jnp.float32)
-table = jnp.asarray([[0, 2, 4], [5, 1, 3]], jnp.int32)
-lens = jnp.asarray([70, 0], jnp.int32)  # a partial page; a row that sees nothing
-call = lambda backend: decode.mla_decode(q, q_rope, cache, table, lens, softmax_scale=0.1, backend=backend,
-                                         return_lse=True)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    out, lse = call("interpret")
-assert any("no Pallas Triton backend" in str(w.message) for w in caught), [str(w.message) for w in caught]
-ref, ref_lse = call("xla")
-assert np.array_equal(np.asarray(out), np.asarray(ref)) and np.array_equal(np.asarray(lse), np.asarray(ref_lse))
-assert np.all(np.isfinite(np.asarray(out))) and np.all(np.asarray(out[1]) == 0)
-try:
-    mla_decode_pallas(q.reshape(2, 16, 512), q_rope.reshape(2, 16, 64), (q8.reshape(-1, 512), scale.reshape(-1),
-                      cache.rope.reshape(-1, 64)), table, lens, jnp.zeros((1,), jnp.int32), softmax_scale=0.1,
-                      page_size=32, s_q=1, num_heads=16, num_splits=1, interpret=True)
-except RuntimeError as err:
-    assert "Pallas' Triton backend" in str(err) and "\n" not in str(err)
-else:
-    raise AssertionError("mla_decode_pallas ran without Pallas' Triton backend")
-print("ok")
+import snapmla_jax, snapmla_jax.models
+names = []
+for package in (snapmla_jax, snapmla_jax.models, snapmla_jax.pallas_kernels):
+    for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        importlib.import_module(module.name)
+        names.append(module.name)
+print(len(names))
 """
 
 
-def test_without_pallas_triton_the_triton_kernels_work_runs_as_the_xla_path():
-    """A jax without Pallas' Triton backend (deprecated since 0.11, announced for removal): the package
-    imports, the Mosaic kernels take every compiled Hopper call with pages they take (small problems
-    and the bf16 cache at <= 16 rows included), and what the Triton kernels would have run (other page
-    sizes, the interpreter's default) is the XLA path's exact output, with a warning; calling a Triton
-    launcher says in one line what is missing. Run in a fresh interpreter where that module cannot
-    be imported."""
+def test_every_module_imports_without_pallas_triton():
+    """Pallas' Triton backend is deprecated since jax 0.11 and announced for removal: no module of
+    the package, its models or its kernels imports it. Run in a fresh interpreter where that
+    module cannot be imported."""
     import subprocess
     import sys
 
     result = subprocess.run([sys.executable, "-c", WITHOUT_PALLAS_TRITON], capture_output=True, text=True,
                             timeout=300)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    assert result.returncode == 0 and int(result.stdout.strip().splitlines()[-1]) > 40, result.stderr[-3000:]

@@ -26,7 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_kernel
 from snapmla_jax.pallas_kernels.fp8 import quantize_per_token
-from snapmla_jax.pallas_kernels.mla_decode import mla_decode_reference
+from snapmla_jax.pallas_kernels.mla_decode_reference import mla_decode_reference
 from script_loader import load_script
 from snapmla_jax.backend import lower_for_cuda
 
@@ -152,7 +152,7 @@ def test_kernel_lowers_for_cuda(kernel, s_q, num_splits, dtype, balanced):
                                                          ("small", 16, False), ("small32", 32, None)])
 def test_kernels_lower_for_cuda_over_small_pages(kernel, rows, query_in_kernel, page_size):
     """Pages of 16 and 32 tokens, 8 or 4 a step: the 64-row kernel (its producer's warps sharing
-    the issue at 16 tokens, ``producer_by_warps``), the 16-row one taking its query and scales
+    the issue, ``producer_by_warps``), the 16-row one taking its query and scales
     itself (a scale copy of two pages at 16 tokens) or from the inputs launch, the 32-row one; a
     balanced plan (the uniform one's code at 64-token pages: ``test_kernel_lowers_for_cuda``)."""
     S = jax.ShapeDtypeStruct
@@ -386,13 +386,9 @@ def _nan_past_seq_lens(latent, scale, rope, block_table, seq_lens):
 
 
 def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu", dtype="bfloat16",
-           balanced=False, pages_per_row=5, mosaic_merge=None):
+           balanced=False, pages_per_row=5):
     """Kernel vs ``mla_decode_reference(block_n=128)``, queries in ``dtype``; returns (max error /
-    max |ref|, max lse error, lse scale). ``mosaic_merge``: None, or the value of
-    ``mla_decode_mgpu.MOSAIC_MERGE`` (which merge the split partials take) for this call."""
-    if mosaic_merge is not None:
-        mgpu_kernel.MOSAIC_MERGE = mosaic_merge
-        jax.clear_caches()  # a cached kernel call would keep the other merge
+    max |ref|, max lse error, lse scale)."""
     q, q_rope, latent, scale, rope, block_table, lens = _inputs(heads + s_q, batch=len(seq_lens), heads=heads,
                                                                 pages_per_row=pages_per_row, seq_lens=seq_lens,
                                                                 s_q=s_q)
@@ -535,17 +531,6 @@ def test_balanced_plan_interpreted_matches_reference(kernel, heads, s_q, seq_len
     output directly, the others in partial slots merged by ``combine_items``."""
     err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, 0, splits, kernel=kernel, dtype=dtype,
                                            balanced=True, pages_per_row=10)
-    assert err < _balanced_tolerance(dtype), err
-    assert lse_err < 1e-4, lse_err
-
-
-@pytest.mark.parametrize("kernel,heads,balanced,dtype", [
-    ("mgpu", 64, False, "float32"), ("mgpu", 64, True, "bfloat16"), ("small", 16, True, "float32")])
-def test_triton_merge_interpreted_matches_reference(kernel, heads, balanced, dtype):
-    """On CPU: the kernels' partials merged by the Triton merge (``MOSAIC_MERGE`` off), uniform and
-    balanced plans, to the bounds of the Mosaic merge's tests (the same float32 sums in another order)."""
-    err, lse_err, _ = _check_in_subprocess(heads, 1, [640, 40, 0], 0, 2, kernel=kernel, dtype=dtype,
-                                           balanced=balanced, pages_per_row=10, mosaic_merge=False)
     assert err < _balanced_tolerance(dtype), err
     assert lse_err < 1e-4, lse_err
 
@@ -704,7 +689,7 @@ def _layered_fp8_cache(rng, pages: int, layers: int = 2):
 
 def _api_check(seed: int, backend: str = "interpret", heads: int = 24, s_q: int = 2,
                page_size: int = 64, row_tokens: int = 256) -> tuple[float, float, float]:
-    """``mla_decode(config=DecodeConfig(kernel="mosaic"))``, ``backend`` vs xla, through the public API.
+    """``mla_decode`` (a Mosaic kernel), ``backend`` vs xla, through the public API.
 
     A 2-layer fp8 cache of ``page_size``-token pages (768 tokens a layer) read at layer 1,
     ``heads`` x ``s_q`` rows (API_SHAPES), ragged lengths incl. 0, 2 KV splits, each row's
@@ -712,7 +697,6 @@ def _api_check(seed: int, backend: str = "interpret", heads: int = 24, s_q: int 
     repeat the row's pages: they widen its capacity, which ``mosaic_kernel`` routes by). Returns (max output error / max |xla|, max lse error,
     max |lse|).
     """
-    from snapmla_jax.pallas_kernels.mla_decode import DecodeConfig
     from snapmla_jax.decode import mla_decode
 
     rng = np.random.default_rng(seed)
@@ -729,8 +713,7 @@ def _api_check(seed: int, backend: str = "interpret", heads: int = 24, s_q: int 
     q = jnp.asarray(rng.standard_normal((batch, s_q, heads, 512)) * 0.3, jnp.bfloat16)
     q_rope = jnp.asarray(rng.standard_normal((batch, s_q, heads, 64)) * 0.3, jnp.bfloat16)
     run = lambda backend: mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=576 ** -0.5, layer=1,
-                                     backend=backend, return_lse=True, num_splits=2,
-                                     config=DecodeConfig(kernel="mosaic"))
+                                     backend=backend, return_lse=True, num_splits=2)
     (out, lse), (ref, ref_lse) = run(backend), run("xla")
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     seen = np.asarray(seq_lens) > 0
@@ -811,13 +794,12 @@ def test_mla_decode_mosaic_config_compiled_matches_xla(heads, s_q, row_tokens):
 
 
 def _clip_check(seed: int, backend: str = "interpret", heads: int = 64, s_q: int = 1) -> list:
-    """``mla_decode(config=DecodeConfig(kernel="mosaic"))`` under jit on a traced block table with
+    """``mla_decode`` (a Mosaic kernel) under jit on a traced block table with
     pages past the layer's end, negative and 10**6, and a seq_len past the table's capacity,
     against the same program on the inputs clipped as documented (pages into [0, num_pages),
     seq_lens into the capacity). A 2-layer cache read at layer 0: an unclipped page past the
     end reads layer 1, or nothing. Returns [max |difference| of outputs, of lse
     values, whether all outputs are finite]."""
-    from snapmla_jax.pallas_kernels.mla_decode import DecodeConfig
     from snapmla_jax.decode import mla_decode
 
     rng = np.random.default_rng(seed)
@@ -829,7 +811,7 @@ def _clip_check(seed: int, backend: str = "interpret", heads: int = 64, s_q: int
     q = jnp.asarray(rng.standard_normal((batch, s_q, heads, 512)) * 0.3, jnp.bfloat16)
     q_rope = jnp.asarray(rng.standard_normal((batch, s_q, heads, 64)) * 0.3, jnp.bfloat16)
     run = jax.jit(lambda bt, sl: mla_decode(q, q_rope, cache, bt, sl, softmax_scale=576 ** -0.5, layer=0,
-                                            backend=backend, return_lse=True, config=DecodeConfig(kernel="mosaic")))
+                                            backend=backend, return_lse=True))
     out, lse = (np.asarray(a, np.float64) for a in run(jnp.asarray(table), jnp.asarray(lens)))
     want, want_lse = (np.asarray(a, np.float64) for a in run(jnp.asarray(np.clip(table, 0, pages - 1)),
                                                               jnp.asarray(np.clip(lens, 0, 3 * 64))))
@@ -839,7 +821,7 @@ def _clip_check(seed: int, backend: str = "interpret", heads: int = 64, s_q: int
 @pytest.mark.parametrize("heads,s_q", [(64, 1), (16, 1)])  # the 64-row kernel and the 16-row one
 def test_mosaic_kernels_clip_traced_pages_and_lengths(heads, s_q):
     """Both Mosaic kernels (and their scale gather) read what the clipped inputs read, bit for bit,
-    as the Triton kernels and the XLA path do (test_mla_decode.py)."""
+    as the XLA path does (test_mla_decode.py)."""
     out_diff, lse_diff, finite = _in_subprocess(f"_clip_check(4, heads={heads}, s_q={s_q})")
     assert finite and out_diff == 0 and lse_diff == 0, (out_diff, lse_diff, finite)
 
@@ -852,20 +834,33 @@ def test_mosaic_kernels_clip_traced_pages_and_lengths_compiled(heads, s_q):
     assert finite and out_diff == 0 and lse_diff == 0, (out_diff, lse_diff, finite)
 
 
-def test_mla_decode_mosaic_config_refuses_what_it_cannot_run():
-    from snapmla_jax.pallas_kernels.mla_decode import DecodeConfig
+def test_pages_no_kernel_reads_run_the_xla_path_with_a_warning_saying_why():
+    """Pages that are not a multiple of 16 tokens: no Mosaic kernel reads them, so "interpret" (and
+    "pallas") run the XLA path, the same math, with a RuntimeWarning naming the page size."""
     from snapmla_jax.cache import LatentCache
     from snapmla_jax.decode import mla_decode
 
-    with pytest.raises(ValueError, match="DecodeConfig.kernel"):
-        DecodeConfig(kernel="cutlass")
     q, q_rope = jnp.ones((1, 1, 16, 512), jnp.bfloat16), jnp.ones((1, 1, 16, 64), jnp.bfloat16)
-    table, lens = jnp.zeros((1, 2), jnp.int32), jnp.asarray([10], jnp.int32)
+    table, lens = jnp.asarray([[1, 0]], jnp.int32), jnp.asarray([10], jnp.int32)
     for cache in (LatentCache.create(8, page_size=8, dtype="bf16"), LatentCache.create(8, page_size=24)):
-        with pytest.raises(ValueError, match=f"config: kernel='mosaic' needs a {cache.dtype} cache with page_size "
-                                             f"a multiple of 16 or 32 or 64, got page_size {cache.page_size}"):
-            mla_decode(q, q_rope, cache, table, lens, softmax_scale=0.1, backend="xla",
-                       config=DecodeConfig(kernel="mosaic"))
+        with pytest.warns(RuntimeWarning, match=f"pages of {cache.page_size} tokens .* multiple of 16 tokens"):
+            out = mla_decode(q, q_rope, cache, table, lens, softmax_scale=0.1, backend="interpret")
+        want = mla_decode(q, q_rope, cache, table, lens, softmax_scale=0.1, backend="xla")
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+
+
+def test_the_interpreter_on_few_cpu_devices_is_refused_in_one_line():
+    """With fewer than ``INTERPRETER_CPU_DEVICES`` CPU devices the interpreted Mosaic kernels can
+    hang (``decode.INTERPRETER_CPU_DEVICES``): a ValueError naming backend and the fix."""
+    from snapmla_jax import decode
+    from snapmla_jax.cache import LatentCache
+
+    if len(jax.devices("cpu")) >= decode.INTERPRETER_CPU_DEVICES:
+        pytest.skip("this process has enough CPU devices")
+    q, q_rope = jnp.ones((1, 1, 16, 512), jnp.bfloat16), jnp.ones((1, 1, 16, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r'backend: "interpret" .* JAX_NUM_CPU_DEVICES=8\), found 1; or use '):
+        decode.mla_decode(q, q_rope, LatentCache.create(8, page_size=64), jnp.zeros((1, 2), jnp.int32),
+                          jnp.asarray([10], jnp.int32), softmax_scale=0.1, backend="interpret")
 
 
 def test_mla_decode_balances_splits_unless_num_splits_is_given(monkeypatch):
@@ -873,7 +868,6 @@ def test_mla_decode_balances_splits_unless_num_splits_is_given(monkeypatch):
     count past ``UNIFORM_PLAN_MAX_TOKENS`` of block-table capacity, and a uniform plan up to it;
     an explicit ``num_splits`` keeps every row at that count."""
     import snapmla_jax.decode as decode
-    from snapmla_jax.pallas_kernels.mla_decode import MOSAIC_CONFIG
     from snapmla_jax.cache import LatentCache
 
     calls = []
@@ -890,42 +884,37 @@ def test_mla_decode_balances_splits_unless_num_splits_is_given(monkeypatch):
     pages = decode.UNIFORM_PLAN_MAX_TOKENS // (2 * 64) + 1
     large, small = jnp.zeros((2, pages), jnp.int32), jnp.zeros((2, 4), jnp.int32)
     lens = jnp.asarray([200, 10], jnp.int32)
-    kw = dict(softmax_scale=0.1, backend="interpret", config=MOSAIC_CONFIG)
+    monkeypatch.setattr(decode, "check_interpreter_devices", lambda: None)  # the kernel is faked
+    kw = dict(softmax_scale=0.1, backend="interpret")
     decode.mla_decode(q, q_rope, cache, large, lens, **kw)
     decode.mla_decode(q, q_rope, cache, large, lens, num_splits=3, **kw)
     decode.mla_decode(q, q_rope, cache, small, lens, **kw)
-    planned = [decode.planned_num_splits(q, cache, table, backend="interpret", config=MOSAIC_CONFIG)
-               for table in (large, small)]
+    planned = [decode.planned_num_splits(q, cache, table) for table in (large, small)]
     assert calls == [(planned[0], True), (3, False), (planned[1], False)]
 
 
-def test_default_config_picks_mosaic_for_compiled_decoding_with_64_token_pages(monkeypatch):
+def test_mosaic_kernels_run_compiled_on_hopper_and_interpreted_over_pages_of_a_multiple_of_16(monkeypatch):
     import snapmla_jax.decode as decode
-    from snapmla_jax.pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG
-    from snapmla_jax.cache import LatentCache
-    from snapmla_jax.decode import default_config
 
-    fp8_64 = LatentCache.create(4, page_size=64)
-    assert default_config(fp8_64, "pallas") == FP8_CONFIG  # this CPU is no Hopper GPU: no wgmma
+    assert not decode.mosaic_runs(64, "pallas")  # this CPU is no Hopper GPU: no wgmma
+    assert "Hopper" in decode.no_kernel_reason(64)
     monkeypatch.setattr(decode, "_on_hopper", lambda: True)
-    assert default_config(fp8_64, "pallas") == MOSAIC_CONFIG
-    # Pages of any multiple of 16 tokens too, read as pages of 16, 32 or 64 (``decode.mosaic_pages``);
-    # other page sizes, the interpreter and the xla emulation keep the Triton kernel's math.
+    # Pages of any multiple of 16 tokens, read as pages of 16, 32 or 64 (``decode.mosaic_pages``).
     for dtype in ("fp8", "bf16"):
-        for page_size in (16, 32, 48, 96, 128):
-            cache = LatentCache.create(4, page_size=page_size, dtype=dtype)
-            assert default_config(cache, "pallas") == MOSAIC_CONFIG, (dtype, page_size)
-        triton = FP8_CONFIG if dtype == "fp8" else BF16_CONFIG
-        for page_size in (8, 24):
-            assert default_config(LatentCache.create(4, page_size=page_size, dtype=dtype), "pallas") == triton
-        cache = LatentCache.create(4, page_size=64, dtype=dtype)
-        assert default_config(cache, "interpret") == default_config(cache, "xla") == triton
+        for page_size in (16, 32, 48, 64, 96, 128):
+            assert decode.mosaic_runs(page_size, "pallas", dtype), (dtype, page_size)
+            assert decode.mosaic_runs(page_size, "interpret", dtype), (dtype, page_size)
+            assert not decode.mosaic_runs(page_size, "xla", dtype), (dtype, page_size)
+        for page_size in (8, 24, 40):
+            assert not decode.mosaic_runs(page_size, "pallas", dtype), (dtype, page_size)
+            assert not decode.mosaic_runs(page_size, "interpret", dtype), (dtype, page_size)
+            assert f"pages of {page_size} tokens" in decode.no_kernel_reason(page_size, dtype)
 
 
 def test_mla_decode_runs_small_fp8_problems_without_an_inputs_launch(monkeypatch):
     """``mla_decode``'s default routing on Hopper (faked) at H = 16: B = 1 x 4k (within
     ``UNIFORM_PLAN_MAX_TOKENS``) lowers to the 16-row Mosaic kernel taking its query itself, its
-    merge on Mosaic GPU, nothing on Triton; B = 8 x 4k (32k tokens of capacity) to the same kernel,
+    merge on Mosaic GPU; B = 8 x 4k (32k tokens of capacity) to the same kernel,
     still taking its query itself, behind the plan-only launch of its balanced plan (what each
     lowers to, without a GPU)."""
     import snapmla_jax.decode as decode
@@ -943,8 +932,8 @@ def test_mla_decode_runs_small_fp8_problems_without_an_inputs_launch(monkeypatch
                                                   softmax_scale=0.1, backend="pallas")
         text = lower_for_cuda(call, q, q_rope, table).as_text()
         kernels[batch] = ("snapmla_decode_fp8_mgpu_small" in text, "snapmla_mgpu_decode_inputs" in text,
-                          "snapmla_split_plan" in text, "triton" in text.lower())
-    assert kernels == {1: (True, False, False, False), 8: (True, False, True, False)}, kernels
+                          "snapmla_split_plan" in text)
+    assert kernels == {1: (True, False, False), 8: (True, False, True)}, kernels
 
 
 def test_small_kernel_refuses_other_row_blocks():

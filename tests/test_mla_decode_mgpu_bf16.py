@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from snapmla_jax.pallas_kernels.mla_decode import MOSAIC_CONFIG
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16_small import mla_decode_mgpu_bf16_small
 from snapmla_jax.backend import lower_for_cuda
@@ -73,7 +72,7 @@ def _layered_bf16_cache(rng, pages: int, layers: int | None, seq_lens, block_tab
 
 
 def _check(heads, s_q, seq_lens, layer, splits, dtype, backend="interpret", seed=0, page_size=PAGE) -> list:
-    """``mla_decode(config=MOSAIC_CONFIG)`` over a bf16 cache of ``page_size``-token pages (384
+    """``mla_decode`` (a Mosaic BF16 twin) over a bf16 cache of ``page_size``-token pages (384
     tokens of table a row) vs float64 attention on the same cache contents. Returns [max error /
     max |ref| over rows that see a token, max lse error, whether rows that see none give out 0
     and lse -inf]."""
@@ -86,7 +85,7 @@ def _check(heads, s_q, seq_lens, layer, splits, dtype, backend="interpret", seed
     q, q_rope = q.astype(dtype), q_rope.astype(dtype)
     lens = jnp.asarray(seq_lens, jnp.int32)
     out, lse = mla_decode(q, q_rope, cache, block_table, lens, softmax_scale=SCALE, layer=layer, backend=backend,
-                          return_lse=True, num_splits=splits, config=MOSAIC_CONFIG)
+                          return_lse=True, num_splits=splits)
     one = cache.layer_arrays(layer)
     contents = [np.asarray(a.astype(jnp.float32), np.float64) for a in (one.latent, one.rope)]
     ref, ref_lse, _ = attention_f64(np.asarray(q, np.float32), np.asarray(q_rope, np.float32), *contents,

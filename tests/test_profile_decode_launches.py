@@ -52,14 +52,12 @@ def test_timeline_counts_overlaps_once_and_gaps_as_idle():
 
 def test_merge_tuning_cases_parse_and_exit_without_a_gpu(tmp_path):
     script = _script("tune_combine_splits")
-    assert script.parse_case("1x66x128") == (1, 66, 128)
+    assert script.parse_case("1x66x128") == (1, 66, 128, False)
+    assert script.parse_case("64x8x128I") == (64, 8, 128, True)
     for bad in ("1x66", "64x2x32T"):
         with pytest.raises(argparse.ArgumentTypeError, match="B x splits x rows"):
             script.parse_case(bad)
     assert script.main(["--out", str(tmp_path)]) == 2
-    assert script.parse_compare_case("64x8x128I") == (64, 8, 128, True)
-    assert script.parse_compare_case("1x66x128") == (1, 66, 128, False)
-    assert script.main(["--out", str(tmp_path), "--compare"]) == 2
 
 
 def test_merge_tuning_names_a_bad_case(capsys):

@@ -8,7 +8,6 @@ import pytest
 
 from snapmla_jax.bench import decode as bench_decode
 from snapmla_jax.decode import mla_decode
-from snapmla_jax.pallas_kernels.mla_decode import MOSAIC_CONFIG
 from script_loader import load_script
 
 tool = load_script("time_page_sizes", "tools")
@@ -28,7 +27,7 @@ def test_repaged_caches_hold_the_same_tokens(dtype, layers):
     seq_lens = jnp.asarray([256, 77, 1], jnp.int32)
     layer = None if layers == 1 else 1
     run = lambda c, t: np.asarray(mla_decode(q, q_rope, c, t, seq_lens, softmax_scale=scale, layer=layer,
-                                             backend="xla", config=MOSAIC_CONFIG).astype(jnp.float32))
+                                             backend="xla").astype(jnp.float32))
     want = run(cache, table)
     for size in (32, 16):
         paged, paged_table = tool.repaged(cache, table, size)

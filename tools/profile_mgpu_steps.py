@@ -39,7 +39,6 @@ import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_kernel
-from snapmla_jax.pallas_kernels.mla_decode import MOSAIC_CONFIG
 from snapmla_jax.bench import timing
 from snapmla_jax.decode import mla_decode
 
@@ -108,7 +107,7 @@ def main(argv=None) -> int:
     splits = bench.mosaic_splits(batch, s_q * heads, context, mgpu_kernel.BLOCK_M)  # both kernels: 64-row blocks
     if args.kernel == "bf16":
         run = lambda: mla_decode(q, q_rope, bf16, block_table, seq_lens, softmax_scale=scale, backend="pallas",
-                                 num_splits=splits, config=MOSAIC_CONFIG)
+                                 num_splits=splits)
     else:
         run = lambda: bench.mgpu_decode(q, q_rope, fp8, block_table, seq_lens, softmax_scale=scale,
                                         num_splits=splits)

@@ -36,7 +36,7 @@ import numpy as np
 
 import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_kernel
 from snapmla_jax.pallas_kernels.fp8 import quantize_per_token
-from snapmla_jax.pallas_kernels.mla_decode import mla_decode_reference
+from snapmla_jax.pallas_kernels.mla_decode_reference import mla_decode_reference
 from snapmla_jax.bench import timing
 
 VARIANTS = {

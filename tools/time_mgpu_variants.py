@@ -63,7 +63,6 @@ VARIANTS = {
     "mbarrier_sync": {"NAMED_SYNC": False},
     "synced_row_stores": {"UNSYNCED_ROW_STORES": False},
     "commit_with_barrier": {"FENCE_ONLY_COMMIT": False},
-    "triton_merge": {"MOSAIC_MERGE": False},
 }
 SMALL_VARIANTS = {
     "baseline": {},
@@ -76,15 +75,13 @@ SMALL_VARIANTS = {
     # ``grid_params``).
     "issue_by_one_thread": {"ISSUE_BY_WARPS": False},
     "precise_math": {"APPROX_MATH": False},
-    "triton_merge": {"MOSAIC_MERGE": False},
 }
 BF16_VARIANTS = {
     "baseline": {},
     "registers_40_232": {"PRODUCER_REGISTERS": 40, "CONSUMER_REGISTERS": 232},
-    "triton_merge": {"MOSAIC_MERGE": False},
 }
 # Constants of ``mla_decode_mgpu`` that every Mosaic decode kernel reads.
-SHARED = ("ISSUE_BY_WARPS", "APPROX_MATH", "MOSAIC_MERGE")
+SHARED = ("ISSUE_BY_WARPS", "APPROX_MATH")
 
 
 def variant_settings(module, variants: dict[str, dict]) -> dict[str, dict[tuple, object]]:
@@ -157,7 +154,7 @@ def main(argv=None) -> int:
         jax.clear_caches()  # the kernel's jit cache would hand back the previous variant
         if args.kernel == "bf16":  # the twin through the API, with its split plan
             fn = jax.jit(lambda q, qr, c, bt, n: bench.mla_decode(q, qr, c, bt, n, softmax_scale=scale,
-                                                                  backend="pallas", config=bench.MOSAIC_CONFIG))
+                                                                  backend="pallas"))
         else:
             fn = jax.jit(lambda q, qr, c, bt, n: bench.mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
                                                                    small=args.kernel == "small", num_splits=splits))

@@ -7,8 +7,7 @@ For each shape BxCONTEXTxHxS_Q: the decode benchmark's random caches (``bench.de
 64-token pages, ``chain_layers`` layers) and the same tokens as pages of 32 and 16
 (``repaged``: page p of 64 tokens is pages k p .. k p + k - 1 of 64 / k), then ``mla_decode`` a
 chain of layers (``bench.decode.decode_chain``) by the default kernel (on Hopper the Mosaic GPU
-kernels) at each page size and by the Triton kernel (``FP8_CONFIG`` or ``BF16_CONFIG``) at 32 and
-16, timed round-robin (``timing.time_round_robin``), ms a call. ``same_bits`` says whether the
+kernels) at each page size, timed round-robin (``timing.time_round_robin``), ms a call. ``same_bits`` says whether the
 default kernel's output at 32 and 16 is the one at 64, bit for bit, as the Mosaic kernels'
 step order makes it. Writes time_page_sizes_<dtype>.json under --out and prints a markdown table.
 """
@@ -25,10 +24,8 @@ import numpy as np
 from snapmla_jax.bench import decode as bench_decode
 from snapmla_jax.bench import timing
 from snapmla_jax.cache import LatentCache
-from snapmla_jax.pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG
 
 PAGE_SIZES = (64, 32, 16)  # the default kernel's pages, the cache's own first
-TRITON_PAGE_SIZES = (32, 16)
 
 
 def repaged(cache: LatentCache, block_table, page_size: int) -> tuple[LatentCache, object]:
@@ -50,7 +47,6 @@ def measure(shape: tuple[int, int, int, int], dtype: str, iters: int) -> dict:
     fp8, bf16, table = bench_decode.make_caches(batch, context, layers=layers)
     cache = fp8 if dtype == "fp8" else bf16
     q, q_rope, seq_lens, scale = bench_decode.make_queries(batch, context, heads, s_q)
-    triton = FP8_CONFIG if dtype == "fp8" else BF16_CONFIG
     runs, outputs = {}, {}
     for size in PAGE_SIZES:
         paged, paged_table = (cache, table) if size == 64 else repaged(cache, table, size)
@@ -58,8 +54,6 @@ def measure(shape: tuple[int, int, int, int], dtype: str, iters: int) -> dict:
         default = bench_decode.decode_chain(scale, layers, "pallas")
         runs[f"default_{size}"] = (default, [args])
         outputs[size] = np.asarray(default(*args).astype(jnp.float32))
-        if size in TRITON_PAGE_SIZES:
-            runs[f"triton_{size}"] = (bench_decode.decode_chain(scale, layers, "pallas", triton), [args])
     times = timing.time_round_robin(runs, iters=iters, min_sample_ms=10)
     row = {"shape": "x".join(map(str, shape)), "layers": layers,
            "same_bits": {size: bool(np.array_equal(outputs[64], outputs[size])) for size in PAGE_SIZES[1:]}}
@@ -71,7 +65,7 @@ def measure(shape: tuple[int, int, int, int], dtype: str, iters: int) -> dict:
 
 
 def to_markdown(rows: list[dict]) -> str:
-    names = [f"default_{s}" for s in PAGE_SIZES] + [f"triton_{s}" for s in TRITON_PAGE_SIZES]
+    names = [f"default_{s}" for s in PAGE_SIZES]
     cell = lambda v: "-" if v is None else f"{v:.4f}" if v < 0.1 else f"{v:.3f}"
     lines = ["| B x ctx x H x s_q | " + " | ".join(n.replace("_", ", ") for n in names) + " | same bits |",
              "|---" * (len(names) + 2) + "|"]

@@ -39,7 +39,7 @@ from flax import nnx
 from snapmla_jax import cli, data_parallel, models
 from snapmla_jax.backend import BACKENDS
 from snapmla_jax.bench import e2e, timing
-from snapmla_jax.decode import max_token_slots
+from snapmla_jax.cache import MAX_TOKEN_SLOTS
 from snapmla_jax.capacity import CACHE_DTYPES, MODEL_SHAPES, RESERVE_GIB, row_bytes
 from snapmla_jax.generate import DecodeState, decode_chunk
 from snapmla_jax.paging import allocate_pages
@@ -56,15 +56,13 @@ def decode_steps(steps: int, iters: int, profile: bool) -> int:
     return 1 + (iters + 1 + profile) * steps
 
 
-def rows_that_fit(cfg, free_bytes: int | None, context: int, total_steps: int, kv_cache: str,
-                  backend: str = "auto") -> tuple[int, str]:
+def rows_that_fit(cfg, free_bytes: int | None, context: int, total_steps: int, kv_cache: str) -> tuple[int, str]:
     """(rows of ``context`` + ``total_steps`` tokens one device holds the caches of, what limits
     it: "memory" or "int32 rows"). ``free_bytes`` None: memory unknown, rows only. The rows one
-    layer's cache array may hold are what the kernels ``backend`` runs address
-    (``snapmla_jax.decode.max_token_slots``: 2**31 - 1 tokens for the compiled kernels on a
-    Hopper GPU)."""
+    layer's cache array may hold are what the kernels' int32 row indices address
+    (``snapmla_jax.cache.MAX_TOKEN_SLOTS``: 2**31 - 1 tokens)."""
     pages = -(-(context + total_steps) // PAGE_SIZE)
-    by_rows = max_token_slots(cfg.kv_lora_rank, PAGE_SIZE, backend) // (pages * PAGE_SIZE)
+    by_rows = MAX_TOKEN_SLOTS // (pages * PAGE_SIZE)
     if free_bytes is None:
         return by_rows, "int32 rows"
     by_memory = max(0, free_bytes // row_bytes(cfg, context + total_steps, kv_cache))
@@ -257,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for context in args.contexts:
         for kind in (c for c in CACHE_DTYPES if c in args.caches):
-            fit, limit = rows_that_fit(cfg, budget, context, total_steps, kind, args.backend)
+            fit, limit = rows_that_fit(cfg, budget, context, total_steps, kind)
             per_device = args.batch_per_device or fit
             if args.batch_per_device is not None:
                 limit = "given" if args.batch_per_device <= fit else f"given (over {limit}: {fit})"

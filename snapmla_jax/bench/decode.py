@@ -20,11 +20,6 @@ the row falls on all of them alike. Columns:
   % roof       roofline time / measured time, from ceilings measured in the same run (copy
                bandwidth, FP8 and BF16 GEMM rates; the FP8 kernel's 512-dim products are e4m3,
                its 64-dim RoPE product bf16)
-  Triton, Mosaic  the Triton FP8 kernel and the Mosaic FP8 kernels forced (``--methods
-               fp8_triton fp8_mosaic``): on Hopper with 64-token pages ``mla_decode`` runs the
-               Mosaic ones, elsewhere the Triton one
-  BF16 Triton, BF16 Mosaic  the Triton BF16 twin and the Mosaic BF16 twins forced (``--methods
-               bf16_triton bf16_mosaic``), likewise
   FlashMLA     FlashMLA's dense BF16 decode (``bench.flashmla``) on the bf16 cache's contents, in
                the same process, its layers replayed from one CUDA graph; present only when
                ``--flashmla`` finds it. "FlashMLA/FP8" = FlashMLA's time / ours (> 1: ours faster)
@@ -49,7 +44,6 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from snapmla_jax.pallas_kernels.mla_decode import BF16_CONFIG, FP8_CONFIG, MOSAIC_CONFIG
 from snapmla_jax import cli
 from snapmla_jax.bench import flashmla as flashmla_lib
 from snapmla_jax.bench import timing
@@ -80,18 +74,18 @@ def chain_layers(batch: int, context: int) -> int:
     the kernels' int32 row indices."""
     tokens = batch * context
     layers = min(MAX_CHAIN, max(1, -(-CHAIN_BYTES // (tokens * FP8_BYTES_PER_TOKEN))))
-    while layers > 1 and not kernel_addressable(layers * tokens, RANK):
+    while layers > 1 and not kernel_addressable(layers * tokens):
         layers -= 1
     return layers
 
 
-def decode_chain(softmax_scale: float, layers: int, backend: str = "auto", config=None, num_splits=None):
-    """jit of ``layers`` mla_decode calls (``backend``, ``config``, ``num_splits``), call i over
+def decode_chain(softmax_scale: float, layers: int, backend: str = "auto", num_splits=None):
+    """jit of ``layers`` mla_decode calls (``backend``, ``num_splits``), call i over
     layer i of the cache (no layer axis when ``layers`` is 1), each call's output the next call's
     query: (q, q_rope, cache, block_table, seq_lens) -> out [B, s_q, H, 512]."""
     def one(q, q_rope, cache, block_table, seq_lens, layer):
         return mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=softmax_scale, layer=layer,
-                          backend=backend, config=config, num_splits=num_splits)
+                          backend=backend, num_splits=num_splits)
 
     if layers == 1:
         return jax.jit(lambda q, *rest: one(q, *rest, None))
@@ -169,17 +163,11 @@ def roofline_ms(nbytes: float, flops_fp8: float, flops_bf16: float, ceilings: ti
 BF16_BYTES_PER_TOKEN = 2 * (RANK + ROPE)
 # The measured methods: the cache each reads (bytes a token) and whether its QK content
 # and PV products run in FP8 (the RoPE product is bf16 in all).
-METHODS = {"fp8": (FP8_BYTES_PER_TOKEN, True), "fp8_triton": (FP8_BYTES_PER_TOKEN, True),
-           "fp8_mosaic": (FP8_BYTES_PER_TOKEN, True),
-           "bf16": (BF16_BYTES_PER_TOKEN, False), "bf16_triton": (BF16_BYTES_PER_TOKEN, False),
-           "bf16_mosaic": (BF16_BYTES_PER_TOKEN, False), "xla_bf16": (BF16_BYTES_PER_TOKEN, False),
-           "flashmla": (BF16_BYTES_PER_TOKEN, False)}
-# What ``--methods`` selects from (JAX's stock kernel is "stock_mqa"), and what it times unless told:
-# "fp8_mosaic" and "bf16_mosaic" (the Mosaic kernels forced) are the default kernels on Hopper with pages
-# of a multiple of 64 tokens, so they are timed only when asked for (beside "fp8_triton" and "bf16_triton", the
-# kernels of other GPUs).
+METHODS = {"fp8": (FP8_BYTES_PER_TOKEN, True), "bf16": (BF16_BYTES_PER_TOKEN, False),
+           "xla_bf16": (BF16_BYTES_PER_TOKEN, False), "flashmla": (BF16_BYTES_PER_TOKEN, False)}
+# What ``--methods`` selects from (JAX's stock kernel is "stock_mqa"), all timed unless told.
 METHOD_NAMES = (*METHODS, "stock_mqa")
-DEFAULT_METHODS = tuple(m for m in METHOD_NAMES if m not in ("fp8_mosaic", "bf16_mosaic"))
+DEFAULT_METHODS = METHOD_NAMES
 
 
 def method_work(method: str, batch: int, context: int, heads: int, s_q: int) -> tuple[int, int, int]:
@@ -232,24 +220,14 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
     q, q_rope, seq_lens, scale = make_queries(batch, context, heads, s_q)
     # The cache is an argument of the jitted step (as in a serving loop), not a
     # closed-over constant that XLA would have to embed.
-    run = lambda backend, config=None: decode_chain(scale, layers, backend, config)
+    run = lambda backend: decode_chain(scale, layers, backend)
     row = dict(batch=batch, context=context, heads=heads, s_q=s_q, layers=layers,
                measured_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
-    plans = {
-        # The default FP8 kernel (page 64 on Hopper: a Mosaic GPU kernel), the Triton FP8 kernel and
-        # the Mosaic ones forced: the same math.
-        "fp8": (fp8, "pallas", None),
-        "fp8_triton": (fp8, "pallas", FP8_CONFIG),
-        "fp8_mosaic": (fp8, "pallas", MOSAIC_CONFIG),
-        "bf16": (bf16, "pallas", None),
-        "bf16_triton": (bf16, "pallas", BF16_CONFIG),
-        "bf16_mosaic": (bf16, "pallas", MOSAIC_CONFIG),
-        "xla_bf16": (bf16, "xla", None),
-    }
+    plans = {"fp8": (fp8, "pallas"), "bf16": (bf16, "pallas"), "xla_bf16": (bf16, "xla")}
     # The XLA path gathers the pages (a bf16 copy) and keeps fp32 scores and weights.
     xla_bytes = batch * context * bf16.nbytes_per_token + 3 * batch * s_q * heads * context * 4
     runs = {}
-    for name, (cache, backend, config) in plans.items():
+    for name, (cache, backend) in plans.items():
         if name not in methods:
             continue
         assert cache.nbytes_per_token == METHODS[name][0], (name, cache.nbytes_per_token)
@@ -257,7 +235,7 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
             row[f"{name}_ms"] = None
             row[f"{name}_note"] = "skipped: does not fit memory"
             continue
-        runs[name] = (run(backend, config), [(q, q_rope, cache, block_table, seq_lens)])
+        runs[name] = (run(backend), [(q, q_rope, cache, block_table, seq_lens)])
     flash_run = None
     if flashmla is not None and "flashmla" in methods:
         try:
@@ -291,9 +269,6 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
         row[f"{name}_tflops"] = (f8 + f16) / (ms * 1e-3) / 1e12
         row[f"{name}_roofline"] = roofline_ms(nbytes, f8, f16, ceilings) / ms
     for num, den, key in (("bf16", "fp8", "fp8_over_bf16"), ("xla_bf16", "fp8", "fp8_over_xla"),
-                          ("bf16", "fp8_triton", "fp8_triton_over_bf16"),
-                          ("fp8_triton", "fp8_mosaic", "triton_over_mosaic"),
-                          ("bf16_triton", "bf16_mosaic", "bf16_triton_over_mosaic"),
                           ("flashmla", "fp8", "flashmla_over_fp8"),
                           ("flashmla", "bf16", "flashmla_over_bf16")):
         if row.get(f"{num}_ms") and row.get(f"{den}_ms"):
@@ -326,11 +301,7 @@ COLUMNS = [
     ("FlashMLA/BF16", "flashmla_over_bf16", "x"), ("FP8/BF16", "fp8_over_bf16", "x"), ("FP8/XLA", "fp8_over_xla", "x"),
     ("FP8 GB/s", "fp8_gbps", "int"), ("FP8 TFLOP/s", "fp8_tflops", "int"), ("FP8 % roof", "fp8_roofline", "%"),
     ("FlashMLA % roof", "flashmla_roofline", "%"), ("BF16 % roof", "bf16_roofline", "%"),
-    ("XLA % roof", "xla_bf16_roofline", "%"), ("Triton FP8 ms", "fp8_triton_ms", "ms"),
-    ("Triton/BF16", "fp8_triton_over_bf16", "x"), ("Triton % roof", "fp8_triton_roofline", "%"),
-    ("Mosaic FP8 ms", "fp8_mosaic_ms", "ms"), ("Triton/Mosaic", "triton_over_mosaic", "x"),
-    ("Triton BF16 ms", "bf16_triton_ms", "ms"), ("Mosaic BF16 ms", "bf16_mosaic_ms", "ms"),
-    ("BF16 Triton/Mosaic", "bf16_triton_over_mosaic", "x"),
+    ("XLA % roof", "xla_bf16_roofline", "%"),
 ]
 FORMATS = {"ms": "{:.3g}", "x": "{:.2f}x", "int": "{:.0f}"}
 # Methods whose time over batch sizes ``smoothness`` reports.
@@ -404,14 +375,6 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         "FP8 = `mla_decode` on the fp8 cache (644 B/token) with its default kernel and split plan. BF16 = the",
         "same on the bf16 cache (1152 B/token): our BF16 twin.",
         *(["XLA bf16 = `mla_decode(..., backend=\"xla\")` on the bf16 cache."] if timed("xla_bf16") else []),
-        *(["Triton FP8 = the Triton FP8 kernel (`FP8_CONFIG`)."] if timed("fp8_triton") else []),
-        *(["Mosaic FP8 = the Mosaic FP8 kernels whatever the size (`MOSAIC_CONFIG`); Triton/Mosaic = the",
-           "Triton FP8 time / theirs (> 1: Mosaic faster)."] if timed("fp8_mosaic") else []),
-        *(["Triton BF16 = the Triton BF16 twin (`BF16_CONFIG`)."] if timed("bf16_triton") else []),
-        *(["Mosaic BF16 = the Mosaic BF16 twins whatever the size (`MOSAIC_CONFIG`: 16-row blocks for up to 16",
-           "bf16 query rows and for 17-32 on small problems, else 64-row ones; `decode.mosaic_kernel`); BF16",
-           "Triton/Mosaic = the Triton twin's time / theirs."]
-          if timed("bf16_mosaic") else []),
         *([f"FlashMLA = {flashmla_name}: FlashMLA's dense BF16 decode on the bf16 cache's contents (576 bf16 a",
            "token), same process, its calls replayed from one CUDA graph; FlashMLA/FP8 = its time / ours",
            "(> 1: ours faster). Its layer-0 output against our BF16 twin's: max |diff| / max |FlashMLA| "
@@ -483,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="a named list of shapes: " + "; ".join(f"{k}: {v[0]}" for k, v in PRESETS.items()))
     parser.add_argument("--methods", nargs="*", choices=METHOD_NAMES, default=list(DEFAULT_METHODS),
-                        help="methods to time (default: all but fp8_mosaic); flashmla needs --flashmla to find "
+                        help="methods to time (default: all); flashmla needs --flashmla to find "
                              "FlashMLA")
     parser.add_argument("--flashmla", default="auto",
                         help="FlashMLA to time beside ours: 'auto' (the flash_mla package if importable), 'none', "
@@ -545,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         by_cache.setdefault((batch, context), []).append((heads, s_q))
     for (batch, context), head_shapes in by_cache.items():
         cache_bytes = batch * context * (644 + 1152)
-        if not kernel_addressable(batch * context, RANK):
+        if not kernel_addressable(batch * context):
             skipped.append((f"B={batch} x {context}", INT32_LIMIT))
             print("skip {}: {}".format(*skipped[-1]), flush=True)
             continue

@@ -128,7 +128,7 @@ def make_plans(cfg: MLAConfig, batches, contexts, total_steps: int, free: int | 
                 tokens = batch * (context + total_steps)
                 need = tokens * cache_bytes_per_token(cfg, kv_cache)
                 # One layer's cache array (up to a page more per row) within the kernels' int32 row indices.
-                addressable = kernel_addressable(tokens + PAGE_SIZE * batch, cfg.kv_lora_rank)
+                addressable = kernel_addressable(tokens + PAGE_SIZE * batch)
                 (fits if addressable and (free is None or need + HEADROOM_BYTES <= free) else too_big).append(context)
             if fits:
                 pages = allocate_pages([fits[-1]] * batch, total_steps, page_size=PAGE_SIZE)

@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     ceil = dataclasses.asdict(ceilings)
     rows = []
     for name in args.scenarios:
-        if not kernel_addressable(int(scenario_lens(name).sum()), RANK):
+        if not kernel_addressable(int(scenario_lens(name).sum())):
             continue
         for heads in args.heads:
             for s_q in args.s_qs:
