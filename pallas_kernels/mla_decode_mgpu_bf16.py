@@ -79,6 +79,14 @@ COPIES_Q = NUM_CHUNKS + 1  # query chunks, query RoPE part
 # consumers (output 128, score tile 32, P 16); within ``check_registers``' budget.
 PRODUCER_REGISTERS = 24
 CONSUMER_REGISTERS = 240
+# Over pages of fewer tokens than this the issuing warpgroup's four warps share a step's copies,
+# a page each in turn (``issue_by_warps``), as the FP8 kernel's producer does
+# (``mla_decode_mgpu.producer_by_warps``): a step of 16-token pages is 20 copies against 5 of one
+# 64-token page. Shared vs one thread (H200, jax 0.11.2, round-robin, ms a call, the same bits):
+# 16-token pages 0.301 vs 0.326 at 64 x 16k x 16 (16-row twin), 0.198 vs 0.203 at 8 x 32k x 128,
+# 0.376 vs 0.385 at 32 x 16k x 128; 32-token pages 0.298 vs 0.311, 0.200 vs 0.196, 0.382 vs 0.383,
+# so they keep one thread.
+ISSUE_BY_WARPS_BELOW = 32
 
 
 def step_copies(page_size: int) -> int:
@@ -86,21 +94,42 @@ def step_copies(page_size: int) -> int:
     return STEP // page_size * (NUM_CHUNKS + 1)
 
 
+def issue_by_warps(page_size: int) -> bool:
+    """Whether the four warps of the issuing warpgroup share a step's copies over ``page_size``-token
+    pages (a page each in turn: ``ISSUE_BY_WARPS_BELOW``)."""
+    return page_size < ISSUE_BY_WARPS_BELOW
+
+
 def step_issuer(bt_ref, lat_ref, rope_ref, b, layer_offset, kv_s, rope_s, step_bar, *, num_pages: int,
                 page_size: int = PAGE):
     """``issue(step, slot)``: the TMA of step ``step`` of row b (its STEP / ``page_size`` pages,
     columns past the table's end clamped to its last) into a ring slot, arriving on
     ``step_bar[slot]`` (``step_copies``). Page ids are clipped into [0, num_pages) (a traced
-    block table is not validated), as the XLA reference's gather clips them."""
+    block table is not validated), as the XLA reference's gather clips them. Over 16-token pages
+    the issuing warpgroup's warps take the pages in turn (``issue_by_warps``)."""
+    def copy_page(slot, k, start):
+        rows, dst = pl.ds(start, page_size), pl.ds(k * page_size, page_size)
+        for ch in range(NUM_CHUNKS):
+            plgpu.copy_gmem_to_smem(lat_ref.at[rows, pl.ds(ch * CHUNK, CHUNK)], kv_s.at[slot, ch, dst],
+                                    step_bar.at[slot])
+        plgpu.copy_gmem_to_smem(rope_ref.at[rows], rope_s.at[slot, dst], step_bar.at[slot])
+
     def issue(step, slot):
-        for k, column in enumerate(step_page_columns(step, bt_ref.shape[1], STEP // page_size)):
-            page = jnp.clip(bt_ref[b, column], 0, num_pages - 1)
-            rows = pl.ds(aligned(layer_offset + page * page_size, page_size), page_size)
-            dst = pl.ds(k * page_size, page_size)
-            for ch in range(NUM_CHUNKS):
-                plgpu.copy_gmem_to_smem(lat_ref.at[rows, pl.ds(ch * CHUNK, CHUNK)], kv_s.at[slot, ch, dst],
-                                        step_bar.at[slot])
-            plgpu.copy_gmem_to_smem(rope_ref.at[rows], rope_s.at[slot, dst], step_bar.at[slot])
+        # Page starts computed here: ``pl.multiple_of`` does not lower in a warp's code.
+        starts = [aligned(layer_offset + jnp.clip(bt_ref[b, column], 0, num_pages - 1) * page_size, page_size)
+                  for column in step_page_columns(step, bt_ref.shape[1], STEP // page_size)]
+        if not issue_by_warps(page_size):
+            for k, start in enumerate(starts):
+                copy_page(slot, k, start)
+            return
+
+        def per_warp(warp):
+            for k, start in enumerate(starts):
+                @pl.when(warp == k % 4)
+                def _():
+                    copy_page(slot, k, start)
+
+        plgpu.warp_map(per_warp)
     return issue
 
 
