@@ -81,7 +81,9 @@ def choose_num_splits(batch: int, row_blocks: int, max_tokens: int, num_sms: int
                       overhead: float = 1.0) -> int:
     """Split-KV count: the one of least ``split_cost`` for rows of ``max_tokens`` tokens in steps
     of ``min_tokens`` (no split shorter than a step), at most MAX_SPLITS, with ``num_sms`` CTAs
-    running at a time and the fixed costs times ``overhead`` (``split_overhead``).
+    running at a time and the fixed costs times ``overhead`` (``split_overhead``). One CTA an SM:
+    each Mosaic kernel keeps its SM busy from its own TMA pipeline (H100, H=128 x 16k: B=32
+    2 splits 0.426 ms vs 4 splits 0.444; B=16 4 splits 0.247 vs 8 splits 0.268).
 
     Counting whole waves is what keeps the time smooth in the batch size: one more row than a
     wave holds would otherwise cost a second wave as long as the first (H=128 x 16k: B=72 runs
@@ -119,11 +121,7 @@ def split_overhead(cache_dtype: str = "fp8") -> float:
     (``min_tokens_per_split``): they were fitted in 128-token steps of the FP8 kernels, so the
     twins' one-page steps count them twice. So the twins' split counts stay near those of
     128-token splits, and double at small batches of short rows, where one-page items fill the
-    SMs (1-8 rows of 1k-4k tokens: the measurements in ``min_tokens_per_split``).
-
-    Each Mosaic kernel keeps one CTA an SM busy from its own TMA pipeline, so a plan fills the SMs
-    once (``choose_num_splits``' one wave; H100, H=128 x 16k: B=32 2 splits 0.426 ms vs 4 splits
-    0.444; B=16 4 splits 0.247 vs 8 splits 0.268)."""
+    SMs (1-8 rows of 1k-4k tokens: the measurements in ``min_tokens_per_split``)."""
     return MOSAIC_STEP / min_tokens_per_split(cache_dtype)
 
 
