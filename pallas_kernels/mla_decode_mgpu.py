@@ -80,11 +80,12 @@ from snapmla_jax.pallas_kernels.combine_splits_mgpu import combine_items_mgpu, c
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import FP8_PAGE_SIZES as PAGE_SIZES
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import (balanced_plan_kernel, decode_inputs, decode_inputs_and_plan,
                                                         scale_copy_pages)
-from snapmla_jax.pallas_kernels.mla_decode_reference import LN2, LOG2E, resolve_num_pages
+from snapmla_jax.pallas_kernels.mla_decode_reference import LN2, LOG2E, STEP, resolve_num_pages
 from snapmla_jax.pallas_kernels.split_plan import SplitPlan, balanced_items, item_steps, uniform_plan
 
 PAGE = 64  # cache page size the kernels are built around (``PAGE_SIZES``: the ones they take)
-STEP = 128  # tokens a step: two pages (four of 32 tokens)
+# STEP (mla_decode_reference): 128 tokens a step, two pages (four of 32 tokens, eight of 16); the
+# reference rounds P' per step as the kernels do.
 HALF = STEP // 2  # a consumer's tokens a step
 BLOCK_M = 64  # query rows a CTA (one wgmma M)
 CHUNK = 128  # output features an accumulator, and the K width of each Q.K wgmma

@@ -32,7 +32,7 @@ LN2 = math.log(2.0)  # converts a base-2 log-sum-exp back to natural log
 # Floor on a step row's P' maximum before dividing by it (all-zero rows: masked tokens, or zero
 # scales); such a row contributes 0 either way.
 MIN_PV_ROW_MAX = 2.0**-100
-STEP = 128  # tokens of a P' factor: the Mosaic FP8 kernels' step (``mla_decode_mgpu.STEP``)
+STEP = 128  # tokens of a P' factor: the Mosaic FP8 kernels' step (``mla_decode_mgpu`` takes it from here)
 
 
 def resolve_num_pages(num_pages: int | None, num_rows: int, page_size: int) -> int:

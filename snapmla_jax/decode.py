@@ -210,8 +210,7 @@ def mosaic_runs(page_size: int, backend: str, cache_dtype: str = "fp8") -> bool:
     ``page_size``-token pages under the resolved ``backend``: compiled ("pallas") on a Hopper GPU
     or interpreted ("interpret"), over pages they take (``mosaic_takes``). Elsewhere it runs the
     XLA path of the same math (``no_kernel_reason``)."""
-    return backend in ("pallas", "interpret") and mosaic_takes(page_size, cache_dtype) and (
-        backend == "interpret" or _on_hopper())
+    return mosaic_takes(page_size, cache_dtype) and (backend == "interpret" or (backend == "pallas" and _on_hopper()))
 
 
 def no_kernel_reason(page_size: int, cache_dtype: str = "fp8") -> str:

@@ -290,8 +290,8 @@ def _pages(lengths: np.ndarray, new_tokens: int, page_size: int) -> np.ndarray:
 def check_cache_fits(model, lengths: Sequence[int], max_new_tokens: int, kv_cache: str, page_size: int,
                      budget: tuple[int, str] | None) -> None:
     """BatchTooLarge unless the per-layer caches for prompts of ``lengths`` plus ``max_new_tokens``
-    fit ``budget`` (``cache_budget()``; None: not checked) and what the kernels ``backend`` runs
-    address (``cache.MAX_TOKEN_SLOTS`` in one layer's cache array, whatever the memory)."""
+    fit ``budget`` (``cache_budget()``; None: not checked) and what the kernels address
+    (``cache.MAX_TOKEN_SLOTS`` in one layer's cache array, whatever the memory)."""
     lengths = np.asarray(lengths, np.int64)
     one_page = jax.eval_shape(lambda: model.init_cache(1, page_size, kv_cache=kv_cache))
     page_bytes = sum(c.nbytes for c in one_page)
