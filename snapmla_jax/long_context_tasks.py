@@ -32,7 +32,7 @@ probability of guessing the whole answer from its alphabet (10**-k for k digits)
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -82,6 +82,13 @@ def pseudo_text(length: int, rng: np.random.Generator) -> np.ndarray:
         words = rng.choice(len(_PSEUDO_WORDS), size=int(rng.integers(3, 10)))
         out += (" " * 4 * int(rng.integers(0, 3)) + " ".join(_PSEUDO_WORDS[i] for i in words) + "\n").encode()
     return np.frombuffer(bytes(out[:length]), np.uint8).astype(np.int32)
+
+
+def filler_bytes(text: np.ndarray) -> np.ndarray:
+    """The bytes of a token stream, uint8 [n]: its ids 0..255 in order (special tokens dropped);
+    uint8 input is returned as it is."""
+    text = np.asarray(text)
+    return text if text.dtype == np.uint8 else text[(text >= 0) & (text < NUM_BYTES)].astype(np.uint8)
 
 
 def _filler(length: int, rng: np.random.Generator, text: np.ndarray | None) -> np.ndarray:
@@ -143,7 +150,8 @@ def make_task(kind: str, context: int, depth: float, seed: int, *, text: np.ndar
       depth: where the answer's needle sits, a fraction of the body in [0, 1].
       seed: a non-negative int; the same arguments and seed give the same task.
       text: filler, 1-D integer token ids (a ``byte_corpus.token_stream``; ids >= 256 are
-        dropped), or None for ``pseudo_text``.
+        dropped), or None for ``pseudo_text``. uint8 text is bytes already and is used as it
+        is (``filler_bytes``: dropping the ids of a 29M-token stream costs ~0.1 s a call).
       key_digits: digits of the passkey; num_hops: assignments in a multi-hop chain (>= 2);
       copy_cue, copy_span: bytes of the copy task's cue and answer.
     Raises ValueError naming the argument for an unknown kind, a depth outside [0, 1], a
@@ -158,7 +166,7 @@ def make_task(kind: str, context: int, depth: float, seed: int, *, text: np.ndar
         text = np.asarray(text)
         if text.ndim != 1 or not np.issubdtype(text.dtype, np.integer):
             raise ValueError(f"text: expected 1-D integer token ids, got {text.dtype}{list(text.shape)}")
-        text = text[(text >= 0) & (text < NUM_BYTES)]
+        text = filler_bytes(text)
     rng = np.random.default_rng([seed, TASK_KINDS.index(kind)])
     build = {"passkey": _passkey, "kv": _kv, "multi_hop": _multi_hop, "copy": _copy}[kind]
     question, answer, needles, alphabet = build(rng, key_digits=key_digits, num_hops=num_hops,
@@ -256,13 +264,25 @@ def make_tasks(kinds: Sequence[str], context: int, depth: float, trials: int, se
     return [make_task(kind, context, depth, seed + t, text=text, **sizes) for kind in kinds for t in range(trials)]
 
 
+class MixedWindows(NamedTuple):
+    """A training batch of ``mixed_windows``.
+
+    tokens         int32 [batch_size, length]
+    answer_starts  int32 [batch_size]: a task row's first answer index (``Task.answer_start``);
+                   ``length`` for a row of plain text, which holds no answer.
+    """
+    tokens: np.ndarray
+    answer_starts: np.ndarray
+
+
 def mixed_windows(text: np.ndarray, batch_size: int, length: int, seed: int, *, task_fraction: float = 0.25,
-                  kinds: Sequence[str] = TASK_KINDS) -> np.ndarray:
-    """A training batch for a long-context run: int32 [batch_size, length].
+                  kinds: Sequence[str] = TASK_KINDS, filler: np.ndarray | None = None) -> MixedWindows:
+    """A training batch for a long-context run (``MixedWindows``).
 
     Each row is, with probability ``task_fraction``, a task of a random kind at a random
     depth with filler from ``text``, else a random window of ``text`` (a
     ``byte_corpus.token_stream``, special tokens kept). Deterministic per ``seed``.
+    ``filler``: ``filler_bytes(text)``, when the caller keeps it across batches.
     Raises ValueError for a fraction outside [0, 1], an unknown kind, or ``text``
     shorter than ``length``.
     """
@@ -275,12 +295,17 @@ def mixed_windows(text: np.ndarray, batch_size: int, length: int, seed: int, *, 
     if text.ndim != 1 or text.shape[0] < length:
         raise ValueError(f"text: expected a 1-D token stream of at least length={length}, got shape {text.shape}")
     rng = np.random.default_rng(seed)
-    rows = []
+    if filler is None and task_fraction > 0:
+        filler = filler_bytes(text)  # once a batch, not once a task
+    rows, starts = [], []
     for _ in range(batch_size):
         if rng.random() < task_fraction:
             kind = kinds[int(rng.integers(len(kinds)))]
-            rows.append(make_task(kind, length, float(rng.random()), int(rng.integers(2**31)), text=text).tokens)
+            task = make_task(kind, length, float(rng.random()), int(rng.integers(2**31)), text=filler)
+            rows.append(task.tokens)
+            starts.append(task.answer_start)
         else:
             start = int(rng.integers(0, text.shape[0] - length + 1))
             rows.append(text[start:start + length].astype(np.int32))
-    return np.stack(rows)
+            starts.append(length)
+    return MixedWindows(np.stack(rows), np.asarray(starts, np.int32))

@@ -1,6 +1,7 @@
 """Train the small byte-level MLA model shipped as the CLI's default.
 
     python -m snapmla_jax.train_demo --out DIR [--overwrite] [--config demo|tiny] [--steps 4000] [--max-seconds 240]
+        [--seq-len N] [--task-fraction F] [--answer-weight W] [--init-from CKPT]
 
 The model is DeepSeek-shaped where SnapMLA cares (kv_lora_rank 512, RoPE head
 dim 64, so the real cache layout and kernels run; a first dense layer, then
@@ -19,6 +20,11 @@ it the byte-level ``tokenizer_config.json``, the held-out file list
 ``heldout_files.json`` and ``train_recipe.json`` (flags, steps, seconds,
 losses, device). Its config's ``max_position_embeddings`` is ``--seq-len``: the
 context the model was trained for, and so the longest generation allowed.
+
+Long-context training (``--task-fraction``, ``--answer-weight``, ``--init-from``):
+a share of the windows are retrieval tasks whose answer ends the window, the
+answer bytes' losses weighted above the text's, and a run may start from a saved
+checkpoint of the same config (a short-window run continued on long windows).
 
 Every flag and ``--out`` are checked before any work: ``--out`` must be new or an
 empty directory, or with ``--overwrite`` hold a snapmla-jax checkpoint, which is
@@ -44,7 +50,8 @@ import numpy as np
 from flax import nnx
 
 from snapmla_jax.models import MLAConfig, MLAModel
-from snapmla_jax.models.checkpoint import staged_checkpoint_dir, target_problem, write_checkpoint
+from snapmla_jax.models.checkpoint import (CheckpointError, load_checkpoint, staged_checkpoint_dir, target_problem,
+                                          write_checkpoint)
 from snapmla_jax import byte_corpus, cli, long_context_tasks
 
 PROG = "snapmla_jax.train_demo"
@@ -118,6 +125,9 @@ class TrainRecipe:
     task_fraction: float = _field(0.0, "share of training windows that are long-range retrieval tasks at random "
                                        "depths (passkey, key-value, multi-hop, copy: snapmla_jax.long_context_tasks) "
                                        "instead of plain text", 0, maximum=1)
+    answer_weight: float = _field(1.0, "weight of a task answer byte's loss against a text byte's: an answer is the "
+                                       "last few bytes of its window, so at 1 a long window's retrieval signal is "
+                                       "a few bytes in thousands", 1)
 
     def __post_init__(self):
         if self.config not in CONFIGS:
@@ -169,41 +179,54 @@ def _import_optax():
 
 def _make_chunk_fn(graphdef, rest, tx):
     """A jitted function running ``K`` optimizer steps: (params, opt_state, batches [K, B, S+1] int32,
-    learning rates [K] float32) -> (params, opt_state, losses [K]). One call per K steps keeps host
-    dispatch off the step time; params and opt_state are donated."""
+    loss weights [K, B, S] float32, learning rates [K] float32) -> (params, opt_state, losses [K]),
+    the losses unweighted means (nats a token). One call per K steps keeps host dispatch off the
+    step time; params and opt_state are donated."""
     optax = _import_optax()
 
-    def loss_fn(params, windows):
-        return jnp.mean(token_losses(nnx.merge(graphdef, params, rest), windows))
+    def loss_fn(params, windows, weights):
+        losses = token_losses(nnx.merge(graphdef, params, rest), windows)
+        return jnp.sum(losses * weights) / jnp.sum(weights), jnp.mean(losses)
 
-    def step(carry, windows_and_lr):
+    def step(carry, batch):
         params, opt_state = carry
-        windows, lr = windows_and_lr
-        loss, grads = jax.value_and_grad(loss_fn)(params, windows)
+        windows, weights, lr = batch
+        (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, windows, weights)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, jax.tree.map(lambda u: -lr * u, updates))
         return (params, opt_state), loss
 
-    def run_chunk(params, opt_state, batches, lrs):
-        (params, opt_state), losses = jax.lax.scan(step, (params, opt_state), (batches, lrs))
+    def run_chunk(params, opt_state, batches, weights, lrs):
+        (params, opt_state), losses = jax.lax.scan(step, (params, opt_state), (batches, weights, lrs))
         return params, opt_state, losses
 
     return jax.jit(run_chunk, donate_argnums=(0, 1))
 
 
-def training_batch(train_stream: np.ndarray, recipe: TrainRecipe, rng: np.random.Generator) -> np.ndarray:
-    """One step's windows, int32 [batch_size, seq_len + 1]: random windows of ``train_stream``, and
-    with ``task_fraction`` > 0 that share of them long-range tasks whose filler is the same text
+def training_batch(train_stream: np.ndarray, recipe: TrainRecipe, rng: np.random.Generator, *,
+                   filler: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """One step's windows, int32 [batch_size, seq_len + 1], and their loss weights, float32
+    [batch_size, seq_len] (one per predicted token): random windows of ``train_stream``, and with
+    ``task_fraction`` > 0 that share of them long-range tasks whose filler is the same text
     (``long_context_tasks.mixed_windows``), so that the model learns to reach back across the
-    whole window."""
+    whole window. A task's answer bytes weigh ``answer_weight``, every other token 1. ``filler``:
+    ``long_context_tasks.filler_bytes(train_stream)``, kept across batches by the caller."""
+    shape = (recipe.batch_size, recipe.seq_len)
     if recipe.task_fraction == 0:
-        return byte_corpus.sample_windows(train_stream, recipe.batch_size, recipe.seq_len + 1, rng)
-    return long_context_tasks.mixed_windows(train_stream, recipe.batch_size, recipe.seq_len + 1,
-                                            int(rng.integers(2**31)), task_fraction=recipe.task_fraction)
+        windows = byte_corpus.sample_windows(train_stream, recipe.batch_size, recipe.seq_len + 1, rng)
+        return windows, np.ones(shape, np.float32)
+    batch = long_context_tasks.mixed_windows(train_stream, recipe.batch_size, recipe.seq_len + 1,
+                                             int(rng.integers(2**31)), task_fraction=recipe.task_fraction,
+                                             filler=filler)
+    # Loss position t predicts token t + 1: a row's answer tokens [a, seq_len] are positions >= a - 1.
+    predicts_answer = np.arange(recipe.seq_len)[None, :] >= batch.answer_starts[:, None] - 1
+    return batch.tokens, np.where(predicts_answer, recipe.answer_weight, 1.0).astype(np.float32)
 
 
-def train(cfg: MLAConfig, train_stream: np.ndarray, recipe: TrainRecipe, *, log=print) -> tuple[MLAModel, dict]:
-    """Train a float32 MLAModel on random windows of ``train_stream`` (int32 [N]).
+def train(cfg: MLAConfig, train_stream: np.ndarray, recipe: TrainRecipe, *, log=print,
+          init: MLAModel | None = None) -> tuple[MLAModel, dict]:
+    """Train a float32 MLAModel on random windows of ``train_stream`` (int32 [N]), from ``init``'s
+    parameters (a model of ``cfg``'s shapes, any dtype) or a fresh initialization.
 
     Returns (model, history) where history holds per-chunk ``steps``,
     ``loss`` (mean nats per token of the chunk), ``lr`` and ``seconds``, and
@@ -215,6 +238,8 @@ def train(cfg: MLAConfig, train_stream: np.ndarray, recipe: TrainRecipe, *, log=
                          f"got {recipe.seq_len}")
     optax = _import_optax()
     model = MLAModel(cfg, rngs=nnx.Rngs(recipe.seed), dtype=jnp.float32)
+    if init is not None:
+        nnx.update(model, jax.tree.map(lambda p: p.astype(jnp.float32), nnx.state(init, nnx.Param)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     decay_mask = jax.tree.map(lambda p: p.ndim >= 2, params)  # no weight decay on norm scales
     tx = optax.chain(optax.clip_by_global_norm(recipe.grad_clip),
@@ -223,22 +248,34 @@ def train(cfg: MLAConfig, train_stream: np.ndarray, recipe: TrainRecipe, *, log=
     opt_state = tx.init(params)
     run_chunk = _make_chunk_fn(graphdef, rest, tx)
     rng = np.random.default_rng(recipe.seed)
+    filler = long_context_tasks.filler_bytes(train_stream) if recipe.task_fraction > 0 else None
+
+    def next_batches(k):
+        return tuple(np.stack(parts) for parts in zip(*(training_batch(train_stream, recipe, rng, filler=filler)
+                                                        for _ in range(k))))
+
     history = {"steps": [], "loss": [], "lr": [], "seconds": [], "compile_seconds": 0.0}
     step, start = 0, None
+    k = min(recipe.steps_per_call, recipe.steps)
+    batches, weights = next_batches(k)
     while step < recipe.steps:
         elapsed = 0.0 if start is None else time.perf_counter() - start
         if start is not None and elapsed >= recipe.max_seconds:
             break
-        k = min(recipe.steps_per_call, recipe.steps - step)
-        batches = np.stack([training_batch(train_stream, recipe, rng) for _ in range(k)])
         lrs = np.array([learning_rate(recipe, step + i, elapsed) for i in range(k)], np.float32)
         t0 = time.perf_counter()
-        params, opt_state, losses = run_chunk(params, opt_state, jnp.asarray(batches), jnp.asarray(lrs))
+        params, opt_state, losses = run_chunk(params, opt_state, jnp.asarray(batches), jnp.asarray(weights),
+                                              jnp.asarray(lrs))
+        # The next chunk's windows are made while the device runs this one (dispatch is asynchronous).
+        k_next = min(recipe.steps_per_call, recipe.steps - step - k)
+        if k_next > 0:
+            batches, weights = next_batches(k_next)
         losses = np.asarray(losses)  # waits for the chunk
         if start is None:  # the first chunk includes compilation; the time budget starts after it
             history["compile_seconds"] = time.perf_counter() - t0
             start = time.perf_counter()
         step += k
+        k = k_next
         history["steps"].append(step)
         history["loss"].append(float(losses.mean()))
         history["lr"].append(float(lrs[-1]))
@@ -297,6 +334,26 @@ def cast_model(model: MLAModel, dtype) -> MLAModel:
     return out
 
 
+def load_init(path: str, cfg: MLAConfig, config_name: str) -> tuple[MLAModel, dict]:
+    """The model at ``--init-from`` ``path`` and what the new record says of it: its path and, when it
+    has one, its own ``train_recipe.json`` (so a continued model records the whole recipe). Raises
+    cli.UsageError naming --init-from for a directory that is not a checkpoint or holds a model of
+    another config than ``cfg`` (its context apart)."""
+    try:
+        model = load_checkpoint(path)
+    except CheckpointError as err:
+        raise cli.UsageError(f"--init-from: {str(err).removeprefix('ckpt_dir: ')}") from err
+    if dataclasses.replace(model.cfg, max_position_embeddings=cfg.max_position_embeddings) != cfg:
+        raise cli.UsageError(f"--init-from: {path} holds a model of another config than --config {config_name}")
+    record = {"path": str(pathlib.Path(path).resolve())}
+    recipe_file = pathlib.Path(path) / "train_recipe.json"
+    if recipe_file.is_file():
+        previous = json.loads(recipe_file.read_text())
+        record.update({key: previous.get(key) for key in ("recipe", "steps_done", "command", "init_from")
+                       if previous.get(key) is not None})
+    return model, record
+
+
 def _parser() -> cli.Parser:
     p = cli.Parser(prog="python -m snapmla_jax.train_demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True,
@@ -304,6 +361,9 @@ def _parser() -> cli.Parser:
                         "snapmla-jax checkpoint)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the snapmla-jax checkpoint at --out (only one of ours; once the new one is complete)")
+    p.add_argument("--init-from", metavar="CKPT",
+                   help="start from this checkpoint's parameters (a model of --config, trained on any window "
+                        "length) instead of a fresh initialization")
     for field in dataclasses.fields(TrainRecipe):
         flag = "--" + field.name.replace("_", "-")
         if field.name == "config":
@@ -342,6 +402,7 @@ def _train_demo(argv: list[str]) -> int:
     _import_optax()
     # The saved config states the context the model was trained for: generation stops there.
     cfg = dataclasses.replace(CONFIGS[recipe.config](), max_position_embeddings=recipe.seq_len)
+    init, init_record = (None, None) if args.init_from is None else load_init(args.init_from, cfg, recipe.config)
     split = byte_corpus.split_files(heldout_fraction=recipe.heldout_fraction)
     train_stream = byte_corpus.token_stream(split.root, split.train_files)
     held_stream = byte_corpus.token_stream(split.root, split.heldout_files)
@@ -351,7 +412,7 @@ def _train_demo(argv: list[str]) -> int:
     print(f"corpus: {len(split.train_files)} train files ({train_stream.size} tokens), "
           f"{len(split.heldout_files)} held-out files ({held_stream.size} tokens) from {split.root}")
 
-    model, history = train(cfg, train_stream, recipe)
+    model, history = train(cfg, train_stream, recipe, init=init)
     shipped = cast_model(model, jnp.bfloat16)
     windows = heldout_windows(held_stream, recipe.seq_len, recipe.eval_windows)
     train_windows = byte_corpus.sample_windows(train_stream, windows.shape[0], recipe.seq_len + 1,
@@ -376,6 +437,8 @@ def _train_demo(argv: list[str]) -> int:
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "command": "python -m snapmla_jax.train_demo " + " ".join(argv),
     }
+    if init_record is not None:
+        record["init_from"] = init_record
     # Checkpoint and metadata appear at --out together, once all are written.
     with staged_checkpoint_dir(out, overwrite=args.overwrite) as staging:
         write_checkpoint(shipped, staging)

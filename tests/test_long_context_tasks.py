@@ -136,11 +136,30 @@ def test_bad_parameters_raise_value_error_naming_them(kwargs, needle):
 def test_mixed_windows_mix_tasks_and_corpus_deterministically(corpus):
     a = lct.mixed_windows(corpus, 16, 512, seed=1, task_fraction=0.5)
     b = lct.mixed_windows(corpus, 16, 512, seed=1, task_fraction=0.5)
-    np.testing.assert_array_equal(a, b)
-    assert a.shape == (16, 512) and a.dtype == np.int32
-    is_task = a[:, 0] == bc.BOS_ID
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.answer_starts, b.answer_starts)
+    assert a.tokens.shape == (16, 512) and a.tokens.dtype == np.int32
+    assert a.answer_starts.shape == (16,) and a.answer_starts.dtype == np.int32
+    is_task = a.tokens[:, 0] == bc.BOS_ID
     assert 0 < is_task.sum() < 16
-    assert (lct.mixed_windows(corpus, 4, 512, seed=2, task_fraction=0.0)[:, 0] != bc.BOS_ID).all()
+    # A task row's answer ends it; a text row has none (its start is the window's length).
+    assert ((a.answer_starts < 512) == is_task).all()
+    assert (a.answer_starts[is_task] > 1).all()
+    assert (lct.mixed_windows(corpus, 4, 512, seed=2, task_fraction=0.0).tokens[:, 0] != bc.BOS_ID).all()
+
+
+def test_mixed_windows_answer_starts_are_the_tasks_answers(corpus):
+    """Every task row's answer_start is where make_task put the answer: the same row rebuilt from
+    the same draws gives the same tokens, and its answer is the row's tail."""
+    batch = lct.mixed_windows(corpus, 8, 600, seed=3, task_fraction=1.0)
+    rng = np.random.default_rng(3)
+    for row, start in zip(batch.tokens, batch.answer_starts):
+        rng.random()
+        kind = lct.TASK_KINDS[int(rng.integers(len(lct.TASK_KINDS)))]
+        task = lct.make_task(kind, 600, float(rng.random()), int(rng.integers(2**31)), text=corpus)
+        np.testing.assert_array_equal(row, task.tokens)
+        assert start == task.answer_start
+        np.testing.assert_array_equal(row[start:], task.answer)
 
 
 def test_mixed_windows_refuse_bad_fraction_and_short_text(corpus):

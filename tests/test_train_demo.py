@@ -46,9 +46,10 @@ def test_a_few_steps_reduce_the_loss(small_stream):
 
 def test_a_task_fraction_mixes_long_range_tasks_into_the_batches(small_stream):
     plain = td.TrainRecipe(config="tiny", batch_size=6, seq_len=255)
-    text = td.training_batch(small_stream, plain, np.random.default_rng(3))
+    text, _ = td.training_batch(small_stream, plain, np.random.default_rng(3))
     np.testing.assert_array_equal(text, bc.sample_windows(small_stream, 6, 256, np.random.default_rng(3)))
-    tasks = td.training_batch(small_stream, dataclasses.replace(plain, task_fraction=1.0), np.random.default_rng(3))
+    tasks, _ = td.training_batch(small_stream, dataclasses.replace(plain, task_fraction=1.0),
+                                 np.random.default_rng(3))
     assert tasks.shape == (6, 256) and tasks.dtype == np.int32
     # Every task opens with BOS (a file's start, where plain windows rarely begin).
     assert (tasks[:, 0] == bc.BOS_ID).all() and not np.array_equal(tasks, text)
@@ -118,7 +119,7 @@ def test_the_long_context_recipe_trains_on_tasks_and_records_its_fraction(tmp_pa
     assert math.isfinite(record["final_train_loss_nats"])
 
 
-def _fake_train(cfg, train_stream, recipe, *, log=print):
+def _fake_train(cfg, train_stream, recipe, *, log=print, init=None):
     """td.train without the training: a random float32 model of ``cfg`` and one chunk's history."""
     model = MLAModel(cfg, rngs=nnx.Rngs(recipe.seed), dtype=jnp.float32)
     return model, {"steps": [recipe.steps], "loss": [5.0], "lr": [recipe.peak_lr], "seconds": [0.1],
@@ -146,6 +147,9 @@ QUICK = ["--config", "tiny", "--steps", "2", "--batch-size", "2", "--eval-window
     (["--out", "new", "--task-fraction", "0.5", "--seq-len", "16"],
      "--seq-len: 16 tokens are too short for --task-fraction's"),
     (["--out", "new", "--heldout-fraction", "0"], "--heldout-fraction: expected a value > 0 and < 1"),
+    (["--out", "new", "--answer-weight", "0.5"], "--answer-weight: expected a value >= 1, got 0.5"),
+    (["--out", "new", *QUICK, "--init-from", "taken"], "--init-from: "),
+    (["--out", "new", *QUICK, "--init-from", "nowhere"], "--init-from: "),
     (["--out", "new", "--config", "huge"], "--config: expected one of"),
     (["--config", "tiny"], "--out"),
 ])
@@ -177,12 +181,61 @@ def test_existing_checkpoint_is_replaced_only_with_overwrite(tmp_path, monkeypat
     load_checkpoint(out)
 
 
+def test_init_from_a_model_of_another_config_exits_2_naming_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(td, "train", _no_training)
+    code = td.main(["--out", str(tmp_path / "new"), *QUICK, "--init-from", str(SHIPPED)])
+    assert_usage_error(code, capsys.readouterr().err, "--init-from: ")
+    assert not (tmp_path / "new").exists()
+
+
+def test_answer_bytes_weigh_answer_weight_and_text_bytes_one(small_stream):
+    recipe = td.TrainRecipe(config="tiny", batch_size=16, seq_len=300, task_fraction=0.5, answer_weight=7.0)
+    windows, weights = td.training_batch(small_stream, recipe, np.random.default_rng(4))
+    assert windows.shape == (16, 301) and weights.shape == (16, 300) and weights.dtype == np.float32
+    is_task = windows[:, 0] == bc.BOS_ID
+    assert 0 < is_task.sum() < 16
+    assert (weights[~is_task] == 1).all()
+    for row, w in zip(windows[is_task], weights[is_task]):
+        heavy = np.flatnonzero(w == 7.0)
+        # The heavy positions are the last ones and predict the answer: the tail of the window.
+        assert heavy.size > 0 and (heavy == np.arange(300 - heavy.size, 300)).all()
+        assert (w[:300 - heavy.size] == 1).all()
+        assert (row[-heavy.size:] < 256).all()  # answers are bytes
+    plain = dataclasses.replace(recipe, task_fraction=0.0)
+    assert (td.training_batch(small_stream, plain, np.random.default_rng(4))[1] == 1).all()
+
+
+@needs_optax
+def test_init_from_continues_a_checkpoint_on_longer_windows_and_records_it(tmp_path):
+    first, second = tmp_path / "short", tmp_path / "long"
+    assert td.main(["--out", str(first), *QUICK]) == 0
+    # A learning rate of 1e-9 moves no bf16 parameter: the continued model is its start's.
+    assert td.main(["--out", str(second), "--config", "tiny", "--steps", "1", "--batch-size", "1",
+                    "--eval-windows", "1", "--seq-len", "32", "--peak-lr", "1e-9", "--warmup-steps", "0",
+                    "--init-from", str(first)]) == 0
+    start, continued = load_checkpoint(first), load_checkpoint(second)
+    assert continued.cfg.max_position_embeddings == 32 and start.cfg.max_position_embeddings == 16
+    for a, b in zip(jax.tree.leaves(nnx.state(start, nnx.Param)), jax.tree.leaves(nnx.state(continued, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    record = json.loads((second / "train_recipe.json").read_text())
+    assert record["init_from"]["path"] == str(first.resolve())
+    assert record["init_from"]["recipe"]["seq_len"] == 16 and record["init_from"]["steps_done"] == 2
+    # Without --init-from the same run starts elsewhere.
+    fresh = tmp_path / "fresh"
+    assert td.main(["--out", str(fresh), "--config", "tiny", "--steps", "1", "--batch-size", "1",
+                    "--eval-windows", "1", "--seq-len", "32", "--peak-lr", "1e-9", "--warmup-steps", "0",
+                    "--seed", "5"]) == 0
+    assert not all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in
+                   zip(jax.tree.leaves(nnx.state(start, nnx.Param)),
+                       jax.tree.leaves(nnx.state(load_checkpoint(fresh), nnx.Param))))
+
+
 def test_help_exits_0_and_describes_every_recipe_flag(capsys):
     assert td.main(["--help"]) == 0
     out = capsys.readouterr().out
     for field in dataclasses.fields(td.TrainRecipe):
         assert "--" + field.name.replace("_", "-") in out
-    assert "--overwrite" in out
+    assert "--overwrite" in out and "--init-from" in out
 
 
 SHIPPED = pathlib.Path(td.__file__).resolve().parent / "assets" / "demo_model"
