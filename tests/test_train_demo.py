@@ -206,6 +206,21 @@ def test_answer_bytes_weigh_answer_weight_and_text_bytes_one(small_stream):
 
 
 @needs_optax
+def test_answer_weight_reaches_the_gradient_and_not_the_logged_loss(small_stream):
+    """One step from the same start on the same windows: the answer weight changes the update (the
+    weighted loss is what is minimised) but not the recorded loss (an unweighted mean)."""
+    cfg = dataclasses.replace(td.tiny_config(), max_position_embeddings=255)
+    base = td.TrainRecipe(config="tiny", steps=1, batch_size=4, seq_len=255, task_fraction=1.0, warmup_steps=0,
+                          steps_per_call=1)
+    runs = [td.train(cfg, small_stream, dataclasses.replace(base, answer_weight=w), log=lambda *_: None)
+            for w in (1.0, 1.0, 50.0)]
+    params = [jax.tree.leaves(nnx.state(model, nnx.Param)) for model, _ in runs]
+    assert all(np.array_equal(a, b) for a, b in zip(params[0], params[1]))
+    assert not all(np.array_equal(a, b) for a, b in zip(params[0], params[2]))
+    assert runs[0][1]["loss"] == runs[2][1]["loss"]
+
+
+@needs_optax
 def test_init_from_continues_a_checkpoint_on_longer_windows_and_records_it(tmp_path):
     first, second = tmp_path / "short", tmp_path / "long"
     assert td.main(["--out", str(first), *QUICK]) == 0
