@@ -45,14 +45,15 @@ def profile_case(batch: int, context: int, heads: int, s_q: int) -> dict:
     result = {}
     for name, cache in (("fp8", fp8), ("bf16", bf16)):
         chain = bench.decode_chain(scale, layers, "pallas")
+        calls = bench.chain_calls(layers)
         args = (q, q_rope, cache, block_table, seq_lens)
-        us = timing.time_ms(chain, [args], warmup=2, iters=20) / layers * 1e3
+        us = timing.time_ms(chain, [args], warmup=2, iters=20) / calls * 1e3
         events = timing.gpu_events(chain, args, calls=TRACED_CALLS)
-        per_layer = {kernel: total / layers for kernel, total in timing.kernel_totals_us(events, TRACED_CALLS).items()}
-        timeline = {part: value / layers for part, value in timing.timeline_us(events, TRACED_CALLS).items()}
-        result[name] = {"us_per_layer": us, "layers": layers, "kernels_us_per_layer": per_layer,
+        per_layer = {kernel: total / calls for kernel, total in timing.kernel_totals_us(events, TRACED_CALLS).items()}
+        timeline = {part: value / calls for part, value in timing.timeline_us(events, TRACED_CALLS).items()}
+        result[name] = {"us_per_layer": us, "layers": layers, "calls": calls, "kernels_us_per_layer": per_layer,
                         "timeline_us_per_layer": timeline}
-        print(f"{batch}x{context}x{heads}x{s_q} {name}: {us:.1f} us a layer; traced: span {timeline['span']:.1f}, "
+        print(f"{batch}x{context}x{heads}x{s_q} {name}: {us:.1f} us a call; traced: span {timeline['span']:.1f}, "
               f"busy {timeline['busy']:.1f}, idle between launches {timeline['idle']:.1f}", flush=True)
         for kernel, kernel_us in per_layer.items():
             if kernel_us >= 0.05:

@@ -10,9 +10,9 @@ BF16 twin) and an explicit ``num_splits``; the count ``choose_num_splits``
 picks is marked "(chosen)".
 
 Timing: at these sizes one call is 10-150 us, so each sample is the decode benchmark's chain
-(``bench.decode.decode_chain``): ``chain_layers`` calls inside one jit, call i over layer i of a
-layered cache (so every call reads its cache from HBM, not from L2 as calls over one cache
-would), each call's output the next call's query, divided by the chain's length. All counts of a
+(``bench.decode.decode_chain``): ``chain_calls`` calls inside one jit, call i over layer i mod
+``chain_layers`` of a layered cache (so every call reads its cache from HBM, not from L2 as calls
+over one cache would), each call's output the next call's query, divided by the chain's length. All counts of a
 case are compiled first, then timed side by side (``timing.time_round_robin``, ``--rounds``
 rounds in a shuffled order, samples of at least 5 ms), so that a drift of the GPU's clocks falls
 on all of them alike. Writes split_sweep.json under --out.
@@ -26,7 +26,7 @@ import pathlib
 import sys
 
 from snapmla_jax.bench import timing
-from snapmla_jax.bench.decode import chain_layers, decode_chain, make_caches, make_queries
+from snapmla_jax.bench.decode import chain_calls, chain_layers, decode_chain, make_caches, make_queries
 from snapmla_jax.decode import planned_num_splits
 
 CASES = ("1x1024x128x1:1,2,4,8", "1x4096x128x1:4,8,16,32", "8x4096x128x1:4,8,16", "32x4096x128x1:1,2,4",
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
                              [(q, q_rope, cache, block_table, seq_lens)])
         times = timing.time_round_robin(runs, iters=args.rounds, min_sample_ms=MIN_SAMPLE_MS)
         for key, ms in times.items():
-            results["ms"][key] = ms / layers if isinstance(ms, float) else repr(ms)
+            results["ms"][key] = ms / chain_calls(layers) if isinstance(ms, float) else repr(ms)
             print(key, results["ms"][key], flush=True)
         (out_dir / "split_sweep.json").write_text(json.dumps(results, indent=1))
         del fp8, bf16

@@ -10,11 +10,14 @@ sample of every method a round, in a shuffled order) so that a drift of the GPU'
 the row falls on all of them alike. Columns:
 
   ms           median time of one decode call (all B rows, one layer)
-  layers       calls a timed sample chains inside one jit (``chain_layers``), each over its own
-               layer of a layered cache and taking the previous call's output as its query, as
-               a model's layers do; ms is the chain's time / layers. Small problems need it: one
-               call from Python costs ~0.06 ms of host dispatch, more than the kernel at B = 1,
-               and one layer's cache would sit in L2 between calls
+  layers       layers of the cache a timed sample reads (``chain_layers``): enough that no
+               layer is still in the L2 when the chain comes back to it
+  calls        calls a timed sample chains inside one jit (``decode_chain``: at least
+               ``MIN_CHAIN_CALLS``, unrolled), call i over layer i mod layers and taking the
+               previous call's output as its query, as a model's layers do; ms is the chain's
+               time / calls. One call from Python costs ~0.06 ms of host dispatch, more than the
+               kernel at B = 1, and one call alone in an executable pays the gap between two
+               executables; FlashMLA's CUDA graph replays as many calls
   GB/s         cache bytes + query/output bytes moved, per second
   TFLOP/s      2 * B * s_q * H * ctx * (576 + 512) per second
   % roof       roofline time / measured time, from ceilings measured in the same run (copy
@@ -65,32 +68,62 @@ MIN_SAMPLE_MS = 10.0
 # H200's 50 MB L2, so that no layer's pages are still cached when the chain comes back.
 CHAIN_BYTES = 256 << 20
 MAX_CHAIN = 256
+# Calls a timed sample's executable runs at least, unrolled as a model's layers are
+# (``decode_chain``; FlashMLA's CUDA graph replays as many): a call alone in its executable
+# also pays the gap between two executables on the stream, which a model's decode step, all its
+# layers in one jit, does not. Chains of more layers run groups of this many calls in a loop.
+MIN_CHAIN_CALLS = 8
 FP8_BYTES_PER_TOKEN = RANK + 4 + 2 * ROPE
 
 
 def chain_layers(batch: int, context: int) -> int:
     """Layers a timed sample chains for a B x context problem: enough that their fp8 caches
     hold CHAIN_BYTES (1 from B x context = 400k tokens up), at most MAX_CHAIN and within
-    the kernels' int32 row indices."""
+    the kernels' int32 row indices; above MIN_CHAIN_CALLS a multiple of it (``decode_chain``'s
+    groups)."""
     tokens = batch * context
     layers = min(MAX_CHAIN, max(1, -(-CHAIN_BYTES // (tokens * FP8_BYTES_PER_TOKEN))))
+    if layers > MIN_CHAIN_CALLS:
+        layers = min(MAX_CHAIN, -(-layers // MIN_CHAIN_CALLS) * MIN_CHAIN_CALLS)
     while layers > 1 and not kernel_addressable(layers * tokens):
-        layers -= 1
+        layers -= MIN_CHAIN_CALLS if layers > MIN_CHAIN_CALLS else 1
     return layers
 
 
+def chain_calls(layers: int) -> int:
+    """Calls ``decode_chain`` makes over ``layers`` layers: each layer once, and at least
+    MIN_CHAIN_CALLS, coming back to layer 0 after the last (the layers read CHAIN_BYTES between
+    two visits of one layer, so none is still in the L2)."""
+    return max(layers, MIN_CHAIN_CALLS)
+
+
 def decode_chain(softmax_scale: float, layers: int, backend: str = "auto", num_splits=None):
-    """jit of ``layers`` mla_decode calls (``backend``, ``num_splits``), call i over
-    layer i of the cache (no layer axis when ``layers`` is 1), each call's output the next call's
-    query: (q, q_rope, cache, block_table, seq_lens) -> out [B, s_q, H, 512]."""
+    """jit of ``chain_calls(layers)`` mla_decode calls (``backend``, ``num_splits``), call i over
+    layer i mod ``layers`` of the cache (no layer axis when ``layers`` is 1), each call's output
+    the next call's query: (q, q_rope, cache, block_table, seq_lens) -> out [B, s_q, H, 512].
+
+    Up to MIN_CHAIN_CALLS layers the calls are unrolled with static layers, as a model's decode
+    step runs its layers; more layers (small problems) run groups of MIN_CHAIN_CALLS unrolled
+    calls in a loop over a traced layer, so that the compiled program stays small."""
     def one(q, q_rope, cache, block_table, seq_lens, layer):
         return mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=softmax_scale, layer=layer,
                           backend=backend, num_splits=num_splits)
 
-    if layers == 1:
-        return jax.jit(lambda q, *rest: one(q, *rest, None))
-    # A traced layer, as a model scanning its layers passes it: one compiled body.
-    return jax.jit(lambda q, *rest: jax.lax.fori_loop(0, layers, lambda i, x: one(x, *rest, i), q))
+    if layers <= MIN_CHAIN_CALLS:
+        def unrolled(q, *rest):
+            for call in range(chain_calls(layers)):
+                q = one(q, *rest, None if layers == 1 else call % layers)
+            return q
+        return jax.jit(unrolled)
+    if layers % MIN_CHAIN_CALLS:
+        raise ValueError(f"layers: expected at most {MIN_CHAIN_CALLS} or a multiple of it, got {layers}")
+
+    def group(index, q, rest):
+        for call in range(MIN_CHAIN_CALLS):
+            q = one(q, *rest, index * MIN_CHAIN_CALLS + call)
+        return q
+    return jax.jit(lambda q, *rest: jax.lax.fori_loop(0, layers // MIN_CHAIN_CALLS,
+                                                      lambda index, x: group(index, x, rest), q))
 
 
 def _device_memory() -> int:
@@ -221,7 +254,7 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
     # The cache is an argument of the jitted step (as in a serving loop), not a
     # closed-over constant that XLA would have to embed.
     run = lambda backend: decode_chain(scale, layers, backend)
-    row = dict(batch=batch, context=context, heads=heads, s_q=s_q, layers=layers,
+    row = dict(batch=batch, context=context, heads=heads, s_q=s_q, layers=layers, calls=chain_calls(layers),
                measured_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
     plans = {"fp8": (fp8, "pallas"), "bf16": (bf16, "pallas"), "xla_bf16": (bf16, "xla")}
     # The XLA path gathers the pages (a bf16 copy) and keeps fp32 scores and weights.
@@ -239,10 +272,13 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
     flash_run = None
     if flashmla is not None and "flashmla" in methods:
         try:
-            flash_run = flashmla_lib.FlashMLARun(flashmla, q, q_rope, bf16, block_table, seq_lens, scale)
+            flash_run = flashmla_lib.FlashMLARun(flashmla, q, q_rope, bf16, block_table, seq_lens, scale,
+                                                 calls=chain_calls(layers))
             runs["flashmla"] = (flash_run.run, [()])
-            if layers == 1 and "bf16" in runs:
-                row["flashmla_agreement"] = flashmla_agreement(flash_run, runs["bf16"][0], runs["bf16"][1][0])
+            if "bf16" in runs:
+                twin = jax.jit(lambda *args: mla_decode(*args, softmax_scale=scale, layer=None if layers == 1 else 0,
+                                                        backend="pallas"))
+                row["flashmla_agreement"] = flashmla_agreement(flash_run, twin, runs["bf16"][1][0])
         except Exception as err:  # reported in the row; our methods are still timed
             row["flashmla_ms"] = None
             row["flashmla_note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
@@ -262,7 +298,7 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
         if name == "stock_mqa":  # one layer, one call
             row["stock_mqa_ms"] = result
             continue
-        ms = result / layers
+        ms = result / chain_calls(layers)
         nbytes, f8, f16 = method_work(name, batch, context, heads, s_q)
         row[f"{name}_ms"] = ms
         row[f"{name}_gbps"] = nbytes / (ms * 1e-3) / 1e9
@@ -346,7 +382,7 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
     columns = [c for c in COLUMNS if any(r.get(c[1]) is not None for r in rows)]
     runs = ceiling_runs(rows)
     label = {id(row): name for name, run, members in runs if run["ceilings"] for row in members}
-    body = [[r["batch"], r["context"], r["heads"], r["s_q"], r.get("layers", "-"),
+    body = [[r["batch"], r["context"], r["heads"], r["s_q"], r.get("layers", "-"), r.get("calls", r.get("layers", "-")),
              *(cell(r.get(key), kind) for _, key, kind in columns), label.get(id(r), "-"),
              r.get("measured_utc", "-")] for r in rows]
     stamps = lambda members: sorted(m["measured_utc"] for m in members if m.get("measured_utc"))
@@ -370,8 +406,11 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         "",
         "One decode call over one layer, page_size 64, all rows at the full context; times are medians of",
         f"samples of at least {MIN_SAMPLE_MS:g} ms, every method sampled once a round in a shuffled order.",
-        "layers: calls a timed sample chains in one jit, each over its own layer (>= 256 MiB of fp8 cache",
-        "in all, 5x the L2); ms = the chain's time / layers.",
+        "layers: the cache's layers a timed sample reads (>= 256 MiB of fp8 cache in all, 5x the L2);",
+        "calls: decode calls it chains in one jit" + (" (FlashMLA: in one CUDA graph)" if flashmla_name else "")
+        + ", call i over layer i mod layers,",
+        f"unrolled as a model's layers (loops of {MIN_CHAIN_CALLS} above {MIN_CHAIN_CALLS} layers); "
+        "ms = the chain's time / calls.",
         "FP8 = `mla_decode` on the fp8 cache (644 B/token) with its default kernel and split plan. BF16 = the",
         "same on the bf16 cache (1152 B/token): our BF16 twin.",
         *(["XLA bf16 = `mla_decode(..., backend=\"xla\")` on the bf16 cache."] if timed("xla_bf16") else []),
@@ -385,7 +424,7 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         *(f"Not run ({reason}): {', '.join(shape for shape, why in skipped if why == reason)}."
           for reason in dict.fromkeys(why for _, why in skipped)),
         "",
-        timing.markdown_table(["B", "ctx", "H", "s_q", "layers", *(c[0] for c in columns), "ceil", "measured (UTC)"],
+        timing.markdown_table(["B", "ctx", "H", "s_q", "layers", "calls", *(c[0] for c in columns), "ceil", "measured (UTC)"],
                               body),
     ]
     smooth = smoothness(rows)

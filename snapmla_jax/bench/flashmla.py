@@ -107,15 +107,18 @@ def to_torch(x: jax.Array):
 
 
 class FlashMLARun:
-    """FlashMLA over the same problem as our decode chain: ``layers`` calls, call l over layer l
-    of the bf16 cache (its pages offset by l x pages in one [layers x pages, 64, 1, 576] array),
-    captured in one CUDA graph. ``run()`` replays it and returns a ``TorchSync``."""
+    """FlashMLA over the same problem as our decode chain (``decode.decode_chain``): ``calls``
+    calls (default: one a layer), call i over layer i mod layers of the bf16 cache (its pages
+    offset by l x pages in one [layers x pages, 64, 1, 576] array), captured in one CUDA graph.
+    ``run()`` replays it and returns a ``TorchSync``."""
 
-    def __init__(self, flashmla: FlashMLA, q, q_rope, bf16_cache, block_table, seq_lens, scale: float):
+    def __init__(self, flashmla: FlashMLA, q, q_rope, bf16_cache, block_table, seq_lens, scale: float,
+                 calls: int | None = None):
         import torch
 
         s_q, heads = q.shape[1], q.shape[2]
         self.layers = bf16_cache.num_layers or 1
+        self.calls = self.layers if calls is None else calls
         latent, rope = to_torch(bf16_cache.latent), to_torch(bf16_cache.rope)
         self.k_cache = torch.cat([latent, rope], dim=-1).reshape(-1, PAGE, 1, RANK + rope.shape[-1]).contiguous()
         del latent, rope
@@ -146,8 +149,8 @@ class FlashMLARun:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for layer in range(self.layers):
-                self.call(layer)
+            for call in range(self.calls):
+                self.call(call % self.layers)
         torch.cuda.synchronize()
         return graph
 
