@@ -12,8 +12,8 @@ picks is marked "(chosen)".
 Timing: at these sizes one call is 10-150 us, so each sample is the decode benchmark's chain
 (``bench.decode.decode_chain``): ``chain_calls`` calls inside one jit, call i over layer i mod
 ``chain_layers`` of a layered cache (so every call reads its cache from HBM, not from L2 as calls
-over one cache would), each call's output the next call's query, divided by the chain's length. All counts of a
-case are compiled first, then timed side by side (``timing.time_round_robin``, ``--rounds``
+over one cache would), each call's output the next call's query, divided by the chain's length.
+All counts of a case are compiled first, then timed side by side (``timing.time_round_robin``, ``--rounds``
 rounds in a shuffled order, samples of at least 5 ms), so that a drift of the GPU's clocks falls
 on all of them alike. Writes split_sweep.json under --out.
 """
