@@ -81,7 +81,8 @@ from snapmla_jax.pallas_kernels.mgpu_decode_inputs import FP8_PAGE_SIZES as PAGE
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import (balanced_plan_kernel, decode_inputs, decode_inputs_and_plan,
                                                         scale_copy_pages)
 from snapmla_jax.pallas_kernels.mla_decode_reference import LN2, LOG2E, STEP, resolve_num_pages
-from snapmla_jax.pallas_kernels.split_plan import SplitPlan, balanced_items, item_steps, uniform_plan
+from snapmla_jax.pallas_kernels.split_plan import (SplitPlan, balanced_items, cta_item, cta_steps, uniform_plan,
+                                                   wave_plan)
 
 PAGE = 64  # cache page size the kernels are built around (``PAGE_SIZES``: the ones they take)
 # STEP (mla_decode_reference): 128 tokens a step, two pages (four of 32 tokens, eight of 16); the
@@ -543,12 +544,13 @@ def locate_cta(seq_lens_ref, items_ref, bt_ref, rows: int, *, s_q: int, step_tok
     """Where a Mosaic decode CTA (grid work item w, row block of ``rows`` rows) is, for warpgroup
     wg, from the plan's items_ref int32 [3, W] (``split_plan.SplitPlan.items``) and its steps of
     ``step_tokens`` tokens (``split_plan.item_steps``) over a table of ``page_size``-token pages."""
-    item, r, wg = (lax.axis_index(name) for name in ("w", "r", "wg"))
-    b, split, count = items_ref[0, item], items_ref[1, item], items_ref[2, item]
+    w, r, wg = (lax.axis_index(name) for name in ("w", "r", "wg"))
+    item = cta_item(items_ref, w)
+    b = items_ref[0, item]
     # A traced seq_len is not validated: past the table's capacity it would walk steps of
     # clamped pages (the XLA reference clips it there too).
     seq_len = jnp.clip(seq_lens_ref[b], 0, bt_ref.shape[1] * page_size)
-    first_step, num_steps, unmasked_steps = item_steps(seq_len, split, count, s_q=s_q, step_tokens=step_tokens)
+    first_step, num_steps, unmasked_steps = cta_steps(items_ref, item, seq_len, s_q=s_q, step_tokens=step_tokens)
     return Where(b, wg, seq_len, aligned(r * rows, rows), first_step, num_steps, unmasked_steps)
 
 
@@ -709,7 +711,7 @@ def output_target(o_ref, lse_ref, part_o_ref, part_lse_ref, items_ref, *, partia
     count from items_ref [3, W] again rather than keeping ``locate_cta``'s values live across
     the consumers' loop.
     """
-    item = lax.axis_index("w")
+    item = cta_item(items_ref, lax.axis_index("w"))
     return OutputTarget(o_ref, lse_ref, part_o_ref if partials else None, part_lse_ref if partials else None,
                         items_ref[0, item], item, items_ref[2, item])
 
@@ -786,7 +788,7 @@ def for_used_items(cta: Callable) -> Callable:
     @functools.wraps(cta)
     def kernel(*refs, **params):
         items_ref = refs[1]
-        pl.when(items_ref[2, lax.axis_index("w")] > 0)(lambda: cta(*refs, **params))
+        pl.when(items_ref[2, cta_item(items_ref, lax.axis_index("w"))] > 0)(lambda: cta(*refs, **params))
     return kernel
 
 
@@ -996,11 +998,12 @@ class KernelInputs(NamedTuple):
 
 def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, *, page_size: int,
                    num_splits: int, balanced: bool, num_pages: int, block_rows: int = BLOCK_M,
-                   scale_planes: bool = False, interpret: bool = False) -> KernelInputs:
+                   scale_planes: bool = False, segments: int = 0, interpret: bool = False) -> KernelInputs:
     """Checks and launcher-side inputs (``block_rows``: the query rows of a CTA; ``num_pages``:
     pages in one layer, resolved by ``resolve_num_pages``), and the call's split plan:
     ``num_splits`` items a row (``uniform_plan``), or with ``balanced`` (and B > 1)
-    ``split_plan.balanced_plan``'s, computed in the inputs launch.
+    ``split_plan.balanced_plan``'s, computed in the inputs launch, or with ``segments`` > 0
+    ``split_plan.wave_plan``'s of that many segments (``plan_items``).
 
     q_rows [B, rows, 512] and q_rope_rows [B, rows, 64], any rows: padded here to whole blocks.
     Returns ``KernelInputs``: the quantized rows, the padded RoPE rows, the step-ordered token
@@ -1016,14 +1019,15 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, lay
     rope_rows = q_rope_rows if rows != num_rows else None
     common = dict(q_rope_rows=rope_rows, padded_rows=rows, num_pages=num_pages, page_size=page_size,
                   scale_planes=scale_planes, interpret=interpret)
-    num_items = balanced_plan_size(batch, num_splits, balanced)
+    num_items = balanced_plan_size(batch, num_splits, balanced and not segments)
     if num_items is not None:
         inputs = decode_inputs_and_plan(q_rows, scale, block_table, layer_offset, seq_lens, num_items=num_items,
                                         **common)
         plan = inputs.plan
     else:
         inputs = decode_inputs(q_rows, scale, block_table, layer_offset, **common)
-        plan = uniform_plan(batch, num_splits)
+        plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=False, step_tokens=STEP,
+                          page_size=page_size, segments=segments, interpret=interpret)
     q_rope = q_rope_rows.astype(jnp.bfloat16) if rope_rows is None else inputs.q_rope
     return KernelInputs(inputs.q8, inputs.q_scale, q_rope, latent.reshape(latent.shape[0] // 2, 2, RANK),
                         rope.reshape(rope.shape[0] // 2, 2, ROPE), inputs.scales, plan)
@@ -1031,14 +1035,15 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, lay
 
 def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, *, softmax_scale: float,
            page_size: int, s_q: int, num_heads: int, num_splits: int, balanced: bool, num_pages: int | None,
-           interpret: bool) -> tuple[jax.Array, jax.Array]:
+           segments: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
     """``_kernel`` on its grid (work item, row block) with its warpgroups, its SMEM and barriers,
     and the merge of split-KV partials."""
     check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
     num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
     q8, q_scale, q_rope, latent_pairs, rope_pairs, scales, plan = prepare_inputs(
         q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, page_size=page_size,
-        num_splits=num_splits, balanced=balanced, num_pages=num_pages, scale_planes=True, interpret=interpret)
+        num_splits=num_splits, balanced=balanced, num_pages=num_pages, scale_planes=True, segments=segments,
+        interpret=interpret)
     num_rows = q8.shape[1]  # padded to whole blocks
     out_dtype = partial_dtype(q_rows.dtype)
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
@@ -1105,11 +1110,15 @@ def balanced_plan_size(batch: int, num_splits: int, balanced: bool) -> int | Non
 
 
 def plan_items(seq_lens, block_table, *, num_splits: int, balanced: bool, step_tokens: int,
-               page_size: int = PAGE, interpret: bool = False) -> SplitPlan:
+               page_size: int = PAGE, segments: int = 0, interpret: bool = False) -> SplitPlan:
     """The work items of a call over seq_lens [B] and block_table [B, max_pages] (pages of
-    ``page_size`` tokens): ``split_plan.balanced_plan`` (in one launch: ``balanced_plan_kernel``)
-    of ``balanced_plan_size`` items, or ``uniform_plan`` (``num_splits`` items a row)."""
+    ``page_size`` tokens): with ``segments`` > 0 ``split_plan.wave_plan`` (XLA), else
+    ``split_plan.balanced_plan`` (in one launch: ``balanced_plan_kernel``) of
+    ``balanced_plan_size`` items, or ``uniform_plan`` (``num_splits`` items a row)."""
     batch = seq_lens.shape[0]
+    if segments:
+        return wave_plan(seq_lens, num_segments=segments, step_tokens=step_tokens,
+                         capacity=block_table.shape[1] * page_size)
     num_items = balanced_plan_size(batch, num_splits, balanced)
     if num_items is None:
         return uniform_plan(batch, num_splits)
@@ -1149,18 +1158,21 @@ def merge_items(outs: tuple, plan: SplitPlan, dtype, *, num_splits: int,
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
-                                             "balanced", "num_pages", "interpret"))
+                                             "balanced", "num_pages", "segments", "interpret"))
 def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                     seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
                     s_q: int, num_heads: int, num_splits: int = 1, balanced: bool = False,
-                    num_pages: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                    num_pages: int | None = None, segments: int = 0,
+                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """FP8 decode on Mosaic GPU; arguments and results in the module docstring.
 
     ``layer_offset`` must be a multiple of 64 (it is layer x pages x 64).
     Split-KV (flash decoding, ``split_plan``): ``num_splits`` > 1 cuts each row's steps into that
     many CTAs; ``balanced`` instead gives each row a number of CTAs in proportion to its
     seq_len, from a budget that gives rows of equal length ``num_splits`` each
-    (``split_plan.balanced_plan``). The partials of a row's CTAs
+    (``split_plan.balanced_plan``); ``segments`` > 0 instead cuts the batch's steps into that
+    many equal segments (``split_plan.wave_plan``; ``num_splits`` is then the items a row is
+    expected to have, for the merge). The partials of a row's CTAs
     (``combine_splits.partial_dtype``) are merged with their log-sum-exp
     (``combine_splits_mgpu.combine_items_mgpu``). ``num_pages``: pages in one layer of the
     cache (None: all of the arrays' rows); traced page ids are clipped into [0, num_pages)
@@ -1168,4 +1180,4 @@ def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tup
     """
     return launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, softmax_scale=softmax_scale,
                   page_size=page_size, s_q=s_q, num_heads=num_heads, num_splits=num_splits, balanced=balanced,
-                  num_pages=num_pages, interpret=interpret)
+                  num_pages=num_pages, segments=segments, interpret=interpret)

@@ -70,7 +70,6 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu import (BLOCK_M, CHUNK, CHUNKS_P
                                                         step_visibility, unpadded,
                                                         walk_steps, write_outputs, Where)
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import bf16_rows_and_plan
-from snapmla_jax.pallas_kernels.split_plan import uniform_plan
 
 STEP = PAGE  # tokens a step: one page (see the module docstring)
 PAGE_SIZES = (16, 32, PAGE)  # page sizes the twins take: a step holds STEP / page_size pages
@@ -245,36 +244,38 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, lat_ref, ro
 
 
 def twin_rows_and_plan(q_rows, q_rope_rows, seq_lens, block_table, *, block_rows: int, num_splits: int,
-                       balanced: bool, page_size: int, interpret: bool) -> tuple:
+                       balanced: bool, page_size: int, interpret: bool, segments: int = 0) -> tuple:
     """A BF16 twin's inputs: (q [B, P, 512] bf16, q_rope [B, P, 64] bf16, the split plan of
     64-token steps over a table of ``page_size``-token pages), P = rows padded to whole blocks of
     ``block_rows``. Rows short of whole blocks
     are padded (and a balanced plan computed) in one launch, as the FP8 kernels' inputs launch
-    does, where XLA would pad q and q_rope in two; whole blocks need at most the plan's launch."""
+    does, where XLA would pad q and q_rope in two; whole blocks need at most the plan's launch.
+    ``segments`` > 0: a wave plan (``plan_items``), computed apart from the padding."""
     batch, num_rows = q_rows.shape[:2]
     rows = padded_rows(num_rows, block_rows)
+    plan_of = functools.partial(plan_items, seq_lens, block_table, num_splits=num_splits, step_tokens=STEP,
+                                page_size=page_size, segments=segments, interpret=interpret)
     if rows == num_rows:
-        plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP,
-                          page_size=page_size, interpret=interpret)
-        return q_rows.astype(jnp.bfloat16), q_rope_rows.astype(jnp.bfloat16), plan
-    num_items = balanced_plan_size(batch, num_splits, balanced)
+        return q_rows.astype(jnp.bfloat16), q_rope_rows.astype(jnp.bfloat16), plan_of(balanced=balanced)
+    num_items = balanced_plan_size(batch, num_splits, balanced and not segments)
     with_plan = num_items is not None
     q, q_rope, plan = bf16_rows_and_plan(
         q_rows, q_rope_rows, seq_lens if with_plan else None, padded_rows=rows, num_items=num_items,
         capacity=block_table.shape[1] * page_size if with_plan else None, interpret=interpret)
-    return q, q_rope, plan if with_plan else uniform_plan(batch, num_splits)
+    return q, q_rope, plan if with_plan else plan_of(balanced=False)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
-                                             "balanced", "num_pages", "interpret"))
+                                             "balanced", "num_pages", "segments", "interpret"))
 def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                          seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
                          s_q: int, num_heads: int, num_splits: int = 1, balanced: bool = False,
-                         num_pages: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                         num_pages: int | None = None, segments: int = 0,
+                         interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """BF16 decode on Mosaic GPU; arguments and results in the module docstring.
 
     Split-KV as ``mla_decode_mgpu`` (``num_splits`` CTAs a row, or ``balanced``: in proportion
-    to the rows' seq_lens), the partials (bf16 for a bf16 output) merged with their
+    to the rows' seq_lens, or ``segments``: the batch's steps in equal segments), the partials (bf16 for a bf16 output) merged with their
     log-sum-exp (``combine_splits_mgpu.combine_items_mgpu``). ``num_pages``: pages in one layer of
     the cache (None: all of the arrays' rows); traced page ids are clipped into [0, num_pages)
     and seq_lens into the table's capacity, so that no read leaves the cache. ValueError for
@@ -287,7 +288,7 @@ def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays
     num_pages = resolve_num_pages(num_pages, latent.shape[0], page_size)
     q, q_rope, plan = twin_rows_and_plan(q_rows, q_rope_rows, seq_lens, block_table, block_rows=BLOCK_M,
                                          num_splits=num_splits, balanced=balanced, page_size=page_size,
-                                         interpret=interpret)
+                                         interpret=interpret, segments=segments)
     num_rows = q.shape[1]
     out_dtype = partial_dtype(q_rows.dtype)
     stage_cols = CHUNK * 2 // jnp.dtype(out_dtype).itemsize  # a warpgroup's staging tile: 16 KB

@@ -210,14 +210,14 @@ def takes(q_dtype) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
-                                             "balanced", "num_pages", "interpret"))
+                                             "balanced", "num_pages", "segments", "interpret"))
 def mla_decode_mgpu_bf16_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple,
                                block_table: jax.Array, seq_lens: jax.Array, layer_offset: jax.Array, *,
                                softmax_scale: float, page_size: int, s_q: int, num_heads: int,
                                num_splits: int = 1, balanced: bool = False, num_pages: int | None = None,
-                               interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                               segments: int = 0, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """BF16 decode in 16-row blocks on Mosaic GPU; arguments and results in the module docstring,
-    split-KV, ``num_pages`` and the clipping of traced inputs as ``mla_decode_mgpu_bf16``.
+    split-KV (``segments`` included), ``num_pages`` and the clipping of traced inputs as ``mla_decode_mgpu_bf16``.
     ValueError for a cache, row count or query dtype this kernel does not take."""
     check_launch("mla_decode_mgpu_bf16_small: bf16 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
                  num_arrays=2, block_rows=None, num_splits=num_splits, page_sizes=PAGE_SIZES)
@@ -227,7 +227,7 @@ def mla_decode_mgpu_bf16_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_
     num_pages = resolve_num_pages(num_pages, latent.shape[0], page_size)
     q, q_rope, plan = twin_rows_and_plan(q_rows, q_rope_rows, seq_lens, block_table, block_rows=ROWS,
                                          num_splits=num_splits, balanced=balanced, page_size=page_size,
-                                         interpret=interpret)
+                                         interpret=interpret, segments=segments)
     rows = q.shape[1]
     # P's and the staging tiles: 128-byte rows, swizzled as the ring's chunks (a wgmma's two
     # operands share their swizzle) and as the output's TMA reads them.

@@ -422,14 +422,15 @@ def runs_query_in_kernel(q_rows: jax.Array, q_rope_rows: jax.Array, *, block_row
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
-                                             "balanced", "block_rows", "num_pages", "query_in_kernel", "interpret"))
+                                             "balanced", "block_rows", "num_pages", "query_in_kernel", "segments",
+                                             "interpret"))
 def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                           seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
                           s_q: int, num_heads: int, num_splits: int = 1, balanced: bool = False,
                           block_rows: int = ROWS, num_pages: int | None = None, query_in_kernel: bool | None = None,
-                          interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                          segments: int = 0, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """FP8 decode for blocks of ``block_rows`` (16 or 32) query rows; arguments and results as
-    ``mla_decode_mgpu``'s (``num_splits``, ``balanced`` and ``num_pages`` included): q_rows
+    ``mla_decode_mgpu``'s (``num_splits``, ``balanced``, ``segments`` and ``num_pages`` included): q_rows
     [B, rows, 512] of any rows (padded to whole blocks of ``block_rows`` in the inputs launch).
     ``query_in_kernel``: the query rows quantized and the token scales read in the kernel, no
     inputs launch (None: where ``runs_query_in_kernel`` says it can; False: never)."""
@@ -449,7 +450,7 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
                      num_arrays=3, block_rows=rows, num_splits=num_splits, page_sizes=PAGE_SIZES)
         latent, scale, rope = cache_arrays
         plan = plan_items(seq_lens, block_table, num_splits=num_splits, balanced=balanced, step_tokens=STEP,
-                          page_size=page_size, interpret=interpret)
+                          page_size=page_size, segments=segments, interpret=interpret)
         # The latent and RoPE parts as token pairs (the step order's boxes) and the scales by page.
         operands = (q_rows, q_rope_rows, latent.reshape(-1, 2, RANK), scale.reshape(-1, page_size),
                     rope.reshape(-1, 2, ROPE))
@@ -458,7 +459,7 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
         q8, q_scale, q_rope, latent_pairs, rope_pairs, scales, plan = prepare_inputs(
             q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, page_size=page_size,
             num_splits=num_splits, balanced=balanced, num_pages=num_pages, block_rows=rows, scale_planes=False,
-            interpret=interpret)
+            segments=segments, interpret=interpret)
         operands = (q8, q_scale, q_rope, latent_pairs, scales, rope_pairs)
         num_rows = q8.shape[1]  # padded to whole blocks
     kernel = plgpu.kernel(

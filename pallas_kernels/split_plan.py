@@ -6,7 +6,7 @@ items together cover its seq_len, in order. Each item writes normalised partials
 log-sum-exp, merged per row by ``combine_splits_mgpu.combine_items_mgpu``; a row of a single item
 writes its output directly.
 
-Two plans:
+Three plans:
 
 - ``uniform_plan``: every row cut into the same number of items, S (``num_splits``): what
   the grid (batch row, split, row block) always did. Fine while the rows are about as long
@@ -23,6 +23,18 @@ shorter). Then sum n_b <= sum (steps_b / L + 1) <= W: the budget always suffices
 B (S + 1) rows of equal length get exactly the uniform plan's S items each (L = ceil(steps /
 S)), so the plan costs nothing when the batch is even; items past sum n_b are unused (count 0)
 and their CTAs return at once.
+- ``wave_plan``: the batch's steps laid end to end and cut into ``num_segments`` equal segments,
+  one an SM (FlashMLA's tile scheduler divides the batch's token blocks this way). A row's items
+  are its pieces in each segment it crosses, so they differ in length: each carries its first
+  step and step count. Its CTAs then run in a launch order of their own: the piece that opens
+  each segment first (one wave, all starting together), then the rest, longest first. The GPU
+  hands a waiting CTA to the SM that frees first, which ran the shortest opening piece; its
+  segment's remainder is the longest one left, so each SM ends near one segment's time, and a
+  batch one row past a wave costs a row's share, not a second wave (``decode.wave_cost``).
+
+A plan's items are in row order (a row's items contiguous: the merge reads them as a run); a
+wave plan adds the launch order and the explicit steps as three more fields of ``items``
+(``EXPLICIT_FIELDS``), read in the kernels through ``cta_item`` and ``cta_steps``.
 """
 
 from __future__ import annotations
@@ -34,11 +46,19 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# Fields of a plan's items: batch row, index among the row's items, the row's item count; a wave
+# plan adds the launch order (CTA w runs item order[w]), each item's first step and its steps.
+PLAN_FIELDS = 3
+EXPLICIT_FIELDS = 6
+
+
 class SplitPlan(NamedTuple):
     """Work items of one decode call (W items over B batch rows).
 
     items       int32 [3, W]: per item its batch row, its index among the row's items and the
-                row's item count; an unused item holds (0, 0, 0).
+                row's item count; an unused item holds (0, 0, 0). A ``wave_plan``'s is
+                [6, W]: also the launch order (field 3, by CTA), and per item its first step
+                and its number of steps (fields 4 and 5).
     item_start  int32 [B]: the row's first item (its items are contiguous).
     item_count  int32 [B]: the row's items, >= 1.
     uniform_splits  static: the items every row has (``uniform_plan``), None where they
@@ -48,6 +68,11 @@ class SplitPlan(NamedTuple):
     item_start: jax.Array
     item_count: jax.Array
     uniform_splits: int | None = None
+
+    @property
+    def explicit(self) -> bool:
+        """Whether the items carry their steps and a launch order (``wave_plan``)."""
+        return self.items.shape[0] == EXPLICIT_FIELDS
 
     @property
     def partials(self) -> bool:
@@ -111,6 +136,61 @@ def item_steps(seq_len, split, count, *, s_q: int, step_tokens: int):
     steps_per_item = jax.lax.div(total_steps + (count - 1), jnp.maximum(count, 1))
     first_step = split * steps_per_item
     num_steps = jnp.where(count > 0, jnp.maximum(jnp.minimum(total_steps - first_step, steps_per_item), 0), 0)
+    unmasked_steps = jnp.clip(jax.lax.div(jnp.maximum(seq_len - s_q + 1, 0), step_tokens) - first_step, 0,
+                              num_steps)
+    return first_step, num_steps, unmasked_steps
+
+
+def wave_plan(seq_lens: jax.Array, *, num_segments: int, step_tokens: int, capacity: int) -> SplitPlan:
+    """The batch's steps cut into ``num_segments`` equal segments (module docstring), from
+    seq_lens [B] int32 (clipped into [0, ``capacity``] as the kernels clip them), steps of
+    ``step_tokens`` tokens. Traceable: W = B + num_segments items (a row has one item per
+    segment it crosses, and each cut inside a row adds one: at most B + num_segments - 1 in
+    all); a row of seq_len 0 has one item of no steps (out 0, lse -inf)."""
+    batch = seq_lens.shape[0]
+    if num_segments < 1:
+        raise ValueError(f"num_segments: expected a positive int, got {num_segments!r}")
+    num_items = batch + num_segments
+    steps = (jnp.clip(seq_lens, 0, capacity) + step_tokens - 1) // step_tokens
+    row_end = jnp.cumsum(steps).astype(jnp.int32)
+    row_start = row_end - steps
+    seg = jnp.maximum(1, -(-row_end[-1] // num_segments))
+    first_seg = row_start // seg
+    count = jnp.where(steps > 0, -(-row_end // seg) - first_seg, 1).astype(jnp.int32)
+    end = jnp.cumsum(count)
+    start = (end - count).astype(jnp.int32)
+    item = jnp.arange(num_items, dtype=jnp.int32)[:, None]
+    mine = (start[None, :] <= item) & (item < end[None, :])
+    pick = lambda values: jnp.sum(jnp.where(mine, values, 0), axis=1, dtype=jnp.int32)
+    item = item[:, 0]
+    used = item < end[-1]
+    split = jnp.where(used, item - pick(start[None, :]), 0)
+    piece_seg = pick(first_seg[None, :]) + split
+    lo = jnp.maximum(pick(row_start[None, :]), piece_seg * seg)
+    hi = jnp.minimum(pick(row_end[None, :]), (piece_seg + 1) * seg)
+    num_steps = jnp.where(used, jnp.maximum(hi - lo, 0), 0)
+    first_step = jnp.where(used, lo - pick(row_start[None, :]), 0)
+    # Launch order: each segment's opening piece, then the rest longest first, then the rows of
+    # no steps, then the unused items (a stable sort keeps item order among equals).
+    opens = (lo == piece_seg * seg) & (num_steps > 0)
+    key = jnp.where(~used, seg + 3, jnp.where(num_steps == 0, seg + 2, jnp.where(opens, 0, 1 + seg - num_steps)))
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    items = jnp.stack([pick(jnp.arange(batch, dtype=jnp.int32)[None, :]), split, pick(count[None, :]), order,
+                       first_step, num_steps])
+    return SplitPlan(items, start, count)
+
+
+def cta_item(items_ref, w):
+    """The item CTA ``w`` runs: w itself, or a wave plan's launch order (``SplitPlan.items``)."""
+    return items_ref[3, w] if items_ref.shape[0] == EXPLICIT_FIELDS else w
+
+
+def cta_steps(items_ref, item, seq_len, *, s_q: int, step_tokens: int):
+    """``item_steps`` of ``item`` of the plan in items_ref [3 or 6, W]: computed from its split
+    and count, or a wave plan's own first step and steps (fields 4 and 5)."""
+    if items_ref.shape[0] != EXPLICIT_FIELDS:
+        return item_steps(seq_len, items_ref[1, item], items_ref[2, item], s_q=s_q, step_tokens=step_tokens)
+    first_step, num_steps = items_ref[4, item], items_ref[5, item]
     unmasked_steps = jnp.clip(jax.lax.div(jnp.maximum(seq_len - s_q + 1, 0), step_tokens) - first_step, 0,
                               num_steps)
     return first_step, num_steps, unmasked_steps

@@ -95,6 +95,46 @@ def choose_num_splits(batch: int, row_blocks: int, max_tokens: int, num_sms: int
     return min(candidates, key=lambda splits: (split_cost(batch, row_blocks, steps, splits, slots, overhead), splits))
 
 
+# A wave plan's own cost beyond its items, in steps: its XLA launches (a sort and a few fused ops).
+WAVE_PLAN_STEPS = 2.0
+
+
+def wave_cost(batch: int, row_blocks: int, steps: int, slots: int, overhead: float = 1.0) -> float:
+    """Modelled time, in steps of one CTA, of a wave plan (``pallas_kernels.split_plan.wave_plan``)
+    for ``batch`` rows of ``steps`` steps in ``row_blocks`` blocks of query rows: the batch's
+    steps cut into ``wave_segments`` segments, one a CTA slot, each run as its pieces (on
+    average (B + segments) / segments of them, each with its ``ITEM_STEPS``), then the merge of
+    the partials and the plan's own launches (fixed costs times ``overhead`` as in
+    ``split_cost``)."""
+    segments = wave_segments(row_blocks, slots)
+    pieces = (batch + segments) / segments
+    cost = -(-batch * steps // segments) + ITEM_STEPS * overhead * pieces
+    return cost + (MERGE_STEPS + MERGE_STEPS_PER_WAVE * pieces + WAVE_PLAN_STEPS) * overhead
+
+
+def wave_segments(row_blocks: int, slots: int) -> int:
+    """A wave plan's segments: as many as the items whose ``row_blocks`` CTAs fill ``slots``."""
+    return max(1, slots // row_blocks)
+
+
+def choose_plan(batch: int, row_blocks: int, max_tokens: int, num_sms: int, min_tokens: int,
+                overhead: float = 1.0) -> tuple[int, int]:
+    """(num_splits, segments) of a call whose plan follows the rows (``mla_decode``'s default
+    above ``UNIFORM_PLAN_MAX_TOKENS``): ``choose_num_splits``' count and segments 0, or, where
+    its modelled time is below that of the best split count, a wave plan (``wave_cost``) with
+    its segments and, as num_splits, the items a full row has at most (what the merge loads at
+    a time). The wave plan wins where whole waves of items leave SMs idle: past a multiple of a
+    wave of rows (H = 128 x 16k on 132 SMs: B = 67, 72, 100, 140, 200), not at B = 64 or 66."""
+    splits = choose_num_splits(batch, row_blocks, max_tokens, num_sms, min_tokens, overhead)
+    steps = max(1, -(-max_tokens // min_tokens))
+    if wave_cost(batch, row_blocks, steps, num_sms, overhead) >= split_cost(batch, row_blocks, steps, splits, num_sms,
+                                                                          overhead):
+        return splits, 0
+    segments = wave_segments(row_blocks, num_sms)
+    per_segment = -(-batch * steps // segments)
+    return min(MAX_SPLITS, -(-steps // per_segment) + 1), segments
+
+
 def uniform_plan_only(capacity_tokens: int) -> bool:
     """Whether a Mosaic kernel call over ``capacity_tokens`` tokens of block-table capacity (B x
     max_pages x page_size) takes a uniform split plan (``num_splits`` items a row) even where
@@ -132,6 +172,15 @@ def planned_num_splits(q_latent: jax.Array, cache: LatentCache, block_table: jax
     block_m = mosaic_kernel(s_q * heads, cache.dtype, q_latent.dtype, capacity_tokens(block_table, cache))[1]
     return choose_num_splits(batch, -(-(s_q * heads) // block_m), block_table.shape[1] * cache.page_size,
                              _sm_count(), min_tokens_per_split(cache.dtype), split_overhead(cache.dtype))
+
+
+def planned_split(q_latent: jax.Array, cache: LatentCache, block_table: jax.Array) -> tuple[int, int]:
+    """``choose_plan``'s (num_splits, segments) for a call of ``mla_decode`` with these arguments
+    whose plan follows the rows (num_splits None, above ``UNIFORM_PLAN_MAX_TOKENS``)."""
+    batch, s_q, heads, _ = q_latent.shape
+    block_m = mosaic_kernel(s_q * heads, cache.dtype, q_latent.dtype, capacity_tokens(block_table, cache))[1]
+    return choose_plan(batch, -(-(s_q * heads) // block_m), block_table.shape[1] * cache.page_size, _sm_count(),
+                       min_tokens_per_split(cache.dtype), split_overhead(cache.dtype))
 
 
 def capacity_tokens(block_table: jax.Array, cache: LatentCache) -> int:
@@ -323,10 +372,12 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
                 XLA path of the same math runs, with a RuntimeWarning saying why
                 (``no_kernel_reason``). "interpret" needs ``INTERPRETER_CPU_DEVICES`` CPU devices.
     num_splits  split-KV count for the Mosaic kernels, the same for every row; None picks
-                it from the shapes and the GPU's SM count (``planned_num_splits``) and gives
+                it from the shapes and the GPU's SM count (``planned_split``) and gives
                 each row a share of the CTAs in proportion to its seq_len
                 (``pallas_kernels.split_plan.balanced_plan``: a long row among short ones
-                is not left to a few SMs), but for small problems (``uniform_plan_only``).
+                is not left to a few SMs), or where whole waves of items would leave SMs
+                idle cuts the batch's steps into one segment an SM (``wave_plan``), but
+                for small problems (``uniform_plan_only``).
 
     Returns out [B, s_q, H, R] in q_latent's dtype, and with ``return_lse``
     also lse [B, s_q, H] float32 (natural log of the softmax denominator).
@@ -374,13 +425,16 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     layer_offset = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32) * cache.num_slots, (1,))
     layer_offset = jnp.clip(layer_offset, 0, (cache.num_layers or 1) * cache.num_slots - cache.num_slots)
     balanced = num_splits is None and not uniform_plan_only(capacity)
-    if num_splits is None:
+    segments = 0
+    if balanced:
+        num_splits, segments = planned_split(q_latent, cache, block_table)
+    elif num_splits is None:
         num_splits = planned_num_splits(q_latent, cache, block_table)
     table, num_pages, page_size = mosaic_pages(block_table, cache.num_pages, cache.page_size, cache.dtype)
     out, lse = mosaic_kernel(num_rows, cache.dtype, q_latent.dtype, capacity)[0](
         to_rows(q_latent), to_rows(q_rope), cache_arrays, table, seq_lens, layer_offset,
         softmax_scale=softmax_scale, page_size=page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,
-        balanced=balanced, num_pages=num_pages, interpret=backend == "interpret")
+        balanced=balanced, num_pages=num_pages, segments=segments, interpret=backend == "interpret")
     out = out[:, :num_rows].reshape(batch, s_q, heads, rank)
     lse = lse[:, :num_rows].reshape(batch, s_q, heads)
     return (out, lse) if return_lse else out

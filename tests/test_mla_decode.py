@@ -20,8 +20,8 @@ import pytest
 
 import snapmla_jax.decode as decode_module
 from snapmla_jax.cache import LatentCache
-from snapmla_jax.decode import (ITEM_STEPS, MAX_SPLITS, MERGE_STEPS, choose_num_splits, min_tokens_per_split, mla_decode,
-                                mosaic_kernel, planned_num_splits, split_cost, split_overhead)
+from snapmla_jax.decode import (ITEM_STEPS, MAX_SPLITS, MERGE_STEPS, choose_num_splits, choose_plan, min_tokens_per_split,
+                                mla_decode, mosaic_kernel, planned_num_splits, split_cost, split_overhead, wave_cost)
 from snapmla_jax.quantization import AMAX_FLOOR, FP8_E4M3_EPS, FP8_E4M3_MAX, quantize_per_token
 
 RANK, ROPE = 512, 64
@@ -413,6 +413,25 @@ def test_split_count_has_no_cliff_past_a_wave(row_blocks, max_tokens):
     assert split_cost(one_more, row_blocks, steps, 1, 132) > 1.9 * split_cost(wave, row_blocks, steps, 1, 132)
     chosen = choose_num_splits(one_more, row_blocks, max_tokens, 132, 128)
     assert split_cost(one_more, row_blocks, steps, chosen, 132) < 1.4 * split_cost(wave, row_blocks, steps, 1, 132)
+
+
+def test_wave_plan_is_chosen_past_a_wave_of_rows_and_not_at_one():
+    """H = 128 x 16k on 132 SMs (two row blocks an item, 66 items a wave): at whole waves of rows
+    (B = 64, 66, 128, 132) the split plan models as fast and stays; one row past them, and at
+    batches whose items leave part of a wave idle, the wave plan models faster (within the item
+    and merge costs of the batch's share, where whole waves of split items lose up to 1.3x)."""
+    plan = lambda batch: choose_plan(batch, 2, 16384, 132, 128)
+    for batch in (32, 64, 66, 128, 132):
+        assert plan(batch)[1] == 0, batch
+    for batch in (67, 72, 100, 140, 200):
+        splits, segments = plan(batch)
+        assert segments == 66, batch
+        share = batch * 2 * 128 / 132
+        assert wave_cost(batch, 2, 128, 132) < 1.1 * share + 12, batch
+        assert wave_cost(batch, 2, 128, 132) < split_cost(batch, 2, 128, choose_num_splits(batch, 2, 16384, 132, 128),
+                                                          132)
+        assert splits == -(-128 // -(-batch * 128 // 66)) + 1  # the items a full row has at most, for the merge
+    assert choose_plan(67, 1, 32768, 132, 128)[1] == 132  # 16 heads: one row block, a segment an SM
 
 
 def test_planned_num_splits_is_what_mla_decode_runs(paged_setup, monkeypatch):

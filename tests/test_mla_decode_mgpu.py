@@ -147,6 +147,14 @@ def test_kernel_lowers_for_cuda(kernel, s_q, num_splits, dtype, balanced):
     lower_for_cuda(call, *args)
 
 
+@pytest.mark.parametrize("kernel", ["mgpu", "small", "small32"])
+def test_kernel_lowers_for_cuda_under_a_wave_plan(kernel):
+    """A wave plan's items (launch order and steps read from the plan) lower, with partials."""
+    heads = 64 if kernel == "mgpu" else 16
+    q, q_rope, *cache = _inputs(0, batch=3, heads=heads, pages_per_row=3, seq_lens=[100, 0, 190], s_q=1)
+    lower_for_cuda(lambda *a: _call_kernel(*a, 0.1, num_splits=2, kernel=kernel, segments=2), q, q_rope, *cache)
+
+
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("kernel,rows,query_in_kernel", [("mgpu", 128, None), ("small", 16, None),
                                                          ("small", 16, False), ("small32", 32, None)])
@@ -386,9 +394,9 @@ def _nan_past_seq_lens(latent, scale, rope, block_table, seq_lens):
 
 
 def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu", dtype="bfloat16",
-           balanced=False, pages_per_row=5):
+           balanced=False, pages_per_row=5, segments=0):
     """Kernel vs ``mla_decode_reference(block_n=128)``, queries in ``dtype``; returns (max error /
-    max |ref|, max lse error, lse scale)."""
+    max |ref|, max lse error, lse scale). ``segments`` > 0: a wave plan (``split_plan.wave_plan``)."""
     q, q_rope, latent, scale, rope, block_table, lens = _inputs(heads + s_q, batch=len(seq_lens), heads=heads,
                                                                 pages_per_row=pages_per_row, seq_lens=seq_lens,
                                                                 s_q=s_q)
@@ -397,7 +405,7 @@ def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu
     softmax_scale = 576 ** -0.5
     out, lse = _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale,
                             layer_pages=layer_pages, num_splits=splits, balanced=balanced, interpret=interpret,
-                            kernel=kernel)
+                            kernel=kernel, **({"segments": segments} if segments else {}))
     # The reference rounds Q and P' to e4m3 as the kernel does (P' factor per
     # 128-token step), with exact products, on the same pages without a layer offset.
     ref, ref_lse = mla_decode_reference(q, q_rope, latent, scale, rope, block_table, lens,
@@ -540,6 +548,37 @@ def test_balanced_plan_interpreted_matches_reference(kernel, heads, s_q, seq_len
 def test_balanced_plan_matches_reference(kernel, heads, s_q, seq_lens, splits, dtype):
     err, lse_err, lse_scale = _check(heads, s_q, seq_lens, 0, splits, interpret=False, kernel=kernel, dtype=dtype,
                                      balanced=True, pages_per_row=10)
+    assert err < MGPU_TOL, err  # the compiled kernels' bound (test_kernel_matches_reference)
+    assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
+
+
+# Wave plans (``split_plan.wave_plan``, rows of 10 pages): the batch's steps in equal segments,
+# so rows cut mid-step-run into items of unequal length, launched out of row order (each
+# segment's opening piece first), a row of seq_len 0 and unused items; with s_q = 2 items end in
+# masked steps. (kernel, heads, s_q, seq_lens, segments, query dtype)
+WAVE_CASES = pytest.mark.parametrize("kernel,heads,s_q,seq_lens,segments,dtype", [
+    ("mgpu", 64, 1, [640, 40, 0, 500], 3, "bfloat16"),   # 11 steps in segments of 4: items 2 + 1 + 1 + 2
+    ("mgpu", 16, 2, [600, 129, 3], 4, "float32"),       # float32 partials and output, masked tails
+    ("small", 16, 1, [640, 40, 0, 500], 3, "bfloat16"),
+    ("small", 16, 2, [600, 129, 3], 2, "float32"),      # transposed float32 output and partials
+])
+
+
+@WAVE_CASES
+def test_wave_plan_interpreted_matches_reference(kernel, heads, s_q, seq_lens, segments, dtype):
+    """On CPU: each CTA finds its item through the plan's launch order and takes the item's own
+    steps; rows of one item land in the output directly, the others are merged."""
+    err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, 0, 2, kernel=kernel, dtype=dtype,
+                                           pages_per_row=10, segments=segments)
+    assert err < _balanced_tolerance(dtype), err
+    assert lse_err < 1e-4, lse_err
+
+
+@pytest.mark.gpu
+@WAVE_CASES
+def test_wave_plan_matches_reference(kernel, heads, s_q, seq_lens, segments, dtype):
+    err, lse_err, lse_scale = _check(heads, s_q, seq_lens, 0, 2, interpret=False, kernel=kernel, dtype=dtype,
+                                     pages_per_row=10, segments=segments)
     assert err < MGPU_TOL, err  # the compiled kernels' bound (test_kernel_matches_reference)
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
@@ -864,16 +903,17 @@ def test_the_interpreter_on_few_cpu_devices_is_refused_in_one_line():
 
 
 def test_mla_decode_balances_splits_unless_num_splits_is_given(monkeypatch):
-    """Left to ``mla_decode``, the Mosaic kernels get the balanced split plan sized for the planned
-    count past ``UNIFORM_PLAN_MAX_TOKENS`` of block-table capacity, and a uniform plan up to it;
-    an explicit ``num_splits`` keeps every row at that count."""
+    """Left to ``mla_decode``, the Mosaic kernels get the plan ``planned_split`` gives past
+    ``UNIFORM_PLAN_MAX_TOKENS`` of block-table capacity (a balanced split plan, or past a wave of
+    rows a wave plan), and a uniform plan up to it; an explicit ``num_splits`` keeps every row at
+    that count."""
     import snapmla_jax.decode as decode
     from snapmla_jax.cache import LatentCache
 
     calls = []
 
     def fake_kernel(q_rows, *args, **kw):
-        calls.append((kw["num_splits"], kw["balanced"]))
+        calls.append((kw["num_splits"], kw["balanced"], kw["segments"]))
         return jnp.zeros(q_rows.shape, q_rows.dtype), jnp.zeros(q_rows.shape[:2], jnp.float32)
 
     monkeypatch.setattr(decode, "mosaic_kernel",
@@ -889,8 +929,16 @@ def test_mla_decode_balances_splits_unless_num_splits_is_given(monkeypatch):
     decode.mla_decode(q, q_rope, cache, large, lens, **kw)
     decode.mla_decode(q, q_rope, cache, large, lens, num_splits=3, **kw)
     decode.mla_decode(q, q_rope, cache, small, lens, **kw)
-    planned = [decode.planned_num_splits(q, cache, table) for table in (large, small)]
-    assert calls == [(planned[0], True), (3, False), (planned[1], False)]
+    # 67 rows of 16k tokens x 128 heads: one row past a wave of two-block items.
+    wide = jnp.ones((67, 1, 128, 512), jnp.bfloat16), jnp.ones((67, 1, 128, 64), jnp.bfloat16)
+    long_table = jnp.zeros((67, 256), jnp.int32)
+    decode.mla_decode(*wide, cache, long_table, jnp.full((67,), 16384, jnp.int32), **kw)
+    planned = decode.planned_split(q, cache, large)
+    assert planned[1] == 0  # two short rows: split, no wave plan
+    wave = decode.planned_split(wide[0], cache, long_table)
+    assert wave[1] == 66, wave
+    assert calls == [(planned[0], True, 0), (3, False, 0), (decode.planned_num_splits(q, cache, small), False, 0),
+                     (wave[0], True, 66)]
 
 
 def test_mosaic_kernels_run_compiled_on_hopper_and_interpreted_over_pages_of_a_multiple_of_16(monkeypatch):

@@ -18,6 +18,7 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16_small import mla_decode_mgpu_bf16_small
 from snapmla_jax.backend import lower_for_cuda
 from snapmla_jax.cache import LatentCache
+from snapmla_jax import decode
 from snapmla_jax.decode import SMALL_BLOCKS_MAX_TOKENS, mla_decode, mosaic_kernel
 from test_mla_decode import SCALE, attention_f64, make_latent, make_queries, rel_err, scrambled_block_table
 from test_mla_decode_mgpu import _in_subprocess, _nan_past_seq_lens
@@ -71,11 +72,18 @@ def _layered_bf16_cache(rng, pages: int, layers: int | None, seq_lens, block_tab
     return LatentCache(latent=latent, scale=None, rope=rope)
 
 
-def _check(heads, s_q, seq_lens, layer, splits, dtype, backend="interpret", seed=0, page_size=PAGE) -> list:
+def _check(heads, s_q, seq_lens, layer, splits, dtype, backend="interpret", seed=0, page_size=PAGE,
+           wave=False) -> list:
     """``mla_decode`` (a Mosaic BF16 twin) over a bf16 cache of ``page_size``-token pages (384
     tokens of table a row) vs float64 attention on the same cache contents. Returns [max error /
     max |ref| over rows that see a token, max lse error, whether rows that see none give out 0
-    and lse -inf]."""
+    and lse -inf]. ``wave``: splits None then takes a wave plan (``decode.choose_plan`` made to
+    prefer it at any size)."""
+    if wave:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(decode, "UNIFORM_PLAN_MAX_TOKENS", 0)
+            patch.setattr(decode, "WAVE_PLAN_STEPS", -1e9)
+            return _check(heads, s_q, seq_lens, layer, splits, dtype, backend, seed, page_size)
     rng = np.random.default_rng(seed)
     batch, pages_per_row = len(seq_lens), 6 * PAGE // page_size
     pages = batch * pages_per_row + 2
@@ -128,6 +136,25 @@ def test_bf16_kernel_interpreted_matches_float64(heads, s_q, seq_lens, layer, sp
     rows, rows padded in the launch; the 64-row twin and the 16-row one."""
     _assert_close(*_in_subprocess(f"_check({heads}, {s_q}, {seq_lens!r}, {layer!r}, {splits}, {dtype!r})",
                                   module="test_mla_decode_mgpu_bf16"), dtype)
+
+
+# (heads, s_q, seq_lens, layer, query dtype) under a wave plan: the 64-row twin and the 16-row one.
+WAVE_CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer,dtype", [
+    (64, 1, [384, 40, 0], None, "float32"), (8, 2, [380, 65, 3], 1, "bfloat16")])
+
+
+@WAVE_CASES
+def test_bf16_kernels_interpreted_under_a_wave_plan(heads, s_q, seq_lens, layer, dtype):
+    """mla_decode's wave plan (``split_plan.wave_plan``): items of one-step segments launched out of
+    row order, each taking its own steps, merged."""
+    _assert_close(*_in_subprocess(f"_check({heads}, {s_q}, {seq_lens!r}, {layer!r}, None, {dtype!r}, wave=True)",
+                                  module="test_mla_decode_mgpu_bf16"), dtype)
+
+
+@pytest.mark.gpu
+@WAVE_CASES
+def test_bf16_kernels_under_a_wave_plan(heads, s_q, seq_lens, layer, dtype):
+    _assert_close(*_check(heads, s_q, seq_lens, layer, None, dtype, backend="pallas", wave=True), dtype)
 
 
 @pytest.mark.gpu

@@ -96,7 +96,11 @@ def test_interleaved_kernel_times_say_when_no_gpu_ran():
 def test_sweep_splits_parses_its_cases_and_exits_2_without_a_gpu(tmp_path, capsys):
     script = _script("sweep_splits")
     assert script.parse_case("1x4096x16x1:8,16") == ((1, 4096, 16, 1), [8, 16])
-    for bad in ("1x4096x16x1", "1x4096x16:8", "1x4096x16x1:0,8", "1x4k x16x1:8"):
+    assert script.parse_case("67x16384x128x1:split,wave,4") == ((67, 16384, 128, 1), ["split", "wave", 4])
+    # A plan named where the call's plan is uniform (<= UNIFORM_PLAN_MAX_TOKENS of capacity): one line, 2.
+    assert script.main(["--out", str(tmp_path), "--cases", "1x4096x16x1:wave"]) == 2
+    assert "--cases: 1x4096x16x1 takes a uniform plan" in capsys.readouterr().err
+    for bad in ("1x4096x16x1", "1x4096x16:8", "1x4096x16x1:0,8", "1x4k x16x1:8", "1x4096x16x1:waves"):
         with pytest.raises(argparse.ArgumentTypeError, match="BxCONTEXTxHxS_Q:SPLITS"):
             script.parse_case(bad)
     with pytest.raises(SystemExit) as exit_info:  # argparse: one line naming --cases, status 2

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from snapmla_jax.pallas_kernels.split_plan import balanced_items, balanced_plan, item_steps, uniform_plan
+from snapmla_jax.pallas_kernels.split_plan import (EXPLICIT_FIELDS, balanced_items, balanced_plan, cta_item, cta_steps,
+                                                   item_steps, uniform_plan, wave_plan)
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import balanced_plan_kernel
 from snapmla_jax.backend import lower_for_cuda
 
@@ -14,13 +15,13 @@ STEP = 128
 
 
 def _walk(plan, seq_lens, *, s_q=1, step_tokens=STEP):
-    """Per item (row, first_step, num_steps, unmasked_steps), from item_steps on the plan."""
+    """Per item (row, count, first_step, num_steps, unmasked_steps), as the kernels read the plan
+    (``cta_steps``: item_steps, or a wave plan's own steps)."""
     items = np.asarray(plan.items)
     out = []
     for w in range(items.shape[1]):
-        b, split, count = (int(v) for v in items[:, w])
-        steps = item_steps(jnp.int32(seq_lens[b]), jnp.int32(split), jnp.int32(count), s_q=s_q,
-                           step_tokens=step_tokens)
+        b, count = int(items[0, w]), int(items[2, w])
+        steps = cta_steps(items, w, jnp.int32(seq_lens[b]), s_q=s_q, step_tokens=step_tokens)
         out.append((b, count, *(int(v) for v in steps)))
     return out
 
@@ -42,7 +43,8 @@ def _check_covers(plan, seq_lens, capacity, *, step_tokens=STEP):
         covered = [s for _, _, first, num, _ in mine for s in range(first, first + num)]
         assert covered == list(range(steps)), (b, n, mine)
     assert all(w[1] == 0 and w[3] == 0 for w in walked[used:])
-    assert (np.asarray(plan.items)[:, used:] == 0).all()
+    fields = [0, 1, 2, 4, 5] if plan.explicit else [0, 1, 2]  # a wave plan's launch order covers them all
+    assert (np.asarray(plan.items)[fields, used:] == 0).all()
     return walked[:used]
 
 
@@ -122,6 +124,98 @@ def test_unmasked_steps_are_the_steps_every_query_sees_whole(s_q):
                 shortest = seq_len - s_q + 1
                 whole = [(first + j + 1) * STEP <= shortest for j in range(num)]
                 assert whole == [j < unmasked for j in range(num)], (seq_len, count, split)
+
+
+# --- wave_plan: the batch's steps in equal segments, one an SM -------------------------------
+
+ITEM_COST = 2  # a work item's fixed cost in steps (decode.ITEM_STEPS)
+
+
+def _makespan(plan, slots: int) -> float:
+    """The time, in steps, of the plan's items run in its launch order on ``slots`` SMs, each
+    item given to the SM that frees first (the GPU's block scheduler), an item taking its
+    steps plus ``ITEM_COST``."""
+    items = np.asarray(plan.items)
+    free = [0.0] * slots
+    for w in range(items.shape[1]):
+        item = int(cta_item(items, w))
+        if items[2, item] == 0:
+            continue
+        sm = int(np.argmin(free))
+        free[sm] += items[5, item] + ITEM_COST
+    return max(free)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_wave_plan_covers_every_row_within_its_budget(seed):
+    rng = np.random.default_rng(seed)
+    batch = int(rng.integers(1, 70))
+    capacity = int(rng.choice([128, 1000, 16384, 65536]))
+    lens = rng.integers(0, capacity + 1, batch)
+    lens[rng.random(batch) < 0.2] = 0
+    if batch > 2:
+        lens[0] = capacity
+    segments = int(rng.choice([1, 7, 33, 66, 132]))
+    plan = wave_plan(jnp.asarray(lens, jnp.int32), num_segments=segments, step_tokens=STEP, capacity=capacity)
+    assert plan.explicit and plan.items.shape == (EXPLICIT_FIELDS, batch + segments) and plan.partials
+    walked = _check_covers(plan, lens, capacity)
+    total = int(sum(-(-int(n) // STEP) for n in lens))
+    seg = max(1, -(-total // segments))
+    assert max(w[3] for w in walked) <= seg  # no item past a segment
+    assert all(w[3] > 0 for w in walked if lens[w[0]] > 0)
+    order = np.asarray(plan.items)[3]
+    assert sorted(order) == list(range(batch + segments))  # every item launched once
+
+
+def test_wave_plan_launches_each_segments_opening_piece_first_then_the_rest_longest_first():
+    lens = jnp.full((67,), 16384, jnp.int32)
+    plan = wave_plan(lens, num_segments=66, step_tokens=STEP, capacity=16384)
+    items = np.asarray(plan.items)
+    launched = items[5, items[3]]
+    used = int(np.asarray(plan.item_count).sum())
+    first, rest = launched[:66], launched[66:used]
+    seg = -(-67 * 128 // 66)
+    starts = np.cumsum(np.concatenate([[0], items[5, :used - 1]]))  # in row order, steps laid end to end
+    opening = set(np.flatnonzero((starts % seg == 0) & (items[5, :used] > 0)))
+    assert set(items[3, :66]) == opening
+    assert list(rest) == sorted(rest, reverse=True)
+    assert first.min() > 0
+
+
+@pytest.mark.parametrize("batch", [40, 67, 72, 100, 140, 200])
+def test_wave_plan_costs_a_batch_its_share_of_the_sms(batch):
+    """Rows of 128 steps on 66 item slots (H = 128 x 16k on 132 SMs: two row blocks an item):
+    scheduled as the GPU does, the plan ends within two items' fixed costs (and one more for a
+    segment crossing three rows) of the batch's share, where the uniform plans' whole waves cost
+    up to 1.3x it (``decode.choose_num_splits``)."""
+    plan = wave_plan(jnp.full((batch,), 16384, jnp.int32), num_segments=66, step_tokens=STEP, capacity=16384)
+    share = batch * 128 / 66
+    pieces = -(-int(np.ceil(share)) // 128) + 1
+    assert _makespan(plan, 66) <= np.ceil(share) + ITEM_COST * pieces, (_makespan(plan, 66), share)
+
+
+def test_wave_plan_of_rows_a_segment_each_cuts_nothing():
+    """66 rows on 66 segments: one item a row, no partials to merge (each writes its row)."""
+    plan = wave_plan(jnp.full((66,), 16384, jnp.int32), num_segments=66, step_tokens=STEP, capacity=16384)
+    assert (np.asarray(plan.item_count) == 1).all()
+
+
+def test_wave_plan_clips_seq_lens_and_runs_under_jit():
+    lens = jnp.asarray([-5, 300, 10**6, 0], jnp.int32)
+    plan = jax.jit(lambda s: wave_plan(s, num_segments=3, step_tokens=64, capacity=640))(lens)
+    _check_covers(plan, [0, 300, 640, 0], 640, step_tokens=64)
+    with pytest.raises(ValueError, match="num_segments"):
+        wave_plan(lens, num_segments=0, step_tokens=64, capacity=640)
+
+
+@pytest.mark.parametrize("s_q", [1, 2, 4])
+def test_wave_plan_unmasked_steps_are_the_steps_every_query_sees_whole(s_q):
+    lens = [0, 1, 127, 128, 129, 130, 1000, 1024]
+    plan = wave_plan(jnp.asarray(lens, jnp.int32), num_segments=5, step_tokens=STEP, capacity=1024)
+    for b, _, first, num, unmasked in _walk(plan, lens, s_q=s_q):
+        shortest = lens[b] - s_q + 1
+        whole = [(first + j + 1) * STEP <= shortest for j in range(num)]
+        assert whole == [j < unmasked for j in range(num)], (b, first, num)
 
 
 # --- balanced_plan_kernel: the same plan in one Pallas launch ----------------------------------
