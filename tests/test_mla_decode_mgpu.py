@@ -559,6 +559,7 @@ def test_balanced_plan_matches_reference(kernel, heads, s_q, seq_lens, splits, d
 WAVE_CASES = pytest.mark.parametrize("kernel,heads,s_q,seq_lens,segments,dtype", [
     ("mgpu", 64, 1, [640, 40, 0, 500], 3, "bfloat16"),   # 11 steps in segments of 4: items 2 + 1 + 1 + 2
     ("mgpu", 16, 2, [600, 129, 3], 4, "float32"),       # float32 partials and output, masked tails
+    ("mgpu", 32, 4, [300, 0, 129, 640], 3, "bfloat16"), # 128 rows: two CTAs an item, masked steps in a row
     ("small", 16, 1, [640, 40, 0, 500], 3, "bfloat16"),
     ("small", 16, 2, [600, 129, 3], 2, "float32"),      # transposed float32 output and partials
 ])

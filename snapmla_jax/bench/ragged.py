@@ -3,7 +3,8 @@ the split plan that follows each row's seq_len against one split count for all r
 
 A serving batch is ragged: sequences of every length decode side by side, and some have
 finished (seq_len 0). ``mla_decode`` gives the Mosaic kernels' CTAs to the rows in proportion
-to their seq_lens (``pallas_kernels.split_plan.balanced_plan``); passing ``num_splits`` cuts
+to their seq_lens (``pallas_kernels.split_plan.balanced_plan``, or past a wave of rows
+``wave_plan``, which cuts the batch's steps into one segment an SM); passing ``num_splits`` cuts
 every row into the same number of splits instead (``uniform_plan``), which is what the kernels
 did before, and what leaves one long row among short ones to a few SMs.
 
@@ -13,10 +14,10 @@ methods are timed side by side, round-robin (``timing.time_round_robin``), as a 
 chain / layers. Columns:
 
   tokens       sum of seq_lens (cached tokens the call reads)
-  FP8 ms       default FP8 call (balanced plan)
+  FP8 ms       default FP8 call (balanced or wave plan: ``decode.choose_plan``)
   FP8 uni ms   FP8 with ``num_splits`` = the count the default plan is sized for, every row cut
                into that many splits (the former behaviour)
-  BF16 ms      default BF16 twin call (balanced plan)
+  BF16 ms      default BF16 twin call (balanced or wave plan)
   bal/uni      FP8 uni ms / FP8 ms
   FP8/BF16     BF16 ms / FP8 ms
   % roof       roofline time of the tokens read (``decode.roofline_ms``, ceilings measured in
