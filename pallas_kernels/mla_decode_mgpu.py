@@ -542,8 +542,9 @@ def begin_cta(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref,
 def locate_cta(seq_lens_ref, items_ref, bt_ref, rows: int, *, s_q: int, step_tokens: int = STEP,
                page_size: int = PAGE) -> Where:
     """Where a Mosaic decode CTA (grid work item w, row block of ``rows`` rows) is, for warpgroup
-    wg, from the plan's items_ref int32 [3, W] (``split_plan.SplitPlan.items``) and its steps of
-    ``step_tokens`` tokens (``split_plan.item_steps``) over a table of ``page_size``-token pages."""
+    wg, from the plan's items_ref int32 [3 or 6, W] (``split_plan.SplitPlan.items``: the item CTA w
+    runs, ``cta_item``) and its steps of ``step_tokens`` tokens (``split_plan.cta_steps``) over a
+    table of ``page_size``-token pages."""
     w, r, wg = (lax.axis_index(name) for name in ("w", "r", "wg"))
     item = cta_item(items_ref, w)
     b = items_ref[0, item]
@@ -708,7 +709,7 @@ def output_target(o_ref, lse_ref, part_o_ref, part_lse_ref, items_ref, *, partia
     False: the plan has one item a row and the partial refs are placeholders, never written.
 
     Call it where the outputs are written, after the step loop: it reads the item's row and
-    count from items_ref [3, W] again rather than keeping ``locate_cta``'s values live across
+    count from items_ref [3 or 6, W] again rather than keeping ``locate_cta``'s values live across
     the consumers' loop.
     """
     item = cta_item(items_ref, lax.axis_index("w"))

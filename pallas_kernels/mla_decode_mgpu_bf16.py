@@ -275,8 +275,8 @@ def mla_decode_mgpu_bf16(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays
     """BF16 decode on Mosaic GPU; arguments and results in the module docstring.
 
     Split-KV as ``mla_decode_mgpu`` (``num_splits`` CTAs a row, or ``balanced``: in proportion
-    to the rows' seq_lens, or ``segments``: the batch's steps in equal segments), the partials (bf16 for a bf16 output) merged with their
-    log-sum-exp (``combine_splits_mgpu.combine_items_mgpu``). ``num_pages``: pages in one layer of
+    to the rows' seq_lens, or ``segments``: the batch's steps in equal segments), the partials
+    (bf16 for a bf16 output) merged with their log-sum-exp (``combine_splits_mgpu.combine_items_mgpu``). ``num_pages``: pages in one layer of
     the cache (None: all of the arrays' rows); traced page ids are clipped into [0, num_pages)
     and seq_lens into the table's capacity, so that no read leaves the cache. ValueError for
     a cache or row count this kernel does not take.

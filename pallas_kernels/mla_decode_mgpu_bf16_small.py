@@ -217,8 +217,8 @@ def mla_decode_mgpu_bf16_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_
                                num_splits: int = 1, balanced: bool = False, num_pages: int | None = None,
                                segments: int = 0, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """BF16 decode in 16-row blocks on Mosaic GPU; arguments and results in the module docstring,
-    split-KV (``segments`` included), ``num_pages`` and the clipping of traced inputs as ``mla_decode_mgpu_bf16``.
-    ValueError for a cache, row count or query dtype this kernel does not take."""
+    split-KV (``segments`` included), ``num_pages`` and the clipping of traced inputs as
+    ``mla_decode_mgpu_bf16``. ValueError for a cache, row count or query dtype this kernel does not take."""
     check_launch("mla_decode_mgpu_bf16_small: bf16 cache", q_rows, q_rope_rows, cache_arrays, page_size=page_size,
                  num_arrays=2, block_rows=None, num_splits=num_splits, page_sizes=PAGE_SIZES)
     if not takes(q_rows.dtype):

@@ -46,9 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 
 
-# Fields of a plan's items: batch row, index among the row's items, the row's item count; a wave
-# plan adds the launch order (CTA w runs item order[w]), each item's first step and its steps.
-PLAN_FIELDS = 3
+# Fields of a wave plan's items: those of every plan (batch row, index among the row's items, the
+# row's item count), then the launch order (CTA w runs item order[w]), each item's first step and steps.
 EXPLICIT_FIELDS = 6
 
 
@@ -166,10 +165,11 @@ def wave_plan(seq_lens: jax.Array, *, num_segments: int, step_tokens: int, capac
     used = item < end[-1]
     split = jnp.where(used, item - pick(start[None, :]), 0)
     piece_seg = pick(first_seg[None, :]) + split
-    lo = jnp.maximum(pick(row_start[None, :]), piece_seg * seg)
+    start_of_row = pick(row_start[None, :])
+    lo = jnp.maximum(start_of_row, piece_seg * seg)
     hi = jnp.minimum(pick(row_end[None, :]), (piece_seg + 1) * seg)
     num_steps = jnp.where(used, jnp.maximum(hi - lo, 0), 0)
-    first_step = jnp.where(used, lo - pick(row_start[None, :]), 0)
+    first_step = jnp.where(used, lo - start_of_row, 0)
     # Launch order: each segment's opening piece, then the rest longest first, then the rows of
     # no steps, then the unused items (a stable sort keeps item order among equals).
     opens = (lo == piece_seg * seg) & (num_steps > 0)
