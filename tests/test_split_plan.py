@@ -58,15 +58,22 @@ def test_uniform_plan_gives_every_row_num_splits_items_in_row_order():
     assert list(np.asarray(plan.item_start)) == [0, 4, 8] and list(np.asarray(plan.item_count)) == [4, 4, 4]
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_balanced_plan_covers_every_row_within_the_budget(seed):
+def _random_batch(seed: int, max_batch: int):
+    """(rng, batch, capacity, seq_lens): a random batch of up to ``max_batch`` rows, a fifth of them
+    empty, the first (of more than two) at the table's capacity."""
     rng = np.random.default_rng(seed)
-    batch = int(rng.integers(1, 40))
+    batch = int(rng.integers(1, max_batch))
     capacity = int(rng.choice([128, 1000, 16384, 65536]))
     lens = rng.integers(0, capacity + 1, batch)
     lens[rng.random(batch) < 0.2] = 0  # empty rows
     if batch > 2:
         lens[0] = capacity  # a row at the capacity
+    return rng, batch, capacity, lens
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_plan_covers_every_row_within_the_budget(seed):
+    rng, batch, capacity, lens = _random_batch(seed, 40)
     num_items = balanced_items(batch, int(rng.integers(1, 8)))
     plan = balanced_plan(jnp.asarray(lens, jnp.int32), num_items=num_items, step_tokens=STEP, capacity=capacity)
     walked = _check_covers(plan, lens, capacity)
@@ -148,13 +155,7 @@ def _makespan(plan, slots: int) -> float:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_wave_plan_covers_every_row_within_its_budget(seed):
-    rng = np.random.default_rng(seed)
-    batch = int(rng.integers(1, 70))
-    capacity = int(rng.choice([128, 1000, 16384, 65536]))
-    lens = rng.integers(0, capacity + 1, batch)
-    lens[rng.random(batch) < 0.2] = 0
-    if batch > 2:
-        lens[0] = capacity
+    rng, batch, capacity, lens = _random_batch(seed, 70)
     segments = int(rng.choice([1, 7, 33, 66, 132]))
     plan = wave_plan(jnp.asarray(lens, jnp.int32), num_segments=segments, step_tokens=STEP, capacity=capacity)
     assert plan.explicit and plan.items.shape == (EXPLICIT_FIELDS, batch + segments) and plan.partials
