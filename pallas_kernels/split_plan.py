@@ -135,9 +135,13 @@ def item_steps(seq_len, split, count, *, s_q: int, step_tokens: int):
     steps_per_item = jax.lax.div(total_steps + (count - 1), jnp.maximum(count, 1))
     first_step = split * steps_per_item
     num_steps = jnp.where(count > 0, jnp.maximum(jnp.minimum(total_steps - first_step, steps_per_item), 0), 0)
-    unmasked_steps = jnp.clip(jax.lax.div(jnp.maximum(seq_len - s_q + 1, 0), step_tokens) - first_step, 0,
-                              num_steps)
-    return first_step, num_steps, unmasked_steps
+    return first_step, num_steps, unmasked(seq_len, first_step, num_steps, s_q=s_q, step_tokens=step_tokens)
+
+
+def unmasked(seq_len, first_step, num_steps, *, s_q: int, step_tokens: int):
+    """How many of an item's steps [first_step, first_step + num_steps) every query row sees whole
+    (the shortest real row sees seq_len - s_q + 1 tokens): they run without masks."""
+    return jnp.clip(jax.lax.div(jnp.maximum(seq_len - s_q + 1, 0), step_tokens) - first_step, 0, num_steps)
 
 
 def wave_plan(seq_lens: jax.Array, *, num_segments: int, step_tokens: int, capacity: int) -> SplitPlan:
@@ -191,6 +195,4 @@ def cta_steps(items_ref, item, seq_len, *, s_q: int, step_tokens: int):
     if items_ref.shape[0] != EXPLICIT_FIELDS:
         return item_steps(seq_len, items_ref[1, item], items_ref[2, item], s_q=s_q, step_tokens=step_tokens)
     first_step, num_steps = items_ref[4, item], items_ref[5, item]
-    unmasked_steps = jnp.clip(jax.lax.div(jnp.maximum(seq_len - s_q + 1, 0), step_tokens) - first_step, 0,
-                              num_steps)
-    return first_step, num_steps, unmasked_steps
+    return first_step, num_steps, unmasked(seq_len, first_step, num_steps, s_q=s_q, step_tokens=step_tokens)
