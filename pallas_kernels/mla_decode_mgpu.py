@@ -169,12 +169,6 @@ UNSYNCED_ROW_STORES = True
 FENCE_ONLY_COMMIT = True
 
 
-# Whether P'.V runs as eight products of 32 query rows (``pv_update_halves``), each issued before the
-# one before it is folded, instead of four of 64 rows waited for one at a time (``pv_update_t``).
-PV_HALVES = False
-PV_ROWS = 32  # query rows a product of ``pv_update_halves``
-
-
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per score row
 COL = plgpu.Layout.WGMMA.reduce(0)  # a [64] vector with one value per score column
 
@@ -615,47 +609,6 @@ def pv_update_t(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool)
     return new_accs
 
 
-def pv_update_halves(accs, p8_ref, kv_slot, wg, fac_ref, visible, *, interpret: bool) -> list:
-    """``pv_update_t`` in products of ``PV_ROWS`` query rows: accs are eight O^T tiles [64 features,
-    32 rows] (tile 2 k + h: features of ``pv_update_t``'s tile k, query rows 32 h .. 32 h + 31).
-
-    Each product is issued before the one before it is waited for and folded, so the tensor cores
-    run one product while the warpgroup folds the last and builds the next V^T operand: two
-    16-register accumulators and two V^T operands live, where ``pv_update_t`` holds one 32-register
-    accumulator and one operand. Each product has an accumulator scope of its own, nested in the
-    one before it, so that an accumulator's registers live from its product to its fold only.
-    """
-    halves = BLOCK_M // PV_ROWS
-    ratios = [lax.broadcast_in_dim(plgpu.load(fac_ref.at[0, pl.ds(h * PV_ROWS, PV_ROWS)], layout=COL),
-                                   (HALF, PV_ROWS), [1]) for h in range(halves)]
-    p_parts = [p8_ref.at[pl.ds(h * PV_ROWS, PV_ROWS)].transpose((1, 0)) for h in range(halves)]
-
-    def a_operand(k):
-        i, t = divmod(k, 2)
-        chunk = kv_slot.at[wg * CHUNKS_PER_WG + i]
-        return (chunk.at[:, pl.ds(t * HALF, HALF)].transpose((1, 0)) if interpret
-                else load_vt_quads(chunk, t, visible))
-
-    def fold(n, acc_ref, wait_n):
-        return accs[n] * ratios[n % halves] + plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n)
-
-    def run(n, pending, a):
-        """Issue product n in its own scope, fold product n - 1 (``pending``) under it, go on."""
-        if n == len(accs):
-            return (fold(n - 1, pending, 0),)
-        if n % halves == 0:
-            a = a_operand(n // halves)
-
-        def scope(acc_ref):
-            plgpu.wgmma(acc_ref, a, p_parts[n % halves])
-            done = () if pending is None else (fold(n - 1, pending, 1),)
-            return done + run(n + 1, acc_ref, a)
-
-        return pl.run_scoped(scope, plgpu.ACC((HALF, PV_ROWS), jnp.float32))
-
-    return list(run(0, None, None))
-
-
 def initial_carry(acc_shape=(BLOCK_M, CHUNK), rows_axis: int = 0, num_accs: int = CHUNKS_PER_WG) -> tuple:
     """The step loop's carry: ``num_accs`` zero f32 accumulators of ``acc_shape``, and
     m = -inf, l = 0 per query row, the accumulators' axis ``rows_axis`` (0 here; 1 for the
@@ -790,35 +743,28 @@ def write_outputs(accs, m, l, o_s, lse_s, target: OutputTarget, row0, wg) -> Non
     write_lse_and_wait(wg, m, l_safe, seen, lse_s, target, row0)
 
 
-def write_outputs_t(accs, m, l, scale_cols, o_s, lse_s, target: OutputTarget, row0, wg, *,
+def write_outputs_t(accs, m, l, scale_col, o_s, lse_s, target: OutputTarget, row0, wg, *,
                     interpret: bool) -> None:
     """``write_outputs`` for ``pv_update_t``'s O^T tiles [64 features, R rows] (R = 64 here, 16 or 32
-    in ``mla_decode_mgpu_small``; ``pv_update_halves``' tiles of 32 rows, two to a staging tile):
-    each tile * scale goes out as its rows of row0:row0 + S, its 64 features, through this
-    warpgroup's staging tile o_s[wg] ([S, 64], ``output_transforms``), put back into row-major
-    order and its features into their places by ``store_feature_pairs`` (the interpreter: a
-    transpose). m, l [S] (for the lse); scale_cols: per R rows of the staging tile, their scale
-    [R] in ``COL``."""
+    in ``mla_decode_mgpu_small``): each tile * scale goes out as rows row0:row0 + R, its 64
+    features, through this warpgroup's staging tile o_s[wg] ([R, 64], ``output_transforms``), put
+    back into row-major order and its features into their places by ``store_feature_pairs`` (the
+    interpreter: a transpose). m, l [R] (for the lse), scale_col [R] per row in ``COL``."""
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
+    inv_l = lax.broadcast_in_dim(scale_col, accs[0].shape, [1])
     my_o = o_s.at[wg]
-    rows = accs[0].shape[1]
-    parts = my_o.shape[0] // rows
-    inv_l = [lax.broadcast_in_dim(col, accs[0].shape, [1]) for col in scale_cols]
     for k, acc in enumerate(accs):
-        tile, part = divmod(k, parts)
-        if tile and not part:
+        if k:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile has left the staging tile
-        normalised = acc * inv_l[part]
-        dst = my_o.at[pl.ds(part * rows, rows)] if parts > 1 else my_o
+        normalised = acc * inv_l
         if interpret:
-            dst[...] = normalised.T.astype(my_o.dtype)
+            my_o[...] = normalised.T.astype(my_o.dtype)
         else:
-            store_feature_pairs(normalised, dst)
-        if part == parts - 1:
-            plgpu.commit_smem()
-            col0 = wg * CHUNKS_PER_WG * CHUNK + tile * HALF
-            target.copy(my_o, False, pl.ds(row0, my_o.shape[0]), pl.ds(col0, HALF))
+            store_feature_pairs(normalised, my_o)
+        plgpu.commit_smem()
+        col0 = wg * CHUNKS_PER_WG * CHUNK + k * HALF
+        target.copy(my_o, False, pl.ds(row0, my_o.shape[0]), pl.ds(col0, HALF))
     write_lse_and_wait(wg, m, l_safe, seen, lse_s, target, row0)
 
 
@@ -883,9 +829,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
     # Nothing is written over a slot on the GPU; the interpreter masks V in place once both
     # warpgroups have read the slot as K (``qk_done``).
     named_sync = NAMED_SYNC and not interpret
-    # O^T tiles [64 features, 64 rows], or [64, 32] as ``pv_update_halves`` runs them
-    pv_rows = PV_ROWS if PV_HALVES else BLOCK_M
-    num_accs = 2 * CHUNKS_PER_WG * (BLOCK_M // pv_rows)
+    num_accs = 2 * CHUNKS_PER_WG  # O^T tiles [64 features, 64 rows]
 
     # The slots' token scales [NUM_SLOTS, STEP]: plane 0 of ksc_s (1: their log2, 2: 1 / them).
     ksc_scales = ksc_s.at[:, 0]
@@ -924,8 +868,8 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
             with jax.named_scope("wait_p"):
                 gather_p(None if named_sync else pexch_bar.at[slot])  # the other warpgroup's P'
             with jax.named_scope("pv"):
-                new_accs = (pv_update_halves if PV_HALVES else pv_update_t)(
-                    accs, p8_s.at[slot], kv8_s.at[slot], wg, fac_s.at[wg], visible, interpret=interpret)
+                new_accs = pv_update_t(accs, p8_s.at[slot], kv8_s.at[slot], wg, fac_s.at[wg], visible,
+                                       interpret=interpret)
                 plgpu.barrier_arrive(consumed_bar.at[slot])
             return (*new_accs, *row_state)
 
@@ -962,7 +906,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
             return step_tail_t(slot, accs, (m_new, l_part, frame), ratio, p_scaled, t0, where.seq_len,
                                masked=masked)
 
-        carry = initial_carry((HALF, pv_rows), num_accs=num_accs)
+        carry = initial_carry((BLOCK_M, HALF), num_accs=num_accs)
         carry = carry + (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), ROW),)  # frame
         carry = walk_steps(step, carry, where, consumed_bar, issuer=None if PRODUCER_WG else 0, relocate=relocate)
         accs, l_part = carry[:num_accs], carry[num_accs + 1]
@@ -977,9 +921,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
         seen = l > 0
         fac_s[wg, 0] = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
         # lse (base 2) = frame + log2(l) - log2 448: ``write_outputs_t`` adds log2(l) to this.
-        scale_cols = tuple(plgpu.load(fac_s.at[wg, 0, pl.ds(r, pv_rows)], layout=COL)
-                           for r in range(0, BLOCK_M, pv_rows))
-        write_outputs_t(accs, carry[-1] - LOG2_FP8_MAX, l, scale_cols, o_s, lse_s,
+        write_outputs_t(accs, carry[-1] - LOG2_FP8_MAX, l, plgpu.load(fac_s.at[wg, 0], layout=COL), o_s, lse_s,
                         output_target(o_ref, lse_ref, part_o_ref, part_lse_ref, items_ref, partials=partials),
                         row0, wg, interpret=interpret)
 

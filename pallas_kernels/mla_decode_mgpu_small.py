@@ -398,7 +398,7 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
     inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
     target = output_target(o_ref, lse_ref, part_o_ref, part_lse_ref, items_ref, partials=partials)
     # lse (base 2) = frame + log2(l') - log2 448 (``softmax_frame_t``): ``write_outputs_t`` adds log2(l').
-    write_outputs_t(accs, frame - LOG2_FP8_MAX, l, (inv_l,), o_s, lse_s, target, row0, wg, interpret=interpret)
+    write_outputs_t(accs, frame - LOG2_FP8_MAX, l, inv_l, o_s, lse_s, target, row0, wg, interpret=interpret)
 
 
 def meet(barrier_id: int, bar, named_sync: bool) -> None:

@@ -63,7 +63,6 @@ VARIANTS = {
     "mbarrier_sync": {"NAMED_SYNC": False},
     "synced_row_stores": {"UNSYNCED_ROW_STORES": False},
     "commit_with_barrier": {"FENCE_ONLY_COMMIT": False},
-    "pv_halves": {"PV_HALVES": not mgpu_kernel.PV_HALVES},
 }
 SMALL_VARIANTS = {
     "baseline": {},
