@@ -5,9 +5,9 @@
 For each case (B x ctx x H x s_q) it builds the benchmark's chain of layers
 (``python -m snapmla_jax.bench decode``: the same caches, queries and
 ``decode_chain``) for the fp8 cache (the default FP8 kernel) and the bf16 cache
-(the BF16 twin), times it (``timing.time_ms``, per layer), then traces three
+(the BF16 twin), times it (``timing.time_ms``, per decode call), then traces three
 chained calls under ``jax.profiler.trace`` and sums each GPU kernel's duration
-per layer: the decode kernel itself, and every launch around it (input
+per decode call: the decode kernel itself, and every launch around it (input
 preparation, the split merge, the chain's layer arithmetic), and the traced
 calls' span, busy and idle time (``timing.timeline_us``: the gaps between
 launches). At small problems a call is a handful of ~1-3 us launches, and this
@@ -49,13 +49,13 @@ def profile_case(batch: int, context: int, heads: int, s_q: int) -> dict:
         args = (q, q_rope, cache, block_table, seq_lens)
         us = timing.time_ms(chain, [args], warmup=2, iters=20) / calls * 1e3
         events = timing.gpu_events(chain, args, calls=TRACED_CALLS)
-        per_layer = {kernel: total / calls for kernel, total in timing.kernel_totals_us(events, TRACED_CALLS).items()}
+        per_call = {kernel: total / calls for kernel, total in timing.kernel_totals_us(events, TRACED_CALLS).items()}
         timeline = {part: value / calls for part, value in timing.timeline_us(events, TRACED_CALLS).items()}
-        result[name] = {"us_per_layer": us, "layers": layers, "calls": calls, "kernels_us_per_layer": per_layer,
-                        "timeline_us_per_layer": timeline}
+        result[name] = {"us_per_call": us, "layers": layers, "calls": calls, "kernels_us_per_call": per_call,
+                        "timeline_us_per_call": timeline}
         print(f"{batch}x{context}x{heads}x{s_q} {name}: {us:.1f} us a call; traced: span {timeline['span']:.1f}, "
               f"busy {timeline['busy']:.1f}, idle between launches {timeline['idle']:.1f}", flush=True)
-        for kernel, kernel_us in per_layer.items():
+        for kernel, kernel_us in per_call.items():
             if kernel_us >= 0.05:
                 print(f"    {kernel_us:7.2f} us  {kernel[:90]}", flush=True)
     return result
