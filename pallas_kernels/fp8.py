@@ -24,6 +24,7 @@ AMAX_FLOOR = 1e-30
 # Relative spacing of e4m3 values: 3 mantissa bits, so one ulp is 2**-3 of the
 # leading power of two and round-to-nearest errs by at most half of that.
 FP8_E4M3_EPS = 2.0**-3
+E4M3_MIN_EXPONENT = -6  # of e4m3's smallest normal value, 2**-6
 
 
 def per_token_scale(x: jnp.ndarray) -> jnp.ndarray:
@@ -43,6 +44,30 @@ def saturate_to_e4m3(y: jnp.ndarray) -> jnp.ndarray:
     would become NaN.
     """
     return jnp.clip(y, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(FP8_DTYPE)
+
+
+def round_to_e4m3(y: jnp.ndarray) -> jnp.ndarray:
+    """float ``y`` (already divided by its scale, |y| <= 448) -> float32: the e4m3fn value nearest
+    ``y``, ties to even, computed without a conversion to float8.
+
+    A jnp round trip ``y.astype(float8_e4m3fn).astype(float32)`` emulates nothing on a GPU: XLA's
+    GPU compiler folds chains of float conversions into one (SimplifyFPConversions, on under the
+    default ``xla_allow_excess_precision``), so the float8 step vanishes. This is arithmetic: the
+    spacing of e4m3 values at y is 2**(e - 3) for y's leading power of two 2**e, floored at
+    e4m3's smallest normal exponent (-6, below which its subnormals are spaced 2**-9).
+    """
+    y = jnp.asarray(y, jnp.float32)
+    _, exponent = jnp.frexp(y)  # |y| = m * 2**exponent, m in [0.5, 1)
+    spacing = jnp.ldexp(jnp.float32(1.0), jnp.maximum(exponent - 1, E4M3_MIN_EXPONENT) - 3)
+    return jnp.round(y / spacing) * spacing
+
+
+def fp8_round_trip(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
+    """``x`` [..., D] quantized with ``scale`` [...] and read back, float32 [..., D]: the values
+    ``dequantize_per_token(quantize_with_scale(x, scale), scale)`` holds, on every backend
+    (``round_to_e4m3``)."""
+    y = jnp.clip(x.astype(jnp.float32) / scale[..., None], -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return round_to_e4m3(y) * scale[..., None]
 
 
 def quantize_with_scale(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:

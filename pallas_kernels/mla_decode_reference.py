@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, quantize_per_token
+from snapmla_jax.pallas_kernels.fp8 import FP8_E4M3_MAX, per_token_scale, round_to_e4m3
 
 LOG2E = math.log2(math.e)  # folded into the softmax scale: exp(x) = exp2(x * log2(e))
 LN2 = math.log(2.0)  # converts a base-2 log-sum-exp back to natural log
@@ -88,10 +88,14 @@ def mla_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Arr
     dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
     if quantized:
         k_scale = jnp.where(in_seq[..., 0], pad(gather(scale)), 0.0)
-        q_content, q_scale = quantize_per_token(q_latent.astype(jnp.float32))
-        # e4m3 x e4m3 products are exact in fp32, so an fp32 einsum is the FP8 MMA.
+        # Q and P' are rounded to e4m3 values held in float32 (``round_to_e4m3``: a float8 round
+        # trip would vanish under XLA's GPU compiler); e4m3 x e4m3 products are exact in fp32, so
+        # an fp32 einsum is the FP8 MMA.
+        q_scale = per_token_scale(q_latent)
+        q_content = round_to_e4m3(jnp.clip(q_latent.astype(jnp.float32) / q_scale[..., None], -FP8_E4M3_MAX,
+                                           FP8_E4M3_MAX))
         kv32 = kv.astype(jnp.float32)
-        scores = (dot("bihd,btd->biht", q_content.astype(jnp.float32), kv32)
+        scores = (dot("bihd,btd->biht", q_content, kv32)
                   * (q_scale * scale_log2)[..., None] * k_scale[:, None, None, :])
     else:
         scores = dot("bihd,btd->biht", q_latent.astype(jnp.bfloat16), kv) * scale_log2
@@ -107,8 +111,7 @@ def mla_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Arr
     if quantized:
         pv = (p * k_scale[:, None, None, :]).reshape(batch, s_q, num_heads, padded_tokens // block_n, block_n)
         pv_max = jnp.max(pv, axis=-1, keepdims=True)
-        p8 = (jnp.minimum(pv * _fp8_pv_factor(pv_max), FP8_E4M3_MAX).astype(FP8_DTYPE).astype(jnp.float32)
-              * (pv_max / FP8_E4M3_MAX))
+        p8 = round_to_e4m3(jnp.minimum(pv * _fp8_pv_factor(pv_max), FP8_E4M3_MAX)) * (pv_max / FP8_E4M3_MAX)
         out = dot("biht,btd->bihd", p8.reshape(p.shape), kv32)
     else:
         out = dot("biht,btd->bihd", p.astype(jnp.bfloat16), kv)
