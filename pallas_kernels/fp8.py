@@ -62,12 +62,16 @@ def round_to_e4m3(y: jnp.ndarray) -> jnp.ndarray:
     return jnp.round(y / spacing) * spacing
 
 
+def e4m3_values_with_scale(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
+    """``quantize_with_scale``'s e4m3 values held in float32 [..., D], on every backend
+    (``round_to_e4m3``)."""
+    return round_to_e4m3(jnp.clip(x.astype(jnp.float32) / scale[..., None], -FP8_E4M3_MAX, FP8_E4M3_MAX))
+
+
 def fp8_round_trip(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
     """``x`` [..., D] quantized with ``scale`` [...] and read back, float32 [..., D]: the values
-    ``dequantize_per_token(quantize_with_scale(x, scale), scale)`` holds, on every backend
-    (``round_to_e4m3``)."""
-    y = jnp.clip(x.astype(jnp.float32) / scale[..., None], -FP8_E4M3_MAX, FP8_E4M3_MAX)
-    return round_to_e4m3(y) * scale[..., None]
+    ``dequantize_per_token(quantize_with_scale(x, scale), scale)`` holds, on every backend."""
+    return e4m3_values_with_scale(x, scale) * scale[..., None]
 
 
 def quantize_with_scale(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from snapmla_jax.pallas_kernels.fp8 import FP8_E4M3_MAX, per_token_scale, round_to_e4m3
+from snapmla_jax.pallas_kernels.fp8 import FP8_E4M3_MAX, e4m3_values_with_scale, per_token_scale, round_to_e4m3
 
 LOG2E = math.log2(math.e)  # folded into the softmax scale: exp(x) = exp2(x * log2(e))
 LN2 = math.log(2.0)  # converts a base-2 log-sum-exp back to natural log
@@ -92,8 +92,7 @@ def mla_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Arr
         # trip would vanish under XLA's GPU compiler); e4m3 x e4m3 products are exact in fp32, so
         # an fp32 einsum is the FP8 MMA.
         q_scale = per_token_scale(q_latent)
-        q_content = round_to_e4m3(jnp.clip(q_latent.astype(jnp.float32) / q_scale[..., None], -FP8_E4M3_MAX,
-                                           FP8_E4M3_MAX))
+        q_content = e4m3_values_with_scale(q_latent, q_scale)
         kv32 = kv.astype(jnp.float32)
         scores = (dot("bihd,btd->biht", q_content, kv32)
                   * (q_scale * scale_log2)[..., None] * k_scale[:, None, None, :])
