@@ -287,17 +287,29 @@ def test_compiled_sorted_experts_match_float64_at_v2_lite_shapes(tokens):
 def _by_expert_float32(x, weights, ids, w_gate, w_up, w_down):
     """The routed experts in float32 (HIGHEST: sums of exact bf16 products, ~1e-6 relative), one
     expert at a time on its tokens: at 836 tokens x 6 the per-assignment gathers of
-    ``grouped_experts_reference`` would copy 58 GB of weights a stack."""
+    ``grouped_experts_reference`` would copy 58 GB of weights a stack. Each expert's tokens are
+    padded to the most any expert has (weight 0 on row 0), so that one compiled step serves every
+    expert: eager ops on each expert's own row count compiled anew for every count."""
     f32 = lambda a: jnp.asarray(a, jnp.float32)
-    ids, weights = np.asarray(ids), f32(weights)
-    out = jnp.zeros(x.shape, jnp.float32)
+    ids, weights = np.asarray(ids), np.asarray(weights, np.float32)
+    experts = np.unique(ids)
+    assigned = [np.nonzero(ids == e) for e in experts]
+    rows = np.zeros((len(experts), max(len(t) for t, _ in assigned)), np.int32)
+    row_weights = np.zeros(rows.shape, np.float32)
+    for i, (tokens, slots) in enumerate(assigned):
+        rows[i, :len(tokens)], row_weights[i, :len(tokens)] = tokens, weights[tokens, slots]
+
+    @jax.jit
+    def run(x, rows, row_weights, experts, w_gate, w_up, w_down):
+        def one_expert(out, step):
+            tokens, token_weights, e = step
+            xs = f32(x)[tokens]
+            hidden = jax.nn.silu(xs @ f32(w_gate[e])) * (xs @ f32(w_up[e]))
+            return out.at[tokens].add(token_weights[:, None] * (hidden @ f32(w_down[e]))), None
+        return jax.lax.scan(one_expert, jnp.zeros(x.shape, jnp.float32), (rows, row_weights, experts))[0]
+
     with jax.default_matmul_precision("highest"):
-        for e in np.unique(ids):
-            tokens, slots = np.nonzero(ids == e)
-            rows = f32(x)[tokens]
-            hidden = jax.nn.silu(rows @ f32(w_gate[e])) * (rows @ f32(w_up[e]))
-            out = out.at[tokens].add(weights[tokens, slots][:, None] * (hidden @ f32(w_down[e])))
-    return np.asarray(out, np.float64)
+        return np.asarray(run(x, rows, row_weights, jnp.asarray(experts, jnp.int32), w_gate, w_up, w_down), np.float64)
 
 
 def test_the_by_expert_reference_is_the_per_assignment_one():
