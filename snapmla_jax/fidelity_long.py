@@ -2,6 +2,7 @@
 
     python -m snapmla_jax.fidelity_long [--model DIR] [--contexts 4096 16384 ...] [--depths 0 0.5 1]
         [--trials N] [--tasks passkey kv ...] [--schemes bf16 fp8 ...] [--json F] [--markdown F] [--plot F.png]
+    python -m snapmla_jax.fidelity_long --from-json F [F ...] [--trials N] [--json F] [--markdown F] [--plot F.png]
 
 Each task (``snapmla_jax.long_context_tasks``: a needle planted at a depth of a byte
 context, a question at its end) runs through ``model.decode`` in chunks of ``--chunk``
@@ -13,6 +14,8 @@ per (task kind, context, depth, scheme):
   teacher-forced tokens up to its first wrong byte, so it reproduces the answer iff
   every answer byte is the argmax of its position's teacher-forced logits.
 * bits per byte of the answer span: mean -log2 p(answer byte | everything before it).
+* bits per byte of the context: mean -log2 p over every byte before the answer (the filler
+  text, the planted lines and the question), each predicted from the cache of all before it.
 
 Cache schemes (``CACHE_SCHEMES``):
 
@@ -21,6 +24,9 @@ Cache schemes (``CACHE_SCHEMES``):
   emulated_per_token_576       RoPE in FP8: one scale per token over [latent, RoPE] (576
                                dims), without RoPE separation
   emulated_per_token_block128  a scale per token and 128-channel latent block, BF16 RoPE
+  emulated_rope_aware_token    SnapMLA's cache rounding alone (per-token latent, BF16 RoPE)
+                               through the BF16 kernel: fp8 against it is what the query and
+                               P' roundings and the FP8 products cost
 
 The emulated schemes have no cache format of their own: each layer's new latent and
 RoPE key are quantized to FP8 and back (``quant_report``'s schemes, in jnp) before
@@ -45,7 +51,7 @@ import datetime
 import json
 import pathlib
 import sys
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +61,7 @@ from flax import nnx
 from snapmla_jax import byte_corpus, cli, long_context_tasks
 from snapmla_jax.backend import BACKENDS
 from snapmla_jax.fidelity import LN2, heldout_files_flag, model_flag, pyplot, save_png
+from snapmla_jax.models import MLAModel
 from snapmla_jax.paging import allocate_pages
 from snapmla_jax.quant_report import CHANNEL_BLOCK
 from snapmla_jax.quantization import fp8_round_trip, per_token_scale
@@ -79,6 +86,11 @@ def per_token_576_round_trip(c_kv: jax.Array, k_pe: jax.Array) -> tuple[jax.Arra
     return both[..., :c_kv.shape[-1]], both[..., c_kv.shape[-1]:]
 
 
+def rope_aware_token_round_trip(c_kv: jax.Array, k_pe: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """SnapMLA's cache rounding: the latent in FP8 under one scale per token, RoPE untouched."""
+    return _fake_quant(c_kv), k_pe
+
+
 def per_token_block128_round_trip(c_kv: jax.Array, k_pe: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Latent in FP8 with a scale per token and 128-channel block, RoPE untouched: float32 c_kv, k_pe as given."""
     blocks = c_kv.reshape(*c_kv.shape[:-1], -1, CHANNEL_BLOCK)
@@ -98,6 +110,7 @@ CACHE_SCHEMES = {
     "fp8": CacheScheme("fp8"),
     "emulated_per_token_576": CacheScheme("bf16", per_token_576_round_trip),
     "emulated_per_token_block128": CacheScheme("bf16", per_token_block128_round_trip),
+    "emulated_rope_aware_token": CacheScheme("bf16", rope_aware_token_round_trip),
 }
 
 
@@ -108,11 +121,13 @@ class RetrievalScore:
     correct [N] bool: greedy decoding reproduces task i's answer exactly.
     byte_correct [N] float: share of task i's answer bytes that are their position's argmax.
     answer_bits [N] float: mean -log2 p of task i's answer bytes.
+    context_bits [N] float or None: mean -log2 p of the bytes before task i's answer.
     """
 
     correct: np.ndarray
     byte_correct: np.ndarray
     answer_bits: np.ndarray
+    context_bits: np.ndarray | None = None
 
     @property
     def accuracy(self) -> float:
@@ -124,20 +139,33 @@ class RetrievalScore:
 
 
 @nnx.jit(static_argnames=("backend", "kv_transform"))
-def _decode_chunk(model, input_ids, caches, block_table, seq_lens, backend, kv_transform):
+def _decode_chunk(model, input_ids, targets, caches, block_table, seq_lens, backend, kv_transform):
     logits, caches = model.decode(input_ids, caches, block_table, seq_lens, backend=backend,
                                   kv_transform=kv_transform)
-    return jax.nn.log_softmax(logits, axis=-1), caches
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    return logprobs, jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0], caches
+
+
+class TeacherForced(NamedTuple):
+    """answer_logprobs: per row float32 [T - answer_starts[b], V], the log-probabilities predicting
+    each answer byte; context_bits float64 [B]: mean -log2 p of tokens 1 .. answer_starts[b] - 1."""
+    answer_logprobs: list[np.ndarray]
+    context_bits: np.ndarray
 
 
 def answer_logprobs(model, tokens: np.ndarray, answer_starts: Sequence[int], scheme: str, *, backend: str,
                     chunk: int = 512) -> list[np.ndarray]:
-    """Teacher-forced log-probabilities of every row's answer span, through the cache of ``scheme``.
+    """Teacher-forced log-probabilities of every row's answer span (``teacher_forced``'s first part)."""
+    return teacher_forced(model, tokens, answer_starts, scheme, backend=backend, chunk=chunk).answer_logprobs
+
+
+def teacher_forced(model, tokens: np.ndarray, answer_starts: Sequence[int], scheme: str, *, backend: str,
+                   chunk: int = 512) -> TeacherForced:
+    """Teacher-forced scores of every row through the cache of ``scheme`` (``TeacherForced``).
 
     tokens [B, T] int (rows of one length); answer_starts [B]: row b's answer is
     tokens[b, answer_starts[b]:]. Feeds tokens[:, :T-1] to ``model.decode`` ``chunk`` tokens per
-    call (the last call takes the rest) into a fresh cache. Returns per row float32
-    [T - answer_starts[b], V]: the log-probabilities predicting each answer byte.
+    call (the last call takes the rest) into a fresh cache.
     Raises ValueError for an unknown scheme, a chunk < 1 or an answer start outside [1, T).
     """
     if scheme not in CACHE_SCHEMES:
@@ -155,28 +183,34 @@ def answer_logprobs(model, tokens: np.ndarray, answer_starts: Sequence[int], sch
     block_table = jnp.asarray(pages.block_table)
     caches = model.init_cache(pages.num_pages, PAGE_SIZE, kv_cache=spec.cache_dtype)
     first = int(starts.min()) - 1  # the first position whose output is kept
-    kept = []
+    kept, target_logprobs = [], []
     for start in range(0, fed, chunk):
         stop = min(start + chunk, fed)
         seq_lens = jnp.full((batch,), stop, jnp.int32)
-        logprobs, caches = _decode_chunk(model, jnp.asarray(tokens[:, start:stop]), caches, block_table, seq_lens,
-                                         backend, spec.kv_transform)
+        logprobs, target_lp, caches = _decode_chunk(model, jnp.asarray(tokens[:, start:stop]),
+                                                    jnp.asarray(tokens[:, start + 1:stop + 1]), caches, block_table,
+                                                    seq_lens, backend, spec.kv_transform)
+        target_logprobs.append(np.asarray(target_lp, np.float64))
         if stop > first:
             kept.append(np.asarray(logprobs[:, max(first - start, 0):], np.float32))
     kept = np.concatenate(kept, axis=1)  # positions first .. fed - 1
-    return [kept[b, starts[b] - 1 - first:] for b in range(batch)]
+    target_logprobs = np.concatenate(target_logprobs, axis=1)  # position p predicts token p + 1
+    context_bits = np.array([-target_logprobs[b, :starts[b] - 1].mean() / LN2 if starts[b] > 1 else 0.0
+                             for b in range(batch)])
+    return TeacherForced([kept[b, starts[b] - 1 - first:] for b in range(batch)], context_bits)
 
 
-def score_answers(logprobs: Sequence[np.ndarray], answers: Sequence[np.ndarray]) -> RetrievalScore:
+def score_answers(logprobs: Sequence[np.ndarray], answers: Sequence[np.ndarray],
+                  context_bits: np.ndarray | None = None) -> RetrievalScore:
     """Exact match, per-byte argmax match and bits per byte from per-row answer log-probabilities
-    [n_b, V] and answer bytes [n_b] int."""
+    [n_b, V] and answer bytes [n_b] int; ``context_bits`` [N] is passed through."""
     correct, byte_correct, bits = [], [], []
     for lp, answer in zip(logprobs, answers, strict=True):
         hits = lp.argmax(-1) == answer
         correct.append(bool(hits.all()))
         byte_correct.append(float(hits.mean()))
         bits.append(float(-lp[np.arange(len(answer)), answer].astype(np.float64).mean() / LN2))
-    return RetrievalScore(np.array(correct), np.array(byte_correct), np.array(bits))
+    return RetrievalScore(np.array(correct), np.array(byte_correct), np.array(bits), context_bits)
 
 
 def retrieval_accuracy(model, tasks: Sequence[long_context_tasks.Task], scheme: str, *, backend: str,
@@ -189,88 +223,247 @@ def retrieval_accuracy(model, tasks: Sequence[long_context_tasks.Task], scheme: 
         raise ValueError(f"tasks: expected one context length, got {sorted({t.context for t in tasks})}")
     if batch_size < 1:
         raise ValueError(f"batch_size: expected an int >= 1, got {batch_size}")
-    logprobs = []
+    logprobs, context_bits = [], []
     for i in range(0, len(tasks), batch_size):
         group = tasks[i:i + batch_size]
-        logprobs += answer_logprobs(model, np.stack([t.tokens for t in group]), [t.answer_start for t in group],
-                                    scheme, backend=backend, chunk=chunk)
-    return score_answers(logprobs, [t.answer for t in tasks])
+        scored = teacher_forced(model, np.stack([t.tokens for t in group]), [t.answer_start for t in group],
+                                scheme, backend=backend, chunk=chunk)
+        logprobs += scored.answer_logprobs
+        context_bits.append(scored.context_bits)
+    return score_answers(logprobs, [t.answer for t in tasks], np.concatenate(context_bits))
+
+
+def paired_difference(score: RetrievalScore, reference: RetrievalScore) -> dict:
+    """How ``score`` differs from ``reference`` on the same tasks, task by task.
+
+    only_this_correct / only_reference_correct: tasks that one of the two answers exactly and
+    the other does not (the discordant pairs of a paired test; their difference over the
+    number of tasks is the accuracy difference). answer_bits_per_byte_diff: the mean of the
+    per-task differences (this minus reference) and its standard error (zero for one task);
+    context_bits_per_byte_diff the same of the context's bits per byte, where both scores have them.
+    """
+    def mean_and_stderr(this, ref):
+        diff = this.astype(np.float64) - ref.astype(np.float64)
+        return float(diff.mean()), float(diff.std(ddof=1) / np.sqrt(diff.size)) if diff.size > 1 else 0.0
+
+    out = {"only_this_correct": int((score.correct & ~reference.correct).sum()),
+           "only_reference_correct": int((reference.correct & ~score.correct).sum())}
+    out["answer_bits_per_byte_diff"], out["answer_bits_per_byte_diff_stderr"] = mean_and_stderr(
+        score.answer_bits, reference.answer_bits)
+    if score.context_bits is not None and reference.context_bits is not None:
+        out["context_bits_per_byte_diff"], out["context_bits_per_byte_diff_stderr"] = mean_and_stderr(
+            score.context_bits, reference.context_bits)
+    return out
+
+
+def _select(score: RetrievalScore, mine: np.ndarray) -> RetrievalScore:
+    return RetrievalScore(score.correct[mine], score.byte_correct[mine], score.answer_bits[mine],
+                          None if score.context_bits is None else score.context_bits[mine])
 
 
 def evaluate(model, *, contexts: Sequence[int], depths: Sequence[float], kinds: Sequence[str], trials: int,
              schemes: Sequence[str], text: np.ndarray | None, backend: str, chunk: int, batch_size: int,
-             seed: int = 0, log=print) -> list[dict]:
+             seed: int = 0, log=print, on_cell: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """One row per (kind, context, depth, scheme): accuracy, per-byte accuracy, answer bits per byte,
-    chance, number of tasks. The same tasks are scored under every scheme."""
+    chance, number of tasks. The same tasks are scored under every scheme; the rows of every scheme
+    but the first also say how it differs from the first, task by task (``paired_difference``, under
+    ``reference`` and ``vs_reference``). ``on_cell(rows)`` gets the rows so far after each
+    (context, depth)."""
     rows = []
     for context in contexts:
         for depth in depths:
             tasks = long_context_tasks.make_tasks(kinds, context, depth, trials, seed, text=text)
+            reference = None
             for scheme in schemes:
                 score = retrieval_accuracy(model, tasks, scheme, backend=backend, chunk=chunk, batch_size=batch_size)
                 for kind in kinds:
                     mine = np.array([t.kind == kind for t in tasks])
-                    rows.append({"kind": kind, "context": context, "depth": depth, "scheme": scheme,
-                                 "accuracy": float(score.correct[mine].mean()),
-                                 "byte_accuracy": float(score.byte_correct[mine].mean()),
-                                 "answer_bits_per_byte": float(score.answer_bits[mine].mean()),
-                                 "chance": float(np.mean([t.chance for t in tasks if t.kind == kind])),
-                                 "tasks": int(mine.sum())})
+                    row = {"kind": kind, "context": context, "depth": depth, "scheme": scheme,
+                           "accuracy": float(score.correct[mine].mean()),
+                           "byte_accuracy": float(score.byte_correct[mine].mean()),
+                           "answer_bits_per_byte": float(score.answer_bits[mine].mean()),
+                           "chance": float(np.mean([t.chance for t in tasks if t.kind == kind])),
+                           "tasks": int(mine.sum())}
+                    if score.context_bits is not None:
+                        row["context_bits_per_byte"] = float(score.context_bits[mine].mean())
+                    if reference is not None:
+                        row["reference"] = schemes[0]
+                        row["vs_reference"] = paired_difference(_select(score, mine), _select(reference, mine))
+                    rows.append(row)
+                reference = score if reference is None else reference
                 log(f"context {context} depth {depth} {scheme}: accuracy {score.accuracy:.3f}, "
                     f"answer {score.bits_per_byte:.3f} bits per byte")
+            if on_cell is not None:
+                on_cell(rows)
     return rows
 
 
-def trained_context_note(trained_context: int, contexts: Sequence[int]) -> str:
+def yarn_extended(model: MLAModel, factor: float) -> MLAModel:
+    """The same weights with RoPE stretched ``factor`` times by YaRN, without training.
+
+    The config becomes rope_type "yarn" with rope_factor ``factor`` over the trained context
+    (``rope_original_max_position``, the old ``max_position_embeddings``, which grows ``factor``
+    times); YaRN's defaults otherwise (beta 32 / 1, cos/sin scaled by 0.1 ln(factor) + 1).
+    ValueError for a factor below 1 or a model whose RoPE is not the default one.
+    """
+    cfg = model.cfg
+    if not factor >= 1:
+        raise ValueError(f"yarn_factor: expected a factor >= 1, got {factor}")
+    if cfg.rope_type != "default":
+        raise ValueError(f"yarn_factor: the model's RoPE is already {cfg.rope_type!r}; expected a default RoPE "
+                         "to stretch")
+    stretched = dataclasses.replace(cfg, rope_type="yarn", rope_factor=float(factor),
+                                    rope_original_max_position=cfg.max_position_embeddings,
+                                    max_position_embeddings=int(round(cfg.max_position_embeddings * factor)))
+    dtype = model.embed_tokens.embedding[...].dtype
+    # RoPE's frequencies are static attributes of the graph: a graph built from the stretched
+    # config, holding this model's arrays.
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: MLAModel(stretched, rngs=nnx.Rngs(0), dtype=dtype)))
+    return nnx.merge(graphdef, nnx.state(model))
+
+
+def trained_context_note(trained_context: int, contexts: Sequence[int], yarn_factor: float | None = None) -> str:
     """The line that says how the contexts compare with what the model was trained on."""
     beyond = [c for c in contexts if c > trained_context]
     note = f"Model trained on windows of {trained_context} tokens (max_position_embeddings)."
-    if beyond:
+    if yarn_factor is not None:
+        note += (f" RoPE stretched {yarn_factor:g}x by YaRN, without training, to "
+                 f"{int(round(trained_context * yarn_factor))} positions.")
+    if beyond and yarn_factor is None:
         note += (f" Contexts {beyond} are beyond it: the model never saw those positions, so accuracy near "
                  "chance there is expected and says nothing about the cache.")
+    elif beyond:
+        note += (f" Contexts {beyond} are beyond the trained windows: what the model finds there, it finds "
+                 "through the stretch.")
     return note
+
+
+def _vs(row: dict) -> str:
+    """A row's task-by-task difference from the first scheme: +tasks only it answers / -tasks only
+    the first answers, then the mean differences of answer and context bits per byte with their
+    standard errors."""
+    if "vs_reference" not in row:
+        return ""
+    d = row["vs_reference"]
+    text = (f"+{d['only_this_correct']} / -{d['only_reference_correct']}; answer "
+            f"{d['answer_bits_per_byte_diff']:+.4f} +- {d['answer_bits_per_byte_diff_stderr']:.4f}")
+    if "context_bits_per_byte_diff" in d:
+        text += (f"; context {d['context_bits_per_byte_diff']:+.5f} +- "
+                 f"{d['context_bits_per_byte_diff_stderr']:.5f}")
+    return text
 
 
 def to_markdown(results: dict) -> str:
     """The rows as one markdown table, under the trained-context note."""
     lines = [results["trained_context_note"], "",
              f"Backend `{results['backend']}`, {results['trials']} tasks per kind and (context, depth); accuracy is "
-             "exact match of the greedy answer; byte accuracy the share of answer bytes that are the argmax.", "",
-             "| task | context | depth | scheme | accuracy | byte accuracy | answer bits/byte | chance |",
-             "|---|---|---|---|---|---|---|---|"]
+             "exact match of the greedy answer; byte accuracy the share of answer bytes that are the argmax; "
+             "bits per byte of the answer and of the context before it; vs first scheme: tasks only this scheme "
+             "answers / only the first answers, and the mean task-by-task differences of bits per byte with their "
+             "standard errors.", "",
+             "| task | context | depth | scheme | accuracy | byte accuracy | answer bits/byte | context bits/byte "
+             "| chance | vs first scheme |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    context_bits = lambda r: f"{r['context_bits_per_byte']:.4f}" if "context_bits_per_byte" in r else ""
     lines += [f"| {r['kind']} | {r['context']} | {r['depth']:g} | {r['scheme']} | {r['accuracy']:.3f} | "
-              f"{r['byte_accuracy']:.3f} | {r['answer_bits_per_byte']:.3f} | {r['chance']:.1e} |"
+              f"{r['byte_accuracy']:.3f} | {r['answer_bits_per_byte']:.3f} | {context_bits(r)} | "
+              f"{r['chance']:.1e} | {_vs(r)} |"
               for r in results["rows"]]
     return "\n".join(lines) + "\n"
 
 
+def combine_runs(runs: Sequence[dict], trials: int | None = None) -> dict:
+    """One results dict from several runs' (each ``--json``'s content): their rows in order, a cell
+    (kind, context, depth, scheme) kept from the first run that has it. ``trials`` keeps only the
+    runs of that many trials. ValueError when no run is left or the runs' trained contexts differ."""
+    runs = [r for r in runs if trials is None or r["trials"] == trials]
+    if not runs:
+        raise ValueError(f"expected at least one run{'' if trials is None else f' of {trials} trials'}")
+    if len({r["trained_context"] for r in runs}) != 1:
+        raise ValueError(f"runs of different models: trained contexts {sorted({r['trained_context'] for r in runs})}")
+    stretches = {r.get("yarn_factor") for r in runs}
+    if len(stretches) != 1:
+        raise ValueError(f"runs of different RoPE stretches: YaRN factors {sorted(map(str, stretches))}")
+    rows, seen = [], set()
+    for run in runs:
+        for row in run["rows"]:
+            cell = (row["kind"], row["context"], row["depth"], row["scheme"])
+            if cell not in seen:
+                seen.add(cell)
+                rows.append(row)
+    contexts = sorted({r["context"] for r in rows})
+    trained = runs[0]["trained_context"]
+    yarn_factor = stretches.pop()
+    return {"trained_context": trained, "trained_context_note": trained_context_note(trained, contexts, yarn_factor),
+            "yarn_factor": yarn_factor, "rows": rows,
+            "trials": "/".join(str(t) for t in dict.fromkeys(r["trials"] for r in runs)),
+            "backend": "/".join(dict.fromkeys(r["backend"] for r in runs)),
+            "commands": [r["command"] for r in runs]}
+
+
+def accuracy_difference(row: dict) -> tuple[float, float]:
+    """A paired row's accuracy minus its reference scheme's, and the standard error of that
+    difference from the discordant tasks (b only this, c only the reference, n tasks):
+    sqrt(b + c - (b - c)^2 / n) / n."""
+    d, n = row["vs_reference"], row["tasks"]
+    b, c = d["only_this_correct"], d["only_reference_correct"]
+    return (b - c) / n, float(np.sqrt(max(b + c - (b - c) ** 2 / n, 0.0)) / n)
+
+
 def plot(results: dict, path: str | pathlib.Path) -> None:
-    """PNG: per task kind, accuracy against context (mean over depths) and against depth (mean over
-    contexts), one line per scheme; a dotted line marks the trained context."""
+    """PNG, a column per task kind: accuracy against context (mean over depths), accuracy against
+    depth, and (where the rows are paired) accuracy minus the first scheme's in points with
+    +-2 standard errors, against depth; a line per scheme, and in the lower panels per context
+    (line style). A dotted line marks the trained context."""
     plt = pyplot()
     rows = results["rows"]
     kinds = list(dict.fromkeys(r["kind"] for r in rows))
     schemes = list(dict.fromkeys(r["scheme"] for r in rows))
-    fig, axes = plt.subplots(2, len(kinds), figsize=(3.2 * len(kinds), 5.5), squeeze=False)
+    contexts = sorted({r["context"] for r in rows})
+    styles = dict(zip(contexts, ["-", "--", ":", "-."] * len(contexts)))
+    colors = {s: f"C{i}" for i, s in enumerate(schemes)}
+    paired = any("vs_reference" in r for r in rows)
+    fig, axes = plt.subplots(2 + paired, len(kinds), figsize=(3.4 * len(kinds), 2.9 * (2 + paired)), squeeze=False)
     for col, kind in enumerate(kinds):
         for scheme in schemes:
             mine = [r for r in rows if r["kind"] == kind and r["scheme"] == scheme]
-            for ax, key in ((axes[0, col], "context"), (axes[1, col], "depth")):
-                xs = sorted({r[key] for r in mine})
-                ax.plot(xs, [np.mean([r["accuracy"] for r in mine if r[key] == x]) for x in xs], "o-", label=scheme)
+            xs = sorted({r["context"] for r in mine})
+            axes[0, col].plot(xs, [np.mean([r["accuracy"] for r in mine if r["context"] == x]) for x in xs], "o-",
+                              color=colors[scheme], label=scheme)
+            for context in contexts:
+                here = sorted((r for r in mine if r["context"] == context), key=lambda r: r["depth"])
+                if not here:
+                    continue
+                depths = [r["depth"] for r in here]
+                axes[1, col].plot(depths, [r["accuracy"] for r in here], "o", linestyle=styles[context],
+                                  color=colors[scheme], label=f"{scheme}, {context}")
+                if paired and "vs_reference" in here[0]:
+                    diff, err = np.array([accuracy_difference(r) for r in here]).T
+                    axes[2, col].errorbar(depths, 100 * diff, yerr=200 * err, marker="o", capsize=2,
+                                          linestyle=styles[context], color=colors[scheme],
+                                          label=f"{scheme} - {here[0]['reference']}, {context}")
         axes[0, col].set_xscale("log", base=2)
         axes[0, col].axvline(results["trained_context"], color="gray", linestyle=":")
         axes[0, col].set_title(kind, fontsize=9)
         axes[0, col].set_xlabel("context (tokens)")
-        axes[1, col].set_xlabel("depth")
-        for ax in axes[:, col]:
+        for ax in axes[1:, col]:
+            ax.set_xlabel("depth")
+        for ax in axes[:2, col]:
             ax.set_ylim(-0.05, 1.05)
+        if paired:
+            axes[2, col].axhline(0, color="gray", linewidth=0.8)
+        for ax in axes[:, col]:
             ax.grid(True, alpha=0.3)
     axes[0, 0].set_ylabel("accuracy (mean over depths)")
-    axes[1, 0].set_ylabel("accuracy (mean over contexts)")
+    axes[1, 0].set_ylabel("accuracy (line style: context)")
     axes[0, 0].legend(fontsize=7)
+    axes[1, 0].legend(fontsize=6)
+    if paired:
+        axes[2, 0].set_ylabel("accuracy difference (points, +-2 s.e.)")
+        axes[2, 0].legend(fontsize=6)
     fig.suptitle(f"Retrieval through the cache; trained context {results['trained_context']} tokens (dotted)",
                  fontsize=9)
+    fig.tight_layout()
     save_png(fig, path)
 
 
@@ -282,7 +475,8 @@ def _parser() -> cli.Parser:
     p.add_argument("--contexts", type=int, nargs="+", default=list(DEFAULT_CONTEXTS), help="context lengths in tokens")
     p.add_argument("--depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS),
                    help="needle depths, fractions in [0, 1]")
-    p.add_argument("--trials", type=int, default=4, help="tasks per kind and (context, depth)")
+    p.add_argument("--trials", type=int, help="tasks per kind and (context, depth) (default 4); with --from-json, "
+                                              "keep only the runs of this many")
     p.add_argument("--tasks", nargs="+", choices=long_context_tasks.TASK_KINDS,
                    default=list(long_context_tasks.TASK_KINDS), help="task kinds")
     p.add_argument("--schemes", nargs="+", choices=tuple(CACHE_SCHEMES), default=["bf16", "fp8"],
@@ -290,7 +484,13 @@ def _parser() -> cli.Parser:
     p.add_argument("--chunk", type=int, default=512, help="tokens per decode call")
     p.add_argument("--batch-size", type=int, default=8, help="tasks per decode batch")
     p.add_argument("--seed", type=int, default=0, help="seed of the first trial")
+    p.add_argument("--yarn-factor", type=float,
+                   help="stretch the model's RoPE this many times by YaRN (no training) to reach contexts past "
+                        "its trained windows, e.g. 4 for 64k on a model trained at 16k")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="write_kv/mla_decode backend (default auto)")
+    p.add_argument("--from-json", nargs="+", metavar="FILE",
+                   help="measure nothing: combine the runs in these files (a --json output, or {\"runs\": [...]} "
+                        "of them) into --json / --markdown / --plot")
     p.add_argument("--json", help="write all rows to this file")
     p.add_argument("--markdown", help="write the table to this file")
     p.add_argument("--plot", help="write accuracy against context and depth to this PNG")
@@ -298,9 +498,13 @@ def _parser() -> cli.Parser:
 
 
 def _check_args(args) -> None:
-    cli.check_positive(args, "trials", "chunk", "batch_size")
+    if args.trials is not None:
+        cli.check_positive(args, "trials")
+    cli.check_positive(args, "chunk", "batch_size")
     if args.seed < 0:
         raise cli.UsageError(f"--seed: expected an int >= 0, got {args.seed}")
+    if args.yarn_factor is not None and not args.yarn_factor >= 1:
+        raise cli.UsageError(f"--yarn-factor: expected a factor >= 1, got {args.yarn_factor}")
     for depth in args.depths:
         if not 0.0 <= depth <= 1.0:
             raise cli.UsageError(f"--depths: expected fractions in [0, 1], got {depth}")
@@ -308,9 +512,47 @@ def _check_args(args) -> None:
         cli.check_output_file(f"--{flag}", getattr(args, flag))
 
 
+def _write(results: dict, args) -> None:
+    markdown = to_markdown(results)
+    print(markdown)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(markdown)
+    if args.plot:
+        plot(results, args.plot)
+
+
+RUN_KEYS = frozenset({"rows", "trials", "trained_context", "backend", "command"})
+
+
+def _combine(args) -> int:
+    runs = []
+    for path in args.from_json:
+        try:
+            content = json.loads(pathlib.Path(path).read_text())
+            found = content["runs"] if isinstance(content, dict) and "runs" in content else [content]
+            bad = [run for run in found if not isinstance(run, dict) or not RUN_KEYS <= run.keys()]
+        except (OSError, ValueError, TypeError) as err:
+            raise cli.UsageError(f"--from-json: cannot read {path} as JSON ({cli.one_line(err)})") from err
+        if bad:
+            raise cli.UsageError(f"--from-json: {path} is not a fidelity_long --json output (expected the keys "
+                                 f"{', '.join(sorted(RUN_KEYS))} in every run)")
+        runs += found
+    try:
+        results = combine_runs(runs, args.trials)
+    except ValueError as err:
+        raise cli.UsageError(f"--from-json: {err}") from err
+    _write(results, args)
+    return 0
+
+
 def _long_context(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     _check_args(args)
+    if args.from_json:
+        return _combine(args)
+    args.trials = 4 if args.trials is None else args.trials
     backend = cli.backend(args.backend)
     model, heldout = model_flag(args.model)
     root, present, _ = heldout_files_flag(heldout)
@@ -323,23 +565,29 @@ def _long_context(argv: list[str]) -> int:
         except ValueError as err:
             raise cli.UsageError(f"--contexts: {cli.one_line(err)}") from err
     trained = model.cfg.max_position_embeddings
-    note = trained_context_note(trained, args.contexts)
+    if args.yarn_factor is not None:
+        try:
+            model = yarn_extended(model, args.yarn_factor)
+        except ValueError as err:
+            raise cli.flag_error(err, {"yarn_factor": "--yarn-factor"}) from err
+    note = trained_context_note(trained, args.contexts, args.yarn_factor)
     print(note, flush=True)
-    rows = evaluate(model, contexts=args.contexts, depths=args.depths, kinds=args.tasks, trials=args.trials,
-                    schemes=args.schemes, text=text, backend=backend, chunk=args.chunk, batch_size=args.batch_size,
-                    seed=args.seed)
-    results = {"trained_context": trained, "trained_context_note": note, "rows": rows, "trials": args.trials,
+    results = {"trained_context": trained, "trained_context_note": note, "yarn_factor": args.yarn_factor,
+               "rows": [], "trials": args.trials,
                "backend": backend, "device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__,
                "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
                "command": "python -m snapmla_jax.fidelity_long " + " ".join(argv)}
-    markdown = to_markdown(results)
-    print(markdown)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    if args.markdown:
-        pathlib.Path(args.markdown).write_text(markdown)
-    if args.plot:
-        plot(results, args.plot)
+
+    def save(rows):  # after every (context, depth), so a run cut short keeps what it measured
+        results["rows"] = rows
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
+    rows = evaluate(model, contexts=args.contexts, depths=args.depths, kinds=args.tasks, trials=args.trials,
+                    schemes=args.schemes, text=text, backend=backend, chunk=args.chunk, batch_size=args.batch_size,
+                    seed=args.seed, on_cell=save)
+    results["rows"] = rows
+    _write(results, args)
     return 0
 
 

@@ -1,6 +1,7 @@
 """The long-context retrieval scorer: oracle models it must score 1 and 0, its cache path against the
 full forward, the emulated schemes against quant_report, and the CLI on a tiny model."""
 
+import dataclasses
 import json
 
 import jax
@@ -72,16 +73,79 @@ def test_score_answers_counts_exact_and_per_byte_matches():
     assert score.answer_bits[0] == pytest.approx(-np.log2(0.7))
 
 
+def test_paired_difference_counts_discordant_tasks_and_the_mean_bits_difference():
+    rng = np.random.default_rng()
+    n = int(rng.integers(5, 40))
+    ref = fl.RetrievalScore(rng.random(n) < 0.6, rng.random(n), rng.random(n) * 3)
+    other = fl.RetrievalScore(rng.random(n) < 0.6, rng.random(n), rng.random(n) * 3)
+    d = fl.paired_difference(other, ref)
+    # The discordant counts alone give the accuracy difference.
+    assert (d["only_this_correct"] - d["only_reference_correct"]) / n == pytest.approx(other.accuracy - ref.accuracy)
+    assert d["only_this_correct"] == sum(o and not r for o, r in zip(other.correct, ref.correct))
+    diff = other.answer_bits.astype(np.float64) - ref.answer_bits
+    assert d["answer_bits_per_byte_diff"] == pytest.approx(other.bits_per_byte - ref.bits_per_byte)
+    assert d["answer_bits_per_byte_diff_stderr"] == pytest.approx(diff.std(ddof=1) / np.sqrt(n))
+    same = fl.paired_difference(ref, ref)
+    assert same == {"only_this_correct": 0, "only_reference_correct": 0, "answer_bits_per_byte_diff": 0.0,
+                    "answer_bits_per_byte_diff_stderr": 0.0}
+    with_context = fl.paired_difference(dataclasses.replace(other, context_bits=np.arange(n, dtype=float)),
+                                        dataclasses.replace(ref, context_bits=np.zeros(n)))
+    assert with_context["context_bits_per_byte_diff"] == pytest.approx((n - 1) / 2)
+    assert with_context["context_bits_per_byte_diff_stderr"] == pytest.approx(np.arange(n).std(ddof=1) / np.sqrt(n))
+
+
+def test_accuracy_difference_and_its_standard_error_come_from_the_discordant_tasks():
+    rng = np.random.default_rng()
+    n = int(rng.integers(20, 200))
+    ref, this = rng.random(n) < 0.7, rng.random(n) < 0.7
+    row = {"tasks": n, "vs_reference": fl.paired_difference(fl.RetrievalScore(this, this * 1.0, np.zeros(n)),
+                                                            fl.RetrievalScore(ref, ref * 1.0, np.zeros(n)))}
+    diff, err = fl.accuracy_difference(row)
+    per_task = this.astype(float) - ref
+    assert diff == pytest.approx(per_task.mean())
+    # The standard error of a mean of per-task differences in {-1, 0, 1}, with the population variance.
+    assert err == pytest.approx(per_task.std() / np.sqrt(n))
+
+
+def test_evaluate_pairs_every_later_scheme_with_the_first(tasks, monkeypatch):
+    # Scheme "fp8" answers every task, "bf16" only the even ones: the rows must say so task by task.
+    n = len(tasks)
+    fixed = {"bf16": fl.RetrievalScore(np.arange(n) % 2 == 0, np.ones(n), np.full(n, 2.0), np.full(n, 1.0)),
+             "fp8": fl.RetrievalScore(np.ones(n, bool), np.ones(n), np.full(n, 1.5), np.full(n, 1.25))}
+    monkeypatch.setattr(fl, "retrieval_accuracy", lambda model, ts, scheme, **kw: fixed[scheme])
+    monkeypatch.setattr(fl.long_context_tasks, "make_tasks", lambda *a, **kw: tasks)
+    rows = fl.evaluate(None, contexts=[tasks[0].context], depths=[0.5], kinds=sorted({t.kind for t in tasks}),
+                       trials=1, schemes=["bf16", "fp8"], text=None, backend="xla", chunk=1, batch_size=1,
+                       log=lambda *_: None)
+    assert all("vs_reference" not in r for r in rows if r["scheme"] == "bf16")
+    paired = [r for r in rows if r["scheme"] == "fp8"]
+    odd = np.arange(n) % 2 == 1
+    assert sum(r["vs_reference"]["only_this_correct"] for r in paired) == int(odd.sum())
+    assert all(r["reference"] == "bf16" and r["vs_reference"]["only_reference_correct"] == 0 for r in paired)
+    assert all(r["vs_reference"]["answer_bits_per_byte_diff"] == pytest.approx(-0.5) for r in paired)
+    assert all(r["vs_reference"]["context_bits_per_byte_diff"] == pytest.approx(0.25) for r in paired)
+    assert all(r["context_bits_per_byte"] == 1.25 for r in paired)
+    table = fl.to_markdown({"trained_context_note": "", "backend": "xla", "trials": 1, "rows": paired})
+    assert "| 1.2500 |" in table and "/ -0; answer -0.5000 +- 0.0000; context +0.25000 +- 0.00000 |" in table
+
+
 def test_bf16_cache_answer_logprobs_match_the_full_forward(tiny_model, tasks):
     tokens = np.stack([t.tokens for t in tasks])
     starts = [t.answer_start for t in tasks]
-    got = fl.answer_logprobs(tiny_model, tokens, starts, "bf16", backend="xla", chunk=100)
-    full = np.asarray(jax.nn.log_softmax(tiny_model(jnp.asarray(tokens)), axis=-1))
-    for row, (lp, start) in enumerate(zip(got, starts)):
+    got = fl.teacher_forced(tiny_model, tokens, starts, "bf16", backend="xla", chunk=100)
+    full = np.asarray(jax.nn.log_softmax(tiny_model(jnp.asarray(tokens)), axis=-1), np.float64)
+    for row, (lp, start) in enumerate(zip(got.answer_logprobs, starts)):
         want = full[row, start - 1:-1]
         # bf16 rounding of the cached latents and queries (see test_fidelity); a position off by one
         # would move every log-probability by far more.
         assert lp.shape == want.shape and np.abs(lp - want).mean() < 1e-2 and np.abs(lp - want).max() < 0.1
+        # The context's bits: every position before the answer predicting the next token. An untrained
+        # model's log-probabilities differ from one token to the next by ~1e-2, a mean over ~150 of them
+        # by far less than a position off by one would move it.
+        context = -full[row, np.arange(start - 1), tokens[row, 1:start]].mean() / np.log(2)
+        assert got.context_bits[row] == pytest.approx(context, abs=2e-3)
+    assert fl.answer_logprobs(tiny_model, tokens, starts, "bf16", backend="xla", chunk=100)[0].shape == \
+        got.answer_logprobs[0].shape
 
 
 @pytest.mark.parametrize("scheme", list(fl.CACHE_SCHEMES))
@@ -118,7 +182,8 @@ def test_emulated_schemes_reproduce_quant_report_errors():
     rope = (30 * rng.standard_normal((64, 64))).astype(np.float32)
     report = quant_error_report(latent, rope)
     for scheme, fn in (("per_token_576", fl.per_token_576_round_trip),
-                       ("per_token_block128", fl.per_token_block128_round_trip)):
+                       ("per_token_block128", fl.per_token_block128_round_trip),
+                       ("rope_aware_token", fl.rope_aware_token_round_trip)):
         lat_hat, rope_hat = (np.asarray(a, np.float64) for a in fn(jnp.asarray(latent), jnp.asarray(rope)))
         rel = np.linalg.norm(lat_hat - latent) / np.linalg.norm(latent)
         assert rel == pytest.approx(report[scheme].latent_rel_error, rel=1e-5)
@@ -127,10 +192,33 @@ def test_emulated_schemes_reproduce_quant_report_errors():
                                          rel=1e-5, abs=1e-12)
 
 
+def test_yarn_extension_keeps_the_weights_and_stretches_only_rope(tiny_model):
+    tokens = jnp.asarray(np.random.default_rng().integers(0, bc.NUM_BYTES, (2, 300)), jnp.int32)
+    base = np.asarray(tiny_model(tokens), np.float64)
+    same = fl.yarn_extended(tiny_model, 1.0)  # YaRN at factor 1 is the default RoPE, mscale 1
+    assert same.cfg.rope_type == "yarn" and same.cfg.max_position_embeddings == tiny_model.cfg.max_position_embeddings
+    np.testing.assert_allclose(np.asarray(same(tokens), np.float64), base, rtol=1e-5, atol=1e-5)
+    stretched = fl.yarn_extended(tiny_model, 4.0)
+    cfg = stretched.cfg
+    assert (cfg.rope_factor, cfg.rope_original_max_position, cfg.max_position_embeddings) == (
+        4.0, tiny_model.cfg.max_position_embeddings, 4 * tiny_model.cfg.max_position_embeddings)
+    assert stretched.embed_tokens.embedding[...] is tiny_model.embed_tokens.embedding[...]
+    # Stretched RoPE moves every position past the first (and YaRN's cos/sin factor all of them).
+    assert np.abs(np.asarray(stretched(tokens), np.float64) - base).max() > 1e-3
+    assert tiny_model.cfg.rope_type == "default"  # the original is untouched
+    with pytest.raises(ValueError, match="yarn_factor: the model's RoPE is already 'yarn'"):
+        fl.yarn_extended(stretched, 2.0)
+    with pytest.raises(ValueError, match="yarn_factor: expected a factor >= 1"):
+        fl.yarn_extended(tiny_model, 0.5)
+
+
 def test_trained_context_note_says_when_contexts_pass_it():
     assert "beyond" not in fl.trained_context_note(512, [256, 512])
     note = fl.trained_context_note(512, [256, 4096])
     assert "512 tokens" in note and "[4096] are beyond it" in note and "chance" in note
+    stretched = fl.trained_context_note(512, [256, 2048], yarn_factor=4)
+    assert "stretched 4x by YaRN" in stretched and "2048 positions" in stretched and "chance" not in stretched
+    assert "[2048] are beyond the trained windows" in stretched
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +243,35 @@ def test_cli_writes_json_markdown_and_png_and_states_the_trained_context(model_d
     assert all(0 <= r["accuracy"] <= 1 and r["tasks"] == 1 for r in results["rows"])
     assert "| passkey | 200 | 0 | bf16 |" in out["markdown"].read_text()
     assert out["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all("context_bits_per_byte" in r for r in results["rows"])
+
+    # --from-json: a second run's rows join the first's; a cell both hold is kept once, from the first.
+    moved = [dict(r, context=r["context"] + 200) for r in results["rows"]]
+    other = dict(results, trials=2, command="second", rows=moved)
+    (tmp_path / "runs.json").write_text(json.dumps({"runs": [results, other, results]}))
+    combined = {"json": tmp_path / "c.json", "markdown": tmp_path / "c.md", "plot": tmp_path / "c.png"}
+    assert fl.main(["--from-json", str(tmp_path / "runs.json"), *[f"--{k}={v}" for k, v in combined.items()]]) == 0
+    both = json.loads(combined["json"].read_text())
+    assert len(both["rows"]) == 2 * len(results["rows"]) and both["commands"][1] == "second"
+    assert {r["context"] for r in both["rows"]} == {200, 300, 400, 500} and "[300, 400, 500] are beyond it" in both[
+        "trained_context_note"]
+    assert combined["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert fl.main(["--from-json", str(out["json"]), str(tmp_path / "runs.json"), "--trials", "2",
+                    "--json", str(combined["json"])]) == 0
+    assert {r["context"] for r in json.loads(combined["json"].read_text())["rows"]} == {400, 500}
+
+    # --yarn-factor: the same tasks through the stretched model; the JSON and note say so.
+    assert fl.main(["--model", str(model_dir), "--contexts", "300", "--depths", "1", "--trials", "1", "--tasks",
+                    "passkey", "--schemes", "bf16", "--chunk", "256", "--backend", "xla", "--yarn-factor", "2",
+                    "--json", str(out["json"])]) == 0
+    yarn = json.loads(out["json"].read_text())
+    assert yarn["yarn_factor"] == 2 and "stretched 2x by YaRN" in yarn["trained_context_note"]
+    base_row = next(r for r in results["rows"] if (r["kind"], r["context"], r["depth"], r["scheme"]) ==
+                    ("passkey", 300, 1.0, "bf16"))
+    assert yarn["rows"][0]["answer_bits_per_byte"] != base_row["answer_bits_per_byte"]
+    (tmp_path / "mixed.json").write_text(json.dumps({"runs": [results, yarn]}))
+    assert fl.main(["--from-json", str(tmp_path / "mixed.json")]) == 2
+    assert "runs of different RoPE stretches" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -170,10 +287,17 @@ def test_cli_writes_json_markdown_and_png_and_states_the_trained_context(model_d
     (["--model", "."], "--model: expected a train_demo directory"),
     (["--json", "."], "--json: . is a directory"),
     (["--plot", "nowhere/f.png"], "--plot: the directory nowhere does not exist"),
+    (["--yarn-factor", "0.5"], "--yarn-factor: expected a factor >= 1, got 0.5"),
+    (["--from-json", "none.json"], "--from-json: cannot read none.json as JSON"),
+    (["--from-json", "list.json"], "--from-json: list.json is not a fidelity_long --json output"),
+    (["--from-json", "run.json", "--trials", "3"], "--from-json: expected at least one run of 3 trials"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, argv, needle):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(fl, "evaluate", lambda *_, **__: pytest.fail("evaluation started on bad input"))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "run.json").write_text(json.dumps({"rows": [], "trials": 1, "trained_context": 256, "backend": "xla",
+                                                   "command": "c"}))
     before = tree_snapshot(tmp_path)
     code = fl.main(argv)
     _, err = capsys.readouterr()
@@ -202,7 +326,7 @@ def test_the_shipped_long_model_retrieves_a_passkey_on_cpu(tmp_path):
     assert row["accuracy"] >= 0.75, row
 
 
-@pytest.mark.parametrize("scheme", ["emulated_per_token_576", "emulated_per_token_block128"])
+@pytest.mark.parametrize("scheme", [s for s in fl.CACHE_SCHEMES if s.startswith("emulated_")])
 def test_emulated_schemes_hold_no_float8_conversion_a_gpu_compiler_could_fold(scheme):
     """XLA's GPU compiler folds float32 -> float8 -> float32 into nothing, which made the emulated
     schemes score exactly as the BF16 cache on an H200; their transforms round in arithmetic."""
