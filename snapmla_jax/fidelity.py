@@ -425,6 +425,15 @@ def _check_args(args) -> None:
         cli.check_output_file(f"--{flag.replace('_', '-')}", getattr(args, flag))
 
 
+def print_and_write(results: dict, markdown: str, json_path: str | None, markdown_path: str | None) -> None:
+    """Print a command's markdown table; write its results (JSON) and the table where a flag asked."""
+    print(markdown)
+    if json_path:
+        pathlib.Path(json_path).write_text(json.dumps(results, indent=1) + "\n")
+    if markdown_path:
+        pathlib.Path(markdown_path).write_text(markdown)
+
+
 def model_flag(path: str) -> tuple[MLAModel, list[str]]:
     """The model and held-out list of the train_demo directory ``--model`` names; UsageError naming
     --model when it is not one."""
@@ -485,12 +494,7 @@ def _fidelity(argv: list[str]) -> int:
                    python_version=sys.version.split()[0], heldout_files_missing=missing,
                    date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
                    command="python -m snapmla_jax.fidelity " + " ".join(argv))
-    markdown = to_markdown(results)
-    print(markdown)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    if args.markdown:
-        pathlib.Path(args.markdown).write_text(markdown)
+    print_and_write(results, to_markdown(results), args.json, args.markdown)
     if args.plot:
         plot_layers(results, args.plot)
     if args.plot_ablation:

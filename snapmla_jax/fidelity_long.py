@@ -60,7 +60,7 @@ from flax import nnx
 
 from snapmla_jax import byte_corpus, cli, long_context_tasks
 from snapmla_jax.backend import BACKENDS
-from snapmla_jax.fidelity import LN2, heldout_files_flag, model_flag, pyplot, save_png
+from snapmla_jax.fidelity import LN2, heldout_files_flag, model_flag, print_and_write, pyplot, save_png
 from snapmla_jax.models import MLAModel
 from snapmla_jax.paging import allocate_pages
 from snapmla_jax.quant_report import CHANNEL_BLOCK
@@ -513,12 +513,7 @@ def _check_args(args) -> None:
 
 
 def _write(results: dict, args) -> None:
-    markdown = to_markdown(results)
-    print(markdown)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    if args.markdown:
-        pathlib.Path(args.markdown).write_text(markdown)
+    print_and_write(results, to_markdown(results), args.json, args.markdown)
     if args.plot:
         plot(results, args.plot)
 
