@@ -153,12 +153,6 @@ class TeacherForced(NamedTuple):
     context_bits: np.ndarray
 
 
-def answer_logprobs(model, tokens: np.ndarray, answer_starts: Sequence[int], scheme: str, *, backend: str,
-                    chunk: int = 512) -> list[np.ndarray]:
-    """Teacher-forced log-probabilities of every row's answer span (``teacher_forced``'s first part)."""
-    return teacher_forced(model, tokens, answer_starts, scheme, backend=backend, chunk=chunk).answer_logprobs
-
-
 def teacher_forced(model, tokens: np.ndarray, answer_starts: Sequence[int], scheme: str, *, backend: str,
                    chunk: int = 512) -> TeacherForced:
     """Teacher-forced scores of every row through the cache of ``scheme`` (``TeacherForced``).
