@@ -132,7 +132,8 @@ class MLAAttention(nnx.Module):
         return jnp.einsum("bhqk,bkhv->bqhv", probs, values)
 
     def absorbed_decode(self, x: jax.Array, positions: jax.Array, cache, block_table: jax.Array,
-                        seq_lens: jax.Array, slots: jax.Array, *, backend: str, kv_transform=None):
+                        seq_lens: jax.Array, slots: jax.Array, *, backend: str, kv_transform=None,
+                        q_transform=None):
         """Decode step in absorbed form over the paged latent cache.
 
         x [B, s_q, hidden]; positions [B, s_q] int32; cache a single-layer
@@ -141,11 +142,14 @@ class MLAAttention(nnx.Module):
         Writes the new tokens' latents at ``slots`` and attends with
         ``mla_decode``. Returns (out [B, s_q, hidden], new cache,
         latent attention output [B, s_q, H, R] before W_UV). ``kv_transform``
-        (see ``MLAModel.decode``) maps (c_kv, k_pe) before they are written.
+        (see ``MLAModel.decode``) maps (c_kv, k_pe) before they are written,
+        ``q_transform`` the latent query before it attends.
         """
         cfg = self.cfg
         q_nope, q_pe = self.queries(x, positions)
         q_latent = jnp.einsum("bshn,rhn->bshr", q_nope, self.w_uk[...])
+        if q_transform is not None:
+            q_latent = q_transform(q_latent).astype(q_latent.dtype)
         c_kv, k_pe = self.latents(x, positions)
         if kv_transform is not None:
             c_kv, k_pe = kv_transform(c_kv, k_pe)

@@ -49,11 +49,12 @@ class DecoderLayer(nnx.Module):
                          backend=backend)
         return self.feed_forward(x + attn, backend), cache
 
-    def decode(self, x, positions, cache, block_table, seq_lens, slots, *, backend: str, kv_transform=None):
+    def decode(self, x, positions, cache, block_table, seq_lens, slots, *, backend: str, kv_transform=None,
+               q_transform=None):
         """Absorbed-form step; returns (x, cache, latent attention output [B, s_q, H, R])."""
         attn, cache, latent_out = self.self_attn.absorbed_decode(
             self.input_layernorm(x), positions, cache, block_table, seq_lens, slots, backend=backend,
-            kv_transform=kv_transform)
+            kv_transform=kv_transform, q_transform=q_transform)
         return self.feed_forward(x + attn, backend), cache, latent_out
 
 
@@ -170,7 +171,7 @@ class MLAModel(nnx.Module):
         return self.logits(x), tuple(new_caches)
 
     def decode(self, input_ids: jax.Array, caches: tuple, block_table: jax.Array, seq_lens: jax.Array, *,
-               backend: str = "auto", return_attn: bool = False, kv_transform=None):
+               backend: str = "auto", return_attn: bool = False, kv_transform=None, q_transform=None):
         """One absorbed-form decode step of s_q new tokens per row.
 
         input_ids [B, s_q] int32; caches from ``init_cache``/``prefill``;
@@ -184,7 +185,10 @@ class MLAModel(nnx.Module):
         ``kv_transform``, when given, maps every layer's new (c_kv [B, s_q, R],
         k_pe [B, s_q, Dr]) to arrays of the same shapes before they are written:
         a fake quantization in a bf16 cache emulates other cache formats
-        (``snapmla_jax.fidelity_long.CACHE_SCHEMES``). Under jit it must be static.
+        (``snapmla_jax.fidelity_long.CACHE_SCHEMES``). ``q_transform`` likewise maps every
+        layer's latent query [B, s_q, H, R] before it attends (the result is cast back to the
+        query's dtype): a fake quantization emulates the FP8 kernels' query rounding. Under jit
+        both must be static.
         Jittable; donate ``caches`` to update in place.
         """
         x = self._embed(input_ids)
@@ -196,7 +200,7 @@ class MLAModel(nnx.Module):
         new_caches, attn_outs = [], []
         for layer, cache in zip(self.layers, caches):
             x, cache, latent_out = layer.decode(x, positions, cache, block_table, seq_lens, slots, backend=backend,
-                                                kv_transform=kv_transform)
+                                                kv_transform=kv_transform, q_transform=q_transform)
             new_caches.append(cache)
             attn_outs.append(latent_out)
         logits = self.logits(x)

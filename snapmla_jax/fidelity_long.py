@@ -27,11 +27,24 @@ Cache schemes (``CACHE_SCHEMES``):
   emulated_rope_aware_token    SnapMLA's cache rounding alone (per-token latent, BF16 RoPE)
                                through the BF16 kernel: fp8 against it is what the query and
                                P' roundings and the FP8 products cost
+  emulated_rope_aware_token_query
+                               that cache rounding and the FP8 kernels' query rounding (the
+                               latent query in FP8 under one scale per row), through the BF16
+                               kernel: against emulated_rope_aware_token, the query's cost
+  fp8_xla                      the FP8 cache read by the XLA path whatever ``--backend`` says:
+                               the kernels' query and P' roundings with float32 products and
+                               sums, so fp8 against it is what the FP8 tensor cores'
+                               accumulation costs, and it against
+                               emulated_rope_aware_token_query what P's rounding costs
+
+Listed as a ladder (bf16 emulated_rope_aware_token emulated_rope_aware_token_query fp8_xla
+fp8), each scheme's difference from the one before it (``vs_previous``) is one rounding's cost.
 
 The emulated schemes have no cache format of their own: each layer's new latent and
 RoPE key are quantized to FP8 and back (``quant_report``'s schemes, in jnp) before
 being written to a BF16 cache, which rounds the dequantized values once more to bf16
-(relative 2**-9, against FP8's 2**-4). The per-tensor scheme of ``quant_report`` is
+(relative 2**-9, against FP8's 2**-4); the emulated query rounding likewise reaches the
+BF16 kernel as bf16. The per-tensor scheme of ``quant_report`` is
 not emulated: its one scale covers the whole cache, which a cache written token by
 token does not know when it writes.
 
@@ -99,10 +112,14 @@ def per_token_block128_round_trip(c_kv: jax.Array, k_pe: jax.Array) -> tuple[jax
 
 @dataclasses.dataclass(frozen=True)
 class CacheScheme:
-    """How a scheme runs: the cache dtype (``LatentCache``) and the transform of (c_kv, k_pe) before writing."""
+    """How a scheme runs: the cache dtype (``LatentCache``), the transform of (c_kv, k_pe) before writing
+    and of the latent query before it attends (``MLAModel.decode``), and the write_kv / mla_decode
+    backend when the scheme fixes one (else the caller's)."""
 
     cache_dtype: str
     kv_transform: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
+    backend: str | None = None
+    q_transform: Callable[[jax.Array], jax.Array] | None = None
 
 
 CACHE_SCHEMES = {
@@ -111,6 +128,8 @@ CACHE_SCHEMES = {
     "emulated_per_token_576": CacheScheme("bf16", per_token_576_round_trip),
     "emulated_per_token_block128": CacheScheme("bf16", per_token_block128_round_trip),
     "emulated_rope_aware_token": CacheScheme("bf16", rope_aware_token_round_trip),
+    "emulated_rope_aware_token_query": CacheScheme("bf16", rope_aware_token_round_trip, q_transform=_fake_quant),
+    "fp8_xla": CacheScheme("fp8", backend="xla"),
 }
 
 
@@ -138,10 +157,10 @@ class RetrievalScore:
         return float(self.answer_bits.mean())
 
 
-@nnx.jit(static_argnames=("backend", "kv_transform"))
-def _decode_chunk(model, input_ids, targets, caches, block_table, seq_lens, backend, kv_transform):
+@nnx.jit(static_argnames=("backend", "kv_transform", "q_transform"))
+def _decode_chunk(model, input_ids, targets, caches, block_table, seq_lens, backend, kv_transform, q_transform):
     logits, caches = model.decode(input_ids, caches, block_table, seq_lens, backend=backend,
-                                  kv_transform=kv_transform)
+                                  kv_transform=kv_transform, q_transform=q_transform)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     return logprobs, jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0], caches
 
@@ -183,7 +202,8 @@ def teacher_forced(model, tokens: np.ndarray, answer_starts: Sequence[int], sche
         seq_lens = jnp.full((batch,), stop, jnp.int32)
         logprobs, target_lp, caches = _decode_chunk(model, jnp.asarray(tokens[:, start:stop]),
                                                     jnp.asarray(tokens[:, start + 1:stop + 1]), caches, block_table,
-                                                    seq_lens, backend, spec.kv_transform)
+                                                    seq_lens, spec.backend or backend, spec.kv_transform,
+                                                    spec.q_transform)
         target_logprobs.append(np.asarray(target_lp, np.float64))
         if stop > first:
             kept.append(np.asarray(logprobs[:, max(first - start, 0):], np.float32))
@@ -261,13 +281,15 @@ def evaluate(model, *, contexts: Sequence[int], depths: Sequence[float], kinds: 
     """One row per (kind, context, depth, scheme): accuracy, per-byte accuracy, answer bits per byte,
     chance, number of tasks. The same tasks are scored under every scheme; the rows of every scheme
     but the first also say how it differs from the first, task by task (``paired_difference``, under
-    ``reference`` and ``vs_reference``). ``on_cell(rows)`` gets the rows so far after each
+    ``reference`` and ``vs_reference``), and from the third scheme on, from the scheme listed before
+    it (``previous``, ``vs_previous``): schemes listed as a ladder (bf16, emulated_rope_aware_token,
+    fp8_xla, fp8) give each rounding's own cost. ``on_cell(rows)`` gets the rows so far after each
     (context, depth)."""
     rows = []
     for context in contexts:
         for depth in depths:
             tasks = long_context_tasks.make_tasks(kinds, context, depth, trials, seed, text=text)
-            reference = None
+            scores = []
             for scheme in schemes:
                 score = retrieval_accuracy(model, tasks, scheme, backend=backend, chunk=chunk, batch_size=batch_size)
                 for kind in kinds:
@@ -280,11 +302,14 @@ def evaluate(model, *, contexts: Sequence[int], depths: Sequence[float], kinds: 
                            "tasks": int(mine.sum())}
                     if score.context_bits is not None:
                         row["context_bits_per_byte"] = float(score.context_bits[mine].mean())
-                    if reference is not None:
+                    if scores:
                         row["reference"] = schemes[0]
-                        row["vs_reference"] = paired_difference(_select(score, mine), _select(reference, mine))
+                        row["vs_reference"] = paired_difference(_select(score, mine), _select(scores[0], mine))
+                    if len(scores) > 1:
+                        row["previous"] = schemes[len(scores) - 1]
+                        row["vs_previous"] = paired_difference(_select(score, mine), _select(scores[-1], mine))
                     rows.append(row)
-                reference = score if reference is None else reference
+                scores.append(score)
                 log(f"context {context} depth {depth} {scheme}: accuracy {score.accuracy:.3f}, "
                     f"answer {score.bits_per_byte:.3f} bits per byte")
             if on_cell is not None:
@@ -332,13 +357,13 @@ def trained_context_note(trained_context: int, contexts: Sequence[int], yarn_fac
     return note
 
 
-def _vs(row: dict) -> str:
-    """A row's task-by-task difference from the first scheme: +tasks only it answers / -tasks only
-    the first answers, then the mean differences of answer and context bits per byte with their
-    standard errors."""
-    if "vs_reference" not in row:
+def _vs(row: dict, key: str = "vs_reference") -> str:
+    """A row's task-by-task difference from the first scheme (or under ``key``, another): +tasks only
+    it answers / -tasks only the other answers, then the mean differences of answer and context bits
+    per byte with their standard errors."""
+    if key not in row:
         return ""
-    d = row["vs_reference"]
+    d = row[key]
     text = (f"+{d['only_this_correct']} / -{d['only_reference_correct']}; answer "
             f"{d['answer_bits_per_byte_diff']:+.4f} +- {d['answer_bits_per_byte_diff_stderr']:.4f}")
     if "context_bits_per_byte_diff" in d:
@@ -354,42 +379,59 @@ def to_markdown(results: dict) -> str:
              "exact match of the greedy answer; byte accuracy the share of answer bytes that are the argmax; "
              "bits per byte of the answer and of the context before it; vs first scheme: tasks only this scheme "
              "answers / only the first answers, and the mean task-by-task differences of bits per byte with their "
-             "standard errors.", "",
+             "standard errors; vs previous scheme: the same against the scheme listed before it.", "",
              "| task | context | depth | scheme | accuracy | byte accuracy | answer bits/byte | context bits/byte "
-             "| chance | vs first scheme |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| chance | vs first scheme | vs previous scheme |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     context_bits = lambda r: f"{r['context_bits_per_byte']:.4f}" if "context_bits_per_byte" in r else ""
     lines += [f"| {r['kind']} | {r['context']} | {r['depth']:g} | {r['scheme']} | {r['accuracy']:.3f} | "
               f"{r['byte_accuracy']:.3f} | {r['answer_bits_per_byte']:.3f} | {context_bits(r)} | "
-              f"{r['chance']:.1e} | {_vs(r)} |"
+              f"{r['chance']:.1e} | {_vs(r)} | {_vs(r, 'vs_previous')} |"
               for r in results["rows"]]
     return "\n".join(lines) + "\n"
 
 
-def combine_runs(runs: Sequence[dict], trials: int | None = None) -> dict:
-    """One results dict from several runs' (each ``--json``'s content): their rows in order, a cell
-    (kind, context, depth, scheme) kept from the first run that has it. ``trials`` keeps only the
-    runs of that many trials. ValueError when no run is left or the runs' trained contexts differ."""
-    runs = [r for r in runs if trials is None or r["trials"] == trials]
+def combine_runs(runs: Sequence[dict], trials: int | Sequence[int] | None = None) -> dict:
+    """One results dict from several runs' (each ``--json``'s content): their rows, a cell (kind,
+    context, depth, scheme) kept from the run of most trials that has it (the first of equals), so
+    a small probe never hides a larger run of the same cell. ``trials`` keeps only the
+    runs of that many trials (or of any of several counts). Runs may stretch RoPE by different YaRN
+    factors at different contexts (a model's trained contexts as they are, 32k through a stretch of
+    2, 64k of 4): each row then carries its run's ``yarn_factor`` and the note says which contexts
+    were stretched. ValueError when no run is left, the runs' trained contexts differ, or one
+    context comes from runs of different stretches."""
+    counts = None if trials is None else {trials} if isinstance(trials, int) else set(trials)
+    runs = [r for r in runs if counts is None or r["trials"] in counts]
     if not runs:
-        raise ValueError(f"expected at least one run{'' if trials is None else f' of {trials} trials'}")
+        raise ValueError("expected at least one run" + ("" if counts is None else
+                                                        f" of {' or '.join(map(str, sorted(counts)))} trials"))
     if len({r["trained_context"] for r in runs}) != 1:
         raise ValueError(f"runs of different models: trained contexts {sorted({r['trained_context'] for r in runs})}")
-    stretches = {r.get("yarn_factor") for r in runs}
-    if len(stretches) != 1:
-        raise ValueError(f"runs of different RoPE stretches: YaRN factors {sorted(map(str, stretches))}")
-    rows, seen = [], set()
+    stretch_of = {}  # context -> YaRN factor (None: as trained)
     for run in runs:
+        for row in run["rows"]:
+            factor = stretch_of.setdefault(row["context"], run.get("yarn_factor"))
+            if factor != run.get("yarn_factor"):
+                raise ValueError(f"runs of different RoPE stretches at context {row['context']}: YaRN factors "
+                                 f"{factor} and {run.get('yarn_factor')}")
+    rows, seen = [], set()
+    for run in sorted(runs, key=lambda r: -r["trials"]):
         for row in run["rows"]:
             cell = (row["kind"], row["context"], row["depth"], row["scheme"])
             if cell not in seen:
                 seen.add(cell)
-                rows.append(row)
-    contexts = sorted({r["context"] for r in rows})
+                rows.append(row if run.get("yarn_factor") is None else dict(row, yarn_factor=run["yarn_factor"]))
     trained = runs[0]["trained_context"]
-    yarn_factor = stretches.pop()
-    return {"trained_context": trained, "trained_context_note": trained_context_note(trained, contexts, yarn_factor),
-            "yarn_factor": yarn_factor, "rows": rows,
+    stretches = set(stretch_of.values())
+    if len(stretches) == 1:
+        yarn_factor = stretches.pop()
+        note = trained_context_note(trained, sorted(stretch_of), yarn_factor)
+    else:
+        yarn_factor = None
+        note = " ".join([trained_context_note(trained, sorted(c for c, f in stretch_of.items() if f is None))] + [
+            f"Contexts {sorted(c for c, f in stretch_of.items() if f == factor)}: RoPE stretched {factor:g}x by YaRN, "
+            "without training." for factor in sorted(f for f in stretches if f is not None)])
+    return {"trained_context": trained, "trained_context_note": note, "yarn_factor": yarn_factor, "rows": rows,
             "trials": "/".join(str(t) for t in dict.fromkeys(r["trials"] for r in runs)),
             "backend": "/".join(dict.fromkeys(r["backend"] for r in runs)),
             "commands": [r["command"] for r in runs]}
@@ -405,7 +447,8 @@ def accuracy_difference(row: dict) -> tuple[float, float]:
 
 
 def plot(results: dict, path: str | pathlib.Path) -> None:
-    """PNG, a column per task kind: accuracy against context (mean over depths), accuracy against
+    """PNG, a column per task kind: accuracy against context (mean over the depths measured at every
+    context), accuracy against
     depth, and (where the rows are paired) accuracy minus the first scheme's in points with
     +-2 standard errors, against depth; a line per scheme, and in the lower panels per context
     (line style). A dotted line marks the trained context."""
@@ -422,8 +465,10 @@ def plot(results: dict, path: str | pathlib.Path) -> None:
         for scheme in schemes:
             mine = [r for r in rows if r["kind"] == kind and r["scheme"] == scheme]
             xs = sorted({r["context"] for r in mine})
-            axes[0, col].plot(xs, [np.mean([r["accuracy"] for r in mine if r["context"] == x]) for x in xs], "o-",
-                              color=colors[scheme], label=scheme)
+            # Depths measured at every context, so that each point averages the same needles.
+            common = set.intersection(*({r["depth"] for r in mine if r["context"] == x} for x in xs)) if xs else set()
+            axes[0, col].plot(xs, [np.mean([r["accuracy"] for r in mine if r["context"] == x and r["depth"] in common])
+                                   for x in xs], "o-", color=colors[scheme], label=scheme)
             for context in contexts:
                 here = sorted((r for r in mine if r["context"] == context), key=lambda r: r["depth"])
                 if not here:
@@ -448,15 +493,18 @@ def plot(results: dict, path: str | pathlib.Path) -> None:
             axes[2, col].axhline(0, color="gray", linewidth=0.8)
         for ax in axes[:, col]:
             ax.grid(True, alpha=0.3)
-    axes[0, 0].set_ylabel("accuracy (mean over depths)")
+    axes[0, 0].set_ylabel("accuracy (mean over the depths\nmeasured at every context)")
     axes[1, 0].set_ylabel("accuracy (line style: context)")
     axes[0, 0].legend(fontsize=7)
     axes[1, 0].legend(fontsize=6)
     if paired:
         axes[2, 0].set_ylabel("accuracy difference (points, +-2 s.e.)")
         axes[2, 0].legend(fontsize=6)
-    fig.suptitle(f"Retrieval through the cache; trained context {results['trained_context']} tokens (dotted)",
-                 fontsize=9)
+    stretched = dict(sorted({r["context"]: r["yarn_factor"] for r in rows if r.get("yarn_factor")}.items()))
+    if results.get("yarn_factor"):
+        stretched = {c: results["yarn_factor"] for c in contexts if c > results["trained_context"]}
+    fig.suptitle(f"Retrieval through the cache; trained context {results['trained_context']} tokens (dotted)" +
+                 "".join(f"; {c} through YaRN {f:g}x" for c, f in stretched.items()), fontsize=9)
     fig.tight_layout()
     save_png(fig, path)
 
@@ -469,12 +517,14 @@ def _parser() -> cli.Parser:
     p.add_argument("--contexts", type=int, nargs="+", default=list(DEFAULT_CONTEXTS), help="context lengths in tokens")
     p.add_argument("--depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS),
                    help="needle depths, fractions in [0, 1]")
-    p.add_argument("--trials", type=int, help="tasks per kind and (context, depth) (default 4); with --from-json, "
-                                              "keep only the runs of this many")
+    p.add_argument("--trials", type=int, nargs="+",
+                   help="tasks per kind and (context, depth) (default 4); with --from-json, keep only the runs of "
+                        "this many (or of any of several counts)")
     p.add_argument("--tasks", nargs="+", choices=long_context_tasks.TASK_KINDS,
                    default=list(long_context_tasks.TASK_KINDS), help="task kinds")
     p.add_argument("--schemes", nargs="+", choices=tuple(CACHE_SCHEMES), default=["bf16", "fp8"],
-                   help="cache schemes (emulated_*: FP8 round trip into a BF16 cache)")
+                   help="cache schemes, the first the reference (emulated_*: FP8 round trip into a BF16 cache; "
+                        "fp8_xla: the FP8 cache through the XLA path)")
     p.add_argument("--chunk", type=int, default=512, help="tokens per decode call")
     p.add_argument("--batch-size", type=int, default=8, help="tasks per decode batch")
     p.add_argument("--seed", type=int, default=0, help="seed of the first trial")
@@ -492,8 +542,12 @@ def _parser() -> cli.Parser:
 
 
 def _check_args(args) -> None:
-    if args.trials is not None:
-        cli.check_positive(args, "trials")
+    for trials in args.trials or ():
+        if trials < 1:
+            raise cli.UsageError(f"--trials: expected an int >= 1, got {trials}")
+    if args.trials is not None and len(args.trials) > 1 and not args.from_json:
+        raise cli.UsageError(f"--trials: expected one count when measuring (several only with --from-json), got "
+                             f"{args.trials}")
     cli.check_positive(args, "chunk", "batch_size")
     if args.seed < 0:
         raise cli.UsageError(f"--seed: expected an int >= 0, got {args.seed}")
@@ -541,7 +595,7 @@ def _long_context(argv: list[str]) -> int:
     _check_args(args)
     if args.from_json:
         return _combine(args)
-    args.trials = 4 if args.trials is None else args.trials
+    args.trials = 4 if args.trials is None else args.trials[0]
     backend = cli.backend(args.backend)
     model, heldout = model_flag(args.model)
     root, present, _ = heldout_files_flag(heldout)

@@ -41,7 +41,7 @@ class OracleModel(nnx.Module):
     def init_cache(self, num_pages, page_size, kv_cache):
         return (LatentCache.create(num_pages, page_size, kv_lora_rank=128, rope_dim=64, dtype=kv_cache),)
 
-    def decode(self, input_ids, caches, block_table, seq_lens, *, backend, kv_transform):
+    def decode(self, input_ids, caches, block_table, seq_lens, *, backend, kv_transform, q_transform):
         tokens = self.tokens[...]
         positions = seq_lens[:, None] - input_ids.shape[1] + jnp.arange(input_ids.shape[1])
         fed_right = input_ids == jnp.take_along_axis(tokens, positions, axis=1)
@@ -127,6 +127,50 @@ def test_evaluate_pairs_every_later_scheme_with_the_first(tasks, monkeypatch):
     assert all(r["context_bits_per_byte"] == 1.25 for r in paired)
     table = fl.to_markdown({"trained_context_note": "", "backend": "xla", "trials": 1, "rows": paired})
     assert "| 1.2500 |" in table and "/ -0; answer -0.5000 +- 0.0000; context +0.25000 +- 0.00000 |" in table
+
+
+def test_evaluate_pairs_the_third_scheme_on_with_the_one_before(tasks, monkeypatch):
+    # A ladder bf16 -> emulated -> fp8 whose per-task bits step by -0.5 then +0.125 on even tasks only:
+    # vs_previous must hold each step, vs_reference their sum.
+    n = len(tasks)
+    even = np.arange(n) % 2 == 0
+    fixed = {"bf16": fl.RetrievalScore(np.zeros(n, bool), np.ones(n), np.full(n, 2.0), np.full(n, 1.0)),
+             "emulated_rope_aware_token": fl.RetrievalScore(even, np.ones(n), np.where(even, 1.5, 2.0),
+                                                            np.full(n, 1.0)),
+             "fp8": fl.RetrievalScore(np.ones(n, bool), np.ones(n), np.where(even, 1.625, 2.0), np.full(n, 1.0))}
+    monkeypatch.setattr(fl, "retrieval_accuracy", lambda model, ts, scheme, **kw: fixed[scheme])
+    monkeypatch.setattr(fl.long_context_tasks, "make_tasks", lambda *a, **kw: tasks)
+    kinds = sorted({t.kind for t in tasks})
+    rows = fl.evaluate(None, contexts=[tasks[0].context], depths=[0.5], kinds=kinds, trials=1,
+                       schemes=list(fixed), text=None, backend="xla", chunk=1, batch_size=1, log=lambda *_: None)
+    by_scheme = {s: [r for r in rows if r["scheme"] == s] for s in fixed}
+    assert all("vs_previous" not in r for r in by_scheme["bf16"] + by_scheme["emulated_rope_aware_token"])
+    fp8 = by_scheme["fp8"]
+    assert all(r["previous"] == "emulated_rope_aware_token" and r["reference"] == "bf16" for r in fp8)
+    # Each kind holds one even and one odd task (tasks: two depths per kind).
+    assert all(r["vs_previous"]["answer_bits_per_byte_diff"] == pytest.approx(0.0625) for r in fp8)
+    assert all(r["vs_reference"]["answer_bits_per_byte_diff"] == pytest.approx(-0.1875) for r in fp8)
+    assert sum(r["vs_previous"]["only_this_correct"] for r in fp8) == int((~even).sum())
+    table = fl.to_markdown({"trained_context_note": "", "backend": "xla", "trials": 1, "rows": fp8})
+    assert "answer +0.0625 +- 0.0625" in table and "answer -0.1875 +- 0.1875" in table
+
+
+def test_fp8_xla_reads_the_fp8_cache_through_the_xla_path_whatever_the_backend(tiny_model, tasks, monkeypatch):
+    tokens, starts = np.stack([t.tokens for t in tasks]), [t.answer_start for t in tasks]
+    fp8 = fl.teacher_forced(tiny_model, tokens, starts, "fp8", backend="xla", chunk=100)
+    decode_chunk, backends = fl._decode_chunk, []
+
+    def recording(model, input_ids, targets, caches, block_table, seq_lens, backend, kv_transform, q_transform):
+        backends.append(backend)
+        return decode_chunk(model, input_ids, targets, caches, block_table, seq_lens, backend, kv_transform,
+                            q_transform)
+
+    monkeypatch.setattr(fl, "_decode_chunk", recording)
+    # "pallas" here would run the kernels in the interpreter; the scheme must override it.
+    via_xla = fl.teacher_forced(tiny_model, tokens, starts, "fp8_xla", backend="pallas", chunk=100)
+    assert backends and set(backends) == {"xla"}
+    np.testing.assert_array_equal(np.concatenate(via_xla.answer_logprobs), np.concatenate(fp8.answer_logprobs))
+    np.testing.assert_array_equal(via_xla.context_bits, fp8.context_bits)
 
 
 def test_bf16_cache_answer_logprobs_match_the_full_forward(tiny_model, tasks):
@@ -244,7 +288,8 @@ def test_cli_writes_json_markdown_and_png_and_states_the_trained_context(model_d
     assert out["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert all("context_bits_per_byte" in r for r in results["rows"])
 
-    # --from-json: a second run's rows join the first's; a cell both hold is kept once, from the first.
+    # --from-json: a second run's rows join the first's; a cell both hold is kept once, from the first of
+    # the runs of most trials.
     moved = [dict(r, context=r["context"] + 200) for r in results["rows"]]
     other = dict(results, trials=2, command="second", rows=moved)
     (tmp_path / "runs.json").write_text(json.dumps({"runs": [results, other, results]}))
@@ -255,6 +300,13 @@ def test_cli_writes_json_markdown_and_png_and_states_the_trained_context(model_d
     assert {r["context"] for r in both["rows"]} == {200, 300, 400, 500} and "[300, 400, 500] are beyond it" in both[
         "trained_context_note"]
     assert combined["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A later run of more trials holding one of the cells replaces that cell.
+    larger = dict(results, trials=3, command="larger", rows=[dict(results["rows"][0], accuracy=0.5)])
+    (tmp_path / "larger.json").write_text(json.dumps({"runs": [results, larger]}))
+    assert fl.main(["--from-json", str(tmp_path / "larger.json"), "--json", str(combined["json"])]) == 0
+    kept = json.loads(combined["json"].read_text())["rows"]
+    cell = lambda r: (r["kind"], r["context"], r["depth"], r["scheme"])
+    assert len(kept) == len(results["rows"]) and [r["accuracy"] for r in kept if cell(r) == cell(larger["rows"][0])] == [0.5]
     assert fl.main(["--from-json", str(out["json"]), str(tmp_path / "runs.json"), "--trials", "2",
                     "--json", str(combined["json"])]) == 0
     assert {r["context"] for r in json.loads(combined["json"].read_text())["rows"]} == {400, 500}
@@ -270,7 +322,19 @@ def test_cli_writes_json_markdown_and_png_and_states_the_trained_context(model_d
     assert yarn["rows"][0]["answer_bits_per_byte"] != base_row["answer_bits_per_byte"]
     (tmp_path / "mixed.json").write_text(json.dumps({"runs": [results, yarn]}))
     assert fl.main(["--from-json", str(tmp_path / "mixed.json")]) == 2
-    assert "runs of different RoPE stretches" in capsys.readouterr().err
+    assert "runs of different RoPE stretches at context 300" in capsys.readouterr().err
+    # A stretched run at a context of its own joins the unstretched ones; its rows and the note say so.
+    far = dict(yarn, trials=2, rows=[dict(r, context=600) for r in yarn["rows"]])
+    (tmp_path / "mixed.json").write_text(json.dumps({"runs": [results, far]}))
+    assert fl.main(["--from-json", str(tmp_path / "mixed.json"), "--trials", "1", "2", "--json",
+                    str(combined["json"]), "--plot", str(combined["plot"])]) == 0
+    joined = json.loads(combined["json"].read_text())
+    assert {r["context"] for r in joined["rows"]} == {200, 300, 600}
+    assert {r.get("yarn_factor") for r in joined["rows"] if r["context"] == 600} == {2}
+    assert all("yarn_factor" not in r for r in joined["rows"] if r["context"] != 600)
+    assert "[300, 600] are beyond it" not in joined["trained_context_note"]
+    assert "[300] are beyond it" in joined["trained_context_note"] and (
+        "Contexts [600]: RoPE stretched 2x by YaRN" in joined["trained_context_note"])
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -290,6 +354,9 @@ def test_cli_writes_json_markdown_and_png_and_states_the_trained_context(model_d
     (["--from-json", "none.json"], "--from-json: cannot read none.json as JSON"),
     (["--from-json", "list.json"], "--from-json: list.json is not a fidelity_long --json output"),
     (["--from-json", "run.json", "--trials", "3"], "--from-json: expected at least one run of 3 trials"),
+    (["--from-json", "run.json", "--trials", "3", "2"], "--from-json: expected at least one run of 2 or 3 trials"),
+    (["--trials", "3", "2"], "--trials: expected one count when measuring"),
+    (["--from-json", "run.json", "--trials", "3", "0"], "--trials: expected an int >= 1, got 0"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, argv, needle):
     monkeypatch.chdir(tmp_path)
@@ -329,6 +396,38 @@ def test_the_shipped_long_model_retrieves_a_passkey_on_cpu(tmp_path):
 def test_emulated_schemes_hold_no_float8_conversion_a_gpu_compiler_could_fold(scheme):
     """XLA's GPU compiler folds float32 -> float8 -> float32 into nothing, which made the emulated
     schemes score exactly as the BF16 cache on an H200; their transforms round in arithmetic."""
-    transform = fl.CACHE_SCHEMES[scheme].kv_transform
-    text = jax.jit(transform).lower(jnp.ones((2, 3, 512)), jnp.ones((2, 3, 64))).as_text()
+    spec = fl.CACHE_SCHEMES[scheme]
+    text = jax.jit(spec.kv_transform).lower(jnp.ones((2, 3, 512)), jnp.ones((2, 3, 64))).as_text()
     assert "f8E4M3" not in text
+    if spec.q_transform is not None:
+        assert "f8E4M3" not in jax.jit(spec.q_transform).lower(jnp.ones((2, 3, 4, 512))).as_text()
+
+
+def test_the_query_scheme_rounds_each_latent_query_row_as_the_fp8_kernels_do(tiny_model, monkeypatch):
+    # The first layer's latent query reaching mla_decode, with and without the scheme's q_transform: the
+    # second must be the first in FP8 under one scale per (token, head) row over its R features, as
+    # mla_decode_reference quantizes it (and the kernels), read back in the query's dtype.
+    from snapmla_jax.models import attention
+    from snapmla_jax.paging import allocate_pages
+    seen, mla_decode = [], attention.mla_decode
+    monkeypatch.setattr(attention, "mla_decode", lambda q, *a, **kw: seen.append(q) or mla_decode(q, *a, **kw))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, bc.NUM_BYTES, (3, 40)), jnp.int32)
+    pages = allocate_pages([40] * 3, 0, page_size=fl.PAGE_SIZE)
+    for q_transform in (None, fl.CACHE_SCHEMES["emulated_rope_aware_token_query"].q_transform):
+        caches = tiny_model.init_cache(pages.num_pages, fl.PAGE_SIZE, kv_cache="bf16")
+        tiny_model.decode(ids, caches, jnp.asarray(pages.block_table), jnp.full((3,), 40, jnp.int32),
+                          backend="xla", q_transform=q_transform)
+    layers = tiny_model.cfg.num_hidden_layers
+    assert len(seen) == 2 * layers and seen[0].shape[-1] == tiny_model.cfg.kv_lora_rank
+    plain, rounded = np.asarray(seen[0], np.float64), np.asarray(seen[layers], np.float64)
+    scale = np.abs(plain).max(-1, keepdims=True) / 448
+    values = rounded / scale
+    # Every value an e4m3 value (4 significant bits) once divided by its row's scale, up to the
+    # query dtype's rounding of value * scale (float32 here: 2**-23 relative).
+    mantissa, _ = np.frexp(values)
+    assert np.abs(mantissa * 16 - np.round(mantissa * 16)).max() < 1e-4
+    np.testing.assert_allclose(np.abs(values).max(-1), 448, rtol=1e-6)
+    # Round to nearest: within half an e4m3 spacing of the unrounded query (2**-4 of the value, 2**-10
+    # among the subnormals), and not the query itself.
+    assert (np.abs(values - plain / scale) <= np.maximum(np.abs(values) * 2.0 ** -4, 2.0 ** -10) + 1e-4).all()
+    assert np.abs(values - plain / scale).max() > 0.1
