@@ -283,7 +283,7 @@ def evaluate(model, *, contexts: Sequence[int], depths: Sequence[float], kinds: 
     but the first also say how it differs from the first, task by task (``paired_difference``, under
     ``reference`` and ``vs_reference``), and from the third scheme on, from the scheme listed before
     it (``previous``, ``vs_previous``): schemes listed as a ladder (bf16, emulated_rope_aware_token,
-    fp8_xla, fp8) give each rounding's own cost. ``on_cell(rows)`` gets the rows so far after each
+    emulated_rope_aware_token_query, fp8_xla, fp8) give each rounding's own cost. ``on_cell(rows)`` gets the rows so far after each
     (context, depth)."""
     rows = []
     for context in contexts:
