@@ -500,9 +500,10 @@ def plot(results: dict, path: str | pathlib.Path) -> None:
     if paired:
         axes[2, 0].set_ylabel("accuracy difference (points, +-2 s.e.)")
         axes[2, 0].legend(fontsize=6)
-    stretched = dict(sorted({r["context"]: r["yarn_factor"] for r in rows if r.get("yarn_factor")}.items()))
-    if results.get("yarn_factor"):
+    if results.get("yarn_factor"):  # one stretch for the whole run
         stretched = {c: results["yarn_factor"] for c in contexts if c > results["trained_context"]}
+    else:  # combined runs: each stretched row carries its factor
+        stretched = dict(sorted({r["context"]: r["yarn_factor"] for r in rows if r.get("yarn_factor")}.items()))
     fig.suptitle(f"Retrieval through the cache; trained context {results['trained_context']} tokens (dotted)" +
                  "".join(f"; {c} through YaRN {f:g}x" for c, f in stretched.items()), fontsize=9)
     fig.tight_layout()
