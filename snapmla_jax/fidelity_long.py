@@ -1,12 +1,15 @@
 """Long-context retrieval through the latent cache, per cache quantization scheme.
 
     python -m snapmla_jax.fidelity_long [--model DIR] [--contexts 4096 16384 ...] [--depths 0 0.5 1]
-        [--trials N] [--tasks passkey kv ...] [--schemes bf16 fp8 ...] [--json F] [--markdown F] [--plot F.png]
+        [--trials N] [--tasks passkey kv ...] [--schemes bf16 fp8 ...] [--prefill] [--json F] [--markdown F]
+        [--plot F.png]
     python -m snapmla_jax.fidelity_long --from-json F [F ...] [--trials N] [--json F] [--markdown F] [--plot F.png]
 
 Each task (``snapmla_jax.long_context_tasks``: a needle planted at a depth of a byte
 context, a question at its end) runs through ``model.decode`` in chunks of ``--chunk``
-tokens, so every attention read goes through the cache and ``mla_decode``. Two numbers
+tokens, so every attention read goes through the cache and ``mla_decode``, as in a long
+generation; with ``--prefill`` the context is prefilled as ``generate`` serves a prompt (full
+attention that only writes the cache) and only the answer's positions read the cache. Numbers
 per (task kind, context, depth, scheme):
 
 * accuracy: the share of tasks whose answer greedy decoding reproduces exactly. It is
@@ -15,7 +18,8 @@ per (task kind, context, depth, scheme):
   every answer byte is the argmax of its position's teacher-forced logits.
 * bits per byte of the answer span: mean -log2 p(answer byte | everything before it).
 * bits per byte of the context: mean -log2 p over every byte before the answer (the filler
-  text, the planted lines and the question), each predicted from the cache of all before it.
+  text, the planted lines and the question), each predicted from the cache of all before it
+  (not with ``--prefill``: the prefill reads no cache).
 
 Cache schemes (``CACHE_SCHEMES``):
 
@@ -61,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import pathlib
 import sys
@@ -73,11 +78,13 @@ from flax import nnx
 
 from snapmla_jax import byte_corpus, cli, long_context_tasks
 from snapmla_jax.backend import BACKENDS
+from snapmla_jax.cache import LatentCache
 from snapmla_jax.fidelity import LN2, heldout_files_flag, model_flag, print_and_write, pyplot, save_png
 from snapmla_jax.models import MLAModel
 from snapmla_jax.paging import allocate_pages
 from snapmla_jax.quant_report import CHANNEL_BLOCK
 from snapmla_jax.quantization import fp8_round_trip, per_token_scale
+from snapmla_jax.write import write_kv
 
 PROG = "snapmla_jax.fidelity_long"
 PAGE_SIZE = 64
@@ -165,31 +172,55 @@ def _decode_chunk(model, input_ids, targets, caches, block_table, seq_lens, back
     return logprobs, jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0], caches
 
 
+@nnx.jit(static_argnames=("backend",))
+def _prefill_prompts(model, input_ids, lengths, caches, block_table, backend):
+    logits, caches = model.prefill(input_ids, lengths, caches, block_table, backend=backend, last_only=True)
+    return jax.nn.log_softmax(logits, axis=-1), caches
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "backend"))
+def _converted(caches: tuple, spec: CacheScheme, backend: str) -> tuple:
+    """BF16 caches (one ``LatentCache`` a layer) as ``spec``'s: every slot's latent and RoPE key
+    (through ``spec.kv_transform`` if it has one) written into a fresh cache of its dtype. A bf16
+    model's latents reach the cache in bf16, so this writes what a prefill into that cache would."""
+    converted = []
+    for cache in caches:
+        num_pages, page_size, rank = cache.latent.shape
+        latent, rope = cache.latent.reshape(-1, rank), cache.rope.reshape(num_pages * page_size, -1)
+        if spec.kv_transform is not None:
+            latent, rope = spec.kv_transform(latent, rope)
+        fresh = LatentCache.create(num_pages, page_size, rank, rope.shape[-1], dtype=spec.cache_dtype)
+        converted.append(write_kv(fresh, latent, rope, jnp.arange(num_pages * page_size, dtype=jnp.int32),
+                                  backend=backend))
+    return tuple(converted)
+
+
 class TeacherForced(NamedTuple):
     """answer_logprobs: per row float32 [T - answer_starts[b], V], the log-probabilities predicting
-    each answer byte; context_bits float64 [B]: mean -log2 p of tokens 1 .. answer_starts[b] - 1."""
+    each answer byte; context_bits float64 [B]: mean -log2 p of tokens 1 .. answer_starts[b] - 1
+    (None where the context was prefilled: its bytes then never read the cache)."""
     answer_logprobs: list[np.ndarray]
-    context_bits: np.ndarray
+    context_bits: np.ndarray | None
 
 
 def teacher_forced(model, tokens: np.ndarray, answer_starts: Sequence[int], scheme: str, *, backend: str,
-                   chunk: int = 512) -> TeacherForced:
+                   chunk: int = 512, prefill: bool = False) -> TeacherForced:
     """Teacher-forced scores of every row through the cache of ``scheme`` (``TeacherForced``).
 
     tokens [B, T] int (rows of one length); answer_starts [B]: row b's answer is
     tokens[b, answer_starts[b]:]. Feeds tokens[:, :T-1] to ``model.decode`` ``chunk`` tokens per
-    call (the last call takes the rest) into a fresh cache.
+    call (the last call takes the rest) into a fresh cache: every position's attention reads the
+    cache, as in a long generation. With ``prefill``, as ``generate`` serves a prompt instead:
+    row b's tokens before its answer go through ``model.prefill`` (full-precision causal
+    attention that writes the cache, so the context's states never read it), its last position
+    predicts the first answer byte, and the answer's other bytes are fed through ``model.decode``
+    (``prefilled``).
     Raises ValueError for an unknown scheme, a chunk < 1 or an answer start outside [1, T).
     """
-    if scheme not in CACHE_SCHEMES:
-        raise ValueError(f"scheme: expected one of {tuple(CACHE_SCHEMES)}, got {scheme!r}")
-    if chunk < 1:
-        raise ValueError(f"chunk: expected an int >= 1, got {chunk}")
-    tokens = np.asarray(tokens, np.int32)
+    if prefill:
+        return prefilled(model, tokens, answer_starts, [scheme], backend=backend, chunk=chunk)[scheme]
+    tokens, starts = _checked(tokens, answer_starts, [scheme], chunk)
     batch, length = tokens.shape
-    starts = np.asarray(answer_starts, np.int64)
-    if starts.shape != (batch,) or (starts < 1).any() or (starts >= length).any():
-        raise ValueError(f"answer_starts: expected {batch} indices in [1, {length}), got {starts.tolist()}")
     spec = CACHE_SCHEMES[scheme]
     fed = length - 1  # the last token predicts nothing that is scored
     pages = allocate_pages([fed] * batch, 0, page_size=PAGE_SIZE)
@@ -214,6 +245,63 @@ def teacher_forced(model, tokens: np.ndarray, answer_starts: Sequence[int], sche
     return TeacherForced([kept[b, starts[b] - 1 - first:] for b in range(batch)], context_bits)
 
 
+def _checked(tokens, answer_starts, schemes: Sequence[str], chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens int32 [B, T], answer_starts int64 [B]) once ``teacher_forced``'s arguments are checked."""
+    for scheme in schemes:
+        if scheme not in CACHE_SCHEMES:
+            raise ValueError(f"scheme: expected one of {tuple(CACHE_SCHEMES)}, got {scheme!r}")
+    if chunk < 1:
+        raise ValueError(f"chunk: expected an int >= 1, got {chunk}")
+    tokens = np.asarray(tokens, np.int32)
+    batch, length = tokens.shape
+    starts = np.asarray(answer_starts, np.int64)
+    if starts.shape != (batch,) or (starts < 1).any() or (starts >= length).any():
+        raise ValueError(f"answer_starts: expected {batch} indices in [1, {length}), got {starts.tolist()}")
+    return tokens, starts
+
+
+def prefilled(model, tokens: np.ndarray, answer_starts: Sequence[int], schemes: Sequence[str], *, backend: str,
+              chunk: int = 512) -> dict[str, TeacherForced]:
+    """``teacher_forced(prefill=True)`` of every scheme in ``schemes`` from one prefill.
+
+    The prompts tokens[b, :answer_starts[b]] (right-padded to the longest; the rest of a
+    shorter row's width is padding the prefill does not write) go through ``model.prefill``
+    once, into BF16 caches; its last positions predict the first answer bytes, the same for
+    every scheme. Each scheme then gets those caches converted (``_converted``) and feeds every
+    row's answer bytes but the last through decode calls of ``chunk`` tokens (rows whose answer
+    is shorter than the longest feed padding after it, which no scored position sees).
+    Arguments and errors as ``teacher_forced``'s.
+    """
+    tokens, starts = _checked(tokens, answer_starts, schemes, chunk)
+    batch, length = tokens.shape
+    fed = int(length - 1 - starts.min())  # decoded positions of the row with the longest answer
+    pages = allocate_pages([int(s) + fed for s in starts], 0, page_size=PAGE_SIZE)
+    block_table = jnp.asarray(pages.block_table)
+    caches = model.init_cache(pages.num_pages, PAGE_SIZE, kv_cache="bf16")
+    first, bf16_caches = _prefill_prompts(model, jnp.asarray(tokens[:, :int(starts.max())]),
+                                          jnp.asarray(starts, jnp.int32), caches, block_table, backend)
+    first = np.asarray(first, np.float32)
+    padded = np.pad(tokens, ((0, 0), (0, fed)))
+    answer_ids = np.stack([padded[b, starts[b]:starts[b] + fed] for b in range(batch)])  # [B, fed]
+    scored = {}
+    for scheme in schemes:
+        spec = CACHE_SCHEMES[scheme]
+        scheme_backend = spec.backend or backend
+        caches = _converted(bf16_caches, spec, scheme_backend)
+        decoded = [np.zeros((batch, 0, first.shape[-1]), np.float32)]
+        for start in range(0, fed, chunk):
+            stop = min(start + chunk, fed)
+            ids = jnp.asarray(answer_ids[:, start:stop])
+            logprobs, _, caches = _decode_chunk(model, ids, ids, caches, block_table,
+                                                jnp.asarray(starts + stop, jnp.int32), scheme_backend,
+                                                spec.kv_transform, spec.q_transform)
+            decoded.append(np.asarray(logprobs, np.float32))
+        decoded = np.concatenate(decoded, axis=1)
+        scored[scheme] = TeacherForced([np.concatenate([first[b, None], decoded[b, :length - 1 - starts[b]]])
+                                        for b in range(batch)], None)
+    return scored
+
+
 def score_answers(logprobs: Sequence[np.ndarray], answers: Sequence[np.ndarray],
                   context_bits: np.ndarray | None = None) -> RetrievalScore:
     """Exact match, per-byte argmax match and bits per byte from per-row answer log-probabilities
@@ -228,23 +316,40 @@ def score_answers(logprobs: Sequence[np.ndarray], answers: Sequence[np.ndarray],
 
 
 def retrieval_accuracy(model, tasks: Sequence[long_context_tasks.Task], scheme: str, *, backend: str,
-                       chunk: int = 512, batch_size: int = 8) -> RetrievalScore:
+                       chunk: int = 512, batch_size: int = 8, prefill: bool = False) -> RetrievalScore:
     """Score ``tasks`` (all of one context length) with the cache of ``scheme`` (``CACHE_SCHEMES``):
-    ``batch_size`` tasks per decode batch. See RetrievalScore; ValueError for mixed lengths."""
+    ``batch_size`` tasks per decode batch, the context decoded or with ``prefill`` prefilled
+    (``teacher_forced``). See RetrievalScore; ValueError for mixed lengths."""
+    return retrieval_scores(model, tasks, [scheme], backend=backend, chunk=chunk, batch_size=batch_size,
+                            prefill=prefill)[scheme]
+
+
+def retrieval_scores(model, tasks: Sequence[long_context_tasks.Task], schemes: Sequence[str], *, backend: str,
+                     chunk: int = 512, batch_size: int = 8, prefill: bool = False) -> dict[str, RetrievalScore]:
+    """``retrieval_accuracy`` of each of ``schemes`` on the same tasks; prefilled, a batch's
+    prompts are prefilled once for all the schemes (``prefilled``)."""
     if not tasks:
         raise ValueError("tasks: expected at least one task")
     if len({t.context for t in tasks}) != 1:
         raise ValueError(f"tasks: expected one context length, got {sorted({t.context for t in tasks})}")
     if batch_size < 1:
         raise ValueError(f"batch_size: expected an int >= 1, got {batch_size}")
-    logprobs, context_bits = [], []
+    logprobs = {scheme: [] for scheme in schemes}
+    context_bits = {scheme: [] for scheme in schemes}
     for i in range(0, len(tasks), batch_size):
         group = tasks[i:i + batch_size]
-        scored = teacher_forced(model, np.stack([t.tokens for t in group]), [t.answer_start for t in group],
-                                scheme, backend=backend, chunk=chunk)
-        logprobs += scored.answer_logprobs
-        context_bits.append(scored.context_bits)
-    return score_answers(logprobs, [t.answer for t in tasks], np.concatenate(context_bits))
+        tokens, starts = np.stack([t.tokens for t in group]), [t.answer_start for t in group]
+        if prefill:
+            scored = prefilled(model, tokens, starts, schemes, backend=backend, chunk=chunk)
+        else:
+            scored = {scheme: teacher_forced(model, tokens, starts, scheme, backend=backend, chunk=chunk)
+                      for scheme in schemes}
+        for scheme in schemes:
+            logprobs[scheme] += scored[scheme].answer_logprobs
+            context_bits[scheme].append(scored[scheme].context_bits)
+    answers = [t.answer for t in tasks]
+    return {scheme: score_answers(logprobs[scheme], answers, None if prefill else np.concatenate(context_bits[scheme]))
+            for scheme in schemes}
 
 
 def paired_difference(score: RetrievalScore, reference: RetrievalScore) -> dict:
@@ -277,21 +382,25 @@ def _select(score: RetrievalScore, mine: np.ndarray) -> RetrievalScore:
 
 def evaluate(model, *, contexts: Sequence[int], depths: Sequence[float], kinds: Sequence[str], trials: int,
              schemes: Sequence[str], text: np.ndarray | None, backend: str, chunk: int, batch_size: int,
-             seed: int = 0, log=print, on_cell: Callable[[list[dict]], None] | None = None) -> list[dict]:
+             seed: int = 0, prefill: bool = False, log=print,
+             on_cell: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """One row per (kind, context, depth, scheme): accuracy, per-byte accuracy, answer bits per byte,
     chance, number of tasks. The same tasks are scored under every scheme; the rows of every scheme
     but the first also say how it differs from the first, task by task (``paired_difference``, under
     ``reference`` and ``vs_reference``), and from the third scheme on, from the scheme listed before
     it (``previous``, ``vs_previous``): schemes listed as a ladder (bf16, emulated_rope_aware_token,
-    emulated_rope_aware_token_query, fp8_xla, fp8) give each rounding's own cost. ``on_cell(rows)`` gets the rows so far after each
-    (context, depth)."""
+    emulated_rope_aware_token_query, fp8_xla, fp8) give each rounding's own cost. ``prefill``: each
+    task's context prefilled, not decoded (``teacher_forced``). ``on_cell(rows)`` gets the rows so far
+    after each (context, depth)."""
     rows = []
     for context in contexts:
         for depth in depths:
             tasks = long_context_tasks.make_tasks(kinds, context, depth, trials, seed, text=text)
+            scored = retrieval_scores(model, tasks, schemes, backend=backend, chunk=chunk, batch_size=batch_size,
+                                      prefill=prefill)
             scores = []
             for scheme in schemes:
-                score = retrieval_accuracy(model, tasks, scheme, backend=backend, chunk=chunk, batch_size=batch_size)
+                score = scored[scheme]
                 for kind in kinds:
                     mine = np.array([t.kind == kind for t in tasks])
                     row = {"kind": kind, "context": context, "depth": depth, "scheme": scheme,
@@ -372,9 +481,17 @@ def _vs(row: dict, key: str = "vs_reference") -> str:
     return text
 
 
+CONTEXT_FILL = {
+    False: "Contexts decoded: every token's attention reads the cache (mla_decode), as in a long generation.",
+    True: "Contexts prefilled, as generate serves a prompt: the prefill's full-precision attention writes the "
+          "cache; only the answer's positions read it (mla_decode), the first answer byte from the prefill itself.",
+}
+
+
 def to_markdown(results: dict) -> str:
     """The rows as one markdown table, under the trained-context note."""
     lines = [results["trained_context_note"], "",
+             CONTEXT_FILL[bool(results.get("prefill"))], "",
              f"Backend `{results['backend']}`, {results['trials']} tasks per kind and (context, depth); accuracy is "
              "exact match of the greedy answer; byte accuracy the share of answer bytes that are the argmax; "
              "bits per byte of the answer and of the context before it; vs first scheme: tasks only this scheme "
@@ -407,6 +524,8 @@ def combine_runs(runs: Sequence[dict], trials: int | Sequence[int] | None = None
                                                         f" of {' or '.join(map(str, sorted(counts)))} trials"))
     if len({r["trained_context"] for r in runs}) != 1:
         raise ValueError(f"runs of different models: trained contexts {sorted({r['trained_context'] for r in runs})}")
+    if len({bool(r.get("prefill")) for r in runs}) != 1:
+        raise ValueError("runs whose contexts were filled differently: some prefilled (--prefill), some decoded")
     stretch_of = {}  # context -> YaRN factor (None: as trained)
     for run in runs:
         for row in run["rows"]:
@@ -431,7 +550,8 @@ def combine_runs(runs: Sequence[dict], trials: int | Sequence[int] | None = None
         note = " ".join([trained_context_note(trained, sorted(c for c, f in stretch_of.items() if f is None))] + [
             f"Contexts {sorted(c for c, f in stretch_of.items() if f == factor)}: RoPE stretched {factor:g}x by YaRN, "
             "without training." for factor in sorted(f for f in stretches if f is not None)])
-    return {"trained_context": trained, "trained_context_note": note, "yarn_factor": yarn_factor, "rows": rows,
+    return {"trained_context": trained, "trained_context_note": note, "yarn_factor": yarn_factor,
+            "prefill": bool(runs[0].get("prefill")), "rows": rows,
             "trials": "/".join(str(t) for t in dict.fromkeys(r["trials"] for r in runs)),
             "backend": "/".join(dict.fromkeys(r["backend"] for r in runs)),
             "commands": [r["command"] for r in runs]}
@@ -504,7 +624,8 @@ def plot(results: dict, path: str | pathlib.Path) -> None:
         stretched = {c: results["yarn_factor"] for c in contexts if c > results["trained_context"]}
     else:  # combined runs: each stretched row carries its factor
         stretched = dict(sorted({r["context"]: r["yarn_factor"] for r in rows if r.get("yarn_factor")}.items()))
-    fig.suptitle(f"Retrieval through the cache; trained context {results['trained_context']} tokens (dotted)" +
+    fill = "contexts prefilled" if results.get("prefill") else "contexts decoded"
+    fig.suptitle(f"Retrieval through the cache ({fill}); trained context {results['trained_context']} tokens (dotted)" +
                  "".join(f"; {c} through YaRN {f:g}x" for c, f in stretched.items()), fontsize=9)
     fig.tight_layout()
     save_png(fig, path)
@@ -527,6 +648,11 @@ def _parser() -> cli.Parser:
                    help="cache schemes, the first the reference (emulated_*: FP8 round trip into a BF16 cache; "
                         "fp8_xla: the FP8 cache through the XLA path)")
     p.add_argument("--chunk", type=int, default=512, help="tokens per decode call")
+    p.add_argument("--prefill", action="store_true",
+                   help="fill each context as generate serves a prompt: the model's prefill (full-precision "
+                        "attention) writes the cache and only the answer's positions read it through mla_decode "
+                        "(default: every context token decoded through the cache, as in a long generation; only "
+                        "then are the context's bits per byte measured)")
     p.add_argument("--batch-size", type=int, default=8, help="tasks per decode batch")
     p.add_argument("--seed", type=int, default=0, help="seed of the first trial")
     p.add_argument("--yarn-factor", type=float,
@@ -617,7 +743,7 @@ def _long_context(argv: list[str]) -> int:
     note = trained_context_note(trained, args.contexts, args.yarn_factor)
     print(note, flush=True)
     results = {"trained_context": trained, "trained_context_note": note, "yarn_factor": args.yarn_factor,
-               "rows": [], "trials": args.trials,
+               "rows": [], "trials": args.trials, "prefill": args.prefill,
                "backend": backend, "device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__,
                "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
                "command": "python -m snapmla_jax.fidelity_long " + " ".join(argv)}
@@ -629,7 +755,7 @@ def _long_context(argv: list[str]) -> int:
 
     rows = evaluate(model, contexts=args.contexts, depths=args.depths, kinds=args.tasks, trials=args.trials,
                     schemes=args.schemes, text=text, backend=backend, chunk=args.chunk, batch_size=args.batch_size,
-                    seed=args.seed, on_cell=save)
+                    seed=args.seed, prefill=args.prefill, on_cell=save)
     results["rows"] = rows
     _write(results, args)
     return 0

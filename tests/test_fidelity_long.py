@@ -49,17 +49,34 @@ class OracleModel(nnx.Module):
         guess = jnp.where(fed_right, (following + self.shift) % bc.NUM_BYTES, 0)
         return 30.0 * jax.nn.one_hot(guess, bc.VOCAB_SIZE), caches
 
+    def prefill(self, input_ids, lengths, caches, block_table, *, backend, last_only):
+        """The last prompt position's prediction ([B, vocab]): the token after the prompt, if the
+        prompt is the known tokens' prefix."""
+        assert last_only
+        tokens = self.tokens[...]
+        columns = jnp.arange(input_ids.shape[1])
+        known = jnp.all((input_ids == tokens[:, :input_ids.shape[1]]) | (columns >= lengths[:, None]), axis=1)
+        following = jnp.take_along_axis(tokens, lengths[:, None], axis=1)[:, 0]
+        guess = jnp.where(known, (following + self.shift) % bc.NUM_BYTES, 0)
+        return 30.0 * jax.nn.one_hot(guess, bc.VOCAB_SIZE), caches
 
-def test_a_model_that_knows_the_answer_scores_one(tasks):
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_a_model_that_knows_the_answer_scores_one(tasks, prefill):
     oracle = OracleModel(np.stack([t.tokens for t in tasks]), shift=0)
-    score = fl.retrieval_accuracy(oracle, tasks, "fp8", backend="xla", chunk=100, batch_size=len(tasks))
+    # chunk 3 < the longest answer: a prefilled batch's answers take several decode calls.
+    score = fl.retrieval_accuracy(oracle, tasks, "fp8", backend="xla", chunk=3 if prefill else 100,
+                                  batch_size=len(tasks), prefill=prefill)
     assert score.accuracy == 1.0 and (score.byte_correct == 1.0).all()
     assert score.bits_per_byte < 1e-3
+    assert (score.context_bits is None) == prefill
 
 
-def test_a_model_that_never_knows_the_answer_scores_zero(tasks):
+@pytest.mark.parametrize("prefill", [False, True])
+def test_a_model_that_never_knows_the_answer_scores_zero(tasks, prefill):
     oracle = OracleModel(np.stack([t.tokens for t in tasks]), shift=1)
-    score = fl.retrieval_accuracy(oracle, tasks, "bf16", backend="xla", chunk=100, batch_size=len(tasks))
+    score = fl.retrieval_accuracy(oracle, tasks, "bf16", backend="xla", chunk=100, batch_size=len(tasks),
+                                  prefill=prefill)
     assert score.accuracy == 0.0 and (score.byte_correct == 0.0).all()
     assert score.bits_per_byte > 10
 
@@ -112,7 +129,7 @@ def test_evaluate_pairs_every_later_scheme_with_the_first(tasks, monkeypatch):
     n = len(tasks)
     fixed = {"bf16": fl.RetrievalScore(np.arange(n) % 2 == 0, np.ones(n), np.full(n, 2.0), np.full(n, 1.0)),
              "fp8": fl.RetrievalScore(np.ones(n, bool), np.ones(n), np.full(n, 1.5), np.full(n, 1.25))}
-    monkeypatch.setattr(fl, "retrieval_accuracy", lambda model, ts, scheme, **kw: fixed[scheme])
+    monkeypatch.setattr(fl, "retrieval_scores", lambda model, ts, schemes, **kw: {s: fixed[s] for s in schemes})
     monkeypatch.setattr(fl.long_context_tasks, "make_tasks", lambda *a, **kw: tasks)
     rows = fl.evaluate(None, contexts=[tasks[0].context], depths=[0.5], kinds=sorted({t.kind for t in tasks}),
                        trials=1, schemes=["bf16", "fp8"], text=None, backend="xla", chunk=1, batch_size=1,
@@ -138,7 +155,7 @@ def test_evaluate_pairs_the_third_scheme_on_with_the_one_before(tasks, monkeypat
              "emulated_rope_aware_token": fl.RetrievalScore(even, np.ones(n), np.where(even, 1.5, 2.0),
                                                             np.full(n, 1.0)),
              "fp8": fl.RetrievalScore(np.ones(n, bool), np.ones(n), np.where(even, 1.625, 2.0), np.full(n, 1.0))}
-    monkeypatch.setattr(fl, "retrieval_accuracy", lambda model, ts, scheme, **kw: fixed[scheme])
+    monkeypatch.setattr(fl, "retrieval_scores", lambda model, ts, schemes, **kw: {s: fixed[s] for s in schemes})
     monkeypatch.setattr(fl.long_context_tasks, "make_tasks", lambda *a, **kw: tasks)
     kinds = sorted({t.kind for t in tasks})
     rows = fl.evaluate(None, contexts=[tasks[0].context], depths=[0.5], kinds=kinds, trials=1,
@@ -188,6 +205,39 @@ def test_bf16_cache_answer_logprobs_match_the_full_forward(tiny_model, tasks):
         # by far less than a position off by one would move it.
         context = -full[row, np.arange(start - 1), tokens[row, 1:start]].mean() / np.log(2)
         assert got.context_bits[row] == pytest.approx(context, abs=2e-3)
+
+
+def test_prefilled_answers_match_the_full_forward_and_their_first_byte_reads_no_cache(tiny_model, tasks):
+    tokens = np.stack([t.tokens for t in tasks])
+    starts = [t.answer_start for t in tasks]
+    assert len({len(t.answer) for t in tasks}) > 1  # answers of several lengths in one batch
+    full = np.asarray(jax.nn.log_softmax(tiny_model(jnp.asarray(tokens)), axis=-1), np.float64)
+    bf16 = fl.teacher_forced(tiny_model, tokens, starts, "bf16", backend="xla", chunk=4, prefill=True)
+    fp8 = fl.teacher_forced(tiny_model, tokens, starts, "fp8", backend="xla", chunk=4, prefill=True)
+    assert bf16.context_bits is None
+    for row, start in enumerate(starts):
+        want = full[row, start - 1:-1]
+        got = bf16.answer_logprobs[row]
+        assert got.shape == want.shape
+        # The first answer byte comes from the prefill: the same float32 full attention as the forward,
+        # in query blocks, so only summation order differs (float32, 2**-24 relative).
+        np.testing.assert_allclose(got[0], want[0], atol=1e-4)
+        # The rest read the bf16 cache through decode (bf16 rounding of the latents and queries, as in
+        # test_bf16_cache_answer_logprobs_match_the_full_forward).
+        assert np.abs(got - want).mean() < 1e-2 and np.abs(got - want).max() < 0.1
+        # The FP8 cache changes only what reads it: not the prefill's prediction of the first byte.
+        np.testing.assert_array_equal(fp8.answer_logprobs[row][0], got[0])
+        assert np.abs(fp8.answer_logprobs[row][1:] - got[1:]).max() > 0
+
+
+def test_a_prefilled_emulated_scheme_rounds_what_the_prefill_writes(tiny_model, tasks):
+    tokens, starts = np.stack([t.tokens for t in tasks]), [t.answer_start for t in tasks]
+    bf16 = fl.teacher_forced(tiny_model, tokens, starts, "bf16", backend="xla", chunk=100, prefill=True)
+    emulated = fl.teacher_forced(tiny_model, tokens, starts, "emulated_per_token_576", backend="xla", chunk=100,
+                                 prefill=True)
+    for got, want in zip(emulated.answer_logprobs, bf16.answer_logprobs):
+        np.testing.assert_array_equal(got[0], want[0])  # the prefill's own attention reads no cache
+        assert 0 < np.abs(got[1:] - want[1:]).max() < 0.5  # the decoded bytes read the rounded context
 
 
 @pytest.mark.parametrize("scheme", list(fl.CACHE_SCHEMES))
@@ -335,6 +385,19 @@ def test_cli_writes_json_markdown_and_png_and_states_the_trained_context(model_d
     assert "[300, 600] are beyond it" not in joined["trained_context_note"]
     assert "[300] are beyond it" in joined["trained_context_note"] and (
         "Contexts [600]: RoPE stretched 2x by YaRN" in joined["trained_context_note"])
+
+    # --prefill: contexts prefilled as generate serves them; their bits are not measured, and such a
+    # run does not combine with decoded ones.
+    assert fl.main(["--model", str(model_dir), "--contexts", "200", "--depths", "0", "--trials", "1", "--tasks",
+                    "passkey", "copy", "--schemes", "bf16", "fp8", "--chunk", "8", "--backend", "xla", "--prefill",
+                    "--json", str(out["json"]), "--markdown", str(out["markdown"])]) == 0
+    prefilled = json.loads(out["json"].read_text())
+    assert prefilled["prefill"] is True and len(prefilled["rows"]) == 4
+    assert all("context_bits_per_byte" not in r for r in prefilled["rows"])
+    assert "Contexts prefilled" in out["markdown"].read_text()
+    (tmp_path / "fills.json").write_text(json.dumps({"runs": [results, prefilled]}))
+    assert fl.main(["--from-json", str(tmp_path / "fills.json")]) == 2
+    assert "filled differently" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, needle", [
