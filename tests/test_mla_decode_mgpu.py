@@ -27,6 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_kernel
 from snapmla_jax.pallas_kernels.fp8 import quantize_per_token
 from snapmla_jax.pallas_kernels.mla_decode_reference import mla_decode_reference
+import interpreter_process
 from script_loader import load_script
 from snapmla_jax.backend import lower_for_cuda
 
@@ -420,7 +421,7 @@ def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu
 
 
 def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel="mgpu", dtype="bfloat16", **kw):
-    """``_check`` in interpret mode in a fresh process that has 8 CPU devices (``_in_subprocess``);
+    """``_check`` in interpret mode in the process that has 8 CPU devices (``_in_subprocess``);
     ``kw``: more keyword arguments of ``_check`` (python literals)."""
     more = "".join(f", {k}={v!r}" for k, v in kw.items())
     return _in_subprocess(f"_check({heads}, {s_q}, {seq_lens!r}, {layer_pages}, {splits}, interpret=True, "
@@ -428,8 +429,9 @@ def _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel="mgpu
 
 
 def _in_subprocess(call: str, module: str = "test_mla_decode_mgpu"):
-    """``call``, a call of a function of the test module ``module``, in a fresh process that
-    has 8 CPU devices; returns its JSON-encoded result.
+    """``call``, a call of a function of the test module ``module``, in a process of its own that
+    has 8 CPU devices (``interpreter_process``: one such process serves this pytest process's
+    cases in turn); returns its result, passed through JSON.
 
     The interpreter runs each warpgroup as a thread whose memory operations
     are host callbacks. With two warpgroups waiting on each other's barriers,
@@ -438,12 +440,7 @@ def _in_subprocess(call: str, module: str = "test_mla_decode_mgpu"):
     3; with 8 CPU devices, 18 of 18 runs finished). The device count is fixed
     at start-up, hence the subprocess; a hang still fails, by the timeout.
     """
-    code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
-            f"import {module} as t; print(json.dumps(t.{call}))")
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return interpreter_process.evaluate(module, call, timeout=600)
 
 
 @CASES
