@@ -276,23 +276,26 @@ def test_small_kernel_warpgroups_meet_twice_a_step():
 
 def test_qk_precision_tool_runs_interpreted(tmp_path):
     """tools/qk_precision.py (its GPU run sets ``QK_PROMOTION``) on the interpreter, one
-    case: the interpreter's wgmma is exact, so every chain setting matches the e4m3 emulation
+    case: the interpreter's wgmma is exact, so a chain setting matches the e4m3 emulation
     within the interpreted kernel's bound, and the emulation sits at e4m3's few percent from exact
-    float64 attention (with no outliers: 2.7e-2 measured)."""
+    float64 attention (with no outliers: 2.7e-2 measured). One variant, a chain setting other than
+    the shipped ``QK_PROMOTION`` (the tool's loop is the same for each; the shipped setting is
+    what every other interpreted case of the 64-row kernel runs)."""
     # The interpreter runs each warpgroup as a thread: a fresh process with 8 CPU devices, as
     # ``_in_subprocess`` explains.
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    variant = "promotion_256" if mgpu_kernel.QK_PROMOTION != 256 else "promotion_512"
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "qk_precision.py"), "--interpret",
                            "--seeds", "1", "--cases", "1", "--outlier-scale", "1",
-                           "--variants", "promotion_256", "promotion_512", "--out", str(tmp_path)],
+                           "--variants", variant, "--out", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "qk_precision.json").read_text())
-    for name in ("promotion_256", "promotion_512"):
-        summary = results["variants"][name]["summary"]
-        assert summary["vs_emulation_max_max"] < 1e-2, (name, summary)  # as the interpreted kernel test
-        # Q and P rounded to e4m3 (2**-4 relative each) over many tokens: a few 1e-2, not 0, not O(1).
-        assert 5e-3 < summary["vs_exact_rel_l2_max"] < 0.1, (name, summary)
+    assert set(results["variants"]) == {variant}
+    summary = results["variants"][variant]["summary"]
+    assert summary["vs_emulation_max_max"] < 1e-2, summary  # as the interpreted kernel test
+    # Q and P rounded to e4m3 (2**-4 relative each) over many tokens: a few 1e-2, not 0, not O(1).
+    assert 5e-3 < summary["vs_exact_rel_l2_max"] < 0.1, summary
 
 
 @pytest.mark.parametrize("max_pages", [1, 2, 5, 8])
