@@ -196,10 +196,22 @@ def test_register_split_must_fit_the_kernels_registers(monkeypatch):
     jax.clear_caches()
 
 
+_MODULE_TEXTS = {}
+
+
 def _mosaic_module_text(kernel: str) -> str:
     """The Mosaic GPU module a kernel ("mgpu" or "small") lowers to for CUDA with a uniform plan
-    (MLIR text without debug info; scripts/mosaic_module_text.py), no GPU needed."""
-    return load_script("mosaic_module_text").lowered_module(kernel, "uniform")
+    (MLIR text without debug info; scripts/mosaic_module_text.py), no GPU needed.
+
+    The lowering is a function of the kernels' module constants (the flags these tests set), so
+    each text is kept for the process under those constants' values: the shipped kernels' texts,
+    read by several tests, are lowered once."""
+    constants = tuple((name, key, repr(value)) for name, module in sorted(sys.modules.items())
+                      if name.startswith("snapmla_jax.pallas_kernels.")
+                      for key, value in sorted(vars(module).items()) if key.isupper())
+    if (kernel, constants) not in _MODULE_TEXTS:
+        _MODULE_TEXTS[kernel, constants] = load_script("mosaic_module_text").lowered_module(kernel, "uniform")
+    return _MODULE_TEXTS[kernel, constants]
 
 
 def test_consumers_meet_at_their_own_named_barriers(monkeypatch):
