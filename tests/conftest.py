@@ -16,7 +16,7 @@ jax.config.update("jax_enable_x64", False)
 
 
 def pytest_configure(config):
-    """One persistent compilation cache (``jax_compilation_cache_dir``) for the session: a fresh
+    """One persistent compilation cache (``jax_compilation_cache_dir``) for the test run: a fresh
     directory, removed at the end, shared by the xdist workers and every Python process a test
     starts (they inherit the environment, which jax reads when imported), so a program compiled in
     one process is loaded, not compiled again, in the others. Every compilation is kept, however

@@ -1,4 +1,4 @@
-"""One Python process with 8 CPU devices, kept for the test session, that evaluates calls of test
+"""One Python process with 8 CPU devices, kept by a pytest process while it runs, that evaluates calls of test
 modules' functions: the interpreted Mosaic GPU kernels' cases (``test_mla_decode_mgpu._in_subprocess``
 says why they need a process of their own with that many devices).
 
@@ -95,7 +95,7 @@ atexit.register(_close)
 
 def evaluate(module: str, call: str, timeout: float = 600):
     """``call`` (a call of a function of the test module ``module``, python source) evaluated in the
-    session's process with 8 CPU devices; returns its result (JSON-encodable). Fails the calling
+    process with 8 CPU devices that this pytest process keeps; returns its result (JSON-encodable). Fails the calling
     test with the traceback if it raises, or if it runs past ``timeout`` seconds or the process dies
     (the process is then replaced)."""
     global _process
