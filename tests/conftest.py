@@ -5,10 +5,35 @@ Tests run on the CPU by default (kernels in Pallas interpret mode). Tests marked
 without one they are skipped rather than failing.
 """
 
+import os
+import shutil
+import tempfile
+
 import jax
 import pytest
 
 jax.config.update("jax_enable_x64", False)
+
+
+def pytest_configure(config):
+    """One persistent compilation cache (``jax_compilation_cache_dir``) for the test run: a fresh
+    directory, removed at the end, shared by the xdist workers and every Python process a test
+    starts (they inherit the environment, which jax reads when imported), so a program compiled in
+    one process is loaded, not compiled again, in the others. Every compilation is kept, however
+    quick (the tiny models' many small programs are most of what they cost). A cache directory
+    already in the environment is used as it is."""
+    if hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return  # an xdist worker (its controller made the cache) or the environment's own cache
+    config.compilation_cache_dir = tempfile.mkdtemp(prefix="snapmla-jax-compilation-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = config.compilation_cache_dir
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)  # this process
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "compilation_cache_dir", None):
+        shutil.rmtree(config.compilation_cache_dir, ignore_errors=True)
 
 
 def _has_gpu() -> bool:

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from cli_checks import assert_usage_error, tree_snapshot
-from snapmla_jax.models import MLAModel
+from snapmla_jax.models import MLAModel, save_checkpoint
 from snapmla_jax import byte_corpus as bc
 from snapmla_jax import fidelity
 from snapmla_jax import train_demo as td
@@ -101,11 +101,15 @@ def test_teacher_forced_decode_rejects_a_chunk_that_does_not_divide(tiny_model, 
 
 
 @pytest.fixture(scope="module")
-def cli_results(tmp_path_factory):
+def cli_results(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("fidelity")
     model_dir = root / "model"
-    assert td.main(["--out", str(model_dir), "--config", "tiny", "--steps", "2", "--batch-size", "2", "--seq-len",
-                    "64", "--steps-per-call", "2", "--warmup-steps", "1", "--eval-windows", "1"]) == 0
+    # A train_demo directory as the trainer writes one (tests/test_train_demo.py runs the trainer's
+    # CLI): the tiny model in bf16, with the held-out list of the default split. Untrained, as the
+    # trainer's few steps would leave it: near-uniform predictions.
+    save_checkpoint(td.cast_model(tiny_model, jnp.bfloat16), model_dir)
+    bc.write_file_list(model_dir / fidelity.HELDOUT_LIST, bc.split_files().heldout_files,
+                       heldout_fraction=bc.DEFAULT_HELDOUT_FRACTION)
     paths = {"json": root / "f.json", "markdown": root / "f.md", "plot": root / "f.png",
              "plot-ablation": root / "a.png"}
     assert fidelity.main(["--model", str(model_dir), "--windows", "2", "--seq-len", "64", "--chunk", "32",

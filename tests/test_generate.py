@@ -313,11 +313,13 @@ def test_pallas_kernels_in_the_loop_match_the_xla_path(model, prompts, greedy_bf
     assert min(len(set(row)) for row in generated) >= 3
 
 
-@pytest.mark.parametrize("moe_flags, dispatch", [([], "default"), (["--dense-moe", "1", "64"], ([1, 64], "default")),
+@pytest.mark.parametrize("moe_flags, dispatch", [(["--dense-moe", "1", "64"], ([1, 64], "default")),
                                                 (["--gather-moe", "2", "--dense-moe", "3", "9"], ([3, 9], 2)),
                                                 (["--ragged-moe"], (None, 0)),
-                                                # --profile's traced calls run after the timed ones
-                                                # (their steps must fit the decode state): still ok
+                                                # No MoE flag: the defaults. --profile's traced calls
+                                                # run after the timed ones (their steps must fit the
+                                                # decode state): still ok. (The same run without
+                                                # --profile: test_bench_cli.py's e2e tests.)
                                                 (["--profile"], "default")])
 def test_e2e_bench_runs_tiny(tmp_path, moe_flags, dispatch):
     import snapmla_jax.models.moe

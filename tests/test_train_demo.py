@@ -89,13 +89,23 @@ def test_unigram_bits_per_byte_matches_hand_count():
     assert td.unigram_bits_per_byte(train, held) == pytest.approx(expected, rel=1e-12)
 
 
-@needs_optax
-def test_cli_writes_a_checkpoint_that_loads_with_its_metadata(tmp_path):
+@pytest.fixture(scope="module")
+def cli_checkpoint(tmp_path_factory):
+    """A checkpoint the CLI trained (4 steps), read by the test below and continued by
+    test_init_from_continues_a_checkpoint_on_longer_windows_and_records_it."""
+    if importlib.util.find_spec("optax") is None:
+        pytest.skip("needs optax (.[train])")
     # No --seq-len: the tiny config trains on its own default window (64 tokens).
-    out = tmp_path / "demo"
+    out = tmp_path_factory.mktemp("cli") / "demo"
     rc = td.main(["--out", str(out), "--config", "tiny", "--steps", "4", "--batch-size", "2",
                   "--steps-per-call", "2", "--warmup-steps", "2", "--eval-windows", "2"])
     assert rc == 0
+    return out
+
+
+@needs_optax
+def test_cli_writes_a_checkpoint_that_loads_with_its_metadata(cli_checkpoint):
+    out = cli_checkpoint
     model = load_checkpoint(out)
     # The saved context is the trained one: what generate then allows.
     assert model.cfg == dataclasses.replace(td.tiny_config(), max_position_embeddings=td.DEFAULT_SEQ_LEN["tiny"])
@@ -221,24 +231,23 @@ def test_answer_weight_reaches_the_gradient_and_not_the_logged_loss(small_stream
 
 
 @needs_optax
-def test_init_from_continues_a_checkpoint_on_longer_windows_and_records_it(tmp_path):
-    first, second = tmp_path / "short", tmp_path / "long"
-    assert td.main(["--out", str(first), *QUICK]) == 0
+def test_init_from_continues_a_checkpoint_on_longer_windows_and_records_it(cli_checkpoint, tmp_path):
+    first, second = cli_checkpoint, tmp_path / "long"  # first: 4 steps on 64-token windows
     # A learning rate of 1e-9 moves no bf16 parameter: the continued model is its start's.
     assert td.main(["--out", str(second), "--config", "tiny", "--steps", "1", "--batch-size", "1",
-                    "--eval-windows", "1", "--seq-len", "32", "--peak-lr", "1e-9", "--warmup-steps", "0",
+                    "--eval-windows", "1", "--seq-len", "128", "--peak-lr", "1e-9", "--warmup-steps", "0",
                     "--init-from", str(first)]) == 0
     start, continued = load_checkpoint(first), load_checkpoint(second)
-    assert continued.cfg.max_position_embeddings == 32 and start.cfg.max_position_embeddings == 16
+    assert continued.cfg.max_position_embeddings == 128 and start.cfg.max_position_embeddings == 64
     for a, b in zip(jax.tree.leaves(nnx.state(start, nnx.Param)), jax.tree.leaves(nnx.state(continued, nnx.Param))):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     record = json.loads((second / "train_recipe.json").read_text())
     assert record["init_from"]["path"] == str(first.resolve())
-    assert record["init_from"]["recipe"]["seq_len"] == 16 and record["init_from"]["steps_done"] == 2
+    assert record["init_from"]["recipe"]["seq_len"] == 64 and record["init_from"]["steps_done"] == 4
     # Without --init-from the same run starts elsewhere.
     fresh = tmp_path / "fresh"
     assert td.main(["--out", str(fresh), "--config", "tiny", "--steps", "1", "--batch-size", "1",
-                    "--eval-windows", "1", "--seq-len", "32", "--peak-lr", "1e-9", "--warmup-steps", "0",
+                    "--eval-windows", "1", "--seq-len", "128", "--peak-lr", "1e-9", "--warmup-steps", "0",
                     "--seed", "5"]) == 0
     assert not all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in
                    zip(jax.tree.leaves(nnx.state(start, nnx.Param)),
