@@ -523,19 +523,24 @@ class Where(NamedTuple):
 def begin_cta(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
               q8_s, qr_s, qsc_s, kv8_s, rope_s, ksc_s, step_bar, q_bar, *, s_q: int,
               num_pages: int, page_size: int = PAGE, issuer: int = 0,
-              by_warps: bool | None = None) -> tuple[Where, Callable]:
+              by_warps: bool | None = None, issue_more_query: Callable | None = None) -> tuple[Where, Callable]:
     """The start of a Mosaic decode CTA (grid work item, row block of q8_s's rows): where it is
     (``locate_cta``), the TMA issuer of the ring (its copies shared by the issuing warpgroup's
     warps if ``by_warps``; None: ``ISSUE_BY_WARPS``), then ``start_cta`` (query tiles and first
-    step in flight from warpgroup ``issuer``, the query waited for). Returns the CTA's ``Where``
-    and the issuer (``step_issuer``'s issue(step, slot))."""
+    step in flight from warpgroup ``issuer``, the query waited for; ``issue_more_query(b, row0,
+    q_bar)`` issues further query copies onto the same barrier). Returns the CTA's ``Where`` and
+    the issuer (``step_issuer``'s issue(step, slot))."""
     where = locate_cta(seq_lens_ref, items_ref, bt_ref, q8_s.shape[1], s_q=s_q, page_size=page_size)
     b, wg, _, row0, first_step, num_steps, _ = where
     issue = step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, off_ref[0], kv8_s, rope_s, ksc_s, step_bar,
                         by_warps=ISSUE_BY_WARPS if by_warps is None else by_warps, num_pages=num_pages,
                         page_size=page_size)
-    start_cta(wg, first_step, num_steps, issue,
-              functools.partial(issue_query, q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s), q_bar, issuer=issuer)
+    def issue_q(bar):
+        issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, bar)
+        if issue_more_query is not None:
+            issue_more_query(b, row0, bar)
+
+    start_cta(wg, first_step, num_steps, issue, issue_q, q_bar, issuer=issuer)
     return where, issue
 
 

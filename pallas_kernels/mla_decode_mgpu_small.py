@@ -8,7 +8,9 @@ tokens or features are M:
 
 * S^T = K.Q^T, [64 tokens, R]: warpgroup w scores half w of each step (SMEM rows [64 w, 64 w +
   64)). A = the K tile as the TMA lays it (K-major, as FP8 needs), B = Q8's chunk through
-  ``.transpose``; the RoPE product likewise in BF16 (``half_scores_t``).
+  ``.transpose``; the RoPE product likewise in BF16 (``half_scores_t``). With two
+  ``query_terms`` (16-row blocks) the query's rounding and what it leaves are two FP8 B operands
+  against the same K tile, each product under its own row scales.
 * The online softmax in the log domain of ``mla_decode_mgpu`` (its docstring has the math), per
   column (query row), reducing along the tokens (``softmax_frame_t``). The two warpgroups
   exchange one statistic a step, the row max of log_pv over their halves (``token_reduce``, then
@@ -41,8 +43,8 @@ parity (``parity_scales``). At small problems the inputs launch is a fifth of th
 us of GPU time against a kernel of 6-8 us (H200, B = 1-16, 1k-16k tokens).
 
 SMEM: ring 2 x 80.5 KB, Q 10 or 20 KB, P' 2 x 2 or 4 KB, the reduction scratch 2 x 2 KB, the
-output staging 4-16 KB: about 190 KB at R = 16 (206 KB with the bf16 query's staging tile),
-212 KB at R = 32.
+output staging 4-16 KB: about 190 KB at R = 16 (206 KB with the bf16 query's staging tile, 8 KB
+more with the query's second term), 212 KB at R = 32.
 """
 
 from __future__ import annotations
@@ -59,10 +61,11 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, gpu, memref
 
 from snapmla_jax.pallas_kernels.combine_splits import partial_dtype
-from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
+from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, e4m3_values_with_scale, per_token_scale
 from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms,
                                                    store_token_bytes)
-from snapmla_jax.pallas_kernels.mgpu_decode_inputs import GROUP_ROWS, SCALE_FLOOR, quantized_rows, scale_copy_pages
+from snapmla_jax.pallas_kernels.mgpu_decode_inputs import (GROUP_ROWS, SCALE_FLOOR, by_row, quantized_rows,
+                                                            scale_copy_pages)
 from snapmla_jax.pallas_kernels.mla_decode_reference import LOG2E, resolve_num_pages
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, FRAME_DROP, HALF,
                                                         LOG2_FP8_MAX, NAMED_SYNC, NUM_CHUNKS, NUM_SLOTS, NUM_WGS,
@@ -77,11 +80,15 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, CO
 from snapmla_jax.pallas_kernels.write_kv import row_layout
 
 ROWS = 16  # query rows a CTA by default: the wgmma N of every product
-# Features a fp32 promotion of the FP8 S^T product, as ``mla_decode_mgpu.QK_PROMOTION``: with all
-# chains under one wait, fewer chains save accumulators and adds: 0.515 vs 0.523 ms for 128 at
-# 128 x 16k x 16 (H100, tools/time_mgpu_variants.py --kernel small --variants baseline promotion_128).
-QK_PROMOTION = 512
+# Features a fp32 promotion of the FP8 S^T product, as ``mla_decode_mgpu.QK_PROMOTION``. Every
+# 128 features here, where the call is bound by the cache's bytes: the kernel 315.4 vs 311.3 us at
+# 64 x 32k x 16 and 312.7 vs 313.2 at 128 x 16k x 16 against one 512-feature chain (H200, jax
+# 0.11.2, tools/time_mgpu_variants.py --kernel small --variants baseline promotion_512
+# --kernel-trace-rounds 3), and it halves FP8's cost in answer bits on the long-context model
+# served a token a call (docs/fidelity.md, "Q.K summed in float32 every 128 features").
+QK_PROMOTION = 128
 BLOCK_ROWS = (16, 32)  # the row blocks the kernel takes (``block_rows``)
+QUERY_TERMS = (1, 2)  # FP8 terms of the query (``query_terms``)
 QUERY_IN_KERNEL_ROWS = 16  # the row block that quantizes its query in the kernel (``runs_query_in_kernel``)
 TOKENS = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per token (axis 0 of a [64, R] tile)
 QROWS = plgpu.Layout.WGMMA.reduce(0)  # an [R] vector with one value per query row (axis 1)
@@ -93,34 +100,44 @@ WARPGROUP = 128  # threads a warpgroup
 # named barrier orders it (``NAMED_SYNC``). GPU only.
 UNSYNCED_ROW_STORES = True
 
-def half_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret: bool) -> jax.Array:
+def half_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret: bool,
+                  rest=None) -> jax.Array:
     """S^T of this warpgroup's half of a step before the softmax scale, (K8.Q8^T * k_scale *
     q_scale + Kr.Qr^T), f32 [64, R]: the step's SMEM rows [first_row, first_row + 64) (a traced
     start must be a marked multiple of 64) against the query rows.
 
     q8_s e4m3 [4, R, 128], kv_slot e4m3 [4, 128, 128], qr_s bf16 [R, 64], rope_slot
-    bf16 [128, 64], q_scale [R] (``QROWS``), k_scale [64] (``TOKENS``).
+    bf16 [128, 64], q_scale [R] (``QROWS``), k_scale [64] (``TOKENS``). ``rest``: None, or the
+    query's second term (``quantize_query``), (q8 e4m3 [4, R, 128], its row scales [R]): its
+    FP8 product against the same K tile is added, K8.Q8^T * q_scale + K8.Q8r^T * q_scale_r.
 
-    fp32 promotion every ``QK_PROMOTION`` features, as ``mla_decode_mgpu``, every chain in
-    flight at once (one accumulator each, 8 registers at R = 16) under one wait; then the RoPE
-    wgmma onto the scaled FP8 product (the interpreter, which has no pre-initialised
-    accumulators, adds it in registers).
+    fp32 promotion every ``QK_PROMOTION`` features, as ``mla_decode_mgpu``, every chain (of
+    either term) in flight at once (one accumulator each, 8 registers at R = 16) under one wait;
+    then the RoPE wgmma onto the scaled FP8 product (the interpreter, which has no
+    pre-initialised accumulators, adds it in registers).
     """
     rows = q8_s.shape[1]
     tokens = pl.ds(first_row, HALF)
     per_chain = QK_PROMOTION // CHUNK
     firsts = range(0, NUM_CHUNKS, per_chain)
     acc = plgpu.ACC((HALF, rows), jnp.float32)
+    terms = [q8_s] if rest is None else [q8_s, rest[0]]
 
     def qk8(*acc_refs):
-        for first, acc_ref in zip(firsts, acc_refs):
-            for ch in range(first, first + per_chain):
-                plgpu.wgmma(acc_ref, kv_slot.at[ch, tokens], q8_s.at[ch].transpose((1, 0)))
-        return functools.reduce(jnp.add, [acc_ref[...] for acc_ref in acc_refs])
+        for t, term in enumerate(terms):
+            for first, acc_ref in zip(firsts, acc_refs[t * len(firsts):]):
+                for ch in range(first, first + per_chain):
+                    plgpu.wgmma(acc_ref, kv_slot.at[ch, tokens], term.at[ch].transpose((1, 0)))
+        values = [acc_ref[...] for acc_ref in acc_refs]
+        return [functools.reduce(jnp.add, values[t * len(firsts):(t + 1) * len(firsts)]) for t in range(len(terms))]
 
-    s8 = pl.run_scoped(qk8, *([acc] * len(firsts)))
-    scaled = (s8 * lax.broadcast_in_dim(k_scale, (HALF, rows), [0])
-              * lax.broadcast_in_dim(q_scale, (HALF, rows), [1]))
+    s8 = pl.run_scoped(qk8, *([acc] * (len(firsts) * len(terms))))
+    by_query_row = lambda scale: lax.broadcast_in_dim(scale, (HALF, rows), [1])
+    by_token = lax.broadcast_in_dim(k_scale, (HALF, rows), [0])
+    if rest is None:
+        scaled = s8[0] * by_token * by_query_row(q_scale)
+    else:
+        scaled = (s8[0] * by_query_row(q_scale) + s8[1] * by_query_row(rest[1])) * by_token
 
     def qk_rope(acc_ref):
         plgpu.wgmma(acc_ref, rope_slot.at[tokens], qr_s.transpose((1, 0)))
@@ -236,20 +253,44 @@ def pv_update_t(accs, p8_ref, kv_slot, wg, ratio, visible, t0, seq_len, *, inter
     return [acc * ratio_b + f for acc, f in zip(accs, fresh)]
 
 
-def quantize_query(q_in_s, q8_s, qsc_s, wg, *, interpret: bool) -> None:
+def quantize_query(q_in_s, q8_s, qsc_s, wg, *, interpret: bool, rest=None) -> None:
     """Warpgroup wg's half of the block's query rows quantized per row, ``fp8.quantize_per_token``'s
     math as the inputs launch's row CTAs run it (``write_kv.row_layout``, ``GROUP_ROWS`` rows at
     a time, a row's 512 values as four 128-value chunks): q_in_s bf16 [4, R, 128] -> q8_s e4m3
-    [4, R, 128] and qsc_s f32 [R]."""
+    [4, R, 128] and qsc_s f32 [R]. ``rest``: None, or (e4m3 [4, R, 128], f32 [R]) that take the
+    second term, what the first leaves (q - q8 * q_scale in float32) quantized per row the same
+    way (``query_rest``'s math)."""
     rows = q_in_s.shape[1]
     layout = row_layout(CHUNK, q_in_s.dtype)
     for g in range(rows // NUM_WGS // GROUP_ROWS):
         group = pl.ds(aligned(wg * (rows // NUM_WGS) + g * GROUP_ROWS, GROUP_ROWS), GROUP_ROWS)
         chunks = [plgpu.load(q_in_s.at[ch, group], layout=layout).astype(jnp.float32) for ch in range(NUM_CHUNKS)]
         q8_chunks, scale = quantized_rows(chunks, layout, interpret)
+        if rest is not None:
+            q8_chunks = list(q8_chunks)
         for ch, q8 in enumerate(q8_chunks):
             q8_s[ch, group, :] = q8
         qsc_s[group] = scale
+        if rest is not None:
+            rest_chunks, rest_scale = quantized_rows(
+                [x - q8.astype(jnp.float32) * by_row(scale, x.shape, layout, interpret)
+                 for x, q8 in zip(chunks, q8_chunks)], layout, interpret)
+            for ch, q8 in enumerate(rest_chunks):
+                rest[0][ch, group, :] = q8
+            rest[1][group] = rest_scale
+
+
+def query_rest(q_rows: jax.Array, q8: jax.Array, q_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The query's second FP8 term for rows quantized by the inputs launch: q_rows [B, rows, 512]
+    (any float dtype), their quantization q8 e4m3 [B, P, 512] and q_scale f32 [B, P] (rows padded
+    to P, zeros) -> what q8 leaves of each row (q - q8 * q_scale in float32) quantized per row,
+    (e4m3 [B, P, 512], f32 [B, P]): ``quantize_query``'s second term, in XLA."""
+    padded = jnp.pad(q_rows.astype(jnp.float32), ((0, 0), (0, q8.shape[1] - q_rows.shape[1]), (0, 0)))
+    rest = padded - q8.astype(jnp.float32) * q_scale[..., None]
+    rest_scale = per_token_scale(rest)
+    # The e4m3 values as the reference rounds them (a float8 conversion of x / scale may round a
+    # midpoint the other way where XLA computes x * (1 / scale)).
+    return e4m3_values_with_scale(rest, rest_scale).astype(FP8_DTYPE), rest_scale
 
 
 def parity_scales(ksc_s, slot, wg, *, page_size: int, interpret: bool) -> jax.Array:
@@ -287,13 +328,20 @@ def parity_scales(ksc_s, slot, wg, *, page_size: int, interpret: bool) -> jax.Ar
 
 
 @for_used_items
-def _kernel(*refs, query_in_kernel: bool, **params):
+def _kernel(*refs, query_in_kernel: bool, query_terms: int, **params):
     """``_cta`` on the launch's refs. With ``query_in_kernel`` the operands have no q_scale
     (their q_ref holds the bf16 query rows, their ksc_ref the cache's scale plane by page) and
-    the scratch ends with the rows' staging tile and their barrier (``quantize_query``)."""
+    the scratch ends with the rows' staging tile and their barrier (``quantize_query``). With
+    two ``query_terms`` the scratch ends with the second term's tiles (e4m3 [4, R, 128], f32
+    [R]), and without ``query_in_kernel`` the operands end with that term (``query_rest``)."""
     if query_in_kernel:
         refs = (*refs[:5], None, *refs[5:])
-    _cta(*refs, **params)
+    rest_in = rest_s = None
+    if query_terms == 2:
+        refs, rest_s = refs[:-2], refs[-2:]
+        if not query_in_kernel:
+            rest_in, refs = refs[10:12], (*refs[:10], *refs[12:])
+    _cta(*refs, rest_in=rest_in, rest_s=rest_s, **params)
 
 
 def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_ref, ksc_ref, ropep_ref,
@@ -301,7 +349,7 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
          q8_s, qr_s, qsc_s, lse_s, kv8_s, rope_s, ksc_s, p8_s, stats_s, lsum_s, red_s, o_s,
          step_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar, q_in_s=None, q_ready_bar=None,
          *, s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, page_size: int,
-         interpret: bool):
+         interpret: bool, rest_in=None, rest_s=None):
     """One CTA: (work item w: a run of steps of batch row b, block of R query rows), two
     warpgroups; outputs as ``mla_decode_mgpu.OutputTarget``.
 
@@ -325,19 +373,31 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
     p8_s[slot] was step j - 2's). The slot's next TMA (step j + 2) is issued after both
     warpgroups consumed step j. stats_s[slot] is rewritten two steps later, after both
     warpgroups have passed this step's P' exchange and so have read it.
+
+    The query's second term (two ``query_terms``): rest_s = (e4m3 [4, R, 128], f32 [R]) in SMEM,
+    made by ``quantize_query`` or, from rest_in = (e4m3 [B, P, 512], f32 [B, P]), copied with
+    the first.
     """
     rows = q8_s.shape[1]
     query_in_kernel = qsc_ref is None
+
+    def issue_rest(b, row0, bar):
+        for ch in range(NUM_CHUNKS):
+            plgpu.copy_gmem_to_smem(rest_in[0].at[b, pl.ds(row0, rows), pl.ds(ch * CHUNK, CHUNK)], rest_s[0].at[ch],
+                                    bar)
+        plgpu.copy_gmem_to_smem(rest_in[1].at[b, pl.ds(row0, rows)], rest_s[1], bar)
+
     where, issue = begin_cta(
         seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q_in_s if query_in_kernel else q8_s, qr_s, None if query_in_kernel else qsc_s, kv8_s, rope_s, ksc_s,
-        step_bar, q_bar, s_q=s_q, num_pages=num_pages, page_size=page_size, issuer=ISSUER)
+        step_bar, q_bar, s_q=s_q, num_pages=num_pages, page_size=page_size, issuer=ISSUER,
+        issue_more_query=None if rest_in is None else issue_rest)
     _, wg, _, row0, _, _, _ = where
     my_rows = aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
     named_sync = NAMED_SYNC and not interpret
     my_scratch = red_s.at[wg]
     if query_in_kernel:
-        quantize_query(q_in_s, q8_s, qsc_s, wg, interpret=interpret)
+        quantize_query(q_in_s, q8_s, qsc_s, wg, interpret=interpret, rest=rest_s)
         plgpu.commit_smem()  # the rows' stores before the products (the async proxy) read them
         meet(STATS_SYNC_ID, q_ready_bar, named_sync)
 
@@ -349,8 +409,9 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
             k_scale = parity_scales(ksc_s, slot, wg, page_size=page_size, interpret=interpret)
         else:
             k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=TOKENS)
+        rest = None if rest_s is None else (rest_s[0], plgpu.load(rest_s[1], layout=QROWS))
         scores = half_scores_t(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], plgpu.load(qsc_s, layout=QROWS),
-                               k_scale, my_rows, interpret=interpret)
+                               k_scale, my_rows, interpret=interpret, rest=rest)
         # The log2 and reciprocal of the token scales (``mgpu_decode_inputs.with_scale_planes``' math)
         # cost two values a thread a step here; as planes from the inputs launch they cost 8 bytes a
         # token written there and read here: 0.339 vs 0.349 ms a call at 64 x 32k x 16 (kernel 316
@@ -423,19 +484,26 @@ def runs_query_in_kernel(q_rows: jax.Array, q_rope_rows: jax.Array, *, block_row
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
                                              "balanced", "block_rows", "num_pages", "query_in_kernel", "segments",
-                                             "interpret"))
+                                             "query_terms", "interpret"))
 def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                           seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
                           s_q: int, num_heads: int, num_splits: int = 1, balanced: bool = False,
                           block_rows: int = ROWS, num_pages: int | None = None, query_in_kernel: bool | None = None,
-                          segments: int = 0, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                          segments: int = 0, query_terms: int = 1,
+                          interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """FP8 decode for blocks of ``block_rows`` (16 or 32) query rows; arguments and results as
     ``mla_decode_mgpu``'s (``num_splits``, ``balanced``, ``segments`` and ``num_pages`` included): q_rows
     [B, rows, 512] of any rows (padded to whole blocks of ``block_rows`` in the inputs launch).
     ``query_in_kernel``: the query rows quantized and the token scales read in the kernel, no
-    inputs launch (None: where ``runs_query_in_kernel`` says it can; False: never)."""
+    inputs launch (None: where ``runs_query_in_kernel`` says it can; False: never).
+    ``query_terms``: 1, the query rounded to e4m3 once a row (SnapMLA's), or 2 (16-row blocks):
+    also what that rounding leaves, as a second FP8 term with its own row scales, both products
+    against the same K tile (``mla_decode_reference``'s ``query_terms``)."""
     if block_rows not in BLOCK_ROWS:
         raise ValueError(f"block_rows: expected one of {BLOCK_ROWS}, got {block_rows!r}")
+    if query_terms not in QUERY_TERMS or (query_terms == 2 and block_rows != QUERY_IN_KERNEL_ROWS):
+        raise ValueError(f"query_terms: expected one of {QUERY_TERMS} (2 in {QUERY_IN_KERNEL_ROWS}-row blocks, whose "
+                         f"SMEM holds the second term), got {query_terms!r} in {block_rows}-row blocks")
     rows = block_rows
     num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
     can = runs_query_in_kernel(q_rows, q_rope_rows, block_rows=rows)
@@ -461,11 +529,13 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
             num_splits=num_splits, balanced=balanced, num_pages=num_pages, block_rows=rows, scale_planes=False,
             segments=segments, interpret=interpret)
         operands = (q8, q_scale, q_rope, latent_pairs, scales, rope_pairs)
+        if query_terms == 2:
+            operands += query_rest(q_rows, q8, q_scale)
         num_rows = q8.shape[1]  # padded to whole blocks
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
                           partials=plan.partials, num_pages=num_pages, page_size=page_size, interpret=interpret,
-                          query_in_kernel=in_kernel),
+                          query_in_kernel=in_kernel, query_terms=query_terms),
         out_type=output_types(plan, num_rows, out_dtype),
         scratch_types=[
             plgpu.SMEM((NUM_CHUNKS, rows, CHUNK), FP8_DTYPE),
@@ -488,10 +558,13 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
             plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),  # statistics (the interpreter)
             plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),  # P'^T halves (the interpreter)
             plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS),  # consumed (both warpgroups)
-            plgpu.Barrier(num_arrivals=COPIES_Q - in_kernel),  # no q_scale copy when the kernel makes it
+            # No q_scale copy when the kernel makes it; the second term's copies (``issue_rest``).
+            plgpu.Barrier(num_arrivals=COPIES_Q - in_kernel + (NUM_CHUNKS + 1) * (query_terms == 2 and not in_kernel)),
             plgpu.Barrier(num_arrivals=NUM_WGS),
             *([plgpu.SMEM((NUM_CHUNKS, rows, CHUNK), jnp.bfloat16), plgpu.Barrier(num_arrivals=NUM_WGS)]
               if in_kernel else []),
+            *([plgpu.SMEM((NUM_CHUNKS, rows, CHUNK), FP8_DTYPE), plgpu.SMEM((rows,), jnp.float32)]
+              if query_terms == 2 else []),
         ],
         # Its reductions across warps bring their own scratch (``token_reduce``).
         **grid_params(plan, num_rows // rows, "snapmla_decode_fp8_mgpu_small", interpret, reduction_scratch_bytes=0),

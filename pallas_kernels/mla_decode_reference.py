@@ -57,7 +57,7 @@ def _fp8_pv_factor(pv_row_max: jax.Array) -> jax.Array:
 
 def mla_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, scale: jax.Array | None,
                          rope: jax.Array, block_table: jax.Array, seq_lens: jax.Array, *, softmax_scale: float,
-                         block_n: int = STEP) -> tuple[jax.Array, jax.Array]:
+                         block_n: int = STEP, query_terms: int = 1) -> tuple[jax.Array, jax.Array]:
     """Pure-jnp decode with the kernel's roundings (the "xla" backend).
 
     q_latent [B, s_q, H, R], q_rope [B, s_q, H, Dr] (bf16/f32); one layer of the
@@ -69,7 +69,10 @@ def mla_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Arr
     CPU). FP8: Q quantized per row, P' quantized per row and ``block_n``-token
     block with the kernel's power-of-two factors; the factor of a block depends
     only on ratios within it, so this global-max formulation rounds P' as the
-    kernel's online softmax does (up to fp32 differences in exp2).
+    kernel's online softmax does (up to fp32 differences in exp2). ``query_terms`` 2: the query
+    as two FP8 terms (``mla_decode_mgpu_small``'s), its e4m3 rounding and what that leaves
+    (q - q8 * q_scale in float32) rounded per row the same way, each product scaled by its own
+    row scale.
     BF16: bf16 operands, fp32 accumulation and softmax.
     """
     batch, s_q, num_heads, rank = q_latent.shape
@@ -94,8 +97,16 @@ def mla_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Arr
         q_scale = per_token_scale(q_latent)
         q_content = e4m3_values_with_scale(q_latent, q_scale)
         kv32 = kv.astype(jnp.float32)
-        scores = (dot("bihd,btd->biht", q_content, kv32)
-                  * (q_scale * scale_log2)[..., None] * k_scale[:, None, None, :])
+        if query_terms == 1:
+            scores = (dot("bihd,btd->biht", q_content, kv32)
+                      * (q_scale * scale_log2)[..., None] * k_scale[:, None, None, :])
+        else:
+            rest = q_latent.astype(jnp.float32) - q_content * q_scale[..., None]
+            rest_scale = per_token_scale(rest)
+            rest_content = e4m3_values_with_scale(rest, rest_scale)
+            scores = ((dot("bihd,btd->biht", q_content, kv32) * q_scale[..., None]
+                       + dot("bihd,btd->biht", rest_content, kv32) * rest_scale[..., None])
+                      * scale_log2 * k_scale[:, None, None, :])
     else:
         scores = dot("bihd,btd->biht", q_latent.astype(jnp.bfloat16), kv) * scale_log2
     scores = scores + dot("bihd,btd->biht", q_rope.astype(jnp.bfloat16), k_rope) * scale_log2

@@ -28,7 +28,7 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16_small import mla_decode_mgp
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16_small import takes as bf16_small_takes
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import BLOCK_ROWS as MOSAIC_SMALL_BLOCK_ROWS
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import QUERY_IN_KERNEL_ROWS as MOSAIC_QUERY_IN_KERNEL_ROWS
-from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import mla_decode_mgpu_small
+from snapmla_jax.pallas_kernels.mla_decode_mgpu_small import QUERY_TERMS, mla_decode_mgpu_small
 from snapmla_jax.pallas_kernels.mla_decode_reference import mla_decode_reference
 from snapmla_jax.backend import on_hopper as _on_hopper  # a module name the tests fake
 from snapmla_jax.backend import resolve_backend
@@ -352,7 +352,8 @@ def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16,
 
 def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block_table: jax.Array,
                seq_lens: jax.Array, *, softmax_scale: float, layer: int | jax.Array | None = None,
-               backend: str = "auto", return_lse: bool = False, num_splits: int | None = None):
+               backend: str = "auto", return_lse: bool = False, num_splits: int | None = None,
+               query_terms: int = 1):
     """MLA decode attention (absorbed form) over the paged latent cache.
 
     q_latent    [B, s_q, H, R] bf16/f16/f32: queries in latent space (R = 512).
@@ -379,6 +380,14 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
                 idle cuts the batch's steps into one segment an SM (``wave_plan``), but
                 for small problems (``uniform_plan_only``).
 
+    query_terms 1 or 2, over an fp8 cache: the latent query rounded to e4m3 once a row
+                (SnapMLA's), or as two FP8 terms, that rounding and what it leaves, each
+                with its own row scale and both multiplied with the same FP8 keys: the query's
+                rounding drops from 2^-4 to 2^-8 of each feature. 2 runs the 16-row kernel
+                (``mla_decode_mgpu_small``, whose SMEM holds the second term) at any row count:
+                at up to 16 query rows a batch row that is the kernel that runs anyway; above,
+                it reads each page once a 16-row block. No effect over a bf16 cache.
+
     Returns out [B, s_q, H, R] in q_latent's dtype, and with ``return_lse``
     also lse [B, s_q, H] float32 (natural log of the softmax denominator).
     Over an fp8 cache every path rounds P' to e4m3 with a factor per row and 128-token step
@@ -393,6 +402,8 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     _validate(q_latent, q_rope, cache, block_table, seq_lens, softmax_scale, layer)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits: expected None or a positive int, got {num_splits!r}")
+    if type(query_terms) is not int or query_terms not in QUERY_TERMS:
+        raise ValueError(f"query_terms: expected 1 or 2, got {query_terms!r}")
     backend = resolve_backend(backend)
     batch, s_q, heads, rank = q_latent.shape
     softmax_scale = float(softmax_scale)
@@ -410,7 +421,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
         seq_lens = jnp.clip(seq_lens, 0, block_table.shape[1] * cache.page_size)
         one = cache.layer_arrays(layer)
         out, lse = mla_decode_reference(q_latent, q_rope, one.latent, one.scale, one.rope, block_table, seq_lens,
-                                        softmax_scale=softmax_scale, block_n=MOSAIC_STEP)
+                                        softmax_scale=softmax_scale, block_n=MOSAIC_STEP, query_terms=query_terms)
         return (out, lse) if return_lse else out
 
     check_kernel_addressable(cache)
@@ -431,7 +442,10 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     elif num_splits is None:
         num_splits = planned_num_splits(q_latent, cache, block_table)
     table, num_pages, page_size = mosaic_pages(block_table, cache.num_pages, cache.page_size, cache.dtype)
-    out, lse = mosaic_kernel(num_rows, cache.dtype, q_latent.dtype, capacity)[0](
+    kernel = mosaic_kernel(num_rows, cache.dtype, q_latent.dtype, capacity)[0]
+    if query_terms == 2 and cache.dtype == "fp8":
+        kernel = functools.partial(mla_decode_mgpu_small, block_rows=MOSAIC_QUERY_IN_KERNEL_ROWS, query_terms=2)
+    out, lse = kernel(
         to_rows(q_latent), to_rows(q_rope), cache_arrays, table, seq_lens, layer_offset,
         softmax_scale=softmax_scale, page_size=page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,
         balanced=balanced, num_pages=num_pages, segments=segments, interpret=backend == "interpret")

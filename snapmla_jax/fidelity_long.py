@@ -120,13 +120,15 @@ def per_token_block128_round_trip(c_kv: jax.Array, k_pe: jax.Array) -> tuple[jax
 @dataclasses.dataclass(frozen=True)
 class CacheScheme:
     """How a scheme runs: the cache dtype (``LatentCache``), the transform of (c_kv, k_pe) before writing
-    and of the latent query before it attends (``MLAModel.decode``), and the write_kv / mla_decode
-    backend when the scheme fixes one (else the caller's)."""
+    and of the latent query before it attends (``MLAModel.decode``), the write_kv / mla_decode
+    backend when the scheme fixes one (else the caller's), and the FP8 query's terms
+    (``mla_decode``'s ``query_terms``)."""
 
     cache_dtype: str
     kv_transform: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
     backend: str | None = None
     q_transform: Callable[[jax.Array], jax.Array] | None = None
+    query_terms: int = 1
 
 
 CACHE_SCHEMES = {
@@ -137,6 +139,7 @@ CACHE_SCHEMES = {
     "emulated_rope_aware_token": CacheScheme("bf16", rope_aware_token_round_trip),
     "emulated_rope_aware_token_query": CacheScheme("bf16", rope_aware_token_round_trip, q_transform=_fake_quant),
     "fp8_xla": CacheScheme("fp8", backend="xla"),
+    "fp8_two_term_query": CacheScheme("fp8", query_terms=2),
 }
 
 
@@ -164,10 +167,11 @@ class RetrievalScore:
         return float(self.answer_bits.mean())
 
 
-@nnx.jit(static_argnames=("backend", "kv_transform", "q_transform"))
-def _decode_chunk(model, input_ids, targets, caches, block_table, seq_lens, backend, kv_transform, q_transform):
+@nnx.jit(static_argnames=("backend", "kv_transform", "q_transform", "query_terms"))
+def _decode_chunk(model, input_ids, targets, caches, block_table, seq_lens, backend, kv_transform, q_transform,
+                  query_terms=1):
     logits, caches = model.decode(input_ids, caches, block_table, seq_lens, backend=backend,
-                                  kv_transform=kv_transform, q_transform=q_transform)
+                                  kv_transform=kv_transform, q_transform=q_transform, query_terms=query_terms)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     return logprobs, jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0], caches
 
@@ -234,7 +238,7 @@ def teacher_forced(model, tokens: np.ndarray, answer_starts: Sequence[int], sche
         logprobs, target_lp, caches = _decode_chunk(model, jnp.asarray(tokens[:, start:stop]),
                                                     jnp.asarray(tokens[:, start + 1:stop + 1]), caches, block_table,
                                                     seq_lens, spec.backend or backend, spec.kv_transform,
-                                                    spec.q_transform)
+                                                    spec.q_transform, spec.query_terms)
         target_logprobs.append(np.asarray(target_lp, np.float64))
         if stop > first:
             kept.append(np.asarray(logprobs[:, max(first - start, 0):], np.float32))
@@ -294,7 +298,7 @@ def prefilled(model, tokens: np.ndarray, answer_starts: Sequence[int], schemes: 
             ids = jnp.asarray(answer_ids[:, start:stop])
             logprobs, _, caches = _decode_chunk(model, ids, ids, caches, block_table,
                                                 jnp.asarray(starts + stop, jnp.int32), scheme_backend,
-                                                spec.kv_transform, spec.q_transform)
+                                                spec.kv_transform, spec.q_transform, spec.query_terms)
             decoded.append(np.asarray(logprobs, np.float32))
         decoded = np.concatenate(decoded, axis=1)
         scored[scheme] = TeacherForced([np.concatenate([first[b, None], decoded[b, :length - 1 - starts[b]]])
@@ -646,7 +650,8 @@ def _parser() -> cli.Parser:
                    default=list(long_context_tasks.TASK_KINDS), help="task kinds")
     p.add_argument("--schemes", nargs="+", choices=tuple(CACHE_SCHEMES), default=["bf16", "fp8"],
                    help="cache schemes, the first the reference (emulated_*: FP8 round trip into a BF16 cache; "
-                        "fp8_xla: the FP8 cache through the XLA path)")
+                        "fp8_xla: the FP8 cache through the XLA path; fp8_two_term_query: the FP8 cache with "
+                        "the query as two FP8 terms, mla_decode's query_terms=2)")
     p.add_argument("--chunk", type=int, default=512, help="tokens per decode call")
     p.add_argument("--prefill", action="store_true",
                    help="fill each context as generate serves a prompt: the model's prefill (full-precision "

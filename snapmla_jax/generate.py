@@ -62,7 +62,7 @@ from jax.experimental import multihost_utils
 from snapmla_jax import cli
 from snapmla_jax.backend import BACKENDS, resolve_backend
 from snapmla_jax.cache import CACHE_DTYPES, MAX_TOKEN_SLOTS
-from snapmla_jax.decode import check_interpreter_devices
+from snapmla_jax.decode import QUERY_TERMS, check_interpreter_devices
 from snapmla_jax import data_parallel
 from snapmla_jax.paging import allocate_pages
 from snapmla_jax.sampling import SamplingConfig, sample
@@ -116,15 +116,16 @@ def _prefill(params, caches, input_ids, lengths, block_table, key, *, graphdef, 
     return sample(last, jax.random.fold_in(key, 0), sampling), caches
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos_id", "backend", "mesh"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos_id", "backend", "mesh", "query_terms"),
                    donate_argnames=("state",))
 def decode_chunk(params, state: DecodeState, lengths, block_table, key, stop_step, *, graphdef, sampling, eos_id,
-                 backend, mesh=None) -> DecodeState:
+                 backend, mesh=None, query_terms: int = 1) -> DecodeState:
     """The compiled decode loop: steps until ``state.step == min(stop_step, max_new_tokens)``
     or every row is finished. ``params``/``graphdef``: ``nnx.split(model)``; lengths [B]
     int32 prompt lengths; block_table [B, max_pages] int32; key: the sampling key;
     stop_step [] int32; mesh: None, or the 1-D mesh the model's rows are split over
-    (``data_parallel``). ``state`` is donated (the caches are updated in place)."""
+    (``data_parallel``); query_terms: the FP8 query's terms (``mla_decode``'s). ``state`` is
+    donated (the caches are updated in place)."""
     stop_step = jnp.minimum(stop_step, state.tokens.shape[1])
 
     def running(s: DecodeState):
@@ -135,7 +136,7 @@ def decode_chunk(params, state: DecodeState, lengths, block_table, key, stop_ste
         # The cache holds the prompt and the s.step - 1 tokens fed before: with
         # this one, lengths + s.step.
         logits, caches = _model_call("decode", graphdef, params, mesh, last, s.caches, block_table, lengths + s.step,
-                                     backend=backend)
+                                     backend=backend, query_terms=query_terms)
         new = sample(logits[:, 0], jax.random.fold_in(key, s.step), sampling)
         finished = s.finished
         if eos_id is not None:
@@ -356,7 +357,7 @@ class GenerationStream:
     def __init__(self, model, prompts, *, max_new_tokens: int, kv_cache: str = "fp8",
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0, eos_id: int | None = None,
                  chunk_size: int | None = DEFAULT_CHUNK_SIZE, backend: str = "auto",
-                 page_size: int = DEFAULT_PAGE_SIZE, mesh: jax.sharding.Mesh | None = None):
+                 page_size: int = DEFAULT_PAGE_SIZE, mesh: jax.sharding.Mesh | None = None, query_terms: int = 1):
         cfg = getattr(model, "cfg", None)
         if cfg is None or not hasattr(model, "decode"):
             raise ValueError(f"model: expected an MLAModel, got {type(model).__name__}")
@@ -364,6 +365,8 @@ class GenerationStream:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
         if kv_cache not in CACHE_DTYPES:
             raise ValueError(f"kv_cache: expected one of {CACHE_DTYPES}, got {kv_cache!r}")
+        if type(query_terms) is not int or query_terms not in QUERY_TERMS:
+            raise ValueError(f"query_terms: expected one of {QUERY_TERMS}, got {query_terms!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed: expected an int, got {seed!r}")
         if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int)
@@ -403,6 +406,7 @@ class GenerationStream:
         self.eos_id = eos_id
         self.chunk_size = chunk_size or max_new_tokens
         self.backend = backend
+        self.query_terms = query_terms
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[np.ndarray]:
@@ -439,7 +443,8 @@ class GenerationStream:
 
         state = DecodeState(caches=caches, tokens=put(tokens), step=jnp.asarray(1, jnp.int32),
                             finished=put(finished))
-        static = dict(graphdef=graphdef, sampling=self.sampling, eos_id=self.eos_id, backend=self.backend, mesh=mesh)
+        static = dict(graphdef=graphdef, sampling=self.sampling, eos_id=self.eos_id, backend=self.backend, mesh=mesh,
+                      query_terms=self.query_terms)
         decode_s, step = 0.0, 1
         while step < self.max_new_tokens and not finished.all():
             args = (params, state, lengths_dev, block_table, key, jnp.asarray(step + self.chunk_size, jnp.int32))
@@ -469,12 +474,14 @@ class GenerationStream:
 def stream(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, kv_cache: str = "fp8",
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
            chunk_size: int = DEFAULT_CHUNK_SIZE, backend: str = "auto",
-           page_size: int = DEFAULT_PAGE_SIZE, mesh: jax.sharding.Mesh | None = None) -> GenerationStream:
+           page_size: int = DEFAULT_PAGE_SIZE, mesh: jax.sharding.Mesh | None = None,
+           query_terms: int = 1) -> GenerationStream:
     """Like ``generate``, but an iterable of token chunks (see GenerationStream);
     ``chunk_size`` decode steps run between two chunks."""
     return GenerationStream(model, prompts, max_new_tokens=max_new_tokens, kv_cache=kv_cache,
                             sampling=SamplingConfig(temperature, top_k, top_p), seed=seed, eos_id=eos_id,
-                            chunk_size=chunk_size, backend=backend, page_size=page_size, mesh=mesh)
+                            chunk_size=chunk_size, backend=backend, page_size=page_size, mesh=mesh,
+                            query_terms=query_terms)
 
 
 def generate_with_stats(model, prompts: Sequence[Sequence[int]], **kwargs) -> GenerationResult:
@@ -488,7 +495,7 @@ def generate_with_stats(model, prompts: Sequence[Sequence[int]], **kwargs) -> Ge
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, kv_cache: str = "fp8",
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              eos_id: int | None = None, backend: str = "auto", page_size: int = DEFAULT_PAGE_SIZE,
-             mesh: jax.sharding.Mesh | None = None) -> list[list[int]]:
+             mesh: jax.sharding.Mesh | None = None, query_terms: int = 1) -> list[list[int]]:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
     model: an ``MLAModel`` (its ``prefill``/``decode``/``init_cache``).
@@ -499,6 +506,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, kv
     same prompts, same batch -> same tokens). eos_id: a row stops after
     producing it (None: every row runs ``max_new_tokens``).
     backend: passed to write_kv/mla_decode ("auto" | "pallas" | "interpret" | "xla").
+    query_terms: over the fp8 cache, the decode steps' query as 1 FP8 term (SnapMLA's) or 2 (its
+    rounding and what that leaves: more precise answers, up to 14% of an attention call slower;
+    ``mla_decode``). The prompts' prefill reads no cache and is the same either way.
     mesh: None (one device), or a 1-D ``jax.sharding.Mesh``: data-parallel attention with
     the routed experts split over its devices (module docstring; ``snapmla_jax.data_parallel``).
     The model is placed on it (a copy; a model loaded with ``sharding=expert_sharding(mesh)``
@@ -512,7 +522,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, kv
     """
     return generate_with_stats(model, prompts, max_new_tokens=max_new_tokens, kv_cache=kv_cache,
                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id,
-                               backend=backend, page_size=page_size, mesh=mesh).tokens
+                               backend=backend, page_size=page_size, mesh=mesh, query_terms=query_terms).tokens
 
 
 # ---------------------------------------------------------------- command line
@@ -525,7 +535,8 @@ PROG = "snapmla_jax.generate"
 # Library argument names -> the flags that set them, for errors raised below the command line.
 FLAGS = {"max_new_tokens": "--max-new-tokens", "kv_cache": "--kv-cache", "temperature": "--temperature",
          "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "eos_id": "--eos-id", "chunk_size": "--chunk-size",
-         "backend": "--backend", "ckpt_dir": "--model", "hf_dir": "--model", "mesh": "--devices"}
+         "backend": "--backend", "ckpt_dir": "--model", "hf_dir": "--model", "mesh": "--devices",
+         "query_terms": "--query-terms"}
 
 
 def _parser() -> cli.Parser:
@@ -538,6 +549,10 @@ def _parser() -> cli.Parser:
     source.add_argument("--batch-file", help="a UTF-8 file with one prompt per line, generated as one batch")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     parser.add_argument("--kv-cache", choices=CACHE_DTYPES, default="fp8", help="latent cache format (default fp8)")
+    parser.add_argument("--query-terms", type=int, choices=QUERY_TERMS, default=1,
+                        help="FP8 terms of the decode steps' query over the fp8 cache: 1 (SnapMLA's, default) or 2 "
+                             "(its rounding and what that leaves: closer to the BF16 cache's answers, attention up to "
+                             "14%% slower)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -739,7 +754,7 @@ def _generate_cli(argv: list[str]) -> int:
     try:
         gen = GenerationStream(model, prompts, max_new_tokens=args.max_new_tokens, kv_cache=args.kv_cache,
                                sampling=sampling, seed=args.seed, eos_id=eos_id, chunk_size=args.chunk_size,
-                               backend=args.backend, mesh=mesh)
+                               backend=args.backend, mesh=mesh, query_terms=args.query_terms)
     except BatchTooLarge as err:
         raise _too_large(err, args, len(prompts)) from err
     except ValueError as err:

@@ -260,12 +260,32 @@ def test_a_row_times_its_methods_side_by_side(monkeypatch):
 
     measure, ceilings = _stand_in_rows(monkeypatch, chain)
     row = measure()
+    assert "fp8_q2_ms" not in row  # an option: timed when asked for
     assert (row["fp8_ms"], row["bf16_ms"]) == (0.5, 0.8)
     assert row["fp8_over_bf16"] == pytest.approx(1.6) and "fp8_over_xla" not in row
     assert row["xla_bf16_ms"] is None and row["xla_bf16_note"] == "ValueError: no XLA here"
     assert row["stock_mqa_ms"] is None and row["stock_mqa_note"] == "does not run: does not fit"
     nbytes, f8, f16 = decode.method_work("fp8", 2, 128, 16, 1)
     assert row["fp8_roofline"] == pytest.approx(decode.roofline_ms(nbytes, f8, f16, ceilings) / 0.5)
+
+
+def test_the_two_term_query_is_timed_beside_fp8_when_asked_for(monkeypatch):
+    def chain(scale, layers, backend, query_terms=1):
+        def fn(q, q_rope, cache, block_table, seq_lens):
+            return {1: 0.5, 2: 0.55}[query_terms] * decode.chain_calls(layers)
+        return fn
+
+    measure, ceilings = _stand_in_rows(monkeypatch, chain)
+    row = measure(methods=("fp8", "fp8_q2"))
+    assert (row["fp8_ms"], row["fp8_q2_ms"]) == (0.5, 0.55)
+    assert row["fp8_q2_over_fp8"] == pytest.approx(1.1)
+    # Its roofline counts the second Q.K product's FP8 work on the same bytes.
+    nbytes, f8, f16 = decode.method_work("fp8_q2", 2, 128, 16, 1)
+    assert (nbytes, f16) == decode.method_work("fp8", 2, 128, 16, 1)[::2]
+    assert f8 == decode.method_work("fp8", 2, 128, 16, 1)[1] + 2 * 2 * 16 * 128 * 512
+    assert row["fp8_q2_roofline"] == pytest.approx(decode.roofline_ms(nbytes, f8, f16, ceilings) / 0.55)
+    text = decode.to_markdown(ENV, CEILINGS, [row], "no", COMMAND)
+    assert "| FP8 2-term query ms |" in text and "query_terms=2" in text
 
 
 def test_flashmla_columns_appear_only_where_it_was_timed():

@@ -41,7 +41,7 @@ class OracleModel(nnx.Module):
     def init_cache(self, num_pages, page_size, kv_cache):
         return (LatentCache.create(num_pages, page_size, kv_lora_rank=128, rope_dim=64, dtype=kv_cache),)
 
-    def decode(self, input_ids, caches, block_table, seq_lens, *, backend, kv_transform, q_transform):
+    def decode(self, input_ids, caches, block_table, seq_lens, *, backend, kv_transform, q_transform, query_terms=1):
         tokens = self.tokens[...]
         positions = seq_lens[:, None] - input_ids.shape[1] + jnp.arange(input_ids.shape[1])
         fed_right = input_ids == jnp.take_along_axis(tokens, positions, axis=1)
@@ -177,10 +177,11 @@ def test_fp8_xla_reads_the_fp8_cache_through_the_xla_path_whatever_the_backend(t
     fp8 = fl.teacher_forced(tiny_model, tokens, starts, "fp8", backend="xla", chunk=100)
     decode_chunk, backends = fl._decode_chunk, []
 
-    def recording(model, input_ids, targets, caches, block_table, seq_lens, backend, kv_transform, q_transform):
+    def recording(model, input_ids, targets, caches, block_table, seq_lens, backend, kv_transform, q_transform,
+                  query_terms=1):
         backends.append(backend)
         return decode_chunk(model, input_ids, targets, caches, block_table, seq_lens, backend, kv_transform,
-                            q_transform)
+                            q_transform, query_terms)
 
     monkeypatch.setattr(fl, "_decode_chunk", recording)
     # "pallas" here would run the kernels in the interpreter; the scheme must override it.
@@ -188,6 +189,27 @@ def test_fp8_xla_reads_the_fp8_cache_through_the_xla_path_whatever_the_backend(t
     assert backends and set(backends) == {"xla"}
     np.testing.assert_array_equal(np.concatenate(via_xla.answer_logprobs), np.concatenate(fp8.answer_logprobs))
     np.testing.assert_array_equal(via_xla.context_bits, fp8.context_bits)
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_the_two_term_query_scheme_decodes_the_fp8_cache_with_two_query_terms(tiny_model, tasks, monkeypatch, prefill):
+    """fp8_two_term_query: the same FP8 cache as fp8, every decode call with ``query_terms=2``,
+    which moves the answers' log-probabilities by the query's rounding alone (~2^-4 of a score
+    before, ~2^-8 after: small, and not zero)."""
+    tokens, starts = np.stack([t.tokens for t in tasks]), [t.answer_start for t in tasks]
+    fp8 = fl.teacher_forced(tiny_model, tokens, starts, "fp8", backend="xla", chunk=100, prefill=prefill)
+    decode_chunk, terms = fl._decode_chunk, []
+
+    def recording(*args):
+        terms.append(args[-1])
+        return decode_chunk(*args)
+
+    monkeypatch.setattr(fl, "_decode_chunk", recording)
+    two = fl.teacher_forced(tiny_model, tokens, starts, "fp8_two_term_query", backend="xla", chunk=100,
+                            prefill=prefill)
+    assert terms and set(terms) == {2}
+    diff = np.abs(np.concatenate(two.answer_logprobs) - np.concatenate(fp8.answer_logprobs))
+    assert 0 < diff.max() < 0.5
 
 
 def test_bf16_cache_answer_logprobs_match_the_full_forward(tiny_model, tasks):

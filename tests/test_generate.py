@@ -214,11 +214,29 @@ def test_cache_bytes_reflect_the_fp8_layout(model, prompts):
     (dict(prompts=[[1, VOCAB]]), "prompts"),
     (dict(backend="cuda"), "backend"),
     (dict(page_size=0), "page_size"),
+    (dict(query_terms=3), "query_terms"),
+    (dict(query_terms=2.0), "query_terms"),
 ])
 def test_bad_arguments_raise_naming_them(model, prompts, kwargs, name):
     args = {"prompts": prompts, "max_new_tokens": 4, "backend": "xla", **kwargs}
     with pytest.raises(ValueError, match=name):
         generate(model, **args)
+
+
+def test_query_terms_reach_every_decode_step_and_not_the_prefill(model, prompts, monkeypatch):
+    """``query_terms=2``: every decode step's ``mla_decode`` runs with the query's second FP8
+    term; greedy tokens stay the model's (each within the vocabulary, the same count)."""
+    import snapmla_jax.models.attention as attention  # the module whose decode step calls mla_decode
+    calls, mla_decode = [], attention.mla_decode
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("query_terms", 1))
+        return mla_decode(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "mla_decode", recording)
+    two = generate(model, prompts, max_new_tokens=6, backend="xla", query_terms=2)
+    assert calls and set(calls) == {2}
+    assert [len(t) for t in two] == [6] * len(prompts) and all(0 <= i < VOCAB for t in two for i in t)
 
 
 def test_errors_name_a_prompt_by_its_index_in_prompts(model, prompts):

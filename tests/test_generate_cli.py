@@ -105,6 +105,25 @@ def test_json_batch_matches_generate_with_the_same_settings(checkpoint, tmp_path
     assert record["stats"]["kv_cache_bytes"] > 0 and record["stats"]["prefill_tokens"] == sum(map(len, prompts))
 
 
+def test_query_terms_flag_reaches_generate(checkpoint, capsys, monkeypatch):
+    import snapmla_jax.generate as generate_module
+    stream_init, seen = generate_module.GenerationStream.__init__, []
+
+    def recording(self, *args, **kwargs):
+        seen.append(kwargs.get("query_terms"))
+        stream_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(generate_module.GenerationStream, "__init__", recording)
+    code, out, err = _run(capsys, "--model", checkpoint, "--prompt", "a cache", "--max-new-tokens", 6,
+                          "--backend", "xla", "--eos-id", -1, "--query-terms", 2, "--json")
+    assert code == 0, err
+    assert seen[0] == 2
+    tokenizer = load_tokenizer(checkpoint)
+    expected = generate(load_checkpoint(checkpoint), [tokenizer.encode("a cache")], max_new_tokens=6, eos_id=None,
+                        backend="xla", query_terms=2)
+    assert [c["tokens"] for c in json.loads(out)["completions"]] == expected
+
+
 def test_streamed_text_equals_the_text_printed_at_the_end(checkpoint, capsys):
     common = ["--model", checkpoint, "--prompt", "héllo", "--max-new-tokens", 12, "--backend", "xla",
               "--eos-id", -1, "--temperature", 1.0, "--seed", 2]
@@ -135,6 +154,7 @@ def test_module_runs_as_a_program(checkpoint):
     (["--prompt", "x", "--temperature", "-1"], "--temperature: expected a float >= 0"),
     (["--prompt", "x", "--top-k", "-1"], "--top-k: expected an int >= 0"),
     (["--prompt", "x", "--kv-cache", "int4"], "--kv-cache: expected one of"),
+    (["--prompt", "x", "--query-terms", "3"], "--query-terms: expected one of 1, 2, got 3"),
     (["--prompt", "x", "--chunk-size", "0"], "--chunk-size: expected an int >= 1"),
     (["--prompt", "x", "--dtype", "int8"], "--dtype: expected one of"),
     (["--prompt", "x", "--backend", "pallas"], "--backend: \"pallas\" compiles for a CUDA GPU"),

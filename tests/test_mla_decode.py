@@ -197,6 +197,37 @@ def test_fp8_kernel_within_rounding_bound(paged_setup):
     assert np.median(bound / np.abs(ref)) < 0.5
 
 
+def test_two_query_terms_take_the_querys_rounding_out_of_the_scores(paged_setup):
+    """``query_terms=2`` (the query as its e4m3 rounding plus what that leaves, rounded again) on
+    the XLA path, which runs the 16-row kernel's math: every score against float64 attention on
+    the same FP8 cache errs by the second rounding alone, so the lse (which a score moves by at
+    most its own error) sits within that bound and well below the one-term path's error."""
+    latent, rope, block_table, seq_lens, q, q_rope = paged_setup
+    cache = make_cache(latent, rope, "fp8")
+    contents = cache_contents(cache)
+    _, ref_lse, _ = attention_f64(q, q_rope, *contents[:2], block_table, seq_lens)
+    errors = {terms: np.abs(np.asarray(run(q, q_rope, cache, block_table, seq_lens, query_terms=terms)[1], np.float64)
+                            - ref_lse) for terms in (1, 2)}
+    table = np.asarray(block_table)
+    keys = contents[0][table].reshape(table.shape[0], -1, RANK)  # [B, T, R] in token order
+    rope_keys = contents[1][table].reshape(table.shape[0], -1, ROPE)
+    q64, qr64 = np.abs(np.asarray(q, np.float64)), np.abs(np.asarray(q_rope, np.float64))
+    visible = np.arange(keys.shape[1])[None, :] < np.asarray(seq_lens)[:, None]  # s_q = 1
+    # Each feature's second rounding: at most 2^-4 of what the first left (itself at most 2^-4 of
+    # the feature, or 2^-10 of the row's scale amax / 448 for a subnormal), plus a subnormal
+    # step of the second term's scale: |dq_i| <= 2^-8 |q_i| + 2^-13 max|q| / 448. fp32 sums add
+    # GAMMA of the products' magnitudes.
+    amax = q64.max(-1, keepdims=True)
+    per_token = (np.einsum("bihd,btd->biht", 2.0**-8 * q64 + 2.0**-13 * amax / FP8_E4M3_MAX, np.abs(keys))
+                 + GAMMA * (np.einsum("bihd,btd->biht", q64, np.abs(keys))
+                            + np.einsum("bihd,btd->biht", qr64, np.abs(rope_keys)))) * SCALE
+    bound = np.where(visible[:, None, None, :], per_token, 0.0).max(-1) + FP32_SLACK
+    seen = np.asarray(seq_lens) > 0
+    assert np.all(errors[2][seen] <= bound[seen]), float(np.max(errors[2][seen] / bound[seen]))
+    # Not vacuous: the one-term path's error (2^-4 of each feature) is many times larger.
+    assert errors[2][seen].max() * 8 < errors[1][seen].max(), (errors[1].max(), errors[2].max())
+
+
 def test_fp8_attends_tokens_whose_scales_differ_1000x():
     """Half the tokens are 1000x smaller yet get nearly all the attention (via the
     RoPE scores): without the per-row P' factor their P' would underflow e4m3."""
@@ -488,6 +519,15 @@ def test_num_splits_that_is_not_a_positive_int_is_refused_on_every_backend(small
     with pytest.raises(ValueError, match="num_splits: expected None or a positive int"):
         mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=SCALE, backend=backend,
                    num_splits=num_splits)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("query_terms", [0, 3, 1.0, True])
+def test_query_terms_other_than_1_or_2_are_refused_on_every_backend(small_args, backend, query_terms):
+    q, q_rope, cache, block_table, seq_lens = small_args
+    with pytest.raises(ValueError, match="query_terms: expected 1 or 2"):
+        mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=SCALE, backend=backend,
+                   query_terms=query_terms)
 
 
 WITHOUT_PALLAS_TRITON = r"""

@@ -175,6 +175,17 @@ def test_kernels_lower_for_cuda_over_small_pages(kernel, rows, query_in_kernel, 
                                      num_splits=2, balanced=True, **kw), *args)
 
 
+@pytest.mark.parametrize("heads,query_in_kernel", [(16, None), (16, False), (4, None)])
+def test_small_kernel_lowers_for_cuda_with_two_query_terms(heads, query_in_kernel):
+    """The second query term's tiles fit the 16-row blocks' SMEM (227 KB) beside the bf16 staging
+    tile of a query quantized in the kernel, and beside the inputs launch's rows (4 heads: rows
+    padded to the block), under a balanced plan."""
+    q, q_rope, *cache = _inputs(0, batch=2, heads=heads, pages_per_row=3, seq_lens=[100, 0])
+    kw = {} if query_in_kernel is None else dict(query_in_kernel=query_in_kernel)
+    lower_for_cuda(lambda *a: _call_kernel(*a, 0.1, num_splits=2, balanced=True, kernel="small", query_terms=2, **kw),
+                   q, q_rope, *cache)
+
+
 def test_register_split_must_fit_the_kernels_registers(monkeypatch):
     """The consumers' ``set_max_registers`` increase waits for registers the producer's decrease
     frees: a split above 3 x 168 a thread hung an H100 (48 / 232), so it is refused, and the
@@ -410,9 +421,10 @@ def _nan_past_seq_lens(latent, scale, rope, block_table, seq_lens):
 
 
 def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu", dtype="bfloat16",
-           balanced=False, pages_per_row=5, segments=0):
+           balanced=False, pages_per_row=5, segments=0, query_terms=1):
     """Kernel vs ``mla_decode_reference(block_n=128)``, queries in ``dtype``; returns (max error /
-    max |ref|, max lse error, lse scale). ``segments`` > 0: a wave plan (``split_plan.wave_plan``)."""
+    max |ref|, max lse error, lse scale). ``segments`` > 0: a wave plan (``split_plan.wave_plan``);
+    ``query_terms``: the query's FP8 terms in the kernel and the reference."""
     q, q_rope, latent, scale, rope, block_table, lens = _inputs(heads + s_q, batch=len(seq_lens), heads=heads,
                                                                 pages_per_row=pages_per_row, seq_lens=seq_lens,
                                                                 s_q=s_q)
@@ -421,11 +433,12 @@ def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu
     softmax_scale = 576 ** -0.5
     out, lse = _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale,
                             layer_pages=layer_pages, num_splits=splits, balanced=balanced, interpret=interpret,
-                            kernel=kernel, **({"segments": segments} if segments else {}))
+                            kernel=kernel, **({"segments": segments} if segments else {}),
+                            **({"query_terms": query_terms} if query_terms != 1 else {}))
     # The reference rounds Q and P' to e4m3 as the kernel does (P' factor per
     # 128-token step), with exact products, on the same pages without a layer offset.
     ref, ref_lse = mla_decode_reference(q, q_rope, latent, scale, rope, block_table, lens,
-                                        softmax_scale=softmax_scale, block_n=128)
+                                        softmax_scale=softmax_scale, block_n=128, query_terms=query_terms)
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
     seen = np.asarray(lens) > 0
@@ -516,9 +529,9 @@ def test_small_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens
 @SMALL_CASES
 def test_small_kernel_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
     err, lse_err, lse_scale = _check(heads, s_q, seq_lens, layer_pages, splits, interpret=False, kernel=kernel)
-    # Hopper's FP8 accumulation over 512-feature chains (this kernel's QK_PROMOTION, as
-    # the 64-row kernel's): the bound of test_kernel_matches_reference, whose comment
-    # has the measurements.
+    # Hopper's FP8 accumulation over chains of this kernel's QK_PROMOTION features (128,
+    # shorter than the 64-row kernel's 512): within the bound of test_kernel_matches_reference,
+    # whose comment has the measurements.
     assert err < MGPU_TOL, err
     assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
@@ -702,6 +715,113 @@ def test_small_kernel_query_in_kernel_under_a_balanced_plan():
     (query positions masked differently in a row's last step), ragged rows, a partial page."""
     out_diff, lse_diff = _in_subprocess("_query_paths(8, 2, [300, 0, 40, 257], 2, 3, balanced=True)")
     assert out_diff == 0.0 and lse_diff == 0.0, (out_diff, lse_diff)
+
+
+# The 16-row kernel with the query as two FP8 terms: rows quantized by the inputs launch (4 or 8
+# heads: rows padded to the block) and in the kernel (16 bf16 heads: whole blocks), ragged rows, a
+# row of seq_len 0, a partial page, splits and a layer offset. (heads, s_q, seq_lens, layer_pages,
+# splits)
+QUERY_TERMS_CASES = pytest.mark.parametrize("heads,s_q,seq_lens,layer_pages,splits", [
+    (4, 1, [129, 0, 300], 2, 2), (16, 1, [129, 0, 300], 0, 1), (4, 2, [65, 257], 1, 3)])
+
+
+def _exact_scores(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale):
+    """float64 attention scores on the cache's FP8 values, natural log: (scores [B, s_q, H, T],
+    sum of |q_i k_i| of each (softmax-scaled) [B, s_q, H, T], visible bool [B, s_q, 1, T])."""
+    s_q = q.shape[1]
+    table = np.asarray(block_table)
+    batch = table.shape[0]
+    keys = (np.asarray(latent, np.float64) * np.asarray(scale, np.float64)[..., None])[table].reshape(batch, -1, 512)
+    rope_keys = np.asarray(rope, np.float64)[table].reshape(batch, -1, 64)
+    q64, qr64 = np.asarray(q, np.float64), np.asarray(q_rope, np.float64)
+    scores = (np.einsum("bihd,btd->biht", q64, keys) + np.einsum("bihd,btd->biht", qr64, rope_keys)) * softmax_scale
+    magnitude = np.einsum("bihd,btd->biht", np.abs(q64), np.abs(keys)) * softmax_scale  # sum of |q_i k_i|
+    t = np.arange(keys.shape[1])
+    visible = t[None, None, :] < (np.asarray(lens)[:, None] - s_q + np.arange(s_q)[None, :] + 1)[..., None]
+    return scores, magnitude, visible[:, :, None, :]
+
+
+def _largest_score_magnitude(heads, s_q, seq_lens) -> float:
+    """The largest sum of |q_i k_i| (softmax-scaled) of a visible score of ``_check``'s inputs."""
+    q, q_rope, latent, scale, rope, block_table, lens = _inputs(heads + s_q, batch=len(seq_lens), heads=heads,
+                                                                pages_per_row=5, seq_lens=seq_lens, s_q=s_q)
+    _, magnitude, visible = _exact_scores(q, q_rope, latent, scale, rope, block_table, lens, 576 ** -0.5)
+    return float(np.where(visible, magnitude, 0.0).max())
+
+
+def _query_terms_errors(heads, s_q, seq_lens, layer_pages, splits, *, interpret=True):
+    """The 16-row kernel's lse with one and with two FP8 query terms against float64 attention on
+    the cache's FP8 values (every score's error is then the query's rounding, to within float32):
+    (max |lse error| with 1 term, with 2, the bound for 2 terms)."""
+    q, q_rope, latent, scale, rope, block_table, lens = _inputs(11 + heads, batch=len(seq_lens), heads=heads,
+                                                                pages_per_row=5, seq_lens=seq_lens, s_q=s_q)
+    softmax_scale = 576 ** -0.5
+    errors = []
+    for terms in (1, 2):
+        _, lse = _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale,
+                              layer_pages=layer_pages, num_splits=splits, interpret=interpret, kernel="small",
+                              query_terms=terms)
+        errors.append(np.asarray(lse, np.float64))
+    scores, magnitude, visible = _exact_scores(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale)
+    top = np.where(visible, scores, -np.inf).max(-1, keepdims=True)
+    seen = np.asarray(lens) > 0
+    exact = (top[..., 0] + np.log(np.where(visible, np.exp(scores - top), 0.0).sum(-1)))[seen]
+    one, two = (float(np.max(np.abs(lse[seen] - exact))) for lse in errors)
+    # e4m3 keeps 3 mantissa bits: a value's rounding is at most 2^-4 of it, a subnormal's at most
+    # 2^-10 of its row's scale (amax / 448); the second term rounds what the first leaves, so each
+    # feature of the query errs by at most 2^-8 of itself plus subnormal steps, and a score by
+    # 2^-8 of the sum of |q_i k_i| (a log-sum-exp moves by at most its largest score's error).
+    # 1e-4: float32 sums of O(10) scores and exp2 / log2 (the lse bound of the reference tests).
+    bound = 2.0 ** -8 * float(np.where(visible, magnitude, 0.0).max()) + 1e-4
+    return one, two, bound
+
+
+@QUERY_TERMS_CASES
+def test_small_kernel_interpreted_two_query_terms_match_reference(heads, s_q, seq_lens, layer_pages, splits):
+    """Two FP8 query terms through the inputs launch (rows padded to the block, the second term
+    from ``query_rest``) and in the kernel (``quantize_query``): the kernel against
+    ``mla_decode_reference(query_terms=2)``."""
+    err, lse_err, _ = _check_in_subprocess(heads, s_q, seq_lens, layer_pages, splits, kernel="small",
+                                           query_terms=2)
+    assert err < (4e-3 if splits == 1 else 4e-3 + 2.0 ** -8), err  # as test_small_kernel_interpreted_matches_reference
+    # One term's products of e4m3 values sum exactly in float32 in any order; the second term's,
+    # 2^-4 of the first's, do not: float32 sums of 512 products in two orders differ by at most
+    # 512 x 2^-24 of the sum of their magnitudes (measured: 1.8e-3 at a score of 141 whose
+    # magnitude is ~2^13 times float32's spacing there). 1e-4: as the one-term test.
+    assert lse_err < 2.0 ** -15 * _largest_score_magnitude(heads, s_q, seq_lens) + 1e-4, lse_err
+
+
+@QUERY_TERMS_CASES
+def test_small_kernel_interpreted_two_query_terms_remove_the_querys_rounding(heads, s_q, seq_lens, layer_pages,
+                                                                             splits):
+    """The second term takes the query's rounding from 2^-4 to 2^-8 of each feature: the lse
+    against float64 attention on the same FP8 cache stays within that bound, and at least 8x
+    below the one-term kernel's error (16x in the worst case of both bounds; 8x leaves room for
+    float32)."""
+    one, two, bound = _in_subprocess(f"_query_terms_errors({heads}, {s_q}, {seq_lens!r}, {layer_pages}, {splits})")
+    assert two < bound, (two, bound)
+    assert two * 8 < one, (one, two)
+
+
+@pytest.mark.gpu
+@QUERY_TERMS_CASES
+def test_small_kernel_two_query_terms_remove_the_querys_rounding(heads, s_q, seq_lens, layer_pages, splits):
+    """Compiled: as interpreted, plus Hopper's FP8 accumulation over chains of QK_PROMOTION
+    features (both terms' products), up to ~2^-9 of a score's products over 512 features
+    (test_kernel_matches_reference): the bound doubles."""
+    one, two, bound = _query_terms_errors(heads, s_q, seq_lens, layer_pages, splits, interpret=False)
+    assert two < 2 * bound, (two, bound)
+    assert two * 4 < one, (one, two)
+
+
+def test_small_kernel_refuses_other_query_terms():
+    """The second term's SMEM tile fits 16-row blocks only; 1 and 2 terms are what exist."""
+    q, q_rope, latent, scale, rope, block_table, lens = _inputs(0, batch=1, heads=16, pages_per_row=2,
+                                                                seq_lens=[100])
+    for kernel, terms in (("small32", 2), ("small", 3), ("small", 0)):
+        with pytest.raises(ValueError, match="query_terms"):
+            _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, 0.1, interpret=True, kernel=kernel,
+                         query_terms=terms)
 
 
 def test_small_kernel_interpreted_float32_output():

@@ -17,7 +17,7 @@ KERNELS = {"mgpu": (mgpu_kernel, tool.VARIANTS), "small": (small_kernel, tool.SM
 # The producer's flip is "no_producer" or "with_producer" by the jax version (tool.PRODUCER_FLIP).
 LOWERED = [("mgpu", name) for name in ("promotion_256", *tool.PRODUCER_FLIP, "issue_by_one_thread",
                                        "registers_40_232", "producer_by_warps", "p_clamped")] + \
-          [("small", name) for name in ("promotion_128", "issuer_0", "issue_by_one_thread")]
+          [("small", name) for name in ("promotion_512", "issuer_0", "issue_by_one_thread")]
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))

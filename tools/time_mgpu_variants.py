@@ -66,8 +66,8 @@ VARIANTS = {
 }
 SMALL_VARIANTS = {
     "baseline": {},
-    "promotion_128": {"QK_PROMOTION": 128},
     "promotion_256": {"QK_PROMOTION": 256},
+    "promotion_512": {"QK_PROMOTION": 512},
     "issuer_0": {"ISSUER": 0},
     "synced_row_stores": {"UNSYNCED_ROW_STORES": False},
     "mbarrier_sync": {"NAMED_SYNC": False},

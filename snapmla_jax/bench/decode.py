@@ -97,8 +97,8 @@ def chain_calls(layers: int) -> int:
     return max(layers, MIN_CHAIN_CALLS)
 
 
-def decode_chain(softmax_scale: float, layers: int, backend: str = "auto", num_splits=None):
-    """jit of ``chain_calls(layers)`` mla_decode calls (``backend``, ``num_splits``), call i over
+def decode_chain(softmax_scale: float, layers: int, backend: str = "auto", num_splits=None, query_terms: int = 1):
+    """jit of ``chain_calls(layers)`` mla_decode calls (``backend``, ``num_splits``, ``query_terms``), call i over
     layer i mod ``layers`` of the cache (no layer axis when ``layers`` is 1), each call's output
     the next call's query: (q, q_rope, cache, block_table, seq_lens) -> out [B, s_q, H, 512].
 
@@ -107,7 +107,7 @@ def decode_chain(softmax_scale: float, layers: int, backend: str = "auto", num_s
     calls in a loop over a traced layer, so that the compiled program stays small."""
     def one(q, q_rope, cache, block_table, seq_lens, layer):
         return mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=softmax_scale, layer=layer,
-                          backend=backend, num_splits=num_splits)
+                          backend=backend, num_splits=num_splits, query_terms=query_terms)
 
     if layers <= MIN_CHAIN_CALLS:
         def unrolled(q, *rest):
@@ -197,18 +197,21 @@ BF16_BYTES_PER_TOKEN = 2 * (RANK + ROPE)
 # The measured methods: the cache each reads (bytes a token) and whether its QK content
 # and PV products run in FP8 (the RoPE product is bf16 in all).
 METHODS = {"fp8": (FP8_BYTES_PER_TOKEN, True), "bf16": (BF16_BYTES_PER_TOKEN, False),
-           "xla_bf16": (BF16_BYTES_PER_TOKEN, False), "flashmla": (BF16_BYTES_PER_TOKEN, False)}
-# What ``--methods`` selects from (JAX's stock kernel is "stock_mqa"), all timed unless told.
+           "xla_bf16": (BF16_BYTES_PER_TOKEN, False), "flashmla": (BF16_BYTES_PER_TOKEN, False),
+           "fp8_q2": (FP8_BYTES_PER_TOKEN, True)}
+# What ``--methods`` selects from (JAX's stock kernel is "stock_mqa"); all but "fp8_q2" (the FP8
+# cache with ``mla_decode(query_terms=2)``, an option) are timed unless told.
 METHOD_NAMES = (*METHODS, "stock_mqa")
-DEFAULT_METHODS = METHOD_NAMES
+DEFAULT_METHODS = tuple(m for m in METHOD_NAMES if m != "fp8_q2")
 
 
 def method_work(method: str, batch: int, context: int, heads: int, s_q: int) -> tuple[int, int, int]:
     """(bytes, FP8 FLOPs, BF16 FLOPs) of one decode call of ``method`` (``METHODS``): the cache
-    read plus the queries and outputs in bf16; Q.K over 512 + 64 features and P.V over 512."""
+    read plus the queries and outputs in bf16; Q.K over 512 + 64 features (twice over the 512 with
+    two query terms) and P.V over 512."""
     per_token, fp8 = METHODS[method]
     nbytes = batch * context * per_token + batch * s_q * heads * (RANK + ROPE + RANK) * 2
-    flops = 2 * batch * s_q * heads * context * (RANK + ROPE + RANK)
+    flops = 2 * batch * s_q * heads * context * (RANK + ROPE + RANK + (RANK if method == "fp8_q2" else 0))
     flops_rope = 2 * batch * s_q * heads * context * ROPE
     return (nbytes, flops - flops_rope, flops_rope) if fp8 else (nbytes, 0, flops)
 
@@ -253,10 +256,10 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
     q, q_rope, seq_lens, scale = make_queries(batch, context, heads, s_q)
     # The cache is an argument of the jitted step (as in a serving loop), not a
     # closed-over constant that XLA would have to embed.
-    run = lambda backend: decode_chain(scale, layers, backend)
+    run = lambda backend, **kwargs: decode_chain(scale, layers, backend, **kwargs)
     row = dict(batch=batch, context=context, heads=heads, s_q=s_q, layers=layers, calls=chain_calls(layers),
                measured_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
-    plans = {"fp8": (fp8, "pallas"), "bf16": (bf16, "pallas"), "xla_bf16": (bf16, "xla")}
+    plans = {"fp8": (fp8, "pallas"), "bf16": (bf16, "pallas"), "xla_bf16": (bf16, "xla"), "fp8_q2": (fp8, "pallas")}
     # The XLA path gathers the pages (a bf16 copy) and keeps fp32 scores and weights.
     xla_bytes = batch * context * bf16.nbytes_per_token + 3 * batch * s_q * heads * context * 4
     runs = {}
@@ -268,7 +271,8 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
             row[f"{name}_ms"] = None
             row[f"{name}_note"] = "skipped: does not fit memory"
             continue
-        runs[name] = (run(backend), [(q, q_rope, cache, block_table, seq_lens)])
+        runs[name] = (run(backend, **({"query_terms": 2} if name == "fp8_q2" else {})),
+                      [(q, q_rope, cache, block_table, seq_lens)])
     flash_run = None
     if flashmla is not None and "flashmla" in methods:
         try:
@@ -306,7 +310,7 @@ def measure_config(batch, context, heads, s_q, caches, ceilings, iters, stock_re
         row[f"{name}_roofline"] = roofline_ms(nbytes, f8, f16, ceilings) / ms
     for num, den, key in (("bf16", "fp8", "fp8_over_bf16"), ("xla_bf16", "fp8", "fp8_over_xla"),
                           ("flashmla", "fp8", "flashmla_over_fp8"),
-                          ("flashmla", "bf16", "flashmla_over_bf16")):
+                          ("flashmla", "bf16", "flashmla_over_bf16"), ("fp8_q2", "fp8", "fp8_q2_over_fp8")):
         if row.get(f"{num}_ms") and row.get(f"{den}_ms"):
             row[key] = row[f"{num}_ms"] / row[f"{den}_ms"]
     del flash_run
@@ -332,7 +336,8 @@ def shape_key(row: dict) -> tuple[int, int, int, int]:
 
 # Columns of the markdown table: (header, row key, format); a column whose key no row has is left out.
 COLUMNS = [
-    ("FP8 ms", "fp8_ms", "ms"), ("FlashMLA ms", "flashmla_ms", "ms"), ("BF16 ms", "bf16_ms", "ms"),
+    ("FP8 ms", "fp8_ms", "ms"), ("FP8 2-term query ms", "fp8_q2_ms", "ms"), ("FlashMLA ms", "flashmla_ms", "ms"),
+    ("BF16 ms", "bf16_ms", "ms"), ("FP8 2-term / FP8", "fp8_q2_over_fp8", "x"),
     ("XLA bf16 ms", "xla_bf16_ms", "ms"), ("FlashMLA/FP8", "flashmla_over_fp8", "x"),
     ("FlashMLA/BF16", "flashmla_over_bf16", "x"), ("FP8/BF16", "fp8_over_bf16", "x"), ("FP8/XLA", "fp8_over_xla", "x"),
     ("FP8 GB/s", "fp8_gbps", "int"), ("FP8 TFLOP/s", "fp8_tflops", "int"), ("FP8 % roof", "fp8_roofline", "%"),
@@ -414,6 +419,8 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
         "FP8 = `mla_decode` on the fp8 cache (644 B/token) with its default kernel and split plan. BF16 = the",
         "same on the bf16 cache (1152 B/token): our BF16 twin.",
         *(["XLA bf16 = `mla_decode(..., backend=\"xla\")` on the bf16 cache."] if timed("xla_bf16") else []),
+        *(["FP8 2-term query = the same with `query_terms=2` (the query as two FP8 terms, the 16-row kernel)."]
+          if timed("fp8_q2") else []),
         *([f"FlashMLA = {flashmla_name}: FlashMLA's dense BF16 decode on the bf16 cache's contents (576 bf16 a",
            "token), same process, its calls replayed from one CUDA graph; FlashMLA/FP8 = its time / ours",
            "(> 1: ours faster). Its layer-0 output against our BF16 twin's: max |diff| / max |FlashMLA| "
