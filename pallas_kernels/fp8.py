@@ -68,6 +68,15 @@ def e4m3_values_with_scale(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
     return round_to_e4m3(jnp.clip(x.astype(jnp.float32) / scale[..., None], -FP8_E4M3_MAX, FP8_E4M3_MAX))
 
 
+def residual_per_token(x: jnp.ndarray, values: jnp.ndarray, scale: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """What ``values * scale`` (x's e4m3 values [..., D] under its row scales [...]) leaves of
+    ``x`` [..., D], quantized per row the same way: (its e4m3 values held in float32 [..., D],
+    their scales [...]). The second FP8 term of a two-term quantization."""
+    rest = x.astype(jnp.float32) - values * scale[..., None]
+    rest_scale = per_token_scale(rest)
+    return e4m3_values_with_scale(rest, rest_scale), rest_scale
+
+
 def fp8_round_trip(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
     """``x`` [..., D] quantized with ``scale`` [...] and read back, float32 [..., D]: the values
     ``dequantize_per_token(quantize_with_scale(x, scale), scale)`` holds, on every backend."""

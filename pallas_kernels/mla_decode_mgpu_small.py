@@ -61,7 +61,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, gpu, memref
 
 from snapmla_jax.pallas_kernels.combine_splits import partial_dtype
-from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, e4m3_values_with_scale, per_token_scale
+from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, residual_per_token
 from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms,
                                                    store_token_bytes)
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import (GROUP_ROWS, SCALE_FLOOR, by_row, quantized_rows,
@@ -286,11 +286,10 @@ def query_rest(q_rows: jax.Array, q8: jax.Array, q_scale: jax.Array) -> tuple[ja
     to P, zeros) -> what q8 leaves of each row (q - q8 * q_scale in float32) quantized per row,
     (e4m3 [B, P, 512], f32 [B, P]): ``quantize_query``'s second term, in XLA."""
     padded = jnp.pad(q_rows.astype(jnp.float32), ((0, 0), (0, q8.shape[1] - q_rows.shape[1]), (0, 0)))
-    rest = padded - q8.astype(jnp.float32) * q_scale[..., None]
-    rest_scale = per_token_scale(rest)
     # The e4m3 values as the reference rounds them (a float8 conversion of x / scale may round a
     # midpoint the other way where XLA computes x * (1 / scale)).
-    return e4m3_values_with_scale(rest, rest_scale).astype(FP8_DTYPE), rest_scale
+    values, rest_scale = residual_per_token(padded, q8.astype(jnp.float32), q_scale)
+    return values.astype(FP8_DTYPE), rest_scale
 
 
 def parity_scales(ksc_s, slot, wg, *, page_size: int, interpret: bool) -> jax.Array:

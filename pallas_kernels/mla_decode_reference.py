@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from snapmla_jax.pallas_kernels.fp8 import FP8_E4M3_MAX, e4m3_values_with_scale, per_token_scale, round_to_e4m3
+from snapmla_jax.pallas_kernels.fp8 import (FP8_E4M3_MAX, e4m3_values_with_scale, per_token_scale, residual_per_token,
+                                         round_to_e4m3)
 
 LOG2E = math.log2(math.e)  # folded into the softmax scale: exp(x) = exp2(x * log2(e))
 LN2 = math.log(2.0)  # converts a base-2 log-sum-exp back to natural log
@@ -101,9 +102,7 @@ def mla_decode_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Arr
             scores = (dot("bihd,btd->biht", q_content, kv32)
                       * (q_scale * scale_log2)[..., None] * k_scale[:, None, None, :])
         else:
-            rest = q_latent.astype(jnp.float32) - q_content * q_scale[..., None]
-            rest_scale = per_token_scale(rest)
-            rest_content = e4m3_values_with_scale(rest, rest_scale)
+            rest_content, rest_scale = residual_per_token(q_latent, q_content, q_scale)
             scores = ((dot("bihd,btd->biht", q_content, kv32) * q_scale[..., None]
                        + dot("bihd,btd->biht", rest_content, kv32) * rest_scale[..., None])
                       * scale_log2 * k_scale[:, None, None, :])
