@@ -87,6 +87,9 @@ ROWS = 16  # query rows a CTA by default: the wgmma N of every product
 # --kernel-trace-rounds 3), and it halves FP8's cost in answer bits on the long-context model
 # served a token a call (docs/fidelity.md, "Q.K summed in float32 every 128 features").
 QK_PROMOTION = 128
+# The same for 32-row blocks, whose accumulators are twice as wide: one 512-feature chain, as
+# their timings (``decode.mosaic_kernel``) were taken; 128 there is not measured.
+QK_PROMOTION_32_ROWS = 512
 BLOCK_ROWS = (16, 32)  # the row blocks the kernel takes (``block_rows``)
 QUERY_TERMS = (1, 2)  # FP8 terms of the query (``query_terms``)
 QUERY_IN_KERNEL_ROWS = 16  # the row block that quantizes its query in the kernel (``runs_query_in_kernel``)
@@ -111,14 +114,14 @@ def half_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *
     query's second term (``quantize_query``), (q8 e4m3 [4, R, 128], its row scales [R]): its
     FP8 product against the same K tile is added, K8.Q8^T * q_scale + K8.Q8r^T * q_scale_r.
 
-    fp32 promotion every ``QK_PROMOTION`` features, as ``mla_decode_mgpu``, every chain (of
-    either term) in flight at once (one accumulator each, 8 registers at R = 16) under one wait;
-    then the RoPE wgmma onto the scaled FP8 product (the interpreter, which has no
-    pre-initialised accumulators, adds it in registers).
+    fp32 promotion every ``QK_PROMOTION`` features (``QK_PROMOTION_32_ROWS`` in 32-row blocks),
+    as ``mla_decode_mgpu``, every chain (of either term) in flight at once (one accumulator
+    each, 8 registers at R = 16) under one wait; then the RoPE wgmma onto the scaled FP8
+    product (the interpreter, which has no pre-initialised accumulators, adds it in registers).
     """
     rows = q8_s.shape[1]
     tokens = pl.ds(first_row, HALF)
-    per_chain = QK_PROMOTION // CHUNK
+    per_chain = (QK_PROMOTION if rows == QUERY_IN_KERNEL_ROWS else QK_PROMOTION_32_ROWS) // CHUNK
     firsts = range(0, NUM_CHUNKS, per_chain)
     acc = plgpu.ACC((HALF, rows), jnp.float32)
     terms = [q8_s] if rest is None else [q8_s, rest[0]]
