@@ -165,20 +165,23 @@ def split_overhead(cache_dtype: str = "fp8") -> float:
     return MOSAIC_STEP / min_tokens_per_split(cache_dtype)
 
 
-def planned_num_splits(q_latent: jax.Array, cache: LatentCache, block_table: jax.Array) -> int:
+def planned_num_splits(q_latent: jax.Array, cache: LatentCache, block_table: jax.Array, query_terms: int = 1) -> int:
     """The split-KV count ``mla_decode`` gives its Mosaic kernel for these arguments when
     ``num_splits`` is None (q_latent [B, s_q, H, R])."""
     batch, s_q, heads, _ = q_latent.shape
-    block_m = mosaic_kernel(s_q * heads, cache.dtype, q_latent.dtype, capacity_tokens(block_table, cache))[1]
+    block_m = mosaic_kernel(s_q * heads, cache.dtype, q_latent.dtype, capacity_tokens(block_table, cache),
+                            query_terms)[1]
     return choose_num_splits(batch, -(-(s_q * heads) // block_m), block_table.shape[1] * cache.page_size,
                              _sm_count(), min_tokens_per_split(cache.dtype), split_overhead(cache.dtype))
 
 
-def planned_split(q_latent: jax.Array, cache: LatentCache, block_table: jax.Array) -> tuple[int, int]:
+def planned_split(q_latent: jax.Array, cache: LatentCache, block_table: jax.Array,
+                  query_terms: int = 1) -> tuple[int, int]:
     """``choose_plan``'s (num_splits, segments) for a call of ``mla_decode`` with these arguments
     whose plan follows the rows (num_splits None, above ``UNIFORM_PLAN_MAX_TOKENS``)."""
     batch, s_q, heads, _ = q_latent.shape
-    block_m = mosaic_kernel(s_q * heads, cache.dtype, q_latent.dtype, capacity_tokens(block_table, cache))[1]
+    block_m = mosaic_kernel(s_q * heads, cache.dtype, q_latent.dtype, capacity_tokens(block_table, cache),
+                            query_terms)[1]
     return choose_plan(batch, -(-(s_q * heads) // block_m), block_table.shape[1] * cache.page_size, _sm_count(),
                        min_tokens_per_split(cache.dtype), split_overhead(cache.dtype))
 
@@ -299,10 +302,12 @@ def mosaic_pages(block_table: jax.Array, num_pages: int, page_size: int,
     return sub_pages.reshape(block_table.shape[0], -1), num_pages * k, sub_page
 
 
-def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16, capacity: int | None = None):
+def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16, capacity: int | None = None,
+                  query_terms: int = 1):
     """The Mosaic GPU kernel for ``num_rows`` query rows (s_q x heads) of ``q_dtype`` a batch row
     over a ``cache_dtype`` cache of ``capacity`` tokens of block-table capacity over the batch
-    (``capacity_tokens``; None: large), and its rows per CTA: (kernel function, block rows).
+    (``capacity_tokens``; None: large), with the fp8 query in ``query_terms`` FP8 terms
+    (``mla_decode``'s), and its rows per CTA: (kernel function, block rows).
 
     A bf16 cache: up to 16 bf16 rows, and 17-32 of them up to ``SMALL_BLOCKS_MAX_TOKENS`` of
     capacity, the BF16 twin in 16-row blocks (``mla_decode_mgpu_bf16_small``, rows on the wgmma N
@@ -332,6 +337,9 @@ def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16,
     and 8 x 16k x 128 (0.0117 vs 0.0169 ms at 1 x 1k x 128, 0.0276 vs 0.0249 at 1 x 16k x 128).
     """
     small_problem = capacity is not None and capacity <= SMALL_BLOCKS_MAX_TOKENS
+    if cache_dtype == "fp8" and query_terms == 2:  # only 16-row blocks hold the second term
+        return functools.partial(mla_decode_mgpu_small, block_rows=MOSAIC_QUERY_IN_KERNEL_ROWS,
+                                 query_terms=2), MOSAIC_QUERY_IN_KERNEL_ROWS
     if cache_dtype == "bf16":
         small = num_rows <= MOSAIC_BF16_SMALL_ROWS or (num_rows <= 2 * MOSAIC_BF16_SMALL_ROWS and small_problem)
         if small and bf16_small_takes(q_dtype):
@@ -438,14 +446,11 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     balanced = num_splits is None and not uniform_plan_only(capacity)
     segments = 0
     if balanced:
-        num_splits, segments = planned_split(q_latent, cache, block_table)
+        num_splits, segments = planned_split(q_latent, cache, block_table, query_terms)
     elif num_splits is None:
-        num_splits = planned_num_splits(q_latent, cache, block_table)
+        num_splits = planned_num_splits(q_latent, cache, block_table, query_terms)
     table, num_pages, page_size = mosaic_pages(block_table, cache.num_pages, cache.page_size, cache.dtype)
-    kernel = mosaic_kernel(num_rows, cache.dtype, q_latent.dtype, capacity)[0]
-    if query_terms == 2 and cache.dtype == "fp8":
-        kernel = functools.partial(mla_decode_mgpu_small, block_rows=MOSAIC_QUERY_IN_KERNEL_ROWS, query_terms=2)
-    out, lse = kernel(
+    out, lse = mosaic_kernel(num_rows, cache.dtype, q_latent.dtype, capacity, query_terms)[0](
         to_rows(q_latent), to_rows(q_rope), cache_arrays, table, seq_lens, layer_offset,
         softmax_scale=softmax_scale, page_size=page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,
         balanced=balanced, num_pages=num_pages, segments=segments, interpret=backend == "interpret")

@@ -643,6 +643,12 @@ def test_mosaic_kernel_routes_by_rows():
     assert small(17) == small(32) == 32   # H = 16 at s_q = 2, H = 32
     assert mosaic_kernel(33) == (mla_decode_mgpu, 64)
     assert mosaic_kernel(48) == (mla_decode_mgpu, 64)
+    # Two query terms: 16-row blocks at any row count (the block rows the split plan counts).
+    for num_rows in (4, 32, 128):
+        fn, rows = mosaic_kernel(num_rows, "fp8", jnp.bfloat16, None, 2)
+        assert fn.func is mla_decode_mgpu_small and fn.keywords == {"block_rows": 16, "query_terms": 2}
+        assert rows == 16
+    assert mosaic_kernel(128, "bf16", jnp.bfloat16, None, 2) == mosaic_kernel(128, "bf16")  # no FP8 query
 
 
 def test_bf16_rows_of_a_small_fp8_problem_run_16_row_blocks():
@@ -1050,7 +1056,7 @@ def test_mla_decode_balances_splits_unless_num_splits_is_given(monkeypatch):
         return jnp.zeros(q_rows.shape, q_rows.dtype), jnp.zeros(q_rows.shape[:2], jnp.float32)
 
     monkeypatch.setattr(decode, "mosaic_kernel",
-                        lambda rows, dtype="fp8", q_dtype=None, capacity=None: (fake_kernel, 64))
+                        lambda rows, dtype="fp8", q_dtype=None, capacity=None, query_terms=1: (fake_kernel, 64))
     cache = LatentCache.create(8, page_size=64)
     q, q_rope = jnp.ones((2, 1, 64, 512), jnp.bfloat16), jnp.ones((2, 1, 64, 64), jnp.bfloat16)
     # 2 rows x 128 pages: one page past the uniform plan's capacity; then 4 pages a row.
