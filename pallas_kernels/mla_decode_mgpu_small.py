@@ -81,15 +81,14 @@ from snapmla_jax.pallas_kernels.write_kv import row_layout
 
 ROWS = 16  # query rows a CTA by default: the wgmma N of every product
 # Features a fp32 promotion of the FP8 S^T product, as ``mla_decode_mgpu.QK_PROMOTION``. Every
-# 128 features here, where the call is bound by the cache's bytes: the kernel 315.4 vs 311.3 us at
-# 64 x 32k x 16 and 312.7 vs 313.2 at 128 x 16k x 16 against one 512-feature chain (H200, jax
-# 0.11.2, tools/time_mgpu_variants.py --kernel small --variants baseline promotion_512
-# --kernel-trace-rounds 3), and it halves FP8's cost in answer bits on the long-context model
-# served a token a call (docs/fidelity.md, "Q.K summed in float32 every 128 features").
+# 128 features here, in 16- and 32-row blocks, where the call is bound by the cache's bytes: the
+# kernel against one 512-feature chain (H200, jax 0.11.2, tools/time_mgpu_variants.py --kernel
+# small --kernel-trace-rounds 3): 315.4 vs 311.3 us at 64 x 32k x 16 and 312.7 vs 313.2 at
+# 128 x 16k x 16 (16-row blocks); 279.1 vs 279.2 at 64 x 16k x 16 x 2, 524.5 vs 523.3 at
+# 128 x 16k x 32 and 75.7 vs 75.2 at 8 x 32k x 16 x 2 (32-row blocks). It halves FP8's cost in
+# answer bits on the long-context model served a token a call (docs/fidelity.md, "Q.K summed in
+# float32 every 128 features").
 QK_PROMOTION = 128
-# The same for 32-row blocks, whose accumulators are twice as wide: one 512-feature chain, as
-# their timings (``decode.mosaic_kernel``) were taken; 128 there is not measured.
-QK_PROMOTION_32_ROWS = 512
 BLOCK_ROWS = (16, 32)  # the row blocks the kernel takes (``block_rows``)
 QUERY_TERMS = (1, 2)  # FP8 terms of the query (``query_terms``)
 QUERY_IN_KERNEL_ROWS = 16  # the row block that quantizes its query in the kernel (``runs_query_in_kernel``)
@@ -114,14 +113,14 @@ def half_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *
     query's second term (``quantize_query``), (q8 e4m3 [4, R, 128], its row scales [R]): its
     FP8 product against the same K tile is added, K8.Q8^T * q_scale + K8.Q8r^T * q_scale_r.
 
-    fp32 promotion every ``QK_PROMOTION`` features (``QK_PROMOTION_32_ROWS`` in 32-row blocks),
-    as ``mla_decode_mgpu``, every chain (of either term) in flight at once (one accumulator
-    each, 8 registers at R = 16) under one wait; then the RoPE wgmma onto the scaled FP8
-    product (the interpreter, which has no pre-initialised accumulators, adds it in registers).
+    fp32 promotion every ``QK_PROMOTION`` features, as ``mla_decode_mgpu``, every chain (of
+    either term) in flight at once (one accumulator each, 8 registers at R = 16) under one wait;
+    then the RoPE wgmma onto the scaled FP8 product (the interpreter, which has no pre-initialised
+    accumulators, adds it in registers).
     """
     rows = q8_s.shape[1]
     tokens = pl.ds(first_row, HALF)
-    per_chain = (QK_PROMOTION if rows == QUERY_IN_KERNEL_ROWS else QK_PROMOTION_32_ROWS) // CHUNK
+    per_chain = QK_PROMOTION // CHUNK
     firsts = range(0, NUM_CHUNKS, per_chain)
     acc = plgpu.ACC((HALF, rows), jnp.float32)
     terms = [q8_s] if rest is None else [q8_s, rest[0]]

@@ -68,7 +68,6 @@ SMALL_VARIANTS = {
     "baseline": {},
     "promotion_256": {"QK_PROMOTION": 256},
     "promotion_512": {"QK_PROMOTION": 512},
-    "promotion_32_rows_128": {"QK_PROMOTION_32_ROWS": 128},  # a shape of 17-32 rows (e.g. 64x16384x16x2)
     "issuer_0": {"ISSUER": 0},
     "synced_row_stores": {"UNSYNCED_ROW_STORES": False},
     "mbarrier_sync": {"NAMED_SYNC": False},
