@@ -560,12 +560,16 @@ def locate_cta(seq_lens_ref, items_ref, bt_ref, rows: int, *, s_q: int, step_tok
     return Where(b, wg, seq_len, aligned(r * rows, rows), first_step, num_steps, unmasked_steps)
 
 
-def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, *, issuer: int = 0):
+def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, *, issuer: int = 0,
+               issue_first: bool = False):
     """Wait for step j's slot; warpgroup ``issuer`` issues step j + 1 into the other slot once
     both warpgroups have finished step j - 1's P'.V on it (``issue`` None: a producer warpgroup
-    issues, ``produce_steps``). Returns the slot."""
+    issues, ``produce_steps``). With ``issue_first`` it issues before waiting for step j's
+    copies, so that both steps' copies are in flight while the cache's bytes set the pace.
+    Returns the slot."""
     slot = lax.rem(j, NUM_SLOTS)
-    plgpu.barrier_wait(step_bar.at[slot])
+    if not issue_first or issue is None:
+        plgpu.barrier_wait(step_bar.at[slot])
     if issue is None:
         return slot
 
@@ -576,6 +580,8 @@ def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, *, i
             plgpu.barrier_wait(consumed_bar.at[1 - slot])  # step j - 1's P'.V by both warpgroups
         issue(first_step + j + 1, 1 - slot)
 
+    if issue_first:
+        plgpu.barrier_wait(step_bar.at[slot])
     return slot
 
 

@@ -81,14 +81,16 @@ from snapmla_jax.pallas_kernels.write_kv import row_layout
 
 ROWS = 16  # query rows a CTA by default: the wgmma N of every product
 # Features a fp32 promotion of the FP8 S^T product, as ``mla_decode_mgpu.QK_PROMOTION``. Every
-# 128 features here, in 16- and 32-row blocks, where the call is bound by the cache's bytes: the
-# kernel against one 512-feature chain (H200, jax 0.11.2, tools/time_mgpu_variants.py --kernel
-# small --kernel-trace-rounds 3): 315.4 vs 311.3 us at 64 x 32k x 16 and 312.7 vs 313.2 at
-# 128 x 16k x 16 (16-row blocks); 279.1 vs 279.2 at 64 x 16k x 16 x 2, 524.5 vs 523.3 at
-# 128 x 16k x 32 and 75.7 vs 75.2 at 8 x 32k x 16 x 2 (32-row blocks). It halves FP8's cost in
-# answer bits on the long-context model served a token a call (docs/fidelity.md, "Q.K summed in
-# float32 every 128 features").
+# 128 features in 16-row blocks, where the call is bound by the cache's bytes: the kernel 315.4 vs
+# 311.3 us at 64 x 32k x 16 and 312.7 vs 313.2 at 128 x 16k x 16 against one 512-feature chain
+# (H200, jax 0.11.2, tools/time_mgpu_variants.py --kernel small --variants baseline promotion_512
+# --kernel-trace-rounds 3), and it halves FP8's cost in answer bits on the long-context model
+# served a token a call (docs/fidelity.md, "Q.K summed in float32 every 128 features").
 QK_PROMOTION = 128
+# The same for 32-row blocks, whose accumulators are twice as wide: one 512-feature chain, as
+# their timings (``decode.mosaic_kernel``) were taken; 128 there is not measured
+# (tools/time_mgpu_variants.py --block-rows 32 times them).
+QK_PROMOTION_32_ROWS = 512
 BLOCK_ROWS = (16, 32)  # the row blocks the kernel takes (``block_rows``)
 QUERY_TERMS = (1, 2)  # FP8 terms of the query (``query_terms``)
 QUERY_IN_KERNEL_ROWS = 16  # the row block that quantizes its query in the kernel (``runs_query_in_kernel``)
@@ -96,6 +98,12 @@ TOKENS = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per token 
 QROWS = plgpu.Layout.WGMMA.reduce(0)  # an [R] vector with one value per query row (axis 1)
 # The warpgroup that issues the ring's TMAs (``begin_step``).
 ISSUER = 1
+# Whether, in 16-row blocks, it issues step j + 1's copies before waiting for step j's
+# (``begin_step``): kernel 307.1 vs 307.7 us at 64 x 32k x 16, 160.2 vs 160.9 at 64 x 16k x 16,
+# 270.1 vs 277.4 at 64 x 16k x 16 x 2 (two 16-row blocks; H200, tools/time_mgpu_variants.py
+# --kernel small --variants baseline issue_after_wait --kernel-trace-rounds 3). Not timed in
+# 32-row blocks, which keep the order they were timed with.
+ISSUE_FIRST = True
 WARPGROUP = 128  # threads a warpgroup
 # Whether each warpgroup stores its row max of a step (``stats_s``) without the warpgroup barriers
 # Pallas puts around every SMEM store (``mla_decode_mgpu.store_rows``): the statistics exchange's
@@ -113,14 +121,15 @@ def half_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *
     query's second term (``quantize_query``), (q8 e4m3 [4, R, 128], its row scales [R]): its
     FP8 product against the same K tile is added, K8.Q8^T * q_scale + K8.Q8r^T * q_scale_r.
 
-    fp32 promotion every ``QK_PROMOTION`` features, as ``mla_decode_mgpu``, every chain (of
-    either term) in flight at once (one accumulator each, 8 registers at R = 16) under one wait;
+    fp32 promotion every ``QK_PROMOTION`` features (``QK_PROMOTION_32_ROWS`` in 32-row blocks),
+    as ``mla_decode_mgpu``, every chain (of either term) in flight at once (one accumulator
+    each, 8 registers at R = 16) under one wait;
     then the RoPE wgmma onto the scaled FP8 product (the interpreter, which has no pre-initialised
     accumulators, adds it in registers).
     """
     rows = q8_s.shape[1]
     tokens = pl.ds(first_row, HALF)
-    per_chain = QK_PROMOTION // CHUNK
+    per_chain = (QK_PROMOTION if rows == ROWS else QK_PROMOTION_32_ROWS) // CHUNK
     firsts = range(0, NUM_CHUNKS, per_chain)
     acc = plgpu.ACC((HALF, rows), jnp.float32)
     terms = [q8_s] if rest is None else [q8_s, rest[0]]
@@ -405,44 +414,57 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
     def step(j, carry, *, where: Where, masked: bool):
         accs, (m, l_tile, frame) = carry[:-3], carry[-3:]
         t0 = (where.first_step + j) * STEP
-        slot = begin_step(j, wg, where.first_step, where.num_steps, issue, step_bar, consumed_bar, issuer=ISSUER)
-        if query_in_kernel:
-            k_scale = parity_scales(ksc_s, slot, wg, page_size=page_size, interpret=interpret)
-        else:
-            k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=TOKENS)
-        rest = None if rest_s is None else (rest_s[0], plgpu.load(rest_s[1], layout=QROWS))
-        scores = half_scores_t(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], plgpu.load(qsc_s, layout=QROWS),
-                               k_scale, my_rows, interpret=interpret, rest=rest)
-        # The log2 and reciprocal of the token scales (``mgpu_decode_inputs.with_scale_planes``' math)
-        # cost two values a thread a step here; as planes from the inputs launch they cost 8 bytes a
-        # token written there and read here: 0.339 vs 0.349 ms a call at 64 x 32k x 16 (kernel 316
-        # vs 323 us), the same within noise at 8 x 32k, 1 x 32k and 32 x 16k x 2 (H200,
-        # tools/time_mgpu_variants.py --kernel small --compare-file).
-        floored = jnp.maximum(k_scale, SCALE_FLOOR)
-        log_pv = scores * scale_log2 + lax.broadcast_in_dim(jnp.log2(floored), scores.shape, [0])
-        visible = None
-        if masked:  # masked slots may hold any bytes, NaN included
-            visible = visibility_t(row0, t0, where.seq_len, wg, s_q=s_q, num_heads=num_heads, rows=rows)
-            log_pv = jnp.where(visible, log_pv, -jnp.inf)
-        # The step's row max over both halves: each warpgroup's own, exchanged through SMEM.
-        log_pv_max = token_reduce(log_pv, "max", my_scratch, interpret=interpret)
-        store_rows((log_pv_max,), stats_s.at[slot, wg], layout=QROWS, unsynced=named_sync and UNSYNCED_ROW_STORES)
-        meet(STATS_SYNC_ID, stats_bar.at[slot], named_sync)
-        log_pv_max = jnp.maximum(log_pv_max, plgpu.load(stats_s.at[slot, 1 - wg, 0], layout=QROWS))
-        m, l_tile, frame, p8, ratio = softmax_frame_t(log_pv, 1.0 / floored, m, l_tile, frame, log_pv_max, visible)
-        p8 = jnp.minimum(p8, FP8_E4M3_MAX).astype(FP8_DTYPE)  # the SnapMLA math: P' in e4m3
-        if interpret:
-            p8_s[slot, :, pl.ds(my_rows, HALF)] = p8.T
-        else:
-            store_token_bytes(p8, p8_s.at[slot])
-        publish_p(None if named_sync else pexch_bar.at[slot])
-        gather_p(None if named_sync else pexch_bar.at[slot])  # the other warpgroup's half of P'
-        visible_count = None
-        if masked and not interpret:
-            visible_count = plgpu.layout_cast(jnp.full((HALF,), where.seq_len - t0, jnp.int32), ROW)
-        new_accs = pv_update_t(accs, p8_s.at[slot], kv8_s.at[slot], wg, ratio, visible_count, t0, where.seq_len,
-                               interpret=interpret)
-        plgpu.barrier_arrive(consumed_bar.at[slot])
+        # The named scopes are the phases tools/profile_mgpu_steps.py --kernel small times on the
+        # GPU (the on-device profiler records them when ``mla_decode_mgpu.COMPILER_PARAMS`` asks).
+        with jax.named_scope("wait_step"):
+            slot = begin_step(j, wg, where.first_step, where.num_steps, issue, step_bar, consumed_bar, issuer=ISSUER,
+                              issue_first=ISSUE_FIRST and rows == ROWS)
+        with jax.named_scope("qk"):
+            if query_in_kernel:
+                k_scale = parity_scales(ksc_s, slot, wg, page_size=page_size, interpret=interpret)
+            else:
+                k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=TOKENS)
+            rest = None if rest_s is None else (rest_s[0], plgpu.load(rest_s[1], layout=QROWS))
+            scores = half_scores_t(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], plgpu.load(qsc_s, layout=QROWS),
+                                   k_scale, my_rows, interpret=interpret, rest=rest)
+        with jax.named_scope("stats"):
+            # The log2 and reciprocal of the token scales (``mgpu_decode_inputs.with_scale_planes``'
+            # math) cost two values a thread a step here; as planes from the inputs launch they cost
+            # 8 bytes a token written there and read here: 0.339 vs 0.349 ms a call at 64 x 32k x 16
+            # (kernel 316 vs 323 us), the same within noise at 8 x 32k, 1 x 32k and 32 x 16k x 2
+            # (H200, tools/time_mgpu_variants.py --kernel small --compare-file).
+            floored = jnp.maximum(k_scale, SCALE_FLOOR)
+            log_pv = scores * scale_log2 + lax.broadcast_in_dim(jnp.log2(floored), scores.shape, [0])
+            visible = None
+            if masked:  # masked slots may hold any bytes, NaN included
+                visible = visibility_t(row0, t0, where.seq_len, wg, s_q=s_q, num_heads=num_heads, rows=rows)
+                log_pv = jnp.where(visible, log_pv, -jnp.inf)
+            # The step's row max over both halves: each warpgroup's own, exchanged through SMEM.
+            log_pv_max = token_reduce(log_pv, "max", my_scratch, interpret=interpret)
+            store_rows((log_pv_max,), stats_s.at[slot, wg], layout=QROWS,
+                       unsynced=named_sync and UNSYNCED_ROW_STORES)
+        with jax.named_scope("wait_stats"):
+            meet(STATS_SYNC_ID, stats_bar.at[slot], named_sync)
+            log_pv_max = jnp.maximum(log_pv_max, plgpu.load(stats_s.at[slot, 1 - wg, 0], layout=QROWS))
+        with jax.named_scope("softmax"):
+            m, l_tile, frame, p8, ratio = softmax_frame_t(log_pv, 1.0 / floored, m, l_tile, frame, log_pv_max,
+                                                          visible)
+            p8 = jnp.minimum(p8, FP8_E4M3_MAX).astype(FP8_DTYPE)  # the SnapMLA math: P' in e4m3
+        with jax.named_scope("p_store"):
+            if interpret:
+                p8_s[slot, :, pl.ds(my_rows, HALF)] = p8.T
+            else:
+                store_token_bytes(p8, p8_s.at[slot])
+            publish_p(None if named_sync else pexch_bar.at[slot])
+        with jax.named_scope("wait_p"):
+            gather_p(None if named_sync else pexch_bar.at[slot])  # the other warpgroup's half of P'
+        with jax.named_scope("pv"):
+            visible_count = None
+            if masked and not interpret:
+                visible_count = plgpu.layout_cast(jnp.full((HALF,), where.seq_len - t0, jnp.int32), ROW)
+            new_accs = pv_update_t(accs, p8_s.at[slot], kv8_s.at[slot], wg, ratio, visible_count, t0,
+                                   where.seq_len, interpret=interpret)
+            plgpu.barrier_arrive(consumed_bar.at[slot])
         return (*new_accs, m, l_tile, frame)
 
     num_accs = 2 * CHUNKS_PER_WG  # O^T tiles [64 features, R]

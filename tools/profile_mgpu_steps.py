@@ -1,6 +1,6 @@
 """Where a step of the Mosaic GPU decode kernel spends its cycles, per warpgroup, from the on-device profiler.
 
-    python tools/profile_mgpu_steps.py --out $OUT [--shape 64x2048x128x1] [--kernel bf16] [--set NAME=INT ...]
+    python tools/profile_mgpu_steps.py --out $OUT [--shape 64x2048x128x1] [--kernel bf16|small] [--set NAME=INT ...]
 
 Runs ``mla_decode_mgpu`` once with Mosaic GPU's profiler on
 (``plgpu.CompilerParams(profile_space=...)`` through the kernel module's
@@ -14,6 +14,10 @@ CTA). The per-step behaviour does not depend on the context; the first two steps
 last one recorded are left out. ``--kernel bf16`` profiles the BF16 twin
 (``mla_decode_mgpu_bf16``: phases ``wait_step``, ``qk``, ``softmax``, ``v_mask``, ``pv`` of a
 64-token step) on the bf16 cache instead (docs/design_notes.md, section 13, has its numbers).
+``--kernel small`` profiles the 16-row FP8 kernel (``mla_decode_mgpu_small``, the kernel
+``mla_decode`` runs for up to 16 query rows, e.g. --shape 64x2048x16x1; the 64-row kernel's
+phases, ``wait_step`` including warpgroup 1's TMA issue, ``qk`` the token scales and both
+Q.K products, ``stats`` the row max across the warpgroup's warps) through ``mla_decode``.
 
 Reports, per warpgroup, the median over CTAs of each phase's cycles per step,
 their sum, and the step period (first to last ``wait_step`` start, over the
@@ -39,6 +43,7 @@ import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_kernel
+import snapmla_jax.pallas_kernels.mla_decode_mgpu_small as small_kernel
 from snapmla_jax.bench import timing
 from snapmla_jax.decode import mla_decode
 
@@ -89,8 +94,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="/tmp/profile_mgpu_steps")
     parser.add_argument("--shape", default="64x2048x128x1", help="BxCONTEXTxHxS_Q")
-    parser.add_argument("--kernel", choices=("fp8", "bf16"), default="fp8",
-                        help="the FP8 64-row kernel or the BF16 twin (same grid, producer and helpers)")
+    parser.add_argument("--kernel", choices=("fp8", "bf16", "small"), default="fp8",
+                        help="the FP8 64-row kernel, the BF16 twin (same grid, producer and helpers) or "
+                             "the 16-row FP8 kernel (two warpgroups, no producer)")
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=INT",
                         help="kernel module constants to profile a variant with (e.g. ISSUE_BY_WARPS=0)")
     parser.add_argument("--space", type=int, default=56,
@@ -104,9 +110,11 @@ def main(argv=None) -> int:
     batch, context, heads, s_q = map(int, args.shape.split("x"))
     fp8, bf16, block_table = bench.make_caches(batch, context)
     q, q_rope, seq_lens, scale = bench.make_queries(batch, context, heads, s_q)
-    splits = bench.mosaic_splits(batch, s_q * heads, context, mgpu_kernel.BLOCK_M)  # both kernels: 64-row blocks
-    if args.kernel == "bf16":
-        run = lambda: mla_decode(q, q_rope, bf16, block_table, seq_lens, softmax_scale=scale, backend="pallas",
+    block_rows = 16 if args.kernel == "small" else mgpu_kernel.BLOCK_M
+    splits = bench.mosaic_splits(batch, s_q * heads, context, block_rows)
+    if args.kernel in ("bf16", "small"):  # the 16-row kernel as mla_decode serves it (its query in the kernel)
+        cache = bf16 if args.kernel == "bf16" else fp8
+        run = lambda: mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=scale, backend="pallas",
                                  num_splits=splits)
     else:
         run = lambda: bench.mgpu_decode(q, q_rope, fp8, block_table, seq_lens, softmax_scale=scale,
@@ -114,14 +122,16 @@ def main(argv=None) -> int:
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     trace_dir = pathlib.Path(tempfile.mkdtemp(prefix="mgpu_profile_"))
-    # Both kernels reduce along score rows within warps: no cross-warp reduction
-    # scratch is needed, and its 2 KB go to the profiler (the twin's kernel reads
-    # COMPILER_PARAMS from the same module, through ``grid_params``).
+    # The kernels reduce along score rows within warps or through scratch of their own: no
+    # cross-warp reduction scratch is needed, and its 2 KB go to the profiler (the other
+    # kernels read COMPILER_PARAMS from this module, through ``grid_params``).
     settings = dict(item.split("=") for item in args.set)
-    saved = {name: getattr(mgpu_kernel, name) for name in settings}
+    module = small_kernel if args.kernel == "small" else mgpu_kernel  # whose constants --set flips
+    saved = {name: getattr(module, name) for name in settings}
     for name, value in settings.items():
-        setattr(mgpu_kernel, name, type(saved[name])(int(value)))
-    warpgroups = mgpu_kernel.NUM_WGS + int(mgpu_kernel.PRODUCER_WG)  # one trace each
+        setattr(module, name, type(saved[name])(int(value)))
+    # One trace a warpgroup, the producer's included (the 16-row kernel has none).
+    warpgroups = mgpu_kernel.NUM_WGS + int(mgpu_kernel.PRODUCER_WG and args.kernel != "small")
     mgpu_kernel.COMPILER_PARAMS = plgpu.CompilerParams(
         profile_space=args.space, profile_dir=str(trace_dir), profile_bounds_check=True, reduction_scratch_bytes=0)
     try:
@@ -131,7 +141,7 @@ def main(argv=None) -> int:
     finally:
         mgpu_kernel.COMPILER_PARAMS = None
         for name, value in saved.items():
-            setattr(mgpu_kernel, name, value)
+            setattr(module, name, value)
     traces = sorted(trace_dir.glob("*-trace.json"))
     if not traces:
         print(f"profile_mgpu_steps: no trace written to {trace_dir}", file=sys.stderr)

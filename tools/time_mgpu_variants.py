@@ -69,6 +69,8 @@ SMALL_VARIANTS = {
     "promotion_256": {"QK_PROMOTION": 256},
     "promotion_512": {"QK_PROMOTION": 512},
     "issuer_0": {"ISSUER": 0},
+    "promotion_32_rows_128": {"QK_PROMOTION_32_ROWS": 128},  # with --block-rows 32
+    "issue_after_wait": {"ISSUE_FIRST": False},
     "synced_row_stores": {"UNSYNCED_ROW_STORES": False},
     "mbarrier_sync": {"NAMED_SYNC": False},
     # Constants of the 64-row kernel's module that the 16-row kernel reads (``step_issuer``,
@@ -109,6 +111,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="64x16384x128x1")
     parser.add_argument("--kernel", choices=("mgpu", "small", "bf16"), default="mgpu",
                         help="the 64-row kernel (mgpu), the 16-row one (small) or the Mosaic BF16 twin (bf16)")
+    parser.add_argument("--block-rows", type=int, choices=(16, 32), default=16,
+                        help="--kernel small: its row blocks (17-32 rows run 32-row blocks under "
+                             "mla_decode; here, with 16, as two 16-row blocks)")
     parser.add_argument("--variants", nargs="*", help="default: all of the kernel's")
     parser.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds over the variants")
     parser.add_argument("--min-sample-ms", type=float, default=10.0,
@@ -124,7 +129,7 @@ def main(argv=None) -> int:
         parser.error("--compare-file: the FP8 kernels' modules only (--kernel mgpu or small)")
     if timing.missing_gpu("time_mgpu_variants"):
         return 2
-    module, variants, block_rows = {"small": (small_kernel, SMALL_VARIANTS, small_kernel.ROWS),
+    module, variants, block_rows = {"small": (small_kernel, SMALL_VARIANTS, args.block_rows),
                                     "bf16": (bf16_kernel, BF16_VARIANTS, mgpu_kernel.BLOCK_M)}.get(
         args.kernel, (mgpu_kernel, VARIANTS, mgpu_kernel.BLOCK_M))
     unknown = set(args.variants or ()) - set(variants)
@@ -136,6 +141,7 @@ def main(argv=None) -> int:
         args.shape, bf16=args.kernel == "bf16")
     splits = bench.mosaic_splits(batch, s_q * heads, context, block_rows)
     results = {"env": timing.environment(), "kernel": args.kernel, "shape": args.shape, "num_splits": splits,
+               "block_rows": block_rows,
                "rounds": args.rounds, "min_sample_ms": args.min_sample_ms, "ms": {}, "rel_l2_to_baseline": {}}
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -157,7 +163,8 @@ def main(argv=None) -> int:
                                                                   backend="pallas"))
         else:
             fn = jax.jit(lambda q, qr, c, bt, n: bench.mgpu_decode(q, qr, c, bt, n, softmax_scale=scale,
-                                                                   small=args.kernel == "small", num_splits=splits))
+                                                                   small=args.kernel == "small",
+                                                                   small_rows=args.block_rows, num_splits=splits))
         try:
             compiled[name] = fn.lower(*call_args).compile()
             out = jax.block_until_ready(compiled[name](*call_args)).astype(jnp.float32)
