@@ -98,12 +98,12 @@ TOKENS = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector with one value per token 
 QROWS = plgpu.Layout.WGMMA.reduce(0)  # an [R] vector with one value per query row (axis 1)
 # The warpgroup that issues the ring's TMAs (``begin_step``).
 ISSUER = 1
-# Whether, in 16-row blocks, it issues step j + 1's copies before waiting for step j's
+# The row blocks in which it issues step j + 1's copies before waiting for step j's
 # (``begin_step``): kernel 307.1 vs 307.7 us at 64 x 32k x 16, 160.2 vs 160.9 at 64 x 16k x 16,
 # 270.1 vs 277.4 at 64 x 16k x 16 x 2 (two 16-row blocks; H200, tools/time_mgpu_variants.py
 # --kernel small --variants baseline issue_after_wait --kernel-trace-rounds 3). Not timed in
 # 32-row blocks, which keep the order they were timed with.
-ISSUE_FIRST = True
+ISSUE_FIRST_ROWS = (16,)
 WARPGROUP = 128  # threads a warpgroup
 # Whether each warpgroup stores its row max of a step (``stats_s``) without the warpgroup barriers
 # Pallas puts around every SMEM store (``mla_decode_mgpu.store_rows``): the statistics exchange's
@@ -418,7 +418,7 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
         # GPU (the on-device profiler records them when ``mla_decode_mgpu.COMPILER_PARAMS`` asks).
         with jax.named_scope("wait_step"):
             slot = begin_step(j, wg, where.first_step, where.num_steps, issue, step_bar, consumed_bar, issuer=ISSUER,
-                              issue_first=ISSUE_FIRST and rows == ROWS)
+                              issue_first=rows in ISSUE_FIRST_ROWS)
         with jax.named_scope("qk"):
             if query_in_kernel:
                 k_scale = parity_scales(ksc_s, slot, wg, page_size=page_size, interpret=interpret)
