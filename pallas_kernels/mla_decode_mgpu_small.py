@@ -123,9 +123,8 @@ def half_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *
 
     fp32 promotion every ``QK_PROMOTION`` features (``QK_PROMOTION_32_ROWS`` in 32-row blocks),
     as ``mla_decode_mgpu``, every chain (of either term) in flight at once (one accumulator
-    each, 8 registers at R = 16) under one wait;
-    then the RoPE wgmma onto the scaled FP8 product (the interpreter, which has no pre-initialised
-    accumulators, adds it in registers).
+    each, 8 registers at R = 16) under one wait; then the RoPE wgmma onto the scaled FP8
+    product (the interpreter, which has no pre-initialised accumulators, adds it in registers).
     """
     rows = q8_s.shape[1]
     tokens = pl.ds(first_row, HALF)

@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     batch, context, heads, s_q = map(int, args.shape.split("x"))
     fp8, bf16, block_table = bench.make_caches(batch, context)
     q, q_rope, seq_lens, scale = bench.make_queries(batch, context, heads, s_q)
-    block_rows = 16 if args.kernel == "small" else mgpu_kernel.BLOCK_M
+    block_rows = small_kernel.ROWS if args.kernel == "small" else mgpu_kernel.BLOCK_M
     splits = bench.mosaic_splits(batch, s_q * heads, context, block_rows)
     if args.kernel in ("bf16", "small"):  # the 16-row kernel as mla_decode serves it (its query in the kernel)
         cache = bf16 if args.kernel == "bf16" else fp8
