@@ -87,10 +87,13 @@ ROWS = 16  # query rows a CTA by default: the wgmma N of every product
 # --kernel-trace-rounds 3), and it halves FP8's cost in answer bits on the long-context model
 # served a token a call (docs/fidelity.md, "Q.K summed in float32 every 128 features").
 QK_PROMOTION = 128
-# The same for 32-row blocks, whose accumulators are twice as wide: one 512-feature chain, as
-# their timings (``decode.mosaic_kernel``) were taken; 128 there is not measured
-# (tools/time_mgpu_variants.py --block-rows 32 times them).
-QK_PROMOTION_32_ROWS = 512
+# The same for 32-row blocks, so that a model's numerics do not change with s_q or with 16 or 32
+# heads. Bound by their own work there (the step profile in docs/design_notes.md, section 12),
+# the shorter chains cost 0-2% of the kernel: 201.0 vs 201.7 us at 64 x 16k x 16 x 2 and 387.6 vs
+# 378.9 at 128 x 16k x 32 against one chain (H200, tools/time_mgpu_variants.py --kernel small
+# --block-rows 32 --kernel-trace-rounds 3, the variant of 128 against one chain; now
+# ``promotion_32_rows_512`` against the shipped 128).
+QK_PROMOTION_32_ROWS = 128
 BLOCK_ROWS = (16, 32)  # the row blocks the kernel takes (``block_rows``)
 QUERY_TERMS = (1, 2)  # FP8 terms of the query (``query_terms``)
 QUERY_IN_KERNEL_ROWS = 16  # the row block that quantizes its query in the kernel (``runs_query_in_kernel``)
@@ -101,9 +104,12 @@ ISSUER = 1
 # The row blocks in which it issues step j + 1's copies before waiting for step j's
 # (``begin_step``): kernel 307.1 vs 307.7 us at 64 x 32k x 16, 160.2 vs 160.9 at 64 x 16k x 16,
 # 270.1 vs 277.4 at 64 x 16k x 16 x 2 (two 16-row blocks; H200, tools/time_mgpu_variants.py
-# --kernel small --variants baseline issue_after_wait --kernel-trace-rounds 3). Not timed in
-# 32-row blocks, which keep the order they were timed with.
-ISSUE_FIRST_ROWS = (16,)
+# --kernel small --variants baseline issue_after_wait --kernel-trace-rounds 3); in 32-row blocks
+# 196.1 vs 201.7 at 64 x 16k x 16 x 2 and 380.2 vs 378.9 at 128 x 16k x 32 (``--block-rows 32``,
+# against issuing after the wait; now the variant ``issue_after_wait``). With both this and
+# 128-feature Q.K chains, 32-row blocks run 1.0-1.5% slower than with neither: 201.9 vs 199.8,
+# 387.1 vs 381.5, and 203.7 vs 201.9 at 32 x 32k x 16 x 2 (``--compare-file``).
+ISSUE_FIRST_ROWS = (16, 32)
 WARPGROUP = 128  # threads a warpgroup
 # Whether each warpgroup stores its row max of a step (``stats_s``) without the warpgroup barriers
 # Pallas puts around every SMEM store (``mla_decode_mgpu.store_rows``): the statistics exchange's
@@ -201,7 +207,10 @@ def token_reduce(x, op: str, scratch, *, interpret: bool) -> jax.Array:
 def reduce_scratch_size(rows: int) -> int:
     """f32 elements of one warpgroup's ``token_reduce`` scratch: every lane of the four warps
     stores a 2-element partial of each of its R / 8 column pairs, at most two pairs at once (at
-    R = 32 four would not fit the SMEM beside the ring; the reduction then runs in two rounds)."""
+    R = 32 the reduction runs in two rounds, each between two warpgroup barriers). One round of
+    all four pairs at R = 32 was slower: kernel 214.8 vs 206.8 us at 64 x 16k x 16 x 2, 410.8 vs
+    399.9 at 128 x 16k x 32 (H200, tools/time_mgpu_variants.py --kernel small --block-rows 32
+    --compare-file), its row max 1117 / 838 cycles a step against 1018 / 636."""
     return 4 * 32 * 2 * min(rows // 8, 2)
 
 

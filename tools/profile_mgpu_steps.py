@@ -15,7 +15,8 @@ last one recorded are left out. ``--kernel bf16`` profiles the BF16 twin
 (``mla_decode_mgpu_bf16``: phases ``wait_step``, ``qk``, ``softmax``, ``v_mask``, ``pv`` of a
 64-token step) on the bf16 cache instead (docs/design_notes.md, section 13, has its numbers).
 ``--kernel small`` profiles the 16-row FP8 kernel (``mla_decode_mgpu_small``, the kernel
-``mla_decode`` runs for up to 16 query rows, e.g. --shape 64x2048x16x1; the 64-row kernel's
+``mla_decode`` runs for up to 32 query rows, in 16-row blocks up to 16, e.g. --shape
+64x2048x16x1, and in 32-row blocks for 17-32, e.g. 64x2048x16x2; the 64-row kernel's
 phases, ``wait_step`` including warpgroup 1's TMA issue, ``qk`` the token scales and both
 Q.K products, ``stats`` the row max across the warpgroup's warps) through ``mla_decode``.
 
@@ -110,7 +111,9 @@ def main(argv=None) -> int:
     batch, context, heads, s_q = map(int, args.shape.split("x"))
     fp8, bf16, block_table = bench.make_caches(batch, context)
     q, q_rope, seq_lens, scale = bench.make_queries(batch, context, heads, s_q)
-    block_rows = small_kernel.ROWS if args.kernel == "small" else mgpu_kernel.BLOCK_M
+    # The 16-row kernel runs 17-32 rows as one 32-row block (``decode.mosaic_kernel``).
+    small_rows = min(r for r in small_kernel.BLOCK_ROWS if r >= min(s_q * heads, max(small_kernel.BLOCK_ROWS)))
+    block_rows = small_rows if args.kernel == "small" else mgpu_kernel.BLOCK_M
     splits = bench.mosaic_splits(batch, s_q * heads, context, block_rows)
     if args.kernel in ("bf16", "small"):  # the 16-row kernel as mla_decode serves it (its query in the kernel)
         cache = bf16 if args.kernel == "bf16" else fp8

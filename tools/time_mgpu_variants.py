@@ -69,9 +69,8 @@ SMALL_VARIANTS = {
     "promotion_256": {"QK_PROMOTION": 256},
     "promotion_512": {"QK_PROMOTION": 512},
     "issuer_0": {"ISSUER": 0},
-    "promotion_32_rows_128": {"QK_PROMOTION_32_ROWS": 128},  # with --block-rows 32
+    "promotion_32_rows_512": {"QK_PROMOTION_32_ROWS": 512},  # with --block-rows 32
     "issue_after_wait": {"ISSUE_FIRST_ROWS": ()},
-    "issue_first_32_rows": {"ISSUE_FIRST_ROWS": (16, 32)},  # with --block-rows 32
     "synced_row_stores": {"UNSYNCED_ROW_STORES": False},
     "mbarrier_sync": {"NAMED_SYNC": False},
     # Constants of the 64-row kernel's module that the 16-row kernel reads (``step_issuer``,
