@@ -67,6 +67,7 @@ from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import (GROUP_ROWS, SCALE_FLOOR, by_row, quantized_rows,
                                                             scale_copy_pages)
 from snapmla_jax.pallas_kernels.mla_decode_reference import LOG2E, resolve_num_pages
+import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_kernel
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, FRAME_DROP, HALF,
                                                         LOG2_FP8_MAX, NAMED_SYNC, NUM_CHUNKS, NUM_SLOTS, NUM_WGS,
                                                         PAGE_SIZES, RANK, ROPE, ROW, STATS_SYNC_ID, STEP, aligned,
@@ -74,7 +75,8 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, CO
                                                         consumers_sync, for_used_items,
                                                         gather_p, grid_params, initial_carry, merge_items,
                                                         output_target, output_types, plan_items, prepare_inputs,
-                                                        publish_p, step_copies,
+                                                        produce_steps, producer_by_warps, publish_p,
+                                                        specialize_warpgroups, step_copies,
                                                         store_rows, walk_steps, unpadded, write_outputs_t,
                                                         Where)
 from snapmla_jax.pallas_kernels.write_kv import row_layout
@@ -110,6 +112,13 @@ ISSUER = 1
 # 128-feature Q.K chains, 32-row blocks run 1.0-1.5% slower than with neither: 201.9 vs 199.8,
 # 387.1 vs 381.5, and 203.7 vs 201.9 at 32 x 32k x 16 x 2 (``--compare-file``).
 ISSUE_FIRST_ROWS = (16, 32)
+# The row blocks in which a third warpgroup, the 64-row kernel's producer (``produce_steps``, its
+# register split), issues the ring instead of warpgroup 1, where that split is honoured
+# (``mla_decode_mgpu.PRODUCER_WG``). None: in 32-row blocks it was 11-13% slower (kernel 228.4 vs
+# 206.2 us at 64 x 16k x 16 x 2, 439.7 vs 389.9 at 128 x 16k x 32, 69.3 vs 61.5 at 8 x 32k x 16 x 2),
+# in 16-row blocks even (163.0 vs 163.2 at 64 x 16k x 16; H200, jax 0.11.2,
+# tools/time_mgpu_variants.py --kernel small --variants baseline producer_32_rows / producer).
+PRODUCER_ROWS = ()
 WARPGROUP = 128  # threads a warpgroup
 # Whether each warpgroup stores its row max of a step (``stats_s``) without the warpgroup barriers
 # Pallas puts around every SMEM store (``mla_decode_mgpu.store_rows``): the statistics exchange's
@@ -398,6 +407,7 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
     """
     rows = q8_s.shape[1]
     query_in_kernel = qsc_ref is None
+    producer = has_producer(rows)
 
     def issue_rest(b, row0, bar):
         for ch in range(NUM_CHUNKS):
@@ -408,89 +418,104 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
     where, issue = begin_cta(
         seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qr_ref, qsc_ref, latp_ref, ropep_ref, ksc_ref,
         q_in_s if query_in_kernel else q8_s, qr_s, None if query_in_kernel else qsc_s, kv8_s, rope_s, ksc_s,
-        step_bar, q_bar, s_q=s_q, num_pages=num_pages, page_size=page_size, issuer=ISSUER,
+        step_bar, q_bar, s_q=s_q, num_pages=num_pages, page_size=page_size,
+        issuer=NUM_WGS if producer else ISSUER, by_warps=producer_by_warps(page_size) if producer else None,
         issue_more_query=None if rest_in is None else issue_rest)
     _, wg, _, row0, _, _, _ = where
-    my_rows = aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
-    named_sync = NAMED_SYNC and not interpret
-    my_scratch = red_s.at[wg]
-    if query_in_kernel:
-        quantize_query(q_in_s, q8_s, qsc_s, wg, interpret=interpret, rest=rest_s)
-        plgpu.commit_smem()  # the rows' stores before the products (the async proxy) read them
-        meet(STATS_SYNC_ID, q_ready_bar, named_sync)
+    consumers_issue = None if producer else issue  # with a producer, the ring is its work alone
+    def consume():
+        my_rows = aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
+        named_sync = NAMED_SYNC and not interpret
+        my_scratch = red_s.at[wg]
+        if query_in_kernel:
+            quantize_query(q_in_s, q8_s, qsc_s, wg, interpret=interpret, rest=rest_s)
+            plgpu.commit_smem()  # the rows' stores before the products (the async proxy) read them
+            meet(STATS_SYNC_ID, q_ready_bar, named_sync)
 
-    def step(j, carry, *, where: Where, masked: bool):
-        accs, (m, l_tile, frame) = carry[:-3], carry[-3:]
-        t0 = (where.first_step + j) * STEP
-        # The named scopes are the phases tools/profile_mgpu_steps.py --kernel small times on the
-        # GPU (the on-device profiler records them when ``mla_decode_mgpu.COMPILER_PARAMS`` asks).
-        with jax.named_scope("wait_step"):
-            slot = begin_step(j, wg, where.first_step, where.num_steps, issue, step_bar, consumed_bar, issuer=ISSUER,
-                              issue_first=rows in ISSUE_FIRST_ROWS)
-        with jax.named_scope("qk"):
-            if query_in_kernel:
-                k_scale = parity_scales(ksc_s, slot, wg, page_size=page_size, interpret=interpret)
-            else:
-                k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=TOKENS)
-            rest = None if rest_s is None else (rest_s[0], plgpu.load(rest_s[1], layout=QROWS))
-            scores = half_scores_t(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], plgpu.load(qsc_s, layout=QROWS),
-                                   k_scale, my_rows, interpret=interpret, rest=rest)
-        with jax.named_scope("stats"):
-            # The log2 and reciprocal of the token scales (``mgpu_decode_inputs.with_scale_planes``'
-            # math) cost two values a thread a step here; as planes from the inputs launch they cost
-            # 8 bytes a token written there and read here: 0.339 vs 0.349 ms a call at 64 x 32k x 16
-            # (kernel 316 vs 323 us), the same within noise at 8 x 32k, 1 x 32k and 32 x 16k x 2
-            # (H200, tools/time_mgpu_variants.py --kernel small --compare-file).
-            floored = jnp.maximum(k_scale, SCALE_FLOOR)
-            log_pv = scores * scale_log2 + lax.broadcast_in_dim(jnp.log2(floored), scores.shape, [0])
-            visible = None
-            if masked:  # masked slots may hold any bytes, NaN included
-                visible = visibility_t(row0, t0, where.seq_len, wg, s_q=s_q, num_heads=num_heads, rows=rows)
-                log_pv = jnp.where(visible, log_pv, -jnp.inf)
-            # The step's row max over both halves: each warpgroup's own, exchanged through SMEM.
-            log_pv_max = token_reduce(log_pv, "max", my_scratch, interpret=interpret)
-            store_rows((log_pv_max,), stats_s.at[slot, wg], layout=QROWS,
-                       unsynced=named_sync and UNSYNCED_ROW_STORES)
-        with jax.named_scope("wait_stats"):
-            meet(STATS_SYNC_ID, stats_bar.at[slot], named_sync)
-            log_pv_max = jnp.maximum(log_pv_max, plgpu.load(stats_s.at[slot, 1 - wg, 0], layout=QROWS))
-        with jax.named_scope("softmax"):
-            m, l_tile, frame, p8, ratio = softmax_frame_t(log_pv, 1.0 / floored, m, l_tile, frame, log_pv_max,
-                                                          visible)
-            p8 = jnp.minimum(p8, FP8_E4M3_MAX).astype(FP8_DTYPE)  # the SnapMLA math: P' in e4m3
-        with jax.named_scope("p_store"):
-            if interpret:
-                p8_s[slot, :, pl.ds(my_rows, HALF)] = p8.T
-            else:
-                store_token_bytes(p8, p8_s.at[slot])
-            publish_p(None if named_sync else pexch_bar.at[slot])
-        with jax.named_scope("wait_p"):
-            gather_p(None if named_sync else pexch_bar.at[slot])  # the other warpgroup's half of P'
-        with jax.named_scope("pv"):
-            visible_count = None
-            if masked and not interpret:
-                visible_count = plgpu.layout_cast(jnp.full((HALF,), where.seq_len - t0, jnp.int32), ROW)
-            new_accs = pv_update_t(accs, p8_s.at[slot], kv8_s.at[slot], wg, ratio, visible_count, t0,
-                                   where.seq_len, interpret=interpret)
-            plgpu.barrier_arrive(consumed_bar.at[slot])
-        return (*new_accs, m, l_tile, frame)
+        def step(j, carry, *, where: Where, masked: bool):
+            accs, (m, l_tile, frame) = carry[:-3], carry[-3:]
+            t0 = (where.first_step + j) * STEP
+            # The named scopes are the phases tools/profile_mgpu_steps.py --kernel small times on the
+            # GPU (the on-device profiler records them when ``mla_decode_mgpu.COMPILER_PARAMS`` asks).
+            with jax.named_scope("wait_step"):
+                slot = begin_step(j, wg, where.first_step, where.num_steps, consumers_issue, step_bar,
+                                  consumed_bar, issuer=ISSUER, issue_first=rows in ISSUE_FIRST_ROWS)
+            with jax.named_scope("qk"):
+                if query_in_kernel:
+                    k_scale = parity_scales(ksc_s, slot, wg, page_size=page_size, interpret=interpret)
+                else:
+                    k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=TOKENS)
+                rest = None if rest_s is None else (rest_s[0], plgpu.load(rest_s[1], layout=QROWS))
+                scores = half_scores_t(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], plgpu.load(qsc_s, layout=QROWS),
+                                       k_scale, my_rows, interpret=interpret, rest=rest)
+            with jax.named_scope("stats"):
+                # The log2 and reciprocal of the token scales (``mgpu_decode_inputs.with_scale_planes``'
+                # math) cost two values a thread a step here; as planes from the inputs launch they cost
+                # 8 bytes a token written there and read here: 0.339 vs 0.349 ms a call at 64 x 32k x 16
+                # (kernel 316 vs 323 us), the same within noise at 8 x 32k, 1 x 32k and 32 x 16k x 2
+                # (H200, tools/time_mgpu_variants.py --kernel small --compare-file).
+                floored = jnp.maximum(k_scale, SCALE_FLOOR)
+                log_pv = scores * scale_log2 + lax.broadcast_in_dim(jnp.log2(floored), scores.shape, [0])
+                visible = None
+                if masked:  # masked slots may hold any bytes, NaN included
+                    visible = visibility_t(row0, t0, where.seq_len, wg, s_q=s_q, num_heads=num_heads, rows=rows)
+                    log_pv = jnp.where(visible, log_pv, -jnp.inf)
+                # The step's row max over both halves: each warpgroup's own, exchanged through SMEM.
+                log_pv_max = token_reduce(log_pv, "max", my_scratch, interpret=interpret)
+                store_rows((log_pv_max,), stats_s.at[slot, wg], layout=QROWS,
+                           unsynced=named_sync and UNSYNCED_ROW_STORES)
+            with jax.named_scope("wait_stats"):
+                meet(STATS_SYNC_ID, stats_bar.at[slot], named_sync)
+                log_pv_max = jnp.maximum(log_pv_max, plgpu.load(stats_s.at[slot, 1 - wg, 0], layout=QROWS))
+            with jax.named_scope("softmax"):
+                m, l_tile, frame, p8, ratio = softmax_frame_t(log_pv, 1.0 / floored, m, l_tile, frame, log_pv_max,
+                                                              visible)
+                p8 = jnp.minimum(p8, FP8_E4M3_MAX).astype(FP8_DTYPE)  # the SnapMLA math: P' in e4m3
+            with jax.named_scope("p_store"):
+                if interpret:
+                    p8_s[slot, :, pl.ds(my_rows, HALF)] = p8.T
+                else:
+                    store_token_bytes(p8, p8_s.at[slot])
+                publish_p(None if named_sync else pexch_bar.at[slot])
+            with jax.named_scope("wait_p"):
+                gather_p(None if named_sync else pexch_bar.at[slot])  # the other warpgroup's half of P'
+            with jax.named_scope("pv"):
+                visible_count = None
+                if masked and not interpret:
+                    visible_count = plgpu.layout_cast(jnp.full((HALF,), where.seq_len - t0, jnp.int32), ROW)
+                new_accs = pv_update_t(accs, p8_s.at[slot], kv8_s.at[slot], wg, ratio, visible_count, t0,
+                                       where.seq_len, interpret=interpret)
+                plgpu.barrier_arrive(consumed_bar.at[slot])
+            return (*new_accs, m, l_tile, frame)
 
-    num_accs = 2 * CHUNKS_PER_WG  # O^T tiles [64 features, R]
-    *accs, m0, _ = initial_carry((HALF, rows), rows_axis=1, num_accs=num_accs)
-    l_tile0 = plgpu.layout_cast(jnp.zeros((HALF, rows), jnp.float32), plgpu.Layout.WGMMA)
-    carry = walk_steps(step, (*accs, m0, l_tile0, m0), where, consumed_bar, issuer=ISSUER)
-    accs, l_tile, frame = carry[:num_accs], carry[-2], carry[-1]
-    lsum_s[wg] = token_reduce(l_tile, "add", my_scratch, interpret=interpret)
-    # Both warpgroups have stored their l'.
-    plgpu.barrier_arrive(end_bar)
-    plgpu.barrier_wait(end_bar)
-    l = plgpu.load(lsum_s.at[wg], layout=QROWS) + plgpu.load(lsum_s.at[1 - wg], layout=QROWS)
-    # Per query row, what the accumulators are multiplied by: 1 / l' (0 for rows that saw no token).
-    seen = l > 0
-    inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-    target = output_target(o_ref, lse_ref, part_o_ref, part_lse_ref, items_ref, partials=partials)
-    # lse (base 2) = frame + log2(l') - log2 448 (``softmax_frame_t``): ``write_outputs_t`` adds log2(l').
-    write_outputs_t(accs, frame - LOG2_FP8_MAX, l, inv_l, o_s, lse_s, target, row0, wg, interpret=interpret)
+        num_accs = 2 * CHUNKS_PER_WG  # O^T tiles [64 features, R]
+        *accs, m0, _ = initial_carry((HALF, rows), rows_axis=1, num_accs=num_accs)
+        l_tile0 = plgpu.layout_cast(jnp.zeros((HALF, rows), jnp.float32), plgpu.Layout.WGMMA)
+        carry = walk_steps(step, (*accs, m0, l_tile0, m0), where, consumed_bar,
+                           issuer=None if producer else ISSUER)
+        accs, l_tile, frame = carry[:num_accs], carry[-2], carry[-1]
+        lsum_s[wg] = token_reduce(l_tile, "add", my_scratch, interpret=interpret)
+        # Both warpgroups have stored their l'.
+        plgpu.barrier_arrive(end_bar)
+        plgpu.barrier_wait(end_bar)
+        l = plgpu.load(lsum_s.at[wg], layout=QROWS) + plgpu.load(lsum_s.at[1 - wg], layout=QROWS)
+        # Per query row, what the accumulators are multiplied by: 1 / l' (0 for rows that saw no token).
+        seen = l > 0
+        inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+        target = output_target(o_ref, lse_ref, part_o_ref, part_lse_ref, items_ref, partials=partials)
+        # lse (base 2) = frame + log2(l') - log2 448 (``softmax_frame_t``): ``write_outputs_t`` adds log2(l').
+        write_outputs_t(accs, frame - LOG2_FP8_MAX, l, inv_l, o_s, lse_s, target, row0, wg, interpret=interpret)
+
+    if not producer:
+        consume()
+        return
+    specialize_warpgroups(wg, functools.partial(produce_steps, issue, where.first_step, where.num_steps, consumed_bar),
+                          consume, mgpu_kernel.PRODUCER_REGISTERS, mgpu_kernel.CONSUMER_REGISTERS)
+
+
+def has_producer(rows: int) -> bool:
+    """Whether blocks of ``rows`` query rows run a producer warpgroup (``PRODUCER_ROWS``)."""
+    return mgpu_kernel.PRODUCER_WG and rows in PRODUCER_ROWS
 
 
 def meet(barrier_id: int, bar, named_sync: bool) -> None:
@@ -598,7 +623,8 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
               if query_terms == 2 else []),
         ],
         # Its reductions across warps bring their own scratch (``token_reduce``).
-        **grid_params(plan, num_rows // rows, "snapmla_decode_fp8_mgpu_small", interpret, reduction_scratch_bytes=0),
+        **grid_params(plan, num_rows // rows, "snapmla_decode_fp8_mgpu_small", interpret,
+                      num_threads=NUM_WGS + has_producer(rows), reduction_scratch_bytes=0),
     )
     outs = kernel(seq_lens, plan.items, block_table, layer_offset, *operands)
     out, lse = merge_items(outs, plan, q_rows.dtype, num_splits=num_splits, interpret=interpret)

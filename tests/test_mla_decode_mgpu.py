@@ -525,6 +525,49 @@ def test_small_kernel_interpreted_matches_reference(kernel, heads, s_q, seq_lens
     assert lse_err < 1e-4, lse_err
 
 
+def _check_with_producer(*args, **kw):
+    """``_check`` with a producer warpgroup issuing the 16-row kernel's ring in both of its row
+    blocks (``PRODUCER_ROWS``), the register split forced on where jax would leave it out
+    (``mla_decode_mgpu.PRODUCER_WG``). Traces afresh: the constants are read at trace time."""
+    import snapmla_jax.pallas_kernels.mla_decode_mgpu_small as small_kernel
+    saved = mgpu_kernel.PRODUCER_WG, small_kernel.PRODUCER_ROWS
+    mgpu_kernel.PRODUCER_WG, small_kernel.PRODUCER_ROWS = True, (16, 32)
+    jax.clear_caches()
+    try:
+        return _check(*args, **kw)
+    finally:
+        mgpu_kernel.PRODUCER_WG, small_kernel.PRODUCER_ROWS = saved
+        jax.clear_caches()
+
+
+# (kernel, heads, s_q, seq_lens, layer_pages, splits): the query quantized in the kernel with
+# splits and a row of seq_len 0; 32-row blocks with the causal rule, a layer offset and splits.
+PRODUCER_CASES = pytest.mark.parametrize("kernel,heads,s_q,seq_lens,layer_pages,splits", [
+    ("small", 16, 1, [320, 257, 0], 0, 2),
+    ("small32", 16, 2, [200, 2, 77], 3, 2),
+])
+
+
+@PRODUCER_CASES
+def test_small_kernel_interpreted_with_a_producer(kernel, heads, s_q, seq_lens, layer_pages, splits):
+    """The 16-row kernel with a third warpgroup issuing its ring (consumers' ring waits only, the
+    producer's query and first-step copies, its drain of the last steps): as
+    test_small_kernel_interpreted_matches_reference, with its bounds."""
+    err, lse_err, _ = _in_subprocess(f"_check_with_producer({heads}, {s_q}, {seq_lens!r}, {layer_pages}, {splits}, "
+                                     f"interpret=True, kernel={kernel!r})")
+    assert err < 4e-3 + 2.0 ** -8, err
+    assert lse_err < 1e-4, lse_err
+
+
+@pytest.mark.gpu
+@PRODUCER_CASES
+def test_small_kernel_with_a_producer_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):
+    err, lse_err, lse_scale = _check_with_producer(heads, s_q, seq_lens, layer_pages, splits, interpret=False,
+                                                   kernel=kernel)
+    assert err < MGPU_TOL, err  # as test_small_kernel_matches_reference
+    assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
+
+
 @pytest.mark.gpu
 @SMALL_CASES
 def test_small_kernel_matches_reference(kernel, heads, s_q, seq_lens, layer_pages, splits):

@@ -133,8 +133,9 @@ def main(argv=None) -> int:
     saved = {name: getattr(module, name) for name in settings}
     for name, value in settings.items():
         setattr(module, name, type(saved[name])(int(value)))
-    # One trace a warpgroup, the producer's included (the 16-row kernel has none).
-    warpgroups = mgpu_kernel.NUM_WGS + int(mgpu_kernel.PRODUCER_WG and args.kernel != "small")
+    # One trace a warpgroup, the producer's included (the 16-row kernel has one in PRODUCER_ROWS only).
+    warpgroups = mgpu_kernel.NUM_WGS + int(mgpu_kernel.PRODUCER_WG and args.kernel != "small"
+                                           or args.kernel == "small" and small_kernel.has_producer(small_rows))
     mgpu_kernel.COMPILER_PARAMS = plgpu.CompilerParams(
         profile_space=args.space, profile_dir=str(trace_dir), profile_bounds_check=True, reduction_scratch_bytes=0)
     try:
