@@ -36,6 +36,16 @@ def test_decode_table_says_when_each_row_was_measured():
     assert f"Regenerate: `{COMMAND}`." in lines
 
 
+def test_a_merged_page_names_the_command_that_measures_all_its_rows():
+    """--merge keeps rows of earlier runs: the page's command lists every row's shape and none of
+    the options that chose this run's shapes."""
+    argv = ["--shapes", "64x16384x16x2", "--methods", "fp8", "bf16", "--merge", "--quick", "--preset=small",
+            "--batches", "3", "--name", "vs", "--out", "/tmp/x"]
+    assert decode.full_page_argv(argv, [(1, 4096, 16, 1), (64, 16384, 16, 2)]) == [
+        "--shapes", "1x4096x16x1", "64x16384x16x2", "--methods", "fp8", "bf16", "--name", "vs", "--out", "/tmp/x"]
+    assert decode.full_page_argv(["--preset", "small", "--merge"], [(2, 8, 16, 1)]) == ["--shapes", "2x8x16x1"]
+
+
 def test_decode_table_without_merged_rows_has_no_merge_note():
     text = decode.to_markdown(ENV, CEILINGS, [_row(8, "2026-11-23 16:49")], "no", COMMAND)
     assert "earlier invocations" not in text

@@ -446,6 +446,29 @@ def to_markdown(env: dict, ceilings: dict, rows: list[dict], stock_reason: str |
     return "\n".join(lines) + "\n"
 
 
+# The options that choose what an invocation measures (value count, "*": any), and --merge.
+GRID_OPTIONS = {"--shapes": "*", "--batches": "*", "--contexts": "*", "--heads": "*", "--s-q": "*", "--preset": 1,
+                "--quick": 0, "--merge": 0}
+
+
+def full_page_argv(argv: list[str], shapes: list[tuple[int, int, int, int]]) -> list[str]:
+    """The arguments of one invocation that measures every row of a merged page: ``argv``
+    without the options that choose its shapes and without --merge, --shapes ``shapes`` first
+    (a page merged over several runs names the command that regenerates all of it)."""
+    kept, i = [], 0
+    while i < len(argv):
+        name, inline = argv[i].partition("=")[::2]
+        i += 1
+        if name not in GRID_OPTIONS:
+            kept.append(argv[i - 1])
+        elif not inline and GRID_OPTIONS[name] == 1:
+            i += 1
+        elif not inline and GRID_OPTIONS[name] == "*":
+            while i < len(argv) and not argv[i].startswith("-"):
+                i += 1
+    return ["--shapes", *("x".join(map(str, shape)) for shape in shapes), *kept]
+
+
 def parse_shape(text: str) -> tuple[int, int, int, int]:
     """"BxCTXxHxSQ" -> (batch, context, heads, s_q), all positive."""
     try:
@@ -519,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     if shapes is None:
         shapes = [(b, c, h, s) for b in grid["batches"] for c in grid["contexts"] for h in grid["heads"]
                   for s in grid["s_qs"]]
-    command = shlex.join(["python", "-m", "snapmla_jax.bench", "decode", *(argv if argv is not None else sys.argv[1:])])
+    given = list(argv if argv is not None else sys.argv[1:])
+    command = shlex.join(["python", "-m", "snapmla_jax.bench", "decode", *given])
     print(f"FlashMLA: {flashmla.name if flashmla else 'absent'}", flush=True)
     env = timing.environment()
     ceilings = timing.measure_ceilings()
@@ -540,7 +564,9 @@ def main(argv: list[str] | None = None) -> int:
         kept = [with_run_ceilings(r, *earlier_ceilings) for r in earlier if shape_key(r) not in done]
         merged = sorted(kept + measured, key=lambda r: (r["heads"], r["s_q"], r["batch"], r["context"]))
         ceil = dataclasses.asdict(ceilings)
-        markdown = to_markdown(env, ceil, merged, stock_reason, command, merged=bool(kept),
+        page_command = command if not kept else shlex.join(
+            ["python", "-m", "snapmla_jax.bench", "decode", *full_page_argv(given, [shape_key(r) for r in merged])])
+        markdown = to_markdown(env, ceil, merged, stock_reason, page_command, merged=bool(kept),
                                flashmla_name=(args.flashmla_label or flashmla.name) if flashmla else None,
                                skipped=tuple(skipped))
         timing.write_results(out, args.name, {**env, "ceilings": ceil, "stock_mqa": stock_reason or "runs"}, merged,
