@@ -26,7 +26,7 @@ The reductions along the tokens cross warps. Pallas Mosaic GPU lowers such a red
 one SMEM scratch at a static offset, which two warpgroups reducing at once would overwrite
 (only the GPU shows it): each warpgroup reduces through a scratch of its own (``token_reduce``;
 test_no_kernel_reduces_through_the_shared_scratch checks the lowering). Warpgroup 1 issues the
-TMA ring.
+TMA ring (a third, producer warpgroup in the row blocks of ``PRODUCER_ROWS``: none by default).
 
 Shared with ``mla_decode_mgpu``: the inputs launch (rows padded to a multiple of R instead of
 64, the token scales in step order; their log2 and reciprocals are taken here), the step order
@@ -378,7 +378,8 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
          *, s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, page_size: int,
          interpret: bool, rest_in=None, rest_s=None):
     """One CTA: (work item w: a run of steps of batch row b, block of R query rows), two
-    warpgroups; outputs as ``mla_decode_mgpu.OutputTarget``.
+    warpgroups (``consume``; with ``has_producer``, a third that only issues the ring);
+    outputs as ``mla_decode_mgpu.OutputTarget``.
 
     Its query rows either arrive quantized (q_ref e4m3 [B, P, 512], qsc_ref f32 [B, P], ksc_ref
     the step-ordered token scales [B, steps * 128], all from the inputs launch) or, with qsc_ref
@@ -423,6 +424,7 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
         issue_more_query=None if rest_in is None else issue_rest)
     _, wg, _, row0, _, _, _ = where
     consumers_issue = None if producer else issue  # with a producer, the ring is its work alone
+
     def consume():
         my_rows = aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
         named_sync = NAMED_SYNC and not interpret
