@@ -89,9 +89,9 @@ ROWS = 16  # query rows a CTA by default: the wgmma N of every product
 # --kernel-trace-rounds 3), and it halves FP8's cost in answer bits on the long-context model
 # served a token a call (docs/fidelity.md, "Q.K summed in float32 every 128 features").
 QK_PROMOTION = 128
-# The same for 32-row blocks, so that a model's numerics do not change with s_q or with 16 or 32
-# heads. Bound by their own work there (the step profile in docs/design_notes.md, section 12),
-# the shorter chains cost 0-2% of the kernel: 201.0 vs 201.7 us at 64 x 16k x 16 x 2 and 387.6 vs
+# The same for 32-row blocks, so that a 16-head model's numerics do not change with s_q (1 or 2).
+# Bound by their own work there (the step profile in docs/design_notes.md, section 12), the
+# shorter chains cost 0-2% of the kernel: 201.0 vs 201.7 us at 64 x 16k x 16 x 2 and 387.6 vs
 # 378.9 at 128 x 16k x 32 against one chain (H200, tools/time_mgpu_variants.py --kernel small
 # --block-rows 32 --kernel-trace-rounds 3, the variant of 128 against one chain; now
 # ``promotion_32_rows_512`` against the shipped 128).
