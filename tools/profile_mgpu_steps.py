@@ -46,7 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_kernel
 import snapmla_jax.pallas_kernels.mla_decode_mgpu_small as small_kernel
 from snapmla_jax.bench import timing
-from snapmla_jax.decode import mla_decode
+from snapmla_jax.decode import capacity_tokens, mla_decode, mosaic_kernel
 
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 STEP_START = "wait_step"  # the first phase of a step
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="64x2048x128x1", help="BxCONTEXTxHxS_Q")
     parser.add_argument("--kernel", choices=("fp8", "bf16", "small"), default="fp8",
                         help="the FP8 64-row kernel, the BF16 twin (same grid, producer and helpers) or "
-                             "the 16-row FP8 kernel (two warpgroups, no producer)")
+                             "the 16-row FP8 kernel (two warpgroups; a producer only in its PRODUCER_ROWS)")
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=INT",
                         help="kernel module constants to profile a variant with (e.g. ISSUE_BY_WARPS=0)")
     parser.add_argument("--space", type=int, default=56,
@@ -111,9 +111,9 @@ def main(argv=None) -> int:
     batch, context, heads, s_q = map(int, args.shape.split("x"))
     fp8, bf16, block_table = bench.make_caches(batch, context)
     q, q_rope, seq_lens, scale = bench.make_queries(batch, context, heads, s_q)
-    # The 16-row kernel runs 17-32 rows as one 32-row block (``decode.mosaic_kernel``).
-    small_rows = min(r for r in small_kernel.BLOCK_ROWS if r >= min(s_q * heads, max(small_kernel.BLOCK_ROWS)))
-    block_rows = small_rows if args.kernel == "small" else mgpu_kernel.BLOCK_M
+    # The 16-row kernel's row blocks as mla_decode picks them (17-32 rows: one 32-row block).
+    block_rows = (mosaic_kernel(s_q * heads, fp8.dtype, q.dtype, capacity_tokens(block_table, fp8))[1]
+                  if args.kernel == "small" else mgpu_kernel.BLOCK_M)
     splits = bench.mosaic_splits(batch, s_q * heads, context, block_rows)
     if args.kernel in ("bf16", "small"):  # the 16-row kernel as mla_decode serves it (its query in the kernel)
         cache = bf16 if args.kernel == "bf16" else fp8
@@ -134,8 +134,8 @@ def main(argv=None) -> int:
     for name, value in settings.items():
         setattr(module, name, type(saved[name])(int(value)))
     # One trace a warpgroup, the producer's included (the 16-row kernel has one in PRODUCER_ROWS only).
-    warpgroups = mgpu_kernel.NUM_WGS + int(mgpu_kernel.PRODUCER_WG and args.kernel != "small"
-                                           or args.kernel == "small" and small_kernel.has_producer(small_rows))
+    producer = small_kernel.has_producer(block_rows) if args.kernel == "small" else mgpu_kernel.PRODUCER_WG
+    warpgroups = mgpu_kernel.NUM_WGS + int(producer)
     mgpu_kernel.COMPILER_PARAMS = plgpu.CompilerParams(
         profile_space=args.space, profile_dir=str(trace_dir), profile_bounds_check=True, reduction_scratch_bytes=0)
     try:
