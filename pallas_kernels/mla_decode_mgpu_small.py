@@ -12,9 +12,9 @@ tokens or features are M:
   ``query_terms`` (16-row blocks) the query's rounding and what it leaves are two FP8 B operands
   against the same K tile, each product under its own row scales.
 * The online softmax in the log domain of ``mla_decode_mgpu`` (its docstring has the math), per
-  column (query row), reducing along the tokens (``softmax_frame_t``). The two warpgroups
-  exchange one statistic a step, the row max of log_pv over their halves (``token_reduce``, then
-  SMEM and a named barrier); l' stays per token slot until the loop ends.
+  column (query row), reducing along the tokens (``softmax_frame_t``). The step's row max of
+  log_pv crosses the eight warps of both warpgroups in one exchange (``store_warp_maxima``, a
+  named barrier, eight partials read); l' stays per token slot until the loop ends.
 * O^T = V^T.P'^T, [64 features, R] a tile, four tiles a warpgroup (output features [256 w,
   256 w + 256)): V^T the 8-bit register A operand built from the ring slot
   (``mgpu_bytes.load_vt_quads``), P' [R, 128] e4m3 the K-major B operand, each warpgroup's half
@@ -22,9 +22,9 @@ tokens or features are M:
   which the warpgroups meet at a second named barrier. The four products of a warpgroup are in
   flight at once.
 
-The reductions along the tokens cross warps. Pallas Mosaic GPU lowers such a reduction through
-one SMEM scratch at a static offset, which two warpgroups reducing at once would overwrite
-(only the GPU shows it): each warpgroup reduces through a scratch of its own (``token_reduce``;
+The other reductions along the tokens cross warps too. Pallas Mosaic GPU lowers such a
+reduction through one SMEM scratch at a static offset, which two warpgroups reducing at once
+would overwrite (only the GPU shows it): each warpgroup reduces through a scratch of its own (``token_reduce``;
 test_no_kernel_reduces_through_the_shared_scratch checks the lowering). Warpgroup 1 issues the
 TMA ring (a third, producer warpgroup in the row blocks of ``PRODUCER_ROWS``: none by default).
 
@@ -43,8 +43,8 @@ parity (``parity_scales``). At small problems the inputs launch is a fifth of th
 us of GPU time against a kernel of 6-8 us (H200, B = 1-16, 1k-16k tokens).
 
 SMEM: ring 2 x 80.5 KB, Q 10 or 20 KB, P' 2 x 2 or 4 KB, the reduction scratch 2 x 2 KB, the
-output staging 4-16 KB: about 190 KB at R = 16 (206 KB with the bf16 query's staging tile, 8 KB
-more with the query's second term), 212 KB at R = 32.
+warps' row maxima 1 or 2 KB, the output staging 4-16 KB: about 191 KB at R = 16 (207 KB with the
+bf16 query's staging tile, 8 KB more with the query's second term), 214 KB at R = 32.
 """
 
 from __future__ import annotations
@@ -56,9 +56,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, gpu, memref
+from jaxlib.mlir.dialects import arith, gpu, llvm, memref
 
 from snapmla_jax.pallas_kernels.combine_splits import partial_dtype
 from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX, residual_per_token
@@ -120,10 +121,20 @@ ISSUE_FIRST_ROWS = (16, 32)
 # tools/time_mgpu_variants.py --kernel small --variants baseline producer_32_rows / producer).
 PRODUCER_ROWS = ()
 WARPGROUP = 128  # threads a warpgroup
+WARPS = WARPGROUP // 32  # warps a warpgroup
 # Whether each warpgroup stores its row max of a step (``stats_s``) without the warpgroup barriers
 # Pallas puts around every SMEM store (``mla_decode_mgpu.store_rows``): the statistics exchange's
 # named barrier orders it (``NAMED_SYNC``). GPU only.
 UNSYNCED_ROW_STORES = True
+# The row blocks whose step's row max meets across warps and warpgroups in one SMEM exchange
+# (``store_warp_maxima``: each warp's maxima, the statistics' named barrier, eight partials read
+# by every thread) instead of a reduction across the warpgroup's warps (``token_reduce``) and
+# then the warpgroups' exchange. GPU only, with ``NAMED_SYNC``. Kernel 194.2 vs 203.6 us at
+# 64 x 16k x 16 x 2 and 377.5 vs 400.9 at 128 x 16k x 32 (32-row blocks), 158.1 vs 158.7 at
+# 64 x 16k x 16 and 304.4 vs 303.9 at 64 x 32k x 16 (16-row blocks), the same output bits (H200,
+# jax 0.11.2, tools/time_mgpu_variants.py --kernel small [--block-rows 32] --variants baseline
+# two_exchanges --kernel-trace-rounds 5).
+ONE_EXCHANGE_ROWS = (16, 32)
 
 def half_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret: bool,
                   rest=None) -> jax.Array:
@@ -211,6 +222,38 @@ def token_reduce(x, op: str, scratch, *, interpret: bool) -> jax.Array:
         return x_fa.reduce(op, 0, scratch=scratch_ref)
 
     return reduce(x, scratch)
+
+
+def store_warp_maxima(x, dst_ref) -> None:
+    """x f32 [64, R] (WGMMA): each warp's max along its 16 tokens, stored as row (warpgroup * 4 +
+    warp) of dst_ref f32 [2, 4, R] (the consumers' eight warps). Shuffles within the warp, then
+    eight bytes a store from every lane (the lanes of a column pair store the same value), no
+    barrier: the caller's named barrier orders the stores before the reads. GPU only."""
+    rows = x.shape[1]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+    def store(ctx, x_fa, dst):
+        del ctx
+        regs = x_fa.registers
+        if regs.shape != (1, rows // 8, 1, 1, 2, 1, 1, 1, 1):
+            raise NotImplementedError(f"store_warp_maxima: unexpected WGMMA registers {regs.shape}")
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        c32 = lambda v: mgpu_utils.c(v, i32)
+        tid = mgpu_utils.thread_idx()
+        warp = arith.andi(arith.shrui(tid, c32(5)), c32(NUM_WGS * WARPS - 1))  # the consumers' warps
+        pair = arith.andi(tid, c32(3))  # this lane's column pair within each group of 8 columns
+        row_bytes = arith.muli(warp, c32(rows * 4))
+        base = mgpu_utils.memref_ptr(dst)
+        for group in range(rows // 8):
+            # Rows g and g + 8 of the warp's 16, then across the eight lanes of each column pair.
+            value = arith.maximumf(regs[0, group, 0, 0, 0, 0, 0, 0, 0], regs[0, group, 0, 0, 1, 0, 0, 0, 0])
+            for distance in (4, 8, 16):
+                value = arith.maximumf(value, mgpu_utils.shfl_bfly(value, distance))
+            column = arith.addi(c32(8 * group), arith.shli(pair, c32(1)))
+            offset = arith.addi(row_bytes, arith.shli(column, c32(2)))
+            llvm.store(value, mgpu_utils.getelementptr(base, [offset], i8))
+
+    store(x, dst_ref)
 
 
 def reduce_scratch_size(rows: int) -> int:
@@ -391,8 +434,9 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
     SMEM (R = 16 or 32 rows): q8_s e4m3 [4, R, 128], qr_s bf16 [R, 64], qsc_s f32
     [R], lse_s f32 [R], kv8_s e4m3 [2, 4, 128, 128] and rope_s bf16 [2, 128, 64] (the
     ring, step order), ksc_s f32 [2, 128] (a slot's token scales), p8_s e4m3 [2, R, 128]
-    (a slot's P', both warpgroups' halves, the B operand of both), stats_s f32 [2 slots, 2 warpgroups, 1, R] (each warpgroup's row max of
-    log_pv), lsum_s f32 [2, R] (each warpgroup's l' after the loop), red_s f32 [2,
+    (a slot's P', both warpgroups' halves, the B operand of both), stats_s f32 [2 slots, 2
+    warpgroups, 4 warps, R] (each warp's row max of log_pv, or each warpgroup's in row 0:
+    ``ONE_EXCHANGE_ROWS``), lsum_s f32 [2, R] (each warpgroup's l' after the loop), red_s f32 [2,
     ``reduce_scratch_size``] (each warpgroup's reduction scratch), o_s [2, R, 64] (each
     warpgroup's output staging tile, in the output's dtype).
 
@@ -428,6 +472,7 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
     def consume():
         my_rows = aligned(wg * HALF, HALF)  # this warpgroup's half of each step's SMEM rows
         named_sync = NAMED_SYNC and not interpret
+        one_exchange = named_sync and rows in ONE_EXCHANGE_ROWS
         my_scratch = red_s.at[wg]
         if query_in_kernel:
             quantize_query(q_in_s, q8_s, qsc_s, wg, interpret=interpret, rest=rest_s)
@@ -462,13 +507,24 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
                 if masked:  # masked slots may hold any bytes, NaN included
                     visible = visibility_t(row0, t0, where.seq_len, wg, s_q=s_q, num_heads=num_heads, rows=rows)
                     log_pv = jnp.where(visible, log_pv, -jnp.inf)
-                # The step's row max over both halves: each warpgroup's own, exchanged through SMEM.
-                log_pv_max = token_reduce(log_pv, "max", my_scratch, interpret=interpret)
-                store_rows((log_pv_max,), stats_s.at[slot, wg], layout=QROWS,
-                           unsynced=named_sync and UNSYNCED_ROW_STORES)
+                # The step's row max over both halves: each warp's maxima through SMEM, or each
+                # warpgroup's own (reduced across its warps), exchanged through SMEM.
+                if one_exchange:
+                    store_warp_maxima(log_pv, stats_s.at[slot])
+                else:
+                    log_pv_max = token_reduce(log_pv, "max", my_scratch, interpret=interpret)
+                    store_rows((log_pv_max,), stats_s.at[slot, wg, pl.ds(0, 1)], layout=QROWS,
+                               unsynced=named_sync and UNSYNCED_ROW_STORES)
             with jax.named_scope("wait_stats"):
                 meet(STATS_SYNC_ID, stats_bar.at[slot], named_sync)
-                log_pv_max = jnp.maximum(log_pv_max, plgpu.load(stats_s.at[slot, 1 - wg, 0], layout=QROWS))
+                if one_exchange:
+                    maxima = [plgpu.load(stats_s.at[slot, g, w], layout=QROWS)
+                              for g in range(NUM_WGS) for w in range(WARPS)]
+                    while len(maxima) > 1:
+                        maxima = [jnp.maximum(a, b) for a, b in zip(maxima[::2], maxima[1::2])]
+                    log_pv_max = maxima[0]
+                else:
+                    log_pv_max = jnp.maximum(log_pv_max, plgpu.load(stats_s.at[slot, 1 - wg, 0], layout=QROWS))
             with jax.named_scope("softmax"):
                 m, l_tile, frame, p8, ratio = softmax_frame_t(log_pv, 1.0 / floored, m, l_tile, frame, log_pv_max,
                                                               visible)
@@ -606,7 +662,7 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
                        else (NUM_SLOTS, STEP), jnp.float32),
             # P' (``store_token_bytes``): its byte stores compute addresses for this layout.
             plgpu.SMEM((NUM_SLOTS, rows, STEP), FP8_DTYPE, transforms=BYTE_TILE_TRANSFORMS),
-            plgpu.SMEM((NUM_SLOTS, NUM_WGS, 1, rows), jnp.float32),
+            plgpu.SMEM((NUM_SLOTS, NUM_WGS, WARPS, rows), jnp.float32),  # each warp's row max of a step
             plgpu.SMEM((NUM_WGS, rows), jnp.float32),
             plgpu.SMEM((NUM_WGS, reduce_scratch_size(rows)), jnp.float32),
             plgpu.SMEM((NUM_WGS, rows, HALF), out_dtype, transforms=() if interpret else output_transforms(out_dtype)),

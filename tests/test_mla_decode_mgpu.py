@@ -271,10 +271,12 @@ def test_step_hands_over_behind_named_barriers_only(monkeypatch):
 
 def test_small_kernel_stores_its_row_vectors_without_warpgroup_barriers(monkeypatch):
     """The 16-row kernel's ``UNSYNCED_ROW_STORES``: each warpgroup's row max of a step, published
-    for the other, takes neither of the two warpgroup barriers Pallas puts around an SMEM store
-    (the statistics' named barrier orders it): 2 a step loop fewer."""
+    for the other where the warpgroups exchange their own (``ONE_EXCHANGE_ROWS`` empty), takes
+    neither of the two warpgroup barriers Pallas puts around an SMEM store (the statistics' named
+    barrier orders it): 2 a step loop fewer."""
     import re
     import snapmla_jax.pallas_kernels.mla_decode_mgpu_small as small_module
+    monkeypatch.setattr(small_module, "ONE_EXCHANGE_ROWS", ())
 
     def warpgroup_barriers(unsynced: bool) -> int:
         monkeypatch.setattr(small_module, "UNSYNCED_ROW_STORES", unsynced)
@@ -283,6 +285,29 @@ def test_small_kernel_stores_its_row_vectors_without_warpgroup_barriers(monkeypa
 
     loops = 2  # unmasked and masked steps
     assert warpgroup_barriers(False) - warpgroup_barriers(True) == loops * 2
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def test_small_kernel_row_max_meets_in_one_exchange(monkeypatch):
+    """``ONE_EXCHANGE_ROWS``: each warp's maxima of a step go to SMEM and cross the warps and the
+    warpgroups at the statistics' named barrier alone. The reduction across a warpgroup's warps
+    (``token_reduce``: at 16 rows one round between two warpgroup barriers) leaves each step
+    loop; the named barrier stays, once a loop (and once before the loops)."""
+    import re
+    import snapmla_jax.pallas_kernels.mla_decode_mgpu_small as small_module
+
+    def barriers(one_exchange_rows: tuple) -> tuple[int, int]:
+        monkeypatch.setattr(small_module, "ONE_EXCHANGE_ROWS", one_exchange_rows)
+        jax.clear_caches()
+        text = _mosaic_module_text("small")
+        return (len(re.findall(r"bar\.sync \$0, 128;", text)),
+                text.count(f"bar.sync {mgpu_kernel.STATS_SYNC_ID}, 256;"))
+
+    (one_warpgroup, one_named), (two_warpgroup, two_named) = barriers((16,)), barriers(())
+    loops = 2  # unmasked and masked steps
+    assert two_warpgroup - one_warpgroup == loops * 2, (one_warpgroup, two_warpgroup)
+    assert one_named == two_named == 3
     monkeypatch.undo()
     jax.clear_caches()
 

@@ -71,6 +71,7 @@ SMALL_VARIANTS = {
     "issuer_0": {"ISSUER": 0},
     "promotion_32_rows_512": {"QK_PROMOTION_32_ROWS": 512},  # with --block-rows 32
     "issue_after_wait": {"ISSUE_FIRST_ROWS": ()},
+    "two_exchanges": {"ONE_EXCHANGE_ROWS": ()},
     # A producer warpgroup (where ``mla_decode_mgpu.PRODUCER_WG``: jax < 0.12).
     "producer": {"PRODUCER_ROWS": (16, 32)},
     "producer_32_rows": {"PRODUCER_ROWS": (32,)},  # with --block-rows 32
