@@ -24,9 +24,10 @@ tokens or features are M:
 
 The other reductions along the tokens cross warps too. Pallas Mosaic GPU lowers such a
 reduction through one SMEM scratch at a static offset, which two warpgroups reducing at once
-would overwrite (only the GPU shows it): each warpgroup reduces through a scratch of its own (``token_reduce``;
-test_no_kernel_reduces_through_the_shared_scratch checks the lowering). Warpgroup 1 issues the
-TMA ring (a third, producer warpgroup in the row blocks of ``PRODUCER_ROWS``: none by default).
+would overwrite (only the GPU shows it): each warpgroup reduces through a scratch of its own
+(``token_reduce``; test_no_kernel_reduces_through_the_shared_scratch checks the lowering).
+Warpgroup 1 issues the TMA ring (a third, producer warpgroup in the row blocks of
+``PRODUCER_ROWS``: none by default).
 
 Shared with ``mla_decode_mgpu``: the inputs launch (rows padded to a multiple of R instead of
 64, the token scales in step order; their log2 and reciprocals are taken here), the step order
