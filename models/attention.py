@@ -133,7 +133,7 @@ class MLAAttention(nnx.Module):
 
     def absorbed_decode(self, x: jax.Array, positions: jax.Array, cache, block_table: jax.Array,
                         seq_lens: jax.Array, slots: jax.Array, *, backend: str, kv_transform=None,
-                        q_transform=None, query_terms: int = 1):
+                        q_transform=None, query_terms: int = 1, qk_promotion: int | None = None):
         """Decode step in absorbed form over the paged latent cache.
 
         x [B, s_q, hidden]; positions [B, s_q] int32; cache a single-layer
@@ -143,7 +143,8 @@ class MLAAttention(nnx.Module):
         ``mla_decode``. Returns (out [B, s_q, hidden], new cache,
         latent attention output [B, s_q, H, R] before W_UV). ``kv_transform``
         (see ``MLAModel.decode``) maps (c_kv, k_pe) before they are written,
-        ``q_transform`` the latent query before it attends; ``query_terms`` as ``mla_decode``'s.
+        ``q_transform`` the latent query before it attends; ``query_terms`` and ``qk_promotion``
+        as ``mla_decode``'s.
         """
         cfg = self.cfg
         q_nope, q_pe = self.queries(x, positions)
@@ -156,6 +157,7 @@ class MLAAttention(nnx.Module):
         cache = write_kv(cache, c_kv.reshape(-1, cfg.kv_lora_rank), k_pe.reshape(-1, cfg.qk_rope_head_dim),
                          slots, backend=backend)
         latent_out = mla_decode(q_latent, q_pe, cache, block_table, seq_lens,
-                                softmax_scale=cfg.softmax_scale, backend=backend, query_terms=query_terms)
+                                softmax_scale=cfg.softmax_scale, backend=backend, query_terms=query_terms,
+                                qk_promotion=qk_promotion)
         out = jnp.einsum("bshr,rhv->bshv", latent_out, self.w_uv[...])
         return self.o_proj(out.reshape(*x.shape[:-1], -1)), cache, latent_out

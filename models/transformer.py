@@ -50,11 +50,11 @@ class DecoderLayer(nnx.Module):
         return self.feed_forward(x + attn, backend), cache
 
     def decode(self, x, positions, cache, block_table, seq_lens, slots, *, backend: str, kv_transform=None,
-               q_transform=None, query_terms: int = 1):
+               q_transform=None, query_terms: int = 1, qk_promotion: int | None = None):
         """Absorbed-form step; returns (x, cache, latent attention output [B, s_q, H, R])."""
         attn, cache, latent_out = self.self_attn.absorbed_decode(
             self.input_layernorm(x), positions, cache, block_table, seq_lens, slots, backend=backend,
-            kv_transform=kv_transform, q_transform=q_transform, query_terms=query_terms)
+            kv_transform=kv_transform, q_transform=q_transform, query_terms=query_terms, qk_promotion=qk_promotion)
         return self.feed_forward(x + attn, backend), cache, latent_out
 
 
@@ -172,7 +172,7 @@ class MLAModel(nnx.Module):
 
     def decode(self, input_ids: jax.Array, caches: tuple, block_table: jax.Array, seq_lens: jax.Array, *,
                backend: str = "auto", return_attn: bool = False, kv_transform=None, q_transform=None,
-               query_terms: int = 1):
+               query_terms: int = 1, qk_promotion: int | None = None):
         """One absorbed-form decode step of s_q new tokens per row.
 
         input_ids [B, s_q] int32; caches from ``init_cache``/``prefill``;
@@ -189,7 +189,8 @@ class MLAModel(nnx.Module):
         (``snapmla_jax.fidelity_long.CACHE_SCHEMES``). ``q_transform`` likewise maps every
         layer's latent query [B, s_q, H, R] before it attends (the result is cast back to the
         query's dtype): a fake quantization emulates the FP8 kernels' query rounding. Under jit
-        both must be static. ``query_terms``: the FP8 query's terms over an fp8 cache
+        both must be static. ``query_terms``: the FP8 query's terms over an fp8 cache, and
+        ``qk_promotion``: the features a float32 sum of its FP8 Q.K products covers
         (``mla_decode``'s; static under jit).
         Jittable; donate ``caches`` to update in place.
         """
@@ -203,7 +204,7 @@ class MLAModel(nnx.Module):
         for layer, cache in zip(self.layers, caches):
             x, cache, latent_out = layer.decode(x, positions, cache, block_table, seq_lens, slots, backend=backend,
                                                 kv_transform=kv_transform, q_transform=q_transform,
-                                                query_terms=query_terms)
+                                                query_terms=query_terms, qk_promotion=qk_promotion)
             new_caches.append(cache)
             attn_outs.append(latent_out)
         logits = self.logits(x)

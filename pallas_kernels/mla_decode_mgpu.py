@@ -102,6 +102,7 @@ COPIES_Q = NUM_CHUNKS + 2  # Q8 chunks, Q rope, q scale
 # (H100, tools/time_mgpu_variants.py --variants baseline promotion_256); error against exact
 # attention 2.066% vs 2.067% (tools/qk_precision.py).
 QK_PROMOTION = 512
+QK_PROMOTIONS = (128, 256, 512)  # the promotions a call may ask for (``qk_promotion``)
 # Whether the four warps of the issuing warpgroup share a step's TMA issue (``step_issuer``):
 # one thread issuing all 21 copies ran 1.06-1.09x slower without a producer warpgroup
 # (H100, tools/time_mgpu_variants.py --variants no_producer issue_by_one_thread).
@@ -259,16 +260,16 @@ def issue_query(q8_ref, qr_ref, qsc_ref, b, row0, q8_s, qr_s, qsc_s, bar) -> Non
         plgpu.copy_gmem_to_smem(qsc_ref.at[b, pl.ds(row0, rows)], qsc_s, bar)
 
 
-def qk8_promoted(q8_s, kv_slot, rows) -> jax.Array:
+def qk8_promoted(q8_s, kv_slot, rows, qk_promotion: int) -> jax.Array:
     """Q8.K8^T of a slot's step rows ``rows`` (64), f32 [64, 64]: q8_s e4m3 [4, 64, 128], kv_slot
     e4m3 [4, 128, 128].
 
     Hopper's FP8 wgmma keeps only ~14 significant bits in its accumulator, so the product is
-    promoted to fp32 every ``QK_PROMOTION`` features: one wgmma chain a promotion into a fresh
-    accumulator, the chains summed in registers one after the other (chains in flight together
-    keep two more accumulators live beside the output's).
+    promoted to fp32 every ``qk_promotion`` features (one of ``QK_PROMOTIONS``): one wgmma chain a
+    promotion into a fresh accumulator, the chains summed in registers one after the other
+    (chains in flight together keep two more accumulators live beside the output's).
     """
-    per_chain = QK_PROMOTION // CHUNK
+    per_chain = qk_promotion // CHUNK
 
     def chain_value(acc_ref, first):
         for ch in range(first, first + per_chain):
@@ -280,14 +281,15 @@ def qk8_promoted(q8_s, kv_slot, rows) -> jax.Array:
     return functools.reduce(jnp.add, parts)
 
 
-def step_scores(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret: bool) -> jax.Array:
+def step_scores(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret: bool,
+                qk_promotion: int) -> jax.Array:
     """Scores before the softmax scale of this warpgroup's half of a step, Q8.K8^T * q_scale *
     k_scale + Qr.Kr^T, f32 [64, 64]: the columns of SMEM rows [first_row, first_row + 64)
     (a traced start must be a marked multiple of 64).
 
     q8_s e4m3 [4, 64, 128], kv_slot e4m3 [4, 128, 128] (step order), qr_s bf16
     [64, 64], rope_slot bf16 [128, 64], q_scale [64] (per row), k_scale [64]
-    (per column).
+    (per column). FP8 products summed in fp32 every ``qk_promotion`` features (``qk8_promoted``).
 
     On the GPU the RoPE wgmma accumulates onto the scaled FP8 product
     (``pl.run_state`` + ``ACC.init``), so no separate RoPE tile is live; the
@@ -295,7 +297,7 @@ def step_scores(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, 
     product in registers.
     """
     rows = pl.ds(first_row, HALF)
-    s8 = qk8_promoted(q8_s, kv_slot, rows)
+    s8 = qk8_promoted(q8_s, kv_slot, rows, qk_promotion)
     scaled = (s8 * lax.broadcast_in_dim(q_scale, (BLOCK_M, HALF), [0])
               * lax.broadcast_in_dim(k_scale, (BLOCK_M, HALF), [1]))
 
@@ -810,7 +812,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
             q_union, qr_s, qsc_s, lse_s, kv8_s, rope_s, ksc_s, p8_s, stats_s, lsum_s, fac_s,
             step_bar, qk_done_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar,
             *, s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, page_size: int,
-            interpret: bool):
+            interpret: bool, qk_promotion: int):
     """One CTA: (work item w: a run of steps of batch row b, row block r), two consumer warpgroups
     and the producer (wg 2, ``PRODUCER_WG``); shapes in the module docstring, outputs as
     ``OutputTarget`` (``partials``: whether the plan has rows of several items).
@@ -896,7 +898,7 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
             with jax.named_scope("qk"):
                 k_scale = plgpu.load(ksc_scales.at[slot, pl.ds(my_rows, HALF)], layout=COL)
                 scores = step_scores(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], q_scale, k_scale, my_rows,
-                                     interpret=interpret)
+                                     interpret=interpret, qk_promotion=qk_promotion)
                 if interpret:
                     plgpu.barrier_arrive(qk_done_bar.at[slot])
 
@@ -1047,9 +1049,9 @@ def prepare_inputs(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, lay
 
 def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, *, softmax_scale: float,
            page_size: int, s_q: int, num_heads: int, num_splits: int, balanced: bool, num_pages: int | None,
-           segments: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
+           segments: int, interpret: bool, qk_promotion: int | None = None) -> tuple[jax.Array, jax.Array]:
     """``_kernel`` on its grid (work item, row block) with its warpgroups, its SMEM and barriers,
-    and the merge of split-KV partials."""
+    and the merge of split-KV partials. ``qk_promotion``: as ``mla_decode_mgpu``'s (None: ``QK_PROMOTION``)."""
     check_registers(PRODUCER_REGISTERS, CONSUMER_REGISTERS)
     num_pages = resolve_num_pages(num_pages, cache_arrays[0].shape[0], page_size)
     q8, q_scale, q_rope, latent_pairs, rope_pairs, scales, plan = prepare_inputs(
@@ -1061,7 +1063,8 @@ def launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offse
     slot_barrier = lambda: plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=NUM_SLOTS)
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
-                          partials=plan.partials, num_pages=num_pages, page_size=page_size, interpret=interpret),
+                          partials=plan.partials, num_pages=num_pages, page_size=page_size, interpret=interpret,
+                          qk_promotion=QK_PROMOTION if qk_promotion is None else qk_promotion),
         out_type=output_types(plan, num_rows, out_dtype),
         scratch_types=[
             plgpu.RefUnion(plgpu.SMEM((NUM_CHUNKS, BLOCK_M, CHUNK), FP8_DTYPE),
@@ -1170,12 +1173,12 @@ def merge_items(outs: tuple, plan: SplitPlan, dtype, *, num_splits: int,
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
-                                             "balanced", "num_pages", "segments", "interpret"))
+                                             "balanced", "num_pages", "segments", "interpret", "qk_promotion"))
 def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                     seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
                     s_q: int, num_heads: int, num_splits: int = 1, balanced: bool = False,
                     num_pages: int | None = None, segments: int = 0,
-                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                    interpret: bool = False, qk_promotion: int | None = None) -> tuple[jax.Array, jax.Array]:
     """FP8 decode on Mosaic GPU; arguments and results in the module docstring.
 
     ``layer_offset`` must be a multiple of 64 (it is layer x pages x 64).
@@ -1188,8 +1191,18 @@ def mla_decode_mgpu(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tup
     (``combine_splits.partial_dtype``) are merged with their log-sum-exp
     (``combine_splits_mgpu.combine_items_mgpu``). ``num_pages``: pages in one layer of the
     cache (None: all of the arrays' rows); traced page ids are clipped into [0, num_pages)
-    and seq_lens into the table's capacity, so that no read leaves the cache.
+    and seq_lens into the table's capacity, so that no read leaves the cache. ``qk_promotion``:
+    the features a fp32 sum of the FP8 Q.K products covers (``QK_PROMOTIONS``; None:
+    ``QK_PROMOTION``, one 512-feature chain).
     """
+    check_qk_promotion(qk_promotion)
     return launch(q_rows, q_rope_rows, cache_arrays, block_table, seq_lens, layer_offset, softmax_scale=softmax_scale,
                   page_size=page_size, s_q=s_q, num_heads=num_heads, num_splits=num_splits, balanced=balanced,
-                  num_pages=num_pages, segments=segments, interpret=interpret)
+                  num_pages=num_pages, segments=segments, interpret=interpret, qk_promotion=qk_promotion)
+
+
+def check_qk_promotion(qk_promotion) -> None:
+    """ValueError naming ``qk_promotion`` unless it is None or one of ``QK_PROMOTIONS``."""
+    if qk_promotion is not None and (type(qk_promotion) is not int or qk_promotion not in QK_PROMOTIONS):
+        raise ValueError(f"qk_promotion: expected None or one of {QK_PROMOTIONS} (features a float32 sum of the "
+                         f"FP8 Q.K products covers), got {qk_promotion!r}")

@@ -73,7 +73,7 @@ import snapmla_jax.pallas_kernels.mla_decode_mgpu as mgpu_kernel
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, COPIES_Q, FRAME_DROP, HALF,
                                                         LOG2_FP8_MAX, NAMED_SYNC, NUM_CHUNKS, NUM_SLOTS, NUM_WGS,
                                                         PAGE_SIZES, RANK, ROPE, ROW, STATS_SYNC_ID, STEP, aligned,
-                                                        begin_cta, begin_step, check_launch,
+                                                        begin_cta, begin_step, check_launch, check_qk_promotion,
                                                         consumers_sync, for_used_items,
                                                         gather_p, grid_params, initial_carry, merge_items,
                                                         output_target, output_types, plan_items, prepare_inputs,
@@ -138,7 +138,7 @@ UNSYNCED_ROW_STORES = True
 ONE_EXCHANGE_ROWS = (16, 32)
 
 def half_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret: bool,
-                  rest=None) -> jax.Array:
+                  qk_promotion: int, rest=None) -> jax.Array:
     """S^T of this warpgroup's half of a step before the softmax scale, (K8.Q8^T * k_scale *
     q_scale + Kr.Qr^T), f32 [64, R]: the step's SMEM rows [first_row, first_row + 64) (a traced
     start must be a marked multiple of 64) against the query rows.
@@ -148,14 +148,14 @@ def half_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *
     query's second term (``quantize_query``), (q8 e4m3 [4, R, 128], its row scales [R]): its
     FP8 product against the same K tile is added, K8.Q8^T * q_scale + K8.Q8r^T * q_scale_r.
 
-    fp32 promotion every ``QK_PROMOTION`` features (``QK_PROMOTION_32_ROWS`` in 32-row blocks),
-    as ``mla_decode_mgpu``, every chain (of either term) in flight at once (one accumulator
+    fp32 promotion every ``qk_promotion`` features (``block_qk_promotion``), as
+    ``mla_decode_mgpu``, every chain (of either term) in flight at once (one accumulator
     each, 8 registers at R = 16) under one wait; then the RoPE wgmma onto the scaled FP8
     product (the interpreter, which has no pre-initialised accumulators, adds it in registers).
     """
     rows = q8_s.shape[1]
     tokens = pl.ds(first_row, HALF)
-    per_chain = (QK_PROMOTION if rows == ROWS else QK_PROMOTION_32_ROWS) // CHUNK
+    per_chain = qk_promotion // CHUNK
     firsts = range(0, NUM_CHUNKS, per_chain)
     acc = plgpu.ACC((HALF, rows), jnp.float32)
     terms = [q8_s] if rest is None else [q8_s, rest[0]]
@@ -398,6 +398,12 @@ def parity_scales(ksc_s, slot, wg, *, page_size: int, interpret: bool) -> jax.Ar
     return gather(ksc_s.at[slot])
 
 
+def block_qk_promotion(rows: int) -> int:
+    """The fp32 promotion of the FP8 S^T products in ``rows``-row blocks when a call asks for none:
+    ``QK_PROMOTION`` (16 rows) or ``QK_PROMOTION_32_ROWS``."""
+    return QK_PROMOTION if rows == ROWS else QK_PROMOTION_32_ROWS
+
+
 @for_used_items
 def _kernel(*refs, query_in_kernel: bool, query_terms: int, **params):
     """``_cta`` on the launch's refs. With ``query_in_kernel`` the operands have no q_scale
@@ -420,7 +426,7 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
          q8_s, qr_s, qsc_s, lse_s, kv8_s, rope_s, ksc_s, p8_s, stats_s, lsum_s, red_s, o_s,
          step_bar, stats_bar, pexch_bar, consumed_bar, q_bar, end_bar, q_in_s=None, q_ready_bar=None,
          *, s_q: int, num_heads: int, scale_log2: float, partials: bool, num_pages: int, page_size: int,
-         interpret: bool, rest_in=None, rest_s=None):
+         interpret: bool, qk_promotion: int, rest_in=None, rest_s=None):
     """One CTA: (work item w: a run of steps of batch row b, block of R query rows), two
     warpgroups (``consume``; with ``has_producer``, a third that only issues the ring);
     outputs as ``mla_decode_mgpu.OutputTarget``.
@@ -495,7 +501,7 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
                     k_scale = plgpu.load(ksc_s.at[slot, pl.ds(my_rows, HALF)], layout=TOKENS)
                 rest = None if rest_s is None else (rest_s[0], plgpu.load(rest_s[1], layout=QROWS))
                 scores = half_scores_t(q8_s, kv8_s.at[slot], qr_s, rope_s.at[slot], plgpu.load(qsc_s, layout=QROWS),
-                                       k_scale, my_rows, interpret=interpret, rest=rest)
+                                       k_scale, my_rows, interpret=interpret, qk_promotion=qk_promotion, rest=rest)
             with jax.named_scope("stats"):
                 # The log2 and reciprocal of the token scales (``mgpu_decode_inputs.with_scale_planes``'
                 # math) cost two values a thread a step here; as planes from the inputs launch they cost
@@ -599,13 +605,13 @@ def runs_query_in_kernel(q_rows: jax.Array, q_rope_rows: jax.Array, *, block_row
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "page_size", "s_q", "num_heads", "num_splits",
                                              "balanced", "block_rows", "num_pages", "query_in_kernel", "segments",
-                                             "query_terms", "interpret"))
+                                             "query_terms", "interpret", "qk_promotion"))
 def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_arrays: tuple, block_table: jax.Array,
                           seq_lens: jax.Array, layer_offset: jax.Array, *, softmax_scale: float, page_size: int,
                           s_q: int, num_heads: int, num_splits: int = 1, balanced: bool = False,
                           block_rows: int = ROWS, num_pages: int | None = None, query_in_kernel: bool | None = None,
-                          segments: int = 0, query_terms: int = 1,
-                          interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                          segments: int = 0, query_terms: int = 1, interpret: bool = False,
+                          qk_promotion: int | None = None) -> tuple[jax.Array, jax.Array]:
     """FP8 decode for blocks of ``block_rows`` (16 or 32) query rows; arguments and results as
     ``mla_decode_mgpu``'s (``num_splits``, ``balanced``, ``segments`` and ``num_pages`` included): q_rows
     [B, rows, 512] of any rows (padded to whole blocks of ``block_rows`` in the inputs launch).
@@ -613,7 +619,10 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
     inputs launch (None: where ``runs_query_in_kernel`` says it can; False: never).
     ``query_terms``: 1, the query rounded to e4m3 once a row (SnapMLA's), or 2 (16-row blocks):
     also what that rounding leaves, as a second FP8 term with its own row scales, both products
-    against the same K tile (``mla_decode_reference``'s ``query_terms``)."""
+    against the same K tile (``mla_decode_reference``'s ``query_terms``). ``qk_promotion``: the
+    features a fp32 sum of the FP8 S^T products covers (``mla_decode_mgpu.QK_PROMOTIONS``; None:
+    ``block_qk_promotion``, 128)."""
+    check_qk_promotion(qk_promotion)
     if block_rows not in BLOCK_ROWS:
         raise ValueError(f"block_rows: expected one of {BLOCK_ROWS}, got {block_rows!r}")
     if query_terms not in QUERY_TERMS or (query_terms == 2 and block_rows != QUERY_IN_KERNEL_ROWS):
@@ -650,7 +659,8 @@ def mla_decode_mgpu_small(q_rows: jax.Array, q_rope_rows: jax.Array, cache_array
     kernel = plgpu.kernel(
         functools.partial(_kernel, s_q=s_q, num_heads=num_heads, scale_log2=softmax_scale * LOG2E,
                           partials=plan.partials, num_pages=num_pages, page_size=page_size, interpret=interpret,
-                          query_in_kernel=in_kernel, query_terms=query_terms),
+                          query_in_kernel=in_kernel, query_terms=query_terms,
+                          qk_promotion=block_qk_promotion(rows) if qk_promotion is None else qk_promotion),
         out_type=output_types(plan, num_rows, out_dtype),
         scratch_types=[
             plgpu.SMEM((NUM_CHUNKS, rows, CHUNK), FP8_DTYPE),

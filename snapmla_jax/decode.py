@@ -20,6 +20,7 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu import BLOCK_M as MOSAIC_BLOCK_M
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import PAGE_SIZES as MOSAIC_FP8_PAGE_SIZES
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import STEP as MOSAIC_STEP
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
+from snapmla_jax.pallas_kernels.mla_decode_mgpu import check_qk_promotion
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import PAGE_SIZES as MOSAIC_TWIN_PAGE_SIZES
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import STEP as MOSAIC_TWIN_STEP
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16
@@ -361,7 +362,7 @@ def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16,
 def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block_table: jax.Array,
                seq_lens: jax.Array, *, softmax_scale: float, layer: int | jax.Array | None = None,
                backend: str = "auto", return_lse: bool = False, num_splits: int | None = None,
-               query_terms: int = 1):
+               query_terms: int = 1, qk_promotion: int | None = None):
     """MLA decode attention (absorbed form) over the paged latent cache.
 
     q_latent    [B, s_q, H, R] bf16/f16/f32: queries in latent space (R = 512).
@@ -395,6 +396,13 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
                 (``mla_decode_mgpu_small``, whose SMEM holds the second term) at any row count:
                 at up to 16 query rows a batch row that is the kernel that runs anyway; above,
                 it reads each page once a 16-row block. No effect over a bf16 cache.
+    qk_promotion None, 128, 256 or 512, over an fp8 cache on the Mosaic kernels: the features
+                a float32 sum of the FP8 Q.K products covers. Hopper's FP8 wgmma accumulates
+                with ~14 significant bits, so shorter chains keep more of each score. None:
+                the kernel's own, 512 in the 64-row kernel (above 32 query rows; 128 costs
+                it 8-25% at 128 heads and halves FP8's cost in answer bits on passkeys
+                decoded at 64k, docs/fidelity.md) and 128 in the 16-row kernel. No effect
+                over a bf16 cache or on the XLA path, which sums in float32.
 
     Returns out [B, s_q, H, R] in q_latent's dtype, and with ``return_lse``
     also lse [B, s_q, H] float32 (natural log of the softmax denominator).
@@ -412,6 +420,7 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
         raise ValueError(f"num_splits: expected None or a positive int, got {num_splits!r}")
     if type(query_terms) is not int or query_terms not in QUERY_TERMS:
         raise ValueError(f"query_terms: expected 1 or 2, got {query_terms!r}")
+    check_qk_promotion(qk_promotion)
     backend = resolve_backend(backend)
     batch, s_q, heads, rank = q_latent.shape
     softmax_scale = float(softmax_scale)
@@ -450,10 +459,12 @@ def mla_decode(q_latent: jax.Array, q_rope: jax.Array, cache: LatentCache, block
     elif num_splits is None:
         num_splits = planned_num_splits(q_latent, cache, block_table, query_terms)
     table, num_pages, page_size = mosaic_pages(block_table, cache.num_pages, cache.page_size, cache.dtype)
+    # Only the FP8 kernels sum FP8 products.
+    precision = {} if cache.dtype != "fp8" or qk_promotion is None else {"qk_promotion": qk_promotion}
     out, lse = mosaic_kernel(num_rows, cache.dtype, q_latent.dtype, capacity, query_terms)[0](
         to_rows(q_latent), to_rows(q_rope), cache_arrays, table, seq_lens, layer_offset,
         softmax_scale=softmax_scale, page_size=page_size, s_q=s_q, num_heads=heads, num_splits=num_splits,
-        balanced=balanced, num_pages=num_pages, segments=segments, interpret=backend == "interpret")
+        balanced=balanced, num_pages=num_pages, segments=segments, interpret=backend == "interpret", **precision)
     out = out[:, :num_rows].reshape(batch, s_q, heads, rank)
     lse = lse[:, :num_rows].reshape(batch, s_q, heads)
     return (out, lse) if return_lse else out

@@ -121,14 +121,16 @@ def per_token_block128_round_trip(c_kv: jax.Array, k_pe: jax.Array) -> tuple[jax
 class CacheScheme:
     """How a scheme runs: the cache dtype (``LatentCache``), the transform of (c_kv, k_pe) before writing
     and of the latent query before it attends (``MLAModel.decode``), the write_kv / mla_decode
-    backend when the scheme fixes one (else the caller's), and the FP8 query's terms
-    (``mla_decode``'s ``query_terms``)."""
+    backend when the scheme fixes one (else the caller's), the FP8 query's terms and the features a
+    float32 sum of the FP8 Q.K products covers (``mla_decode``'s ``query_terms`` and
+    ``qk_promotion``)."""
 
     cache_dtype: str
     kv_transform: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None
     backend: str | None = None
     q_transform: Callable[[jax.Array], jax.Array] | None = None
     query_terms: int = 1
+    qk_promotion: int | None = None
 
 
 CACHE_SCHEMES = {
@@ -140,6 +142,7 @@ CACHE_SCHEMES = {
     "emulated_rope_aware_token_query": CacheScheme("bf16", rope_aware_token_round_trip, q_transform=_fake_quant),
     "fp8_xla": CacheScheme("fp8", backend="xla"),
     "fp8_two_term_query": CacheScheme("fp8", query_terms=2),
+    "fp8_qk_sums_128": CacheScheme("fp8", qk_promotion=128),
 }
 
 
@@ -167,11 +170,12 @@ class RetrievalScore:
         return float(self.answer_bits.mean())
 
 
-@nnx.jit(static_argnames=("backend", "kv_transform", "q_transform", "query_terms"))
+@nnx.jit(static_argnames=("backend", "kv_transform", "q_transform", "query_terms", "qk_promotion"))
 def _decode_chunk(model, input_ids, targets, caches, block_table, seq_lens, backend, kv_transform, q_transform,
-                  query_terms=1):
+                  query_terms=1, qk_promotion=None):
     logits, caches = model.decode(input_ids, caches, block_table, seq_lens, backend=backend,
-                                  kv_transform=kv_transform, q_transform=q_transform, query_terms=query_terms)
+                                  kv_transform=kv_transform, q_transform=q_transform, query_terms=query_terms,
+                                  qk_promotion=qk_promotion)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     return logprobs, jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0], caches
 
@@ -238,7 +242,7 @@ def teacher_forced(model, tokens: np.ndarray, answer_starts: Sequence[int], sche
         logprobs, target_lp, caches = _decode_chunk(model, jnp.asarray(tokens[:, start:stop]),
                                                     jnp.asarray(tokens[:, start + 1:stop + 1]), caches, block_table,
                                                     seq_lens, spec.backend or backend, spec.kv_transform,
-                                                    spec.q_transform, spec.query_terms)
+                                                    spec.q_transform, spec.query_terms, spec.qk_promotion)
         target_logprobs.append(np.asarray(target_lp, np.float64))
         if stop > first:
             kept.append(np.asarray(logprobs[:, max(first - start, 0):], np.float32))
@@ -298,7 +302,8 @@ def prefilled(model, tokens: np.ndarray, answer_starts: Sequence[int], schemes: 
             ids = jnp.asarray(answer_ids[:, start:stop])
             logprobs, _, caches = _decode_chunk(model, ids, ids, caches, block_table,
                                                 jnp.asarray(starts + stop, jnp.int32), scheme_backend,
-                                                spec.kv_transform, spec.q_transform, spec.query_terms)
+                                                spec.kv_transform, spec.q_transform, spec.query_terms,
+                                                spec.qk_promotion)
             decoded.append(np.asarray(logprobs, np.float32))
         decoded = np.concatenate(decoded, axis=1)
         scored[scheme] = TeacherForced([np.concatenate([first[b, None], decoded[b, :length - 1 - starts[b]]])
@@ -651,7 +656,9 @@ def _parser() -> cli.Parser:
     p.add_argument("--schemes", nargs="+", choices=tuple(CACHE_SCHEMES), default=["bf16", "fp8"],
                    help="cache schemes, the first the reference (emulated_*: FP8 round trip into a BF16 cache; "
                         "fp8_xla: the FP8 cache through the XLA path; fp8_two_term_query: the FP8 cache with "
-                        "the query as two FP8 terms, mla_decode's query_terms=2)")
+                        "the query as two FP8 terms, mla_decode's query_terms=2; fp8_qk_sums_128: the FP8 cache "
+                        "with Q.K summed in float32 every 128 features in every kernel, mla_decode's "
+                        "qk_promotion=128)")
     p.add_argument("--chunk", type=int, default=512, help="tokens per decode call")
     p.add_argument("--prefill", action="store_true",
                    help="fill each context as generate serves a prompt: the model's prefill (full-precision "

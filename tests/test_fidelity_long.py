@@ -41,7 +41,8 @@ class OracleModel(nnx.Module):
     def init_cache(self, num_pages, page_size, kv_cache):
         return (LatentCache.create(num_pages, page_size, kv_lora_rank=128, rope_dim=64, dtype=kv_cache),)
 
-    def decode(self, input_ids, caches, block_table, seq_lens, *, backend, kv_transform, q_transform, query_terms=1):
+    def decode(self, input_ids, caches, block_table, seq_lens, *, backend, kv_transform, q_transform, query_terms=1,
+               qk_promotion=None):
         tokens = self.tokens[...]
         positions = seq_lens[:, None] - input_ids.shape[1] + jnp.arange(input_ids.shape[1])
         fed_right = input_ids == jnp.take_along_axis(tokens, positions, axis=1)
@@ -177,11 +178,9 @@ def test_fp8_xla_reads_the_fp8_cache_through_the_xla_path_whatever_the_backend(t
     fp8 = fl.teacher_forced(tiny_model, tokens, starts, "fp8", backend="xla", chunk=100)
     decode_chunk, backends = fl._decode_chunk, []
 
-    def recording(model, input_ids, targets, caches, block_table, seq_lens, backend, kv_transform, q_transform,
-                  query_terms=1):
+    def recording(model, input_ids, targets, caches, block_table, seq_lens, backend, *rest):
         backends.append(backend)
-        return decode_chunk(model, input_ids, targets, caches, block_table, seq_lens, backend, kv_transform,
-                            q_transform, query_terms)
+        return decode_chunk(model, input_ids, targets, caches, block_table, seq_lens, backend, *rest)
 
     monkeypatch.setattr(fl, "_decode_chunk", recording)
     # "pallas" here would run the kernels in the interpreter; the scheme must override it.
@@ -201,15 +200,33 @@ def test_the_two_term_query_scheme_decodes_the_fp8_cache_with_two_query_terms(ti
     decode_chunk, terms = fl._decode_chunk, []
 
     def recording(*args):
-        terms.append(args[-1])
+        terms.append(args[9:])  # (query_terms, qk_promotion)
         return decode_chunk(*args)
 
     monkeypatch.setattr(fl, "_decode_chunk", recording)
     two = fl.teacher_forced(tiny_model, tokens, starts, "fp8_two_term_query", backend="xla", chunk=100,
                             prefill=prefill)
-    assert terms and set(terms) == {2}
+    assert terms and set(terms) == {(2, None)}
     diff = np.abs(np.concatenate(two.answer_logprobs) - np.concatenate(fp8.answer_logprobs))
     assert 0 < diff.max() < 0.5
+
+
+def test_the_qk_sums_scheme_decodes_the_fp8_cache_with_qk_promotion_128(tiny_model, tasks, monkeypatch):
+    """fp8_qk_sums_128: the same FP8 cache as fp8, every decode call with ``qk_promotion=128``. The
+    XLA path sums its products in float32 whatever the chains, so there its answers are fp8's,
+    bit for bit (the kernels' chains show only compiled)."""
+    tokens, starts = np.stack([t.tokens for t in tasks]), [t.answer_start for t in tasks]
+    fp8 = fl.teacher_forced(tiny_model, tokens, starts, "fp8", backend="xla", chunk=100)
+    decode_chunk, asked = fl._decode_chunk, []
+
+    def recording(*args):
+        asked.append(args[9:])  # (query_terms, qk_promotion)
+        return decode_chunk(*args)
+
+    monkeypatch.setattr(fl, "_decode_chunk", recording)
+    sums = fl.teacher_forced(tiny_model, tokens, starts, "fp8_qk_sums_128", backend="xla", chunk=100)
+    assert asked and set(asked) == {(1, 128)}
+    np.testing.assert_array_equal(np.concatenate(sums.answer_logprobs), np.concatenate(fp8.answer_logprobs))
 
 
 def test_bf16_cache_answer_logprobs_match_the_full_forward(tiny_model, tasks):

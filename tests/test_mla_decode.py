@@ -530,6 +530,39 @@ def test_query_terms_other_than_1_or_2_are_refused_on_every_backend(small_args, 
                    query_terms=query_terms)
 
 
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("qk_promotion", [0, 64, 384, 1024, 128.0, True])
+def test_qk_promotion_other_than_128_256_or_512_is_refused_on_every_backend(small_args, backend, qk_promotion):
+    q, q_rope, cache, block_table, seq_lens = small_args
+    with pytest.raises(ValueError, match=r"qk_promotion: expected None or one of \(128, 256, 512\)"):
+        mla_decode(q, q_rope, cache, block_table, seq_lens, softmax_scale=SCALE, backend=backend,
+                   qk_promotion=qk_promotion)
+
+
+@pytest.mark.parametrize("cache_dtype,heads,asked,passed", [
+    ("fp8", 4, 128, {"qk_promotion": 128}), ("fp8", 64, 256, {"qk_promotion": 256}), ("fp8", 64, None, {}),
+    ("bf16", 4, 128, {})])
+def test_mla_decode_hands_qk_promotion_to_the_fp8_kernels_only(monkeypatch, cache_dtype, heads, asked, passed):
+    """``qk_promotion`` goes to the FP8 kernel ``mosaic_kernel`` picks (16- or 64-row blocks), as
+    given; None leaves the kernel its own, and the BF16 twins, which sum 16-bit products in
+    float32, are not asked. Traced (``jax.eval_shape``) with the interpreter's kernels."""
+    rng = np.random.default_rng(11)
+    latent, rope = make_latent(rng, 4, 64, outliers=1)
+    cache = make_cache(latent, rope, cache_dtype)
+    q, q_rope = make_queries(rng, 2, 1, heads)
+    calls, pick = [], decode_module.mosaic_kernel
+
+    def recording(*args, **kw):
+        kernel, rows = pick(*args, **kw)
+        return (lambda *a, **k: calls.append({n: k[n] for n in ("qk_promotion",) if n in k}) or kernel(*a, **k)), rows
+
+    monkeypatch.setattr(decode_module, "mosaic_kernel", recording)
+    monkeypatch.setattr(decode_module, "check_interpreter_devices", lambda: None)  # traced, not run
+    jax.eval_shape(lambda *a: mla_decode(*a, softmax_scale=SCALE, backend="interpret", qk_promotion=asked),
+                   q, q_rope, cache, jnp.asarray([[0, 1], [2, 3]], jnp.int32), jnp.asarray([100, 128], jnp.int32))
+    assert calls == [passed]
+
+
 WITHOUT_PALLAS_TRITON = r"""
 import importlib, pkgutil, sys
 sys.modules["jax.experimental.pallas.triton"] = None  # what a jax without Pallas' Triton backend gives

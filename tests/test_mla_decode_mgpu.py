@@ -446,10 +446,11 @@ def _nan_past_seq_lens(latent, scale, rope, block_table, seq_lens):
 
 
 def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu", dtype="bfloat16",
-           balanced=False, pages_per_row=5, segments=0, query_terms=1):
+           balanced=False, pages_per_row=5, segments=0, query_terms=1, qk_promotion=None):
     """Kernel vs ``mla_decode_reference(block_n=128)``, queries in ``dtype``; returns (max error /
     max |ref|, max lse error, lse scale). ``segments`` > 0: a wave plan (``split_plan.wave_plan``);
-    ``query_terms``: the query's FP8 terms in the kernel and the reference."""
+    ``query_terms``: the query's FP8 terms in the kernel and the reference; ``qk_promotion``: the
+    kernel's (None: its default)."""
     q, q_rope, latent, scale, rope, block_table, lens = _inputs(heads + s_q, batch=len(seq_lens), heads=heads,
                                                                 pages_per_row=pages_per_row, seq_lens=seq_lens,
                                                                 s_q=s_q)
@@ -459,7 +460,8 @@ def _check(heads, s_q, seq_lens, layer_pages, splits, *, interpret, kernel="mgpu
     out, lse = _call_kernel(q, q_rope, latent, scale, rope, block_table, lens, softmax_scale,
                             layer_pages=layer_pages, num_splits=splits, balanced=balanced, interpret=interpret,
                             kernel=kernel, **({"segments": segments} if segments else {}),
-                            **({"query_terms": query_terms} if query_terms != 1 else {}))
+                            **({"query_terms": query_terms} if query_terms != 1 else {}),
+                            **({"qk_promotion": qk_promotion} if qk_promotion is not None else {}))
     # The reference rounds Q and P' to e4m3 as the kernel does (P' factor per
     # 128-token step), with exact products, on the same pages without a layer offset.
     ref, ref_lse = mla_decode_reference(q, q_rope, latent, scale, rope, block_table, lens,
@@ -496,6 +498,34 @@ def _in_subprocess(call: str, module: str = "test_mla_decode_mgpu"):
     return interpreter_process.evaluate(module, call, timeout=600)
 
 
+@pytest.mark.parametrize("kernel,asked", [("mgpu", None), ("mgpu", 128), ("mgpu", 256), ("small", None),
+                                          ("small", 512), ("small32", None), ("small32", 256)])
+def test_fp8_kernels_sum_qk_over_the_features_a_call_asks_for(monkeypatch, kernel, asked):
+    """``qk_promotion`` reaches the Q.K chains of every FP8 kernel, and None leaves each its own
+    (the 64-row kernel one 512-feature chain, the 16-row kernel 128 in both row blocks). Traced
+    only: interpreted, every chain length gives the same float32 sums up to their order; compiled,
+    the FP8 wgmma's ~14-bit accumulation is what the length changes."""
+    import snapmla_jax.pallas_kernels.mla_decode_mgpu_small as small_kernel
+    used = []
+    if kernel == "mgpu":
+        chains = mgpu_kernel.qk8_promoted
+        monkeypatch.setattr(mgpu_kernel, "qk8_promoted", lambda *a: used.append(a[-1]) or chains(*a))
+        default = mgpu_kernel.QK_PROMOTION
+    else:
+        scores = small_kernel.half_scores_t
+        monkeypatch.setattr(small_kernel, "half_scores_t",
+                            lambda *a, **kw: used.append(kw["qk_promotion"]) or scores(*a, **kw))
+        default = small_kernel.QK_PROMOTION if kernel == "small" else small_kernel.QK_PROMOTION_32_ROWS
+    heads, s_q = (64, 1) if kernel == "mgpu" else (16, 1 if kernel == "small" else 2)
+    q, q_rope, latent, scale, rope, block_table, lens = _inputs(5, batch=2, heads=heads, pages_per_row=2,
+                                                                seq_lens=[100, 3], s_q=s_q)
+    jax.clear_caches()  # the kernels trace afresh, through the recorders
+    call = lambda *arrays: _call_kernel(*arrays, 576 ** -0.5, interpret=True, kernel=kernel,
+                                        **({} if asked is None else {"qk_promotion": asked}))
+    jax.eval_shape(call, q, q_rope, latent, scale, rope, block_table, lens)
+    assert default in (128, 512) and used and set(used) == {default if asked is None else asked}
+
+
 @CASES
 def test_kernel_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages, splits):
     """On CPU: paging through the token-pair views, step order, the unmasked and masked
@@ -515,6 +545,30 @@ def test_kernel_interpreted_matches_reference(heads, s_q, seq_lens, layer_pages,
     # 4.0e-3 (2.0e-3 with float32 partials). A wrong mask, permutation or factor errs by O(1): 1e-2.
     assert err < 1e-2, err
     assert lse_err < 1e-4, lse_err  # fp32 log-sum-exp of O(10) values, different order
+
+
+@pytest.mark.parametrize("kernel,heads,s_q,qk_promotion", [("mgpu", 64, 1, 128), ("small", 16, 1, 512)])
+def test_kernels_interpreted_match_reference_with_other_qk_chains(kernel, heads, s_q, qk_promotion):
+    """The 64-row kernel's Q.K in four 128-feature chains and the 16-row kernel's in one of 512
+    (``qk_promotion``), against the same reference: a ragged batch with a seq_len 0 and splits.
+    Bounds as test_kernel_interpreted_matches_reference's: the chains change only the order of
+    float32 sums here."""
+    err, lse_err, _ = _check_in_subprocess(heads, s_q, [100, 300, 0], 0, 2, kernel=kernel,
+                                           qk_promotion=qk_promotion)
+    assert err < 1e-2, err
+    assert lse_err < 1e-4, lse_err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel,heads,s_q,qk_promotion", [("mgpu", 64, 1, 128), ("mgpu", 16, 2, 256),
+                                                          ("small", 16, 1, 512)])
+def test_kernels_match_reference_with_other_qk_chains(kernel, heads, s_q, qk_promotion):
+    err, lse_err, lse_scale = _check(heads, s_q, [100, 300, 0], 0, 2, interpret=False, kernel=kernel,
+                                     qk_promotion=qk_promotion)
+    # Hopper's FP8 accumulation over chains of 128 to 512 features: within the bound of
+    # test_kernel_matches_reference, whose comment has the measurements (512: 0.056, 128: 0.020).
+    assert err < MGPU_TOL, err
+    assert lse_err < 2**-9 * lse_scale, (lse_err, lse_scale)
 
 
 @pytest.mark.gpu
