@@ -20,7 +20,7 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu import BLOCK_M as MOSAIC_BLOCK_M
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import PAGE_SIZES as MOSAIC_FP8_PAGE_SIZES
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import STEP as MOSAIC_STEP
 from snapmla_jax.pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
-from snapmla_jax.pallas_kernels.mla_decode_mgpu import check_qk_promotion
+from snapmla_jax.pallas_kernels.mla_decode_mgpu import QK_PROMOTIONS, check_qk_promotion
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import PAGE_SIZES as MOSAIC_TWIN_PAGE_SIZES
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import STEP as MOSAIC_TWIN_STEP
 from snapmla_jax.pallas_kernels.mla_decode_mgpu_bf16 import mla_decode_mgpu_bf16

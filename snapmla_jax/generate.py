@@ -62,7 +62,7 @@ from jax.experimental import multihost_utils
 from snapmla_jax import cli
 from snapmla_jax.backend import BACKENDS, resolve_backend
 from snapmla_jax.cache import CACHE_DTYPES, MAX_TOKEN_SLOTS
-from snapmla_jax.decode import QUERY_TERMS, check_interpreter_devices
+from snapmla_jax.decode import QK_PROMOTIONS, QUERY_TERMS, check_interpreter_devices, check_qk_promotion
 from snapmla_jax import data_parallel
 from snapmla_jax.paging import allocate_pages
 from snapmla_jax.sampling import SamplingConfig, sample
@@ -116,16 +116,16 @@ def _prefill(params, caches, input_ids, lengths, block_table, key, *, graphdef, 
     return sample(last, jax.random.fold_in(key, 0), sampling), caches
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos_id", "backend", "mesh", "query_terms"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos_id", "backend", "mesh", "query_terms",
+                                             "qk_promotion"), donate_argnames=("state",))
 def decode_chunk(params, state: DecodeState, lengths, block_table, key, stop_step, *, graphdef, sampling, eos_id,
-                 backend, mesh=None, query_terms: int = 1) -> DecodeState:
+                 backend, mesh=None, query_terms: int = 1, qk_promotion: int | None = None) -> DecodeState:
     """The compiled decode loop: steps until ``state.step == min(stop_step, max_new_tokens)``
     or every row is finished. ``params``/``graphdef``: ``nnx.split(model)``; lengths [B]
     int32 prompt lengths; block_table [B, max_pages] int32; key: the sampling key;
     stop_step [] int32; mesh: None, or the 1-D mesh the model's rows are split over
-    (``data_parallel``); query_terms: the FP8 query's terms (``mla_decode``'s). ``state`` is
-    donated (the caches are updated in place)."""
+    (``data_parallel``); query_terms, qk_promotion: the FP8 query's terms and the features a
+    float32 sum of its FP8 Q.K products covers (``mla_decode``'s). ``state`` is donated (the caches are updated in place)."""
     stop_step = jnp.minimum(stop_step, state.tokens.shape[1])
 
     def running(s: DecodeState):
@@ -136,7 +136,7 @@ def decode_chunk(params, state: DecodeState, lengths, block_table, key, stop_ste
         # The cache holds the prompt and the s.step - 1 tokens fed before: with
         # this one, lengths + s.step.
         logits, caches = _model_call("decode", graphdef, params, mesh, last, s.caches, block_table, lengths + s.step,
-                                     backend=backend, query_terms=query_terms)
+                                     backend=backend, query_terms=query_terms, qk_promotion=qk_promotion)
         new = sample(logits[:, 0], jax.random.fold_in(key, s.step), sampling)
         finished = s.finished
         if eos_id is not None:
@@ -357,7 +357,8 @@ class GenerationStream:
     def __init__(self, model, prompts, *, max_new_tokens: int, kv_cache: str = "fp8",
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0, eos_id: int | None = None,
                  chunk_size: int | None = DEFAULT_CHUNK_SIZE, backend: str = "auto",
-                 page_size: int = DEFAULT_PAGE_SIZE, mesh: jax.sharding.Mesh | None = None, query_terms: int = 1):
+                 page_size: int = DEFAULT_PAGE_SIZE, mesh: jax.sharding.Mesh | None = None, query_terms: int = 1,
+                 qk_promotion: int | None = None):
         cfg = getattr(model, "cfg", None)
         if cfg is None or not hasattr(model, "decode"):
             raise ValueError(f"model: expected an MLAModel, got {type(model).__name__}")
@@ -367,6 +368,7 @@ class GenerationStream:
             raise ValueError(f"kv_cache: expected one of {CACHE_DTYPES}, got {kv_cache!r}")
         if type(query_terms) is not int or query_terms not in QUERY_TERMS:
             raise ValueError(f"query_terms: expected one of {QUERY_TERMS}, got {query_terms!r}")
+        check_qk_promotion(qk_promotion)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed: expected an int, got {seed!r}")
         if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int)
@@ -407,6 +409,7 @@ class GenerationStream:
         self.chunk_size = chunk_size or max_new_tokens
         self.backend = backend
         self.query_terms = query_terms
+        self.qk_promotion = qk_promotion
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[np.ndarray]:
@@ -444,7 +447,7 @@ class GenerationStream:
         state = DecodeState(caches=caches, tokens=put(tokens), step=jnp.asarray(1, jnp.int32),
                             finished=put(finished))
         static = dict(graphdef=graphdef, sampling=self.sampling, eos_id=self.eos_id, backend=self.backend, mesh=mesh,
-                      query_terms=self.query_terms)
+                      query_terms=self.query_terms, qk_promotion=self.qk_promotion)
         decode_s, step = 0.0, 1
         while step < self.max_new_tokens and not finished.all():
             args = (params, state, lengths_dev, block_table, key, jnp.asarray(step + self.chunk_size, jnp.int32))
@@ -475,13 +478,13 @@ def stream(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, kv_c
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
            chunk_size: int = DEFAULT_CHUNK_SIZE, backend: str = "auto",
            page_size: int = DEFAULT_PAGE_SIZE, mesh: jax.sharding.Mesh | None = None,
-           query_terms: int = 1) -> GenerationStream:
+           query_terms: int = 1, qk_promotion: int | None = None) -> GenerationStream:
     """Like ``generate``, but an iterable of token chunks (see GenerationStream);
     ``chunk_size`` decode steps run between two chunks."""
     return GenerationStream(model, prompts, max_new_tokens=max_new_tokens, kv_cache=kv_cache,
                             sampling=SamplingConfig(temperature, top_k, top_p), seed=seed, eos_id=eos_id,
                             chunk_size=chunk_size, backend=backend, page_size=page_size, mesh=mesh,
-                            query_terms=query_terms)
+                            query_terms=query_terms, qk_promotion=qk_promotion)
 
 
 def generate_with_stats(model, prompts: Sequence[Sequence[int]], **kwargs) -> GenerationResult:
@@ -495,7 +498,8 @@ def generate_with_stats(model, prompts: Sequence[Sequence[int]], **kwargs) -> Ge
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, kv_cache: str = "fp8",
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              eos_id: int | None = None, backend: str = "auto", page_size: int = DEFAULT_PAGE_SIZE,
-             mesh: jax.sharding.Mesh | None = None, query_terms: int = 1) -> list[list[int]]:
+             mesh: jax.sharding.Mesh | None = None, query_terms: int = 1,
+             qk_promotion: int | None = None) -> list[list[int]]:
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
     model: an ``MLAModel`` (its ``prefill``/``decode``/``init_cache``).
@@ -509,6 +513,10 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, kv
     query_terms: over the fp8 cache, the decode steps' query as 1 FP8 term (SnapMLA's) or 2 (its
     rounding and what that leaves: more precise answers, up to 14% of an attention call slower;
     ``mla_decode``). The prompts' prefill reads no cache and is the same either way.
+    qk_promotion: over the fp8 cache, the features (128, 256 or 512) a float32 sum of the decode
+    steps' FP8 Q.K products covers (``mla_decode``'s; None: each kernel's own). 128 where a
+    model has more than 32 query rows a step (32 heads x s_q 1 and up) costs the attention up
+    to 25% and halves FP8's cost in answer bits measured at 64k.
     mesh: None (one device), or a 1-D ``jax.sharding.Mesh``: data-parallel attention with
     the routed experts split over its devices (module docstring; ``snapmla_jax.data_parallel``).
     The model is placed on it (a copy; a model loaded with ``sharding=expert_sharding(mesh)``
@@ -522,7 +530,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, kv
     """
     return generate_with_stats(model, prompts, max_new_tokens=max_new_tokens, kv_cache=kv_cache,
                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id,
-                               backend=backend, page_size=page_size, mesh=mesh, query_terms=query_terms).tokens
+                               backend=backend, page_size=page_size, mesh=mesh, query_terms=query_terms,
+                               qk_promotion=qk_promotion).tokens
 
 
 # ---------------------------------------------------------------- command line
@@ -536,7 +545,7 @@ PROG = "snapmla_jax.generate"
 FLAGS = {"max_new_tokens": "--max-new-tokens", "kv_cache": "--kv-cache", "temperature": "--temperature",
          "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "eos_id": "--eos-id", "chunk_size": "--chunk-size",
          "backend": "--backend", "ckpt_dir": "--model", "hf_dir": "--model", "mesh": "--devices",
-         "query_terms": "--query-terms"}
+         "query_terms": "--query-terms", "qk_promotion": "--qk-promotion"}
 
 
 def _parser() -> cli.Parser:
@@ -553,6 +562,10 @@ def _parser() -> cli.Parser:
                         help="FP8 terms of the decode steps' query over the fp8 cache: 1 (SnapMLA's, default) or 2 "
                              "(its rounding and what that leaves: closer to the BF16 cache's answers, attention up to "
                              "14%% slower)")
+    parser.add_argument("--qk-promotion", type=int, choices=QK_PROMOTIONS, default=None,
+                        help="features a float32 sum of the decode steps' FP8 Q.K products covers over the fp8 "
+                             "cache (default: each kernel's own, 512 above 32 query rows a step, else 128); 128 "
+                             "costs attention above 32 query rows up to 25%%")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -754,7 +767,8 @@ def _generate_cli(argv: list[str]) -> int:
     try:
         gen = GenerationStream(model, prompts, max_new_tokens=args.max_new_tokens, kv_cache=args.kv_cache,
                                sampling=sampling, seed=args.seed, eos_id=eos_id, chunk_size=args.chunk_size,
-                               backend=args.backend, mesh=mesh, query_terms=args.query_terms)
+                               backend=args.backend, mesh=mesh, query_terms=args.query_terms,
+                               qk_promotion=args.qk_promotion)
     except BatchTooLarge as err:
         raise _too_large(err, args, len(prompts)) from err
     except ValueError as err:

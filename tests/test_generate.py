@@ -216,6 +216,8 @@ def test_cache_bytes_reflect_the_fp8_layout(model, prompts):
     (dict(page_size=0), "page_size"),
     (dict(query_terms=3), "query_terms"),
     (dict(query_terms=2.0), "query_terms"),
+    (dict(qk_promotion=64), "qk_promotion"),
+    (dict(qk_promotion=128.0), "qk_promotion"),
 ])
 def test_bad_arguments_raise_naming_them(model, prompts, kwargs, name):
     args = {"prompts": prompts, "max_new_tokens": 4, "backend": "xla", **kwargs}
@@ -237,6 +239,22 @@ def test_query_terms_reach_every_decode_step_and_not_the_prefill(model, prompts,
     two = generate(model, prompts, max_new_tokens=6, backend="xla", query_terms=2)
     assert calls and set(calls) == {2}
     assert [len(t) for t in two] == [6] * len(prompts) and all(0 <= i < VOCAB for t in two for i in t)
+
+
+def test_qk_promotion_reaches_every_decode_step(model, prompts, monkeypatch):
+    """``qk_promotion=128``: every decode step's ``mla_decode`` is asked for float32 sums every 128
+    features; on the XLA path, which sums in float32 anyway, the greedy tokens are the default's."""
+    import snapmla_jax.models.attention as attention  # the module whose decode step calls mla_decode
+    calls, mla_decode = [], attention.mla_decode
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("qk_promotion"))
+        return mla_decode(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "mla_decode", recording)
+    sums = generate(model, prompts, max_new_tokens=6, backend="xla", qk_promotion=128)
+    assert calls and set(calls) == {128}
+    assert sums == generate(model, prompts, max_new_tokens=6, backend="xla")
 
 
 def test_errors_name_a_prompt_by_its_index_in_prompts(model, prompts):

@@ -111,6 +111,7 @@ def test_query_terms_flag_reaches_generate(checkpoint, capsys, monkeypatch):
 
     def recording(self, *args, **kwargs):
         seen.append(kwargs.get("query_terms"))
+        assert kwargs.get("qk_promotion", "missing") is None  # the flag's default: each kernel's own
         stream_init(self, *args, **kwargs)
 
     monkeypatch.setattr(generate_module.GenerationStream, "__init__", recording)
@@ -122,6 +123,21 @@ def test_query_terms_flag_reaches_generate(checkpoint, capsys, monkeypatch):
     expected = generate(load_checkpoint(checkpoint), [tokenizer.encode("a cache")], max_new_tokens=6, eos_id=None,
                         backend="xla", query_terms=2)
     assert [c["tokens"] for c in json.loads(out)["completions"]] == expected
+
+
+def test_qk_promotion_flag_reaches_generate(checkpoint, capsys, monkeypatch):
+    import snapmla_jax.generate as generate_module
+    stream_init, seen = generate_module.GenerationStream.__init__, []
+
+    def recording(self, *args, **kwargs):
+        seen.append(kwargs.get("qk_promotion"))
+        stream_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(generate_module.GenerationStream, "__init__", recording)
+    code, out, err = _run(capsys, "--model", checkpoint, "--prompt", "a cache", "--max-new-tokens", 4,
+                          "--backend", "xla", "--qk-promotion", 128, "--json")
+    assert code == 0, err
+    assert seen == [128]
 
 
 def test_streamed_text_equals_the_text_printed_at_the_end(checkpoint, capsys):
@@ -155,6 +171,7 @@ def test_module_runs_as_a_program(checkpoint):
     (["--prompt", "x", "--top-k", "-1"], "--top-k: expected an int >= 0"),
     (["--prompt", "x", "--kv-cache", "int4"], "--kv-cache: expected one of"),
     (["--prompt", "x", "--query-terms", "3"], "--query-terms: expected one of 1, 2, got 3"),
+    (["--prompt", "x", "--qk-promotion", "64"], "--qk-promotion: expected one of 128, 256, 512, got 64"),
     (["--prompt", "x", "--chunk-size", "0"], "--chunk-size: expected an int >= 1"),
     (["--prompt", "x", "--dtype", "int8"], "--dtype: expected one of"),
     (["--prompt", "x", "--backend", "pallas"], "--backend: \"pallas\" compiles for a CUDA GPU"),
