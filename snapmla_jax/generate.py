@@ -125,7 +125,8 @@ def decode_chunk(params, state: DecodeState, lengths, block_table, key, stop_ste
     int32 prompt lengths; block_table [B, max_pages] int32; key: the sampling key;
     stop_step [] int32; mesh: None, or the 1-D mesh the model's rows are split over
     (``data_parallel``); query_terms, qk_promotion: the FP8 query's terms and the features a
-    float32 sum of its FP8 Q.K products covers (``mla_decode``'s). ``state`` is donated (the caches are updated in place)."""
+    float32 sum of its FP8 Q.K products covers (``mla_decode``'s). ``state`` is donated (the
+    caches are updated in place)."""
     stop_step = jnp.minimum(stop_step, state.tokens.shape[1])
 
     def running(s: DecodeState):
