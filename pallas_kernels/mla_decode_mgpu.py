@@ -577,10 +577,13 @@ def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, *, i
 
     @pl.when((wg == issuer) & (j + 1 < num_steps))
     def _():
-        @pl.when(j >= 1)
-        def _():
-            plgpu.barrier_wait(consumed_bar.at[1 - slot])  # step j - 1's P'.V by both warpgroups
-        issue(first_step + j + 1, 1 - slot)
+        # Named scopes: phases for tools/profile_mgpu_steps.py, inside the caller's "wait_step".
+        with jax.named_scope("issue_wait"):
+            @pl.when(j >= 1)
+            def _():
+                plgpu.barrier_wait(consumed_bar.at[1 - slot])  # step j - 1's P'.V by both warpgroups
+        with jax.named_scope("issue"):
+            issue(first_step + j + 1, 1 - slot)
 
     if issue_first:
         plgpu.barrier_wait(step_bar.at[slot])

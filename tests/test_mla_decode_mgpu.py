@@ -37,10 +37,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_step_profile_summary_times_phases_per_warpgroup():
     """tools/profile_mgpu_steps.py's summary of an on-device profiler trace (Chrome events, one
     trace a warpgroup, ts in SM clocks / 1000): per warpgroup the median over CTAs of each phase's
-    cycles a step, over the steps after the first two and before the last."""
+    cycles a step, over the steps after the first two and before the last; a phase nested in
+    another is reported and not summed twice."""
     profile = load_script("profile_mgpu_steps", "tools")
     rng = np.random.default_rng(0)
     phases = {0: {"wait_step": 300.0, "qk": 1700.0, "pv": 2000.0}, 1: {"wait_step": 90.0, "qk": 1800.0, "pv": 2100.0}}
+    nested = {1: ("wait_step", "issue", 60.0)}  # warpgroup 1's issue, from the start of its wait_step
     traces, num_ctas, num_steps = [], 3, 9
     for cta in range(num_ctas):
         for wg in range(2):
@@ -51,6 +53,11 @@ def test_step_profile_summary_times_phases_per_warpgroup():
                 slow = 5.0 if step < 2 or step == num_steps - 1 else 1.0
                 for name, cycles in phases[wg].items():
                     events.append({"name": name, "ph": "B", "ts": t / 1e3, "tid": tid})
+                    if wg in nested and nested[wg][0] == name:
+                        inner = nested[wg][1]
+                        events.append({"name": inner, "ph": "B", "ts": t / 1e3, "tid": tid})
+                        events.append({"name": inner, "ph": "E", "tid": tid,
+                                       "ts": (t + nested[wg][2] * slow * (1 + 0.01 * cta)) / 1e3})
                     t += cycles * slow * (1 + 0.01 * cta)
                     events.append({"name": name, "ph": "E", "ts": t / 1e3, "tid": tid})
                 t += 50.0 + rng.uniform(0, 1e-3)  # time outside any phase
@@ -65,6 +72,8 @@ def test_step_profile_summary_times_phases_per_warpgroup():
         got = summary[f"wg{wg}"]
         for name, cycles in expected.items():
             assert got[name] == pytest.approx(cycles * 1.01, rel=1e-3), (wg, name)  # the median CTA
+        if wg in nested:
+            assert got[nested[wg][1]] == pytest.approx(nested[wg][2] * 1.01, rel=1e-3)
         assert got["(sum of phases)"] == pytest.approx(sum(expected.values()) * 1.01, rel=1e-3)
         assert got["(step period)"] == pytest.approx(sum(expected.values()) * 1.01 + 50.0, rel=1e-3)
 

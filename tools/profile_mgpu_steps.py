@@ -7,7 +7,8 @@ Runs ``mla_decode_mgpu`` once with Mosaic GPU's profiler on
 ``COMPILER_PARAMS``): thread 0 of each warpgroup stores an SM clock stamp at the
 start and end of every ``jax.named_scope`` of the step body (``wait_step``,
 ``qk``, ``stats``, ``wait_stats``, ``softmax``, ``p_store``, ``wait_p``, ``pv``; the
-producer's ``produce_wait``, ``produce_issue``). The stamps live in SMEM next to the
+producer's ``produce_wait``, ``produce_issue``; where a consumer issues the ring, its
+``issue_wait`` for the slot's consumption and its ``issue``, inside ``wait_step``). The stamps live in SMEM next to the
 kernel's, which leaves room for ~56 ranges a warpgroup (about 6 steps; the trace is
 truncated there; 80 do not fit an H100): hence short contexts (2048 tokens = 16 steps a
 CTA). The per-step behaviour does not depend on the context; the first two steps and the
@@ -34,6 +35,7 @@ import argparse
 import collections
 import importlib.util
 import json
+import math
 import pathlib
 import shutil
 import statistics
@@ -65,13 +67,15 @@ def ranges_per_trace(trace: dict) -> dict[int, list[tuple[str, float, float]]]:
             name, begin = open_ranges[tid].pop()
             ranges[tid].append((name, begin, event["ts"]))
     for tid in ranges:
-        ranges[tid].sort(key=lambda r: r[1])
+        ranges[tid].sort(key=lambda r: (r[1], -r[2]))  # a range before those nested in it
     return ranges
 
 
 def summarize(ranges: dict[int, list], traces_per_block: int, skip_steps: int = 2) -> dict:
     """Per warpgroup: median over CTAs of cycles per step of each phase (steps after the first
-    ``skip_steps`` and before the last one), the phases' sum, and the step period."""
+    ``skip_steps`` and before the last one), the sum of the outermost phases (a phase nested in
+    another, such as ``issue`` in ``wait_step``, is reported but not summed again), and the step
+    period."""
     per_wg: dict[int, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     for tid, rs in ranges.items():
         wg = (tid - 1) % traces_per_block
@@ -81,11 +85,14 @@ def summarize(ranges: dict[int, list], traces_per_block: int, skip_steps: int = 
         first, last = starts[skip_steps], starts[-1]  # the last step is partly the epilogue
         steps = len(starts) - 1 - skip_steps
         totals: dict[str, float] = collections.defaultdict(float)
+        outermost, outer_end = 0.0, -math.inf
         for name, begin, end in rs[first:last]:
             totals[name] += (end - begin) * 1e3
+            if begin >= outer_end:
+                outermost, outer_end = outermost + (end - begin) * 1e3, end
         for name, total in totals.items():
             per_wg[wg][name].append(total / steps)
-        per_wg[wg]["(sum of phases)"].append(sum(totals.values()) / steps)
+        per_wg[wg]["(sum of phases)"].append(outermost / steps)
         per_wg[wg]["(step period)"].append((rs[last][1] - rs[first][1]) * 1e3 / steps)
     return {f"wg{wg}": {name: round(statistics.median(values), 1) for name, values in phases.items()}
             for wg, phases in sorted(per_wg.items())}
