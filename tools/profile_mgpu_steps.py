@@ -8,11 +8,11 @@ Runs ``mla_decode_mgpu`` once with Mosaic GPU's profiler on
 start and end of every ``jax.named_scope`` of the step body (``wait_step``,
 ``qk``, ``stats``, ``wait_stats``, ``softmax``, ``p_store``, ``wait_p``, ``pv``; the
 producer's ``produce_wait``, ``produce_issue``; where a consumer issues the ring, its
-``issue_wait`` for the slot's consumption and its ``issue``, inside ``wait_step``). The stamps live in SMEM next to the
-kernel's, which leaves room for ~56 ranges a warpgroup (about 6 steps; the trace is
-truncated there; 80 do not fit an H100): hence short contexts (2048 tokens = 16 steps a
-CTA). The per-step behaviour does not depend on the context; the first two steps and the
-last one recorded are left out. ``--kernel bf16`` profiles the BF16 twin
+``issue_wait`` for the slot's consumption and its ``issue``, inside ``wait_step``). The
+stamps live in SMEM next to the kernel's, which leaves room for ~56 ranges a warpgroup
+(about 6 steps; the trace is truncated there; 80 do not fit an H100): hence short contexts
+(2048 tokens = 16 steps a CTA). The per-step behaviour does not depend on the context; the
+first two steps and the last one recorded are left out. ``--kernel bf16`` profiles the BF16 twin
 (``mla_decode_mgpu_bf16``: phases ``wait_step``, ``qk``, ``softmax``, ``v_mask``, ``pv`` of a
 64-token step) on the bf16 cache instead (docs/design_notes.md, section 13, has its numbers).
 ``--kernel small`` profiles the 16-row FP8 kernel (``mla_decode_mgpu_small``, the kernel
