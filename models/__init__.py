@@ -6,7 +6,7 @@ from snapmla_jax.models.config import MLAConfig
 from snapmla_jax.models.hf_loader import load_hf_checkpoint
 from snapmla_jax.models.layers import quantize_weights
 from snapmla_jax.models.sharding import expert_sharding, shard_model
-from snapmla_jax.models.transformer import MLAModel
+from snapmla_jax.models.transformer import MLAModel, param_bytes
 
 __all__ = ["MLAConfig", "MLAModel", "load_hf_checkpoint", "save_checkpoint", "load_checkpoint", "expert_sharding",
-           "shard_model", "quantize_weights"]
+           "shard_model", "quantize_weights", "param_bytes"]

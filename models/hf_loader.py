@@ -16,7 +16,9 @@ weight is multiplied by its scale (edge blocks cropped) and cast to the
 compute dtype; with ``fp8_weights=True`` the ones that are ``Linear`` kernels or
 routed experts (``models.layers.fp8_eligible_weights`` lists them) stay FP8
 instead: the stored e4m3 values [out, in] (stacked [E, out, in] for the experts)
-and their scales become a ``BlockFP8Weight``, unchanged.
+and their scales become a ``BlockFP8Weight``, unchanged. ``quantize_fp8_weights=True``
+also quantizes the eligible weights stored in higher precision (DeepSeek-V2's bf16
+release) as they are read, so that such a model never holds them in bf16.
 Multi-token-prediction layers (indices >= num_hidden_layers)
 are skipped. Every name, shape and scale (and the requested placement) is
 checked from the safetensors headers before any data is read. Tensors are then
@@ -40,6 +42,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from snapmla_jax.fp8_weights import quantize_blocks
 from snapmla_jax.models.config import MLAConfig, read_hf_config
 from snapmla_jax.models.layers import fp8_eligible_weights, quantize_weights
 from snapmla_jax.models.sharding import (ParamSharding, fill_arrays, flat_arrays, merge_placed, param_path,
@@ -247,7 +250,8 @@ def _check_and_plan(hf_dir: str, cfg: MLAConfig, expected: dict[tuple, tuple], n
 
 
 def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progress: bool = True,
-                       sharding: ParamSharding = None, fp8_weights: bool = False) -> MLAModel:
+                       sharding: ParamSharding = None, fp8_weights: bool = False,
+                       quantize_fp8_weights: bool = False) -> MLAModel:
     """Read a Hugging Face DeepSeek-V2/V2-Lite/V3 checkpoint directory into an ``MLAModel``.
 
     Args:
@@ -269,6 +273,14 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         bytes of bf16; ``kv_b_proj`` (split into w_uk / w_uv) and every
         unquantized tensor are converted to ``dtype`` as without it. False:
         every weight in ``dtype``.
+      quantize_fp8_weights: with ``fp8_weights``, every other weight that
+        could be FP8 (``fp8_eligible_weights``: stored in bf16 / f16 / f32, or
+        FP8 in another format) becomes a ``BlockFP8Weight`` too, a matrix at a
+        time as it is read: converted to ``dtype`` as without it, then
+        ``quantize_blocks`` of the [out, in] matrix (as ``quantize_weights``
+        quantizes it) in blocks of the config's ``weight_block_size`` (128 x
+        128 unless the checkpoint names one), so the model never holds those
+        weights in ``dtype``. ValueError without ``fp8_weights``.
 
     Raises ValueError naming the tensors that are missing, unexpected or
     mis-shaped (checked from the headers before any data is read), an FP8
@@ -276,6 +288,8 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
     names but that is absent, an unsupported config, or (naming ``sharding``)
     a placement that does not fit an array, also before any data is read.
     """
+    if quantize_fp8_weights and not fp8_weights:
+        raise ValueError("quantize_fp8_weights: quantizes the weights fp8_weights keeps FP8; pass fp8_weights=True")
     hf_dir = os.fspath(hf_dir)
     if not os.path.isdir(hf_dir):
         raise ValueError(f"hf_dir: {hf_dir} is not a directory")
@@ -290,18 +304,21 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         if name not in files[path].entries:
             raise ValueError(f"hf_dir: the index places tensor {name} in {path}, which does not hold it")
     plan = _check_and_plan(hf_dir, cfg, expected, int(hf_config.get("num_nextn_predict_layers") or 0), index, files)
-    # Checkpoint tensor -> kernel path, for the FP8 weights that stay FP8.
-    kept_fp8 = {}
+    # Checkpoint tensor -> kernel path, for the FP8 weights that stay FP8 and those quantized as read.
+    kept_fp8, quantized = {}, {}
+    block = cfg.weight_block_size
     if fp8_weights:
         eligible = fp8_eligible_weights(abstract)
         for name, planned in plan.items():
             path = param_path(planned[0].path)
-            if (path in eligible and name + SCALE_SUFFIX in index
-                    and files[index[name]].dtype(name) == np.dtype(ml_dtypes.float8_e4m3fn)):
+            if path not in eligible:
+                continue
+            if name + SCALE_SUFFIX in index and files[index[name]].dtype(name) == np.dtype(ml_dtypes.float8_e4m3fn):
                 kept_fp8[name] = path
-        block = cfg.weight_block_size
+            elif quantize_fp8_weights:
+                quantized[name] = path
         abstract = nnx.eval_shape(lambda: quantize_weights(MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype), block,
-                                                           paths=kept_fp8.values()))
+                                                           paths=[*kept_fp8.values(), *quantized.values()]))
     graphdef, abstract_state = nnx.split(abstract)
     leaves = flat_arrays(abstract_state)
     placements = {path: resolve_sharding(sharding, path, leaf.shape, leaf.dtype) for path, leaf in leaves.items()}
@@ -313,18 +330,17 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         weight = files[index[name]].read(name)
         if name in kept_fp8:
             scale = files[index[name + SCALE_SUFFIX]].read(name + SCALE_SUFFIX).astype(np.float32)
-            expert = plan[name][0].expert
-            for leaf, value in (("values", weight), ("scales", scale)):
-                path = f"{kept_fp8[name]}/{leaf}"
-                if expert is None:
-                    arrays[path] = jax.device_put(np.asarray(value), placements[path])
-                else:
-                    _stack_row(stacks, arrays, path, expert, np.asarray(value), leaves[path].shape,
-                               placements[path])
+            _place_fp8(arrays, stacks, kept_fp8[name], plan[name][0].expert, weight, scale, leaves, placements)
             continue
         if name + SCALE_SUFFIX in index:
             scale = files[index[name + SCALE_SUFFIX]].read(name + SCALE_SUFFIX)
             weight = dequantize_blocks(weight, scale, cfg.weight_block_size)
+        if name in quantized:
+            # [out, in] in the model's dtype, as quantize_weights would find it in the loaded model.
+            fp8 = quantize_blocks(jnp.asarray(np.asarray(weight).astype(targets[plan[name][0].path].dtype)), block)
+            _place_fp8(arrays, stacks, quantized[name], plan[name][0].expert, np.asarray(fp8.values),
+                       np.asarray(fp8.scales), leaves, placements)
+            continue
         for p in plan[name]:
             path = param_path(p.path)
             value = np.asarray(p.transform(weight)).astype(targets[p.path].dtype)
@@ -334,6 +350,18 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
             _stack_row(stacks, arrays, path, p.expert, value, expected[p.path], placements[path])
     fill_arrays(abstract_state, arrays)
     return merge_placed(graphdef, abstract_state)
+
+
+def _place_fp8(arrays: dict, stacks: dict, path: str, expert: int | None, values: np.ndarray, scales: np.ndarray,
+               leaves: dict, placements: dict) -> None:
+    """One FP8 matrix (values e4m3 [out, in], scales float32 [ceil(out/bo), ceil(in/bi)]) onto
+    the ``BlockFP8Weight`` at kernel ``path``: placed at once, or into row ``expert`` of a stack."""
+    for leaf, value in (("values", values), ("scales", scales)):
+        at = f"{path}/{leaf}"
+        if expert is None:
+            arrays[at] = jax.device_put(np.asarray(value), placements[at])
+        else:
+            _stack_row(stacks, arrays, at, expert, np.asarray(value), leaves[at].shape, placements[at])
 
 
 def _stack_row(stacks: dict, arrays: dict, path: str, expert: int, value: np.ndarray, shape: tuple,

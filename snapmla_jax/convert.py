@@ -5,8 +5,9 @@
 
 FP8 block-quantized releases are dequantized to ``--dtype``, or with
 ``--fp8-weights`` their linear kernels and routed experts are kept FP8 with their block scales
-(``load_hf_checkpoint(fp8_weights=True)``); multi-token prediction layers are
-dropped. The tokenizer files found beside the weights
+and the ones stored in higher precision (a bf16 release such as DeepSeek-V2's) quantized to
+FP8 as they are read (``load_hf_checkpoint(fp8_weights=True, quantize_fp8_weights=True)``);
+multi-token prediction layers are dropped. The tokenizer files found beside the weights
 are copied into ``--out`` so that ``python -m snapmla_jax.generate --model OUT``
 needs nothing else. ``--shard-experts`` loads the expert weights split over all
 devices (the rest replicated) and saves each device's shards from there: the way
@@ -55,9 +56,10 @@ def _parser() -> cli.Parser:
                         help="load the MoE expert weights split over all devices, the rest replicated, and save "
                              "from there (for models larger than one device; the expert count must divide evenly)")
     parser.add_argument("--fp8-weights", action="store_true",
-                        help="keep the checkpoint's FP8 block-quantized linear kernels (attention projections, "
-                             "dense and shared-expert MLPs) and routed experts as FP8 with their scales; the rest "
-                             "in --dtype")
+                        help="linear kernels (attention projections, dense and shared-expert MLPs) and routed "
+                             "experts in block FP8: kept as stored where the checkpoint has them in FP8, else "
+                             "quantized per block (128 x 128 unless the checkpoint names one) as they are read; "
+                             "the rest in --dtype")
     return parser
 
 
@@ -101,7 +103,7 @@ def _convert(argv: list[str]) -> int:
     try:
         model = load_hf_checkpoint(args.hf_dir, dtype=DTYPES[args.dtype], progress=not args.quiet,
                                    sharding=expert_sharding() if args.shard_experts else None,
-                                   fp8_weights=args.fp8_weights)
+                                   fp8_weights=args.fp8_weights, quantize_fp8_weights=args.fp8_weights)
     except PlacementError as err:  # the placement --shard-experts asked for, not the checkpoint
         raise cli.UsageError(f"--shard-experts: {jax.device_count()} devices: {err}") from err
     except ValueError as err:  # what the checkpoint holds: its config, tensors, shards

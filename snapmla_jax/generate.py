@@ -576,6 +576,10 @@ def _parser() -> cli.Parser:
     parser.add_argument("--tokenizer", help="directory holding the tokenizer (default: --model)")
     parser.add_argument("--dtype", choices=sorted(PARAM_DTYPES), default=None,
                         help="parameter dtype (default: the checkpoint's; bfloat16 for Hugging Face weights)")
+    parser.add_argument("--fp8-weights", action="store_true",
+                        help="linear kernels and routed experts in block FP8 (about half their bf16 bytes): those "
+                             "the checkpoint holds in FP8 kept as stored, the others quantized per 128 x 128 block "
+                             "as the model loads")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="kernel backend for write_kv/mla_decode (default auto)")
     placement = parser.add_mutually_exclusive_group()
@@ -645,12 +649,14 @@ def _load_tokenizer(args, model_dir: pathlib.Path):
 
 
 def _load_model(model_dir: pathlib.Path, dtype_name: str | None, shard_experts: bool = False,
-                mesh: jax.sharding.Mesh | None = None):
+                mesh: jax.sharding.Mesh | None = None, fp8_weights: bool = False):
     """An orbax checkpoint (``<dir>/state`` beside config.json) or a Hugging Face
     directory (config.json + safetensors); ``shard_experts``: the expert weights split
     over all devices, the rest replicated (``expert_sharding``); ``mesh``: the same over
-    its devices, loaded straight there (``--devices``)."""
-    from snapmla_jax.models import expert_sharding, load_checkpoint, load_hf_checkpoint
+    its devices, loaded straight there (``--devices``); ``fp8_weights``: every weight that
+    can be block FP8 made so (``--fp8-weights``)."""
+    from snapmla_jax.models import (expert_sharding, load_checkpoint, load_hf_checkpoint, quantize_weights,
+                                    shard_model)
     from snapmla_jax.models.sharding import PlacementError
 
     dtype = PARAM_DTYPES[dtype_name] if dtype_name else None
@@ -658,8 +664,13 @@ def _load_model(model_dir: pathlib.Path, dtype_name: str | None, shard_experts: 
         expert_sharding() if shard_experts else None)
     try:
         if (model_dir / "state").is_dir():
-            return load_checkpoint(model_dir, dtype=dtype, sharding=sharding)
-        return load_hf_checkpoint(model_dir, dtype=dtype or jnp.bfloat16, progress=False, sharding=sharding)
+            model = load_checkpoint(model_dir, dtype=dtype, sharding=sharding)
+            if fp8_weights:  # a converted checkpoint's FP8 weights stay as saved; the rest are quantized here
+                model = quantize_weights(model, model.cfg.weight_block_size)
+                model = shard_model(model, sharding) if sharding is not None else model
+            return model
+        return load_hf_checkpoint(model_dir, dtype=dtype or jnp.bfloat16, progress=False, sharding=sharding,
+                                  fp8_weights=fp8_weights, quantize_fp8_weights=fp8_weights)
     except PlacementError as err:  # the placement --shard-experts / --devices asked for, not the checkpoint
         flag = f"--devices: {mesh.size} devices" if mesh is not None else f"--shard-experts: {jax.device_count()} devices"
         raise cli.UsageError(f"{flag}: {err}") from err
@@ -762,7 +773,7 @@ def _generate_cli(argv: list[str]) -> int:
     if not 1 <= devices <= jax.device_count():
         raise cli.UsageError(f"--devices: expected 1 to {jax.device_count()} (the devices JAX sees), got {devices}")
     mesh = data_parallel.mesh_of(devices) if devices > 1 else None
-    model = _load_model(model_dir, args.dtype, args.shard_experts, mesh)
+    model = _load_model(model_dir, args.dtype, args.shard_experts, mesh, args.fp8_weights)
     _check_prompts(args, prompts, model)
     eos_id = tokenizer.eos_id if args.eos_id is None else (None if args.eos_id == -1 else args.eos_id)
     try:
@@ -783,9 +794,14 @@ def _generate_cli(argv: list[str]) -> int:
     result = gen.result
     completions = [tokenizer.decode(tokens) for tokens in result.tokens]
     if args.json:
+        from snapmla_jax.models.checkpoint import fp8_kernel_record
+        from snapmla_jax.models.transformer import param_bytes
+
         stats = result.stats
         print(json.dumps({
             "model": str(model_dir), "kv_cache": args.kv_cache, "eos_id": eos_id,
+            "fp8_weights": (fp8_kernel_record(model) or {"kernels": []})["kernels"],
+            "weight_bytes": param_bytes(model),
             "devices": len({device for leaf in jax.tree.leaves(nnx.state(model)) for device in leaf.sharding.device_set}),
             "sampling": dataclasses.asdict(sampling), "seed": args.seed,
             "completions": [{"prompt": text, "prompt_tokens": len(ids), "text": completion, "tokens": tokens,

@@ -50,14 +50,15 @@ def hf_tensors(model: MLAModel) -> dict[str, np.ndarray]:
     return {name: np.ascontiguousarray(t) for name, t in tensors.items()}
 
 
-def fp8_block_tensors(tensors: dict[str, np.ndarray], block: tuple[int, int]) -> dict[str, np.ndarray]:
+def fp8_block_tensors(tensors: dict[str, np.ndarray], block: tuple[int, int],
+                      only: str = "") -> dict[str, np.ndarray]:
     """``tensors`` with every projection's weight (``*_proj*.weight``: the linear layers
-    DeepSeek's FP8 releases quantize) as float8_e4m3fn values plus a float32
-    ``.weight_scale_inv`` per block."""
+    DeepSeek's FP8 releases quantize) whose name holds ``only`` as float8_e4m3fn values plus a
+    float32 ``.weight_scale_inv`` per block."""
     out = {}
     for name, t in tensors.items():
         module, leaf = name.rsplit(".", 2)[-2:]
-        if leaf == "weight" and "_proj" in module:
+        if leaf == "weight" and "_proj" in module and only in name:
             w = quantize_blocks(t, block)
             out[name], out[name + "_scale_inv"] = np.asarray(w.values), np.asarray(w.scales)
         else:
@@ -66,17 +67,18 @@ def fp8_block_tensors(tensors: dict[str, np.ndarray], block: tuple[int, int]) ->
 
 
 def write_tiny_hf_checkpoint(path: pathlib.Path, seed: int = 0, *, hf_config: dict = HF_CONFIG,
-                             fp8_block: tuple[int, int] | None = None) -> MLAModel:
+                             fp8_block: tuple[int, int] | None = None, fp8_only: str = "") -> MLAModel:
     """config.json + model.safetensors of a random model of ``hf_config`` (default: 1 dense
     layer) under ``path`` (created); returns that model (float32). ``fp8_block`` (rows, cols):
-    store the linear weights block-quantized to FP8, as DeepSeek-V3's releases."""
+    store the linear weights block-quantized to FP8, as DeepSeek-V3's releases (with
+    ``fp8_only``, those whose name holds it; the others in float32)."""
     model = MLAModel(MLAConfig.from_hf(hf_config), rngs=nnx.Rngs(seed), dtype=jnp.float32)
     tensors = hf_tensors(model)
     if fp8_block is not None:
         hf_config = {**hf_config, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
                                                           "activation_scheme": "dynamic",
                                                           "weight_block_size": list(fp8_block)}}
-        tensors = fp8_block_tensors(tensors, fp8_block)
+        tensors = fp8_block_tensors(tensors, fp8_block, fp8_only)
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(hf_config))
     save_file(tensors, str(path / "model.safetensors"))

@@ -395,6 +395,86 @@ def test_convert_cli_fp8_weights_writes_an_fp8_checkpoint(hf_fp8_dir, hf_models,
 
 
 
+def _bits(model) -> dict:
+    """The arrays of ``model``'s state (an FP8 weight's values and scales apart) by path: dtype
+    and bytes, so that FP8 values and floats compare exactly."""
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model))
+    return {jax.tree_util.keystr(path): (str(leaf.dtype), np.asarray(leaf).tobytes()) for path, leaf in leaves}
+
+
+def _quantized_matrix_by_matrix(weight, block) -> BlockFP8Weight:
+    """``quantize_blocks`` of each [out, in] matrix of a kernel [..., in, out] on its own, stacked:
+    what the loader computes for a weight it reads a matrix at a time. (Quantizing a stack at once
+    gives the same values up to the last bit of a float32 division, which XLA on a CPU computes
+    differently in vectorized loops.)"""
+    matrices = np.swapaxes(np.asarray(weight), -1, -2).reshape(-1, *weight.shape[-1:-3:-1])
+    parts = [quantize_blocks(jnp.asarray(m), block) for m in matrices]
+    lead = weight.shape[:-2]
+    return BlockFP8Weight(jnp.stack([p.values for p in parts]).reshape(*lead, *parts[0].values.shape),
+                          jnp.stack([p.scales for p in parts]).reshape(*lead, *parts[0].scales.shape), block)
+
+
+def _check_quantized_as_read(loaded, unquantized, block) -> None:
+    """Each FP8-eligible weight of ``loaded`` is the one of ``unquantized`` (the same checkpoint
+    loaded without quantizing) when that is FP8 already, else its matrices quantized one by one;
+    every other array is the same."""
+    eligible = fp8_eligible_weights(unquantized)
+    for path, weight in fp8_eligible_weights(loaded).items():
+        got, source = weight.get_value(), eligible[path].get_value()
+        want = source if isinstance(source, BlockFP8Weight) else _quantized_matrix_by_matrix(source, block)
+        assert isinstance(got, BlockFP8Weight) and got.block == want.block, path
+        np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8),
+                                      err_msg=path)
+        np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales), err_msg=path)
+    prefixes = tuple("".join(f"[{k}]" if k.isdigit() else f"['{k}']" for k in path.split("/")) for path in eligible)
+    rest = lambda model: {path: bits for path, bits in _bits(model).items() if not path.startswith(prefixes)}
+    assert rest(loaded) == rest(unquantized)
+
+
+def test_hf_loader_quantizes_what_the_checkpoint_stores_unquantized(tmp_path):
+    # The attention projections stored FP8 (kept as stored), the MLP and the experts in float32
+    # (quantized as read, in the checkpoint's blocks).
+    path = tmp_path / "mixed"
+    write_tiny_hf_checkpoint(path, seed=5, hf_config=HF_MOE_CONFIG, fp8_block=BLOCK, fp8_only="self_attn")
+    stored = SafetensorsFile(str(path / "model.safetensors"))
+    assert stored.dtype("model.layers.1.mlp.experts.0.up_proj.weight") == np.float32
+    loaded = load_hf_checkpoint(path, jnp.bfloat16, progress=False, fp8_weights=True, quantize_fp8_weights=True)
+    kept = load_hf_checkpoint(path, jnp.bfloat16, progress=False, fp8_weights=True)
+    assert isinstance(kept.layers[0].self_attn.o_proj.kernel.get_value(), BlockFP8Weight)
+    assert not isinstance(kept.layers[1].mlp.w_up.get_value(), BlockFP8Weight)
+    _check_quantized_as_read(loaded, kept, BLOCK)
+    # quantize_weights after loading quantizes each expert stack at once: the same weights up to a
+    # float32 division's last bit, so a bf16 product may land on the neighbouring value (2**-7
+    # relative) and carry that through the two layers, as in the dequantized-model test above.
+    want = np.asarray(quantize_weights(kept, BLOCK)(TOKENS), np.float64)
+    assert np.max(np.abs(np.asarray(loaded(TOKENS), np.float64) - want)) <= 2.0 ** -6 * np.max(np.abs(want))
+
+
+def test_hf_loader_quantizes_a_bf16_release_in_its_default_blocks(tmp_path):
+    path = tmp_path / "plain"
+    write_tiny_hf_checkpoint(path, seed=6, hf_config=HF_MOE_CONFIG)
+    loaded = load_hf_checkpoint(path, jnp.bfloat16, progress=False, fp8_weights=True, quantize_fp8_weights=True)
+    plain = load_hf_checkpoint(path, jnp.bfloat16, progress=False)
+    _check_quantized_as_read(loaded, plain, (128, 128))
+    assert param_bytes(loaded) < param_bytes(plain)
+
+
+def test_hf_loader_quantizes_only_with_fp8_weights(hf_fp8_dir):
+    with pytest.raises(ValueError, match="quantize_fp8_weights: .*fp8_weights=True"):
+        load_hf_checkpoint(hf_fp8_dir, jnp.bfloat16, progress=False, quantize_fp8_weights=True)
+
+
+def test_convert_cli_fp8_weights_quantizes_a_bf16_release(tmp_path):
+    write_tiny_hf_checkpoint(tmp_path / "hf", seed=7, hf_config=HF_MOE_CONFIG)
+    assert convert_main(["--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "ours"), "--quiet",
+                         "--fp8-weights"]) == 0
+    restored = load_checkpoint(tmp_path / "ours")
+    want = quantize_weights(load_hf_checkpoint(tmp_path / "hf", jnp.bfloat16, progress=False), (128, 128))
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["fp8_weights"]["kernels"] == sorted(
+        fp8_eligible_weights(want))
+    np.testing.assert_array_equal(np.asarray(restored(TOKENS)), np.asarray(want(TOKENS)))
+
+
 SHARDED_FP8 = """
 import sys, jax, jax.numpy as jnp, numpy as np
 from flax import nnx

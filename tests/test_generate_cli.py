@@ -140,6 +140,47 @@ def test_qk_promotion_flag_reaches_generate(checkpoint, capsys, monkeypatch):
     assert seen == [128]
 
 
+def test_fp8_weights_flag_quantizes_a_converted_checkpoint(checkpoint, capsys):
+    from snapmla_jax.models import quantize_weights
+    from snapmla_jax.models.layers import fp8_eligible_weights
+    from snapmla_jax.models.transformer import param_bytes
+
+    flags = ["--model", checkpoint, "--prompt", "a cache", "--max-new-tokens", 5, "--backend", "xla",
+             "--eos-id", -1, "--json"]
+    code, out, err = _run(capsys, *flags, "--fp8-weights")
+    assert code == 0, err
+    record = json.loads(out)
+    model = quantize_weights(load_checkpoint(checkpoint), (128, 128))
+    assert record["fp8_weights"] == sorted(fp8_eligible_weights(model))
+    assert record["weight_bytes"] == param_bytes(model)
+    expected = generate(model, [load_tokenizer(checkpoint).encode("a cache")], max_new_tokens=5, eos_id=None,
+                        backend="xla")
+    assert [c["tokens"] for c in record["completions"]] == expected
+    code, out, err = _run(capsys, *flags)
+    assert code == 0, err
+    plain = json.loads(out)
+    assert plain["fp8_weights"] == [] and plain["weight_bytes"] > record["weight_bytes"]
+
+
+def test_fp8_weights_flag_quantizes_a_hugging_face_checkpoint_as_it_loads(checkpoint, tmp_path, capsys):
+    from hf_tiny import HF_MOE_CONFIG, write_tiny_hf_checkpoint
+    from snapmla_jax.models import load_hf_checkpoint
+
+    hf_dir = tmp_path / "hf"
+    write_tiny_hf_checkpoint(hf_dir, seed=2, hf_config={**HF_MOE_CONFIG, "vocab_size": 320})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(checkpoint / name, hf_dir / name)
+    code, out, err = _run(capsys, "--model", hf_dir, "--prompt", "a cache", "--max-new-tokens", 5,
+                          "--backend", "xla", "--eos-id", -1, "--json", "--fp8-weights")
+    assert code == 0, err
+    record = json.loads(out)
+    model = load_hf_checkpoint(hf_dir, jnp.bfloat16, progress=False, fp8_weights=True, quantize_fp8_weights=True)
+    assert "layers/1/mlp/w_down" in record["fp8_weights"] and "layers/0/mlp/up_proj/kernel" in record["fp8_weights"]
+    expected = generate(model, [load_tokenizer(hf_dir).encode("a cache")], max_new_tokens=5, eos_id=None,
+                        backend="xla")
+    assert [c["tokens"] for c in record["completions"]] == expected
+
+
 def test_streamed_text_equals_the_text_printed_at_the_end(checkpoint, capsys):
     common = ["--model", checkpoint, "--prompt", "héllo", "--max-new-tokens", 12, "--backend", "xla",
               "--eos-id", -1, "--temperature", 1.0, "--seed", 2]
@@ -297,14 +338,17 @@ def _cli_on_cpu_devices(count: int, *argv) -> subprocess.CompletedProcess:
 
 
 def test_shard_experts_runs_the_demo_model_over_two_devices_with_the_same_tokens(capsys):
-    # The bundled demo model has 8 experts a MoE layer: 4 on each device, the rest replicated.
-    argv = ["--prompt", "def ", "--max-new-tokens", "8", "--json", "--dtype", "float32"]
+    # The bundled demo model has 8 experts a MoE layer: 4 on each device, the rest replicated;
+    # its weights quantized to FP8 after loading (--fp8-weights) and placed again, values and
+    # scales of an expert stack split alike.
+    argv = ["--prompt", "def ", "--max-new-tokens", "8", "--json", "--dtype", "float32", "--fp8-weights"]
     code, out, _ = _run(capsys, *argv)
     assert code == 0
     sharded = _cli_on_cpu_devices(2, *argv, "--shard-experts")
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     one, two = json.loads(out), json.loads(sharded.stdout)
     assert (one["devices"], two["devices"]) == (1, 2)
+    assert "layers/1/mlp/w_gate" in two["fp8_weights"] and two["fp8_weights"] == one["fp8_weights"]
     # Greedy tokens of the same model run in float32: the split only reorders the experts' sums
     # (float32 rounding, far below the margins between the top logits).
     assert two["completions"][0]["tokens"] == one["completions"][0]["tokens"]
