@@ -60,6 +60,10 @@ SAFETENSORS_DTYPES = {
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
 FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+# ``quantize_blocks`` compiled once a matrix shape: a bf16 release has tens of thousands of matrices
+# to quantize as they load, and on a CPU one program runs ~3x faster than its ops one at a time
+# (15 vs 51 ms for a 1536 x 5120 expert matrix of DeepSeek-V2).
+_quantize_matrix = jax.jit(quantize_blocks, static_argnums=1)
 EXPERT_PARAMS = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -337,7 +341,7 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
             weight = dequantize_blocks(weight, scale, cfg.weight_block_size)
         if name in quantized:
             # [out, in] in the model's dtype, as quantize_weights would find it in the loaded model.
-            fp8 = quantize_blocks(jnp.asarray(np.asarray(weight).astype(targets[plan[name][0].path].dtype)), block)
+            fp8 = _quantize_matrix(jnp.asarray(np.asarray(weight).astype(targets[plan[name][0].path].dtype)), block)
             _place_fp8(arrays, stacks, quantized[name], plan[name][0].expert, np.asarray(fp8.values),
                        np.asarray(fp8.scales), leaves, placements)
             continue

@@ -402,12 +402,13 @@ def _bits(model) -> dict:
 
 
 def _quantized_matrix_by_matrix(weight, block) -> BlockFP8Weight:
-    """``quantize_blocks`` of each [out, in] matrix of a kernel [..., in, out] on its own, stacked:
-    what the loader computes for a weight it reads a matrix at a time. (Quantizing a stack at once
-    gives the same values up to the last bit of a float32 division, which XLA on a CPU computes
-    differently in vectorized loops.)"""
+    """``quantize_blocks`` (compiled, as the loader runs it) of each [out, in] matrix of a kernel
+    [..., in, out] on its own, stacked: what the loader computes for a weight it reads a matrix
+    at a time. (Quantizing a stack at once gives the same values up to the last bit of a float32
+    division, which XLA on a CPU computes differently in vectorized loops.)"""
     matrices = np.swapaxes(np.asarray(weight), -1, -2).reshape(-1, *weight.shape[-1:-3:-1])
-    parts = [quantize_blocks(jnp.asarray(m), block) for m in matrices]
+    quantize = jax.jit(quantize_blocks, static_argnums=1)
+    parts = [quantize(jnp.asarray(m), block) for m in matrices]
     lead = weight.shape[:-2]
     return BlockFP8Weight(jnp.stack([p.values for p in parts]).reshape(*lead, *parts[0].values.shape),
                           jnp.stack([p.scales for p in parts]).reshape(*lead, *parts[0].scales.shape), block)
