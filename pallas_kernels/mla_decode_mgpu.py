@@ -140,6 +140,14 @@ PRODUCER_BY_WARPS_BELOW = 64
 def producer_by_warps(page_size: int) -> bool:
     """Whether the producer's warps share the issue of a step over ``page_size``-token pages."""
     return PRODUCER_ISSUE_BY_WARPS or page_size < PRODUCER_BY_WARPS_BELOW
+
+
+# Whether the producer loads a step's page ids from the block table before it waits for the
+# slot's consumption, so that the load's latency runs under the wait instead of before the copies.
+# Kernel 371.7 vs 375.0 us at 64 x 16k x 128, 371.1 vs 384.9 at 32 x 16k x 128 x 2, 196.6 vs 198.2
+# at 128 x 4k x 128 (H200, jax 0.11.2, tools/time_mgpu_variants.py --variants baseline
+# producer_pages_after_wait --kernel-trace-rounds 5).
+PRODUCER_PREFETCH_PAGES = True
 # Extra ``plgpu.CompilerParams`` for the Mosaic decode kernels (``grid_params``): None in the
 # library; tools/profile_mgpu_steps.py sets the on-device profiler's here.
 COMPILER_PARAMS: plgpu.CompilerParams | None = None
@@ -472,9 +480,11 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
         else:
             plgpu.copy_gmem_to_smem(ksc_ref.at[b, pl.ds(first_token, STEP)], ksc_s.at[slot], step_bar.at[slot])
 
-    def issue(step, slot):
+    def issue(step, slot, pages=None):
         # Box starts computed here: ``pl.multiple_of`` does not lower in a warp's code.
-        boxes = list(page_boxes(step_pages(bt_ref, b, step, num_pages, page_size), layer_offset, page_size))
+        if pages is None:
+            pages = step_pages(bt_ref, b, step, num_pages, page_size)
+        boxes = list(page_boxes(pages, layer_offset, page_size))
         pages = [page for page, parity, _, _ in boxes if parity == 0]
         first_token = aligned(step * STEP, STEP)
         if not by_warps:
@@ -494,6 +504,7 @@ def step_issuer(bt_ref, latp_ref, ropep_ref, ksc_ref, b, layer_offset, kv8_s, ro
                 copy_scales(step, first_token, slot, pages)
 
         plgpu.warp_map(per_warp)
+
     return issue
 
 
@@ -563,7 +574,7 @@ def locate_cta(seq_lens_ref, items_ref, bt_ref, rows: int, *, s_q: int, step_tok
 
 
 def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, *, issuer: int = 0,
-               issue_first: bool = False):
+               issue_first: bool = False, pages=None):
     """Wait for step j's slot; warpgroup ``issuer`` issues step j + 1 into the other slot once
     both warpgroups have finished step j - 1's P'.V on it (``issue`` None: a producer warpgroup
     issues, ``produce_steps``). With ``issue_first`` it issues before waiting for step j's
@@ -583,7 +594,7 @@ def begin_step(j, wg, first_step, num_steps, issue, step_bar, consumed_bar, *, i
             def _():
                 plgpu.barrier_wait(consumed_bar.at[1 - slot])  # step j - 1's P'.V by both warpgroups
         with jax.named_scope("issue"):
-            issue(first_step + j + 1, 1 - slot)
+            issue(first_step + j + 1, 1 - slot, pages)
 
     if issue_first:
         plgpu.barrier_wait(step_bar.at[slot])
@@ -659,12 +670,15 @@ def walk_steps(step, carry, where: Where, consumed_bar, *, issuer: int | None = 
     return carry
 
 
-def produce_steps(issue, first_step, num_steps, consumed_bar) -> None:
+def produce_steps(issue, first_step, num_steps, consumed_bar, pages_of: Callable | None = None) -> None:
     """The producer warpgroup's loop: step j (from 1; ``start_cta`` issued step 0) goes into
     slot j % 2 once both consumers have finished step j - 2's P'.V there, then the last two
-    steps' consumption is observed (``drain_consumed``)."""
+    steps' consumption is observed (``drain_consumed``). ``pages_of(step)``, where given, loads
+    a step's page ids before the wait for its slot, so that the load's latency runs under the
+    wait; ``issue(step, slot, pages)`` then copies from them."""
     def body(j, carry):
         slot = lax.rem(j, NUM_SLOTS)
+        pages = None if pages_of is None else pages_of(first_step + j)
 
         # Named scopes: phases for tools/profile_mgpu_steps.py, as in the consumers' step.
         with jax.named_scope("produce_wait"):
@@ -672,7 +686,7 @@ def produce_steps(issue, first_step, num_steps, consumed_bar) -> None:
             def _():
                 plgpu.barrier_wait(consumed_bar.at[slot])
         with jax.named_scope("produce_issue"):
-            issue(first_step + j, slot)
+            issue(first_step + j, slot) if pages is None else issue(first_step + j, slot, pages)
         return carry
 
     lax.fori_loop(1, num_steps, body, 0)
@@ -945,7 +959,10 @@ def _kernel(seq_lens_ref, items_ref, bt_ref, off_ref, q8_ref, qsc_ref, qr_ref, l
         consume()
         return
 
-    specialize_warpgroups(wg, functools.partial(produce_steps, issue, first_step, num_steps, consumed_bar), consume,
+    pages_of = ((lambda step: tuple(step_pages(bt_ref, where.b, step, num_pages, page_size)))
+                if PRODUCER_PREFETCH_PAGES else None)
+    specialize_warpgroups(wg, functools.partial(produce_steps, issue, first_step, num_steps, consumed_bar, pages_of),
+                          consume,
                           PRODUCER_REGISTERS, CONSUMER_REGISTERS)
 
 

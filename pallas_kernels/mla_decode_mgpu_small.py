@@ -78,7 +78,7 @@ from snapmla_jax.pallas_kernels.mla_decode_mgpu import (CHUNK, CHUNKS_PER_WG, CO
                                                         gather_p, grid_params, initial_carry, merge_items,
                                                         output_target, output_types, plan_items, prepare_inputs,
                                                         produce_steps, producer_by_warps, publish_p,
-                                                        specialize_warpgroups, step_copies,
+                                                        specialize_warpgroups, step_copies, step_pages,
                                                         store_rows, walk_steps, unpadded, write_outputs_t,
                                                         Where)
 from snapmla_jax.pallas_kernels.write_kv import row_layout
@@ -136,6 +136,14 @@ UNSYNCED_ROW_STORES = True
 # jax 0.11.2, tools/time_mgpu_variants.py --kernel small [--block-rows 32] --variants baseline
 # two_exchanges --kernel-trace-rounds 5).
 ONE_EXCHANGE_ROWS = (16, 32)
+# Whether the issuing warpgroup loads the page ids of step j + 2 from the block table during step
+# j (carried in the step loop) instead of when it issues that step: the load's latency was on its
+# path (an issue took ~950 SM cycles whatever its copies). Kernel 194.7 vs 199.6 us at
+# 64 x 16k x 16 x 2 and 374.8 vs 371.2 at 128 x 16k x 32 (32-row blocks), 157.2 vs 161.3 at
+# 64 x 16k x 16, 307.5 vs 310.8 at 64 x 32k x 16, even at 8 x 32k (H200, jax 0.11.2,
+# tools/time_mgpu_variants.py --kernel small [--block-rows 32] --variants baseline pages_at_issue
+# --kernel-trace-rounds 5).
+PREFETCH_PAGES = True
 
 def half_scores_t(q8_s, kv_slot, qr_s, rope_slot, q_scale, k_scale, first_row, *, interpret: bool,
                   qk_promotion: int, rest=None) -> jax.Array:
@@ -487,13 +495,17 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
             meet(STATS_SYNC_ID, q_ready_bar, named_sync)
 
         def step(j, carry, *, where: Where, masked: bool):
+            carry, pages = carry[:len(carry) - num_prefetched], carry[len(carry) - num_prefetched:]
             accs, (m, l_tile, frame) = carry[:-3], carry[-3:]
             t0 = (where.first_step + j) * STEP
             # The named scopes are the phases tools/profile_mgpu_steps.py --kernel small times on the
             # GPU (the on-device profiler records them when ``mla_decode_mgpu.COMPILER_PARAMS`` asks).
             with jax.named_scope("wait_step"):
                 slot = begin_step(j, wg, where.first_step, where.num_steps, consumers_issue, step_bar,
-                                  consumed_bar, issuer=ISSUER, issue_first=rows in ISSUE_FIRST_ROWS)
+                                  consumed_bar, issuer=ISSUER, issue_first=rows in ISSUE_FIRST_ROWS,
+                                  pages=pages or None)
+                if num_prefetched:  # the page ids of the step issued next time, loaded under this one
+                    pages = next_pages(where.first_step + j + 2)
             with jax.named_scope("qk"):
                 if query_in_kernel:
                     k_scale = parity_scales(ksc_s, slot, wg, page_size=page_size, interpret=interpret)
@@ -551,14 +563,18 @@ def _cta(seq_lens_ref, items_ref, bt_ref, off_ref, q_ref, qsc_ref, qr_ref, latp_
                 new_accs = pv_update_t(accs, p8_s.at[slot], kv8_s.at[slot], wg, ratio, visible_count, t0,
                                        where.seq_len, interpret=interpret)
                 plgpu.barrier_arrive(consumed_bar.at[slot])
-            return (*new_accs, m, l_tile, frame)
+            return (*new_accs, m, l_tile, frame, *pages)
 
         num_accs = 2 * CHUNKS_PER_WG  # O^T tiles [64 features, R]
         *accs, m0, _ = initial_carry((HALF, rows), rows_axis=1, num_accs=num_accs)
         l_tile0 = plgpu.layout_cast(jnp.zeros((HALF, rows), jnp.float32), plgpu.Layout.WGMMA)
-        carry = walk_steps(step, (*accs, m0, l_tile0, m0), where, consumed_bar,
+        # With the issue in the consumers, the page ids of the step after next ride in the carry.
+        num_prefetched = STEP // page_size if PREFETCH_PAGES and not producer else 0
+        next_pages = lambda step: tuple(step_pages(bt_ref, where.b, step, num_pages, page_size))
+        prefetched = next_pages(where.first_step + 1) if num_prefetched else ()
+        carry = walk_steps(step, (*accs, m0, l_tile0, m0, *prefetched), where, consumed_bar,
                            issuer=None if producer else ISSUER)
-        accs, l_tile, frame = carry[:num_accs], carry[-2], carry[-1]
+        accs, l_tile, frame = carry[:num_accs], carry[num_accs + 1], carry[num_accs + 2]
         lsum_s[wg] = token_reduce(l_tile, "add", my_scratch, interpret=interpret)
         # Both warpgroups have stored their l'.
         plgpu.barrier_arrive(end_bar)

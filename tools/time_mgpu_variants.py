@@ -63,6 +63,7 @@ VARIANTS = {
     "mbarrier_sync": {"NAMED_SYNC": False},
     "synced_row_stores": {"UNSYNCED_ROW_STORES": False},
     "commit_with_barrier": {"FENCE_ONLY_COMMIT": False},
+    "producer_pages_after_wait": {"PRODUCER_PREFETCH_PAGES": False},
 }
 SMALL_VARIANTS = {
     "baseline": {},
@@ -72,6 +73,7 @@ SMALL_VARIANTS = {
     "promotion_32_rows_512": {"QK_PROMOTION_32_ROWS": 512},  # with --block-rows 32
     "issue_after_wait": {"ISSUE_FIRST_ROWS": ()},
     "two_exchanges": {"ONE_EXCHANGE_ROWS": ()},
+    "pages_at_issue": {"PREFETCH_PAGES": False},
     # A producer warpgroup (where ``mla_decode_mgpu.PRODUCER_WG``: jax < 0.12).
     "producer": {"PRODUCER_ROWS": (16, 32)},
     "producer_32_rows": {"PRODUCER_ROWS": (32,)},  # with --block-rows 32
