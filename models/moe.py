@@ -34,15 +34,18 @@ of four ways (``MoE.__call__`` picks by the token count T, a static shape):
   With the experts split over devices either would move expert weights between
   devices, so the placements (``models.sharding``, the loaders' ``sharding=``)
   turn it off there (``match_dispatch_to_placement``).
-* sorted (where dense would run, from the layer's ``sorted_min_tokens`` on (``default_sorted_min_tokens``), when the grouped
-  GEMMs run: backend "pallas" on a Hopper GPU or "interpret", bf16 stacks of whole tiles or
-  block-FP8 ones): the assignments sorted by expert and cut into chunks of one expert's tokens,
-  one GEMM group a chunk (pallas_kernels/grouped_experts.py ``sorted_products``): each chosen
+* sorted (where dense or ragged would run, from the layer's ``sorted_min_tokens`` on
+  (``default_sorted_min_tokens``), when the grouped GEMMs run: backend "pallas" on a Hopper GPU or
+  "interpret", bf16 stacks of whole tiles or block-FP8 ones): the assignments sorted by expert and
+  cut into chunks of one expert's tokens, one GEMM group a chunk
+  (pallas_kernels/grouped_experts.py ``sorted_products``): each chosen
   expert's matrices read once a chunk, as dense reads them, but each token multiplied only by its
   k experts instead of all E. Dense's arithmetic grows with T x E: at a serving batch's token
   counts it sets the step's pace (4 H200s, V2 shapes with FP8 weights, 184 rows of 32k: the FP8
   GEMM launches, dense's and the projections', took 43.5 of the step's 99.6 ms of GPU time; sorted
-  made the step 71.5 ms instead of 102.8).
+  made the step 71.5 ms instead of 102.8). Above dense's range (a prompt's prefill) it replaces
+  ragged: one V2-Lite layer on an H200, bf16, 0.855 vs 9.29 ms at T = 1024 and 1.20 vs 16.7 at
+  1664 (docs/benchmarks/moe_sorted_v2_lite_h200.md), and block-FP8 stacks stay FP8 there.
 
 Expert parallelism (``expert_axis``, set by ``snapmla_jax.data_parallel.place_model``): inside
 ``jax.shard_map`` over a mesh axis whose devices each hold E / N of the experts
@@ -56,8 +59,8 @@ experts' weights; the shared experts run on each device's own tokens.
 Block-FP8 experts (``fp8_weights.BlockFP8Weight`` stacks): on a Hopper GPU the gathered, dense
 and sorted dispatches run on the FP8 GEMM (``fp8_weights.fp8_grouped_matmul``, one launch a weight
 stack, each matrix's e4m3 bytes read where they lie; ``MoE.fp8_kernel_stacks``), and a gathered
-call with as many assignments as experts runs dense (``MoE.dispatch``). The ragged dispatch and
-the "xla" backend dequantize the stacks in XLA (``MoE.expert_stacks``).
+call with as many assignments as experts runs dense (``MoE.dispatch``). The ragged dispatch (where
+sorted does not run) and the "xla" backend dequantize the stacks in XLA (``MoE.expert_stacks``).
 
 The choice is three static attributes of each layer, ``MoE.dense_token_range``,
 ``MoE.gather_max_tokens`` and ``MoE.sorted_min_tokens`` (``set_dense_token_range``,
@@ -86,13 +89,14 @@ from snapmla_jax.pallas_kernels.grouped_experts import (chunk_rows, combine_assi
 
 # The default ``MoE.dense_token_range`` of new layers: token counts T (tokens in one call:
 # batch x sequence) for which the routed experts run dense (module docstring), as an
-# inclusive (low, high) range; None: always ragged. By arithmetic, dense reads every expert
+# inclusive (low, high) range; None: never dense. By arithmetic, dense reads every expert
 # and ragged only the chosen ones; measured, XLA's ragged_dot on Hopper reads every expert's
 # weights at any T and runs far below the matrix rate (11 TFLOP/s at T = 512), so dense wins
 # nearly everywhere (H200, one layer, bf16): V2-Lite shapes 1.14x at T = 4 to 4.5x at T = 512,
 # but 0.72x at T = 1; V3 shapes 1.02x at T = 1 to 2.8x at T = 64 (scripts/bench_moe.py).
 # The top, 512, is the largest T measured; the [E, T, inner] activations of dense grow with T
-# (1 GB at V3 shapes and T = 512), so prefill-sized calls stay ragged. With the experts split over
+# (1 GB at V3 shapes and T = 512), so prefill-sized calls stay ragged, or run sorted where its
+# GEMMs run (``MoE.dispatch``). With the experts split over
 # N devices (``data_parallel.place_model``) a layer holds E / N experts and the top becomes 512 N.
 DENSE_TOKEN_RANGE: tuple[int, int] | None = (4, 512)
 
@@ -341,15 +345,15 @@ class MoE(nnx.Module):
         """"gathered", "dense", "sorted" or "ragged": how a call of ``num_tokens`` tokens (all
         devices' with ``expert_axis``) runs with ``backend`` (resolved): ``choose_dispatch`` on the
         layer's settings, except that on the FP8 GEMM (``fp8_kernel_stacks``) a gathered call with
-        at least as many assignments as experts runs dense, and that dense gives way to sorted from
-        ``sorted_min_tokens`` on where its GEMMs run (``sorted_runs``). Gathered reads one matrix
+        at least as many assignments as experts runs dense, and that dense and ragged give way to
+        sorted from ``sorted_min_tokens`` on where its GEMMs run (``sorted_runs``). Gathered reads one matrix
         an assignment, dense each matrix once (H200, 32 experts of V3's shape, 8 tokens x 8
         assignments: dense 0.422 ms, gathered 0.834; scripts/bench_fp8_experts.py)."""
         name = choose_dispatch(num_tokens, self.dense_token_range, self.gather_max_tokens)
         if (name == "gathered" and num_tokens * self.cfg.num_experts_per_tok >= self.num_local_experts()
                 and self.fp8_kernel_stacks(num_tokens, backend) is not None):
             name = "dense"
-        if name == "dense" and self.sorted_runs(num_tokens, backend):
+        if name in ("dense", "ragged") and self.sorted_runs(num_tokens, backend):
             return "sorted"
         return name
 

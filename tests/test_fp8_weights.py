@@ -276,8 +276,8 @@ def test_fp8_mlp_runs_gate_and_up_in_one_launch_within_the_activation_rounding(l
 
 def test_fp8_experts_run_dense_once_the_assignments_reach_the_experts():
     """On the FP8 GEMM a gathered call reads a matrix an assignment: from T * k >= E on, dense
-    (each matrix once) runs instead, and sorted from ``sorted_min_tokens`` on; bf16 experts and the
-    "xla" backend keep the settings' choice."""
+    (each matrix once) runs instead, and sorted (of dense or ragged) from ``sorted_min_tokens`` on;
+    bf16 experts and the "xla" backend keep the settings' choice."""
     model = MLAModel(KERNEL_CFG, rngs=nnx.Rngs(0), dtype=jnp.float32)
     moe = model.layers[1].mlp
     moe.gather_max_tokens, moe.dense_token_range = 8, (1, 512)
@@ -290,6 +290,10 @@ def test_fp8_experts_run_dense_once_the_assignments_reach_the_experts():
     moe.sorted_min_tokens = 16
     assert [moe.dispatch(t, "interpret") for t in (15, 16)] == ["dense", "sorted"]
     assert moe.dispatch(4, "xla") == "gathered" and moe.dispatch(16, "xla") == "dense"  # no FP8 GEMM there
+    # Above the dense range (a prompt's prefill) sorted replaces ragged, whose stacks XLA dequantizes.
+    assert moe.dispatch(513, "interpret") == "sorted" and moe.dispatch(513, "xla") == "ragged"
+    moe.sorted_min_tokens = None
+    assert moe.dispatch(513, "interpret") == "ragged"
 
 
 def test_one_row_through_an_fp8_linear_equals_that_row_of_a_batch():

@@ -369,8 +369,12 @@ def test_e2e_bench_runs_tiny(tmp_path, moe_flags, dispatch):
     want = default if dispatch == "default" else tuple(d if d != "default" else default[i]
                                                          for i, d in enumerate(dispatch))
     assert (env["dense_moe_tokens"], env["gather_moe_tokens"]) == want
+    # --ragged-moe turns the sorted dispatch off too: it would replace ragged where its GEMMs run.
+    sorted_min = None if moe_flags == ["--ragged-moe"] else models.moe.default_sorted_min_tokens(e2e.TINY)
+    assert env["sorted_moe_tokens"] == sorted_min
     header = (tmp_path / "e2e.md").read_text()
     assert ("ragged (`jax.lax.ragged_dot`) at every token count" in header) == (want == (None, 0))
+    assert (f"sorted instead of dense or ragged from {sorted_min} tokens" in header) == (sorted_min is not None)
     assert ("gathered up to 2 tokens" in header) == (want[1] == 2)
     fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     assert (f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction} of the GPU" if fraction else "XLA's default 75%") in header

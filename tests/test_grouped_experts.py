@@ -223,6 +223,25 @@ def test_moe_sorted_dispatch_through_the_kernel_matches_jnp(monkeypatch):
     assert _rel(got, np.asarray(jnp.asarray(want, jnp.float32), np.float64)) < 1e-2
 
 
+def test_moe_sorted_dispatch_replaces_ragged_above_the_dense_range(monkeypatch):
+    """A call above ``dense_token_range`` (a prompt's prefill) runs sorted where its GEMMs run
+    (checked by making the ragged path unreachable), ragged with "xla" or with sorted off; the two
+    agree within the bf16 roundings of hidden and of the output (1e-2)."""
+    layer = _moe_layer(jnp.bfloat16)
+    models.moe.set_dense_token_range(layer, (1, 16))
+    models.moe.set_sorted_min_tokens(layer, 16)
+    tokens = 40
+    assert layer.dispatch(tokens, "interpret") == "sorted" and layer.dispatch(tokens, "xla") == "ragged"
+    models.moe.set_sorted_min_tokens(layer, None)
+    assert layer.dispatch(tokens, "interpret") == "ragged"
+    models.moe.set_sorted_min_tokens(layer, 16)
+    x = jax.random.normal(jax.random.key(2), (2, tokens // 2, 256), jnp.float32).astype(jnp.bfloat16)
+    want = layer(x, backend="xla")
+    monkeypatch.setattr(models.moe.MoE, "_ragged_experts", None)
+    got = layer(x, backend="interpret")
+    assert _rel(got, np.asarray(jnp.asarray(want, jnp.float32), np.float64)) < 1e-2
+
+
 @pytest.mark.parametrize("shape, default", [("v2-lite", 160), ("v2", 16), ("v3", 16)])
 def test_the_sorted_default_starts_earlier_for_large_experts(shape, default, monkeypatch):
     """V2-Lite's experts (8.7M parameters) run sorted from SORTED_MIN_TOKENS tokens, V2's (23.6M)

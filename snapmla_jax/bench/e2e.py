@@ -264,25 +264,31 @@ def weight_bytes_touched(cfg: MLAConfig, params, batch: int, dense_token_range=N
     return total, int(total - unread - (1 - share) * expert)
 
 
-def moe_dispatch_text(token_range, gather_max: int = 0) -> str:
+def moe_dispatch_text(token_range, gather_max: int = 0, sorted_min: int | None = None) -> str:
     """How the table's MoE layers ran their routed experts, for its header."""
     parts = [f"gathered up to {gather_max} tokens a call"] if gather_max else []
     if token_range is not None:
         parts.append(f"dense for {token_range[0]}..{token_range[1]} tokens")
-    if not parts:
+    if not parts and sorted_min is None:
         return "ragged (`jax.lax.ragged_dot`) at every token count"
-    return ", ".join(parts) + ", ragged otherwise (`MoE.gather_max_tokens`, `MoE.dense_token_range`)"
+    text = ", ".join(parts + ["ragged otherwise"])
+    if sorted_min is not None:
+        text += (f"; sorted instead of dense or ragged from {sorted_min} tokens where its grouped GEMMs "
+                 "run")
+    return text + " (`MoE.gather_max_tokens`, `MoE.dense_token_range`, `MoE.sorted_min_tokens`)"
 
 
 def moe_dispatch(model) -> dict:
     """The dispatch the model's MoE layers share: ``dense_moe_tokens`` (their
-    ``dense_token_range``) and ``gather_moe_tokens`` (their ``gather_max_tokens``); None and 0
-    without MoE layers. ValueError if the layers differ (this benchmark sets one for all)."""
-    found = {(module.dense_token_range, module.gather_max_tokens) for module in models.moe.moe_layers(model)}
+    ``dense_token_range``), ``gather_moe_tokens`` (their ``gather_max_tokens``) and
+    ``sorted_moe_tokens`` (their ``sorted_min_tokens``); None, 0 and None without MoE layers.
+    ValueError if the layers differ (this benchmark sets one for all)."""
+    found = {(module.dense_token_range, module.gather_max_tokens, module.sorted_min_tokens)
+             for module in models.moe.moe_layers(model)}
     if len(found) > 1:
         raise ValueError(f"model: MoE layers with different dispatches {sorted(map(str, found))}")
-    token_range, gather_max = found.pop() if found else (None, 0)
-    return {"dense_moe_tokens": token_range, "gather_moe_tokens": gather_max}
+    token_range, gather_max, sorted_min = found.pop() if found else (None, 0, None)
+    return {"dense_moe_tokens": token_range, "gather_moe_tokens": gather_max, "sorted_moe_tokens": sorted_min}
 
 
 def timed_calls(call, iters: int) -> float:
@@ -422,7 +428,7 @@ def markdown(env: dict, rows: list[dict], batches, contexts) -> str:
         f"{env['weights_gib']:.1f} GiB). Greedy decoding in the compiled `lax.while_loop` of "
         f"`snapmla_jax.generate` ({env['steps']} steps per call, median of {env['iters']} calls), every row "
         f"holding `context` cached tokens; backend `{env['backend']}`. Copy bandwidth measured in this run: "
-        f"{env['copy_gbps']:.0f} GB/s. MoE routed experts: {moe_dispatch_text(env.get('dense_moe_tokens'), env.get('gather_moe_tokens', 0))}."
+        f"{env['copy_gbps']:.0f} GB/s. MoE routed experts: {moe_dispatch_text(env.get('dense_moe_tokens'), env.get('gather_moe_tokens', 0), env.get('sorted_moe_tokens'))}."
         f"{memory_text(env)}\n",
         f"Columns: generated tokens/s (= batch / step time); attention = {env['layers']} x (write_kv + "
         f"mla_decode) timed alone, as a share of the step; FFN = the {env['layers']} feed-forward blocks "
@@ -483,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                           "(MoE.dense_token_range; default: the library's, models.moe.DENSE_TOKEN_RANGE)")
     moe.add_argument("--ragged-moe", action="store_true",
                      help="run the routed experts ragged at every token count (MoE.dense_token_range None, "
-                          "MoE.gather_max_tokens 0)")
+                          "MoE.gather_max_tokens 0, MoE.sorted_min_tokens None)")
     parser.add_argument("--gather-moe", type=int, metavar="MAX", default=None,
                         help="run the gathered dispatch (on a GPU the grouped-experts kernel) for calls of at "
                              "most MAX tokens (MoE.gather_max_tokens; 0: never; default: the library's, "
@@ -529,6 +535,8 @@ def run(args: argparse.Namespace) -> int:
         models.moe.set_dense_token_range(model, None if args.ragged_moe else tuple(args.dense_moe))
     if args.gather_moe is not None or args.ragged_moe:
         models.moe.set_gather_max_tokens(model, 0 if args.ragged_moe else args.gather_moe)
+    if args.ragged_moe:
+        models.moe.set_sorted_min_tokens(model, None)
     env.update(moe_dispatch(model))
     runner = Runner(cfg, model, steps=args.steps, iters=args.iters, backend=args.backend, threads=args.threads,
                     profile=args.profile)
