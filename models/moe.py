@@ -140,6 +140,12 @@ GATHER_MAX_TOKENS = 8
 # much as the experts sorted leaves unread. Layers of larger experts (``default_sorted_min_tokens``)
 # start at SORTED_MIN_TOKENS_LARGE_EXPERTS instead.
 SORTED_MIN_TOKENS: int | None = 160
+# The most tokens one sorted dispatch takes at once. Its float32 temporaries (gate and up, the down
+# projection's rows, each assignment's output) take ~35 KB an assignment at V2-Lite's shapes,
+# ~3.4x ragged_dot's: 3.3 GB for one 16k-token prompt. Longer calls (prefills) run in blocks of
+# this many tokens one after another (``lax.map``), which bounds them at ~1.7 GB there; each
+# expert's matrices are read once a chunk either way. Read while tracing.
+SORTED_BLOCK_TOKENS = 8192
 # Parameters an expert (3 x hidden x inner) from which a layer's default is
 # SORTED_MIN_TOKENS_LARGE_EXPERTS: V3's 44M won from T = 16 on in the one-layer runs above (sorted
 # reads only the chosen experts, 40% of them at 16 tokens), V2's 23.6M at its capacity batch.
@@ -465,8 +471,18 @@ class MoE(nnx.Module):
     def _sorted_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array, *, backend: str,
                         out_dtype=None) -> jax.Array:
         """The assignments sorted by expert into chunks, one GEMM group a chunk (``sorted_runs``
-        must hold), the same arguments and result as ``_ragged_experts``."""
-        chunk = self.sorted_chunk(flat.shape[0])
+        must hold), the same arguments and result as ``_ragged_experts``; above
+        SORTED_BLOCK_TOKENS tokens, in blocks of that many one after another."""
+        num_tokens = flat.shape[0]
+        if num_tokens > SORTED_BLOCK_TOKENS:
+            blocks = -(-num_tokens // SORTED_BLOCK_TOKENS)
+            pad = blocks * SORTED_BLOCK_TOKENS - num_tokens
+            # The padding tokens' gate weights are 0: they take no row of the GEMMs.
+            split = lambda a: jnp.pad(a, ((0, pad), (0, 0))).reshape(blocks, SORTED_BLOCK_TOKENS, a.shape[1])
+            out = jax.lax.map(lambda block: self._sorted_experts(*block, backend=backend, out_dtype=out_dtype),
+                              (split(flat), split(weights), split(ids)))
+            return out.reshape(blocks * SORTED_BLOCK_TOKENS, -1)[:num_tokens]
+        chunk = self.sorted_chunk(num_tokens)
         fp8_stacks = self.fp8_kernel_stacks(chunk, backend)
         if fp8_stacks is not None:
             out = sorted_products(flat, weights, ids, *_fp8_products(fp8_stacks, backend),

@@ -242,6 +242,34 @@ def test_moe_sorted_dispatch_replaces_ragged_above_the_dense_range(monkeypatch):
     assert _rel(got, np.asarray(jnp.asarray(want, jnp.float32), np.float64)) < 1e-2
 
 
+def test_moe_sorted_dispatch_runs_long_calls_in_blocks(monkeypatch):
+    """Above ``SORTED_BLOCK_TOKENS`` the sorted dispatch runs blocks of that many tokens in a loop
+    (the last one padded with tokens of gate weight 0), bounding its float32 temporaries; the
+    result agrees with the jnp dispatch within the bf16 roundings of hidden and of the output (1e-2),
+    as one block does."""
+    layer = _moe_layer(jnp.bfloat16)
+    models.moe.set_dense_token_range(layer, (1, 16))
+    models.moe.set_sorted_min_tokens(layer, 16)
+    tokens = 40
+    x = jax.random.normal(jax.random.key(3), (2, tokens // 2, 256), jnp.float32).astype(jnp.bfloat16)
+    want = np.asarray(jnp.asarray(layer(x, backend="xla"), jnp.float32), np.float64)
+    launched = []  # the token count of each sorted launch as it is traced
+    sorted_experts = models.moe.sorted_experts
+
+    def recorded(flat, *args, **kwargs):
+        launched.append(flat.shape[0])
+        return sorted_experts(flat, *args, **kwargs)
+
+    monkeypatch.setattr(models.moe, "sorted_experts", recorded)
+    jax.make_jaxpr(lambda x: layer(x, backend="interpret"))(x)
+    assert launched == [tokens]
+    monkeypatch.setattr(models.moe, "SORTED_BLOCK_TOKENS", 16)  # three blocks, the last 8 tokens short
+    launched.clear()
+    got = layer(x, backend="interpret")
+    assert launched == [16]  # traced once, run by the loop for each block
+    assert _rel(got, want) < 1e-2
+
+
 @pytest.mark.parametrize("shape, default", [("v2-lite", 160), ("v2", 16), ("v3", 16)])
 def test_the_sorted_default_starts_earlier_for_large_experts(shape, default, monkeypatch):
     """V2-Lite's experts (8.7M parameters) run sorted from SORTED_MIN_TOKENS tokens, V2's (23.6M)
