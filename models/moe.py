@@ -140,11 +140,11 @@ GATHER_MAX_TOKENS = 8
 # much as the experts sorted leaves unread. Layers of larger experts (``default_sorted_min_tokens``)
 # start at SORTED_MIN_TOKENS_LARGE_EXPERTS instead.
 SORTED_MIN_TOKENS: int | None = 160
-# The most tokens one sorted dispatch takes at once. Its float32 temporaries (gate and up, the down
-# projection's rows, each assignment's output) take ~35 KB an assignment at V2-Lite's shapes,
-# ~3.4x ragged_dot's: 3.3 GB for one 16k-token prompt. Longer calls (prefills) run in blocks of
-# this many tokens one after another (``lax.map``), which bounds them at ~1.7 GB there; each
-# expert's matrices are read once a chunk either way. Read while tracing.
+# The most tokens one sorted dispatch takes at once. Its temporaries (gate and up and the down
+# projection's rows in float32, each assignment's output) take ~35 KB an assignment row at
+# V2-Lite's shapes, ~1.7x ragged_dot's bf16 ones: ~3.7 GB for one 16k-token prompt. Longer calls
+# (prefills) run in blocks of this many tokens one after another (``lax.map``), ~2 GB there;
+# each expert's matrices are read once a chunk either way. Read while tracing.
 SORTED_BLOCK_TOKENS = 8192
 # Parameters an expert (3 x hidden x inner) from which a layer's default is
 # SORTED_MIN_TOKENS_LARGE_EXPERTS: V3's 44M won from T = 16 on in the one-layer runs above (sorted
