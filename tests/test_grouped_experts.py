@@ -216,9 +216,16 @@ def test_moe_sorted_dispatch_through_the_kernel_matches_jnp(monkeypatch):
     assert layer.dispatch(tokens, "interpret") == "dense"
     models.moe.set_sorted_min_tokens(layer, 16)
     assert layer.dispatch(tokens, "interpret") == "sorted" and layer.dispatch(tokens, "xla") == "dense"
-    x = jax.random.normal(jax.random.key(1), (2, tokens // 2, 256), jnp.float32).astype(jnp.bfloat16)
+    _assert_interpreted_matches_jnp(layer, tokens, monkeypatch, unreachable="_dense_experts")
+
+
+def _assert_interpreted_matches_jnp(layer, tokens: int, monkeypatch, *, unreachable: str) -> None:
+    """``layer`` on [2, tokens / 2, 256] bf16 inputs with backend "interpret", its method
+    ``unreachable`` made so, against backend "xla": within the bf16 roundings of hidden and of
+    the output (1e-2)."""
+    x = jax.random.normal(jax.random.key(tokens), (2, tokens // 2, 256), jnp.float32).astype(jnp.bfloat16)
     want = layer(x, backend="xla")
-    monkeypatch.setattr(models.moe.MoE, "_dense_experts", None)
+    monkeypatch.setattr(models.moe.MoE, unreachable, None)
     got = layer(x, backend="interpret")
     assert _rel(got, np.asarray(jnp.asarray(want, jnp.float32), np.float64)) < 1e-2
 
@@ -235,11 +242,7 @@ def test_moe_sorted_dispatch_replaces_ragged_above_the_dense_range(monkeypatch):
     models.moe.set_sorted_min_tokens(layer, None)
     assert layer.dispatch(tokens, "interpret") == "ragged"
     models.moe.set_sorted_min_tokens(layer, 16)
-    x = jax.random.normal(jax.random.key(2), (2, tokens // 2, 256), jnp.float32).astype(jnp.bfloat16)
-    want = layer(x, backend="xla")
-    monkeypatch.setattr(models.moe.MoE, "_ragged_experts", None)
-    got = layer(x, backend="interpret")
-    assert _rel(got, np.asarray(jnp.asarray(want, jnp.float32), np.float64)) < 1e-2
+    _assert_interpreted_matches_jnp(layer, tokens, monkeypatch, unreachable="_ragged_experts")
 
 
 def test_moe_sorted_dispatch_runs_long_calls_in_blocks(monkeypatch):
