@@ -65,6 +65,11 @@ DISPATCHES = {"ragged": (None, 0, None, "xla"), "dense": ((1, 1 << 30), 0, None,
 # expert matrices a call): timed only for the few tokens they are meant for.
 GATHER_BENCH_MAX = 16
 GATHERED = ("gathered", "grouped")
+# The dense dispatch multiplies every token by every expert: its temporaries, ~16 bytes an element of
+# [tokens, experts, hidden], outgrow the GPU at prefill sizes (V3 at 2048 tokens asked for 56 GiB on an
+# H200), and no model runs it there. Timed while that product has at most this many elements (V3 up
+# to 585 tokens, V2-Lite up to 8192).
+DENSE_BENCH_MAX_ELEMENTS = 1 << 30
 WEIGHT_STD = 0.02
 
 
@@ -103,10 +108,10 @@ def floor_bytes(layer: MoE, x: jax.Array) -> dict[str, int]:
 
 
 def compiled_dispatches(layer: MoE, x: jax.Array) -> dict:
-    """Per ``DISPATCHES`` entry (gathered only up to ``GATHER_BENCH_MAX`` tokens, sorted where its
-    GEMMs take the stacks), the layer's call on x compiled ahead of time with that
-    ``dense_token_range``, ``gather_max_tokens`` and ``sorted_min_tokens`` (the layer's own are
-    restored after): ``(compiled, args)``.
+    """Per ``DISPATCHES`` entry (gathered only up to ``GATHER_BENCH_MAX`` tokens, dense up to
+    ``DENSE_BENCH_MAX_ELEMENTS``, sorted where its GEMMs take the stacks), the layer's call on x
+    compiled ahead of time with that ``dense_token_range``, ``gather_max_tokens`` and
+    ``sorted_min_tokens`` (the layer's own are restored after): ``(compiled, args)``.
 
     The dispatch is part of the graphdef, a static argument here, so each entry compiles its
     own program. (A closure over one graphdef, with the range a global read while tracing,
@@ -119,6 +124,8 @@ def compiled_dispatches(layer: MoE, x: jax.Array) -> dict:
     try:
         for name, (token_range, gather_max, sorted_min, backend) in DISPATCHES.items():
             if name in GATHERED and x.shape[0] > GATHER_BENCH_MAX:
+                continue
+            if name == "dense" and x.shape[0] * layer.cfg.n_routed_experts * x.shape[1] > DENSE_BENCH_MAX_ELEMENTS:
                 continue
             models.moe.set_dense_token_range(layer, token_range)
             models.moe.set_gather_max_tokens(layer, gather_max)
@@ -159,26 +166,33 @@ def measure(shape_name: str, tokens: int, layer: MoE, copy_gbps: float, iters: i
     return row
 
 
+def max_rel_l2(row: dict) -> str:
+    """The row's largest relative L2 distance of a dispatch's output to ragged's ("-": ragged alone)."""
+    distances = [v for k, v in row.items() if k.endswith("_vs_ragged_rel_l2")]
+    return f"{max(distances):.1e}" if distances else "-"
+
+
 def table(env: dict, rows: list[dict]) -> str:
     header = (f"# MoE layer: ragged vs dense vs gathered vs sorted routed experts\n\nDevice: {env['device']}, jax "
               f"{env['jax']}, date {env['date']}; copy {env['copy_gbps']:.0f} GB/s. One layer (router, routed and "
               "shared experts), bf16, times are medians; floor = weight bytes the dispatch must read / copy "
               "bandwidth (ragged, gathered, sorted: the chosen experts; dense: all); speed-ups are over ragged; "
               "gathered = the gathered dispatch in jnp (XLA copies the chosen experts), grouped = the same "
-              f"dispatch as the grouped-experts kernel; both are run up to T = {GATHER_BENCH_MAX}; sorted = "
+              f"dispatch as the grouped-experts kernel; both are run up to T = {GATHER_BENCH_MAX}, dense while "
+              f"tokens x experts x hidden <= {DENSE_BENCH_MAX_ELEMENTS:.3g}; sorted = "
               "the assignments sorted by expert into chunks on the grouped GEMM. "
               "`scripts/bench_moe.py`.\n\n")
     columns = ["shape", "T", "experts chosen", "ragged ms", "dense ms", "gathered ms", "grouped ms", "sorted ms",
                "dense speed-up", "gathered speed-up", "grouped speed-up", "sorted speed-up", "ragged % floor",
                "dense % floor", "gathered % floor", "grouped % floor", "sorted % floor", "max rel. L2 to ragged"]
     opt = lambda r, key, spec: "-" if key not in r else spec.format(r[key])
-    body = [[r["shape"], r["tokens"], r["chosen_experts"], r["ragged_ms"], r["dense_ms"],
+    body = [[r["shape"], r["tokens"], r["chosen_experts"], r["ragged_ms"], opt(r, "dense_ms", "{:.3g}"),
              opt(r, "gathered_ms", "{:.3g}"), opt(r, "grouped_ms", "{:.3g}"), opt(r, "sorted_ms", "{:.3g}"),
-             f"{r['dense_speedup']:.2f}x", opt(r, "gathered_speedup", "{:.2f}x"), opt(r, "grouped_speedup", "{:.2f}x"),
-             opt(r, "sorted_speedup", "{:.2f}x"), f"{r['ragged_of_floor']:.0%}", f"{r['dense_of_floor']:.0%}",
+             opt(r, "dense_speedup", "{:.2f}x"), opt(r, "gathered_speedup", "{:.2f}x"), opt(r, "grouped_speedup", "{:.2f}x"),
+             opt(r, "sorted_speedup", "{:.2f}x"), f"{r['ragged_of_floor']:.0%}", opt(r, "dense_of_floor", "{:.0%}"),
              opt(r, "gathered_of_floor", "{:.0%}"), opt(r, "grouped_of_floor", "{:.0%}"),
              opt(r, "sorted_of_floor", "{:.0%}"),
-             f"{max(v for k, v in r.items() if k.endswith('_vs_ragged_rel_l2')):.1e}"] for r in rows]
+             max_rel_l2(r)] for r in rows]
     return header + timing.markdown_table(columns, body)
 
 
@@ -198,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in args.tokens:
             rows.append(measure(shape_name, tokens, layer, env["copy_gbps"], args.iters))
             r = rows[-1]
-            gathered = "".join(f", {name} {r[name + '_ms']:.3f} ms" for name in (*GATHERED, "sorted")
-                               if name + "_ms" in r)
-            print(f"{shape_name} T={tokens}: ragged {r['ragged_ms']:.3f} ms, dense {r['dense_ms']:.3f} ms "
-                  f"({r['dense_speedup']:.2f}x){gathered}, {r['chosen_experts']} experts chosen", flush=True)
+            others = "".join(f", {name} {r[name + '_ms']:.3f} ms ({r[name + '_speedup']:.2f}x)"
+                             for name in ("dense", *GATHERED, "sorted") if name + "_ms" in r)
+            print(f"{shape_name} T={tokens}: ragged {r['ragged_ms']:.3f} ms{others}, {r['chosen_experts']} experts "
+                  "chosen", flush=True)
             timing.write_results(args.out, "bench_moe", env, rows, table(env, rows))
         del layer
     print(table(env, rows))

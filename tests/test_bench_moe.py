@@ -95,3 +95,9 @@ def test_a_measured_row_and_its_table(monkeypatch):
     assert "gathered_ms" not in big and "grouped_ms" not in big
     line = next(l for l in bench_moe.table(env, [row, big]).splitlines() if l.startswith("| tiny | 17 |"))
     assert line.split("|")[6].strip() == "-"  # the gathered ms column
+    # Past DENSE_BENCH_MAX_ELEMENTS (prefill sizes) no dense program either: "-" in its columns.
+    monkeypatch.setattr(bench_moe, "DENSE_BENCH_MAX_ELEMENTS", bench_moe.GATHER_BENCH_MAX * TINY.experts * TINY.hidden)
+    prefill = bench_moe.measure("tiny", bench_moe.GATHER_BENCH_MAX + 1, layer, copy_gbps=100.0, iters=1)
+    assert "dense_ms" not in prefill and "ragged_ms" in prefill
+    line = next(l for l in bench_moe.table(env, [prefill]).splitlines() if l.startswith("| tiny | 17 |"))
+    assert line.split("|")[5].strip() == "-" and line.split("|")[9].strip() == "-"  # dense ms, dense speed-up

@@ -273,6 +273,24 @@ def test_moe_sorted_dispatch_runs_long_calls_in_blocks(monkeypatch):
     assert _rel(got, want) < 1e-2
 
 
+@pytest.mark.gpu
+def test_compiled_prefill_runs_sorted_blocks_at_v2_lite_shapes():
+    """A prompt's prefill at V2-Lite's MoE shapes with the model's defaults on a GPU: more tokens
+    than ``SORTED_BLOCK_TOKENS`` (two blocks, the second mostly padding) run the sorted dispatch,
+    and agree with ragged_dot (backend "xla") within the bf16 roundings of hidden and of the
+    output (1e-2)."""
+    from snapmla_jax.capacity import MODEL_SHAPES
+    layer = models.moe.MoE(MODEL_SHAPES["v2-lite"], dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    tokens = models.moe.SORTED_BLOCK_TOKENS + 200
+    assert layer.dispatch(tokens, "pallas") == "sorted" and layer.dispatch(tokens, "xla") == "ragged"
+    x = jax.random.normal(jax.random.key(5), (1, tokens, layer.cfg.hidden_size), jnp.bfloat16)
+    graphdef, state = nnx.split(layer)
+    call = jax.jit(lambda state, x, backend: nnx.merge(graphdef, state)(x, backend=backend), static_argnames="backend")
+    want = np.asarray(jnp.asarray(call(state, x, "xla"), jnp.float32), np.float64)
+    got = call(state, x, "pallas")
+    assert _rel(got, want) < 1e-2 and np.abs(want).max() > 0
+
+
 @pytest.mark.parametrize("shape, default", [("v2-lite", 160), ("v2", 16), ("v3", 16)])
 def test_the_sorted_default_starts_earlier_for_large_experts(shape, default, monkeypatch):
     """V2-Lite's experts (8.7M parameters) run sorted from SORTED_MIN_TOKENS tokens, V2's (23.6M)
