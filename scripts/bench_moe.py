@@ -70,6 +70,11 @@ GATHERED = ("gathered", "grouped")
 # H200), and no model runs it there. Timed while that product has at most this many elements (V3 up
 # to 585 tokens, V2-Lite up to 8192).
 DENSE_BENCH_MAX_ELEMENTS = 1 << 30
+# On a GPU, ragged_dot runs as a product over every group: its left operand expanded to
+# [experts, tokens x k, hidden] bf16 (V3 at 2048 tokens: the 56 GiB an H200 refused, jax 0.11.2).
+# Timed while that has at most this many elements (V3 up to 1170 tokens, V2-Lite up to 21845); past
+# it a row has the other dispatches alone, their outputs compared with nothing.
+RAGGED_BENCH_MAX_ELEMENTS = 1 << 34
 WEIGHT_STD = 0.02
 
 
@@ -108,8 +113,8 @@ def floor_bytes(layer: MoE, x: jax.Array) -> dict[str, int]:
 
 
 def compiled_dispatches(layer: MoE, x: jax.Array) -> dict:
-    """Per ``DISPATCHES`` entry (gathered only up to ``GATHER_BENCH_MAX`` tokens, dense up to
-    ``DENSE_BENCH_MAX_ELEMENTS``, sorted where its GEMMs take the stacks), the layer's call on x
+    """Per ``DISPATCHES`` entry (gathered only up to ``GATHER_BENCH_MAX`` tokens, dense and ragged
+    up to ``DENSE_BENCH_MAX_ELEMENTS`` and ``RAGGED_BENCH_MAX_ELEMENTS``, sorted where its GEMMs take the stacks), the layer's call on x
     compiled ahead of time with that ``dense_token_range``, ``gather_max_tokens`` and
     ``sorted_min_tokens`` (the layer's own are restored after): ``(compiled, args)``.
 
@@ -126,6 +131,9 @@ def compiled_dispatches(layer: MoE, x: jax.Array) -> dict:
             if name in GATHERED and x.shape[0] > GATHER_BENCH_MAX:
                 continue
             if name == "dense" and x.shape[0] * layer.cfg.n_routed_experts * x.shape[1] > DENSE_BENCH_MAX_ELEMENTS:
+                continue
+            if (name == "ragged" and x.shape[0] * layer.cfg.num_experts_per_tok * layer.cfg.n_routed_experts
+                    * x.shape[1] > RAGGED_BENCH_MAX_ELEMENTS):
                 continue
             models.moe.set_dense_token_range(layer, token_range)
             models.moe.set_gather_max_tokens(layer, gather_max)
@@ -153,7 +161,7 @@ def measure(shape_name: str, tokens: int, layer: MoE, copy_gbps: float, iters: i
     outs = {name: np.asarray(fn(*args), np.float64) for name, (fn, args) in programs.items()}
     row = {"shape": shape_name, "tokens": tokens, "chosen_experts": floors["chosen_experts"]}
     for name in programs:
-        if name != "ragged":
+        if name != "ragged" and "ragged" in outs:
             row[f"{name}_vs_ragged_rel_l2"] = float(np.linalg.norm(outs[name] - outs["ragged"])
                                                     / np.linalg.norm(outs["ragged"]))
     for name, (fn, args) in programs.items():
@@ -161,13 +169,14 @@ def measure(shape_name: str, tokens: int, layer: MoE, copy_gbps: float, iters: i
         row[f"{name}_ms"] = ms
         row[f"{name}_floor_ms"] = floors[name] / (copy_gbps * 1e9) * 1e3
         row[f"{name}_of_floor"] = row[f"{name}_floor_ms"] / ms
-        if name != "ragged":
+        if name != "ragged" and "ragged_ms" in row:
             row[f"{name}_speedup"] = row["ragged_ms"] / ms
     return row
 
 
 def max_rel_l2(row: dict) -> str:
-    """The row's largest relative L2 distance of a dispatch's output to ragged's ("-": ragged alone)."""
+    """The row's largest relative L2 distance of a dispatch's output to ragged's ("-": ragged alone,
+    or not run)."""
     distances = [v for k, v in row.items() if k.endswith("_vs_ragged_rel_l2")]
     return f"{max(distances):.1e}" if distances else "-"
 
@@ -179,17 +188,18 @@ def table(env: dict, rows: list[dict]) -> str:
               "bandwidth (ragged, gathered, sorted: the chosen experts; dense: all); speed-ups are over ragged; "
               "gathered = the gathered dispatch in jnp (XLA copies the chosen experts), grouped = the same "
               f"dispatch as the grouped-experts kernel; both are run up to T = {GATHER_BENCH_MAX}, dense while "
-              f"tokens x experts x hidden <= {DENSE_BENCH_MAX_ELEMENTS:.3g}; sorted = "
+              f"tokens x experts x hidden <= {DENSE_BENCH_MAX_ELEMENTS:.3g}, ragged while tokens x k x experts x "
+              f"hidden <= {RAGGED_BENCH_MAX_ELEMENTS:.3g} (on a GPU it multiplies by every expert); sorted = "
               "the assignments sorted by expert into chunks on the grouped GEMM. "
               "`scripts/bench_moe.py`.\n\n")
     columns = ["shape", "T", "experts chosen", "ragged ms", "dense ms", "gathered ms", "grouped ms", "sorted ms",
                "dense speed-up", "gathered speed-up", "grouped speed-up", "sorted speed-up", "ragged % floor",
                "dense % floor", "gathered % floor", "grouped % floor", "sorted % floor", "max rel. L2 to ragged"]
     opt = lambda r, key, spec: "-" if key not in r else spec.format(r[key])
-    body = [[r["shape"], r["tokens"], r["chosen_experts"], r["ragged_ms"], opt(r, "dense_ms", "{:.3g}"),
+    body = [[r["shape"], r["tokens"], r["chosen_experts"], opt(r, "ragged_ms", "{:.3g}"), opt(r, "dense_ms", "{:.3g}"),
              opt(r, "gathered_ms", "{:.3g}"), opt(r, "grouped_ms", "{:.3g}"), opt(r, "sorted_ms", "{:.3g}"),
              opt(r, "dense_speedup", "{:.2f}x"), opt(r, "gathered_speedup", "{:.2f}x"), opt(r, "grouped_speedup", "{:.2f}x"),
-             opt(r, "sorted_speedup", "{:.2f}x"), f"{r['ragged_of_floor']:.0%}", opt(r, "dense_of_floor", "{:.0%}"),
+             opt(r, "sorted_speedup", "{:.2f}x"), opt(r, "ragged_of_floor", "{:.0%}"), opt(r, "dense_of_floor", "{:.0%}"),
              opt(r, "gathered_of_floor", "{:.0%}"), opt(r, "grouped_of_floor", "{:.0%}"),
              opt(r, "sorted_of_floor", "{:.0%}"),
              max_rel_l2(r)] for r in rows]
@@ -212,10 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in args.tokens:
             rows.append(measure(shape_name, tokens, layer, env["copy_gbps"], args.iters))
             r = rows[-1]
-            others = "".join(f", {name} {r[name + '_ms']:.3f} ms ({r[name + '_speedup']:.2f}x)"
-                             for name in ("dense", *GATHERED, "sorted") if name + "_ms" in r)
-            print(f"{shape_name} T={tokens}: ragged {r['ragged_ms']:.3f} ms{others}, {r['chosen_experts']} experts "
-                  "chosen", flush=True)
+            times = ", ".join(f"{name} {r[name + '_ms']:.3f} ms" + (f" ({r[name + '_speedup']:.2f}x)"
+                                                                     if name + "_speedup" in r else "")
+                              for name in DISPATCHES if name + "_ms" in r)
+            print(f"{shape_name} T={tokens}: {times}, {r['chosen_experts']} experts chosen", flush=True)
             timing.write_results(args.out, "bench_moe", env, rows, table(env, rows))
         del layer
     print(table(env, rows))

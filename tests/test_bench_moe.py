@@ -101,3 +101,11 @@ def test_a_measured_row_and_its_table(monkeypatch):
     assert "dense_ms" not in prefill and "ragged_ms" in prefill
     line = next(l for l in bench_moe.table(env, [prefill]).splitlines() if l.startswith("| tiny | 17 |"))
     assert line.split("|")[5].strip() == "-" and line.split("|")[9].strip() == "-"  # dense ms, dense speed-up
+    # Past RAGGED_BENCH_MAX_ELEMENTS neither ragged nor anything measured against it: the other
+    # dispatches alone.
+    monkeypatch.setattr(bench_moe, "RAGGED_BENCH_MAX_ELEMENTS", 4 * TINY.top_k * TINY.experts * TINY.hidden)
+    alone = bench_moe.measure("tiny", 5, layer, copy_gbps=100.0, iters=1)
+    assert "ragged_ms" not in alone and not any(k.endswith(("_speedup", "_rel_l2")) for k in alone)
+    assert alone["dense_ms"] == alone["gathered_ms"] == 2.0
+    line = next(l for l in bench_moe.table(env, [alone]).splitlines() if l.startswith("| tiny | 5 |"))
+    assert line.split("|")[4].strip() == "-" and line.split("|")[-2].strip() == "-"  # ragged ms, rel. L2
