@@ -76,6 +76,9 @@ SMEM_BYTES = 227 * 1024  # shared memory a CTA may use on Hopper: the pipeline's
 TOKEN_MULTIPLE = 16  # M = 8 failed the tensor map's alignment on an H100 (module docstring)
 SCALE_SLOT_FLOATS = 32  # float32 in 128 bytes: a pipeline slot of scales is whole such units (``scale_slot_tokens``)
 COL = plgpu.Layout.WGMMA.reduce(0)  # a vector with one value per accumulator column (token)
+# CUDA caps a grid's y and z extents at 65535 (x at 2**31 - 1). Mosaic GPU launches a grid of four
+# axes (a, b, c, d) as z = a x b, y = c, x = d (``launch_grid``).
+GRID_YZ_MAX = 65535
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +206,22 @@ def run_on_stack(run, w_gmems: tuple, gg, stack_groups: int) -> None:
         pl.when(stack == index)(functools.partial(run, w_gmem))
 
 
+def launch_grid(groups: int, n_tiles: int, splits: int, m_tiles: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(grid, grid names) of a grouped launch of ``groups`` groups (all stacks'), ``n_tiles`` weight
+    tiles, ``splits`` and ``m_tiles`` token tiles; the kernels index it by name.
+
+    (g, n, s, m), the order measured, puts groups x weight tiles in CUDA's z, which takes at most
+    GRID_YZ_MAX: V3's down projection on the sorted dispatch's 8192-token blocks (768 groups x 112
+    tiles) was refused at launch (CUDA_ERROR_INVALID_VALUE, H200). Past it the weight tiles go to x:
+    (g, s, m, n), a group's tiles still launched one after another."""
+    if groups * n_tiles <= GRID_YZ_MAX:
+        return (groups, n_tiles, splits, m_tiles), ("g", "n", "s", "m")
+    if groups * splits > GRID_YZ_MAX or m_tiles > GRID_YZ_MAX:
+        raise ValueError(f"groups: {groups} groups x {splits} splits, {m_tiles} token tiles: past a CUDA grid's "
+                         f"{GRID_YZ_MAX}")
+    return (groups, splits, m_tiles, n_tiles), ("g", "s", "m", "n")
+
+
 def kernel_takes(m: int, n: int, k: int, config: GemmConfig = GemmConfig()) -> bool:
     """Whether the FP8 GEMM runs an [M, K] x [N, K]^T product (a group's), M padded by
     ``pad_tokens``: N a multiple of 64 and K of the step's channels."""
@@ -289,11 +308,12 @@ def fp8_grouped_gemm_mgpu(x8: jax.Array, x_scales: jax.Array, w8, w_scales, matr
                              sum_groups=sum_groups, shared_x=num_x == 1, kb_per_step=kb_per_step,
                              depth=pipeline_depth(config, tokens, kb_per_step, scale_tokens), tokens=tokens,
                              scale_tokens=scale_tokens)
+    grid, grid_names = launch_grid(*grid)
     kernel = plgpu.kernel(
         body if matrices is not None else functools.partial(body, None),
         out_type=jax.ShapeDtypeStruct((splits, 1 if sum_groups else num_stacks * groups_total, n, m), jnp.float32),
         scratch_types=[plgpu.SMEM((TILE_N, tokens), jnp.float32)],
-        grid=grid, grid_names=("g", "n", "s", "m"),
+        grid=grid, grid_names=grid_names,
         kernel_name="snapmla_fp8_gemm",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )

@@ -35,8 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import (LARGE_TILE, MAX_TOKENS, SMEM_BYTES, TILE_N, TOKEN_MULTIPLE,
-                                                      choose_splits, pad_tokens, run_on_stack, summed_partials,
-                                                      token_tile)
+                                                      choose_splits, launch_grid, pad_tokens, run_on_stack,
+                                                      summed_partials, token_tile)
 
 BLOCK_K = 128  # contraction channels a pipeline step brings: a [128, 64] bf16 weight tile, 16 KiB
 
@@ -133,11 +133,12 @@ def grouped_gemm_mgpu(x: jax.Array, w, matrices: jax.Array | None = None, *,
     body = functools.partial(_kernel, num_stacks=num_stacks, stack_groups=groups, steps=steps_total // splits,
                              shared_x=num_x == 1, depth=min(pipeline_depth(config, tokens), steps_total // splits),
                              tokens=tokens)
+    grid, grid_names = launch_grid(num_stacks * groups, n_tiles, splits, m_tiles)
     kernel = plgpu.kernel(
         body if matrices is not None else functools.partial(body, None),
         out_type=jax.ShapeDtypeStruct((splits, num_stacks * groups, n, m), jnp.float32),
         scratch_types=[plgpu.SMEM((TILE_N, tokens), jnp.float32)],
-        grid=(num_stacks * groups, n_tiles, splits, m_tiles), grid_names=("g", "n", "s", "m"),
+        grid=grid, grid_names=grid_names,
         kernel_name="snapmla_grouped_gemm",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )

@@ -164,6 +164,20 @@ def test_the_grouped_launch_matches_float64_on_its_quantized_operands(case):
     _check_grouped(case, interpret=True, rel_bound=2.0**-15)
 
 
+def test_the_grouped_launch_reads_its_grid_in_the_order_past_cuda_z_cap(monkeypatch):
+    """Where groups x weight tiles pass CUDA's z cap (``launch_grid``: V3's sorted down projection at
+    8192 tokens) the weight tiles go to x; the kernel indexes its grid by name, so the sorted
+    dispatch's chunks (negative ids skipped) still match float64 (cap lowered to take that order
+    here: 4 groups x 2 tiles > 5)."""
+    import snapmla_jax.pallas_kernels.fp8_gemm_mgpu as module
+    monkeypatch.setattr(module, "GRID_YZ_MAX", 5)
+    orders = []
+    launch_grid = module.launch_grid
+    monkeypatch.setattr(module, "launch_grid", lambda *a: orders.append(launch_grid(*a)) or orders[-1])
+    _check_grouped(GROUPED_CASES[-1], interpret=True, rel_bound=2.0**-15, config=GemmConfig(splits=1))
+    assert [names for _, names in orders] == [("g", "s", "m", "n")]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GROUPED_CASES + [("V2-Lite experts, summed down", 64, 64, 64, 2048, 1408, None, True),
                                                   ("V3 experts, chosen", 1, 8, 16, 2048, 7168, [5, 1, 5, 7], False)],

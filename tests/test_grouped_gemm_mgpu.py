@@ -72,6 +72,55 @@ def test_two_stacks_share_a_launch_and_the_splits_add_up():
     assert _rel(up, _float64(x, w_up, chosen)) < REL_BOUND
 
 
+def test_launch_grid_keeps_cuda_z_within_its_cap_and_the_kernel_reads_either_order(monkeypatch):
+    """V3's down projection on the sorted dispatch's 8192-token blocks (768 chunks of <= 128 tokens,
+    7168 / 64 weight tiles) puts 86016 CTAs in CUDA's z in the order (g, n, s, m), past the 65535 a
+    launch takes: the weight tiles go to x there, and nowhere else (the measured order stays).
+    The kernel indexes the grid by name: with the cap lowered so that a small launch takes the other
+    order, two stacks of ragged groups over splits still match float64."""
+    from snapmla_jax.pallas_kernels import fp8_gemm_mgpu
+    assert fp8_gemm_mgpu.launch_grid(768, 112, 1, 1) == ((768, 1, 1, 112), ("g", "s", "m", "n"))
+    assert fp8_gemm_mgpu.launch_grid(2 * 768, 32, 1, 1) == ((1536, 32, 1, 1), ("g", "n", "s", "m"))
+    with pytest.raises(ValueError, match="groups: 70000 groups x 1 splits"):
+        fp8_gemm_mgpu.launch_grid(70000, 2, 1, 1)
+    monkeypatch.setattr(fp8_gemm_mgpu, "GRID_YZ_MAX", 7)
+    assert fp8_gemm_mgpu.launch_grid(3 * 2, 2, 1, 1)[1] == ("g", "s", "m", "n")  # 12 > 7
+    rng = np.random.default_rng(11)
+    w_gate, w_up = (_bf16_normal(rng, (4, 256, 128), 0.05) for _ in range(2))
+    x = np.asarray(rng.standard_normal((3, 32, 256)), np.float32)
+    x[1, 5] *= 64.0  # an outlier token
+    x = jnp.asarray(x, jnp.bfloat16)
+    chosen = jnp.asarray([3, -1, 0], jnp.int32)
+    from snapmla_jax.pallas_kernels import grouped_gemm_mgpu as module
+    orders = []
+    monkeypatch.setattr(module, "launch_grid", lambda *a: orders.append(fp8_gemm_mgpu.launch_grid(*a)) or orders[-1])
+    # One split (six groups in z); num_sms=7, a static argument no other test passes: traced anew under the cap.
+    gate, up = grouped_gemm_mgpu(x, (w_gate, w_up), chosen, config=GroupedGemmConfig(splits=1), num_sms=7,
+                                 interpret=True)
+    assert [names for _, names in orders] == [("g", "s", "m", "n")]
+    kept = np.asarray(chosen) >= 0
+    for got, w in ((gate, w_gate), (up, w_up)):
+        assert _rel(np.asarray(got)[kept], _float64(x, w, np.maximum(np.asarray(chosen), 0))[kept]) < REL_BOUND
+
+
+@pytest.mark.gpu
+def test_compiled_launch_past_cuda_z_cap_at_v3_down_projection_shapes():
+    """The launch an H200 refused before ``launch_grid``: V3's down projection (256 experts of
+    2048 x 7168) over 768 chunks of 128 tokens (the sorted dispatch at 8192 tokens), most chunks
+    skipped; the kept ones against float64 (bound as above: K = 2048 terms)."""
+    experts, k, n, groups = 256, 2048, 7168, 768
+    w = jax.random.normal(jax.random.key(0), (experts, k, n), jnp.bfloat16) * jnp.bfloat16(0.02)
+    x = jax.random.normal(jax.random.key(1), (groups, 128, k), jnp.bfloat16)
+    kept = {0: 5, 400: 77, 767: 255}
+    matrices = np.full(groups, -1, np.int32)
+    for group, matrix in kept.items():
+        matrices[group] = matrix
+    got = grouped_gemm_mgpu(x, w, jnp.asarray(matrices))
+    for group, matrix in kept.items():
+        want = _float64(x[group][None], w[matrix][None])[0]
+        assert _rel(np.asarray(got[group]), want) < REL_BOUND
+
+
 def test_pipeline_depth_gives_way_to_shared_memory():
     assert pipeline_depth(GroupedGemmConfig(depth=4), 16) == 4
     # 128-token tiles: a slot is (64 + 128) x 128 x 2 bytes = 48 KiB beside a 32 KiB output tile.
