@@ -114,9 +114,10 @@ def floor_bytes(layer: MoE, x: jax.Array) -> dict[str, int]:
 
 def compiled_dispatches(layer: MoE, x: jax.Array) -> dict:
     """Per ``DISPATCHES`` entry (gathered only up to ``GATHER_BENCH_MAX`` tokens, dense and ragged
-    up to ``DENSE_BENCH_MAX_ELEMENTS`` and ``RAGGED_BENCH_MAX_ELEMENTS``, sorted where its GEMMs take the stacks), the layer's call on x
-    compiled ahead of time with that ``dense_token_range``, ``gather_max_tokens`` and
-    ``sorted_min_tokens`` (the layer's own are restored after): ``(compiled, args)``.
+    up to ``DENSE_BENCH_MAX_ELEMENTS`` and ``RAGGED_BENCH_MAX_ELEMENTS``, sorted where its GEMMs
+    take the stacks), the layer's call on x compiled ahead of time with that
+    ``dense_token_range``, ``gather_max_tokens`` and ``sorted_min_tokens`` (the layer's own are
+    restored after): ``(compiled, args)``.
 
     The dispatch is part of the graphdef, a static argument here, so each entry compiles its
     own program. (A closure over one graphdef, with the range a global read while tracing,
@@ -196,12 +197,10 @@ def table(env: dict, rows: list[dict]) -> str:
                "dense speed-up", "gathered speed-up", "grouped speed-up", "sorted speed-up", "ragged % floor",
                "dense % floor", "gathered % floor", "grouped % floor", "sorted % floor", "max rel. L2 to ragged"]
     opt = lambda r, key, spec: "-" if key not in r else spec.format(r[key])
-    body = [[r["shape"], r["tokens"], r["chosen_experts"], opt(r, "ragged_ms", "{:.3g}"), opt(r, "dense_ms", "{:.3g}"),
-             opt(r, "gathered_ms", "{:.3g}"), opt(r, "grouped_ms", "{:.3g}"), opt(r, "sorted_ms", "{:.3g}"),
-             opt(r, "dense_speedup", "{:.2f}x"), opt(r, "gathered_speedup", "{:.2f}x"), opt(r, "grouped_speedup", "{:.2f}x"),
-             opt(r, "sorted_speedup", "{:.2f}x"), opt(r, "ragged_of_floor", "{:.0%}"), opt(r, "dense_of_floor", "{:.0%}"),
-             opt(r, "gathered_of_floor", "{:.0%}"), opt(r, "grouped_of_floor", "{:.0%}"),
-             opt(r, "sorted_of_floor", "{:.0%}"),
+    body = [[r["shape"], r["tokens"], r["chosen_experts"],
+             *(opt(r, f"{name}_ms", "{:.3g}") for name in ("ragged", "dense", *GATHERED, "sorted")),
+             *(opt(r, f"{name}_speedup", "{:.2f}x") for name in ("dense", *GATHERED, "sorted")),
+             *(opt(r, f"{name}_of_floor", "{:.0%}") for name in ("ragged", "dense", *GATHERED, "sorted")),
              max_rel_l2(r)] for r in rows]
     return header + timing.markdown_table(columns, body)
 

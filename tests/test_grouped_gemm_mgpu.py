@@ -77,7 +77,7 @@ def test_launch_grid_keeps_cuda_z_within_its_cap_and_the_kernel_reads_either_ord
     7168 / 64 weight tiles) puts 86016 CTAs in CUDA's z in the order (g, n, s, m), past the 65535 a
     launch takes: the weight tiles go to x there, and nowhere else (the measured order stays).
     The kernel indexes the grid by name: with the cap lowered so that a small launch takes the other
-    order, two stacks of ragged groups over splits still match float64."""
+    order, two stacks over groups of their own tokens (one skipped) still match float64."""
     from snapmla_jax.pallas_kernels import fp8_gemm_mgpu
     assert fp8_gemm_mgpu.launch_grid(768, 112, 1, 1) == ((768, 1, 1, 112), ("g", "s", "m", "n"))
     assert fp8_gemm_mgpu.launch_grid(2 * 768, 32, 1, 1) == ((1536, 32, 1, 1), ("g", "n", "s", "m"))
