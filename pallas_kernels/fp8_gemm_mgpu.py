@@ -31,6 +31,13 @@ its groups' whole K, so the MoE's down projection sums over the experts inside t
 Several stacks of one shape (gate and up) share a launch and their tokens' quantization: the
 group axis runs over each stack's groups in turn.
 
+The tokens may come quantized (x8 e4m3 and their scales, combined with the weights' by XLA) or
+as they are (bf16, f16, f32; ``x_scales`` None): then each CTA quantizes its token tile per token
+and 128 channels in shared memory as it arrives (``quantize_tile``) and reads the weights' scales
+by matrix id, so no launch runs before the product. Every weight tile's CTA reads the same
+tokens (from L2) in bf16, twice e4m3's bytes, against the launches it saves. Not yet timed on a
+GPU.
+
 Measured (``scripts/bench_fp8_gemm.py``, the product chained over weight copies of >= 384 MiB,
 round-robin with XLA's bf16 product of the same shape; docs/benchmarks/fp8_gemm_h100.md,
 fp8_gemm_h200.md): at 16 tokens 1.64-1.76x the bf16 GEMM at 24576 x 1536 and 18432 x 7168 /
@@ -47,7 +54,8 @@ map's alignment on large shapes (tokens are padded to a multiple of TOKEN_MULTIP
 
 Arguments of ``fp8_gemm_mgpu`` (``fp8_gemm_reference`` is its float32 twin):
 
-  x8        [M, K] e4m3, M a multiple of TOKEN_MULTIPLE up to MAX_TOKENS, of LARGE_TILE above
+  x         [M, K] e4m3, M a multiple of TOKEN_MULTIPLE up to MAX_TOKENS, of LARGE_TILE above; or
+            bf16 / f16 / f32 with x_scales None (quantized in the kernel)
   x_scales  [K / 128, M] float32 (``fp8_weights.quantize_activations``: the transpose of [M, K / 128])
   w8        [N, K] e4m3, N a multiple of 64, K of 128 (of 256 for two blocks a pipeline step)
   w_scales  [ceil(N / 128), K / 128] float32
@@ -67,12 +75,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from snapmla_jax.pallas_kernels.mgpu_bytes import BYTE_TILE_TRANSFORMS
+from snapmla_jax.pallas_kernels.mgpu_decode_inputs import GROUP_ROWS, quantized_rows
+from snapmla_jax.pallas_kernels.write_kv import row_layout
 
 BLOCK = 128  # channels (and weight rows) a scale covers
 TILE_N = 64  # weight rows a CTA: one wgmma M
 MAX_TOKENS = 64  # tokens of a call that one CTA takes whole (the wgmma N); more come in tiles of
 LARGE_TILE = 128  # tokens (``token_tile``): a wgmma of N = 128 reads shared memory for twice the products
 SMEM_BYTES = 227 * 1024  # shared memory a CTA may use on Hopper: the pipeline's depth gives way to it
+# SMEM kept back for alignment where the kernel quantizes its tokens (``pipeline_depth``): four slots
+# of 64 bf16 tokens came to 232480 bytes in all, 32 past the 232448 a CTA may take.
+QUANTIZE_SMEM_SLACK = 4096
 TOKEN_MULTIPLE = 16  # M = 8 failed the tensor map's alignment on an H100 (module docstring)
 SCALE_SLOT_FLOATS = 32  # float32 in 128 bytes: a pipeline slot of scales is whole such units (``scale_slot_tokens``)
 COL = plgpu.Layout.WGMMA.reduce(0)  # a vector with one value per accumulator column (token)
@@ -123,23 +136,56 @@ def scale_slot_tokens(tokens: int, kb_per_step: int) -> int:
     return -(-tokens // unit) * unit
 
 
-def pipeline_depth(config: GemmConfig, tokens: int, kb_per_step: int, scale_tokens: int) -> int:
+def pipeline_depth(config: GemmConfig, tokens: int, kb_per_step: int, scale_tokens: int,
+                   x_itemsize: int = 1) -> int:
     """``config.depth``, or fewer steps in flight where that many slots (weight and token tiles and
-    scales) and the output tile would not fit SMEM_BYTES (128-token tiles of 256 channels: 3)."""
-    slot = (TILE_N + tokens) * BLOCK * kb_per_step + 4 * kb_per_step * scale_tokens
-    return max(1, min(config.depth, (SMEM_BYTES - 4 * TILE_N * tokens) // slot))
+    scales) and the output tile would not fit SMEM_BYTES (128-token tiles of 256 channels: 3).
+    ``x_itemsize`` > 1: the tokens arrive unquantized (``scale_tokens`` 0), and the kernel's e4m3
+    tile and scales of them take their room once, with QUANTIZE_SMEM_SLACK for the allocations'
+    alignment (64 bf16 tokens of 256 channels: 3 slots)."""
+    tk = BLOCK * kb_per_step
+    slot = (TILE_N + x_itemsize * tokens) * tk + 4 * kb_per_step * scale_tokens
+    fixed = 4 * TILE_N * tokens
+    if x_itemsize > 1:
+        fixed += tokens * tk + 4 * kb_per_step * tokens + QUANTIZE_SMEM_SLACK
+    return max(1, min(config.depth, (SMEM_BYTES - fixed) // slot))
+
+
+def quantize_tile(x_s, xq_s, xs_s, *, interpret: bool) -> None:
+    """A step's token tile quantized per token and 128 channels (``fp8_weights.quantize_activations``'
+    math, ``GROUP_ROWS`` tokens at a time): x_s [tokens, 128 kb] (bf16, f16 or f32) -> xq_s e4m3
+    [kb, tokens, 128] (the products' operand) and xs_s f32 [kb, tokens] (their scales). The
+    warpgroup's barrier first: every thread is done with the last step's tile and scales."""
+    plgpu.commit_smem()
+    kb_per_step, tokens, _ = xq_s.shape
+    layout = row_layout(BLOCK, x_s.dtype)
+    for kb in range(kb_per_step):
+        for g in range(tokens // GROUP_ROWS):
+            rows = pl.ds(g * GROUP_ROWS, GROUP_ROWS)
+            x = plgpu.load(x_s.at[rows, pl.ds(kb * BLOCK, BLOCK)], layout=layout).astype(jnp.float32)
+            (x8,), scale = quantized_rows([x], layout, interpret)
+            xq_s[kb, rows, :] = x8
+            xs_s[kb, rows] = scale
+    plgpu.commit_smem()  # the stores before the products (the async proxy) and the other threads read them
 
 
 def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int, groups: int, sum_groups: bool,
-            shared_x: bool, kb_per_step: int, depth: int, tokens: int, scale_tokens: int):
+            shared_x: bool, kb_per_step: int, depth: int, tokens: int, scale_tokens: int, quantize: bool,
+            interpret: bool):
     """One CTA of grid (g, n, s, m): weight rows [64 n, 64 n + 64) times token tile m, over ``steps``
     pipeline steps of K for each of ``groups`` groups. Batched (``sum_groups`` False): group g
     (of stack g // ``stack_groups``: its weight matrix experts[g % stack_groups], or g % it),
     split s of K. Summed (one stack): groups [s groups, (s + 1) groups), the whole K of each.
 
-    refs: the ``num_stacks`` weight stacks' refs, then x, the combined scales, the output and
-    its SMEM tile."""
-    w_gmems, (x_gmem, s_gmem, out_gmem, out_s) = refs[:num_stacks], refs[num_stacks:]
+    refs: the ``num_stacks`` weight stacks' refs; then either x (e4m3) and the combined scales, or
+    with ``quantize`` the stacks' weight scales and x (unquantized); the output and its SMEM tile;
+    with ``quantize`` the SMEM of the step's quantized tokens and their scales (``quantize_tile``)."""
+    w_gmems, refs = refs[:num_stacks], refs[num_stacks:]
+    if quantize:
+        ws_gmems, (x_gmem, out_gmem, out_s, xq_s, xs_s) = refs[:num_stacks], refs[num_stacks:]
+        s_gmem = None
+    else:
+        ws_gmems, (x_gmem, s_gmem, out_gmem, out_s) = (None,) * num_stacks, refs
     gg, n, split, mt = (lax.axis_index(name) for name in ("g", "n", "s", "m"))
     g = gg if num_stacks == 1 else lax.rem(gg, stack_groups)
     tk = BLOCK * kb_per_step
@@ -150,48 +196,72 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
     matrix0 = g0 if experts_gmem is None else experts_gmem[g]
     x_cols = x_gmem.at[pl.ds(0, 1) if shared_x else pl.ds(g0, groups), pl.ds(mt * tokens, tokens),
                        pl.ds(k0, steps * tk)]
-    # The combined scales of this tile's 128-row block [groups, K / 128, tokens], this CTA's blocks
-    # (one stack's groups after another's).
-    s_rows = s_gmem.at[pl.ds(g0 if sum_groups else gg, groups), lax.div(n, BLOCK // TILE_N),
-                       pl.ds(k0 // BLOCK, steps * kb_per_step), pl.ds(mt * scale_tokens, scale_tokens)]
+    x_spec = plgpu.BlockSpec((None, tokens, tk), (lambda e, k: (0, 0, k)) if shared_x else (lambda e, k: (e, 0, k)),
+                             transforms=() if quantize else BYTE_TILE_TRANSFORMS)
 
-    def body(_, w_s, x_s, s_s, total):
+    def scaled_products(w_s, x8_tile, scale_of, total):
+        """total + each block's product scaled by ``scale_of(kb)``, f32 [tokens] (``COL``)."""
         def products(*acc_refs):
             # Every block's product is issued before the first is read: block kb's scaling runs
             # while the tensor cores work on the blocks after it.
             for kb, acc_ref in enumerate(acc_refs):
-                plgpu.wgmma(acc_ref, w_s.at[:, pl.ds(kb * BLOCK, BLOCK)],
-                            x_s.at[:, pl.ds(kb * BLOCK, BLOCK)].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, w_s.at[:, pl.ds(kb * BLOCK, BLOCK)], x8_tile(kb).transpose((1, 0)))
             result = total
             for kb, acc_ref in enumerate(acc_refs):
                 fresh = plgpu.wgmma_accumulator_load(acc_ref, wait_n=kb_per_step - 1 - kb)
-                scale_row = s_s.at[kb] if scale_tokens == tokens else s_s.at[kb, pl.ds(0, tokens)]
-                scale = lax.broadcast_in_dim(plgpu.load(scale_row, layout=COL), (TILE_N, tokens), [1])
-                result = result + fresh * scale
+                result = result + fresh * lax.broadcast_in_dim(scale_of(kb), (TILE_N, tokens), [1])
             return result
 
         return pl.run_scoped(products, *[plgpu.ACC((TILE_N, tokens), jnp.float32) for _ in range(kb_per_step)])
 
     zeros = plgpu.layout_cast(jnp.zeros((TILE_N, tokens), jnp.float32), plgpu.Layout.WGMMA)
-    pipeline = plgpu.emit_pipeline(
-        body, grid=(groups, steps), max_concurrent_steps=min(depth, groups * steps), init_carry=zeros,
-        in_specs=[plgpu.BlockSpec((None, TILE_N, tk), lambda e, k: (e, 0, k), transforms=BYTE_TILE_TRANSFORMS),
-                  plgpu.BlockSpec((None, tokens, tk), (lambda e, k: (0, 0, k)) if shared_x else (lambda e, k: (e, 0, k)),
-                                  transforms=BYTE_TILE_TRANSFORMS),
-                  plgpu.BlockSpec((None, kb_per_step, scale_tokens), lambda e, k: (e, k, 0))])
+    w_spec = plgpu.BlockSpec((None, TILE_N, tk), lambda e, k: (e, 0, k), transforms=BYTE_TILE_TRANSFORMS)
 
-    def run(w_gmem):
+    def run(stack):
+        w_gmem, ws_gmem = stack
         w_rows = w_gmem.at[pl.ds(matrix0, groups), pl.ds(n * TILE_N, TILE_N), pl.ds(k0, steps * tk)]
-        out_s[...] = pipeline(w_rows, x_cols, s_rows)
+        if quantize:
+            def body(indices, w_s, x_s, total):
+                e, k = indices
+                quantize_tile(x_s, xq_s, xs_s, interpret=interpret)
+                matrix, nb = matrix0 + e, lax.div(n, BLOCK // TILE_N)  # e > 0 only for summed groups
+                kb0 = k0 // BLOCK + k * kb_per_step
+
+                def scale_of(kb):
+                    return plgpu.load(xs_s.at[kb], layout=COL) * ws_gmem[matrix, nb, kb0 + kb]
+
+                return scaled_products(w_s, lambda kb: xq_s.at[kb], scale_of, total)
+
+            pipeline = plgpu.emit_pipeline(body, grid=(groups, steps), max_concurrent_steps=min(depth, groups * steps),
+                                           init_carry=zeros, in_specs=[w_spec, x_spec])
+            out_s[...] = pipeline(w_rows, x_cols)
+        else:
+            # The combined scales of this tile's 128-row block [groups, K / 128, tokens], this CTA's
+            # blocks (one stack's groups after another's).
+            s_rows = s_gmem.at[pl.ds(g0 if sum_groups else gg, groups), lax.div(n, BLOCK // TILE_N),
+                               pl.ds(k0 // BLOCK, steps * kb_per_step), pl.ds(mt * scale_tokens, scale_tokens)]
+
+            def body(_, w_s, x_s, s_s, total):
+                def scale_of(kb):
+                    scale_row = s_s.at[kb] if scale_tokens == tokens else s_s.at[kb, pl.ds(0, tokens)]
+                    return plgpu.load(scale_row, layout=COL)
+
+                return scaled_products(w_s, lambda kb: x_s.at[:, pl.ds(kb * BLOCK, BLOCK)], scale_of, total)
+
+            pipeline = plgpu.emit_pipeline(
+                body, grid=(groups, steps), max_concurrent_steps=min(depth, groups * steps), init_carry=zeros,
+                in_specs=[w_spec, x_spec, plgpu.BlockSpec((None, kb_per_step, scale_tokens), lambda e, k: (e, k, 0))])
+            out_s[...] = pipeline(w_rows, x_cols, s_rows)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_s, out_gmem.at[split, 0 if sum_groups else gg, pl.ds(n * TILE_N, TILE_N),
                                                    pl.ds(mt * tokens, tokens)])
         plgpu.wait_smem_to_gmem(0)
 
+    stacks = tuple(zip(w_gmems, ws_gmems))
     if experts_gmem is None:
-        run_on_stack(run, w_gmems, gg, stack_groups)
+        run_on_stack(run, stacks, gg, stack_groups)
     else:
-        pl.when(matrix0 >= 0)(lambda: run_on_stack(run, w_gmems, gg, stack_groups))
+        pl.when(matrix0 >= 0)(lambda: run_on_stack(run, stacks, gg, stack_groups))
 
 
 def run_on_stack(run, w_gmems: tuple, gg, stack_groups: int) -> None:
@@ -235,14 +305,14 @@ def pad_tokens(m: int) -> int:
     return -(-m // multiple) * multiple
 
 
-def check_stacks(w8s: tuple, w_scales_s: tuple, num_x: int, groups: int) -> None:
+def check_stacks(w8s: tuple, w_scales_s: tuple, num_x: int, groups: int, x_name: str = "x8") -> None:
     """ValueError unless the weight stacks are of one shape with a scale stack each and the tokens
     come as one group shared by all or one a group."""
     if any(w.shape != w8s[0].shape for w in w8s) or len(w_scales_s) != len(w8s):
         raise ValueError(f"w8: stacks of one shape, with a scale stack each; got {[w.shape for w in w8s]} and "
                          f"{len(w_scales_s)} scale stacks")
     if num_x not in (1, groups):
-        raise ValueError(f"x8: expected 1 or {groups} groups of tokens, got {num_x}")
+        raise ValueError(f"{x_name}: expected 1 or {groups} groups of tokens, got {num_x}")
 
 
 def combined_scales(x_scales: jax.Array, w_scales: jax.Array) -> jax.Array:
@@ -252,14 +322,16 @@ def combined_scales(x_scales: jax.Array, w_scales: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("sum_groups", "config", "num_sms", "interpret"))
-def fp8_grouped_gemm_mgpu(x8: jax.Array, x_scales: jax.Array, w8, w_scales, matrices: jax.Array | None = None, *,
+def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales, matrices: jax.Array | None = None, *,
                           sum_groups: bool = False, config: GemmConfig = GemmConfig(), num_sms: int = 132,
                           interpret: bool = False):
     """G block-scaled products of one launch (module docstring), group g multiplying its tokens
-    x8[g] (or the one x8[0] all groups share) by weight matrix ``matrices[g]`` of w8 (None: g).
+    x[g] (or the one x[0] all groups share) by weight matrix ``matrices[g]`` of w8 (None: g).
 
-      x8        [X, M, K] e4m3, X = 1 (shared) or G; M as ``pad_tokens`` leaves it
-      x_scales  [X, K / 128, M] float32 (``fp8_weights.quantize_activations`` per group)
+      x         [X, M, K], X = 1 (shared) or G; M as ``pad_tokens`` leaves it: e4m3 with
+                ``x_scales``, or bf16 / f16 / f32 with ``x_scales`` None, quantized per token and
+                128 channels in the kernel (``quantize_tile``: no launches before this one)
+      x_scales  [X, K / 128, M] float32 (``fp8_weights.quantize_activations`` per group), or None
       w8        [E, N, K] e4m3;  w_scales [E, ceil(N / 128), K / 128] float32; or tuples of such
                 stacks of one shape (a MoE's gate and up: both products of the same tokens in one
                 launch)
@@ -274,15 +346,20 @@ def fp8_grouped_gemm_mgpu(x8: jax.Array, x_scales: jax.Array, w8, w_scales, matr
     """
     stacked = isinstance(w8, tuple)
     w8s, w_scales_s = (tuple(w8), tuple(w_scales)) if stacked else ((w8,), (w_scales,))
-    num_x, m, k = x8.shape
+    num_x, m, k = x.shape
     num_matrices, n, _ = w8s[0].shape
     groups_total = num_matrices if matrices is None else matrices.shape[0]
     kb_per_step = config.blocks_per_step(k)
     if not kernel_takes(m, n, k, config) or m != pad_tokens(m) or w8s[0].shape[2] != k:
-        raise ValueError(f"x8, w8: the FP8 GEMM takes M a multiple of {TOKEN_MULTIPLE} up to {MAX_TOKENS} (of "
+        raise ValueError(f"x, w8: the FP8 GEMM takes M a multiple of {TOKEN_MULTIPLE} up to {MAX_TOKENS} (of "
                          f"{LARGE_TILE} above), N of {TILE_N} and K of {BLOCK * kb_per_step}, got M={m}, N={n}, "
                          f"K={k} (weights K={w8s[0].shape[2]})")
-    check_stacks(w8s, w_scales_s, num_x, groups_total)
+    quantize = x_scales is None
+    if quantize and x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"x: without x_scales the kernel quantizes bf16, f16 or f32 tokens, got {x.dtype}")
+    if not quantize and x.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"x: with x_scales the tokens come quantized (float8_e4m3fn), got {x.dtype}")
+    check_stacks(w8s, w_scales_s, num_x, groups_total, x_name="x")
     if sum_groups and (matrices is not None or stacked):
         raise ValueError("matrices: a summed product runs every matrix of one stack in order (matrices=None)")
     steps_total = k // (BLOCK * kb_per_step)
@@ -299,26 +376,34 @@ def fp8_grouped_gemm_mgpu(x8: jax.Array, x_scales: jax.Array, w8, w_scales, matr
         if steps_total % splits:
             raise ValueError(f"config: splits={splits} must divide the {steps_total} pipeline steps")
         grid, groups, steps = (num_stacks * groups_total, n_tiles, splits, m_tiles), 1, steps_total // splits
-    scales = jnp.concatenate([combined_scales(x_scales, ws if matrices is None else ws[matrices])
-                              for ws in w_scales_s])
-    scale_tokens = scale_slot_tokens(tokens, kb_per_step)
-    if scale_tokens > tokens:  # then M = tokens (at most 64): one token tile
-        scales = jnp.pad(scales, ((0, 0), (0, 0), (0, 0), (0, scale_tokens - tokens)))
+    if quantize:
+        # The kernel reads each group's weight scales by its matrix id, and makes the tokens' own.
+        scale_tokens = 0
+        scale_operands = tuple(ws.astype(jnp.float32) for ws in w_scales_s)
+        operands = (*w8s, *scale_operands, x)
+        scratch = [plgpu.SMEM((kb_per_step, tokens, BLOCK), jnp.float8_e4m3fn),
+                   plgpu.SMEM((kb_per_step, tokens), jnp.float32)]
+    else:
+        scales = jnp.concatenate([combined_scales(x_scales, ws if matrices is None else ws[matrices])
+                                  for ws in w_scales_s])
+        scale_tokens = scale_slot_tokens(tokens, kb_per_step)
+        if scale_tokens > tokens:  # then M = tokens (at most 64): one token tile
+            scales = jnp.pad(scales, ((0, 0), (0, 0), (0, 0), (0, scale_tokens - tokens)))
+        operands, scratch = (*w8s, x, scales), []
+    depth = pipeline_depth(config, tokens, kb_per_step, scale_tokens, x_itemsize=x.dtype.itemsize if quantize else 1)
     body = functools.partial(_kernel, num_stacks=num_stacks, stack_groups=groups_total, steps=steps, groups=groups,
-                             sum_groups=sum_groups, shared_x=num_x == 1, kb_per_step=kb_per_step,
-                             depth=pipeline_depth(config, tokens, kb_per_step, scale_tokens), tokens=tokens,
-                             scale_tokens=scale_tokens)
+                             sum_groups=sum_groups, shared_x=num_x == 1, kb_per_step=kb_per_step, depth=depth,
+                             tokens=tokens, scale_tokens=scale_tokens, quantize=quantize, interpret=interpret)
     grid, grid_names = launch_grid(*grid)
     kernel = plgpu.kernel(
         body if matrices is not None else functools.partial(body, None),
         out_type=jax.ShapeDtypeStruct((splits, 1 if sum_groups else num_stacks * groups_total, n, m), jnp.float32),
-        scratch_types=[plgpu.SMEM((TILE_N, tokens), jnp.float32)],
+        scratch_types=[plgpu.SMEM((TILE_N, tokens), jnp.float32), *scratch],
         grid=grid, grid_names=grid_names,
         kernel_name="snapmla_fp8_gemm",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    ys = summed_partials(kernel, (*w8s, x8, scales), matrices, stacked=stacked, num_stacks=num_stacks,
-                         groups=groups_total)
+    ys = summed_partials(kernel, operands, matrices, stacked=stacked, num_stacks=num_stacks, groups=groups_total)
     return ys[0] if sum_groups else ys
 
 
@@ -335,12 +420,13 @@ def summed_partials(kernel, operands: tuple, matrices: jax.Array | None, *, stac
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_sms", "interpret"))
-def fp8_gemm_mgpu(x8: jax.Array, x_scales: jax.Array, w8: jax.Array, w_scales: jax.Array, *,
+def fp8_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8: jax.Array, w_scales: jax.Array, *,
                   config: GemmConfig = GemmConfig(), num_sms: int = 132, interpret: bool = False) -> jax.Array:
-    """One product: x8 [M, K] e4m3, x_scales [K / 128, M], w8 [N, K] e4m3, w_scales
-    [ceil(N / 128), K / 128] -> y [M, N] float32 (``fp8_grouped_gemm_mgpu`` with one group)."""
-    y = fp8_grouped_gemm_mgpu(x8[None], x_scales[None], w8[None], w_scales[None], config=config,
-                              num_sms=num_sms, interpret=interpret)
+    """One product: x [M, K] e4m3 with x_scales [K / 128, M] (or bf16 / f16 / f32 with x_scales
+    None: quantized in the kernel), w8 [N, K] e4m3, w_scales [ceil(N / 128), K / 128] -> y [M, N]
+    float32 (``fp8_grouped_gemm_mgpu`` with one group)."""
+    y = fp8_grouped_gemm_mgpu(x[None], None if x_scales is None else x_scales[None], w8[None], w_scales[None],
+                              config=config, num_sms=num_sms, interpret=interpret)
     return y[0]
 
 

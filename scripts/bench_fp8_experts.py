@@ -7,7 +7,9 @@ The layer (router, routed and shared experts) has random bf16 weights (``bench_m
 and its FP8 twin is those weights quantized in 128 x 128 blocks (``models.quantize_weights``).
 Each runs the model's own dispatch for T tokens (gathered up to ``GATHER_MAX_TOKENS``, dense up to
 512): in bf16 the grouped-experts kernel or XLA's batched products; in FP8 the FP8 GEMM launches
-(pallas_kernels/fp8_gemm_mgpu.py). "fp8_dense" is the FP8 layer always dense. Round-robin medians
+(pallas_kernels/fp8_gemm_mgpu.py). "fp8_qk" is the same with the kernel of few tokens quantizing
+its tokens itself (``fp8_weights.kernel_quantization``, up to 64 tokens). "fp8_dense" is the FP8
+layer always dense. Round-robin medians
 (``timing.time_round_robin``); floor = the weight bytes the dispatch must read (router, shared
 experts, and the chosen experts (gathered) or all of them (dense)) over the copy bandwidth measured
 in the run. v3_ep8: a DeepSeek-V3 layer's share of its experts on one of 8 GPUs (32 of 256), which
@@ -30,12 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe import SHAPES as MOE_SHAPES, random_layer  # noqa: E402
 
 from snapmla_jax.bench import timing  # noqa: E402
+from snapmla_jax.fp8_weights import kernel_quantization  # noqa: E402
 from snapmla_jax.models import quantize_weights  # noqa: E402
 from snapmla_jax.models.moe import set_dense_token_range, set_gather_max_tokens  # noqa: E402
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import MAX_TOKENS  # noqa: E402
 
 SHAPES = {"v2_lite": MOE_SHAPES["v2_lite"], "v3_ep8": dataclasses.replace(MOE_SHAPES["v3"], experts=32)}
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-PROGRAMS = ("bf16", "fp8", "fp8_dense")
+PROGRAMS = ("bf16", "fp8", "fp8_qk", "fp8_dense")
 
 
 def layer_bytes(layer, ids: jax.Array, dispatch: str) -> int:
@@ -58,14 +62,16 @@ def programs(tokens: int, layers: dict) -> tuple[dict, dict]:
     call = jax.jit(lambda state, x, graphdef: nnx.merge(graphdef, state)(x, backend=backend),
                    static_argnames="graphdef")
     runs, floors = {}, {}
-    for program, layer in (("bf16", layers["bf16"]), ("fp8", layers["fp8"]), ("fp8_dense", layers["fp8"])):
+    for program in PROGRAMS:
+        layer = layers["bf16" if program == "bf16" else "fp8"]
         saved = layer.dense_token_range, layer.gather_max_tokens
         if program == "fp8_dense":
             set_dense_token_range(layer, (1, 1 << 30))
             set_gather_max_tokens(layer, 0)
         dispatch = layer.dispatch(tokens, backend)
         graphdef, state = nnx.split(layer)
-        runs[program] = (call.lower(state, x, graphdef=graphdef).compile(), [(state, x)])
+        with kernel_quantization(MAX_TOKENS if program == "fp8_qk" else 0):
+            runs[program] = (call.lower(state, x, graphdef=graphdef).compile(), [(state, x)])
         floors[program] = (dispatch, layer_bytes(layer, layer.gate(x)[1], dispatch))
         set_dense_token_range(layer, saved[0])
         set_gather_max_tokens(layer, saved[1])
@@ -94,12 +100,12 @@ def table(env: dict, rows: list[dict]) -> str:
               "(router, routed and shared experts), each with the model's dispatch for T tokens; round-robin "
               "medians; % floor = the weight bytes the dispatch reads over the copy bandwidth. rel. L2: FP8 "
               "output against bf16's.\n\n")
-    columns = ["shape", "T", "dispatch", "bf16 ms", "fp8 ms", "fp8 dense ms", "fp8 / bf16", "fp8 dense / bf16",
-               "bf16 % floor", "fp8 % floor", "fp8 dense % floor", "rel. L2"]
+    columns = ["shape", "T", "dispatch", "bf16 ms", "fp8 ms", "fp8 qk ms", "fp8 dense ms", "fp8 / bf16",
+               "fp8 qk / bf16", "fp8 dense / bf16", "bf16 % floor", "fp8 % floor", "fp8 dense % floor", "rel. L2"]
     body = [[r["shape"], r["tokens"], r["fp8_dispatch"], f"{r['bf16_ms']:.3f}", f"{r['fp8_ms']:.3f}",
-             f"{r['fp8_dense_ms']:.3f}", f"{r['fp8_speedup']:.2f}x", f"{r['fp8_dense_speedup']:.2f}x",
-             f"{r['bf16_of_floor']:.0%}", f"{r['fp8_of_floor']:.0%}", f"{r['fp8_dense_of_floor']:.0%}",
-             f"{r['fp8_rel_l2']:.3f}"] for r in rows]
+             f"{r['fp8_qk_ms']:.3f}", f"{r['fp8_dense_ms']:.3f}", f"{r['fp8_speedup']:.2f}x",
+             f"{r['fp8_qk_speedup']:.2f}x", f"{r['fp8_dense_speedup']:.2f}x", f"{r['bf16_of_floor']:.0%}",
+             f"{r['fp8_of_floor']:.0%}", f"{r['fp8_dense_of_floor']:.0%}", f"{r['fp8_rel_l2']:.3f}"] for r in rows]
     return header + timing.markdown_table(columns, body)
 
 
@@ -123,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure(name, tokens, layers, env["copy_gbps"], args.iters))
             r = rows[-1]
             print(f"{name} T={tokens} ({r['fp8_dispatch']}): bf16 {r['bf16_ms']:.3f} ms, fp8 {r['fp8_ms']:.3f} ms "
-                  f"({r['fp8_speedup']:.2f}x), fp8 dense {r['fp8_dense_ms']:.3f} ms", flush=True)
+                  f"({r['fp8_speedup']:.2f}x), fp8 qk {r['fp8_qk_ms']:.3f} ms ({r['fp8_qk_speedup']:.2f}x), "
+                  f"fp8 dense {r['fp8_dense_ms']:.3f} ms", flush=True)
             timing.write_results(args.out, "bench_fp8_experts", env, rows, table(env, rows))
         del layers
     print(table(env, rows))

@@ -4,9 +4,10 @@ pallas_kernels/fp8_gemm_mgpu.py's and fp8_gemm_tiles_mgpu.py's docstrings.
 
     python scripts/bench_fp8_gemm.py --out /tmp/bench_fp8_gemm [--tokens 16 64 4096] [--shapes 18432x7168 ...]
 
-Four programs a shape, side by side (``timing.time_round_robin``): "bf16" is XLA's x @ W^T with
-W in bf16; "fp8" is ``fp8_matmul`` (on a Hopper GPU the Mosaic kernels with their activation
-quantization and the sum of their partials); "fp8_xla" is ``fp8_matmul(..., backend="xla")``, the
+Four or five programs a shape, side by side (``timing.time_round_robin``): "bf16" is XLA's x @ W^T
+with W in bf16; "fp8" is ``fp8_matmul`` (on a Hopper GPU the Mosaic kernels with their activation
+quantization and the sum of their partials); up to 64 tokens "fp8_qk", the same with the kernel
+of few tokens quantizing x itself (``fp8_weights.kernel_quantization``); "fp8_xla" is ``fp8_matmul(..., backend="xla")``, the
 weight dequantized in the program; "fp8_tensor" is XLA's FP8 product with one scale for each
 operand (cuBLAS's FP8 GEMM: the ceiling a product with block scales is held against). Below
 COMPUTE_TOKENS tokens each program chains its product over enough weight copies (>= 384 MiB of
@@ -24,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from snapmla_jax.bench import timing
-from snapmla_jax.fp8_weights import fp8_matmul, quantize_blocks
+from snapmla_jax.fp8_weights import fp8_matmul, kernel_quantization, quantize_blocks
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import MAX_TOKENS
 
 # [out, in] of DeepSeek-V3's MLP (18432 x 7168 and back), routed expert (2048 x 7168 and back),
 # q up-projection (24576 x 1536), q down-projection (1536 x 7168), and V2-Lite's dense MLP.
@@ -32,7 +34,7 @@ SHAPES = ("18432x7168", "7168x18432", "2048x7168", "7168x2048", "24576x1536", "1
 TOKENS = (16, 64)
 CHAIN_BYTES = 384 << 20
 COMPUTE_TOKENS = 1024
-PROGRAMS = ("bf16", "fp8", "fp8_xla", "fp8_tensor")
+PROGRAMS = ("bf16", "fp8", "fp8_qk", "fp8_xla", "fp8_tensor")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -77,10 +79,14 @@ def programs(out_dim: int, in_dim: int, tokens: int, copies: int) -> dict:
     fp8 = [quantize_blocks(w) for w in dense]
     tensor = [w8_tensor(w) for w in dense]
     x = jax.random.normal(keys[0], (tokens, in_dim), jnp.bfloat16)
-    return {"bf16": (chained(lambda x, w: x @ w.T), [(x, dense)]),
-            "fp8": (chained(fp8_matmul), [(x, fp8)]),
-            "fp8_xla": (chained(lambda x, w: fp8_matmul(x, w, backend="xla")), [(x, fp8)]),
-            "fp8_tensor": (chained(tensor_scaled_fp8), [(x, tensor)])}
+    runs = {"bf16": (chained(lambda x, w: x @ w.T), [(x, dense)]),
+            "fp8": (chained(fp8_matmul), [(x, fp8)])}
+    if tokens <= MAX_TOKENS:
+        with kernel_quantization(MAX_TOKENS):  # compiled here: the program keeps the setting
+            runs["fp8_qk"] = (chained(fp8_matmul).lower(x, fp8).compile(), [(x, fp8)])
+    runs["fp8_xla"] = (chained(lambda x, w: fp8_matmul(x, w, backend="xla")), [(x, fp8)])
+    runs["fp8_tensor"] = (chained(tensor_scaled_fp8), [(x, tensor)])
+    return runs
 
 
 def w8_tensor(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -92,13 +98,15 @@ def w8_tensor(w: jax.Array) -> tuple[jax.Array, jax.Array]:
 def table(env: dict, rows: list[dict]) -> str:
     lines = [f"# Block-FP8 weight product vs bf16 GEMM\n\n{env['device']}, jax {env['jax']}, {env['date']}; copy "
              f"{env['copy_gbps']:.0f} GB/s. Command: `python scripts/bench_fp8_gemm.py`.\n",
-             "| out x in | tokens | bf16 us | fp8 us | fp8_xla us | fp8_tensor us | fp8 / bf16 | fp8 GB/s | fp8 % copy "
-             "| fp8 TFLOP/s | fp8 % fp8_tensor | fp8_xla / bf16 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| out x in | tokens | bf16 us | fp8 us | fp8_qk us | fp8_xla us | fp8_tensor us | fp8 / bf16 | "
+             "fp8_qk / bf16 | fp8 GB/s | fp8 % copy | fp8 TFLOP/s | fp8 % fp8_tensor | fp8_xla / bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tflops = 2 * r["tokens"] * r["out"] * r["in"] / r["fp8_us"] / 1e6
-        lines.append(f"| {r['out']} x {r['in']} | {r['tokens']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | "
-                     f"{r['fp8_xla_us']:.1f} | {r['fp8_tensor_us']:.1f} | {r['bf16_us'] / r['fp8_us']:.2f}x | "
+        qk = r.get("fp8_qk_us")
+        qk_us, qk_ratio = (f"{qk:.1f}", f"{r['bf16_us'] / qk:.2f}x") if qk else ("-", "-")
+        lines.append(f"| {r['out']} x {r['in']} | {r['tokens']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | {qk_us} | "
+                     f"{r['fp8_xla_us']:.1f} | {r['fp8_tensor_us']:.1f} | {r['bf16_us'] / r['fp8_us']:.2f}x | {qk_ratio} | "
                      f"{r['fp8_gbps']:.0f} | {r['fp8_gbps'] / env['copy_gbps']:.0%} | {tflops:.0f} | "
                      f"{r['fp8_tensor_us'] / r['fp8_us']:.0%} | {r['bf16_us'] / r['fp8_xla_us']:.2f}x |")
     return "\n".join(lines) + "\n"
@@ -127,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 if isinstance(value, Exception):  # a program that did not run: nothing to compare
                     raise value
             row = dict(out=out_dim, **{"in": in_dim}, tokens=tokens,
-                       **{f"{name}_us": times[name] * 1e3 / copies for name in PROGRAMS})
+                       **{f"{name}_us": times[name] * 1e3 / copies for name in PROGRAMS if name in times})
             row["fp8_gbps"] = out_dim * in_dim / row["fp8_us"] / 1e3
             print(row, flush=True)
             rows.append(row)

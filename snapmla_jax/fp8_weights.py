@@ -16,6 +16,7 @@ operand layout Hopper's FP8 matrix instructions require.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -129,6 +130,27 @@ KERNEL_MAX_TOKENS = 512
 TILES_CONFIG = TilesConfig()
 
 
+# Rows of x up to which the FP8 GEMM of few tokens quantizes them in its own pipeline
+# (``fp8_gemm_mgpu.quantize_tile``: x read as bf16 by each CTA, no launches before the GEMM's) instead
+# of behind XLA launches of their own (the amax reduction, the cast, the scales' transpose and the
+# combined scales: at T = 16 one V2-Lite MoE layer makes 27 launches with FP8 weights against 16 in
+# bf16, docs/models.md). 0: XLA quantizes. The side-by-side GPU measurement that sets it is not run
+# yet; benchmarks trace programs of both under ``kernel_quantization``.
+KERNEL_QUANTIZES_MAX_ROWS = 0
+
+
+@contextlib.contextmanager
+def kernel_quantization(max_rows: int):
+    """Within the block, programs traced set KERNEL_QUANTIZES_MAX_ROWS to ``max_rows`` (benchmarks
+    comparing where x is quantized; a program traced before keeps what it was traced with)."""
+    global KERNEL_QUANTIZES_MAX_ROWS
+    saved, KERNEL_QUANTIZES_MAX_ROWS = KERNEL_QUANTIZES_MAX_ROWS, max_rows
+    try:
+        yield
+    finally:
+        KERNEL_QUANTIZES_MAX_ROWS = saved
+
+
 def kernel_runs(w: BlockFP8Weight, rows: int, backend: str) -> bool:
     """Whether a product of ``rows`` rows with the block-FP8 weight (stack) ``w`` runs the FP8 GEMM
     kernel: ``backend`` (resolved) "interpret", or "pallas" on a Hopper GPU; 128 x 128 blocks;
@@ -153,18 +175,34 @@ def _tile_rows(rows: int) -> int:
     return -(-rows // TILES_CONFIG.tile_tokens) * TILES_CONFIG.tile_tokens
 
 
+def _padded_rows(x: jax.Array, rows: int) -> jax.Array:
+    """x [..., M, K] padded with zero rows to ``rows``."""
+    if rows == x.shape[-2]:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, rows - x.shape[-2]), (0, 0)])
+
+
 def _quantized_rows(x: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
     """x [..., M, K] padded to ``rows`` rows and quantized per row and 128 channels:
     (x8 [..., rows, K] e4m3, scales [..., K / 128, rows] float32)."""
-    pad = [(0, 0)] * (x.ndim - 2) + [(0, rows - x.shape[-2]), (0, 0)]
-    return quantize_activations(jnp.pad(x, pad))
+    return quantize_activations(_padded_rows(x, rows))
+
+
+def _kernel_tokens(x: jax.Array, rows: int) -> tuple[jax.Array, jax.Array | None]:
+    """The FP8 GEMM of few tokens' (x, x_scales) for x [..., M, K] padded to ``rows``: x itself
+    and None (the kernel quantizes it) up to KERNEL_QUANTIZES_MAX_ROWS rows of a bf16, f16 or f32
+    x, else XLA's quantization."""
+    if x.shape[-2] <= KERNEL_QUANTIZES_MAX_ROWS and x.dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        return _padded_rows(x, rows), None
+    return _quantized_rows(x, rows)
 
 
 def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax.Array:
     """x [..., in] @ W^T for a block-FP8 weight W [out, in] -> [..., out] in x's dtype.
 
     On a Hopper GPU (backend "pallas", or "auto" there; 128 x 128 weight blocks) this is DeepSeek's
-    FP8 GEMM: x quantized to e4m3 per row and 128 channels, FP8 x FP8 products summed in float32
+    FP8 GEMM: x quantized to e4m3 per row and 128 channels (by XLA, or by the kernel of few tokens
+    itself up to KERNEL_QUANTIZES_MAX_ROWS rows), FP8 x FP8 products summed in float32
     per block and scaled there. Up to 64 rows of x (out a multiple of 64, in of 128) the kernel of
     few tokens (``pallas_kernels/fp8_gemm_mgpu.py``) reads the weight's e4m3 bytes once (1.6-1.8x
     the bf16 GEMM at large decode shapes, H100 and H200); above, where out and in are whole
@@ -190,7 +228,7 @@ def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax
                                 num_sms=sm_count(), interpret=backend == "interpret")
         return y[:rows].astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     if kernel_runs(w, rows, backend):
-        x8, x_scales = _quantized_rows(x.reshape(rows, x.shape[-1]), pad_tokens(rows))
+        x8, x_scales = _kernel_tokens(x.reshape(rows, x.shape[-1]), pad_tokens(rows))
         y = fp8_gemm_mgpu(x8, x_scales, w.values, w.scales, num_sms=sm_count(), interpret=backend == "interpret")
         return y[:rows].astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     product = jnp.einsum("...i,oi->...o", x, dequantize_weight(w, x.dtype), preferred_element_type=jnp.float32)
@@ -235,7 +273,7 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
         ys = tuple(y[:, :rows] for y in ys)
         return ys if isinstance(w, tuple) else ys[0]
     if all(kernel_runs(s, rows, backend) for s in stacks):
-        x8, x_scales = _quantized_rows(x, pad_tokens(rows))
+        x8, x_scales = _kernel_tokens(x, pad_tokens(rows))
         values, scales = tuple(s.values for s in stacks), tuple(s.scales for s in stacks)
         if len(stacks) == 1:
             values, scales = values[0], scales[0]

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from cli_checks import assert_usage_error, tree_snapshot
-from snapmla_jax import cli
+from snapmla_jax import cli, fp8_weights
 from snapmla_jax.bench.__main__ import SUITES, main
 
 
@@ -65,6 +65,7 @@ def test_each_suites_help_exits_0_and_documents_out_and_publish(capsys, suite):
     (["e2e", "--tiny", "--backend", "pallas"], "--backend: \"pallas\" compiles for a CUDA GPU"),
     (["e2e", "--tiny", "--backend", "cuda"], "--backend: expected one of"),
     (["e2e", "--tiny", "--gather-moe", "-1"], "--gather-moe: expected an int >= 0"),
+    (["e2e", "--tiny", "--kernel-quantization", "16"], "--kernel-quantization: expected an int >= 0, with --fp8-weights"),
     (["e2e", "--tiny", "--dense-moe", "5", "2"], "--dense-moe: "),
     (["e2e", "--tiny", "--budget-s", "0"], "--budget-s: expected a number of seconds > 0"),
     (["e2e", "--tiny", "--out", "file.txt"], "--out: file.txt is a file"),
@@ -91,10 +92,12 @@ def test_e2e_tiny_writes_outside_the_source_tree_and_says_where(work, capsys):
 
 
 def test_e2e_tiny_with_fp8_weights_says_so(tmp_path):
-    assert main(["e2e", "--tiny", "--fp8-weights", "--batches", "2", "--contexts", "64", "--steps", "2",
-                 "--iters", "1", "--out", str(tmp_path)]) == 0
+    assert main(["e2e", "--tiny", "--fp8-weights", "--kernel-quantization", "16", "--batches", "2", "--contexts", "64",
+                 "--steps", "2", "--iters", "1", "--out", str(tmp_path)]) == 0
     saved = json.loads((tmp_path / "e2e.json").read_text())
     assert saved["environment"]["weights"] == "block-FP8" and {r["status"] for r in saved["rows"]} == {"ok"}
+    assert saved["environment"]["kernel_quantization_rows"] == 16
+    assert fp8_weights.KERNEL_QUANTIZES_MAX_ROWS == 0  # the library's setting back after the run
     assert "with random block-FP8 weights" in (tmp_path / "e2e.md").read_text()
 
 

@@ -109,12 +109,15 @@ def test_fp8_matmul_keeps_xla_where_the_kernel_does_not_take_the_shape():
 
 def _group_operands(seed, groups, matrices, m, n, k):
     """x [groups, m, k] f32 (an outlier row and a quiet channel block in each group), a block-FP8
-    stack [matrices, n, k] whose matrices differ in scale by 1000x."""
+    stack [matrices, n, k] whose matrices differ in scale by 1000x, and inside each its 128 x 128
+    blocks by 100x along K and 25x along N (a scale read from the wrong block shows)."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((groups, m, k))
     x[:, 0] *= 50.0
     x[:, :, :BLOCK] *= 0.01
     w = rng.standard_normal((matrices, n, k)) * np.geomspace(1e-2, 10.0, matrices)[:, None, None]
+    w *= np.repeat(rng.permutation(np.geomspace(0.1, 10.0, k // BLOCK)), BLOCK)
+    w *= np.repeat(np.geomspace(0.2, 5.0, -(-n // BLOCK)), BLOCK)[:n, None]
     return jnp.asarray(x, jnp.float32), quantize_blocks(jnp.asarray(w, jnp.float32))
 
 
@@ -187,6 +190,82 @@ def test_the_compiled_grouped_launch_matches_float64_on_its_quantized_operands(c
     _check_grouped(case, interpret=False, rel_bound=2.0**-10)
 
 
+def _activation_rounding_bound(x64, w64, spec, rel_bound):
+    """What quantizing x [..., M, K] per row and 128 channels may cost a product ``spec`` with w64,
+    plus ``rel_bound`` of the terms' size (the kernel's sums): e4m3 keeps 3 mantissa bits, so a
+    normal value rounds by at most 2^-4 of itself, a subnormal one (below 2^-6 of the block's 448
+    units) by at most 2^-10 of the block's amax / 448."""
+    k = x64.shape[-1]
+    scales = np.abs(x64.reshape(*x64.shape[:-1], k // BLOCK, BLOCK)).max(-1) / 448.0
+    x_err = 2.0**-4 * np.abs(x64) + 2.0**-10 * np.repeat(scales, BLOCK, axis=-1)
+    return np.einsum(spec, x_err, np.abs(w64)) + rel_bound * np.einsum(spec, np.abs(x64), np.abs(w64))
+
+
+def _check_quantizing(case, dtype, interpret, rel_bound):
+    """A GROUPED_CASES launch given its tokens unquantized (``x_scales`` None): against float64 x
+    (as ``dtype`` holds it) times the dequantized matrices, within x's e4m3 rounding."""
+    _, groups, matrices, m, n, k, chosen, summed = case
+    x, w = _group_operands(m + n + k + groups + 1, groups, matrices, m, n, k)
+    x = x.astype(dtype)
+    ids = None if chosen is None else jnp.asarray(chosen, jnp.int32)
+    y = fp8_grouped_gemm_mgpu(x, None, w.values, w.scales, ids, sum_groups=summed, num_sms=4, interpret=interpret)
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    w64 = np.asarray(dequantize_weight(w, jnp.float32), np.float64)
+    w64 = w64 if chosen is None else w64[np.asarray(chosen)]
+    x64 = np.broadcast_to(x64, (w64.shape[0], m, k))
+    spec = "gmk,gnk->mn" if summed else "gmk,gnk->gmn"
+    want = np.einsum(spec, x64, w64)
+    bound = _activation_rounding_bound(x64, w64, spec, rel_bound)
+    y = np.asarray(y, np.float64)
+    if chosen is not None:  # a skipped group's rows are left unwritten
+        kept = np.asarray(chosen) >= 0
+        y, want, bound = y[kept], want[kept], bound[kept]
+    assert y.shape == want.shape
+    err = np.abs(y - want)
+    assert (err <= bound).all(), float((err / bound).max())
+    return y, want
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=[c[0] for c in GROUPED_CASES])
+def test_the_launch_quantizes_bf16_tokens_itself_within_their_e4m3_rounding(case):
+    """Without ``x_scales`` each mode of the grouped launch quantizes its bf16 tokens per token and
+    128 channels in the kernel (``quantize_tile``); interpreted, the sums add 2^-15 of the terms'
+    size as in the tests above."""
+    y, want = _check_quantizing(case, jnp.bfloat16, interpret=True, rel_bound=2.0**-15)
+    # The rounding shows: the tokens were quantized (an unquantized product is ~2^-15 from float64).
+    assert np.abs(y - want).max() > 2.0**-12 * np.abs(want).max()
+
+
+def test_the_kernel_quantizes_float32_tokens_and_two_stacks_share_them():
+    """f32 tokens quantized in the kernel (one product, the module's one-group launch), and a MoE's
+    gate and up in one launch quantizing the tokens they share: each stack's product within the
+    activation rounding of float64."""
+    x, w = _operands(5, 32, 192, 512)
+    y = fp8_gemm_mgpu(x, None, w.values, w.scales, num_sms=4, interpret=True)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(dequantize_weight(w, jnp.float32), np.float64)
+    err = np.abs(np.asarray(y, np.float64) - x64 @ w64.T)
+    assert (err <= _activation_rounding_bound(x64, w64, "mk,nk->mn", 2.0**-15)).all()
+    xs, gate = _group_operands(13, 1, 3, 16, 128, 256)
+    _, up = _group_operands(14, 1, 3, 16, 128, 256)
+    xs = xs.astype(jnp.bfloat16)
+    ys = fp8_grouped_gemm_mgpu(xs, None, (gate.values, up.values), (gate.scales, up.scales), jnp.asarray([2, 0, 2]),
+                               num_sms=4, interpret=True)
+    x64 = np.asarray(xs[0].astype(jnp.float32), np.float64)
+    for y, stack in zip(ys, (gate, up)):
+        w64 = np.asarray(dequantize_weight(stack, jnp.float32), np.float64)[[2, 0, 2]]
+        err = np.abs(np.asarray(y, np.float64) - np.einsum("mk,gnk->gmn", x64, w64))
+        assert (err <= _activation_rounding_bound(x64, w64, "mk,gnk->gmn", 2.0**-15)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GROUPED_CASES + [("V2-Lite experts, summed down", 64, 64, 64, 2048, 1408, None, True),
+                                                  ("V3 experts, chosen", 1, 8, 16, 2048, 7168, [5, 1, 5, 7], False)],
+                         ids=lambda c: c[0])
+def test_the_compiled_launch_quantizes_bf16_tokens_itself_within_their_e4m3_rounding(case):
+    # The FP8 wgmma's ~14-bit accumulation of four 32-channel slices a block: 2^-10 of the terms' size.
+    _check_quantizing(case, jnp.bfloat16, interpret=False, rel_bound=2.0**-10)
+
+
 @pytest.mark.parametrize("chosen, interpret", [(None, True), ([2, 0, 2], True),
                                                pytest.param([2, 0, 2], False, marks=pytest.mark.gpu)])
 def test_two_stacks_in_one_launch_each_match_their_own_product(chosen, interpret):
@@ -241,13 +320,48 @@ def test_fp8_grouped_matmul_through_the_kernel_is_within_the_activation_rounding
     np.testing.assert_allclose(np.asarray(fallback, np.float64), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+def test_under_kernel_quantization_the_products_hand_the_kernel_their_tokens_unquantized(monkeypatch):
+    """``kernel_quantization(64)``: ``fp8_matmul`` (15 rows, padded to 16) and a MoE's gate and up
+    through ``fp8_grouped_matmul`` give the kernel of few tokens x itself (x_scales None), past 64
+    rows XLA's quantization; the results stay within x's e4m3 rounding of float64."""
+    import snapmla_jax.fp8_weights as fp8_weights
+
+    given = []
+    for name in ("fp8_gemm_mgpu", "fp8_grouped_gemm_mgpu"):
+        kernel = getattr(fp8_weights, name)
+        monkeypatch.setattr(fp8_weights, name,
+                            lambda x, xs, *a, _kernel=kernel, **kw: given.append((x.dtype, xs is None)) or _kernel(x, xs, *a, **kw))
+    x, w = _operands(21, 15, 192, 512)
+    x = x.astype(jnp.bfloat16)
+    with fp8_weights.kernel_quantization(64):
+        y = fp8_matmul(x, w, backend="interpret")
+        xg, gate = _group_operands(22, 1, 3, 40, 128, 256)
+        _, up = _group_operands(23, 1, 3, 40, 128, 256)
+        ys = fp8_grouped_matmul(xg.astype(jnp.bfloat16), (gate, up), backend="interpret")
+    assert fp8_weights.KERNEL_QUANTIZES_MAX_ROWS == 0  # restored
+    assert given == [(jnp.bfloat16, True), (jnp.bfloat16, True)]
+    x64, w64 = np.asarray(x.astype(jnp.float32), np.float64), np.asarray(dequantize_weight(w, jnp.float32), np.float64)
+    want = x64 @ w64.T  # fp8_matmul returns x's bf16: its rounding, 2^-9 of the value, on top
+    bound = _activation_rounding_bound(x64, w64, "mk,nk->mn", 2.0**-15) + 2.0**-9 * np.abs(want)
+    assert (np.abs(np.asarray(y, np.float64) - want) <= bound).all()
+    x64 = np.asarray(xg.astype(jnp.bfloat16).astype(jnp.float32), np.float64)[0]
+    for y, stack in zip(ys, (gate, up)):
+        w64 = np.asarray(dequantize_weight(stack, jnp.float32), np.float64)
+        err = np.abs(np.asarray(y, np.float64) - np.einsum("mk,gnk->gmn", x64, w64))
+        assert (err <= _activation_rounding_bound(x64, w64, "mk,gnk->gmn", 2.0**-15)).all()
+    given.clear()
+    with fp8_weights.kernel_quantization(8):  # 15 rows: past it
+        fp8_matmul(x, w, backend="interpret")
+    assert given == [(jnp.float8_e4m3fn, False)]
+
+
 def test_fp8_grouped_matmul_refuses_what_it_cannot_run_naming_the_argument():
     x, w = _group_operands(0, 1, 2, 4, 64, 256)
     with pytest.raises(ValueError, match="x: expected"):
         fp8_grouped_matmul(x[0], w, backend="xla")
     with pytest.raises(ValueError, match="matrices: a summed product"):
         fp8_grouped_matmul(x, w, matrices=jnp.zeros(2, jnp.int32), sum_groups=True, backend="xla")
-    with pytest.raises(ValueError, match="x8: expected 1 or 2 groups"):
+    with pytest.raises(ValueError, match="x: expected 1 or 2 groups"):
         x8, xs = quantize_activations(jnp.ones((3, 16, 256), jnp.float32))
         fp8_grouped_gemm_mgpu(x8, xs, w.values, w.scales, interpret=True)
 
@@ -283,20 +397,44 @@ def test_quantize_activations_puts_each_blocks_amax_on_448():
 def test_a_shape_the_kernel_does_not_take_is_refused_naming_it():
     x8, xs = quantize_activations(jnp.ones((8, 256), jnp.float32))
     w = quantize_blocks(jnp.ones((64, 256), jnp.float32))
-    with pytest.raises(ValueError, match="x8, w8: the FP8 GEMM takes M a multiple of 16"):
+    with pytest.raises(ValueError, match="x, w8: the FP8 GEMM takes M a multiple of 16"):
         fp8_gemm_mgpu(x8, xs, w.values, w.scales, interpret=True)
     x8, xs = quantize_activations(jnp.ones((96, 256), jnp.float32))  # past 64: whole tiles of 64
     with pytest.raises(ValueError, match="of 128 above"):
         fp8_gemm_mgpu(x8, xs, w.values, w.scales, interpret=True)
 
 
-@pytest.mark.parametrize("m, n, k", [(64, 18432, 7168), (16, 2048, 7168)])
-def test_the_kernel_lowers_for_cuda_within_shared_memory_at_the_largest_tokens(m, n, k):
+@pytest.mark.parametrize("m, n, k, x_dtype", [(64, 18432, 7168, jnp.float8_e4m3fn), (16, 2048, 7168, jnp.float8_e4m3fn),
+                                              (64, 18432, 7168, jnp.bfloat16), (32, 2048, 1408, jnp.float32)])
+def test_the_kernel_lowers_for_cuda_within_shared_memory_at_the_largest_tokens(m, n, k, x_dtype):
     """Lowered on CPU for an H100 (layout inference, the pipeline's SMEM: 4 slots of 64 x 256
-    weight bytes and m x 256 token bytes); 256 tokens overflowed shared memory on the GPU."""
+    weight bytes and m x 256 token bytes); 256 tokens overflowed shared memory on the GPU. Tokens
+    unquantized (bf16, f32): the kernel's quantization lowers, and 64 bf16 tokens fit in 3 slots
+    beside its e4m3 tile (4 came to 32 bytes past a CTA's SMEM)."""
     from snapmla_jax.backend import lower_for_cuda
 
-    args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((k // BLOCK, m), jnp.float32),
-            jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((-(-n // BLOCK), k // BLOCK), jnp.float32))
-    text = lower_for_cuda(lambda *a: fp8_gemm_mgpu(*a), *args).as_text()
+    quantized = x_dtype == jnp.float8_e4m3fn
+    x = jax.ShapeDtypeStruct((m, k), x_dtype)
+    x_scales = jax.ShapeDtypeStruct((k // BLOCK, m), jnp.float32) if quantized else None
+    w = (jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((-(-n // BLOCK), k // BLOCK), jnp.float32))
+    text = lower_for_cuda(lambda x, x_scales, *w: fp8_gemm_mgpu(x, x_scales, *w), x, x_scales, *w).as_text()
     assert "snapmla_fp8_gemm" in text
+    if not quantized:
+        assert pipeline_depth(GemmConfig(), 64, 2, 0, x_itemsize=2) == 3
+
+
+def test_the_grouped_launch_quantizing_its_tokens_lowers_for_cuda_at_v3_expert_shapes():
+    """A V3 MoE's gate and up (two stacks of 256 experts, chosen matrices) and its summed down
+    projection, 16 bf16 tokens quantized in the kernel, lowered on CPU for an H100."""
+    from snapmla_jax.backend import lower_for_cuda
+
+    stack = lambda n, k: (jax.ShapeDtypeStruct((256, n, k), jnp.float8_e4m3fn),
+                          jax.ShapeDtypeStruct((256, n // BLOCK, k // BLOCK), jnp.float32))
+    (gate, gate_s), (up, up_s) = stack(2048, 7168), stack(2048, 7168)
+    x = jax.ShapeDtypeStruct((1, 16, 7168), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((8,), jnp.int32)
+    lower_for_cuda(lambda x, g, gs, u, us, ids: fp8_grouped_gemm_mgpu(x, None, (g, u), (gs, us), ids),
+                   x, gate, gate_s, up, up_s, ids)
+    down, down_s = stack(7168, 2048)
+    hidden = jax.ShapeDtypeStruct((256, 16, 2048), jnp.float32)
+    lower_for_cuda(lambda h, d, ds: fp8_grouped_gemm_mgpu(h, None, d, ds, sum_groups=True), hidden, down, down_s)

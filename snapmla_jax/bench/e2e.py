@@ -25,7 +25,8 @@ kernels stop at each row's seq_len. Programs are compiled in parallel threads
 before the runs; results are written after every run, so a run cut short
 still leaves its table (``--out``; default: outside the source tree, printed; ``--publish``:
 the repository's docs/benchmarks/). ``--tiny`` runs a 2-layer model on any backend (CPU test).
-``--fp8-weights`` makes the linear kernels and routed experts block-FP8 (``fp8_matmul``'s products).
+``--fp8-weights`` makes the linear kernels and routed experts block-FP8 (``fp8_matmul``'s products);
+``--kernel-quantization ROWS`` has the FP8 GEMM of few tokens quantize x itself up to ROWS rows.
 ``--profile`` adds each row's GPU time per launch and decode step (``timing.kernel_times_us``)
 to the JSON; XLA runs the decode loop's body as a CUDA graph, which the profiler does not see
 into, so profile with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``.
@@ -53,7 +54,7 @@ import snapmla_jax.models.moe
 from snapmla_jax import models
 from snapmla_jax.models import MLAConfig, MLAModel
 from snapmla_jax.models.sharding import key_name
-from snapmla_jax import cli, data_parallel
+from snapmla_jax import cli, data_parallel, fp8_weights
 from snapmla_jax.backend import BACKENDS
 from snapmla_jax.bench import timing
 from snapmla_jax.cache import LatentCache, kernel_addressable
@@ -479,6 +480,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=8, help="parallel compilations (default 8)")
     parser.add_argument("--fp8-weights", action="store_true",
                         help="the linear kernels and routed experts block-FP8 (models.quantize_weights' layout)")
+    parser.add_argument("--kernel-quantization", type=int, metavar="ROWS", default=None,
+                        help="with --fp8-weights: the FP8 GEMM of few tokens quantizes x itself for products of at "
+                             "most ROWS rows (fp8_weights.KERNEL_QUANTIZES_MAX_ROWS; 0: XLA quantizes; default: the "
+                             "library's)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each row's GPU time per launch and decode step (JAX profiler) in the JSON")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting new runs after this many seconds")
@@ -508,12 +513,16 @@ def main(argv: list[str] | None = None) -> int:
             raise cli.UsageError(f"--dense-moe: {cli.one_line(err)}") from err
     if args.gather_moe is not None and (args.gather_moe < 0 or args.ragged_moe):
         raise cli.UsageError("--gather-moe: expected an int >= 0, and not with --ragged-moe")
+    if args.kernel_quantization is not None and (args.kernel_quantization < 0 or not args.fp8_weights):
+        raise cli.UsageError("--kernel-quantization: expected an int >= 0, with --fp8-weights")
     cli.backend(args.backend)
     args.out = cli.bench_output_dir(args)
     if not args.tiny and timing.missing_gpu("e2e benchmark",
                                             "the V2-Lite-sized model needs a CUDA GPU (use --tiny elsewhere)"):
         return 2
-    return run(args)
+    rows = fp8_weights.KERNEL_QUANTIZES_MAX_ROWS if args.kernel_quantization is None else args.kernel_quantization
+    with fp8_weights.kernel_quantization(rows):  # every program of the run is traced with it
+        return run(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -531,6 +540,8 @@ def run(args: argparse.Namespace) -> int:
     env["xla_mem_fraction"] = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     model = random_model(cfg, jnp.bfloat16, fp8_weights=args.fp8_weights)
     env["weights"] = "block-FP8" if args.fp8_weights else "bf16"
+    if args.fp8_weights:
+        env["kernel_quantization_rows"] = fp8_weights.KERNEL_QUANTIZES_MAX_ROWS
     if args.dense_moe is not None or args.ragged_moe:
         models.moe.set_dense_token_range(model, None if args.ragged_moe else tuple(args.dense_moe))
     if args.gather_moe is not None or args.ragged_moe:
