@@ -31,7 +31,7 @@ import snapmla_jax.models.moe
 
 from snapmla_jax import models
 from snapmla_jax.bench import timing
-from snapmla_jax.bench.e2e import V2_LITE, feed_forward_stack, random_model, weight_bytes_touched
+from snapmla_jax.bench.e2e import V2_LITE, feed_forward_stack, random_model, routed_dispatch, weight_bytes_touched
 
 PROFILE_TOP = 15  # launches kept per row with --profile
 # name -> (gather_max_tokens of T tokens, backend)
@@ -39,11 +39,12 @@ VARIANTS = {"ragged/dense": (lambda tokens: 0, "xla"), "gathered": (lambda token
             "grouped": (lambda tokens: tokens, "pallas")}
 
 
-def feed_forward_bytes(model, tokens: int, gather_max: int) -> int:
-    """Weight bytes a T-token step's feed-forward stack reads: ``weight_bytes_touched`` over the
-    layers' feed-forward weights alone (norms, dense MLP, router, shared and routed experts)."""
+def feed_forward_bytes(model, tokens: int, backend: str) -> int:
+    """Weight bytes a T-token step's feed-forward stack reads with ``backend`` and the model's
+    dispatch settings: ``weight_bytes_touched`` over the layers' feed-forward weights alone (norms,
+    dense MLP, router, shared and routed experts)."""
     feed_forward = nnx.state(model, lambda path, _: "mlp" in path or "post_attention_layernorm" in path)
-    return weight_bytes_touched(model.cfg, feed_forward, tokens, models.moe.DENSE_TOKEN_RANGE, gather_max)[1]
+    return weight_bytes_touched(model.cfg, feed_forward, tokens, routed_dispatch(model, tokens, backend))[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             compiled = feed_forward_stack.lower(params, x, graphdef=graphdef, backend=backend).compile()
             outs[name] = np.asarray(compiled(params, x), np.float64)
             row[f"{name}_ms"] = timing.time_ms(compiled, [(params, x)], warmup=3, iters=args.iters)
-            floor_bytes = feed_forward_bytes(model, tokens, gather_max(tokens))
+            floor_bytes = feed_forward_bytes(model, tokens, backend)
             row[f"{name}_of_floor"] = floor_bytes / (env["copy_gbps"] * 1e9) * 1e3 / row[f"{name}_ms"]
             if args.profile and name == "grouped":
                 launches = timing.kernel_times_us(compiled, (params, x))

@@ -25,8 +25,12 @@ def test_floor_counts_the_feed_forward_weights_each_dispatch_reads():
     routed = sum(getattr(moe, w)[...].nbytes for w in ("w_gate", "w_up", "w_down"))
     always = norms + size(dense_mlp) + size(moe) - routed
     share = 1 - (1 - TINY.num_experts_per_tok / TINY.n_routed_experts)  # one token: k of E experts
-    assert bench.feed_forward_bytes(model, 1, 1) == int(always + routed * share)
-    assert bench.feed_forward_bytes(model, 4, 0) == always + routed  # 4 tokens: dense, every expert
+    models.moe.set_gather_max_tokens(model, 1)
+    assert bench.feed_forward_bytes(model, 1, "xla") == int(always + routed * share)  # gathered
+    models.moe.set_gather_max_tokens(model, 0)
+    assert bench.feed_forward_bytes(model, 4, "xla") == always + routed  # 4 tokens: dense, every expert
+    models.moe.set_dense_token_range(model, None)
+    assert bench.feed_forward_bytes(model, 4, "xla") < always + routed  # ragged: the experts 4 tokens pick
 
 
 def test_the_stack_runs_the_gathered_dispatch_as_the_kernel_where_asked():

@@ -55,7 +55,7 @@ from snapmla_jax import models
 from snapmla_jax.models import MLAConfig, MLAModel
 from snapmla_jax.models.sharding import key_name
 from snapmla_jax import cli, data_parallel, fp8_weights
-from snapmla_jax.backend import BACKENDS
+from snapmla_jax.backend import BACKENDS, resolve_backend
 from snapmla_jax.bench import timing
 from snapmla_jax.cache import LatentCache, kernel_addressable
 from snapmla_jax.decode import mla_decode
@@ -242,13 +242,11 @@ def feed_forward_stack(params, x, *, graphdef, backend: str = "xla"):
     return x
 
 
-def weight_bytes_touched(cfg: MLAConfig, params, batch: int, dense_token_range=None,
-                         gather_max: int = 0) -> tuple[int, int]:
+def weight_bytes_touched(cfg: MLAConfig, params, batch: int, dispatch: str = "ragged") -> tuple[int, int]:
     """(all weight bytes, bytes a step of ``batch`` tokens reads): the embedding counts
-    ``batch`` rows; routed experts count by the expected share any token picks,
-    1 - (1 - k/E)^batch (uniform routing), or whole where the MoE runs dense for
-    ``batch`` tokens (``models.moe.choose_dispatch`` with the model's
-    ``MoE.dense_token_range`` and ``MoE.gather_max_tokens``)."""
+    ``batch`` rows; routed experts whole where the MoE runs them ``dispatch`` "dense" (every
+    matrix once), else by the expected share any token picks, 1 - (1 - k/E)^batch (uniform
+    routing; ``routed_dispatch`` gives a model's dispatch)."""
     total = expert = unread = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         nbytes = leaf.size * leaf.dtype.itemsize
@@ -259,10 +257,17 @@ def weight_bytes_touched(cfg: MLAConfig, params, batch: int, dense_token_range=N
         if "embed_tokens" in names:
             unread += nbytes - min(nbytes, batch * nbytes // leaf.shape[0])
     share = 1.0
-    dense = models.moe.choose_dispatch(batch, dense_token_range, gather_max) == "dense"
-    if cfg.n_routed_experts and not dense:
+    if cfg.n_routed_experts and dispatch != "dense":
         share = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch
     return total, int(total - unread - (1 - share) * expert)
+
+
+def routed_dispatch(model, batch: int, backend: str) -> str:
+    """How ``model``'s MoE layers run a call of ``batch`` tokens with ``backend`` (``MoE.dispatch``:
+    with FP8 weights a gathered call of as many assignments as experts runs dense, and sorted
+    takes over from ``sorted_min_tokens``); "dense" without MoE layers."""
+    layers = models.moe.moe_layers(model)
+    return layers[0].dispatch(batch, resolve_backend(backend)) if layers else "dense"
 
 
 def moe_dispatch_text(token_range, gather_max: int = 0, sorted_min: int | None = None) -> str:
@@ -592,8 +597,8 @@ def run(args: argparse.Namespace) -> int:
                      for c in plan.contexts]
         for row in rows:
             if row["status"] == "ok" and "floor_ms" not in row:
-                touched = weight_bytes_touched(cfg, runner.params, row["batch"], env["dense_moe_tokens"],
-                                               env["gather_moe_tokens"])[1]
+                touched = weight_bytes_touched(cfg, runner.params, row["batch"],
+                                               routed_dispatch(model, row["batch"], args.backend))[1]
                 cache = row["batch"] * row["context"] * cache_bytes_per_token(cfg, row["kv_cache"])
                 row["floor_ms"] = (touched + cache) / (env["copy_gbps"] * 1e9) * 1e3
         timing.write_results(args.out, "e2e", env, rows, markdown(env, rows, grid["batches"], grid["contexts"]))
