@@ -14,7 +14,9 @@ from flax import nnx
 
 from hf_tiny import HF_MOE_CONFIG, write_tiny_hf_checkpoint
 from snapmla_jax.convert import main as convert_main
-from snapmla_jax.fp8_weights import FP8_E4M3_MAX, BlockFP8Weight, dequantize_weight, fp8_matmul, quantize_blocks
+from snapmla_jax import fp8_weights
+from snapmla_jax.fp8_weights import (FP8_E4M3_MAX, BlockFP8Weight, dequantize_weight, fp8_matmul, kernel_quantization,
+                                     quantize_blocks)
 from snapmla_jax.models import (MLAConfig, MLAModel, load_checkpoint, load_hf_checkpoint, quantize_weights,
                                 save_checkpoint)
 from snapmla_jax.models.hf_loader import SafetensorsFile
@@ -179,16 +181,20 @@ def _e4m3_rounding(v: np.ndarray) -> np.ndarray:
     return E4M3_REL * np.abs(v) + E4M3_SUBNORMAL_ABS * np.repeat(blocks, 128, axis=-1)
 
 
-@pytest.mark.parametrize("num_tokens, dispatch, backend", [
-    (3, "gathered", "interpret"), (5, "dense", "interpret"), (1, "dense", "interpret"), (37, "sorted", "interpret"),
-    pytest.param(3, "gathered", "pallas", marks=pytest.mark.gpu),
-    pytest.param(200, "dense", "pallas", marks=pytest.mark.gpu),  # two token tiles
-    pytest.param(200, "sorted", "pallas", marks=pytest.mark.gpu)])
-def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(num_tokens, dispatch, backend):
+@pytest.mark.parametrize("num_tokens, dispatch, backend, kernel_quantizes", [
+    (3, "gathered", "interpret", 0), (5, "dense", "interpret", 0), (1, "dense", "interpret", 0),
+    (37, "sorted", "interpret", 0), (3, "gathered", "interpret", 64), (37, "sorted", "interpret", 64),
+    pytest.param(3, "gathered", "pallas", 0, marks=pytest.mark.gpu),
+    pytest.param(5, "dense", "pallas", 64, marks=pytest.mark.gpu),
+    pytest.param(200, "dense", "pallas", 0, marks=pytest.mark.gpu),  # two token tiles
+    pytest.param(200, "sorted", "pallas", 0, marks=pytest.mark.gpu)])
+def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(num_tokens, dispatch, backend,
+                                                                               kernel_quantizes, monkeypatch):
     """The routed experts on the FP8 GEMM kernel (interpreted) against float64 experts on the
     dequantized weights. The kernel quantizes each product's input to e4m3 per row and 128
     channels (x for gate and up; the gate-weighted (dense) or plain (gathered, sorted) hidden row
-    for down),
+    for down): after XLA's quantization, or in the kernel itself for products of at most
+    ``kernel_quantizes`` rows (``fp8_weights.kernel_quantization``),
     so the bound carries those roundings through: |d silu| <= 1.1 |d g|, then the product with up,
     then the down projection's absolute sums; the sums add 2**-15 of the terms' size interpreted
     (float32), 2**-10 compiled (the FP8 wgmma's accumulation)."""
@@ -223,8 +229,14 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
             h_err = h_err + _e4m3_rounding(np.abs(h) + h_err)  # the hidden row's own quantization
             want[t] += a * (h @ w_down[e])
             bound[t] += a * (h_err @ np.abs(w_down[e]) + sums * (np.abs(h) @ np.abs(w_down[e])))
-    shared = np.asarray(moe.shared_experts(x, backend=backend), np.float64)
-    got = np.asarray(moe(x, backend=backend), np.float64) - shared
+    quantized_by = []  # who quantized each routed product's input: the kernel (True) or XLA
+    grouped = fp8_weights.fp8_grouped_gemm_mgpu
+    monkeypatch.setattr(fp8_weights, "fp8_grouped_gemm_mgpu",
+                        lambda x, xs, *a, **kw: quantized_by.append(xs is None) or grouped(x, xs, *a, **kw))
+    with kernel_quantization(kernel_quantizes):
+        shared = np.asarray(moe.shared_experts(x, backend=backend), np.float64)
+        got = np.asarray(moe(x, backend=backend), np.float64) - shared
+    assert quantized_by and set(quantized_by) == {kernel_quantizes > 0}
     err = np.abs(got - want)
     assert (err <= bound + 1e-6 * np.abs(want).max()).all(), float((err / bound).max())
     # The worst case above adds every rounding with one sign; e4m3's roundings (RMS ~2**-4 / 3 of a
