@@ -33,8 +33,9 @@ group axis runs over each stack's groups in turn.
 
 The tokens may come quantized (x8 e4m3 and their scales, combined with the weights' by XLA) or
 as they are (bf16, f16, f32; ``x_scales`` None): then each CTA quantizes its token tile per token
-and 128 channels in shared memory as it arrives (``quantize_tile``) and reads the weights' scales
-by matrix id, so no launch runs before the product. Every weight tile's CTA reads the same
+and 128 channels in shared memory as it arrives (``quantize_tile``; rows past M arrive as the
+TMA's zeros, so M needs no padding) and reads the weights' scales by matrix id, so no launch runs
+before the product. Every weight tile's CTA reads the same
 tokens (from L2) in bf16, twice e4m3's bytes, against the launches it saves. Not yet timed on a
 GPU.
 
@@ -328,8 +329,8 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
     """G block-scaled products of one launch (module docstring), group g multiplying its tokens
     x[g] (or the one x[0] all groups share) by weight matrix ``matrices[g]`` of w8 (None: g).
 
-      x         [X, M, K], X = 1 (shared) or G; M as ``pad_tokens`` leaves it: e4m3 with
-                ``x_scales``, or bf16 / f16 / f32 with ``x_scales`` None, quantized per token and
+      x         [X, M, K], X = 1 (shared) or G: e4m3 with ``x_scales`` (M as ``pad_tokens`` leaves
+                it), or bf16 / f16 / f32 with ``x_scales`` None (any M), quantized per token and
                 128 channels in the kernel (``quantize_tile``: no launches before this one)
       x_scales  [X, K / 128, M] float32 (``fp8_weights.quantize_activations`` per group), or None
       w8        [E, N, K] e4m3;  w_scales [E, ceil(N / 128), K / 128] float32; or tuples of such
@@ -338,7 +339,8 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
       matrices  None (G = E) or int32 [G]: each group's matrix, in [0, E) (not checked in a trace),
                 or negative: the group is skipped, its output rows left unwritten (as in
                 ``grouped_gemm_mgpu``)
-      -> y [G, M, N] float32 (a tuple of them, one a stack, for tuples), or with ``sum_groups``
+      -> y [G, M, N] float32 (M padded as ``pad_tokens`` pads it where the kernel quantizes x; a
+         tuple of them, one a stack, for tuples), or with ``sum_groups``
          [M, N] = the sum over the groups (the K of one product that runs over every group's
          channels; one stack, ``matrices`` None).
 
@@ -346,15 +348,18 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
     """
     stacked = isinstance(w8, tuple)
     w8s, w_scales_s = (tuple(w8), tuple(w_scales)) if stacked else ((w8,), (w_scales,))
-    num_x, m, k = x.shape
+    num_x, m_given, k = x.shape
     num_matrices, n, _ = w8s[0].shape
     groups_total = num_matrices if matrices is None else matrices.shape[0]
     kb_per_step = config.blocks_per_step(k)
+    quantize = x_scales is None
+    # Tokens the kernel quantizes may be any number: its tiles' rows past M arrive as zeros (the
+    # TMA's out-of-bounds fill), and the output keeps whole tiles.
+    m = pad_tokens(m_given) if quantize else m_given
     if not kernel_takes(m, n, k, config) or m != pad_tokens(m) or w8s[0].shape[2] != k:
         raise ValueError(f"x, w8: the FP8 GEMM takes M a multiple of {TOKEN_MULTIPLE} up to {MAX_TOKENS} (of "
-                         f"{LARGE_TILE} above), N of {TILE_N} and K of {BLOCK * kb_per_step}, got M={m}, N={n}, "
-                         f"K={k} (weights K={w8s[0].shape[2]})")
-    quantize = x_scales is None
+                         f"{LARGE_TILE} above; any M it quantizes itself), N of {TILE_N} and K of "
+                         f"{BLOCK * kb_per_step}, got M={m_given}, N={n}, K={k} (weights K={w8s[0].shape[2]})")
     if quantize and x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
         raise ValueError(f"x: without x_scales the kernel quantizes bf16, f16 or f32 tokens, got {x.dtype}")
     if not quantize and x.dtype != jnp.float8_e4m3fn:

@@ -175,25 +175,19 @@ def _tile_rows(rows: int) -> int:
     return -(-rows // TILES_CONFIG.tile_tokens) * TILES_CONFIG.tile_tokens
 
 
-def _padded_rows(x: jax.Array, rows: int) -> jax.Array:
-    """x [..., M, K] padded with zero rows to ``rows``."""
-    if rows == x.shape[-2]:
-        return x
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, rows - x.shape[-2]), (0, 0)])
-
-
 def _quantized_rows(x: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
     """x [..., M, K] padded to ``rows`` rows and quantized per row and 128 channels:
     (x8 [..., rows, K] e4m3, scales [..., K / 128, rows] float32)."""
-    return quantize_activations(_padded_rows(x, rows))
+    pad = [(0, 0)] * (x.ndim - 2) + [(0, rows - x.shape[-2]), (0, 0)]
+    return quantize_activations(jnp.pad(x, pad))
 
 
 def _kernel_tokens(x: jax.Array, rows: int) -> tuple[jax.Array, jax.Array | None]:
-    """The FP8 GEMM of few tokens' (x, x_scales) for x [..., M, K] padded to ``rows``: x itself
-    and None (the kernel quantizes it) up to KERNEL_QUANTIZES_MAX_ROWS rows of a bf16, f16 or f32
-    x, else XLA's quantization."""
+    """The FP8 GEMM of few tokens' (x, x_scales) for x [..., M, K]: x itself and None up to
+    KERNEL_QUANTIZES_MAX_ROWS rows of a bf16, f16 or f32 x (the kernel quantizes it, its tiles'
+    rows past M read as zeros: no pad), else XLA's quantization of x padded to ``rows``."""
     if x.shape[-2] <= KERNEL_QUANTIZES_MAX_ROWS and x.dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
-        return _padded_rows(x, rows), None
+        return x, None
     return _quantized_rows(x, rows)
 
 

@@ -209,6 +209,8 @@ def _check_quantizing(case, dtype, interpret, rel_bound):
     x = x.astype(dtype)
     ids = None if chosen is None else jnp.asarray(chosen, jnp.int32)
     y = fp8_grouped_gemm_mgpu(x, None, w.values, w.scales, ids, sum_groups=summed, num_sms=4, interpret=interpret)
+    assert y.shape[-2] == pad_tokens(m)  # whole token tiles; the rows past m are the TMA's zeros
+    y = y[..., :m, :]
     x64 = np.asarray(x.astype(jnp.float32), np.float64)
     w64 = np.asarray(dequantize_weight(w, jnp.float32), np.float64)
     w64 = w64 if chosen is None else w64[np.asarray(chosen)]
@@ -226,7 +228,16 @@ def _check_quantizing(case, dtype, interpret, rel_bound):
     return y, want
 
 
-@pytest.mark.parametrize("case", GROUPED_CASES, ids=[c[0] for c in GROUPED_CASES])
+# Token counts the kernel reads in tiles past their end (no pad before the launch): one token, 11,
+# and 100 in a 128-token tile, summed and with chosen matrices.
+RAGGED_TOKEN_CASES = [
+    ("one token", 2, 2, 1, 128, 256, None, False),
+    ("11 tokens, chosen matrices", 1, 3, 11, 64, 512, [2, 0], False),
+    ("100 tokens summed", 3, 3, 100, 64, 256, None, True),
+]
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES + RAGGED_TOKEN_CASES, ids=[c[0] for c in GROUPED_CASES + RAGGED_TOKEN_CASES])
 def test_the_launch_quantizes_bf16_tokens_itself_within_their_e4m3_rounding(case):
     """Without ``x_scales`` each mode of the grouped launch quantizes its bf16 tokens per token and
     128 channels in the kernel (``quantize_tile``); interpreted, the sums add 2^-15 of the terms'
@@ -258,9 +269,9 @@ def test_the_kernel_quantizes_float32_tokens_and_two_stacks_share_them():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GROUPED_CASES + [("V2-Lite experts, summed down", 64, 64, 64, 2048, 1408, None, True),
-                                                  ("V3 experts, chosen", 1, 8, 16, 2048, 7168, [5, 1, 5, 7], False)],
-                         ids=lambda c: c[0])
+@pytest.mark.parametrize("case", GROUPED_CASES + RAGGED_TOKEN_CASES + [
+    ("V2-Lite experts, summed down", 64, 64, 64, 2048, 1408, None, True),
+    ("V3 experts, chosen, 5 tokens", 1, 8, 5, 2048, 7168, [5, 1, 5, 7], False)], ids=lambda c: c[0])
 def test_the_compiled_launch_quantizes_bf16_tokens_itself_within_their_e4m3_rounding(case):
     # The FP8 wgmma's ~14-bit accumulation of four 32-channel slices a block: 2^-10 of the terms' size.
     _check_quantizing(case, jnp.bfloat16, interpret=False, rel_bound=2.0**-10)
@@ -405,12 +416,13 @@ def test_a_shape_the_kernel_does_not_take_is_refused_naming_it():
 
 
 @pytest.mark.parametrize("m, n, k, x_dtype", [(64, 18432, 7168, jnp.float8_e4m3fn), (16, 2048, 7168, jnp.float8_e4m3fn),
-                                              (64, 18432, 7168, jnp.bfloat16), (32, 2048, 1408, jnp.float32)])
+                                              (64, 18432, 7168, jnp.bfloat16), (32, 2048, 1408, jnp.float32),
+                                              (5, 2048, 7168, jnp.bfloat16)])
 def test_the_kernel_lowers_for_cuda_within_shared_memory_at_the_largest_tokens(m, n, k, x_dtype):
     """Lowered on CPU for an H100 (layout inference, the pipeline's SMEM: 4 slots of 64 x 256
     weight bytes and m x 256 token bytes); 256 tokens overflowed shared memory on the GPU. Tokens
-    unquantized (bf16, f32): the kernel's quantization lowers, and 64 bf16 tokens fit in 3 slots
-    beside its e4m3 tile (4 came to 32 bytes past a CTA's SMEM)."""
+    unquantized (bf16, f32): the kernel's quantization lowers, 5 tokens in a 16-token tile too, and
+    64 bf16 tokens fit in 3 slots beside its e4m3 tile (4 came to 32 bytes past a CTA's SMEM)."""
     from snapmla_jax.backend import lower_for_cuda
 
     quantized = x_dtype == jnp.float8_e4m3fn
