@@ -224,12 +224,15 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
         if quantize:
             def body(indices, w_s, x_s, total):
                 e, k = indices
-                quantize_tile(x_s, xq_s, xs_s, interpret=interpret)
                 matrix, nb = matrix0 + e, lax.div(n, BLOCK // TILE_N)  # e > 0 only for summed groups
+                # The weight blocks' scales, one number each from global memory (cached), read
+                # first: their latency passes under the quantization.
                 kb0 = k0 // BLOCK + k * kb_per_step
+                w_scales = [ws_gmem[matrix, nb, kb0 + kb] for kb in range(kb_per_step)]
+                quantize_tile(x_s, xq_s, xs_s, interpret=interpret)
 
                 def scale_of(kb):
-                    return plgpu.load(xs_s.at[kb], layout=COL) * ws_gmem[matrix, nb, kb0 + kb]
+                    return plgpu.load(xs_s.at[kb], layout=COL) * w_scales[kb]
 
                 return scaled_products(w_s, lambda kb: xq_s.at[kb], scale_of, total)
 
