@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from snapmla_jax.pallas_kernels.combine_splits import check_items_args, check_splits_args, lse_of_total
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import GRID_YZ_MAX
 
 WARPGROUP = 128  # threads of a CTA; a register array of n values needs n % 128 == 0
 # Partial values a CTA loads in one step (its ``chunk`` items x its run): 32 a thread, 64 from 33
@@ -181,6 +182,8 @@ def _merge_run(out_ref, lse_ref, o_ref, lse_out_ref, b, start, count, *, chunk: 
 def _launch(body, operands, out_type, *, batch: int, runs: int, name: str, interpret: bool):
     """One Mosaic GPU launch of a merge: grid (batch row "b", run "run"), one warpgroup a CTA,
     every operand whole in global memory (a ``jax.Ref`` operand is written in place)."""
+    if batch > GRID_YZ_MAX:  # the batch rows go to CUDA's y (the runs to x)
+        raise ValueError(f"out: {batch} batch rows, past the {GRID_YZ_MAX} a CUDA grid's y takes; merge them in parts")
     return plgpu.kernel(body, out_type=out_type, grid=(batch, runs), grid_names=("b", "run"), kernel_name=name,
                         interpret=plgpu.InterpretGPUParams() if interpret else None)(*operands)
 

@@ -73,6 +73,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir.dialects import nvvm
 
 from snapmla_jax.pallas_kernels.fp8 import FP8_DTYPE, FP8_E4M3_MAX
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import GRID_YZ_MAX
 from snapmla_jax.pallas_kernels.mgpu_bytes import (BYTE_TILE_TRANSFORMS, load_vt_quads, output_transforms,
                                                    store_feature_pairs, store_quads)
 from snapmla_jax.pallas_kernels.combine_splits import partial_dtype
@@ -1128,6 +1129,9 @@ def grid_params(plan: SplitPlan, row_blocks: int, kernel_name: str, interpret: b
     warpgroups, and ``COMPILER_PARAMS`` (if set) with ``APPROX_MATH`` and, unless None,
     ``reduction_scratch_bytes`` (the SMEM Pallas keeps for reductions across warps; 0 for a
     kernel that brings its own scratch)."""
+    if plan.items.shape[1] > GRID_YZ_MAX:  # the items go to CUDA's y (the row blocks to x)
+        raise ValueError(f"seq_lens: {plan.items.shape[1]} work items for {plan.item_count.shape[0]} batch rows, past "
+                         f"the {GRID_YZ_MAX} a CUDA grid's y takes; decode the batch in parts")
     params = dataclasses.replace(COMPILER_PARAMS or plgpu.CompilerParams(), approx_math=APPROX_MATH)
     if reduction_scratch_bytes is not None:
         params = dataclasses.replace(params, reduction_scratch_bytes=reduction_scratch_bytes)

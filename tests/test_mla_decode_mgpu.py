@@ -1344,3 +1344,19 @@ def test_softmax_frame_rounds_p_as_the_block_max_rule():
     assert np.all(np.asarray(lse_unseen) == -np.inf)
     late, _, _, _ = _frame_steps([unseen] + steps)
     assert_within_rounding(late, np.asarray(out, np.float64))
+
+
+@pytest.mark.parametrize("kernel,rows", [("mgpu", 128), ("small", 16)])
+def test_a_batch_past_cudas_grid_y_is_refused_at_trace_time_naming_it(kernel, rows):
+    """The decode kernels put their work items in CUDA's grid y, which takes at most 65535: a call
+    of more is refused when traced, saying what to do, not at launch (CUDA_ERROR_INVALID_VALUE)."""
+    S = jax.ShapeDtypeStruct
+    batch, tokens = 65536, 256
+    args = (S((batch, rows, 512), jnp.bfloat16), S((batch, rows, 64), jnp.bfloat16),
+            (S((tokens, 512), jnp.float8_e4m3fn), S((tokens,), jnp.float32), S((tokens, 64), jnp.bfloat16)),
+            S((batch, 1), jnp.int32), S((batch,), jnp.int32), S((1,), jnp.int32))
+    kernel_fn = _kernel_and_rows(kernel)[0]
+    with pytest.raises(ValueError, match="seq_lens: 65536 work items for 65536 batch rows, past the 65535 a CUDA "
+                                         "grid's y takes; decode the batch in parts"):
+        lower_for_cuda(functools.partial(kernel_fn, softmax_scale=0.1, page_size=64, s_q=1, num_heads=rows, num_splits=1),
+                       *args)
