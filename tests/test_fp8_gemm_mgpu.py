@@ -33,6 +33,17 @@ def _quantized_f64(x8, x_scales, w):
     return x, np.asarray(dequantize_weight(w, jnp.float32), np.float64)
 
 
+def _activation_rounding_bound(x64, w64, spec, rel_bound):
+    """What quantizing x [..., M, K] per row and 128 channels may cost a product ``spec`` with w64,
+    plus ``rel_bound`` of the terms' size (the kernel's sums): e4m3 keeps 3 mantissa bits, so a
+    normal value rounds by at most 2^-4 of itself, a subnormal one (below 2^-6 of the block's 448
+    units) by at most 2^-10 of the block's amax / 448."""
+    k = x64.shape[-1]
+    scales = np.abs(x64.reshape(*x64.shape[:-1], k // BLOCK, BLOCK)).max(-1) / 448.0
+    x_err = 2.0**-4 * np.abs(x64) + 2.0**-10 * np.repeat(scales, BLOCK, axis=-1)
+    return np.einsum(spec, x_err, np.abs(w64)) + rel_bound * np.einsum(spec, np.abs(x64), np.abs(w64))
+
+
 def _check_kernel(m, n, k, config, interpret, rel_bound):
     x, w = _operands(m + n + k, m, n, k)
     x8, x_scales = quantize_activations(x)
@@ -82,11 +93,7 @@ def test_fp8_matmul_through_the_kernel_is_within_the_activation_rounding(lead, n
     x64 = np.asarray(x, np.float64).reshape(rows, k)
     w64 = np.asarray(dequantize_weight(w, jnp.float32), np.float64)
     want = x64 @ w64.T
-    # e4m3 keeps 3 mantissa bits: a normal value rounds by at most 2^-4 of itself, a subnormal one
-    # (below 2^-6 of the scale's 448 units) by at most 2^-10 of the block's scale amax / 448.
-    scales = np.abs(x64.reshape(rows, k // BLOCK, BLOCK)).max(-1) / 448.0
-    x_err = 2.0**-4 * np.abs(x64) + 2.0**-10 * np.repeat(scales, BLOCK, axis=1)
-    bound = x_err @ np.abs(w64).T + 2.0**-15 * (np.abs(x64) @ np.abs(w64).T)
+    bound = _activation_rounding_bound(x64, w64, "mk,nk->mn", 2.0**-15)
     err = np.abs(np.asarray(y, np.float64).reshape(rows, n) - want)
     assert (err <= bound).all(), float((err / bound).max())
     # Not XLA's unquantized product: the kernel ran (its activation rounding shows).
@@ -188,17 +195,6 @@ def test_the_grouped_launch_reads_its_grid_in_the_order_past_cuda_z_cap(monkeypa
 def test_the_compiled_grouped_launch_matches_float64_on_its_quantized_operands(case):
     # The FP8 wgmma's ~14-bit accumulation of four 32-channel slices a block, as the one-product test.
     _check_grouped(case, interpret=False, rel_bound=2.0**-10)
-
-
-def _activation_rounding_bound(x64, w64, spec, rel_bound):
-    """What quantizing x [..., M, K] per row and 128 channels may cost a product ``spec`` with w64,
-    plus ``rel_bound`` of the terms' size (the kernel's sums): e4m3 keeps 3 mantissa bits, so a
-    normal value rounds by at most 2^-4 of itself, a subnormal one (below 2^-6 of the block's 448
-    units) by at most 2^-10 of the block's amax / 448."""
-    k = x64.shape[-1]
-    scales = np.abs(x64.reshape(*x64.shape[:-1], k // BLOCK, BLOCK)).max(-1) / 448.0
-    x_err = 2.0**-4 * np.abs(x64) + 2.0**-10 * np.repeat(scales, BLOCK, axis=-1)
-    return np.einsum(spec, x_err, np.abs(w64)) + rel_bound * np.einsum(spec, np.abs(x64), np.abs(w64))
 
 
 def _check_quantizing(case, dtype, interpret, rel_bound):
@@ -316,11 +312,9 @@ def test_fp8_grouped_matmul_through_the_kernel_is_within_the_activation_rounding
     kept = slice(None) if chosen is None else np.asarray(chosen) >= 0  # a negative id: the group is skipped
     w64 = w64 if chosen is None else w64[np.asarray(chosen)][kept]
     x64 = np.broadcast_to(x64, (w64.shape[0], m, k))
-    scales = np.abs(x64.reshape(*x64.shape[:2], k // BLOCK, BLOCK)).max(-1) / 448.0
-    x_err = 2.0**-4 * np.abs(x64) + 2.0**-10 * np.repeat(scales, BLOCK, axis=-1)
     spec = "gmk,gnk->mn" if summed else "gmk,gnk->gmn"
     want = np.einsum(spec, x64, w64)
-    bound = np.einsum(spec, x_err, np.abs(w64)) + 2.0**-15 * np.einsum(spec, np.abs(x64), np.abs(w64))
+    bound = _activation_rounding_bound(x64, w64, spec, 2.0**-15)
     y = y if summed else y[kept]
     err = np.abs(np.asarray(y, np.float64) - want)
     assert y.shape == want.shape and (err <= bound).all(), float((err / bound).max())
