@@ -97,6 +97,7 @@ def test_e2e_tiny_with_fp8_weights_says_so(tmp_path):
     saved = json.loads((tmp_path / "e2e.json").read_text())
     assert saved["environment"]["weights"] == "block-FP8" and {r["status"] for r in saved["rows"]} == {"ok"}
     assert saved["environment"]["kernel_quantization_rows"] == 16
+    assert "(activations quantized in the FP8 GEMM itself up to 16 rows, by XLA above)" in (tmp_path / "e2e.md").read_text()
     assert fp8_weights.KERNEL_QUANTIZES_MAX_ROWS == 0  # the library's setting back after the run
     assert "with random block-FP8 weights" in (tmp_path / "e2e.md").read_text()
 

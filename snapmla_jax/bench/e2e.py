@@ -423,13 +423,22 @@ def _cell(row: dict | None, field: str, fmt: str) -> str:
     return row["status"] if row is not None and field == "tokens_per_s" else "-"
 
 
+def activation_text(env: dict) -> str:
+    """Where the FP8 products' activations were quantized, for the header ("" with bf16 weights)."""
+    rows = env.get("kernel_quantization_rows")
+    if rows is None:
+        return ""
+    where = f"in the FP8 GEMM itself up to {rows} rows, by XLA above" if rows else "by XLA"
+    return f" (activations quantized {where})"
+
+
 def markdown(env: dict, rows: list[dict], batches, contexts) -> str:
     by_key = {(r["batch"], r["context"], r["kv_cache"]): r for r in rows}
     lines = [
         "# End-to-end decode: FP8 vs BF16 latent cache\n",
         f"Device {env['device']}, jax {env['jax']}, {env['date']}. Produced by `python -m snapmla_jax.bench e2e` "
         "(the published table with `--publish`).\n",
-        f"Model: {env['model']} with random {env.get('weights', 'bf16')} weights "
+        f"Model: {env['model']} with random {env.get('weights', 'bf16')} weights{activation_text(env)} "
         f"({env['params_b']:.2f} B parameters, "
         f"{env['weights_gib']:.1f} GiB). Greedy decoding in the compiled `lax.while_loop` of "
         f"`snapmla_jax.generate` ({env['steps']} steps per call, median of {env['iters']} calls), every row "
