@@ -7,8 +7,8 @@ pallas_kernels/fp8_gemm_mgpu.py's and fp8_gemm_tiles_mgpu.py's docstrings.
 Four or five programs a shape, side by side (``timing.time_round_robin``): "bf16" is XLA's x @ W^T
 with W in bf16; "fp8" is ``fp8_matmul`` (on a Hopper GPU the Mosaic kernels with their activation
 quantization and the sum of their partials); up to 64 tokens "fp8_qk", the same with the kernel
-of few tokens quantizing x itself (``fp8_weights.kernel_quantization``); "fp8_xla" is ``fp8_matmul(..., backend="xla")``, the
-weight dequantized in the program; "fp8_tensor" is XLA's FP8 product with one scale for each
+of few tokens quantizing x itself (``fp8_weights.kernel_quantization``); "fp8_xla" is
+``fp8_matmul(..., backend="xla")``, the weight dequantized in the program; "fp8_tensor" is XLA's FP8 product with one scale for each
 operand (cuBLAS's FP8 GEMM: the ceiling a product with block scales is held against). Below
 COMPUTE_TOKENS tokens each program chains its product over enough weight copies (>= 384 MiB of
 e4m3) that the weights come from HBM, not L2, and one call's time is the chain's over the copies;

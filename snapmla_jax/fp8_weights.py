@@ -183,7 +183,7 @@ def _quantized_rows(x: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _kernel_tokens(x: jax.Array, rows: int) -> tuple[jax.Array, jax.Array | None]:
-    """The FP8 GEMM of few tokens' (x, x_scales) for x [..., M, K]: x itself and None up to
+    """The FP8 GEMM of few tokens' (tokens, x_scales) for x [..., M, K]: x itself and None up to
     KERNEL_QUANTIZES_MAX_ROWS rows of a bf16, f16 or f32 x (the kernel quantizes it, its tiles'
     rows past M read as zeros: no pad), else XLA's quantization of x padded to ``rows``."""
     if x.shape[-2] <= KERNEL_QUANTIZES_MAX_ROWS and x.dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
@@ -222,8 +222,8 @@ def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax
                                 num_sms=sm_count(), interpret=backend == "interpret")
         return y[:rows].astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     if kernel_runs(w, rows, backend):
-        x8, x_scales = _kernel_tokens(x.reshape(rows, x.shape[-1]), pad_tokens(rows))
-        y = fp8_gemm_mgpu(x8, x_scales, w.values, w.scales, num_sms=sm_count(), interpret=backend == "interpret")
+        tokens, x_scales = _kernel_tokens(x.reshape(rows, x.shape[-1]), pad_tokens(rows))
+        y = fp8_gemm_mgpu(tokens, x_scales, w.values, w.scales, num_sms=sm_count(), interpret=backend == "interpret")
         return y[:rows].astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     product = jnp.einsum("...i,oi->...o", x, dequantize_weight(w, x.dtype), preferred_element_type=jnp.float32)
     return product.astype(x.dtype)
@@ -267,11 +267,11 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
         ys = tuple(y[:, :rows] for y in ys)
         return ys if isinstance(w, tuple) else ys[0]
     if all(kernel_runs(s, rows, backend) for s in stacks):
-        x8, x_scales = _kernel_tokens(x, pad_tokens(rows))
+        tokens, x_scales = _kernel_tokens(x, pad_tokens(rows))
         values, scales = tuple(s.values for s in stacks), tuple(s.scales for s in stacks)
         if len(stacks) == 1:
             values, scales = values[0], scales[0]
-        ys = fp8_grouped_gemm_mgpu(x8, x_scales, values, scales, matrices, sum_groups=sum_groups,
+        ys = fp8_grouped_gemm_mgpu(tokens, x_scales, values, scales, matrices, sum_groups=sum_groups,
                                    num_sms=sm_count(), interpret=backend == "interpret")
         ys = tuple(y[:rows] if sum_groups else y[:, :rows] for y in (ys if isinstance(ys, tuple) else (ys,)))
         return ys if isinstance(w, tuple) else ys[0]
