@@ -15,6 +15,13 @@ import pytest
 jax.config.update("jax_enable_x64", False)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--one-case-each", action="store_true",
+                     help="run only the first parametrized case of each test function (CI's run on the "
+                          "newest jax, which checks that the code still runs there; the full matrix runs "
+                          "on the jax of README's test command)")
+
+
 def pytest_configure(config):
     """One persistent compilation cache (``jax_compilation_cache_dir``) for the test run: a fresh
     directory, removed at the end, shared by the xdist workers and every Python process a test
@@ -44,6 +51,14 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("one_case_each"):
+        functions, kept, dropped = set(), [], []
+        for item in items:
+            function = (item.path, item.originalname)
+            (dropped if function in functions else kept).append(item)
+            functions.add(function)
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
