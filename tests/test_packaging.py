@@ -157,11 +157,12 @@ def test_install_comments_make_no_claim_about_this_machine():
     assert re.search(r"torch==\d", text) and "transformers==" in text  # pinned, each with its reason above
 
 
-def test_ci_runs_the_readmes_test_command_then_the_suite_on_the_newest_jax():
+def test_ci_runs_the_readmes_test_command_then_one_case_each_on_the_newest_jax():
     lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
     readme_command = "bash scripts/install.sh --tests && .venv/bin/python -m pytest -q -n 2"
     assert lines[-2:] == [readme_command,
-                          "bash scripts/install.sh --jax newest && .venv-jax-newest/bin/python -m pytest -q -n 2"]
+                          "bash scripts/install.sh --jax newest && .venv-jax-newest/bin/python -m pytest -q -n 2 "
+                          "--one-case-each"]
     assert f"\n{readme_command}\n" in (ROOT / "README.md").read_text()
 
 
