@@ -7,7 +7,9 @@ Per token, keys and values come from one shared latent ``c_kv`` [kv_lora_rank]
     score[h]  = (q_nope[h] . k_nope[h] + q_pe[h] . k_pe) * softmax_scale
 
 ``W_UK`` [R, H, qk_nope] and ``W_UV`` [R, H, v_head] are the two halves of
-DeepSeek's ``kv_b_proj``, split once at load time.
+DeepSeek's ``kv_b_proj``, split once at load time. Either may be block-FP8
+(``models.layers.quantize_weights``): then one e4m3 matrix a head, [H, R, qk_nope] and
+[H, v_head, R], multiplied per head by ``fp8_grouped_matmul`` (groups = heads).
 
 * Full form (training, prefill): expand keys and values per head and run
   ordinary causal attention; this is what Hugging Face's model computes.
@@ -24,8 +26,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from snapmla_jax.decode import mla_decode
+from snapmla_jax.fp8_weights import BlockFP8Weight, dequantize_weight, fp8_grouped_matmul
 from snapmla_jax.models.config import MLAConfig
-from snapmla_jax.models.layers import RMSNorm, RotaryEmbedding, linear
+from snapmla_jax.models.layers import ABSORBED_WEIGHTS, RMSNorm, RotaryEmbedding, linear
 from snapmla_jax.write import write_kv
 
 # The full form's attention runs in query blocks whose float32 scores [B, H, C, S] stay
@@ -35,6 +38,16 @@ from snapmla_jax.write import write_kv
 # with 1024-query blocks (XLA's memory analysis of the compiled attention, on the CPU).
 SCORE_BLOCK_BYTES = 256 << 20
 MAX_QUERY_CHUNK = 1024  # queries per block at most: beyond it the products gain nothing
+
+
+def per_head_fp8_product(x: jax.Array, w: BlockFP8Weight, backend: str) -> jax.Array:
+    """x [..., H, in] times each head's matrix of the block-FP8 stack w [H, out, in]:
+    [..., H, out] float32 (``fp8_grouped_matmul`` with one group of tokens a head: on a Hopper GPU
+    or in the interpreter one FP8 GEMM launch, x quantized per row and 128 channels)."""
+    heads, width = x.shape[-2:]
+    rows = x.reshape(-1, heads, width).swapaxes(0, 1)
+    product = fp8_grouped_matmul(rows, w, backend=backend)
+    return product.swapaxes(0, 1).reshape(*x.shape[:-1], w.shape[-2])
 
 
 def query_chunk(batch: int, heads: int, seq: int) -> int:
@@ -97,8 +110,8 @@ class MLAAttention(nnx.Module):
         """
         q_nope, q_pe = self.queries(x, positions)
         c_kv, k_pe = self.latents(x, positions)
-        k_nope = jnp.einsum("bkr,rhn->bkhn", c_kv, self.w_uk[...])
-        values = jnp.einsum("bkr,rhv->bkhv", c_kv, self.w_uv[...])
+        k_nope = jnp.einsum("bkr,rhn->bkhn", c_kv, self.dense_weight("w_uk", c_kv.dtype))
+        values = jnp.einsum("bkr,rhv->bkhv", c_kv, self.dense_weight("w_uv", c_kv.dtype))
         batch, seq = x.shape[:2]
         chunk = query_chunk(batch, self.cfg.num_attention_heads, seq)
         # Under a gradient, each block's scores and probabilities [B, H, C, S] are recomputed in the
@@ -120,6 +133,15 @@ class MLAAttention(nnx.Module):
                 (blocked(q_nope), blocked(q_pe), jnp.arange(chunks) * chunk))
             out = out.swapaxes(0, 1).reshape(batch, chunks * chunk, *out.shape[3:])[:, :seq]
         return self.o_proj(out.reshape(batch, seq, -1)), c_kv, k_pe
+
+    def dense_weight(self, name: str, dtype) -> jax.Array:
+        """``w_uk`` or ``w_uv`` as stored [R, H, d], a block-FP8 one dequantized to ``dtype`` (the
+        full form expands keys and values per head from it)."""
+        weight = getattr(self, name).get_value()
+        if not isinstance(weight, BlockFP8Weight):
+            return weight
+        inverse = tuple(sorted(range(3), key=ABSORBED_WEIGHTS[name].__getitem__))
+        return dequantize_weight(weight, dtype).transpose(inverse)
 
     def _attend(self, q_nope, q_pe, k_nope, k_pe, values, first_query):
         """Causal attention of queries [B, C, H, *] at positions first_query + (0..C-1)
@@ -148,7 +170,11 @@ class MLAAttention(nnx.Module):
         """
         cfg = self.cfg
         q_nope, q_pe = self.queries(x, positions)
-        q_latent = jnp.einsum("bshn,rhn->bshr", q_nope, self.w_uk[...])
+        w_uk = self.w_uk.get_value()
+        if isinstance(w_uk, BlockFP8Weight):
+            q_latent = per_head_fp8_product(q_nope, w_uk, backend).astype(q_nope.dtype)
+        else:
+            q_latent = jnp.einsum("bshn,rhn->bshr", q_nope, w_uk)
         if q_transform is not None:
             q_latent = q_transform(q_latent).astype(q_latent.dtype)
         c_kv, k_pe = self.latents(x, positions)
@@ -159,5 +185,9 @@ class MLAAttention(nnx.Module):
         latent_out = mla_decode(q_latent, q_pe, cache, block_table, seq_lens,
                                 softmax_scale=cfg.softmax_scale, backend=backend, query_terms=query_terms,
                                 qk_promotion=qk_promotion)
-        out = jnp.einsum("bshr,rhv->bshv", latent_out, self.w_uv[...])
+        w_uv = self.w_uv.get_value()
+        if isinstance(w_uv, BlockFP8Weight):
+            out = per_head_fp8_product(latent_out, w_uv, backend).astype(latent_out.dtype)
+        else:
+            out = jnp.einsum("bshr,rhv->bshv", latent_out, w_uv)
         return self.o_proj(out.reshape(*x.shape[:-1], -1)), cache, latent_out

@@ -59,7 +59,7 @@ class CheckpointError(ValueError):
 
 def fp8_kernel_record(model: nnx.Module) -> dict | None:
     """{"block": [rows, cols], "kernels": [path, ...]} of ``model``'s block-FP8 weights (linear
-    kernels and routed-expert stacks, ``fp8_eligible_weights``), or None when it holds none.
+    kernels, w_uk / w_uv and routed-expert stacks, ``fp8_eligible_weights``), or None when it holds none.
     ValueError when they do not share one block shape."""
     kernels = {path: weight.get_value() for path, weight in fp8_eligible_weights(model).items()
                if isinstance(weight.get_value(), BlockFP8Weight)}

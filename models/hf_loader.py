@@ -13,10 +13,11 @@ linear layer (transposed to [in, out]), ``scale`` for an RMSNorm and
 DeepSeek's FP8 releases store linear weights as float8_e4m3fn with a float32
 ``<name>_scale_inv`` [ceil(out/128), ceil(in/128)]: each 128x128 block of the
 weight is multiplied by its scale (edge blocks cropped) and cast to the
-compute dtype; with ``fp8_weights=True`` the ones that are ``Linear`` kernels or
-routed experts (``models.layers.fp8_eligible_weights`` lists them) stay FP8
-instead: the stored e4m3 values [out, in] (stacked [E, out, in] for the experts)
-and their scales become a ``BlockFP8Weight``, unchanged. ``quantize_fp8_weights=True``
+compute dtype; with ``fp8_weights=True`` the ones that are ``Linear`` kernels,
+routed experts or ``kv_b_proj`` (``models.layers.fp8_eligible_weights`` lists them)
+stay FP8 instead: the stored e4m3 values [out, in] (stacked [E, out, in] for the
+experts, split per head for w_uk / w_uv) and their scales become a
+``BlockFP8Weight``, unchanged. ``quantize_fp8_weights=True``
 also quantizes the eligible weights stored in higher precision (DeepSeek-V2's bf16
 release) as they are read, so that such a model never holds them in bf16.
 Multi-token-prediction layers (indices >= num_hidden_layers)
@@ -42,9 +43,9 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from snapmla_jax.fp8_weights import quantize_blocks
+from snapmla_jax.fp8_weights import BlockFP8Weight, quantize_blocks
 from snapmla_jax.models.config import MLAConfig, read_hf_config
-from snapmla_jax.models.layers import fp8_eligible_weights, quantize_weights
+from snapmla_jax.models.layers import fp8_eligible_weights, fp8_layout, quantize_weights
 from snapmla_jax.models.sharding import (ParamSharding, fill_arrays, flat_arrays, merge_placed, param_path,
                                          resolve_sharding)
 from snapmla_jax.models.transformer import MLAModel
@@ -116,12 +117,16 @@ class SafetensorsFile:
 class Placement:
     """Where one checkpoint tensor goes: state ``path`` (row ``expert`` of a
     stacked expert weight, or the whole array), after ``transform`` from the
-    Hugging Face layout of shape ``hf_shape``."""
+    Hugging Face layout of shape ``hf_shape``. ``keep_fp8``: for a weight that may
+    stay FP8, how the stored e4m3 values [out, in] and their block scales become
+    this placement's ``BlockFP8Weight`` values and scales; None where they cannot
+    (the weight is dequantized, or quantized again in the model's layout)."""
 
     path: tuple
     expert: int | None
     transform: Callable[[np.ndarray], np.ndarray]
     hf_shape: tuple[int, ...]
+    keep_fp8: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
 
 
 def _identity(w: np.ndarray) -> np.ndarray:
@@ -132,12 +137,35 @@ def _transpose(w: np.ndarray) -> np.ndarray:
     return w.T
 
 
+def _as_stored(values: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return values, scales
+
+
+def kv_b_blocks_align(cfg: MLAConfig) -> bool:
+    """Whether kv_b_proj's FP8 blocks [H * (qk_nope + v), R] fall within one head's keys or values
+    each (square blocks, qk_nope and v multiples of the block: DeepSeek-V3's 128 / 128 / 128), so
+    that its e4m3 values and scales split per head into w_uk / w_uv unchanged."""
+    rows, cols = cfg.weight_block_size
+    return rows == cols and cfg.qk_nope_head_dim % rows == 0 and cfg.v_head_dim % rows == 0
+
+
 def _kv_b_placements(cfg: MLAConfig, prefix: tuple) -> list[Placement]:
     heads, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-    per_head = lambda w: w.reshape(heads, nope + cfg.v_head_dim, rank)
+    per_head = lambda w: w.reshape(heads, -1, w.shape[-1])  # [H, nope + v, R], or the scales' [H, blocks, ...]
     hf_shape = (heads * (nope + cfg.v_head_dim), rank)
-    return [Placement((*prefix, "w_uk"), None, lambda w: per_head(w)[:, :nope, :].transpose(2, 0, 1), hf_shape),
-            Placement((*prefix, "w_uv"), None, lambda w: per_head(w)[:, nope:, :].transpose(2, 0, 1), hf_shape)]
+    split = nope // cfg.weight_block_size[0]  # w_uk's rows of blocks a head
+
+    def keep_uk(values, scales):  # -> [H, R, nope] (layers.ABSORBED_WEIGHTS) and its scales
+        return per_head(values)[:, :nope].transpose(0, 2, 1), per_head(scales)[:, :split].transpose(0, 2, 1)
+
+    def keep_uv(values, scales):  # -> [H, v, R] and its scales
+        return per_head(values)[:, nope:], per_head(scales)[:, split:]
+
+    aligned = kv_b_blocks_align(cfg)
+    return [Placement((*prefix, "w_uk"), None, lambda w: per_head(w)[:, :nope, :].transpose(2, 0, 1), hf_shape,
+                      keep_uk if aligned else None),
+            Placement((*prefix, "w_uv"), None, lambda w: per_head(w)[:, nope:, :].transpose(2, 0, 1), hf_shape,
+                      keep_uv if aligned else None)]
 
 
 def plan_tensor(name: str, cfg: MLAConfig, expected: dict[tuple, tuple], num_mtp_layers: int):
@@ -161,7 +189,7 @@ def plan_tensor(name: str, cfg: MLAConfig, expected: dict[tuple, tuple], num_mtp
             expert = int(expert_match.group(1))
             if path not in expected or expert >= expected[path][0]:
                 return None
-            return [Placement(path, expert, _transpose, expected[path][1:][::-1])]
+            return [Placement(path, expert, _transpose, expected[path][1:][::-1], _as_stored)]
     parts = tuple(local.split("."))
     module, leaf = (*prefix, *parts[:-1]), parts[-1]
     if leaf == "weight":
@@ -169,7 +197,7 @@ def plan_tensor(name: str, cfg: MLAConfig, expected: dict[tuple, tuple], num_mtp
             path = (*module, target)
             if path in expected:
                 hf_shape = expected[path][::-1] if transform is _transpose else expected[path]
-                return [Placement(path, None, transform, hf_shape)]
+                return [Placement(path, None, transform, hf_shape, _as_stored if target == "kernel" else None)]
         return None
     path = (*prefix, *parts)
     return [Placement(path, None, _identity, expected[path])] if path in expected else None
@@ -274,17 +302,20 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         that are linear kernels (attention projections, dense MLPs, shared
         experts) or routed experts as ``BlockFP8Weight`` (values [out, in] as
         stored, stacked [E, out, in] for the experts, float32 scales), half the
-        bytes of bf16; ``kv_b_proj`` (split into w_uk / w_uv) and every
-        unquantized tensor are converted to ``dtype`` as without it. False:
+        bytes of bf16; so do ``kv_b_proj``'s, split per head into w_uk
+        [H, R, qk_nope] and w_uv [H, v, R] where its blocks fall within a head's
+        keys or values (``kv_b_blocks_align``; else dequantized). Every
+        unquantized tensor is converted to ``dtype`` as without it. False:
         every weight in ``dtype``.
       quantize_fp8_weights: with ``fp8_weights``, every other weight that
         could be FP8 (``fp8_eligible_weights``: stored in bf16 / f16 / f32, or
         FP8 in another format) becomes a ``BlockFP8Weight`` too, a matrix at a
         time as it is read: converted to ``dtype`` as without it, then
-        ``quantize_blocks`` of the [out, in] matrix (as ``quantize_weights``
-        quantizes it) in blocks of the config's ``weight_block_size`` (128 x
-        128 unless the checkpoint names one), so the model never holds those
-        weights in ``dtype``. ValueError without ``fp8_weights``.
+        ``quantize_blocks`` of each [out, in] matrix (``fp8_layout``, as
+        ``quantize_weights`` quantizes it) in blocks of the config's
+        ``weight_block_size`` (128 x 128 unless the checkpoint names one), so
+        the model never holds those weights in ``dtype``. ValueError without
+        ``fp8_weights``.
 
     Raises ValueError naming the tensors that are missing, unexpected or
     mis-shaped (checked from the headers before any data is read), an FP8
@@ -308,21 +339,23 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         if name not in files[path].entries:
             raise ValueError(f"hf_dir: the index places tensor {name} in {path}, which does not hold it")
     plan = _check_and_plan(hf_dir, cfg, expected, int(hf_config.get("num_nextn_predict_layers") or 0), index, files)
-    # Checkpoint tensor -> kernel path, for the FP8 weights that stay FP8 and those quantized as read.
-    kept_fp8, quantized = {}, {}
+    # Checkpoint tensors whose weights stay FP8 as stored, and those quantized as they are read.
+    kept_fp8, quantized = set(), set()
     block = cfg.weight_block_size
     if fp8_weights:
         eligible = fp8_eligible_weights(abstract)
         for name, planned in plan.items():
-            path = param_path(planned[0].path)
-            if path not in eligible:
+            if not all(param_path(p.path) in eligible for p in planned):
                 continue
-            if name + SCALE_SUFFIX in index and files[index[name]].dtype(name) == np.dtype(ml_dtypes.float8_e4m3fn):
-                kept_fp8[name] = path
+            stored_fp8 = (name + SCALE_SUFFIX in index
+                          and files[index[name]].dtype(name) == np.dtype(ml_dtypes.float8_e4m3fn))
+            if stored_fp8 and all(p.keep_fp8 is not None for p in planned):
+                kept_fp8.add(name)
             elif quantize_fp8_weights:
-                quantized[name] = path
+                quantized.add(name)
+        fp8_paths = [param_path(p.path) for name in (*kept_fp8, *quantized) for p in plan[name]]
         abstract = nnx.eval_shape(lambda: quantize_weights(MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype), block,
-                                                           paths=[*kept_fp8.values(), *quantized.values()]))
+                                                           paths=fp8_paths))
     graphdef, abstract_state = nnx.split(abstract)
     leaves = flat_arrays(abstract_state)
     placements = {path: resolve_sharding(sharding, path, leaf.shape, leaf.dtype) for path, leaf in leaves.items()}
@@ -334,16 +367,20 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         weight = files[index[name]].read(name)
         if name in kept_fp8:
             scale = files[index[name + SCALE_SUFFIX]].read(name + SCALE_SUFFIX).astype(np.float32)
-            _place_fp8(arrays, stacks, kept_fp8[name], plan[name][0].expert, weight, scale, leaves, placements)
+            for p in plan[name]:
+                _place_fp8(arrays, stacks, param_path(p.path), p.expert, *p.keep_fp8(weight, scale), leaves,
+                           placements)
             continue
         if name + SCALE_SUFFIX in index:
             scale = files[index[name + SCALE_SUFFIX]].read(name + SCALE_SUFFIX)
             weight = dequantize_blocks(weight, scale, cfg.weight_block_size)
         if name in quantized:
-            # [out, in] in the model's dtype, as quantize_weights would find it in the loaded model.
-            fp8 = _quantize_matrix(jnp.asarray(np.asarray(weight).astype(targets[plan[name][0].path].dtype)), block)
-            _place_fp8(arrays, stacks, quantized[name], plan[name][0].expert, np.asarray(fp8.values),
-                       np.asarray(fp8.scales), leaves, placements)
+            for p in plan[name]:
+                # [..., out, in] in the model's dtype, as quantize_weights would find it in the loaded model.
+                path = param_path(p.path)
+                fp8 = _quantize_each_matrix(fp8_layout(path, np.asarray(p.transform(weight)).astype(
+                    targets[p.path].dtype)), block)
+                _place_fp8(arrays, stacks, path, p.expert, fp8.values, fp8.scales, leaves, placements)
             continue
         for p in plan[name]:
             path = param_path(p.path)
@@ -354,6 +391,15 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
             _stack_row(stacks, arrays, path, p.expert, value, expected[p.path], placements[path])
     fill_arrays(abstract_state, arrays)
     return merge_placed(graphdef, abstract_state)
+
+
+def _quantize_each_matrix(weight: np.ndarray, block: tuple[int, int]) -> BlockFP8Weight:
+    """``quantize_blocks`` of a matrix [out, in], or of each matrix of a stack [..., out, in] on its
+    own (one compiled program for every matrix of a shape), as numpy arrays."""
+    parts = [_quantize_matrix(jnp.asarray(m), block) for m in weight.reshape(-1, *weight.shape[-2:])]
+    stacked = lambda leaves: np.stack(leaves).reshape(*weight.shape[:-2], *leaves[0].shape)
+    return BlockFP8Weight(stacked([np.asarray(q.values) for q in parts]), stacked([np.asarray(q.scales) for q in parts]),
+                          block)
 
 
 def _place_fp8(arrays: dict, stacks: dict, path: str, expert: int | None, values: np.ndarray, scales: np.ndarray,

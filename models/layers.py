@@ -60,46 +60,68 @@ def linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs) -> Lin
 # The MoE's stacked routed-expert weights [E, in, out] (``models.moe.MoE``), FP8-eligible beside
 # the ``Linear`` kernels.
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+# MLA's per-head absorbed weights (``models.attention.MLAAttention``, kv_b_proj split per head):
+# name -> the axes that turn the stored [R, H, d] into the FP8 stack [H, out, in] of the absorbed
+# products, one matrix a head: w_uk [H, R, qk_nope] (q_latent = q_nope @ W_UK^T: in = qk_nope) and
+# w_uv [H, v, R] (out = latent_out @ W_UV: in = R).
+ABSORBED_WEIGHTS = {"w_uk": (1, 0, 2), "w_uv": (1, 2, 0)}
 
 
 def fp8_eligible_weights(model: nnx.Module) -> dict[str, nnx.Variable]:
     """The weights ``quantize_weights`` may convert, by path: every ``Linear`` kernel but the LM
     head's ("layers/0/self_attn/q_a_proj/kernel"; DeepSeek's FP8 releases keep the LM head in
-    BF16, as the embedding and the router), and the MoE layers' stacked routed-expert weights
-    ("layers/1/mlp/w_gate"). Each is a float [..., in, out] array, or already a
-    ``BlockFP8Weight`` [..., out, in]."""
+    BF16, as the embedding and the router), each attention's absorbed ``w_uk`` / ``w_uv``
+    ("layers/0/self_attn/w_uk"; kv_b_proj in the releases) and the MoE layers' stacked
+    routed-expert weights ("layers/1/mlp/w_gate"). Each is a float array ([..., in, out]; [R, H, d]
+    for w_uk / w_uv), or already a ``BlockFP8Weight`` [..., out, in] (``fp8_layout``)."""
     found = {}
     for path, module in nnx.iter_graph(model):
         if isinstance(module, Linear) and path[:1] != ("lm_head",):
             found["/".join(map(str, (*path, "kernel")))] = module.kernel
-        elif type(module).__name__ == "MoE":  # by name: models.moe imports this module
+        # By class name: models.moe and models.attention import this module.
+        elif type(module).__name__ == "MoE":
             for name in EXPERT_WEIGHTS:
+                found["/".join(map(str, (*path, name)))] = getattr(module, name)
+        elif type(module).__name__ == "MLAAttention":
+            for name in ABSORBED_WEIGHTS:
                 found["/".join(map(str, (*path, name)))] = getattr(module, name)
     return found
 
 
+def fp8_layout(path: str, weight):
+    """The FP8-eligible float weight at ``path`` (a numpy or jax array in the model's layout)
+    as the [..., out, in] matrix or stack its ``BlockFP8Weight`` quantizes: a kernel or expert
+    stack [..., in, out] with its last two axes swapped, w_uk / w_uv [R, H, d] as the per-head
+    stacks of ``ABSORBED_WEIGHTS``."""
+    axes = ABSORBED_WEIGHTS.get(path.rsplit("/", 1)[-1])
+    return weight.swapaxes(-1, -2) if axes is None else weight.transpose(axes)
+
+
 def quantize_weights(model: nnx.Module, block: tuple[int, int] = DEFAULT_BLOCK, *,
-                     paths=None) -> nnx.Module:
+                     paths=None, absorbed: bool = True) -> nnx.Module:
     """Convert ``model``'s FP8-eligible weights to ``BlockFP8Weight`` in place; returns ``model``.
 
     Converted (``fp8_eligible_weights``): the attention projections (q / q_a / q_b,
-    kv_a_proj_with_mqa, o_proj), the dense MLPs, the MoE layers' shared experts (every
-    ``Linear`` but the LM head) and the routed experts' stacked weights. Each [..., in, out]
-    weight becomes values [..., out, in] with one scale per ``block`` of each matrix
-    (``quantize_blocks``), the checkpoint's layout. Left in the model's dtype: the embedding, the
-    LM head, the norms, the router and ``w_uk`` / ``w_uv`` (kv_b_proj split per head).
-    ``paths``: a subset of the weight paths to convert (None: all); ValueError naming a path that
-    is not an eligible weight. Weights already FP8 are left as they are.
+    kv_a_proj_with_mqa, o_proj) and absorbed ``w_uk`` / ``w_uv``, the dense MLPs, the MoE layers'
+    shared experts (every ``Linear`` but the LM head) and the routed experts' stacked weights.
+    Each becomes values [..., out, in] (``fp8_layout``: the checkpoint's layout for the kernels
+    and experts, one matrix a head for w_uk / w_uv) with one scale per ``block`` of each matrix
+    (``quantize_blocks``). Left in the model's dtype: the embedding, the LM head, the norms and
+    the router. ``paths``: a subset of the weight paths to convert (None: all, or all but w_uk /
+    w_uv with ``absorbed`` False); ValueError naming a path that is not an eligible weight.
+    Weights already FP8 are left as they are.
     """
     eligible = fp8_eligible_weights(model)
-    chosen = eligible if paths is None else set(paths)
+    if paths is None:
+        paths = [path for path in eligible if absorbed or path.rsplit("/", 1)[-1] not in ABSORBED_WEIGHTS]
+    chosen = set(paths)
     unknown = sorted(set(chosen) - set(eligible))
     if unknown:
         raise ValueError(f"paths: not weights that can be FP8: {unknown[:8]}")
     for path in chosen:
         weight = eligible[path]
         if not isinstance(weight.get_value(), BlockFP8Weight):
-            weight.set_value(quantize_blocks(jnp.swapaxes(weight.get_value(), -1, -2), block))
+            weight.set_value(quantize_blocks(fp8_layout(path, weight.get_value()), block))
     return model
 
 

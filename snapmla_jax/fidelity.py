@@ -28,7 +28,7 @@ the held-out text), each starting from an empty cache:
    instead of bfloat16, BF16 cache) that shows how often greedy decoding
    flips at near-ties under any rounding change.
 5. What FP8 weights cost beside the FP8 cache: the same model with its linear
-   kernels and routed experts block-quantized as DeepSeek-V3 ships them
+   kernels, w_uk / w_uv and routed experts block-quantized as DeepSeek-V3 ships them
    (``models.quantize_weights``, 128 x 128 blocks), its bits per byte with each
    cache against the BF16-weights BF16-cache run, and its greedy agreement with
    that run (FP8 weights and FP8 cache together).
@@ -238,8 +238,12 @@ def evaluate(model: MLAModel, windows: np.ndarray, *, chunk: int, backend: str, 
     diff = byte_bits(fp8.logprobs, targets) - byte_bits(bf16.logprobs, targets)
     # The same model with FP8 weights (DeepSeek's 128 x 128 blocks), with each cache.
     fp8_weights = quantize_weights(nnx.clone(model))
-    weights_runs = {kind: teacher_forced_decode(fp8_weights, windows, kind, chunk=chunk, backend=backend).logprobs
-                    for kind in ("bf16", "fp8")}
+    weights_runs = {f"{kind}_cache": teacher_forced_decode(fp8_weights, windows, kind, chunk=chunk,
+                                                           backend=backend).logprobs for kind in ("bf16", "fp8")}
+    # And with w_uk / w_uv left in bf16 (what the absorbed weights' own rounding costs), FP8 cache.
+    dense_absorbed = quantize_weights(nnx.clone(model), absorbed=False)
+    weights_runs["fp8_cache_dense_absorbed"] = teacher_forced_decode(dense_absorbed, windows, "fp8", chunk=chunk,
+                                                                     backend=backend).logprobs
     weights_diff = {kind: byte_bits(lp, targets) - byte_bits(bf16.logprobs, targets) for kind, lp in weights_runs.items()}
     ablation = [quant_error_report(lat, rope) for lat, rope in zip(bf16.latents, bf16.ropes)]
     pooled = quant_error_report(np.concatenate(bf16.latents), np.concatenate(bf16.ropes))
@@ -260,14 +264,13 @@ def evaluate(model: MLAModel, windows: np.ndarray, *, chunk: int, backend: str, 
         "rope_vs_latent": rope_vs_latent_range(bf16.latents, bf16.ropes),
         "greedy": greedy_agreement(model, prompts, gen_tokens, backend, fp8_weights_model=fp8_weights),
         "fp8_weights": {
-            "param_bytes": {"bf16": param_bytes(model), "fp8": param_bytes(fp8_weights)},
-            "bits_per_byte": {f"{kind}_cache": bits_per_byte_from_logprobs(lp, targets)
-                              for kind, lp in weights_runs.items()},
+            "param_bytes": {"bf16": param_bytes(model), "fp8": param_bytes(fp8_weights),
+                            "fp8_dense_absorbed": param_bytes(dense_absorbed)},
+            "bits_per_byte": {run: bits_per_byte_from_logprobs(lp, targets) for run, lp in weights_runs.items()},
             # Paired against the BF16-weights BF16-cache run, over the same bytes.
-            "minus_bf16_bits_per_byte": {f"{kind}_cache": float(d.mean()) for kind, d in weights_diff.items()},
-            "minus_bf16_standard_error": {f"{kind}_cache": float(d.std(ddof=1) / np.sqrt(d.size))
-                                          for kind, d in weights_diff.items()},
-            "kl_from_bf16_nats_mean": {f"{kind}_cache": mean_kl(bf16.logprobs, lp) for kind, lp in weights_runs.items()},
+            "minus_bf16_bits_per_byte": {run: float(d.mean()) for run, d in weights_diff.items()},
+            "minus_bf16_standard_error": {run: float(d.std(ddof=1) / np.sqrt(d.size)) for run, d in weights_diff.items()},
+            "kl_from_bf16_nats_mean": {run: mean_kl(bf16.logprobs, lp) for run, lp in weights_runs.items()},
         },
         "num_windows": int(windows.shape[0]), "window_tokens": int(targets.shape[1]),
         "bytes_scored": int((targets < byte_corpus.NUM_BYTES).sum()),
@@ -324,7 +327,7 @@ def to_markdown(results: dict) -> str:
               f"| control: BF16 cache, float32 weights and arithmetic | {g['control_f32_identical']} of "
               f"{g['num_prompts']} | {g['control_f32_agreeing_prefix']} |"]
     base = bpb["bf16_cache"]
-    lines += ["", f"FP8 weights (linear kernels and routed experts in 128 x 128 blocks; weights "
+    lines += ["", f"FP8 weights (linear kernels, w_uk / w_uv and routed experts in 128 x 128 blocks; weights "
               f"{w['param_bytes']['fp8'] / 2**20:.1f} MiB against {w['param_bytes']['bf16'] / 2**20:.1f} MiB), "
               "against BF16 weights with the BF16 cache (paired standard errors):", "",
               "| weights | cache | bits per byte | vs BF16 weights, BF16 cache | mean KL (nats per position) |",
@@ -332,11 +335,12 @@ def to_markdown(results: dict) -> str:
               f"| BF16 | FP8 | {bpb['fp8_cache']:.4f} | {100 * (bpb['fp8_cache'] / base - 1):+.3f}% "
               f"({results['fp8_minus_bf16_bits_per_byte']:+.5f} +- {results['fp8_minus_bf16_standard_error']:.5f}) | "
               f"{results['kl_fp8_from_bf16_nats_mean']:.2e} |"]
-    lines += [f"| FP8 | {kind.upper()} | {w['bits_per_byte'][f'{kind}_cache']:.4f} | "
-              f"{100 * (w['bits_per_byte'][f'{kind}_cache'] / base - 1):+.3f}% "
-              f"({w['minus_bf16_bits_per_byte'][f'{kind}_cache']:+.5f} +- "
-              f"{w['minus_bf16_standard_error'][f'{kind}_cache']:.5f}) | "
-              f"{w['kl_from_bf16_nats_mean'][f'{kind}_cache']:.2e} |" for kind in ("bf16", "fp8")]
+    runs = {"bf16_cache": ("FP8", "BF16"), "fp8_cache": ("FP8", "FP8"),
+            "fp8_cache_dense_absorbed": ("FP8, w_uk / w_uv BF16", "FP8")}
+    lines += [f"| {weights} | {cache} | {w['bits_per_byte'][run]:.4f} | "
+              f"{100 * (w['bits_per_byte'][run] / base - 1):+.3f}% "
+              f"({w['minus_bf16_bits_per_byte'][run]:+.5f} +- {w['minus_bf16_standard_error'][run]:.5f}) | "
+              f"{w['kl_from_bf16_nats_mean'][run]:.2e} |" for run, (weights, cache) in runs.items() if run in w['bits_per_byte']]
     return "\n".join(lines) + "\n"
 
 

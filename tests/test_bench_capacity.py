@@ -114,6 +114,12 @@ def test_random_fp8_weights_are_made_fp8_with_the_spread_of_the_bf16_ones():
     bf16 = e2e.random_model(e2e.TINY, jnp.bfloat16)
     assert param_bytes(model) < param_bytes(bf16)
     assert set(fp8_eligible_weights(models.quantize_weights(bf16))) == set(fp8_eligible_weights(model))
+    # --dense-absorbed's model: the same but w_uk / w_uv, made in bf16.
+    dense_absorbed = e2e.random_model(e2e.TINY, jnp.bfloat16, fp8_weights=True, fp8_absorbed=False)
+    kinds = {path: isinstance(v.get_value(), BlockFP8Weight) for path, v in fp8_eligible_weights(dense_absorbed).items()}
+    assert {path for path, fp8 in kinds.items() if not fp8} == {
+        f"layers/{i}/self_attn/{name}" for i in range(e2e.TINY.num_hidden_layers) for name in ("w_uk", "w_uv")}
+    assert dense_absorbed.layers[0].self_attn.w_uk.get_value().dtype == jnp.bfloat16
 
 
 def test_rows_that_fit_are_bounded_by_memory_and_by_the_int32_rows():

@@ -20,7 +20,8 @@ from snapmla_jax.fp8_weights import (FP8_E4M3_MAX, BlockFP8Weight, dequantize_we
 from snapmla_jax.models import (MLAConfig, MLAModel, load_checkpoint, load_hf_checkpoint, quantize_weights,
                                 save_checkpoint)
 from snapmla_jax.models.hf_loader import SafetensorsFile
-from snapmla_jax.models.layers import fp8_eligible_weights
+from snapmla_jax.models.attention import per_head_fp8_product
+from snapmla_jax.models.layers import fp8_eligible_weights, fp8_layout
 from snapmla_jax.models.transformer import param_bytes
 
 # e4m3 keeps 3 fraction bits: round-to-nearest moves a normal value by at most 2**-4 of itself.
@@ -118,13 +119,42 @@ def test_quantize_weights_converts_the_projections_and_experts_and_keeps_the_res
     assert fp8 == set(fp8_eligible_weights(model))
     assert {"layers/1/mlp/shared_experts/down_proj/kernel", "layers/0/self_attn/o_proj/kernel",
             "layers/1/mlp/w_gate", "layers/1/mlp/w_down"} <= fp8
+    assert {"layers/0/self_attn/w_uk", "layers/1/self_attn/w_uv"} <= fp8
     assert model.lm_head.kernel[...].dtype == jnp.bfloat16
-    assert model.layers[0].self_attn.w_uk[...].dtype == jnp.bfloat16
+    # The absorbed weights [R, H, d] become one matrix a head: w_uk [H, R, nope], w_uv [H, v, R].
+    heads, rank = CFG.num_attention_heads, CFG.kv_lora_rank
+    assert model.layers[0].self_attn.w_uk.get_value().values.shape == (heads, rank, CFG.qk_nope_head_dim)
+    assert model.layers[0].self_attn.w_uv.get_value().values.shape == (heads, CFG.v_head_dim, rank)
     # The experts' stack [E, in, out] becomes values [E, out, in] with scales per matrix.
     w_down = model.layers[1].mlp.w_down.get_value()
     experts, inner, hidden = CFG.n_routed_experts, CFG.moe_intermediate_size, CFG.hidden_size
     assert w_down.values.shape == (experts, hidden, inner)
     assert w_down.scales.shape == (experts, -(-hidden // BLOCK[0]), -(-inner // BLOCK[1]))
+
+
+def test_absorbed_weights_quantize_per_head_and_dequantize_to_their_stored_layout():
+    """Each head's w_uk / w_uv matrix gets its own blocks; ``dense_weight`` puts the dequantized
+    stack back into [R, H, d]: within e4m3's rounding of the float64 original (2**-4 of a normal
+    value, 2**-10 of the block's scale below), where a wrong axis order moves values by O(1)."""
+    cfg = dataclasses.replace(CFG, num_attention_heads=3, kv_lora_rank=40)  # ragged blocks of R
+    model = MLAModel(cfg, rngs=nnx.Rngs(7), dtype=jnp.float32)
+    attn = model.layers[0].self_attn
+    attn.w_uv.set_value(attn.w_uv.get_value().at[5, 1, 3].set(300.0))  # an outlier in one head's block
+    dense = {name: np.asarray(getattr(attn, name).get_value(), np.float64) for name in ("w_uk", "w_uv")}
+    quantize_weights(model, BLOCK)
+    for name, want in dense.items():
+        w = getattr(attn, name).get_value()
+        assert isinstance(w, BlockFP8Weight) and w.scales.shape[0] == 3, name
+        got = np.asarray(attn.dense_weight(name, jnp.float32), np.float64)
+        scale = np.repeat(np.repeat(np.asarray(w.scales, np.float64), BLOCK[0], 1), BLOCK[1], 2)
+        scale = np.moveaxis(scale[:, :w.shape[1], :w.shape[2]], 0, 1)  # per element, [out, H, in]
+        scale = scale.transpose((0, 1, 2) if name == "w_uk" else (2, 1, 0))  # as [R, H, d]
+        assert got.shape == want.shape
+        assert (np.abs(got - want) <= E4M3_REL * np.abs(want) + E4M3_SUBNORMAL_ABS * scale * 1.0001).all(), name
+    # The outlier's block holds it at 448 and its head's other blocks keep their own scales.
+    uv = attn.w_uv.get_value()
+    assert float(uv.scales[1, 0, 0]) == pytest.approx(300.0 / FP8_E4M3_MAX)
+    assert float(uv.scales[0, 0, 0]) < 1.0 and float(uv.scales[2, 0, 0]) < 1.0
 
 
 # Each matrix of a stack is quantized as on its own (its own amax per block).
@@ -286,6 +316,51 @@ def test_fp8_mlp_runs_gate_and_up_in_one_launch_within_the_activation_rounding(l
         assert not np.array_equal(got, np.asarray(mlp(x, backend="xla"), np.float64).reshape(want.shape))
 
 
+ABSORBED_CFG = dataclasses.replace(CFG, num_attention_heads=3, kv_lora_rank=256, qk_nope_head_dim=128,
+                                   v_head_dim=128)
+
+
+@pytest.mark.parametrize("lead, backend", [((1, 1), "interpret"), ((2, 3), "interpret"), ((67, 1), "interpret"),
+                                           pytest.param((5, 1), "pallas", marks=pytest.mark.gpu),
+                                           pytest.param((64, 2), "pallas", marks=pytest.mark.gpu)])
+def test_absorbed_fp8_products_run_one_gemm_a_head_within_the_activation_rounding(lead, backend, monkeypatch):
+    """q_nope @ W_UK^T and latent_out @ W_UV with block-FP8 w_uk / w_uv: one grouped FP8 GEMM
+    launch, a group a head (the kernel of few tokens up to 64 rows, the tiled one above), against
+    float64 on the dequantized weights. The kernel rounds x to e4m3 per row and 128 channels
+    (2**-4 of a normal value, 2**-10 of the block's scale below) and sums in float32 interpreted
+    (2**-15 of the terms' size), with the FP8 wgmma's ~14 bits compiled (2**-10)."""
+    model = quantize_weights(MLAModel(ABSORBED_CFG, rngs=nnx.Rngs(4), dtype=jnp.float32), (128, 128))
+    attn = model.layers[0].self_attn
+    heads = ABSORBED_CFG.num_attention_heads
+    rng = np.random.default_rng(sum(lead))
+    launches = []
+    grouped = fp8_weights.fp8_grouped_gemm_mgpu
+    tiled = fp8_weights.fp8_grouped_gemm_tiles_mgpu
+    monkeypatch.setattr(fp8_weights, "fp8_grouped_gemm_mgpu", lambda *a, **kw: launches.append(1) or grouped(*a, **kw))
+    monkeypatch.setattr(fp8_weights, "fp8_grouped_gemm_tiles_mgpu",
+                        lambda *a, **kw: launches.append(2) or tiled(*a, **kw))
+    sums = 2.0**-15 if backend == "interpret" else 2.0**-10
+    for name in ("w_uk", "w_uv"):
+        w = getattr(attn, name).get_value()
+        x = rng.normal(size=(*lead, heads, w.shape[-1]))
+        x[..., 1, :3] *= 40.0  # outlier channels in one head
+        x[0, 0, 0] = 0.0       # a zero row
+        dense = np.asarray(attn.dense_weight(name, jnp.float32), np.float64)  # [R, H, d]
+        per_head = np.moveaxis(dense, 1, 0)  # [H, R, d]
+        matrices = per_head.transpose(0, 2, 1) if name == "w_uk" else per_head  # [H, in, out]
+        want = np.einsum("...hi,hio->...ho", x, matrices)
+        bound = (np.einsum("...hi,hio->...ho", _e4m3_rounding(x), np.abs(matrices))
+                 + sums * np.einsum("...hi,hio->...ho", np.abs(x), np.abs(matrices)))
+        got = np.asarray(per_head_fp8_product(jnp.asarray(x, jnp.float32), w, backend), np.float64)
+        assert got.shape == want.shape
+        err = np.abs(got - want)
+        assert (err <= bound + 1e-6 * np.abs(want).max()).all(), (name, float((err / bound).max()))
+        assert np.linalg.norm(err) <= 0.1 * np.linalg.norm(want)  # RMS e4m3 rounding, as the experts' test
+        np.testing.assert_array_equal(got[0, 0, 0], 0.0)
+    tokens = lead[0] * lead[1]
+    assert launches == [2 if tokens > 64 else 1] * 2  # one launch a product, of the kernel for its rows
+
+
 def test_fp8_experts_run_dense_once_the_assignments_reach_the_experts():
     """On the FP8 GEMM a gathered call reads a matrix an assignment: from T * k >= E on, dense
     (each matrix once) runs instead, and sorted (of dense or ragged) from ``sorted_min_tokens`` on;
@@ -347,6 +422,9 @@ def test_hf_loader_keeps_fp8_kernels_with_their_stored_values_and_scales(hf_fp8_
     expert_names = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
     for path, weight in fp8_eligible_weights(model).items():
         w = weight.get_value()
+        if path.endswith(("w_uk", "w_uv")):  # 16-row blocks of kv_b_proj span a head's keys and values
+            assert w.dtype == jnp.bfloat16, path
+            continue
         assert isinstance(w, BlockFP8Weight) and w.block == BLOCK, path
         *layer, leaf = path.split("/")
         if leaf in expert_names:  # a stack of experts.{e}.*_proj, row e each
@@ -357,8 +435,40 @@ def test_hf_loader_keeps_fp8_kernels_with_their_stored_values_and_scales(hf_fp8_
         for row, name in enumerate(names):
             np.testing.assert_array_equal(values[row].view(np.uint8), stored.read(name).view(np.uint8))
             np.testing.assert_array_equal(scales.reshape(-1, *scales.shape[-2:])[row], stored.read(name + "_scale_inv"))
-    assert model.layers[0].self_attn.w_uk[...].dtype == jnp.bfloat16    # kv_b_proj: dequantized
     assert model.lm_head.kernel[...].dtype == jnp.bfloat16              # stored unquantized
+
+
+def test_hf_loader_keeps_kv_b_proj_fp8_split_per_head_where_its_blocks_align(tmp_path):
+    """8-row blocks fall within a head's 8 key rows or 8 value rows of kv_b_proj [H * 16, R]
+    (DeepSeek-V3: 128 / 128 / 128): w_uk and w_uv hold its stored e4m3 bytes and scales, one
+    matrix a head, and the model computes what the dequantized model does (the weights are the
+    same numbers; bf16 products may land on a neighbouring value, 2**-6 of the largest logit as
+    in the test below)."""
+    path = tmp_path / "aligned"
+    write_tiny_hf_checkpoint(path, seed=8, hf_config=HF_MOE_CONFIG, fp8_block=(8, 8))
+    fp8 = load_hf_checkpoint(path, jnp.bfloat16, progress=False, fp8_weights=True)
+    plain = load_hf_checkpoint(path, jnp.bfloat16, progress=False)
+    stored = SafetensorsFile(str(path / "model.safetensors"))
+    heads, nope = HF_MOE_CONFIG["num_attention_heads"], HF_MOE_CONFIG["qk_nope_head_dim"]
+    for layer in range(HF_MOE_CONFIG["num_hidden_layers"]):
+        name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+        values = stored.read(name).view(np.uint8).reshape(heads, -1, HF_MOE_CONFIG["kv_lora_rank"])
+        scales = stored.read(name + "_scale_inv").reshape(heads, 2, -1)  # a head: its key block, its value block
+        attn = fp8.layers[layer].self_attn
+        w_uk, w_uv = attn.w_uk.get_value(), attn.w_uv.get_value()
+        np.testing.assert_array_equal(np.asarray(w_uk.values).view(np.uint8), values[:, :nope].transpose(0, 2, 1))
+        np.testing.assert_array_equal(np.asarray(w_uv.values).view(np.uint8), values[:, nope:])
+        np.testing.assert_array_equal(np.asarray(w_uk.scales), scales[:, :1].transpose(0, 2, 1))
+        np.testing.assert_array_equal(np.asarray(w_uv.scales), scales[:, 1:])
+        for leaf in ("w_uk", "w_uv"):  # the plain loader's dequantization, in the stored layout
+            np.testing.assert_array_equal(np.asarray(attn.dense_weight(leaf, jnp.bfloat16)),
+                                          np.asarray(getattr(plain.layers[layer].self_attn, leaf).get_value()))
+    want, got = np.asarray(plain(TOKENS), np.float64), np.asarray(fp8(TOKENS), np.float64)
+    assert np.max(np.abs(got - want)) <= 2.0 ** -6 * np.max(np.abs(want))
+    from snapmla_jax.generate import generate
+    prompts = [[3, 14, 15, 9], [2, 6], [7]]
+    assert (generate(fp8, prompts, max_new_tokens=4, backend="xla")
+            == generate(plain, prompts, max_new_tokens=4, backend="xla"))
 
 
 def test_hf_fp8_weights_dequantize_to_the_plain_loaders_kernels_exactly(hf_models):
@@ -367,8 +477,8 @@ def test_hf_fp8_weights_dequantize_to_the_plain_loaders_kernels_exactly(hf_model
     for path, weight in fp8_eligible_weights(hf_models[True]).items():
         w = weight.get_value()
         if isinstance(w, BlockFP8Weight):
-            np.testing.assert_array_equal(np.swapaxes(np.asarray(dequantize_weight(w, jnp.bfloat16)), -1, -2),
-                                          np.asarray(plain[path].get_value()), err_msg=path)
+            np.testing.assert_array_equal(np.asarray(dequantize_weight(w, jnp.bfloat16)),
+                                          fp8_layout(path, np.asarray(plain[path].get_value())), err_msg=path)
 
 
 def test_hf_fp8_weights_model_computes_what_the_dequantized_model_does(hf_models):
@@ -402,12 +512,15 @@ def test_orbax_round_trip_keeps_fp8_values_scales_and_logits(tmp_path):
     np.testing.assert_array_equal(np.asarray(restored(TOKENS)), np.asarray(model(TOKENS)))
 
 
-def test_convert_cli_fp8_weights_writes_an_fp8_checkpoint(hf_fp8_dir, hf_models, tmp_path):
+def test_convert_cli_fp8_weights_writes_an_fp8_checkpoint(hf_fp8_dir, tmp_path):
     assert convert_main(["--hf-dir", str(hf_fp8_dir), "--out", str(tmp_path / "ours"), "--quiet",
                          "--fp8-weights"]) == 0
     restored = load_checkpoint(tmp_path / "ours")
     assert isinstance(restored.layers[0].mlp.down_proj.kernel.get_value(), BlockFP8Weight)
-    np.testing.assert_array_equal(np.asarray(restored(TOKENS)), np.asarray(hf_models[True](TOKENS)))
+    # kv_b_proj's 16-row blocks do not split per head: convert quantizes w_uk / w_uv again, per head.
+    assert isinstance(restored.layers[0].self_attn.w_uk.get_value(), BlockFP8Weight)
+    loaded = load_hf_checkpoint(hf_fp8_dir, jnp.bfloat16, progress=False, fp8_weights=True, quantize_fp8_weights=True)
+    np.testing.assert_array_equal(np.asarray(restored(TOKENS)), np.asarray(loaded(TOKENS)))
 
 
 def _bits(model) -> dict:
@@ -417,15 +530,16 @@ def _bits(model) -> dict:
     return {jax.tree_util.keystr(path): (str(leaf.dtype), np.asarray(leaf).tobytes()) for path, leaf in leaves}
 
 
-def _quantized_matrix_by_matrix(weight, block) -> BlockFP8Weight:
-    """``quantize_blocks`` (compiled, as the loader runs it) of each [out, in] matrix of a kernel
-    [..., in, out] on its own, stacked: what the loader computes for a weight it reads a matrix
-    at a time. (Quantizing a stack at once gives the same values up to the last bit of a float32
-    division, which XLA on a CPU computes differently in vectorized loops.)"""
-    matrices = np.swapaxes(np.asarray(weight), -1, -2).reshape(-1, *weight.shape[-1:-3:-1])
+def _quantized_matrix_by_matrix(path, weight, block) -> BlockFP8Weight:
+    """``quantize_blocks`` (compiled, as the loader runs it) of each [out, in] matrix of the weight
+    at ``path`` (``fp8_layout``) on its own, stacked: what the loader computes for a weight it
+    reads a matrix at a time. (Quantizing a stack at once gives the same values up to the last
+    bit of a float32 division, which XLA on a CPU computes differently in vectorized loops.)"""
+    layout = fp8_layout(path, np.asarray(weight))
+    matrices = layout.reshape(-1, *layout.shape[-2:])
     quantize = jax.jit(quantize_blocks, static_argnums=1)
     parts = [quantize(jnp.asarray(m), block) for m in matrices]
-    lead = weight.shape[:-2]
+    lead = layout.shape[:-2]
     return BlockFP8Weight(jnp.stack([p.values for p in parts]).reshape(*lead, *parts[0].values.shape),
                           jnp.stack([p.scales for p in parts]).reshape(*lead, *parts[0].scales.shape), block)
 
@@ -437,7 +551,7 @@ def _check_quantized_as_read(loaded, unquantized, block) -> None:
     eligible = fp8_eligible_weights(unquantized)
     for path, weight in fp8_eligible_weights(loaded).items():
         got, source = weight.get_value(), eligible[path].get_value()
-        want = source if isinstance(source, BlockFP8Weight) else _quantized_matrix_by_matrix(source, block)
+        want = source if isinstance(source, BlockFP8Weight) else _quantized_matrix_by_matrix(path, source, block)
         assert isinstance(got, BlockFP8Weight) and got.block == want.block, path
         np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8),
                                       err_msg=path)
