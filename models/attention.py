@@ -7,8 +7,8 @@ Per token, keys and values come from one shared latent ``c_kv`` [kv_lora_rank]
     score[h]  = (q_nope[h] . k_nope[h] + q_pe[h] . k_pe) * softmax_scale
 
 ``W_UK`` [R, H, qk_nope] and ``W_UV`` [R, H, v_head] are the two halves of
-DeepSeek's ``kv_b_proj``, split once at load time. Either may be block-FP8
-(``models.layers.quantize_weights``): then one e4m3 matrix a head, [H, R, qk_nope] and
+DeepSeek's ``kv_b_proj``, split once at load time. On request they are block-FP8
+(``models.layers.quantize_weights(absorbed=True)``): one e4m3 matrix a head, [H, R, qk_nope] and
 [H, v_head, R], multiplied per head by ``fp8_grouped_matmul`` (groups = heads).
 
 * Full form (training, prefill): expand keys and values per head and run

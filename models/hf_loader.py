@@ -13,11 +13,12 @@ linear layer (transposed to [in, out]), ``scale`` for an RMSNorm and
 DeepSeek's FP8 releases store linear weights as float8_e4m3fn with a float32
 ``<name>_scale_inv`` [ceil(out/128), ceil(in/128)]: each 128x128 block of the
 weight is multiplied by its scale (edge blocks cropped) and cast to the
-compute dtype; with ``fp8_weights=True`` the ones that are ``Linear`` kernels,
-routed experts or ``kv_b_proj`` (``models.layers.fp8_eligible_weights`` lists them)
-stay FP8 instead: the stored e4m3 values [out, in] (stacked [E, out, in] for the
-experts, split per head for w_uk / w_uv) and their scales become a
-``BlockFP8Weight``, unchanged. ``quantize_fp8_weights=True``
+compute dtype; with ``fp8_weights=True`` the ones that are ``Linear`` kernels or
+routed experts (and with ``fp8_absorbed=True`` ``kv_b_proj``;
+``models.layers.fp8_eligible_weights`` lists them) stay FP8 instead: the stored
+e4m3 values [out, in] (stacked [E, out, in] for the experts, split per head for
+w_uk / w_uv) and their scales become a ``BlockFP8Weight``, unchanged.
+``quantize_fp8_weights=True``
 also quantizes the eligible weights stored in higher precision (DeepSeek-V2's bf16
 release) as they are read, so that such a model never holds them in bf16.
 Multi-token-prediction layers (indices >= num_hidden_layers)
@@ -45,7 +46,7 @@ from tqdm.auto import tqdm
 
 from snapmla_jax.fp8_weights import BlockFP8Weight, quantize_blocks
 from snapmla_jax.models.config import MLAConfig, read_hf_config
-from snapmla_jax.models.layers import fp8_eligible_weights, fp8_layout, quantize_weights
+from snapmla_jax.models.layers import fp8_eligible_weights, fp8_layout, is_absorbed_weight, quantize_weights
 from snapmla_jax.models.sharding import (ParamSharding, fill_arrays, flat_arrays, merge_placed, param_path,
                                          resolve_sharding)
 from snapmla_jax.models.transformer import MLAModel
@@ -283,7 +284,7 @@ def _check_and_plan(hf_dir: str, cfg: MLAConfig, expected: dict[tuple, tuple], n
 
 def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progress: bool = True,
                        sharding: ParamSharding = None, fp8_weights: bool = False,
-                       quantize_fp8_weights: bool = False) -> MLAModel:
+                       quantize_fp8_weights: bool = False, fp8_absorbed: bool = False) -> MLAModel:
     """Read a Hugging Face DeepSeek-V2/V2-Lite/V3 checkpoint directory into an ``MLAModel``.
 
     Args:
@@ -302,10 +303,8 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         that are linear kernels (attention projections, dense MLPs, shared
         experts) or routed experts as ``BlockFP8Weight`` (values [out, in] as
         stored, stacked [E, out, in] for the experts, float32 scales), half the
-        bytes of bf16; so do ``kv_b_proj``'s, split per head into w_uk
-        [H, R, qk_nope] and w_uv [H, v, R] where its blocks fall within a head's
-        keys or values (``kv_b_blocks_align``; else dequantized). Every
-        unquantized tensor is converted to ``dtype`` as without it. False:
+        bytes of bf16. ``kv_b_proj`` (split into w_uk / w_uv) and every
+        unquantized tensor are converted to ``dtype`` as without it. False:
         every weight in ``dtype``.
       quantize_fp8_weights: with ``fp8_weights``, every other weight that
         could be FP8 (``fp8_eligible_weights``: stored in bf16 / f16 / f32, or
@@ -316,6 +315,12 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         ``weight_block_size`` (128 x 128 unless the checkpoint names one), so
         the model never holds those weights in ``dtype``. ValueError without
         ``fp8_weights``.
+      fp8_absorbed: with ``fp8_weights``, ``kv_b_proj`` is FP8-eligible too
+        (``quantize_weights(absorbed=True)``): its e4m3 values and scales split
+        per head into w_uk [H, R, qk_nope] and w_uv [H, v, R] unchanged where
+        its blocks fall within a head's keys or values (``kv_b_blocks_align``),
+        else it is dequantized (and with ``quantize_fp8_weights`` quantized
+        again, a head at a time). ValueError without ``fp8_weights``.
 
     Raises ValueError naming the tensors that are missing, unexpected or
     mis-shaped (checked from the headers before any data is read), an FP8
@@ -325,6 +330,8 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
     """
     if quantize_fp8_weights and not fp8_weights:
         raise ValueError("quantize_fp8_weights: quantizes the weights fp8_weights keeps FP8; pass fp8_weights=True")
+    if fp8_absorbed and not fp8_weights:
+        raise ValueError("fp8_absorbed: makes kv_b_proj one of the weights fp8_weights keeps FP8; pass fp8_weights=True")
     hf_dir = os.fspath(hf_dir)
     if not os.path.isdir(hf_dir):
         raise ValueError(f"hf_dir: {hf_dir} is not a directory")
@@ -345,7 +352,8 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
     if fp8_weights:
         eligible = fp8_eligible_weights(abstract)
         for name, planned in plan.items():
-            if not all(param_path(p.path) in eligible for p in planned):
+            paths = [param_path(p.path) for p in planned]
+            if not all(path in eligible and (fp8_absorbed or not is_absorbed_weight(path)) for path in paths):
                 continue
             stored_fp8 = (name + SCALE_SUFFIX in index
                           and files[index[name]].dtype(name) == np.dtype(ml_dtypes.float8_e4m3fn))

@@ -85,8 +85,8 @@ class WeightBytes:
 
 
 def weight_bytes(cfg: MLAConfig, *, fp8_weights: bool, dtype=jnp.bfloat16) -> WeightBytes:
-    """Bytes of ``cfg``'s model in ``dtype``, its linear kernels, w_uk / w_uv and routed experts
-    block-FP8 with ``fp8_weights`` (``models.quantize_weights``: 1 byte an element plus a float32 scale a
+    """Bytes of ``cfg``'s model in ``dtype``, its linear kernels and routed experts block-FP8 with
+    ``fp8_weights`` (``models.quantize_weights``: 1 byte an element plus a float32 scale a
     block), counted from the model's arrays built abstractly (nothing is allocated)."""
     def build():
         model = MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype)
@@ -149,7 +149,7 @@ def _parser() -> cli.Parser:
     p.add_argument("--reserve-gib", type=float, default=RESERVE_GIB,
                    help=f"per device, for activations, logits and XLA's workspace (default {RESERVE_GIB})")
     p.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768], help="tokens a row")
-    p.add_argument("--fp8-weights", action="store_true", help="linear kernels, w_uk / w_uv and routed experts block-FP8")
+    p.add_argument("--fp8-weights", action="store_true", help="linear kernels and routed experts block-FP8")
     return p
 
 

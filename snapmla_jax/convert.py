@@ -4,7 +4,7 @@
                                   [--fp8-weights]
 
 FP8 block-quantized releases are dequantized to ``--dtype``, or with
-``--fp8-weights`` their linear kernels, kv_b_proj and routed experts are kept FP8 with their block scales
+``--fp8-weights`` their linear kernels and routed experts are kept FP8 with their block scales
 and the ones stored in higher precision (a bf16 release such as DeepSeek-V2's) quantized to
 FP8 as they are read (``load_hf_checkpoint(fp8_weights=True, quantize_fp8_weights=True)``);
 multi-token prediction layers are dropped. The tokenizer files found beside the weights

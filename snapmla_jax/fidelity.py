@@ -28,7 +28,7 @@ the held-out text), each starting from an empty cache:
    instead of bfloat16, BF16 cache) that shows how often greedy decoding
    flips at near-ties under any rounding change.
 5. What FP8 weights cost beside the FP8 cache: the same model with its linear
-   kernels, w_uk / w_uv and routed experts block-quantized as DeepSeek-V3 ships them
+   kernels and routed experts block-quantized as DeepSeek-V3 ships them
    (``models.quantize_weights``, 128 x 128 blocks), its bits per byte with each
    cache against the BF16-weights BF16-cache run, and its greedy agreement with
    that run (FP8 weights and FP8 cache together).
@@ -240,10 +240,10 @@ def evaluate(model: MLAModel, windows: np.ndarray, *, chunk: int, backend: str, 
     fp8_weights = quantize_weights(nnx.clone(model))
     weights_runs = {f"{kind}_cache": teacher_forced_decode(fp8_weights, windows, kind, chunk=chunk,
                                                            backend=backend).logprobs for kind in ("bf16", "fp8")}
-    # And with w_uk / w_uv left in bf16 (what the absorbed weights' own rounding costs), FP8 cache.
-    dense_absorbed = quantize_weights(nnx.clone(model), absorbed=False)
-    weights_runs["fp8_cache_dense_absorbed"] = teacher_forced_decode(dense_absorbed, windows, "fp8", chunk=chunk,
-                                                                     backend=backend).logprobs
+    # And with w_uk / w_uv FP8 too (what the absorbed weights' own rounding adds), FP8 cache.
+    fp8_absorbed = quantize_weights(nnx.clone(model), absorbed=True)
+    weights_runs["fp8_cache_fp8_absorbed"] = teacher_forced_decode(fp8_absorbed, windows, "fp8", chunk=chunk,
+                                                                   backend=backend).logprobs
     weights_diff = {kind: byte_bits(lp, targets) - byte_bits(bf16.logprobs, targets) for kind, lp in weights_runs.items()}
     ablation = [quant_error_report(lat, rope) for lat, rope in zip(bf16.latents, bf16.ropes)]
     pooled = quant_error_report(np.concatenate(bf16.latents), np.concatenate(bf16.ropes))
@@ -265,7 +265,7 @@ def evaluate(model: MLAModel, windows: np.ndarray, *, chunk: int, backend: str, 
         "greedy": greedy_agreement(model, prompts, gen_tokens, backend, fp8_weights_model=fp8_weights),
         "fp8_weights": {
             "param_bytes": {"bf16": param_bytes(model), "fp8": param_bytes(fp8_weights),
-                            "fp8_dense_absorbed": param_bytes(dense_absorbed)},
+                            "fp8_absorbed": param_bytes(fp8_absorbed)},
             "bits_per_byte": {run: bits_per_byte_from_logprobs(lp, targets) for run, lp in weights_runs.items()},
             # Paired against the BF16-weights BF16-cache run, over the same bytes.
             "minus_bf16_bits_per_byte": {run: float(d.mean()) for run, d in weights_diff.items()},
@@ -327,7 +327,7 @@ def to_markdown(results: dict) -> str:
               f"| control: BF16 cache, float32 weights and arithmetic | {g['control_f32_identical']} of "
               f"{g['num_prompts']} | {g['control_f32_agreeing_prefix']} |"]
     base = bpb["bf16_cache"]
-    lines += ["", f"FP8 weights (linear kernels, w_uk / w_uv and routed experts in 128 x 128 blocks; weights "
+    lines += ["", f"FP8 weights (linear kernels and routed experts in 128 x 128 blocks; weights "
               f"{w['param_bytes']['fp8'] / 2**20:.1f} MiB against {w['param_bytes']['bf16'] / 2**20:.1f} MiB), "
               "against BF16 weights with the BF16 cache (paired standard errors):", "",
               "| weights | cache | bits per byte | vs BF16 weights, BF16 cache | mean KL (nats per position) |",
@@ -336,7 +336,7 @@ def to_markdown(results: dict) -> str:
               f"({results['fp8_minus_bf16_bits_per_byte']:+.5f} +- {results['fp8_minus_bf16_standard_error']:.5f}) | "
               f"{results['kl_fp8_from_bf16_nats_mean']:.2e} |"]
     runs = {"bf16_cache": ("FP8", "BF16"), "fp8_cache": ("FP8", "FP8"),
-            "fp8_cache_dense_absorbed": ("FP8, w_uk / w_uv BF16", "FP8")}
+            "fp8_cache_fp8_absorbed": ("FP8, w_uk / w_uv too", "FP8")}
     lines += [f"| {weights} | {cache} | {w['bits_per_byte'][run]:.4f} | "
               f"{100 * (w['bits_per_byte'][run] / base - 1):+.3f}% "
               f"({w['minus_bf16_bits_per_byte'][run]:+.5f} +- {w['minus_bf16_standard_error'][run]:.5f}) | "

@@ -577,9 +577,9 @@ def _parser() -> cli.Parser:
     parser.add_argument("--dtype", choices=sorted(PARAM_DTYPES), default=None,
                         help="parameter dtype (default: the checkpoint's; bfloat16 for Hugging Face weights)")
     parser.add_argument("--fp8-weights", action="store_true",
-                        help="linear kernels, w_uk / w_uv and routed experts in block FP8 (about half their bf16 "
-                             "bytes): those the checkpoint holds in FP8 kept as stored, the others quantized per "
-                             "128 x 128 block as the model loads")
+                        help="linear kernels and routed experts in block FP8 (about half their bf16 bytes): those "
+                             "the checkpoint holds in FP8 kept as stored, the others quantized per 128 x 128 block "
+                             "as the model loads")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="kernel backend for write_kv/mla_decode (default auto)")
     placement = parser.add_mutually_exclusive_group()

@@ -105,7 +105,7 @@ def test_random_fp8_weights_are_made_fp8_with_the_spread_of_the_bf16_ones():
     from snapmla_jax.models.layers import fp8_eligible_weights
     from snapmla_jax.models.transformer import param_bytes
 
-    model = e2e.random_model(e2e.TINY, jnp.bfloat16, fp8_weights=True)
+    model = e2e.random_model(e2e.TINY, jnp.bfloat16, fp8_weights=True, fp8_absorbed=True)
     weights = [v.get_value() for v in fp8_eligible_weights(model).values()]
     assert weights and all(isinstance(w, BlockFP8Weight) for w in weights)
     # N(0, 0.02) after dequantization: the e4m3 values' spread times their scale.
@@ -114,12 +114,12 @@ def test_random_fp8_weights_are_made_fp8_with_the_spread_of_the_bf16_ones():
     bf16 = e2e.random_model(e2e.TINY, jnp.bfloat16)
     assert param_bytes(model) < param_bytes(bf16)
     assert set(fp8_eligible_weights(models.quantize_weights(bf16))) == set(fp8_eligible_weights(model))
-    # --dense-absorbed's model: the same but w_uk / w_uv, made in bf16.
-    dense_absorbed = e2e.random_model(e2e.TINY, jnp.bfloat16, fp8_weights=True, fp8_absorbed=False)
-    kinds = {path: isinstance(v.get_value(), BlockFP8Weight) for path, v in fp8_eligible_weights(dense_absorbed).items()}
+    # Without --fp8-absorbed: the same but w_uk / w_uv, made in bf16.
+    default = e2e.random_model(e2e.TINY, jnp.bfloat16, fp8_weights=True)
+    kinds = {path: isinstance(v.get_value(), BlockFP8Weight) for path, v in fp8_eligible_weights(default).items()}
     assert {path for path, fp8 in kinds.items() if not fp8} == {
         f"layers/{i}/self_attn/{name}" for i in range(e2e.TINY.num_hidden_layers) for name in ("w_uk", "w_uv")}
-    assert dense_absorbed.layers[0].self_attn.w_uk.get_value().dtype == jnp.bfloat16
+    assert default.layers[0].self_attn.w_uk.get_value().dtype == jnp.bfloat16
 
 
 def test_rows_that_fit_are_bounded_by_memory_and_by_the_int32_rows():

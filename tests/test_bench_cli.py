@@ -66,7 +66,7 @@ def test_each_suites_help_exits_0_and_documents_out_and_publish(capsys, suite):
     (["e2e", "--tiny", "--backend", "cuda"], "--backend: expected one of"),
     (["e2e", "--tiny", "--gather-moe", "-1"], "--gather-moe: expected an int >= 0"),
     (["e2e", "--tiny", "--kernel-quantization", "16"], "--kernel-quantization: expected an int >= 0, with --fp8-weights"),
-    (["e2e", "--tiny", "--dense-absorbed"], "--dense-absorbed: keeps w_uk / w_uv bf16 beside FP8 weights"),
+    (["e2e", "--tiny", "--fp8-absorbed"], "--fp8-absorbed: makes w_uk / w_uv FP8 beside the FP8 weights"),
     (["e2e", "--tiny", "--dense-moe", "5", "2"], "--dense-moe: "),
     (["e2e", "--tiny", "--budget-s", "0"], "--budget-s: expected a number of seconds > 0"),
     (["e2e", "--tiny", "--out", "file.txt"], "--out: file.txt is a file"),

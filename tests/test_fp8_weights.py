@@ -21,7 +21,7 @@ from snapmla_jax.models import (MLAConfig, MLAModel, load_checkpoint, load_hf_ch
                                 save_checkpoint)
 from snapmla_jax.models.hf_loader import SafetensorsFile
 from snapmla_jax.models.attention import per_head_fp8_product
-from snapmla_jax.models.layers import fp8_eligible_weights, fp8_layout
+from snapmla_jax.models.layers import fp8_eligible_weights, fp8_layout, is_absorbed_weight
 from snapmla_jax.models.transformer import param_bytes
 
 # e4m3 keeps 3 fraction bits: round-to-nearest moves a normal value by at most 2**-4 of itself.
@@ -116,11 +116,14 @@ def test_fp8_matmul_rejects_a_mismatched_input():
 def test_quantize_weights_converts_the_projections_and_experts_and_keeps_the_rest():
     model = quantize_weights(MLAModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), BLOCK)
     fp8 = {p for p, weight in fp8_eligible_weights(model).items() if isinstance(weight.get_value(), BlockFP8Weight)}
-    assert fp8 == set(fp8_eligible_weights(model))
+    absorbed = {f"layers/{i}/self_attn/{name}" for i in range(CFG.num_hidden_layers) for name in ("w_uk", "w_uv")}
+    assert fp8 == set(fp8_eligible_weights(model)) - absorbed  # w_uk / w_uv only on request
     assert {"layers/1/mlp/shared_experts/down_proj/kernel", "layers/0/self_attn/o_proj/kernel",
             "layers/1/mlp/w_gate", "layers/1/mlp/w_down"} <= fp8
-    assert {"layers/0/self_attn/w_uk", "layers/1/self_attn/w_uv"} <= fp8
+    assert model.layers[0].self_attn.w_uk[...].dtype == jnp.bfloat16
     assert model.lm_head.kernel[...].dtype == jnp.bfloat16
+    quantize_weights(model, BLOCK, absorbed=True)
+    assert all(isinstance(w.get_value(), BlockFP8Weight) for w in fp8_eligible_weights(model).values())
     # The absorbed weights [R, H, d] become one matrix a head: w_uk [H, R, nope], w_uv [H, v, R].
     heads, rank = CFG.num_attention_heads, CFG.kv_lora_rank
     assert model.layers[0].self_attn.w_uk.get_value().values.shape == (heads, rank, CFG.qk_nope_head_dim)
@@ -141,7 +144,7 @@ def test_absorbed_weights_quantize_per_head_and_dequantize_to_their_stored_layou
     attn = model.layers[0].self_attn
     attn.w_uv.set_value(attn.w_uv.get_value().at[5, 1, 3].set(300.0))  # an outlier in one head's block
     dense = {name: np.asarray(getattr(attn, name).get_value(), np.float64) for name in ("w_uk", "w_uv")}
-    quantize_weights(model, BLOCK)
+    quantize_weights(model, BLOCK, absorbed=True)
     for name, want in dense.items():
         w = getattr(attn, name).get_value()
         assert isinstance(w, BlockFP8Weight) and w.scales.shape[0] == 3, name
@@ -263,6 +266,9 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
     grouped = fp8_weights.fp8_grouped_gemm_mgpu
     monkeypatch.setattr(fp8_weights, "fp8_grouped_gemm_mgpu",
                         lambda x, xs, *a, **kw: quantized_by.append(xs is None) or grouped(x, xs, *a, **kw))
+    tiled = fp8_weights.fp8_grouped_gemm_tiles_mgpu  # more than 64 rows: the tiled kernel, XLA quantizes
+    monkeypatch.setattr(fp8_weights, "fp8_grouped_gemm_tiles_mgpu",
+                        lambda *a, **kw: quantized_by.append(False) or tiled(*a, **kw))
     with kernel_quantization(kernel_quantizes):
         shared = np.asarray(moe.shared_experts(x, backend=backend), np.float64)
         got = np.asarray(moe(x, backend=backend), np.float64) - shared
@@ -329,7 +335,7 @@ def test_absorbed_fp8_products_run_one_gemm_a_head_within_the_activation_roundin
     float64 on the dequantized weights. The kernel rounds x to e4m3 per row and 128 channels
     (2**-4 of a normal value, 2**-10 of the block's scale below) and sums in float32 interpreted
     (2**-15 of the terms' size), with the FP8 wgmma's ~14 bits compiled (2**-10)."""
-    model = quantize_weights(MLAModel(ABSORBED_CFG, rngs=nnx.Rngs(4), dtype=jnp.float32), (128, 128))
+    model = quantize_weights(MLAModel(ABSORBED_CFG, rngs=nnx.Rngs(4), dtype=jnp.float32), (128, 128), absorbed=True)
     attn = model.layers[0].self_attn
     heads = ABSORBED_CFG.num_attention_heads
     rng = np.random.default_rng(sum(lead))
@@ -395,7 +401,7 @@ def test_fp8_kernels_hold_fewer_bytes():
     weights = fp8_eligible_weights(model)
     dense_bytes = sum(weight.get_value().nbytes for weight in weights.values())
     before = param_bytes(model)
-    quantize_weights(model, BLOCK)
+    quantize_weights(model, BLOCK, absorbed=True)
     fp8_bytes = sum(weight.get_value().nbytes for weight in weights.values())
     assert param_bytes(model) == before - dense_bytes + fp8_bytes
     # 1 byte an element instead of 2, plus 4 bytes a 16 x 16 block.
@@ -422,7 +428,7 @@ def test_hf_loader_keeps_fp8_kernels_with_their_stored_values_and_scales(hf_fp8_
     expert_names = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
     for path, weight in fp8_eligible_weights(model).items():
         w = weight.get_value()
-        if path.endswith(("w_uk", "w_uv")):  # 16-row blocks of kv_b_proj span a head's keys and values
+        if path.endswith(("w_uk", "w_uv")):  # kv_b_proj: dequantized unless fp8_absorbed
             assert w.dtype == jnp.bfloat16, path
             continue
         assert isinstance(w, BlockFP8Weight) and w.block == BLOCK, path
@@ -446,7 +452,7 @@ def test_hf_loader_keeps_kv_b_proj_fp8_split_per_head_where_its_blocks_align(tmp
     in the test below)."""
     path = tmp_path / "aligned"
     write_tiny_hf_checkpoint(path, seed=8, hf_config=HF_MOE_CONFIG, fp8_block=(8, 8))
-    fp8 = load_hf_checkpoint(path, jnp.bfloat16, progress=False, fp8_weights=True)
+    fp8 = load_hf_checkpoint(path, jnp.bfloat16, progress=False, fp8_weights=True, fp8_absorbed=True)
     plain = load_hf_checkpoint(path, jnp.bfloat16, progress=False)
     stored = SafetensorsFile(str(path / "model.safetensors"))
     heads, nope = HF_MOE_CONFIG["num_attention_heads"], HF_MOE_CONFIG["qk_nope_head_dim"]
@@ -497,7 +503,7 @@ def test_hf_fp8_weights_model_computes_what_the_dequantized_model_does(hf_models
 
 
 def test_orbax_round_trip_keeps_fp8_values_scales_and_logits(tmp_path):
-    model = quantize_weights(MLAModel(CFG, rngs=nnx.Rngs(3), dtype=jnp.bfloat16), BLOCK)
+    model = quantize_weights(MLAModel(CFG, rngs=nnx.Rngs(3), dtype=jnp.bfloat16), BLOCK, absorbed=True)  # w_uk / w_uv too
     save_checkpoint(model, tmp_path / "ckpt")
     record = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert record["fp8_weights"] == {"block": list(BLOCK), "kernels": sorted(fp8_eligible_weights(model))}
@@ -512,15 +518,12 @@ def test_orbax_round_trip_keeps_fp8_values_scales_and_logits(tmp_path):
     np.testing.assert_array_equal(np.asarray(restored(TOKENS)), np.asarray(model(TOKENS)))
 
 
-def test_convert_cli_fp8_weights_writes_an_fp8_checkpoint(hf_fp8_dir, tmp_path):
+def test_convert_cli_fp8_weights_writes_an_fp8_checkpoint(hf_fp8_dir, hf_models, tmp_path):
     assert convert_main(["--hf-dir", str(hf_fp8_dir), "--out", str(tmp_path / "ours"), "--quiet",
                          "--fp8-weights"]) == 0
     restored = load_checkpoint(tmp_path / "ours")
     assert isinstance(restored.layers[0].mlp.down_proj.kernel.get_value(), BlockFP8Weight)
-    # kv_b_proj's 16-row blocks do not split per head: convert quantizes w_uk / w_uv again, per head.
-    assert isinstance(restored.layers[0].self_attn.w_uk.get_value(), BlockFP8Weight)
-    loaded = load_hf_checkpoint(hf_fp8_dir, jnp.bfloat16, progress=False, fp8_weights=True, quantize_fp8_weights=True)
-    np.testing.assert_array_equal(np.asarray(restored(TOKENS)), np.asarray(loaded(TOKENS)))
+    np.testing.assert_array_equal(np.asarray(restored(TOKENS)), np.asarray(hf_models[True](TOKENS)))
 
 
 def _bits(model) -> dict:
@@ -544,12 +547,15 @@ def _quantized_matrix_by_matrix(path, weight, block) -> BlockFP8Weight:
                           jnp.stack([p.scales for p in parts]).reshape(*lead, *parts[0].scales.shape), block)
 
 
-def _check_quantized_as_read(loaded, unquantized, block) -> None:
-    """Each FP8-eligible weight of ``loaded`` is the one of ``unquantized`` (the same checkpoint
-    loaded without quantizing) when that is FP8 already, else its matrices quantized one by one;
-    every other array is the same."""
-    eligible = fp8_eligible_weights(unquantized)
+def _check_quantized_as_read(loaded, unquantized, block, absorbed: bool = False) -> None:
+    """Each FP8-eligible weight of ``loaded`` (w_uk / w_uv with ``absorbed``) is the one of
+    ``unquantized`` (the same checkpoint loaded without quantizing) when that is FP8 already, else
+    its matrices quantized one by one; every other array is the same."""
+    eligible = {path: weight for path, weight in fp8_eligible_weights(unquantized).items()
+                if absorbed or not is_absorbed_weight(path)}
     for path, weight in fp8_eligible_weights(loaded).items():
+        if path not in eligible:
+            continue
         got, source = weight.get_value(), eligible[path].get_value()
         want = source if isinstance(source, BlockFP8Weight) else _quantized_matrix_by_matrix(path, source, block)
         assert isinstance(got, BlockFP8Weight) and got.block == want.block, path
@@ -580,18 +586,23 @@ def test_hf_loader_quantizes_what_the_checkpoint_stores_unquantized(tmp_path):
     assert np.max(np.abs(np.asarray(loaded(TOKENS), np.float64) - want)) <= 2.0 ** -6 * np.max(np.abs(want))
 
 
-def test_hf_loader_quantizes_a_bf16_release_in_its_default_blocks(tmp_path):
+@pytest.mark.parametrize("absorbed", [False, True])
+def test_hf_loader_quantizes_a_bf16_release_in_its_default_blocks(tmp_path, absorbed):
     path = tmp_path / "plain"
     write_tiny_hf_checkpoint(path, seed=6, hf_config=HF_MOE_CONFIG)
-    loaded = load_hf_checkpoint(path, jnp.bfloat16, progress=False, fp8_weights=True, quantize_fp8_weights=True)
+    loaded = load_hf_checkpoint(path, jnp.bfloat16, progress=False, fp8_weights=True, quantize_fp8_weights=True,
+                                fp8_absorbed=absorbed)
     plain = load_hf_checkpoint(path, jnp.bfloat16, progress=False)
-    _check_quantized_as_read(loaded, plain, (128, 128))
+    _check_quantized_as_read(loaded, plain, (128, 128), absorbed)  # kv_b_proj a head at a time
+    assert isinstance(loaded.layers[0].self_attn.w_uk.get_value(), BlockFP8Weight) == absorbed
     assert param_bytes(loaded) < param_bytes(plain)
 
 
 def test_hf_loader_quantizes_only_with_fp8_weights(hf_fp8_dir):
     with pytest.raises(ValueError, match="quantize_fp8_weights: .*fp8_weights=True"):
         load_hf_checkpoint(hf_fp8_dir, jnp.bfloat16, progress=False, quantize_fp8_weights=True)
+    with pytest.raises(ValueError, match="fp8_absorbed: .*fp8_weights=True"):
+        load_hf_checkpoint(hf_fp8_dir, jnp.bfloat16, progress=False, fp8_absorbed=True)
 
 
 def test_convert_cli_fp8_weights_quantizes_a_bf16_release(tmp_path):
@@ -602,7 +613,7 @@ def test_convert_cli_fp8_weights_quantizes_a_bf16_release(tmp_path):
     want = load_hf_checkpoint(tmp_path / "hf", jnp.bfloat16, progress=False, fp8_weights=True,
                               quantize_fp8_weights=True)
     assert json.loads((tmp_path / "ours" / "config.json").read_text())["fp8_weights"]["kernels"] == sorted(
-        fp8_eligible_weights(want))
+        path for path in fp8_eligible_weights(want) if not is_absorbed_weight(path))
     assert _bits(restored) == _bits(want)
 
 

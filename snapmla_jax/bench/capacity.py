@@ -3,7 +3,7 @@
 What SnapMLA's headline measures: a cache half the size holds more rows, and a serving batch is
 as large as the cache allows. For a model shape (``--model``: DeepSeek-V2-Lite, V2 or V3 shapes,
 random bf16 weights drawn on the devices, the routed experts split over them and the rest
-replicated; ``--fp8-weights``: the linear kernels, w_uk / w_uv and routed experts made block-FP8 directly, as
+replicated; ``--fp8-weights``: the linear kernels and routed experts made block-FP8 directly, as
 DeepSeek-V2 on 4 x H100 needs) on ``--devices N`` (data-parallel attention with expert parallelism,
 ``snapmla_jax.data_parallel``; 1: one device), and for each ``--contexts`` length:
 
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--caches", choices=CACHE_DTYPES, nargs="+", default=list(CACHE_DTYPES),
                         help="cache dtypes to run (default: %(default)s)")
     parser.add_argument("--fp8-weights", action="store_true",
-                        help="make the linear kernels, w_uk / w_uv and routed experts block-FP8 (never held in bf16)")
+                        help="make the linear kernels and routed experts block-FP8 (never held in bf16)")
     cli.add_bench_output_flags(parser, "capacity.json / capacity.md")
     args = parser.parse_args(argv)
     cli.check_positive(args, "devices", "steps", "iters")

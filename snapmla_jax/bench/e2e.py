@@ -25,8 +25,8 @@ kernels stop at each row's seq_len. Programs are compiled in parallel threads
 before the runs; results are written after every run, so a run cut short
 still leaves its table (``--out``; default: outside the source tree, printed; ``--publish``:
 the repository's docs/benchmarks/). ``--tiny`` runs a 2-layer model on any backend (CPU test).
-``--fp8-weights`` makes the linear kernels, the attention's w_uk / w_uv and the routed experts
-block-FP8 (``fp8_matmul``'s products; ``--dense-absorbed`` keeps w_uk / w_uv bf16);
+``--fp8-weights`` makes the linear kernels and routed experts block-FP8 (``fp8_matmul``'s
+products; ``--fp8-absorbed`` the attention's w_uk / w_uv too);
 ``--kernel-quantization ROWS`` has the FP8 GEMM of few tokens quantize x itself up to ROWS rows.
 ``--profile`` adds each row's GPU time per launch and decode step (``timing.kernel_times_us``)
 to the JSON; XLA runs the decode loop's body as a CUDA graph, which the profiler does not see
@@ -177,7 +177,7 @@ def _leaf_role(path, shape) -> str:
 
 
 def random_model(cfg: MLAConfig, dtype, seed: int = 0, mesh: jax.sharding.Mesh | None = None, *,
-                 fp8_weights: bool = False, fp8_absorbed: bool = True) -> MLAModel:
+                 fp8_weights: bool = False, fp8_absorbed: bool = False) -> MLAModel:
     """An MLAModel with random weights drawn on the device directly in ``dtype``:
     N(0, WEIGHT_STD) matrices, unit norm scales. One small compiled generator per
     distinct shape and placement, instead of running the model's initializers op by op.
@@ -185,8 +185,8 @@ def random_model(cfg: MLAConfig, dtype, seed: int = 0, mesh: jax.sharding.Mesh |
     split over the mesh, the rest replicated), so that no device holds the whole model.
     ``fp8_weights``: the weights ``models.quantize_weights`` converts are made block-FP8 directly
     (e4m3 values, one float32 scale a ``cfg.weight_block_size`` block), never held in ``dtype``:
-    a model whose bf16 weights would not fit the devices can be made. ``fp8_absorbed`` False: with
-    ``fp8_weights``, the attention's w_uk / w_uv stay in ``dtype`` (XLA's einsums)."""
+    a model whose bf16 weights would not fit the devices can be made. ``fp8_absorbed``: with
+    ``fp8_weights``, the attention's w_uk / w_uv too (``quantize_weights(absorbed=True)``)."""
     def build():
         model = MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype)
         return models.quantize_weights(model, cfg.weight_block_size, absorbed=fp8_absorbed) if fp8_weights else model
@@ -495,11 +495,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="write_kv/mla_decode backend (default auto)")
     parser.add_argument("--threads", type=int, default=8, help="parallel compilations (default 8)")
     parser.add_argument("--fp8-weights", action="store_true",
-                        help="the linear kernels, w_uk / w_uv and routed experts block-FP8 (models.quantize_weights' "
-                             "layout)")
-    parser.add_argument("--dense-absorbed", action="store_true",
-                        help="with --fp8-weights: the attention's w_uk / w_uv stay bf16 (their products XLA's "
-                             "einsums instead of the FP8 GEMM, one group a head)")
+                        help="the linear kernels and routed experts block-FP8 (models.quantize_weights' layout)")
+    parser.add_argument("--fp8-absorbed", action="store_true",
+                        help="with --fp8-weights: the attention's w_uk / w_uv block-FP8 too (their products the FP8 "
+                             "GEMM, one group a head, instead of XLA's bf16 einsums)")
     parser.add_argument("--kernel-quantization", type=int, metavar="ROWS", default=None,
                         help="with --fp8-weights: the FP8 GEMM of few tokens quantizes x itself for products of at "
                              "most ROWS rows (fp8_weights.KERNEL_QUANTIZES_MAX_ROWS; 0: XLA quantizes; default: the "
@@ -535,8 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         raise cli.UsageError("--gather-moe: expected an int >= 0, and not with --ragged-moe")
     if args.kernel_quantization is not None and (args.kernel_quantization < 0 or not args.fp8_weights):
         raise cli.UsageError("--kernel-quantization: expected an int >= 0, with --fp8-weights")
-    if args.dense_absorbed and not args.fp8_weights:
-        raise cli.UsageError("--dense-absorbed: keeps w_uk / w_uv bf16 beside FP8 weights; pass --fp8-weights")
+    if args.fp8_absorbed and not args.fp8_weights:
+        raise cli.UsageError("--fp8-absorbed: makes w_uk / w_uv FP8 beside the FP8 weights; pass --fp8-weights")
     cli.backend(args.backend)
     args.out = cli.bench_output_dir(args)
     if not args.tiny and timing.missing_gpu("e2e benchmark",
@@ -560,9 +559,9 @@ def run(args: argparse.Namespace) -> int:
     # What fits is read from the device's memory limit, which this variable sets (XLA's default
     # preallocation: 75%); recorded so that a table's "no room" cells can be read.
     env["xla_mem_fraction"] = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    model = random_model(cfg, jnp.bfloat16, fp8_weights=args.fp8_weights, fp8_absorbed=not args.dense_absorbed)
+    model = random_model(cfg, jnp.bfloat16, fp8_weights=args.fp8_weights, fp8_absorbed=args.fp8_absorbed)
     env["weights"] = ("bf16" if not args.fp8_weights else
-                      "block-FP8 (w_uk / w_uv bf16)" if args.dense_absorbed else "block-FP8")
+                      "block-FP8 (w_uk / w_uv too)" if args.fp8_absorbed else "block-FP8")
     if args.fp8_weights:
         env["kernel_quantization_rows"] = fp8_weights.KERNEL_QUANTIZES_MAX_ROWS
     if args.dense_moe is not None or args.ragged_moe:
