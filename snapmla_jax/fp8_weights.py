@@ -132,11 +132,12 @@ TILES_CONFIG = TilesConfig()
 
 # Rows of x up to which the FP8 GEMM of few tokens quantizes them in its own pipeline
 # (``fp8_gemm_mgpu.quantize_tile``: x read as bf16 by each CTA, no launches before the GEMM's) instead
-# of behind XLA launches of their own (the amax reduction, the cast, the scales' transpose and the
-# combined scales: at T = 16 one V2-Lite MoE layer makes 27 launches with FP8 weights against 16 in
-# bf16, docs/models.md). 0: XLA quantizes. The side-by-side GPU measurement that sets it is not run
-# yet; benchmarks trace programs of both under ``kernel_quantization``.
-KERNEL_QUANTIZES_MAX_ROWS = 0
+# of behind XLA launches of their own (the amax reduction, the cast, the scales' transpose). One
+# row: a one-token V2-Lite decode step ran 3.74-3.83 ms with it against 4.10-4.27 without (bf16
+# weights 3.66-3.83 in the same runs); at 4, 8, 16 and 64 rows the step ran 1.2-3.4x slower with
+# it, though the layers timed alone were even (H200; docs/models.md, "Where the activations are
+# quantized"). 0: XLA quantizes every product.
+KERNEL_QUANTIZES_MAX_ROWS = 1
 
 
 @contextlib.contextmanager

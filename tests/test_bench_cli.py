@@ -67,6 +67,9 @@ def test_each_suites_help_exits_0_and_documents_out_and_publish(capsys, suite):
     (["e2e", "--tiny", "--gather-moe", "-1"], "--gather-moe: expected an int >= 0"),
     (["e2e", "--tiny", "--kernel-quantization", "16"], "--kernel-quantization: expected an int >= 0, with --fp8-weights"),
     (["e2e", "--tiny", "--fp8-absorbed"], "--fp8-absorbed: makes w_uk / w_uv FP8 beside the FP8 weights"),
+    (["e2e", "--tiny", "--weights", "bf16", "--fp8-weights"], "--weights: names every model of the run"),
+    (["e2e", "--tiny", "--weights", "fp8", "fp8"], "--weights: expected distinct kinds, got fp8 fp8"),
+    (["e2e", "--tiny", "--weights", "bf16", "--kernel-quantization", "1"], "--kernel-quantization: expected an int"),
     (["e2e", "--tiny", "--dense-moe", "5", "2"], "--dense-moe: "),
     (["e2e", "--tiny", "--budget-s", "0"], "--budget-s: expected a number of seconds > 0"),
     (["e2e", "--tiny", "--out", "file.txt"], "--out: file.txt is a file"),
@@ -92,15 +95,23 @@ def test_e2e_tiny_writes_outside_the_source_tree_and_says_where(work, capsys):
     assert f"results go to {results}" in out and str(results / "e2e.md") in out
 
 
-def test_e2e_tiny_with_fp8_weights_says_so(tmp_path):
-    assert main(["e2e", "--tiny", "--fp8-weights", "--kernel-quantization", "16", "--batches", "2", "--contexts", "64",
-                 "--steps", "2", "--iters", "1", "--out", str(tmp_path)]) == 0
+def test_e2e_tiny_times_weight_kinds_side_by_side(tmp_path):
+    library_setting = fp8_weights.KERNEL_QUANTIZES_MAX_ROWS
+    assert main(["e2e", "--tiny", "--weights", "bf16", "fp8", "--kv-caches", "fp8", "--kernel-quantization", "16",
+                 "--batches", "2", "--contexts", "64", "--steps", "2", "--iters", "1", "--out", str(tmp_path)]) == 0
     saved = json.loads((tmp_path / "e2e.json").read_text())
-    assert saved["environment"]["weights"] == "block-FP8" and {r["status"] for r in saved["rows"]} == {"ok"}
-    assert saved["environment"]["kernel_quantization_rows"] == 16
-    assert "(activations quantized in the FP8 GEMM itself up to 16 rows, by XLA above)" in (tmp_path / "e2e.md").read_text()
-    assert fp8_weights.KERNEL_QUANTIZES_MAX_ROWS == 0  # the library's setting back after the run
-    assert "with random block-FP8 weights" in (tmp_path / "e2e.md").read_text()
+    env = saved["environment"]
+    assert env["weights_compared"] == ["bf16", "fp8"] and env["kernel_quantization_rows"] == 16
+    assert env["weights_gib_each"]["fp8"] < env["weights_gib_each"]["bf16"]
+    assert sorted((r["weights"], r["kv_cache"], r["status"]) for r in saved["rows"]) == [
+        ("bf16", "fp8", "ok"), ("fp8", "fp8", "ok")]
+    assert all(r["ffn_ms"] > 0 and r["floor_ms"] > 0 for r in saved["rows"])
+    table = (tmp_path / "e2e.md").read_text()
+    assert "--weights bf16 fp8" in table and "(activations quantized in the FP8 GEMM itself up to 16 rows" in table
+    bf16, fp8 = sorted(saved["rows"], key=lambda r: r["weights"])
+    ratio = f"{fp8['tokens_per_s'] / bf16['tokens_per_s']:.2f}"
+    assert f"| 2 | 64 | FP8 | {bf16['step_ms']:.2f} | {fp8['step_ms']:.2f} | {ratio} |" in table
+    assert fp8_weights.KERNEL_QUANTIZES_MAX_ROWS == library_setting  # back after the run
 
 
 def test_publish_names_the_repositorys_tables():

@@ -331,6 +331,7 @@ def test_under_kernel_quantization_the_products_hand_the_kernel_their_tokens_unq
     rows XLA's quantization; the results stay within x's e4m3 rounding of float64."""
     import snapmla_jax.fp8_weights as fp8_weights
 
+    library_setting = fp8_weights.KERNEL_QUANTIZES_MAX_ROWS
     given = []
     for name in ("fp8_gemm_mgpu", "fp8_grouped_gemm_mgpu"):
         kernel = getattr(fp8_weights, name)
@@ -343,7 +344,7 @@ def test_under_kernel_quantization_the_products_hand_the_kernel_their_tokens_unq
         xg, gate = _group_operands(22, 1, 3, 40, 128, 256)
         _, up = _group_operands(23, 1, 3, 40, 128, 256)
         ys = fp8_grouped_matmul(xg.astype(jnp.bfloat16), (gate, up), backend="interpret")
-    assert fp8_weights.KERNEL_QUANTIZES_MAX_ROWS == 0  # restored
+    assert fp8_weights.KERNEL_QUANTIZES_MAX_ROWS == library_setting  # restored
     assert given == [(jnp.bfloat16, True), (jnp.bfloat16, True)]
     x64, w64 = np.asarray(x.astype(jnp.float32), np.float64), np.asarray(dequantize_weight(w, jnp.float32), np.float64)
     want = x64 @ w64.T  # fp8_matmul returns x's bf16: its rounding, 2^-9 of the value, on top
@@ -358,6 +359,10 @@ def test_under_kernel_quantization_the_products_hand_the_kernel_their_tokens_unq
     with fp8_weights.kernel_quantization(8):  # 15 rows: past it
         fp8_matmul(x, w, backend="interpret")
     assert given == [(jnp.float8_e4m3fn, False)]
+    given.clear()  # the library's setting: a one-row product in the kernel, two rows by XLA
+    fp8_matmul(x[:1], w, backend="interpret")
+    fp8_matmul(x[:2], w, backend="interpret")
+    assert library_setting == 1 and given == [(jnp.bfloat16, True), (jnp.float8_e4m3fn, False)]
 
 
 def test_fp8_grouped_matmul_refuses_what_it_cannot_run_naming_the_argument():

@@ -26,11 +26,14 @@ before the runs; results are written after every run, so a run cut short
 still leaves its table (``--out``; default: outside the source tree, printed; ``--publish``:
 the repository's docs/benchmarks/). ``--tiny`` runs a 2-layer model on any backend (CPU test).
 ``--fp8-weights`` makes the linear kernels and routed experts block-FP8 (``fp8_matmul``'s
-products; ``--fp8-absorbed`` the attention's w_uk / w_uv too);
+products; ``--fp8-absorbed`` the attention's w_uk / w_uv too); ``--weights bf16 fp8`` builds a
+model of each kind and times them side by side in one run, plan by plan (one table, the step's
+time under each and their ratio; ``--kv-caches fp8`` keeps one cache format);
 ``--kernel-quantization ROWS`` has the FP8 GEMM of few tokens quantize x itself up to ROWS rows.
 ``--profile`` adds each row's GPU time per launch and decode step (``timing.kernel_times_us``)
 to the JSON; XLA runs the decode loop's body as a CUDA graph, which the profiler does not see
-into, so profile with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``.
+into, so profile with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``. The feed-forward stack is
+timed in a loop of ``--steps`` steps too, so that its launches run as the step's do.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import functools
 import gc
 import os
 import statistics
+import sys
 import time
 import traceback
 
@@ -73,6 +77,10 @@ GIB = 2**30
 # the split-KV partials and XLA's scratch.
 HEADROOM_BYTES = 4 * GIB
 CACHE_FORMATS = ("fp8", "bf16")
+# --weights: the model's linear weights. "fp8": block-FP8 as ``models.quantize_weights`` converts
+# them; "fp8-absorbed": the attention's w_uk / w_uv too.
+WEIGHT_KINDS = ("bf16", "fp8", "fp8-absorbed")
+WEIGHT_TEXT = {"bf16": "bf16", "fp8": "block-FP8", "fp8-absorbed": "block-FP8 (w_uk / w_uv too)"}
 WEIGHT_STD = 0.02  # of the random weight matrices (GPT-2's init scale; values only need to stay finite)
 FP8_VALUE_STD = 64.0  # of a random block-FP8 weight's e4m3 values (well inside +-448)
 
@@ -121,10 +129,11 @@ def free_device_bytes() -> int | None:
     return stats["bytes_limit"] - stats["bytes_in_use"]
 
 
-def make_plans(cfg: MLAConfig, batches, contexts, total_steps: int, free: int | None) -> list[Plan]:
+def make_plans(cfg: MLAConfig, batches, contexts, total_steps: int, free: int | None,
+               kv_caches=CACHE_FORMATS) -> list[Plan]:
     plans = []
     for batch in batches:
-        for kv_cache in CACHE_FORMATS:
+        for kv_cache in kv_caches:
             fits, too_big = [], []
             for context in sorted(contexts):
                 tokens = batch * (context + total_steps)
@@ -234,14 +243,19 @@ def attention_layers(caches, latent, k_rope, slots, q_latent, q_rope, block_tabl
     return tuple(new), jnp.stack(outs)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "backend"))
-def feed_forward_stack(params, x, *, graphdef, backend: str = "xla"):
+@functools.partial(jax.jit, static_argnames=("graphdef", "backend", "steps"))
+def feed_forward_stack(params, x, *, graphdef, backend: str = "xla", steps: int = 1):
     """A decode step's feed-forward alone: every layer's norm + dense MLP / MoE on x [B, 1, hidden]
-    (``backend``: as the decode step passes it to the MoE's gathered dispatch)."""
+    (``backend``: as the decode step passes it to the MoE's gathered dispatch), ``steps`` times in
+    a ``lax.fori_loop``: the decode loop runs its body as one CUDA graph, and launched one by one
+    the stack's small launches took up to 4x the step at one token (H100)."""
     model = nnx.merge(graphdef, params)
-    for layer in model.layers:
-        x = layer.feed_forward(x, backend)
-    return x
+
+    def stack(_, x):
+        for layer in model.layers:
+            x = layer.feed_forward(x, backend)
+        return x
+    return jax.lax.fori_loop(0, steps, stack, x)
 
 
 def weight_bytes_touched(cfg: MLAConfig, params, batch: int, dispatch: str = "ragged") -> tuple[int, int]:
@@ -311,21 +325,26 @@ def timed_calls(call, iters: int) -> float:
 
 
 class Runner:
-    """Compiles the programs of every plan (in parallel threads) and runs them one plan at a time."""
+    """Compiles the programs of every plan (in parallel threads) and runs them one plan at a time.
+    ``weights``: the model's kind (WEIGHT_KINDS), recorded in its rows; ``pool`` and
+    ``compile_seconds``: shared by the runners of one run (``label`` then names their programs)."""
 
     def __init__(self, cfg: MLAConfig, model: MLAModel, *, steps: int, iters: int, backend: str, threads: int,
-                 profile: bool = False):
+                 profile: bool = False, weights: str = "bf16", pool=None, compile_seconds: dict | None = None,
+                 label: str = ""):
         self.cfg, self.steps, self.iters, self.backend = cfg, steps, iters, backend
         self.graphdef, self.params = nnx.split(model)
-        self.model = model
+        self.model, self.weights, self.label = model, weights, label
         # The decode state holds every step the timed calls run: a warm-up and ``iters`` calls,
         # and with ``profile`` a warm-up and PROFILE_CALLS traced calls more.
         self.total_steps = 1 + (iters + 1 + (1 + PROFILE_CALLS if profile else 0)) * steps
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads)
+        self.pool = pool or concurrent.futures.ThreadPoolExecutor(max_workers=threads)
         self.profile = profile
-        self.compile_seconds: dict[str, float] = {}
+        self.compile_seconds: dict[str, float] = {} if compile_seconds is None else compile_seconds
 
     def _submit(self, name: str, lowered):
+        name = f"{self.label} {name}" if self.label else name
+
         def compile_():
             start = time.perf_counter()
             compiled = lowered.compile()
@@ -367,7 +386,7 @@ class Runner:
     def submit_ffn(self, batch: int):
         x = jax.ShapeDtypeStruct((batch, 1, self.cfg.hidden_size), self.model.dtype)
         return self._submit(f"ffn B={batch}", feed_forward_stack.lower(self.params, x, graphdef=self.graphdef,
-                                                                        backend=self.backend))
+                                                                        backend=self.backend, steps=self.steps))
 
     def run(self, plan: Plan, programs: dict, ffn) -> list[dict]:
         """Time decode and attention for every context of ``plan`` (one cache allocation)."""
@@ -376,7 +395,7 @@ class Runner:
         decode, attention = programs["decode"].result(), programs["attention"].result()
         holder = {"caches": filled_caches(self.cfg, plan.num_pages, plan.kv_cache)}
         x = jnp.ones((batch, 1, self.cfg.hidden_size), self.model.dtype)
-        ffn_ms = timed_calls(lambda: ffn.result()(self.params, x).block_until_ready(), self.iters) * 1e3
+        ffn_ms = timed_calls(lambda: ffn.result()(self.params, x).block_until_ready(), self.iters) / self.steps * 1e3
         key = jax.random.key(0)
         rows = []
         for context in plan.contexts:
@@ -402,7 +421,8 @@ class Runner:
                 out.block_until_ready()
 
             attention_ms = timed_calls(attention_call, max(self.iters, 5)) * 1e3
-            rows.append(dict(batch=batch, context=context, kv_cache=plan.kv_cache, status="ok", step_ms=step_ms,
+            rows.append(dict(batch=batch, context=context, kv_cache=plan.kv_cache, weights=self.weights,
+                             status="ok", step_ms=step_ms,
                              tokens_per_s=batch / step_ms * 1e3, attention_ms=attention_ms,
                              attention_share=attention_ms / step_ms, ffn_ms=ffn_ms, ffn_share=ffn_ms / step_ms,
                              cache_gib=batch * context * cache_bytes_per_token(self.cfg, plan.kv_cache) / GIB))
@@ -410,7 +430,7 @@ class Runner:
                 rows[-1]["step_launch_us"] = {name: us / self.steps
                                               for name, us in list(launches.items())[:PROFILE_TOP]}
                 rows[-1]["step_launch_us_total"] = sum(launches.values()) / self.steps
-            print(f"  B={batch} ctx={context} {plan.kv_cache}: {step_ms:.2f} ms/step, "
+            print(f"  B={batch} ctx={context} {plan.kv_cache} cache, {self.weights} weights: {step_ms:.2f} ms/step, "
                   f"{rows[-1]['tokens_per_s']:.0f} tok/s, attention {attention_ms:.2f} ms, ffn {ffn_ms:.2f} ms",
                   flush=True)
         holder.clear()  # the caches go before the next plan allocates its own
@@ -430,7 +450,8 @@ def activation_text(env: dict) -> str:
     rows = env.get("kernel_quantization_rows")
     if rows is None:
         return ""
-    where = f"in the FP8 GEMM itself up to {rows} rows, by XLA above" if rows else "by XLA"
+    where = (f"in the FP8 GEMM itself up to {rows} row{'s' if rows > 1 else ''}, by XLA above" if rows
+             else "by XLA")
     return f" (activations quantized {where})"
 
 
@@ -449,7 +470,7 @@ def markdown(env: dict, rows: list[dict], batches, contexts) -> str:
         f"{memory_text(env)}\n",
         f"Columns: generated tokens/s (= batch / step time); attention = {env['layers']} x (write_kv + "
         f"mla_decode) timed alone, as a share of the step; FFN = the {env['layers']} feed-forward blocks "
-        f"(dense MLP / MoE) timed alone; floor = (weight bytes the step reads + cache bytes) / copy bandwidth.\n",
+        f"(dense MLP / MoE) timed alone (a loop of {env['steps']} steps, per step); floor = (weight bytes the step reads + cache bytes) / copy bandwidth.\n",
     ]
     header = ["batch", "context", "FP8 tok/s", "BF16 tok/s", "FP8 / BF16", "FP8 ms/step", "BF16 ms/step",
               "attn share FP8", "attn share BF16", "FFN ms", "floor ms FP8", "floor ms BF16"]
@@ -480,6 +501,67 @@ def markdown(env: dict, rows: list[dict], batches, contexts) -> str:
     return "\n".join(lines)
 
 
+def compared_markdown(env: dict, rows: list[dict], batches, contexts) -> str:
+    """The table of a run of several weight kinds (``--weights``): per (batch, context, cache
+    format) each model's step, FFN and floor, and each kind's tokens/s over the first kind's."""
+    kinds = env["weights_compared"]
+    base = kinds[0]
+    by_key = {(r["batch"], r["context"], r["kv_cache"], r["weights"]): r for r in rows}
+    sizes = ", ".join(f"{WEIGHT_TEXT[w]} {env['weights_gib_each'][w]:.1f} GiB" for w in kinds)
+    lines = [
+        "# End-to-end decode: weights side by side\n",
+        f"Device {env['device']}, jax {env['jax']}, {env['date']}. Produced by "
+        f"`{env.get('command', 'python -m snapmla_jax.bench e2e --weights ' + ' '.join(kinds))}`: one model of "
+        "each kind in one process, each plan (batch, cache format) timed on every model back to back.\n",
+        f"Model: {env['model']} with random weights ({sizes}){activation_text(env)}. Greedy decoding in the "
+        f"compiled `lax.while_loop` of `snapmla_jax.generate` ({env['steps']} steps per call, median of "
+        f"{env['iters']} calls), every row holding `context` cached tokens; backend `{env['backend']}`. Copy "
+        f"bandwidth measured in this run: {env['copy_gbps']:.0f} GB/s. MoE routed experts: "
+        f"{moe_dispatch_text(env.get('dense_moe_tokens'), env.get('gather_moe_tokens', 0), env.get('sorted_moe_tokens'))}."
+        f"{memory_text(env)}\n",
+        f"Columns: ms per decode step; {', '.join(f'{w} / {base}' for w in kinds[1:])}: generated tokens/s over "
+        f"the {base} model's; FFN = the {env['layers']} feed-forward blocks timed alone (a loop of "
+        f"{env['steps']} steps, per step); floor = (weight bytes the step reads + cache bytes) / copy bandwidth.\n",
+    ]
+    header = (["batch", "context", "cache"] + [f"{w} ms/step" for w in kinds] + [f"{w} / {base}" for w in kinds[1:]]
+              + [f"FFN ms {w}" for w in kinds] + [f"floor ms {w}" for w in kinds])
+    table = []
+    for batch in batches:
+        for context in contexts:
+            for kv in CACHE_FORMATS:
+                cells = [by_key.get((batch, context, kv, w)) for w in kinds]
+                if not any(cells):
+                    continue
+                first = cells[0]
+                ratios = [format(c["tokens_per_s"] / first["tokens_per_s"], ".2f")
+                          if first and c and first["status"] == c["status"] == "ok" else "-" for c in cells[1:]]
+                steps = [_cell(c, "step_ms", ".2f") if c and c["status"] == "ok" else (c or {}).get("status", "-")
+                         for c in cells]
+                table.append([batch, context, kv.upper()] + steps + ratios
+                             + [_cell(c, "ffn_ms", ".2f") for c in cells] + [_cell(c, "floor_ms", ".2f") for c in cells])
+    lines.append(timing.markdown_table(header, table))
+    compiled = env.get("compile_seconds", {})
+    if compiled:
+        lines.append("\nCompile times (s, parallel threads): "
+                     + ", ".join(f"{k} {v:.0f}" for k, v in sorted(compiled.items())) + "\n")
+    return "\n".join(lines)
+
+
+def command_text(argv: list[str]) -> str:
+    """The command line a table names: ``argv`` without where its results went (--out, --publish)."""
+    words, skip = [], False
+    for word in argv:
+        if skip or word == "--publish":
+            skip = False
+            continue
+        if word == "--out":
+            skip = True
+            continue
+        if not word.startswith("--out="):
+            words.append(word)
+    return " ".join(["python -m snapmla_jax.bench e2e", *words])
+
+
 def main(argv: list[str] | None = None) -> int:
     """The benchmark; raises cli.UsageError for bad flags (``python -m snapmla_jax.bench e2e``
     prints it on one line, exit code 2); exit code 2 without a CUDA GPU unless ``--tiny``."""
@@ -499,6 +581,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp8-absorbed", action="store_true",
                         help="with --fp8-weights: the attention's w_uk / w_uv block-FP8 too (their products the FP8 "
                              "GEMM, one group a head, instead of XLA's bf16 einsums)")
+    parser.add_argument("--weights", nargs="+", choices=WEIGHT_KINDS, default=None,
+                        help="build a model of each kind and time them side by side, plan by plan: bf16, fp8 (as "
+                             "--fp8-weights), fp8-absorbed (as --fp8-absorbed); the first is the ratios' baseline "
+                             "(default: bf16, or what --fp8-weights / --fp8-absorbed say)")
+    parser.add_argument("--kv-caches", nargs="+", choices=CACHE_FORMATS, default=list(CACHE_FORMATS),
+                        help="the latent cache formats to run (default: fp8 bf16)")
     parser.add_argument("--kernel-quantization", type=int, metavar="ROWS", default=None,
                         help="with --fp8-weights: the FP8 GEMM of few tokens quantizes x itself for products of at "
                              "most ROWS rows (fp8_weights.KERNEL_QUANTIZES_MAX_ROWS; 0: XLA quantizes; default: the "
@@ -519,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
                              "most MAX tokens (MoE.gather_max_tokens; 0: never; default: the library's, "
                              "models.moe.GATHER_MAX_TOKENS)")
     args = parser.parse_args(argv)
+    args.command = command_text(sys.argv[1:] if argv is None else argv)
     cli.check_positive(args, "steps", "iters", "threads")
     for flag in ("batches", "contexts"):
         if any(v < 1 for v in getattr(args, flag) or []):
@@ -532,10 +621,18 @@ def main(argv: list[str] | None = None) -> int:
             raise cli.UsageError(f"--dense-moe: {cli.one_line(err)}") from err
     if args.gather_moe is not None and (args.gather_moe < 0 or args.ragged_moe):
         raise cli.UsageError("--gather-moe: expected an int >= 0, and not with --ragged-moe")
-    if args.kernel_quantization is not None and (args.kernel_quantization < 0 or not args.fp8_weights):
-        raise cli.UsageError("--kernel-quantization: expected an int >= 0, with --fp8-weights")
     if args.fp8_absorbed and not args.fp8_weights:
         raise cli.UsageError("--fp8-absorbed: makes w_uk / w_uv FP8 beside the FP8 weights; pass --fp8-weights")
+    if args.weights is not None and args.fp8_weights:
+        raise cli.UsageError("--weights: names every model of the run; not with --fp8-weights / --fp8-absorbed")
+    if args.weights is None:
+        args.weights = ["fp8-absorbed" if args.fp8_absorbed else "fp8" if args.fp8_weights else "bf16"]
+    if len(set(args.weights)) < len(args.weights):
+        raise cli.UsageError(f"--weights: expected distinct kinds, got {' '.join(args.weights)}")
+    args.kv_caches = [kv for kv in CACHE_FORMATS if kv in args.kv_caches]
+    fp8_run = any(w != "bf16" for w in args.weights)
+    if args.kernel_quantization is not None and (args.kernel_quantization < 0 or not fp8_run):
+        raise cli.UsageError("--kernel-quantization: expected an int >= 0, with --fp8-weights (or fp8 in --weights)")
     cli.backend(args.backend)
     args.out = cli.bench_output_dir(args)
     if not args.tiny and timing.missing_gpu("e2e benchmark",
@@ -559,67 +656,85 @@ def run(args: argparse.Namespace) -> int:
     # What fits is read from the device's memory limit, which this variable sets (XLA's default
     # preallocation: 75%); recorded so that a table's "no room" cells can be read.
     env["xla_mem_fraction"] = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    model = random_model(cfg, jnp.bfloat16, fp8_weights=args.fp8_weights, fp8_absorbed=args.fp8_absorbed)
-    env["weights"] = ("bf16" if not args.fp8_weights else
-                      "block-FP8 (w_uk / w_uv too)" if args.fp8_absorbed else "block-FP8")
-    if args.fp8_weights:
+    compared = len(args.weights) > 1
+    env["command"] = args.command
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.threads)
+    compile_seconds: dict[str, float] = {}
+    runners = []
+    for weights in args.weights:  # every model built before the plans read what memory is left
+        model = random_model(cfg, jnp.bfloat16, fp8_weights=weights != "bf16", fp8_absorbed=weights == "fp8-absorbed")
+        if args.dense_moe is not None or args.ragged_moe:
+            models.moe.set_dense_token_range(model, None if args.ragged_moe else tuple(args.dense_moe))
+        if args.gather_moe is not None or args.ragged_moe:
+            models.moe.set_gather_max_tokens(model, 0 if args.ragged_moe else args.gather_moe)
+        if args.ragged_moe:
+            models.moe.set_sorted_min_tokens(model, None)
+        runners.append(Runner(cfg, model, steps=args.steps, iters=args.iters, backend=args.backend,
+                              threads=args.threads, profile=args.profile, weights=weights, pool=pool,
+                              compile_seconds=compile_seconds, label=weights if compared else ""))
+    env.update(moe_dispatch(runners[0].model))
+    if compared:
+        env["weights_compared"] = list(args.weights)
+        env["weights_gib_each"] = {r.weights: weight_bytes_touched(cfg, r.params, 1)[0] / GIB for r in runners}
+    env["weights"] = " / ".join(WEIGHT_TEXT[w] for w in args.weights)
+    if any(w != "bf16" for w in args.weights):
         env["kernel_quantization_rows"] = fp8_weights.KERNEL_QUANTIZES_MAX_ROWS
-    if args.dense_moe is not None or args.ragged_moe:
-        models.moe.set_dense_token_range(model, None if args.ragged_moe else tuple(args.dense_moe))
-    if args.gather_moe is not None or args.ragged_moe:
-        models.moe.set_gather_max_tokens(model, 0 if args.ragged_moe else args.gather_moe)
-    if args.ragged_moe:
-        models.moe.set_sorted_min_tokens(model, None)
-    env.update(moe_dispatch(model))
-    runner = Runner(cfg, model, steps=args.steps, iters=args.iters, backend=args.backend, threads=args.threads,
-                    profile=args.profile)
-    weights_total = weight_bytes_touched(cfg, runner.params, 1)[0]
+    weights_total = weight_bytes_touched(cfg, runners[0].params, 1)[0]
     env.update(model="tiny (2 layers)" if args.tiny else "DeepSeek-V2-Lite shapes",
-               params_b=sum(x.size for x in jax.tree.leaves(runner.params)) / 1e9, weights_gib=weights_total / GIB,
-               layers=cfg.num_hidden_layers, steps=args.steps, iters=args.iters, backend=args.backend,
-               compile_seconds=runner.compile_seconds)
-    plans = make_plans(cfg, grid["batches"], grid["contexts"], runner.total_steps, free_device_bytes())
-    print(f"{env}\nmodel built in {time.perf_counter() - start:.0f} s; plans: "
+               params_b=sum(x.size for x in jax.tree.leaves(runners[0].params)) / 1e9,
+               weights_gib=weights_total / GIB, layers=cfg.num_hidden_layers, steps=args.steps, iters=args.iters,
+               backend=args.backend, compile_seconds=compile_seconds)
+    total_steps = runners[0].total_steps
+    plans = make_plans(cfg, grid["batches"], grid["contexts"], total_steps, free_device_bytes(), args.kv_caches)
+    print(f"{env}\nmodels built in {time.perf_counter() - start:.0f} s; plans: "
           + "; ".join(f"B={p.batch} {p.kv_cache} ctx {list(p.contexts)} ({p.cache_bytes / GIB:.1f} GiB cache; "
                       f"no room: {list(p.too_big)})" for p in plans), flush=True)
     programs, ffns = {}, {}
     for plan in plans:  # in run order, so that the first runs' programs compile first
         if plan.contexts:
-            programs[id(plan)] = runner.submit(plan)
-            if plan.batch not in ffns:
-                ffns[plan.batch] = runner.submit_ffn(plan.batch)
+            for i, runner in enumerate(runners):
+                programs[id(plan), i] = runner.submit(plan)
+                if (plan.batch, i) not in ffns:
+                    ffns[plan.batch, i] = runner.submit_ffn(plan.batch)
     # Every program compiled before anything is timed: XLA autotunes on the GPU while it
     # compiles, and a timing beside other programs' compilations ran up to 3x slow (H100,
     # B=16 x 16k BF16: 51.7 ms a step in one such run, 15-17 ms alone).
     concurrent.futures.wait([future for futures in programs.values() for future in futures.values()]
                             + list(ffns.values()))
     rows = []
+    write = lambda: timing.write_results(args.out, "e2e", env, rows,
+                                         (compared_markdown if compared else markdown)(env, rows, grid["batches"],
+                                                                                       grid["contexts"]))
     for plan in plans:
         need = lambda c: plan.batch * c * cache_bytes_per_token(cfg, plan.kv_cache) / GIB
-        rows += [dict(batch=plan.batch, context=c, kv_cache=plan.kv_cache,
-                      status=f"no room ({need(c):.0f} GiB cache)") for c in plan.too_big]
+        for runner in runners:
+            rows += [dict(batch=plan.batch, context=c, kv_cache=plan.kv_cache, weights=runner.weights,
+                          status=f"no room ({need(c):.0f} GiB cache)") for c in plan.too_big]
         if not plan.contexts:
             continue
-        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
-            rows += [dict(batch=plan.batch, context=c, kv_cache=plan.kv_cache, status="not run (time budget)")
-                     for c in plan.contexts]
-            continue
-        try:
-            rows += runner.run(plan, programs[id(plan)], ffns[plan.batch])
-        except Exception as err:  # one failing shape must not lose the others' results
-            traceback.print_exc()
-            reason = " ".join(str(err).split())[:120]
-            print(f"B={plan.batch} {plan.kv_cache} failed: {reason}", flush=True)
-            rows += [dict(batch=plan.batch, context=c, kv_cache=plan.kv_cache, status=f"failed: {reason}")
-                     for c in plan.contexts]
-        for row in rows:
-            if row["status"] == "ok" and "floor_ms" not in row:
-                touched = weight_bytes_touched(cfg, runner.params, row["batch"],
-                                               routed_dispatch(model, row["batch"], args.backend))[1]
-                cache = row["batch"] * row["context"] * cache_bytes_per_token(cfg, row["kv_cache"])
-                row["floor_ms"] = (touched + cache) / (env["copy_gbps"] * 1e9) * 1e3
-        timing.write_results(args.out, "e2e", env, rows, markdown(env, rows, grid["batches"], grid["contexts"]))
-    runner.pool.shutdown(wait=False, cancel_futures=True)
+        for i, runner in enumerate(runners):  # one plan's models back to back: side by side
+            if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                rows += [dict(batch=plan.batch, context=c, kv_cache=plan.kv_cache, weights=runner.weights,
+                              status="not run (time budget)") for c in plan.contexts]
+                continue
+            try:
+                new = runner.run(plan, programs[id(plan), i], ffns[plan.batch, i])
+            except Exception as err:  # one failing shape must not lose the others' results
+                traceback.print_exc()
+                reason = " ".join(str(err).split())[:120]
+                print(f"B={plan.batch} {plan.kv_cache} {runner.weights} weights failed: {reason}", flush=True)
+                new = [dict(batch=plan.batch, context=c, kv_cache=plan.kv_cache, weights=runner.weights,
+                            status=f"failed: {reason}") for c in plan.contexts]
+            for row in new:
+                if row["status"] == "ok":
+                    touched = weight_bytes_touched(cfg, runner.params, row["batch"],
+                                                   routed_dispatch(runner.model, row["batch"], args.backend))[1]
+                    cache = row["batch"] * row["context"] * cache_bytes_per_token(cfg, row["kv_cache"])
+                    row["floor_ms"] = (touched + cache) / (env["copy_gbps"] * 1e9) * 1e3
+            rows += new
+            write()
+    write()
+    pool.shutdown(wait=False, cancel_futures=True)
     print(f"done in {time.perf_counter() - start:.0f} s; wrote {args.out / 'e2e.json'} and {args.out / 'e2e.md'}",
           flush=True)
     return 0
