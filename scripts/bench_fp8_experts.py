@@ -59,10 +59,12 @@ def programs(tokens: int, layers: dict) -> tuple[dict, dict]:
     (dispatch, weight bytes it reads)}). The kernels run compiled on a GPU, interpreted on a CPU."""
     x = jax.random.normal(jax.random.key(tokens), (tokens, layers["bf16"].cfg.hidden_size), jnp.bfloat16)
     backend = "pallas" if jax.default_backend() == "gpu" else "interpret"
-    call = jax.jit(lambda state, x, graphdef: nnx.merge(graphdef, state)(x, backend=backend),
-                   static_argnames="graphdef")
     runs, floors = {}, {}
     for program in PROGRAMS:
+        # A jitted function of its own a program: JAX reuses a function's trace for the same
+        # arguments, and "fp8_qk" must be traced under its own kernel_quantization setting.
+        call = jax.jit(lambda state, x, graphdef: nnx.merge(graphdef, state)(x, backend=backend),
+                       static_argnames="graphdef")
         layer = layers["bf16" if program == "bf16" else "fp8"]
         saved = layer.dense_token_range, layer.gather_max_tokens
         if program == "fp8_dense":

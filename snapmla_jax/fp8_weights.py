@@ -135,8 +135,7 @@ TILES_CONFIG = TilesConfig()
 # of behind XLA launches of their own (the amax reduction, the cast, the scales' transpose). One
 # row: a one-token V2-Lite decode step ran 3.74-3.83 ms with it against 4.10-4.27 without (bf16
 # weights 3.66-3.83 in the same runs); at 4, 8, 16 and 64 rows the step ran 1.2-3.4x slower with
-# it, though the layers timed alone were even (H200; docs/models.md, "Where the activations are
-# quantized"). 0: XLA quantizes every product.
+# it (H200; docs/models.md, "Where the activations are quantized"). 0: XLA quantizes every product.
 KERNEL_QUANTIZES_MAX_ROWS = 1
 
 

@@ -9,12 +9,22 @@ bench_moe = load_script("bench_moe")
 SMALL = bench_moe.MoEShape(hidden=256, inner=128, experts=8, top_k=2, shared=1)
 
 
-def test_the_programs_agree_within_fp8_rounding_and_name_their_dispatch():
+def test_the_programs_agree_within_fp8_rounding_and_name_their_dispatch(monkeypatch):
+    import snapmla_jax.fp8_weights as fp8_weights
+
+    # Whether each FP8 launch traced was handed its tokens unquantized (x_scales None).
+    unquantized = []
+    kernel = fp8_weights.fp8_grouped_gemm_mgpu
+    monkeypatch.setattr(fp8_weights, "fp8_grouped_gemm_mgpu",
+                        lambda x, xs, *a, **kw: unquantized.append(xs is None) or kernel(x, xs, *a, **kw))
     layers = {"bf16": bench_moe.random_layer(SMALL)}
     layers["fp8"] = bench.quantize_weights(bench_moe.random_layer(SMALL))
     for tokens, dispatch in ((3, "gathered"), (20, "dense")):
+        unquantized.clear()
         runs, floors = bench.programs(tokens, layers)
         assert set(runs) == set(bench.PROGRAMS)
+        # fp8, fp8_qk and fp8_dense each traced their launches; only fp8_qk's quantize in the kernel.
+        assert any(unquantized) and not all(unquantized), (tokens, unquantized)
         assert floors["fp8"][0] == dispatch and floors["fp8_dense"][0] == "dense"
         # e4m3 weights and activations (RMS rounding ~2^-4 / 3 of a value each, in quadrature over
         # three products): a few percent of the output; a wrong expert or scale is O(1).
