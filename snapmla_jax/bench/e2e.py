@@ -326,21 +326,20 @@ def timed_calls(call, iters: int) -> float:
 
 class Runner:
     """Compiles the programs of every plan (in parallel threads) and runs them one plan at a time.
-    ``weights``: the model's kind (WEIGHT_KINDS), recorded in its rows; ``pool`` and
-    ``compile_seconds``: shared by the runners of one run (``label`` then names their programs)."""
+    ``weights``: the model's kind (WEIGHT_KINDS), recorded in its rows; ``pool`` (the compile
+    threads) and ``compile_seconds`` (filled by name): shared by the runners of one run (``label``
+    then names their programs)."""
 
-    def __init__(self, cfg: MLAConfig, model: MLAModel, *, steps: int, iters: int, backend: str, threads: int,
-                 profile: bool = False, weights: str = "bf16", pool=None, compile_seconds: dict | None = None,
-                 label: str = ""):
+    def __init__(self, cfg: MLAConfig, model: MLAModel, *, steps: int, iters: int, backend: str,
+                 pool: concurrent.futures.Executor, compile_seconds: dict[str, float], profile: bool = False,
+                 weights: str = "bf16", label: str = ""):
         self.cfg, self.steps, self.iters, self.backend = cfg, steps, iters, backend
         self.graphdef, self.params = nnx.split(model)
         self.model, self.weights, self.label = model, weights, label
         # The decode state holds every step the timed calls run: a warm-up and ``iters`` calls,
         # and with ``profile`` a warm-up and PROFILE_CALLS traced calls more.
         self.total_steps = 1 + (iters + 1 + (1 + PROFILE_CALLS if profile else 0)) * steps
-        self.pool = pool or concurrent.futures.ThreadPoolExecutor(max_workers=threads)
-        self.profile = profile
-        self.compile_seconds: dict[str, float] = {} if compile_seconds is None else compile_seconds
+        self.pool, self.compile_seconds, self.profile = pool, compile_seconds, profile
 
     def _submit(self, name: str, lowered):
         name = f"{self.label} {name}" if self.label else name
@@ -455,6 +454,25 @@ def activation_text(env: dict) -> str:
     return f" (activations quantized {where})"
 
 
+def decoding_text(env: dict) -> str:
+    """The tables' sentences on how the steps ran: the loop, the backend, the copy bandwidth, the
+    MoE's dispatch and the memory setting."""
+    moe = moe_dispatch_text(env.get("dense_moe_tokens"), env.get("gather_moe_tokens", 0), env.get("sorted_moe_tokens"))
+    return (f"Greedy decoding in the compiled `lax.while_loop` of `snapmla_jax.generate` ({env['steps']} steps per "
+            f"call, median of {env['iters']} calls), every row holding `context` cached tokens; backend "
+            f"`{env['backend']}`. Copy bandwidth measured in this run: {env['copy_gbps']:.0f} GB/s. MoE routed "
+            f"experts: {moe}.{memory_text(env)}")
+
+
+def compile_text(env: dict) -> str:
+    """The tables' closing line of compile times ("" without them)."""
+    compiled = env.get("compile_seconds", {})
+    if not compiled:
+        return ""
+    return ("Compile times (s, parallel threads): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(compiled.items()))
+            + "\n")
+
+
 def markdown(env: dict, rows: list[dict], batches, contexts) -> str:
     by_key = {(r["batch"], r["context"], r["kv_cache"]): r for r in rows}
     lines = [
@@ -463,11 +481,7 @@ def markdown(env: dict, rows: list[dict], batches, contexts) -> str:
         "(the published table with `--publish`).\n",
         f"Model: {env['model']} with random {env.get('weights', 'bf16')} weights{activation_text(env)} "
         f"({env['params_b']:.2f} B parameters, "
-        f"{env['weights_gib']:.1f} GiB). Greedy decoding in the compiled `lax.while_loop` of "
-        f"`snapmla_jax.generate` ({env['steps']} steps per call, median of {env['iters']} calls), every row "
-        f"holding `context` cached tokens; backend `{env['backend']}`. Copy bandwidth measured in this run: "
-        f"{env['copy_gbps']:.0f} GB/s. MoE routed experts: {moe_dispatch_text(env.get('dense_moe_tokens'), env.get('gather_moe_tokens', 0), env.get('sorted_moe_tokens'))}."
-        f"{memory_text(env)}\n",
+        f"{env['weights_gib']:.1f} GiB). {decoding_text(env)}\n",
         f"Columns: generated tokens/s (= batch / step time); attention = {env['layers']} x (write_kv + "
         f"mla_decode) timed alone, as a share of the step; FFN = the {env['layers']} feed-forward blocks "
         f"(dense MLP / MoE) timed alone (a loop of {env['steps']} steps, per step); floor = (weight bytes the step reads + cache bytes) / copy bandwidth.\n",
@@ -494,10 +508,8 @@ def markdown(env: dict, rows: list[dict], batches, contexts) -> str:
         lines.append(f"\nShare of the step: attention {', '.join(attention)}; feed-forward "
                      f"{span([r['ffn_share'] for r in ok], '.0%')}. Step time / floor: "
                      f"{span([r['step_ms'] / r['floor_ms'] for r in ok], '.1f')}.\n")
-    compiled = env.get("compile_seconds", {})
-    if compiled:
-        lines.append("Compile times (s, parallel threads): "
-                     + ", ".join(f"{k} {v:.0f}" for k, v in sorted(compiled.items())) + "\n")
+    if compile_text(env):
+        lines.append(compile_text(env))
     return "\n".join(lines)
 
 
@@ -513,12 +525,7 @@ def compared_markdown(env: dict, rows: list[dict], batches, contexts) -> str:
         f"Device {env['device']}, jax {env['jax']}, {env['date']}. Produced by "
         f"`{env.get('command', 'python -m snapmla_jax.bench e2e --weights ' + ' '.join(kinds))}`: one model of "
         "each kind in one process, each plan (batch, cache format) timed on every model back to back.\n",
-        f"Model: {env['model']} with random weights ({sizes}){activation_text(env)}. Greedy decoding in the "
-        f"compiled `lax.while_loop` of `snapmla_jax.generate` ({env['steps']} steps per call, median of "
-        f"{env['iters']} calls), every row holding `context` cached tokens; backend `{env['backend']}`. Copy "
-        f"bandwidth measured in this run: {env['copy_gbps']:.0f} GB/s. MoE routed experts: "
-        f"{moe_dispatch_text(env.get('dense_moe_tokens'), env.get('gather_moe_tokens', 0), env.get('sorted_moe_tokens'))}."
-        f"{memory_text(env)}\n",
+        f"Model: {env['model']} with random weights ({sizes}){activation_text(env)}. {decoding_text(env)}\n",
         f"Columns: ms per decode step; {', '.join(f'{w} / {base}' for w in kinds[1:])}: generated tokens/s over "
         f"the {base} model's; FFN = the {env['layers']} feed-forward blocks timed alone (a loop of "
         f"{env['steps']} steps, per step); floor = (weight bytes the step reads + cache bytes) / copy bandwidth.\n",
@@ -540,10 +547,8 @@ def compared_markdown(env: dict, rows: list[dict], batches, contexts) -> str:
                 table.append([batch, context, kv.upper()] + steps + ratios
                              + [_cell(c, "ffn_ms", ".2f") for c in cells] + [_cell(c, "floor_ms", ".2f") for c in cells])
     lines.append(timing.markdown_table(header, table))
-    compiled = env.get("compile_seconds", {})
-    if compiled:
-        lines.append("\nCompile times (s, parallel threads): "
-                     + ", ".join(f"{k} {v:.0f}" for k, v in sorted(compiled.items())) + "\n")
+    if compile_text(env):
+        lines.append("\n" + compile_text(env))
     return "\n".join(lines)
 
 
@@ -630,8 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(set(args.weights)) < len(args.weights):
         raise cli.UsageError(f"--weights: expected distinct kinds, got {' '.join(args.weights)}")
     args.kv_caches = [kv for kv in CACHE_FORMATS if kv in args.kv_caches]
-    fp8_run = any(w != "bf16" for w in args.weights)
-    if args.kernel_quantization is not None and (args.kernel_quantization < 0 or not fp8_run):
+    if args.kernel_quantization is not None and (args.kernel_quantization < 0 or args.weights == ["bf16"]):
         raise cli.UsageError("--kernel-quantization: expected an int >= 0, with --fp8-weights (or fp8 in --weights)")
     cli.backend(args.backend)
     args.out = cli.bench_output_dir(args)
@@ -669,9 +673,9 @@ def run(args: argparse.Namespace) -> int:
             models.moe.set_gather_max_tokens(model, 0 if args.ragged_moe else args.gather_moe)
         if args.ragged_moe:
             models.moe.set_sorted_min_tokens(model, None)
-        runners.append(Runner(cfg, model, steps=args.steps, iters=args.iters, backend=args.backend,
-                              threads=args.threads, profile=args.profile, weights=weights, pool=pool,
-                              compile_seconds=compile_seconds, label=weights if compared else ""))
+        runners.append(Runner(cfg, model, steps=args.steps, iters=args.iters, backend=args.backend, pool=pool,
+                              compile_seconds=compile_seconds, profile=args.profile, weights=weights,
+                              label=weights if compared else ""))
     env.update(moe_dispatch(runners[0].model))
     if compared:
         env["weights_compared"] = list(args.weights)
