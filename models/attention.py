@@ -79,21 +79,22 @@ class MLAAttention(nnx.Module):
         self.o_proj = linear(heads * cfg.v_head_dim, hidden, dtype=dtype, rngs=rngs)
         self.rope = RotaryEmbedding(cfg)
 
-    def queries(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x [B, S, hidden], positions [B, S] -> (q_nope [B, S, H, qk_nope], rotated q_pe [B, S, H, rope])."""
+    def queries(self, x: jax.Array, positions: jax.Array, backend: str = "auto") -> tuple[jax.Array, jax.Array]:
+        """x [B, S, hidden], positions [B, S] -> (q_nope [B, S, H, qk_nope], rotated q_pe [B, S, H, rope]);
+        ``backend`` runs block-FP8 projections (``Linear``)."""
         cfg = self.cfg
         if cfg.q_lora_rank is None:
-            q = self.q_proj(x)
+            q = self.q_proj(x, backend)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, backend)), backend)
         q = q.reshape(*x.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
         q_nope, q_pe = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
         return q_nope, self.rope(q_pe, positions[..., None])
 
-    def latents(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def latents(self, x: jax.Array, positions: jax.Array, backend: str = "auto") -> tuple[jax.Array, jax.Array]:
         """x [B, S, hidden], positions [B, S] -> (c_kv [B, S, R] normalized, rotated k_pe [B, S, rope]):
-        exactly what the cache stores per token."""
-        kv = self.kv_a_proj_with_mqa(x)
+        exactly what the cache stores per token; ``backend`` as ``queries``'."""
+        kv = self.kv_a_proj_with_mqa(x, backend)
         rank = self.cfg.kv_lora_rank
         return self.kv_a_layernorm(kv[..., :rank]), self.rope(kv[..., rank:], positions)
 
@@ -101,15 +102,17 @@ class MLAAttention(nnx.Module):
         """Full causal attention: x [B, S, hidden], positions [B, S] int32 -> [B, S, hidden]."""
         return self.full_attention(x, positions)[0]
 
-    def full_attention(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def full_attention(self, x: jax.Array, positions: jax.Array,
+                       backend: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
         """Full causal attention over the S tokens of each row (token i sees tokens <= i).
 
         Returns (out [B, S, hidden], c_kv [B, S, R], k_pe [B, S, rope]); the
         latents are returned so prefill can write them into the cache.
-        Scores and softmax run in float32, ``query_chunk`` queries at a time.
+        Scores and softmax run in float32, ``query_chunk`` queries at a time; ``backend`` runs
+        block-FP8 projections.
         """
-        q_nope, q_pe = self.queries(x, positions)
-        c_kv, k_pe = self.latents(x, positions)
+        q_nope, q_pe = self.queries(x, positions, backend)
+        c_kv, k_pe = self.latents(x, positions, backend)
         k_nope = jnp.einsum("bkr,rhn->bkhn", c_kv, self.dense_weight("w_uk", c_kv.dtype))
         values = jnp.einsum("bkr,rhv->bkhv", c_kv, self.dense_weight("w_uv", c_kv.dtype))
         batch, seq = x.shape[:2]
@@ -132,7 +135,7 @@ class MLAAttention(nnx.Module):
                 lambda args: attend(args[0], args[1], k_nope, k_pe, values, args[2]),
                 (blocked(q_nope), blocked(q_pe), jnp.arange(chunks) * chunk))
             out = out.swapaxes(0, 1).reshape(batch, chunks * chunk, *out.shape[3:])[:, :seq]
-        return self.o_proj(out.reshape(batch, seq, -1)), c_kv, k_pe
+        return self.o_proj(out.reshape(batch, seq, -1), backend), c_kv, k_pe
 
     def dense_weight(self, name: str, dtype) -> jax.Array:
         """``w_uk`` or ``w_uv`` as stored [R, H, d], a block-FP8 one dequantized to ``dtype`` (the
@@ -169,7 +172,7 @@ class MLAAttention(nnx.Module):
         as ``mla_decode``'s.
         """
         cfg = self.cfg
-        q_nope, q_pe = self.queries(x, positions)
+        q_nope, q_pe = self.queries(x, positions, backend)
         w_uk = self.w_uk.get_value()
         if isinstance(w_uk, BlockFP8Weight):
             q_latent = per_head_fp8_product(q_nope, w_uk, backend).astype(q_nope.dtype)
@@ -177,7 +180,7 @@ class MLAAttention(nnx.Module):
             q_latent = jnp.einsum("bshn,rhn->bshr", q_nope, w_uk)
         if q_transform is not None:
             q_latent = q_transform(q_latent).astype(q_latent.dtype)
-        c_kv, k_pe = self.latents(x, positions)
+        c_kv, k_pe = self.latents(x, positions, backend)
         if kv_transform is not None:
             c_kv, k_pe = kv_transform(c_kv, k_pe)
         cache = write_kv(cache, c_kv.reshape(-1, cfg.kv_lora_rank), k_pe.reshape(-1, cfg.qk_rope_head_dim),
@@ -190,4 +193,4 @@ class MLAAttention(nnx.Module):
             out = per_head_fp8_product(latent_out, w_uv, backend).astype(latent_out.dtype)
         else:
             out = jnp.einsum("bshr,rhv->bshv", latent_out, w_uv)
-        return self.o_proj(out.reshape(*x.shape[:-1], -1)), cache, latent_out
+        return self.o_proj(out.reshape(*x.shape[:-1], -1), backend), cache, latent_out

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from snapmla_jax import fp8_weights
 from snapmla_jax.backend import resolve_backend
 from snapmla_jax.fp8_weights import (DEFAULT_BLOCK, BlockFP8Weight, fp8_grouped_matmul, fp8_matmul, kernel_runs,
                                      quantize_blocks, tiles_run)
@@ -18,33 +19,38 @@ from snapmla_jax.models.config import MLAConfig
 
 
 class Linear(nnx.Linear):
-    """``nnx.Linear`` whose kernel may be block-FP8, and that never multiplies a single row.
+    """``nnx.Linear`` whose kernel may be block-FP8, and that never multiplies a single row of a
+    plain kernel.
 
     The kernel is a plain [in, out] array, or a ``BlockFP8Weight`` (values float8_e4m3fn
-    [out, in], float32 block scales; ``quantize_weights``) multiplied by ``fp8_matmul``, which
-    dequantizes it inside the program.
+    [out, in], float32 block scales; ``quantize_weights``) multiplied by ``fp8_matmul``.
 
     XLA's GPU compiler rewrites a one-row product (a decode step of one token) into
     an elementwise multiply and a reduce fusion, which at these shapes runs ~3x slower
-    than its GEMM: in the 27-layer feed-forward stack of V2-Lite shapes on an H100 the
-    dense and shared-expert MLPs took ~1.7 ms at one token against ~0.55 at two, and the
-    stack 3.64 ms against 2.39 with this class (scripts/bench_ffn_stack.py --profile). A one-row input is
-    duplicated into two rows and the first row of the product kept.
+    than its GEMM on a plain [in, out] kernel (the reduction runs across its rows): in the
+    27-layer feed-forward stack of V2-Lite shapes on an H100 the dense and shared-expert MLPs
+    took ~1.7 ms at one token against ~0.55 at two, and the stack 3.64 ms against 2.39 with
+    this class (scripts/bench_ffn_stack.py --profile). A one-row input of a plain kernel is
+    duplicated into two rows and the first row of the product kept. A block-FP8 kernel is
+    [out, in], each output a reduction along a contiguous row of e4m3 bytes, and
+    ``fp8_matmul`` runs that one-row fusion itself (``fp8_weights.XLA_MAX_ROWS``).
 
-    inputs [..., in_features] -> [..., out_features], as ``nnx.Linear``.
+    inputs [..., in_features] -> [..., out_features], as ``nnx.Linear``; ``backend``
+    (snapmla_jax.backend) runs a block-FP8 kernel's product (``fp8_matmul``).
     """
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        if math.prod(inputs.shape[:-1]) != 1:
-            return self._product(inputs)
+    def __call__(self, inputs: jax.Array, backend: str = "auto") -> jax.Array:
+        kernel = self.kernel.get_value()
+        if math.prod(inputs.shape[:-1]) != 1 or (isinstance(kernel, BlockFP8Weight) and fp8_weights.XLA_MAX_ROWS):
+            return self._product(inputs, backend)
         row = inputs.reshape(1, inputs.shape[-1])
-        out = self._product(jnp.concatenate([row, row]))[:1]
+        out = self._product(jnp.concatenate([row, row]), backend)[:1]
         return out.reshape(*inputs.shape[:-1], out.shape[-1])
 
-    def _product(self, inputs: jax.Array) -> jax.Array:
+    def _product(self, inputs: jax.Array, backend: str) -> jax.Array:
         kernel = self.kernel.get_value()
         if isinstance(kernel, BlockFP8Weight):
-            return fp8_matmul(inputs if self.dtype is None else inputs.astype(self.dtype), kernel)
+            return fp8_matmul(inputs if self.dtype is None else inputs.astype(self.dtype), kernel, backend=backend)
         return super().__call__(inputs)
 
 
@@ -158,15 +164,16 @@ class MLP(nnx.Module):
         self.down_proj = linear(intermediate, hidden, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, backend: str = "auto") -> jax.Array:
-        """``backend`` (snapmla_jax.backend): where both gate and up kernels are block-FP8, whether
-        they run as one FP8 GEMM launch ("pallas" on Hopper, "interpret"); each ``Linear`` on its
-        own otherwise."""
-        gate_up = self._fp8_gate_up(x, resolve_backend(backend))
+        """``backend`` (snapmla_jax.backend) runs the block-FP8 products: where both gate and up
+        kernels are block-FP8, whether they run as one FP8 GEMM launch ("pallas" on Hopper,
+        "interpret"); each ``Linear`` on its own otherwise."""
+        backend = resolve_backend(backend)
+        gate_up = self._fp8_gate_up(x, backend)
         if gate_up is None:
-            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(jax.nn.silu(self.gate_proj(x, backend)) * self.up_proj(x, backend), backend)
         gate, up = gate_up
         dtype = x.dtype if self.up_proj.dtype is None else self.up_proj.dtype
-        return self.down_proj((jax.nn.silu(gate) * up).astype(dtype))
+        return self.down_proj((jax.nn.silu(gate) * up).astype(dtype), backend)
 
     def _fp8_gate_up(self, x: jax.Array, backend: str) -> tuple[jax.Array, jax.Array] | None:
         """gate(x) and up(x) in float32 from one FP8 GEMM launch (x quantized once) when both

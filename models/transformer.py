@@ -44,7 +44,7 @@ class DecoderLayer(nnx.Module):
 
     def prefill(self, x, positions, cache, slots, *, backend: str):
         """Full attention over the prompt, writing its latents into ``cache`` at ``slots`` [B*S]."""
-        attn, c_kv, k_pe = self.self_attn.full_attention(self.input_layernorm(x), positions)
+        attn, c_kv, k_pe = self.self_attn.full_attention(self.input_layernorm(x), positions, backend)
         cache = write_kv(cache, c_kv.reshape(-1, c_kv.shape[-1]), k_pe.reshape(-1, k_pe.shape[-1]), slots,
                          backend=backend)
         return self.feed_forward(x + attn, backend), cache

@@ -135,8 +135,32 @@ TILES_CONFIG = TilesConfig()
 # of behind XLA launches of their own (the amax reduction, the cast, the scales' transpose). One
 # row: a one-token V2-Lite decode step ran 3.74-3.83 ms with it against 4.10-4.27 without (bf16
 # weights 3.66-3.83 in the same runs); at 4, 8, 16 and 64 rows the step ran 1.2-3.4x slower with
-# it (H200; docs/models.md, "Where the activations are quantized"). 0: XLA quantizes every product.
+# it (H200): every CTA of a launch (one a weight tile, group and split) quantizes the same tokens
+# again, work that grows with the tokens, where XLA quantizes them once (an H100's MoE layer: 0.306
+# vs 0.264 ms at 16 tokens, 1.287 vs 0.347 at 64; docs/models.md, "Where the activations are
+# quantized"). 0: XLA quantizes every product.
 KERNEL_QUANTIZES_MAX_ROWS = 1
+
+
+# Rows of x up to which ``fp8_matmul`` multiplies with XLA, the weight dequantized inside the
+# product, instead of launching an FP8 GEMM: one row against a matrix is a matrix-vector product,
+# which XLA's compiler runs as one fusion reading the e4m3 bytes and their scales where they lie
+# (no activation quantization, no partial sums: one launch where the kernel path takes two or
+# three). H100, 1 token, ``scripts/bench_fp8_gemm.py``: 2.9 / 3.8 / 2.9 us at 576 x 2048,
+# 3072 x 2048, 2048 x 2048 against the FP8 GEMM's 5.9 / 6.7 / 5.9 and bf16's 1.8 / 4.8 / 3.4.
+XLA_MAX_ROWS = 1
+
+
+@contextlib.contextmanager
+def xla_rows(max_rows: int):
+    """Within the block, programs traced set XLA_MAX_ROWS to ``max_rows`` (benchmarks comparing
+    the two paths of a one-row product)."""
+    global XLA_MAX_ROWS
+    saved, XLA_MAX_ROWS = XLA_MAX_ROWS, max_rows
+    try:
+        yield
+    finally:
+        XLA_MAX_ROWS = saved
 
 
 @contextlib.contextmanager
@@ -215,6 +239,8 @@ def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax
                          f"{list(w.shape)}")
     backend = resolve_backend(backend)
     rows = math.prod(x.shape[:-1])
+    if rows <= XLA_MAX_ROWS:
+        backend = "xla"
     if tiles_run(w, rows, backend):
         x8, x_scales = _quantized_rows(x.reshape(rows, x.shape[-1]), _tile_rows(rows))
         out_dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float32) else jnp.float32

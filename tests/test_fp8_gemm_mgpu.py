@@ -78,10 +78,11 @@ def test_the_compiled_kernel_matches_float64_on_its_quantized_operands(m, n, k):
     _check_kernel(m, n, k, GemmConfig(), interpret=False, rel_bound=2.0**-10)
 
 
-@pytest.mark.parametrize("lead, n", [((1,), 192), ((3, 5), 192), ((2, 16), 192), ((3, 50), 256), ((600,), 128)])
+@pytest.mark.parametrize("lead, n", [((2,), 192), ((3, 5), 192), ((2, 16), 192), ((3, 50), 256), ((600,), 128)])
 def test_fp8_matmul_through_the_kernel_is_within_the_activation_rounding(lead, n):
-    """Rows padded to the kernels' tiles and cut back: up to 64 rows (1, 15, 32) the kernel of few
-    tokens (multiples of 16), above (150, 600) the tiled kernel (multiples of 128). The error
+    """Rows padded to the kernels' tiles and cut back: up to 64 rows (2, 15, 32) the kernel of few
+    tokens (multiples of 16), above (150, 600) the tiled kernel (multiples of 128); one row is
+    XLA's (``fp8_weights.XLA_MAX_ROWS``, tests/test_fp8_weights.py). The error
     against float64 x times the dequantized W comes from quantizing x to e4m3 only."""
     k = 512
     rows = int(np.prod(lead))
@@ -359,10 +360,12 @@ def test_under_kernel_quantization_the_products_hand_the_kernel_their_tokens_unq
     with fp8_weights.kernel_quantization(8):  # 15 rows: past it
         fp8_matmul(x, w, backend="interpret")
     assert given == [(jnp.float8_e4m3fn, False)]
-    given.clear()  # the library's setting: a one-row product in the kernel, two rows by XLA
-    fp8_matmul(x[:1], w, backend="interpret")
-    fp8_matmul(x[:2], w, backend="interpret")
-    assert library_setting == 1 and given == [(jnp.bfloat16, True), (jnp.float8_e4m3fn, False)]
+    given.clear()  # the library's settings: one row of a grouped product in the kernel, two by XLA;
+    fp8_matmul(x[:1], w, backend="interpret")  # a one-row matrix product is XLA's (no launch)
+    fp8_grouped_matmul(xg[:, :1].astype(jnp.bfloat16), (gate, up), backend="interpret")
+    fp8_grouped_matmul(xg[:, :2].astype(jnp.bfloat16), (gate, up), backend="interpret")
+    assert library_setting == 1 and fp8_weights.XLA_MAX_ROWS == 1
+    assert given == [(jnp.bfloat16, True), (jnp.float8_e4m3fn, False)]
 
 
 def test_fp8_grouped_matmul_refuses_what_it_cannot_run_naming_the_argument():

@@ -21,6 +21,7 @@ from snapmla_jax.models import (MLAConfig, MLAModel, load_checkpoint, load_hf_ch
                                 save_checkpoint)
 from snapmla_jax.models.hf_loader import SafetensorsFile
 from snapmla_jax.models.attention import per_head_fp8_product
+from snapmla_jax.models import layers as layers_module
 from snapmla_jax.models.layers import fp8_eligible_weights, fp8_layout, is_absorbed_weight
 from snapmla_jax.models.transformer import param_bytes
 
@@ -389,11 +390,54 @@ def test_fp8_experts_run_dense_once_the_assignments_reach_the_experts():
     assert moe.dispatch(513, "interpret") == "ragged"
 
 
-def test_one_row_through_an_fp8_linear_equals_that_row_of_a_batch():
-    model = quantize_weights(MLAModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.float32), BLOCK)
-    linear = model.layers[0].self_attn.o_proj
-    x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 16)), jnp.float32)
-    np.testing.assert_array_equal(np.asarray(linear(x[:1])), np.asarray(linear(x))[:1])
+@pytest.mark.parametrize("backend", ["interpret", "auto"])
+def test_one_row_through_an_fp8_linear_is_xlas_product_with_the_dequantized_weight(backend, monkeypatch):
+    """One row (``fp8_weights.XLA_MAX_ROWS``) runs XLA's product with the weight dequantized in it
+    on every backend: no activation rounding, so against float64 on the dequantized weight only
+    float32 rounding remains (the weight's product with its scale, then a sum of ``in`` terms:
+    ``in`` x 2^-24 of the terms' size). With
+    XLA_MAX_ROWS 0 the row goes through the FP8 GEMM (interpreted), whose e4m3 rounding of x shows."""
+    monkeypatch.setattr(fp8_weights, "resolve_backend", lambda _: "interpret" if backend == "interpret" else "xla")
+    model = quantize_weights(MLAModel(KERNEL_CFG, rngs=nnx.Rngs(0), dtype=jnp.float32), (128, 128))
+    linear = model.layers[0].mlp.down_proj  # [256, 128]: whole tiles of the kernel
+    w = np.asarray(reference_dequantize(linear.kernel.get_value()), np.float64)  # [out, in]
+    x = np.random.default_rng(2).normal(size=(1, 1, w.shape[1]))
+    x[..., :3] *= 30.0
+    want = x @ w.T
+    bound = (w.shape[1] + 1) * 2.0**-24 * (np.abs(x) @ np.abs(w.T))
+    got = np.asarray(linear(jnp.asarray(x, jnp.float32)), np.float64)
+    assert got.shape == want.shape
+    assert (np.abs(got - want) <= bound).all(), float((np.abs(got - want) / bound).max())
+    if backend == "interpret":
+        with fp8_weights.xla_rows(0):
+            kernel = np.asarray(linear(jnp.asarray(x, jnp.float32)), np.float64)
+        assert (np.abs(kernel - want) > bound).any()  # x rounded to e4m3: the kernel ran
+
+
+def test_the_projections_run_the_backend_their_caller_names(monkeypatch):
+    """A decode step's backend reaches every block-FP8 product: with "xla" no FP8 GEMM launches
+    even where "auto" would run the kernels (patched here to mean "interpret"); with "interpret"
+    the attention's projections and the dense MLP launch them."""
+    import snapmla_jax.backend as backend_module
+    real = backend_module.resolve_backend
+    monkeypatch.setattr(backend_module, "resolve_backend", lambda b: real("interpret" if b == "auto" else b))
+    for module in (fp8_weights, layers_module):
+        monkeypatch.setattr(module, "resolve_backend", backend_module.resolve_backend)
+    launches = []
+    for name in ("fp8_gemm_mgpu", "fp8_grouped_gemm_mgpu", "fp8_gemm_tiles_mgpu", "fp8_grouped_gemm_tiles_mgpu"):
+        kernel = getattr(fp8_weights, name)
+        monkeypatch.setattr(fp8_weights, name, lambda *a, _k=kernel, **kw: launches.append(1) or _k(*a, **kw))
+    model = quantize_weights(MLAModel(KERNEL_CFG, rngs=nnx.Rngs(0), dtype=jnp.float32), (128, 128))
+    layer = model.layers[0]
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 2, KERNEL_CFG.hidden_size)), jnp.float32)
+    positions = jnp.zeros((1, 2), jnp.int32)
+    for backend, expected in (("xla", False), ("interpret", True)):
+        launches.clear()
+        layer.self_attn.queries(x, positions, backend)
+        layer.self_attn.latents(x, positions, backend)
+        layer.self_attn.o_proj(x[..., :layer.self_attn.o_proj.in_features], backend)
+        layer.mlp(x, backend)
+        assert bool(launches) == expected, (backend, len(launches))
 
 
 def test_fp8_kernels_hold_fewer_bytes():
