@@ -147,7 +147,8 @@ KERNEL_QUANTIZES_MAX_ROWS = 1
 # which XLA's compiler runs as one fusion reading the e4m3 bytes and their scales where they lie
 # (no activation quantization, no partial sums: one launch where the kernel path takes two or
 # three). H100, 1 token, ``scripts/bench_fp8_gemm.py``: 2.9 / 3.8 / 2.9 us at 576 x 2048,
-# 3072 x 2048, 2048 x 2048 against the FP8 GEMM's 5.9 / 6.7 / 5.9 and bf16's 1.8 / 4.8 / 3.4.
+# 3072 x 2048, 2048 x 2048 against the FP8 GEMM's 5.9 / 6.7 / 5.9 and bf16's 1.8 / 4.8 / 3.4 (the
+# down projections' shapes and the whole step not yet measured this way: docs/models.md).
 XLA_MAX_ROWS = 1
 
 

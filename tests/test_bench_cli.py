@@ -102,12 +102,14 @@ def test_e2e_tiny_times_weight_kinds_side_by_side(tmp_path):
     saved = json.loads((tmp_path / "e2e.json").read_text())
     env = saved["environment"]
     assert env["weights_compared"] == ["bf16", "fp8"] and env["kernel_quantization_rows"] == 16
+    assert env["xla_product_rows"] == fp8_weights.XLA_MAX_ROWS == 1
     assert env["weights_gib_each"]["fp8"] < env["weights_gib_each"]["bf16"]
     assert sorted((r["weights"], r["kv_cache"], r["status"]) for r in saved["rows"]) == [
         ("bf16", "fp8", "ok"), ("fp8", "fp8", "ok")]
     assert all(r["ffn_ms"] > 0 and r["floor_ms"] > 0 for r in saved["rows"])
     table = (tmp_path / "e2e.md").read_text()
     assert "--weights bf16 fp8" in table and "(activations quantized in the FP8 GEMM itself up to 16 rows" in table
+    assert "matrix products of up to 1 row by XLA, the weight dequantized in the product)" in table
     bf16, fp8 = sorted(saved["rows"], key=lambda r: r["weights"])
     ratio = f"{fp8['tokens_per_s'] / bf16['tokens_per_s']:.2f}"
     assert f"| 2 | 64 | FP8 | {bf16['step_ms']:.2f} | {fp8['step_ms']:.2f} | {ratio} |" in table

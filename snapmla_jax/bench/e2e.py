@@ -451,6 +451,10 @@ def activation_text(env: dict) -> str:
         return ""
     where = (f"in the FP8 GEMM itself up to {rows} row{'s' if rows > 1 else ''}, by XLA above" if rows
              else "by XLA")
+    one_row = env.get("xla_product_rows", 0)  # runs before it recorded none: every product on the GEMM
+    if one_row:
+        where += (f"; matrix products of up to {one_row} row{'s' if one_row > 1 else ''} by XLA, the weight "
+                  "dequantized in the product")
     return f" (activations quantized {where})"
 
 
@@ -683,6 +687,7 @@ def run(args: argparse.Namespace) -> int:
     env["weights"] = " / ".join(WEIGHT_TEXT[w] for w in args.weights)
     if any(w != "bf16" for w in args.weights):
         env["kernel_quantization_rows"] = fp8_weights.KERNEL_QUANTIZES_MAX_ROWS
+        env["xla_product_rows"] = fp8_weights.XLA_MAX_ROWS
     weights_total = weight_bytes_touched(cfg, runners[0].params, 1)[0]
     env.update(model="tiny (2 layers)" if args.tiny else "DeepSeek-V2-Lite shapes",
                params_b=sum(x.size for x in jax.tree.leaves(runners[0].params)) / 1e9,
