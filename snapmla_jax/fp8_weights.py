@@ -153,27 +153,25 @@ XLA_MAX_ROWS = 1
 
 
 @contextlib.contextmanager
+def _module_setting(name: str, value):
+    """This module's global ``name`` set to ``value`` within the block, restored after it."""
+    saved, globals()[name] = globals()[name], value
+    try:
+        yield
+    finally:
+        globals()[name] = saved
+
+
 def xla_rows(max_rows: int):
     """Within the block, programs traced set XLA_MAX_ROWS to ``max_rows`` (benchmarks comparing
     the two paths of a one-row product)."""
-    global XLA_MAX_ROWS
-    saved, XLA_MAX_ROWS = XLA_MAX_ROWS, max_rows
-    try:
-        yield
-    finally:
-        XLA_MAX_ROWS = saved
+    return _module_setting("XLA_MAX_ROWS", max_rows)
 
 
-@contextlib.contextmanager
 def kernel_quantization(max_rows: int):
     """Within the block, programs traced set KERNEL_QUANTIZES_MAX_ROWS to ``max_rows`` (benchmarks
     comparing where x is quantized; a program traced before keeps what it was traced with)."""
-    global KERNEL_QUANTIZES_MAX_ROWS
-    saved, KERNEL_QUANTIZES_MAX_ROWS = KERNEL_QUANTIZES_MAX_ROWS, max_rows
-    try:
-        yield
-    finally:
-        KERNEL_QUANTIZES_MAX_ROWS = saved
+    return _module_setting("KERNEL_QUANTIZES_MAX_ROWS", max_rows)
 
 
 def kernel_runs(w: BlockFP8Weight, rows: int, backend: str) -> bool:
