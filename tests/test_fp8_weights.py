@@ -395,8 +395,8 @@ def test_one_row_through_an_fp8_linear_is_xlas_product_with_the_dequantized_weig
     """One row (``fp8_weights.XLA_MAX_ROWS``) runs XLA's product with the weight dequantized in it
     on every backend: no activation rounding, so against float64 on the dequantized weight only
     float32 rounding remains (the weight's product with its scale, then a sum of ``in`` terms:
-    ``in`` x 2^-24 of the terms' size). With
-    XLA_MAX_ROWS 0 the row goes through the FP8 GEMM (interpreted), whose e4m3 rounding of x shows."""
+    ``in`` x 2^-24 of the terms' size). With XLA_MAX_ROWS 0 the row goes through the FP8 GEMM
+    (interpreted), whose e4m3 rounding of x shows."""
     monkeypatch.setattr(fp8_weights, "resolve_backend", lambda _: "interpret" if backend == "interpret" else "xla")
     model = quantize_weights(MLAModel(KERNEL_CFG, rngs=nnx.Rngs(0), dtype=jnp.float32), (128, 128))
     linear = model.layers[0].mlp.down_proj  # [256, 128]: whole tiles of the kernel
