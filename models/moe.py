@@ -505,7 +505,7 @@ class MoE(nnx.Module):
         Block-FP8 experts where the FP8 GEMM kernel runs (``fp8_kernel_stacks``; ``backend``
         resolved): the same products as two FP8 GEMM launches over the stacks' e4m3 bytes, gate
         and up together in float32, then the down projection summed over the experts inside its
-        launch.
+        launch; both skip the experts that no token chose.
         """
         num_tokens = flat.shape[0]
         fp8_stacks = self.fp8_kernel_stacks(num_tokens, backend)
@@ -514,10 +514,15 @@ class MoE(nnx.Module):
             jnp.arange(num_tokens)[:, None], ids].add(weights)                 # [T, E]
         if fp8_stacks is not None:
             w_gate, w_up, w_down = fp8_stacks
-            gate, up = fp8_grouped_matmul(flat[None], (w_gate, w_up), backend=backend)
-            hidden = jax.nn.silu(gate) * up                                    # [E, T, I] f32
+            # The experts no token chose are skipped: neither launch reads their matrices (at 16
+            # tokens of V2-Lite's top-6 of 64, ~13 experts on average, a fifth of the bytes).
+            chosen = jnp.any(gate_of != 0, axis=0)                            # [E]
+            matrices = jnp.where(chosen, jnp.arange(num_experts, dtype=jnp.int32), -1)
+            gate, up = fp8_grouped_matmul(flat[None], (w_gate, w_up), matrices=matrices, backend=backend)
+            # A skipped expert's rows are left unwritten: zeros, not whatever lies there, go on.
+            hidden = jnp.where(chosen[:, None, None], jax.nn.silu(gate) * up, 0.0)   # [E, T, I] f32
             scaled = hidden * gate_of.T[:, :, None]
-            out = fp8_grouped_matmul(scaled, w_down, sum_groups=True, backend=backend)
+            out = fp8_grouped_matmul(scaled, w_down, matrices=matrices, sum_groups=True, backend=backend)
             return out.astype(out_dtype or flat.dtype)
         w_gate, w_up, w_down = self.expert_stacks(flat.dtype)
         tokens = jnp.broadcast_to(flat, (num_experts, *flat.shape))            # [E, T, hidden]

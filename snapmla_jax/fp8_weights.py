@@ -143,12 +143,15 @@ KERNEL_QUANTIZES_MAX_ROWS = 1
 
 
 # Rows of x up to which ``fp8_matmul`` multiplies with XLA, the weight dequantized inside the
-# product, instead of launching an FP8 GEMM: one row against a matrix is a matrix-vector product,
-# which XLA's compiler runs as one fusion reading the e4m3 bytes and their scales where they lie
-# (no activation quantization, no partial sums: one launch where the kernel path takes two or
-# three). H100, 1 token, ``scripts/bench_fp8_gemm.py``: 2.9 / 3.8 / 2.9 us at 576 x 2048,
-# 3072 x 2048, 2048 x 2048 against the FP8 GEMM's 5.9 / 6.7 / 5.9 and bf16's 1.8 / 4.8 / 3.4 (the
-# down projections' shapes and the whole step not yet measured this way: docs/models.md).
+# product, instead of launching an FP8 GEMM, where the weight is whole 128 x 128 blocks: one row
+# against a matrix is a matrix-vector product, which XLA's compiler runs as one fusion reading the
+# e4m3 bytes and their scales where they lie (no activation quantization, no partial sums: one
+# launch where the kernel path takes two or three). H100, 1 token, ``scripts/bench_fp8_gemm.py``:
+# 2.9 / 3.8 / 2.9 / 4.1 / 5.4 us at 576 x 2048, 3072 x 2048, 2048 x 2048, 2048 x 2816,
+# 2816 x 2048 against the FP8 GEMM's 5.9 / 6.7 / 5.9 / - / 5.8 and bf16's 1.8 / 4.8 / 3.4 / 4.5 /
+# 4.8. A weight whose sides are not whole blocks (V2-Lite's dense MLP, 10944 wide) has its scales
+# cropped, and XLA then materializes the dequantized weight: 54.7 us at 10944 x 2048 against the
+# FP8 GEMM's 15.3 at two rows, so those keep the kernel.
 XLA_MAX_ROWS = 1
 
 
@@ -238,7 +241,7 @@ def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax
                          f"{list(w.shape)}")
     backend = resolve_backend(backend)
     rows = math.prod(x.shape[:-1])
-    if rows <= XLA_MAX_ROWS:
+    if rows <= XLA_MAX_ROWS and all(side % b == 0 for side, b in zip(w.shape, w.block)):
         backend = "xla"
     if tiles_run(w, rows, backend):
         x8, x_scales = _quantized_rows(x.reshape(rows, x.shape[-1]), _tile_rows(rows))
@@ -262,10 +265,11 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
       x         [X, T, in], X = 1 (every group multiplies the same tokens) or G
       w         BlockFP8Weight stack [E, out, in], or a tuple of stacks of one shape and block
                 (a MoE's gate and up: one launch for both, x quantized once)
-      matrices  None (G = E, group g multiplies matrix g) or int [G]: each group's matrix
+      matrices  None (G = E, group g multiplies matrix g) or int [G]: each group's matrix, or
+                negative: the group is skipped (its rows of y left unwritten; summed, left out)
       -> [G, T, out] float32 (a tuple of them for a tuple of stacks): y[g] = x[g or 0] @
-         W[matrices[g]]^T; with ``sum_groups`` (one stack, matrices None), [T, out] = the sum
-         over g.
+         W[matrices[g]]^T; with ``sum_groups`` (one stack), [T, out] = the sum over the groups
+         not skipped.
 
     On a Hopper GPU or in the interpreter this is one launch of an FP8 GEMM, x quantized per row
     and 128 channels, each matrix's e4m3 bytes read where they lie: the tiled kernel
@@ -280,8 +284,8 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
             or any(s.shape != first.shape or s.block != first.block for s in stacks)):
         raise ValueError(f"x: expected [groups, tokens, {first.shape[-1]}] against weight stacks [E, out, in] of one "
                          f"shape, got {list(x.shape)} against {[list(s.shape) for s in stacks]}")
-    if sum_groups and (matrices is not None or len(stacks) > 1):
-        raise ValueError("matrices: a summed product runs every matrix of one stack in order (matrices=None)")
+    if sum_groups and len(stacks) > 1:
+        raise ValueError("w: a summed product runs one stack")
     backend = resolve_backend(backend)
     rows = x.shape[1]
     if not sum_groups and all(tiles_run(s, rows, backend) for s in stacks):
@@ -304,10 +308,13 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
     spec = f"{'ti' if shared else 'gti'},goi->{'to' if sum_groups else 'gto'}"
 
     def product(stack):
+        tokens = x[0] if shared else x
         if matrices is not None:
             stack = BlockFP8Weight(stack.values[matrices], stack.scales[matrices], stack.block)
-        return jnp.einsum(spec, x[0] if shared else x, dequantize_weight(stack, x.dtype),
-                          preferred_element_type=jnp.float32)
+            if sum_groups:  # the skipped groups' tokens count as zeros
+                tokens = jnp.where((matrices >= 0)[:, None, None], x, jnp.zeros((), x.dtype))
+        return jnp.einsum("gti,goi->to" if sum_groups and matrices is not None else spec, tokens,
+                          dequantize_weight(stack, x.dtype), preferred_element_type=jnp.float32)
 
     ys = tuple(product(s) for s in stacks)
     return ys if isinstance(w, tuple) else ys[0]

@@ -284,6 +284,30 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
     assert not np.array_equal(got, unquantized)  # the kernel ran: the activations' rounding shows
 
 
+def test_the_dense_dispatch_reads_no_matrix_of_an_expert_no_token_chose():
+    """On the FP8 GEMM the dense dispatch skips the experts that no token chose: with their e4m3
+    matrices (gate, up and down) made NaN the layer's output stays finite and equal to the output
+    with them intact (a read of them, even times a gate weight of 0, would give NaN)."""
+    model = MLAModel(KERNEL_CFG, rngs=nnx.Rngs(4), dtype=jnp.float32)
+    moe = model.layers[1].mlp
+    quantize_weights(model, (128, 128))
+    moe.gather_max_tokens, moe.dense_token_range, moe.sorted_min_tokens = 0, (1, 8), None
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(3, KERNEL_CFG.hidden_size)), jnp.float32)
+    assert moe.dispatch(3, "interpret") == "dense"
+    _, ids = moe.gate(x)
+    unchosen = np.setdiff1d(np.arange(KERNEL_CFG.n_routed_experts), np.asarray(ids))
+    assert unchosen.size >= 2  # 3 tokens x top-2 of 8 experts
+    want = np.asarray(moe(x, backend="interpret"))
+    for name in ("w_gate", "w_up", "w_down"):
+        w = getattr(moe, name).get_value()
+        nan = jnp.full(w.values.shape[1:], jnp.nan, jnp.float8_e4m3fn)
+        getattr(moe, name).set_value(fp8_weights.BlockFP8Weight(w.values.at[unchosen].set(nan), w.scales, w.block))
+    got = np.asarray(moe(x, backend="interpret"))
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(np.asarray(moe(x, backend="xla"))).all()  # XLA's dequantized path reads every expert
+
+
 @pytest.mark.parametrize("lead, backend", [((1,), "interpret"), ((2, 3), "interpret"),
                                            pytest.param((5,), "pallas", marks=pytest.mark.gpu)])
 def test_fp8_mlp_runs_gate_and_up_in_one_launch_within_the_activation_rounding(lead, backend):

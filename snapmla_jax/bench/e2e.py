@@ -260,20 +260,23 @@ def feed_forward_stack(params, x, *, graphdef, backend: str = "xla", steps: int 
 
 def weight_bytes_touched(cfg: MLAConfig, params, batch: int, dispatch: str = "ragged") -> tuple[int, int]:
     """(all weight bytes, bytes a step of ``batch`` tokens reads): the embedding counts
-    ``batch`` rows; routed experts whole where the MoE runs them ``dispatch`` "dense" (every
-    matrix once), else by the expected share any token picks, 1 - (1 - k/E)^batch (uniform
+    ``batch`` rows; routed experts whole where the MoE runs bf16 ones ``dispatch`` "dense" (every
+    matrix once), else (block-FP8 experts, whose dense launches skip the experts no token chose,
+    or another dispatch) by the expected share any token picks, 1 - (1 - k/E)^batch (uniform
     routing; ``routed_dispatch`` gives a model's dispatch)."""
     total = expert = unread = 0
+    fp8_experts = False
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         nbytes = leaf.size * leaf.dtype.itemsize
         names = {getattr(key, "key", None) for key in path}
         total += nbytes
         if names & {"w_gate", "w_up", "w_down"}:
             expert += nbytes
+            fp8_experts |= leaf.dtype == jnp.float8_e4m3fn
         if "embed_tokens" in names:
             unread += nbytes - min(nbytes, batch * nbytes // leaf.shape[0])
     share = 1.0
-    if cfg.n_routed_experts and dispatch != "dense":
+    if cfg.n_routed_experts and (dispatch != "dense" or fp8_experts):
         share = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch
     return total, int(total - unread - (1 - share) * expert)
 
