@@ -6,7 +6,8 @@ bf16 weights decodes with ``snapmla_jax.generate``'s compiled decode loop (the
 ``lax.while_loop`` of ``--steps`` steps: 27 x (write_kv + mla_decode), the
 MoE, the LM head and greedy sampling per step, cache donated). Every row holds
 ``context`` cached tokens (the cache is filled with constant values instead of
-a prefill: the kernels' time does not depend on the values).
+a prefill: the attention kernels' time does not depend on the values), each row
+starting from a token of its own, so that the rows route to different experts.
 
 Per (batch, context, cache format): generated tokens/s = batch / step time,
 and the share of the step spent in attention, measured by timing the same
@@ -222,8 +223,12 @@ def abstract_caches(model: MLAModel, num_pages: int, kv_cache: str):
     return jax.eval_shape(lambda: model.init_cache(num_pages, PAGE_SIZE, kv_cache=kv_cache))
 
 
-def decode_state(caches, batch: int, total_steps: int) -> DecodeState:
-    return DecodeState(caches=caches, tokens=jnp.ones((batch, total_steps), jnp.int32),
+def decode_state(caches, batch: int, total_steps: int, vocab_size: int) -> DecodeState:
+    """The decode loop's state at step 1, each row's last token a different one (rows that all
+    held one token would route alike, and a MoE that skips the experts no token chose would read
+    k of them where a serving batch's rows read up to k x batch)."""
+    first = jax.random.randint(jax.random.key(batch), (batch, 1), 0, vocab_size, jnp.int32)
+    return DecodeState(caches=caches, tokens=jnp.broadcast_to(first, (batch, total_steps)),
                        step=jnp.asarray(1, jnp.int32), finished=jnp.zeros((batch,), bool))
 
 
@@ -374,7 +379,7 @@ class Runner:
         batch = plan.batch
         lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
         table = jax.ShapeDtypeStruct(pages.block_table.shape, jnp.int32)
-        state = jax.eval_shape(lambda c: decode_state(c, batch, self.total_steps), caches)
+        state = jax.eval_shape(lambda c: decode_state(c, batch, self.total_steps, self.cfg.vocab_size), caches)
         decode = decode_chunk.lower(self.params, state, lengths, table, jax.random.key(0),
                                      jax.ShapeDtypeStruct((), jnp.int32), graphdef=self.graphdef,
                                      sampling=SamplingConfig(), eos_id=None, backend=self.backend)
@@ -396,13 +401,14 @@ class Runner:
         batch, table = plan.batch, jnp.asarray(pages.block_table)
         decode, attention = programs["decode"].result(), programs["attention"].result()
         holder = {"caches": filled_caches(self.cfg, plan.num_pages, plan.kv_cache)}
-        x = jnp.ones((batch, 1, self.cfg.hidden_size), self.model.dtype)
+        # Rows of their own, as the step's: they route to different experts.
+        x = jax.random.normal(jax.random.key(batch), (batch, 1, self.cfg.hidden_size), self.model.dtype)
         ffn_ms = timed_calls(lambda: ffn.result()(self.params, x).block_until_ready(), self.iters) / self.steps * 1e3
         key = jax.random.key(0)
         rows = []
         for context in plan.contexts:
             lengths = jnp.full((batch,), context, jnp.int32)
-            state = {"s": decode_state(holder.pop("caches"), batch, self.total_steps)}
+            state = {"s": decode_state(holder.pop("caches"), batch, self.total_steps, self.cfg.vocab_size)}
 
             def decode_call():
                 stop = jnp.asarray(int(state["s"].step) + self.steps, jnp.int32)
