@@ -27,9 +27,7 @@ Group g multiplies its tokens (or tokens all groups share) by matrix ``matrices[
 where it lies (the MoE's gathered dispatch: one group an assignment; its sorted dispatch: one
 group a chunk of one expert's tokens, negative ids skipping the chunks a call leaves unused), or
 by matrix g (dense: one group an expert). Summed, the groups are the splits' contraction: a CTA's pipeline runs over
-its groups' whole K, so the MoE's down projection sums over the experts inside the launch; with
-``matrices`` the sum skips the groups of negative ids, the pipelines as long as the groups taken
-(the dense dispatch's experts that no token chose: neither product reads their bytes).
+its groups' whole K, so the MoE's down projection sums over the experts inside the launch.
 Several stacks of one shape (gate and up) share a launch and their tokens' quantization: the
 group axis runs over each stack's groups in turn.
 
@@ -98,10 +96,6 @@ COL = plgpu.Layout.WGMMA.reduce(0)  # a vector with one value per accumulator co
 # CUDA caps a grid's y and z extents at 65535 (x at 2**31 - 1). Mosaic GPU launches a grid of four
 # axes (a, b, c, d) as z = a x b, y = c, x = d (``launch_grid``).
 GRID_YZ_MAX = 65535
-# A summed launch over the groups a device array names (the MoE's dense dispatch skipping the experts
-# no token chose) cuts them into this many CTAs an SM's worth of splits: the number taken is not
-# known when the grid is, so every split takes every splits-th group and ends up to one group apart.
-TAKEN_CTAS_PER_SM = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,14 +174,12 @@ def quantize_tile(x_s, xq_s, xs_s, *, interpret: bool) -> None:
 
 
 def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int, groups: int, sum_groups: bool,
-            splits: int, shared_x: bool, kb_per_step: int, depth: int, tokens: int, scale_tokens: int,
-            quantize: bool, interpret: bool):
+            shared_x: bool, kb_per_step: int, depth: int, tokens: int, scale_tokens: int, quantize: bool,
+            interpret: bool):
     """One CTA of grid (g, n, s, m): weight rows [64 n, 64 n + 64) times token tile m, over ``steps``
     pipeline steps of K for each of ``groups`` groups. Batched (``sum_groups`` False): group g
     (of stack g // ``stack_groups``: its weight matrix experts[g % stack_groups], or g % it),
-    split s of K. Summed (one stack): groups [s groups, (s + 1) groups), the whole K of each; or,
-    with ``experts_gmem`` (``summed_plan``: G matrix ids, the taken groups' positions, their count),
-    every ``splits``-th taken group from the s-th, a pipeline as long as this split's share.
+    split s of K. Summed (one stack): groups [s groups, (s + 1) groups), the whole K of each.
 
     refs: the ``num_stacks`` weight stacks' refs; then either x (e4m3) and the combined scales, or
     with ``quantize`` the stacks' weight scales and x (unquantized); the output and its SMEM tile;
@@ -201,33 +193,15 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
     gg, n, split, mt = (lax.axis_index(name) for name in ("g", "n", "s", "m"))
     g = gg if num_stacks == 1 else lax.rem(gg, stack_groups)
     tk = BLOCK * kb_per_step
-    taken = sum_groups and experts_gmem is not None  # a summed subset: groups looked up a step at a time
     if sum_groups:
-        g0, k0 = (0 if taken else split * groups), 0
+        g0, k0 = split * groups, 0
     else:
         g0, k0 = g, split * steps * tk
-    if taken:
-        # This split's share of the taken groups (positions split, split + splits, ...): a pipeline of
-        # as many steps, each step's group and matrix read from the plan.
-        count = experts_gmem[2 * stack_groups]
-        pipeline_groups = lax.max(lax.div(count - split + splits - 1, splits), 0)
-
-        def group_of(e):
-            return experts_gmem[stack_groups + split + e * splits]
-
-        def matrix_of(e):
-            return experts_gmem[group_of(e)]
-        matrix0, group_rows = 0, pl.ds(0, stack_groups)
-    else:
-        pipeline_groups = groups
-        matrix0 = g0 if experts_gmem is None else experts_gmem[g]
-        group_of = matrix_of = lambda e: e
-        group_rows = pl.ds(g0, groups)
-    x_cols = x_gmem.at[pl.ds(0, 1) if shared_x else group_rows, pl.ds(mt * tokens, tokens), pl.ds(k0, steps * tk)]
-    x_spec = plgpu.BlockSpec((None, tokens, tk),
-                             (lambda e, k: (0, 0, k)) if shared_x else (lambda e, k: (group_of(e), 0, k)),
+    matrix0 = g0 if experts_gmem is None else experts_gmem[g]
+    x_cols = x_gmem.at[pl.ds(0, 1) if shared_x else pl.ds(g0, groups), pl.ds(mt * tokens, tokens),
+                       pl.ds(k0, steps * tk)]
+    x_spec = plgpu.BlockSpec((None, tokens, tk), (lambda e, k: (0, 0, k)) if shared_x else (lambda e, k: (e, 0, k)),
                              transforms=() if quantize else BYTE_TILE_TRANSFORMS)
-    max_steps = depth if taken else min(depth, groups * steps)
 
     def scaled_products(w_s, x8_tile, scale_of, total):
         """total + each block's product scaled by ``scale_of(kb)``, f32 [tokens] (``COL``)."""
@@ -245,17 +219,15 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
         return pl.run_scoped(products, *[plgpu.ACC((TILE_N, tokens), jnp.float32) for _ in range(kb_per_step)])
 
     zeros = plgpu.layout_cast(jnp.zeros((TILE_N, tokens), jnp.float32), plgpu.Layout.WGMMA)
-    w_spec = plgpu.BlockSpec((None, TILE_N, tk), lambda e, k: (matrix_of(e), 0, k), transforms=BYTE_TILE_TRANSFORMS)
+    w_spec = plgpu.BlockSpec((None, TILE_N, tk), lambda e, k: (e, 0, k), transforms=BYTE_TILE_TRANSFORMS)
 
     def run(stack):
         w_gmem, ws_gmem = stack
-        matrices = pl.ds(0, w_gmem.shape[0]) if taken else pl.ds(matrix0, groups)
-        w_rows = w_gmem.at[matrices, pl.ds(n * TILE_N, TILE_N), pl.ds(k0, steps * tk)]
+        w_rows = w_gmem.at[pl.ds(matrix0, groups), pl.ds(n * TILE_N, TILE_N), pl.ds(k0, steps * tk)]
         if quantize:
             def body(indices, w_s, x_s, total):
                 e, k = indices
-                # e > 0 only for summed groups
-                matrix, nb = (matrix_of(e) if taken else matrix0 + e), lax.div(n, BLOCK // TILE_N)
+                matrix, nb = matrix0 + e, lax.div(n, BLOCK // TILE_N)  # e > 0 only for summed groups
                 # The weight blocks' scales, one number each from global memory (cached), read
                 # first: their latency passes under the quantization.
                 kb0 = k0 // BLOCK + k * kb_per_step
@@ -267,14 +239,13 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
 
                 return scaled_products(w_s, lambda kb: xq_s.at[kb], scale_of, total)
 
-            pipeline = plgpu.emit_pipeline(body, grid=(pipeline_groups, steps), max_concurrent_steps=max_steps,
+            pipeline = plgpu.emit_pipeline(body, grid=(groups, steps), max_concurrent_steps=min(depth, groups * steps),
                                            init_carry=zeros, in_specs=[w_spec, x_spec])
             out_s[...] = pipeline(w_rows, x_cols)
         else:
             # The combined scales of this tile's 128-row block [groups, K / 128, tokens], this CTA's
             # blocks (one stack's groups after another's).
-            scale_groups = group_rows if sum_groups else pl.ds(gg, groups)
-            s_rows = s_gmem.at[scale_groups, lax.div(n, BLOCK // TILE_N),
+            s_rows = s_gmem.at[pl.ds(g0 if sum_groups else gg, groups), lax.div(n, BLOCK // TILE_N),
                                pl.ds(k0 // BLOCK, steps * kb_per_step), pl.ds(mt * scale_tokens, scale_tokens)]
 
             def body(_, w_s, x_s, s_s, total):
@@ -285,9 +256,8 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
                 return scaled_products(w_s, lambda kb: x_s.at[:, pl.ds(kb * BLOCK, BLOCK)], scale_of, total)
 
             pipeline = plgpu.emit_pipeline(
-                body, grid=(pipeline_groups, steps), max_concurrent_steps=max_steps, init_carry=zeros,
-                in_specs=[w_spec, x_spec, plgpu.BlockSpec((None, kb_per_step, scale_tokens),
-                                                          lambda e, k: (group_of(e), k, 0))])
+                body, grid=(groups, steps), max_concurrent_steps=min(depth, groups * steps), init_carry=zeros,
+                in_specs=[w_spec, x_spec, plgpu.BlockSpec((None, kb_per_step, scale_tokens), lambda e, k: (e, k, 0))])
             out_s[...] = pipeline(w_rows, x_cols, s_rows)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_s, out_gmem.at[split, 0 if sum_groups else gg, pl.ds(n * TILE_N, TILE_N),
@@ -295,7 +265,7 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
         plgpu.wait_smem_to_gmem(0)
 
     stacks = tuple(zip(w_gmems, ws_gmems))
-    if experts_gmem is None or taken:
+    if experts_gmem is None:
         run_on_stack(run, stacks, gg, stack_groups)
     else:
         pl.when(matrix0 >= 0)(lambda: run_on_stack(run, stacks, gg, stack_groups))
@@ -378,8 +348,7 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
       -> y [G, M, N] float32 (M padded as ``pad_tokens`` pads it where the kernel quantizes x; a
          tuple of them, one a stack, for tuples), or with ``sum_groups``
          [M, N] = the sum over the groups (the K of one product that runs over every group's
-         channels; one stack), the skipped groups left out: their matrices are not read, and each
-         CTA's pipeline is as long as its share of the groups taken (``summed_plan``).
+         channels; one stack, ``matrices`` None).
 
     ValueError for shapes the kernel does not take (``kernel_takes``, ``pad_tokens``).
     """
@@ -402,17 +371,13 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
     if not quantize and x.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"x: with x_scales the tokens come quantized (float8_e4m3fn), got {x.dtype}")
     check_stacks(w8s, w_scales_s, num_x, groups_total, x_name="x")
-    if sum_groups and stacked:
-        raise ValueError("w8: a summed product runs one stack")
+    if sum_groups and (matrices is not None or stacked):
+        raise ValueError("matrices: a summed product runs every matrix of one stack in order (matrices=None)")
     steps_total = k // (BLOCK * kb_per_step)
     tokens = token_tile(m)
     n_tiles, m_tiles = n // TILE_N, m // tokens
     num_stacks = len(w8s)
-    if sum_groups and matrices is not None:
-        # The taken groups are known only on the device: every split takes every splits-th of them.
-        splits = min(groups_total, config.splits or -(-TAKEN_CTAS_PER_SM * num_sms // (n_tiles * m_tiles)))
-        grid, groups, steps = (1, n_tiles, splits, m_tiles), 1, steps_total
-    elif sum_groups:
+    if sum_groups:
         splits = config.splits or choose_splits(n_tiles * m_tiles, groups_total, num_sms)
         if groups_total % splits:
             raise ValueError(f"config: splits={splits} must divide the {groups_total} groups")
@@ -443,7 +408,7 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
         operands, scratch = (*w8s, x, scales), []
     depth = pipeline_depth(config, tokens, kb_per_step, scale_tokens, x_itemsize=x.dtype.itemsize if quantize else 1)
     body = functools.partial(_kernel, num_stacks=num_stacks, stack_groups=groups_total, steps=steps, groups=groups,
-                             sum_groups=sum_groups, splits=splits, shared_x=num_x == 1, kb_per_step=kb_per_step, depth=depth,
+                             sum_groups=sum_groups, shared_x=num_x == 1, kb_per_step=kb_per_step, depth=depth,
                              tokens=tokens, scale_tokens=scale_tokens, quantize=quantize, interpret=interpret)
     grid, grid_names = launch_grid(*grid)
     kernel = plgpu.kernel(
@@ -454,18 +419,8 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
         kernel_name="snapmla_fp8_gemm",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    plan = summed_plan(matrices) if sum_groups and matrices is not None else matrices
-    ys = summed_partials(kernel, operands, plan, stacked=stacked, num_stacks=num_stacks, groups=groups_total)
+    ys = summed_partials(kernel, operands, matrices, stacked=stacked, num_stacks=num_stacks, groups=groups_total)
     return ys[0] if sum_groups else ys
-
-
-def summed_plan(matrices: jax.Array) -> jax.Array:
-    """The plan of a summed launch over the groups whose ``matrices`` id is not negative: int32
-    [2 G + 1] = the G ids, the taken groups' positions in order (then -1s), their count."""
-    matrices = matrices.astype(jnp.int32)
-    taken = matrices >= 0
-    (positions,) = jnp.nonzero(taken, size=matrices.shape[0], fill_value=-1)
-    return jnp.concatenate([matrices, positions.astype(jnp.int32), jnp.sum(taken, dtype=jnp.int32)[None]])
 
 
 def summed_partials(kernel, operands: tuple, matrices: jax.Array | None, *, stacked: bool, num_stacks: int,

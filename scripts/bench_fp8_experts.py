@@ -11,8 +11,8 @@ Each runs the model's own dispatch for T tokens (gathered up to ``GATHER_MAX_TOK
 its tokens itself (``fp8_weights.kernel_quantization``, up to 64 tokens). "fp8_dense" is the FP8
 layer always dense. Round-robin medians
 (``timing.time_round_robin``); floor = the weight bytes the dispatch must read (router, shared
-experts, and the chosen experts (gathered; dense in FP8, which skips the others) or all of them
-(dense in bf16)) over the copy bandwidth measured
+experts, and the chosen experts (gathered; dense in FP8 reads gate and up of the chosen and
+every down matrix) or all of them (dense in bf16)) over the copy bandwidth measured
 in the run. v3_ep8: a DeepSeek-V3 layer's share of its experts on one of 8 GPUs (32 of 256), which
 receives every device's tokens. Writes bench_fp8_experts.json and .md under --out.
 """
@@ -45,14 +45,19 @@ PROGRAMS = ("bf16", "fp8", "fp8_qk", "fp8_dense")
 
 def layer_bytes(layer, ids: jax.Array, dispatch: str) -> int:
     """Weight bytes the dispatch must read: router, shared experts, and the routed experts chosen
-    (gathered, and dense on block-FP8 stacks, which skips the others) or all (dense in bf16), in
-    the layer's storage (bf16, or FP8 values and scales)."""
+    (gathered; dense on block-FP8 stacks: gate and up of the chosen, every down matrix) or all
+    (dense in bf16), in the layer's storage (bf16, or FP8 values and scales)."""
     leaves = lambda module: sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(module)))
     experts = sum(leaf.nbytes for name in ("w_gate", "w_up", "w_down")
                   for leaf in jax.tree.leaves(getattr(layer, name).get_value()))
     per_expert = experts // layer.num_local_experts()
-    chosen_only = dispatch == "gathered" or (dispatch == "dense" and isinstance(layer.w_gate.get_value(), BlockFP8Weight))
-    routed = len(np.unique(np.asarray(ids))) * per_expert if chosen_only else experts
+    chosen = len(np.unique(np.asarray(ids)))
+    if dispatch == "gathered":
+        routed = chosen * per_expert
+    elif dispatch == "dense" and isinstance(layer.w_gate.get_value(), BlockFP8Weight):
+        routed = chosen * per_expert * 2 // 3 + experts // 3  # gate and up of the chosen, every down
+    else:
+        routed = experts
     shared = leaves(layer.shared_experts) if layer.shared_experts is not None else 0
     return leaves(layer.gate) + shared + routed
 

@@ -266,10 +266,11 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
       w         BlockFP8Weight stack [E, out, in], or a tuple of stacks of one shape and block
                 (a MoE's gate and up: one launch for both, x quantized once)
       matrices  None (G = E, group g multiplies matrix g) or int [G]: each group's matrix, or
-                negative: the group is skipped (its rows of y left unwritten; summed, left out)
+                negative: the group is skipped (its rows of y left unwritten; the FP8 GEMMs read
+                nothing for it)
       -> [G, T, out] float32 (a tuple of them for a tuple of stacks): y[g] = x[g or 0] @
-         W[matrices[g]]^T; with ``sum_groups`` (one stack), [T, out] = the sum over the groups
-         not skipped.
+         W[matrices[g]]^T; with ``sum_groups`` (one stack, matrices None), [T, out] = the sum
+         over g.
 
     On a Hopper GPU or in the interpreter this is one launch of an FP8 GEMM, x quantized per row
     and 128 channels, each matrix's e4m3 bytes read where they lie: the tiled kernel
@@ -284,8 +285,8 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
             or any(s.shape != first.shape or s.block != first.block for s in stacks)):
         raise ValueError(f"x: expected [groups, tokens, {first.shape[-1]}] against weight stacks [E, out, in] of one "
                          f"shape, got {list(x.shape)} against {[list(s.shape) for s in stacks]}")
-    if sum_groups and len(stacks) > 1:
-        raise ValueError("w: a summed product runs one stack")
+    if sum_groups and (matrices is not None or len(stacks) > 1):
+        raise ValueError("matrices: a summed product runs every matrix of one stack in order (matrices=None)")
     backend = resolve_backend(backend)
     rows = x.shape[1]
     if not sum_groups and all(tiles_run(s, rows, backend) for s in stacks):
@@ -308,13 +309,10 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
     spec = f"{'ti' if shared else 'gti'},goi->{'to' if sum_groups else 'gto'}"
 
     def product(stack):
-        tokens = x[0] if shared else x
         if matrices is not None:
             stack = BlockFP8Weight(stack.values[matrices], stack.scales[matrices], stack.block)
-            if sum_groups:  # the skipped groups' tokens count as zeros
-                tokens = jnp.where((matrices >= 0)[:, None, None], x, jnp.zeros((), x.dtype))
-        return jnp.einsum("gti,goi->to" if sum_groups and matrices is not None else spec, tokens,
-                          dequantize_weight(stack, x.dtype), preferred_element_type=jnp.float32)
+        return jnp.einsum(spec, x[0] if shared else x, dequantize_weight(stack, x.dtype),
+                          preferred_element_type=jnp.float32)
 
     ys = tuple(product(s) for s in stacks)
     return ys if isinstance(w, tuple) else ys[0]

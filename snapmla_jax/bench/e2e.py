@@ -265,25 +265,29 @@ def feed_forward_stack(params, x, *, graphdef, backend: str = "xla", steps: int 
 
 def weight_bytes_touched(cfg: MLAConfig, params, batch: int, dispatch: str = "ragged") -> tuple[int, int]:
     """(all weight bytes, bytes a step of ``batch`` tokens reads): the embedding counts
-    ``batch`` rows; routed experts whole where the MoE runs bf16 ones ``dispatch`` "dense" (every
-    matrix once), else (block-FP8 experts, whose dense launches skip the experts no token chose,
-    or another dispatch) by the expected share any token picks, 1 - (1 - k/E)^batch (uniform
-    routing; ``routed_dispatch`` gives a model's dispatch)."""
-    total = expert = unread = 0
+    ``batch`` rows; routed experts whole where the MoE runs them ``dispatch`` "dense" (every
+    matrix once; block-FP8 experts' gate and up skip the experts no token chose), else by the
+    expected share any token picks, 1 - (1 - k/E)^batch (uniform routing; ``routed_dispatch``
+    gives a model's dispatch)."""
+    total = unread = 0
+    expert = {"w_gate": 0, "w_up": 0, "w_down": 0}
     fp8_experts = False
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         nbytes = leaf.size * leaf.dtype.itemsize
         names = {getattr(key, "key", None) for key in path}
         total += nbytes
-        if names & {"w_gate", "w_up", "w_down"}:
-            expert += nbytes
+        for name in names & expert.keys():
+            expert[name] += nbytes
             fp8_experts |= leaf.dtype == jnp.float8_e4m3fn
         if "embed_tokens" in names:
             unread += nbytes - min(nbytes, batch * nbytes // leaf.shape[0])
-    share = 1.0
-    if cfg.n_routed_experts and (dispatch != "dense" or fp8_experts):
+    if not cfg.n_routed_experts or (dispatch == "dense" and not fp8_experts):
+        skipped = 0.0
+    else:
         share = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch
-    return total, int(total - unread - (1 - share) * expert)
+        skippable = expert["w_gate"] + expert["w_up"] + (0 if dispatch == "dense" else expert["w_down"])
+        skipped = (1 - share) * skippable
+    return total, int(total - unread - skipped)
 
 
 def routed_dispatch(model, batch: int, backend: str) -> str:
