@@ -147,11 +147,11 @@ KERNEL_QUANTIZES_MAX_ROWS = 1
 # against a matrix is a matrix-vector product, which XLA's compiler runs as one fusion reading the
 # e4m3 bytes and their scales where they lie (no activation quantization, no partial sums: one
 # launch where the kernel path takes two or three). H100, 1 token, ``scripts/bench_fp8_gemm.py``:
-# 2.9 / 3.8 / 2.9 / 4.1 / 5.4 us at 576 x 2048, 3072 x 2048, 2048 x 2048, 2048 x 2816,
-# 2816 x 2048 against the FP8 GEMM's 5.9 / 6.7 / 5.9 / - / 5.8 and bf16's 1.8 / 4.8 / 3.4 / 4.5 /
-# 4.8. A weight whose sides are not whole blocks (V2-Lite's dense MLP, 10944 wide) has its scales
-# cropped, and XLA then materializes the dequantized weight: 54.7 us at 10944 x 2048 against the
-# FP8 GEMM's 15.3 at two rows, so those keep the kernel.
+# 2.9 / 3.8 / 2.9 us at 576 x 2048, 3072 x 2048, 2048 x 2048 against the FP8 GEMM's 5.9 / 6.7 /
+# 5.9 and bf16's 1.8 / 4.8 / 3.4; 4.1 / 5.4 at 2048 x 2816, 2816 x 2048 against bf16's 4.5 / 4.8
+# (the FP8 GEMM 13.4 / 15.8 at two rows). A weight whose sides are not whole blocks (V2-Lite's
+# dense MLP, 10944 wide) has its scales cropped, and XLA then materializes the dequantized weight:
+# 54.7 us at 10944 x 2048 against the FP8 GEMM's 15.3 at two rows, so those keep the kernel.
 XLA_MAX_ROWS = 1
 
 
