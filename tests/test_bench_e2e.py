@@ -1,0 +1,37 @@
+"""The end-to-end bench's inputs and floors (``snapmla_jax.bench.e2e``), on the tiny model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from snapmla_jax.bench import e2e
+
+
+def test_the_decode_rows_start_from_tokens_of_their_own():
+    """Rows that all held one token would route to the same experts, and a MoE that skips the
+    unchosen experts would then read k of them where a batch's rows read up to k x batch."""
+    state = e2e.decode_state(None, 64, 5, e2e.V2_LITE.vocab_size)
+    tokens = np.asarray(state.tokens)
+    assert tokens.shape == (64, 5) and int(state.step) == 1
+    assert len(np.unique(tokens[:, 0])) >= 60  # random ids of 102400: a repeat or two at most
+    assert tokens.min() >= 0 and tokens.max() < e2e.V2_LITE.vocab_size
+
+
+def test_the_floor_counts_the_experts_each_dispatch_reads():
+    """bf16 dense reads every expert; block-FP8 dense skips the unchosen experts' gate and up but
+    reads every down matrix; ragged (like gathered and sorted) reads the expected share a batch
+    chooses, 1 - (1 - k/E)^B, of all three. So dense reads (1 - share) x (all three) more than
+    ragged in bf16 and (1 - share) x (the down matrices) more in FP8."""
+    cfg = e2e.TINY
+    for batch in (1, 3):
+        share = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch
+        for fp8 in (False, True):
+            _, params = nnx.split(e2e.random_model(cfg, jnp.bfloat16, fp8_weights=fp8))
+            sizes = {name: sum(leaf.nbytes for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+                               if name in {getattr(key, "key", None) for key in path})
+                     for name in ("w_gate", "w_up", "w_down")}
+            total, dense = e2e.weight_bytes_touched(cfg, params, batch, "dense")
+            _, ragged = e2e.weight_bytes_touched(cfg, params, batch, "ragged")
+            extra = (1 - share) * (sizes["w_down"] if fp8 else sum(sizes.values()))
+            assert ragged < dense < total and abs(dense - ragged - extra) <= 2, (batch, fp8)
