@@ -363,11 +363,13 @@ def test_under_kernel_quantization_the_products_hand_the_kernel_their_tokens_unq
         fp8_matmul(x, w, backend="interpret")
     assert given == [(jnp.float8_e4m3fn, False)]
     given.clear()  # the library's settings: one row of a grouped product in the kernel, two by XLA;
-    fp8_matmul(x[:1], w, backend="interpret")  # a one-row matrix product is XLA's (no launch)
+    _, whole = _operands(24, 1, 256, 512)
+    fp8_matmul(x[:1], whole, backend="interpret")  # a one-row product with whole 128-blocks is XLA's (no launch)
+    fp8_matmul(x[:1], w, backend="interpret")  # 192 rows (1.5 blocks): the kernel's, which quantizes the row
     fp8_grouped_matmul(xg[:, :1].astype(jnp.bfloat16), (gate, up), backend="interpret")
     fp8_grouped_matmul(xg[:, :2].astype(jnp.bfloat16), (gate, up), backend="interpret")
     assert library_setting == 1 and fp8_weights.XLA_MAX_ROWS == 1
-    assert given == [(jnp.bfloat16, True), (jnp.float8_e4m3fn, False)]
+    assert given == [(jnp.bfloat16, True), (jnp.bfloat16, True), (jnp.float8_e4m3fn, False)]
 
 
 def test_fp8_grouped_matmul_refuses_what_it_cannot_run_naming_the_argument():
