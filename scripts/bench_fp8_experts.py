@@ -48,14 +48,14 @@ def layer_bytes(layer, ids: jax.Array, dispatch: str) -> int:
     (gathered; dense on block-FP8 stacks: gate and up of the chosen, every down matrix) or all
     (dense in bf16), in the layer's storage (bf16, or FP8 values and scales)."""
     leaves = lambda module: sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(module)))
-    experts = sum(leaf.nbytes for name in ("w_gate", "w_up", "w_down")
-                  for leaf in jax.tree.leaves(getattr(layer, name).get_value()))
-    per_expert = experts // layer.num_local_experts()
-    chosen = len(np.unique(np.asarray(ids)))
+    stack = {name: sum(leaf.nbytes for leaf in jax.tree.leaves(getattr(layer, name).get_value()))
+             for name in ("w_gate", "w_up", "w_down")}
+    experts = sum(stack.values())
+    chosen_share = len(np.unique(np.asarray(ids))) / layer.num_local_experts()
     if dispatch == "gathered":
-        routed = chosen * per_expert
+        routed = int(chosen_share * experts)
     elif dispatch == "dense" and isinstance(layer.w_gate.get_value(), BlockFP8Weight):
-        routed = chosen * per_expert * 2 // 3 + experts // 3  # gate and up of the chosen, every down
+        routed = int(chosen_share * (stack["w_gate"] + stack["w_up"])) + stack["w_down"]
     else:
         routed = experts
     shared = leaves(layer.shared_experts) if layer.shared_experts is not None else 0
