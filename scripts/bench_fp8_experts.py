@@ -7,8 +7,11 @@ The layer (router, routed and shared experts) has random bf16 weights (``bench_m
 and its FP8 twin is those weights quantized in 128 x 128 blocks (``models.quantize_weights``).
 Each runs the model's own dispatch for T tokens (gathered up to ``GATHER_MAX_TOKENS``, dense up to
 512): in bf16 the grouped-experts kernel or XLA's batched products; in FP8 the FP8 GEMM launches
-(pallas_kernels/fp8_gemm_mgpu.py). "fp8_qk" is the same with the kernel of few tokens quantizing
-its tokens itself (``fp8_weights.kernel_quantization``, up to 64 tokens). "fp8_dense" is the FP8
+(pallas_kernels/fp8_gemm_mgpu.py), with the model's defaults: the kernel of few tokens quantizes the
+tokens of products of up to ``fp8_weights.KERNEL_QUANTIZES_MAX_ROWS`` rows itself (the gathered
+dispatch's down projections, one row an assignment), XLA the others. "fp8_xq" is the same with XLA
+quantizing every product's tokens, "fp8_qk" with the kernel quantizing up to 64 tokens
+(``fp8_weights.kernel_quantization``). "fp8_dense" is the FP8
 layer always dense. Round-robin medians
 (``timing.time_round_robin``); floor = the weight bytes the dispatch must read (router, shared
 experts, and the chosen experts (gathered; dense in FP8 reads gate and up of the chosen and
@@ -20,6 +23,7 @@ receives every device's tokens. Writes bench_fp8_experts.json and .md under --ou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -40,7 +44,9 @@ from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import MAX_TOKENS  # noqa: E402
 
 SHAPES = {"v2_lite": MOE_SHAPES["v2_lite"], "v3_ep8": dataclasses.replace(MOE_SHAPES["v3"], experts=32)}
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-PROGRAMS = ("bf16", "fp8", "fp8_qk", "fp8_dense")
+PROGRAMS = ("bf16", "fp8", "fp8_xq", "fp8_qk", "fp8_dense")
+# Rows up to which the kernel quantizes its tokens, by program (None: the module default).
+KERNEL_QUANTIZATION = {"fp8_xq": 0, "fp8_qk": MAX_TOKENS}
 
 
 def layer_bytes(layer, ids: jax.Array, dispatch: str) -> int:
@@ -70,7 +76,7 @@ def programs(tokens: int, layers: dict) -> tuple[dict, dict]:
     runs, floors = {}, {}
     for program in PROGRAMS:
         # A jitted function of its own a program: JAX reuses a function's trace for the same
-        # arguments, and "fp8_qk" must be traced under its own kernel_quantization setting.
+        # arguments, and "fp8_xq" / "fp8_qk" must be traced under their own kernel_quantization.
         call = jax.jit(lambda state, x, graphdef: nnx.merge(graphdef, state)(x, backend=backend),
                        static_argnames="graphdef")
         layer = layers["bf16" if program == "bf16" else "fp8"]
@@ -80,7 +86,8 @@ def programs(tokens: int, layers: dict) -> tuple[dict, dict]:
             set_gather_max_tokens(layer, 0)
         dispatch = layer.dispatch(tokens, backend)
         graphdef, state = nnx.split(layer)
-        with kernel_quantization(MAX_TOKENS if program == "fp8_qk" else 0):
+        rows = KERNEL_QUANTIZATION.get(program)
+        with kernel_quantization(rows) if rows is not None else contextlib.nullcontext():
             runs[program] = (call.lower(state, x, graphdef=graphdef).compile(), [(state, x)])
         floors[program] = (dispatch, layer_bytes(layer, layer.gate(x)[1], dispatch))
         set_dense_token_range(layer, saved[0])
@@ -106,16 +113,19 @@ def measure(name: str, tokens: int, layers: dict, copy_gbps: float, iters: int) 
 
 def table(env: dict, rows: list[dict]) -> str:
     header = (f"# MoE layer: block-FP8 weights vs bf16\n\n{env['device']}, jax {env['jax']}, {env['date']}; copy "
-              f"{env['copy_gbps']:.0f} GB/s. Command: `python scripts/bench_fp8_experts.py --out DIR`. One layer "
+              f"{env['copy_gbps']:.0f} GB/s. Command: `{env['command']}`. One layer "
               "(router, routed and shared experts), each with the model's dispatch for T tokens; round-robin "
-              "medians; % floor = the weight bytes the dispatch reads over the copy bandwidth. rel. L2: FP8 "
-              "output against bf16's.\n\n")
-    columns = ["shape", "T", "dispatch", "bf16 ms", "fp8 ms", "fp8 qk ms", "fp8 dense ms", "fp8 / bf16",
-               "fp8 qk / bf16", "fp8 dense / bf16", "bf16 % floor", "fp8 % floor", "fp8 dense % floor", "rel. L2"]
+              "medians; % floor = the weight bytes the dispatch reads over the copy bandwidth. fp8: the model's "
+              "defaults; fp8 xq: XLA quantizes every product's tokens; fp8 qk: the FP8 GEMM quantizes them up "
+              "to 64 tokens; fp8 dense: always the dense dispatch. rel. L2: FP8 output against bf16's.\n\n")
+    columns = ["shape", "T", "dispatch", "bf16 ms", "fp8 ms", "fp8 xq ms", "fp8 qk ms", "fp8 dense ms", "fp8 / bf16",
+               "fp8 xq / bf16", "fp8 qk / bf16", "fp8 dense / bf16", "bf16 % floor", "fp8 % floor",
+               "fp8 dense % floor", "rel. L2"]
     body = [[r["shape"], r["tokens"], r["fp8_dispatch"], f"{r['bf16_ms']:.3f}", f"{r['fp8_ms']:.3f}",
-             f"{r['fp8_qk_ms']:.3f}", f"{r['fp8_dense_ms']:.3f}", f"{r['fp8_speedup']:.2f}x",
-             f"{r['fp8_qk_speedup']:.2f}x", f"{r['fp8_dense_speedup']:.2f}x", f"{r['bf16_of_floor']:.0%}",
-             f"{r['fp8_of_floor']:.0%}", f"{r['fp8_dense_of_floor']:.0%}", f"{r['fp8_rel_l2']:.3f}"] for r in rows]
+             f"{r['fp8_xq_ms']:.3f}", f"{r['fp8_qk_ms']:.3f}", f"{r['fp8_dense_ms']:.3f}", f"{r['fp8_speedup']:.2f}x",
+             f"{r['fp8_xq_speedup']:.2f}x", f"{r['fp8_qk_speedup']:.2f}x", f"{r['fp8_dense_speedup']:.2f}x",
+             f"{r['bf16_of_floor']:.0%}", f"{r['fp8_of_floor']:.0%}", f"{r['fp8_dense_of_floor']:.0%}",
+             f"{r['fp8_rel_l2']:.3f}"] for r in rows]
     return header + timing.markdown_table(columns, body)
 
 
@@ -130,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tokens: expected positive token counts")
     if timing.missing_gpu("FP8 experts benchmark"):
         return 2
-    env = dict(timing.environment(), copy_gbps=timing.measure_copy_gbps())
+    command = " ".join(["python scripts/bench_fp8_experts.py --out DIR", "--shapes", *args.shapes, "--tokens",
+                        *map(str, args.tokens), "--iters", str(args.iters)])
+    env = dict(timing.environment(), copy_gbps=timing.measure_copy_gbps(), command=command)
     rows = []
     for name in args.shapes:
         layers = {"bf16": random_layer(SHAPES[name])}
@@ -139,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure(name, tokens, layers, env["copy_gbps"], args.iters))
             r = rows[-1]
             print(f"{name} T={tokens} ({r['fp8_dispatch']}): bf16 {r['bf16_ms']:.3f} ms, fp8 {r['fp8_ms']:.3f} ms "
-                  f"({r['fp8_speedup']:.2f}x), fp8 qk {r['fp8_qk_ms']:.3f} ms ({r['fp8_qk_speedup']:.2f}x), "
+                  f"({r['fp8_speedup']:.2f}x), fp8 xq {r['fp8_xq_ms']:.3f} ms, fp8 qk {r['fp8_qk_ms']:.3f} ms ({r['fp8_qk_speedup']:.2f}x), "
                   f"fp8 dense {r['fp8_dense_ms']:.3f} ms", flush=True)
             timing.write_results(args.out, "bench_fp8_experts", env, rows, table(env, rows))
         del layers

@@ -12,24 +12,32 @@ SMALL = bench_moe.MoEShape(hidden=256, inner=128, experts=8, top_k=2, shared=1)
 def test_the_programs_agree_within_fp8_rounding_and_name_their_dispatch(monkeypatch):
     import snapmla_jax.fp8_weights as fp8_weights
 
-    # Whether each FP8 launch traced was handed its tokens unquantized (x_scales None).
-    unquantized = []
+    # Each FP8 launch traced: (the kernel-quantization rows it was traced under, which tells the
+    # program: 0 fp8_xq, 64 fp8_qk, the default fp8 and fp8_dense; its tokens' rows; whether they
+    # came unquantized, x_scales None).
+    launches = []
     kernel = fp8_weights.fp8_grouped_gemm_mgpu
     monkeypatch.setattr(fp8_weights, "fp8_grouped_gemm_mgpu",
-                        lambda x, xs, *a, **kw: unquantized.append(xs is None) or kernel(x, xs, *a, **kw))
+                        lambda x, xs, *a, **kw: launches.append((fp8_weights.KERNEL_QUANTIZES_MAX_ROWS, x.shape[-2],
+                                                                 xs is None)) or kernel(x, xs, *a, **kw))
+    default_rows = fp8_weights.KERNEL_QUANTIZES_MAX_ROWS
     layers = {"bf16": bench_moe.random_layer(SMALL)}
     layers["fp8"] = bench.quantize_weights(bench_moe.random_layer(SMALL))
     for tokens, dispatch in ((3, "gathered"), (20, "dense")):
-        unquantized.clear()
+        launches.clear()
         runs, floors = bench.programs(tokens, layers)
         assert set(runs) == set(bench.PROGRAMS)
-        # fp8, fp8_qk and fp8_dense each traced their launches; only fp8_qk's quantize in the kernel.
-        assert any(unquantized) and not all(unquantized), (tokens, unquantized)
+        # Every FP8 program traced launches; the kernel quantizes the tokens of exactly the products
+        # of at most its program's rows: none for fp8_xq, all for fp8_qk, the 1-row ones by default.
+        assert {limit for limit, _, _ in launches} == {0, default_rows, bench.MAX_TOKENS}, launches
+        for limit, rows, unquantized in launches:
+            assert unquantized == (rows <= limit), (tokens, launches)
+        assert any(unquantized for limit, _, unquantized in launches if limit == default_rows) == (dispatch == "gathered")
         assert floors["fp8"][0] == dispatch and floors["fp8_dense"][0] == "dense"
         # e4m3 weights and activations (RMS rounding ~2^-4 / 3 of a value each, in quadrature over
         # three products): a few percent of the output; a wrong expert or scale is O(1).
         outs = {name: np.asarray(fn(*args[0]), np.float64) for name, (fn, args) in runs.items()}
-        for name in ("fp8", "fp8_qk", "fp8_dense"):
+        for name in ("fp8", "fp8_xq", "fp8_qk", "fp8_dense"):
             rel = np.linalg.norm(outs[name] - outs["bf16"]) / np.linalg.norm(outs["bf16"])
             assert rel < 0.1, (tokens, name, rel)
         # FP8 values are a byte a weight: half of bf16's bytes (plus the scales) for the experts.
@@ -37,13 +45,15 @@ def test_the_programs_agree_within_fp8_rounding_and_name_their_dispatch(monkeypa
 
 
 def test_the_table_gives_ratios_and_floors():
-    env = {"device": "H200", "jax": "0.11.2", "date": "2026-11-28", "copy_gbps": 4000.0}
+    env = {"device": "H200", "jax": "0.11.2", "date": "2026-11-28", "copy_gbps": 4000.0,
+           "command": "python scripts/bench_fp8_experts.py --out DIR --shapes v2_lite --tokens 64 --iters 5"}
     row = {"shape": "v2_lite", "tokens": 64, "fp8_dispatch": "dense", "bf16_ms": 0.5, "fp8_ms": 0.25,
-           "fp8_qk_ms": 0.2, "fp8_dense_ms": 0.25, "fp8_speedup": 2.0, "fp8_qk_speedup": 2.5,
-           "fp8_dense_speedup": 2.0, "bf16_of_floor": 0.8, "fp8_of_floor": 0.81, "fp8_dense_of_floor": 0.81,
-           "fp8_rel_l2": 0.031}
-    assert ("| v2_lite | 64 | dense | 0.500 | 0.250 | 0.200 | 0.250 | 2.00x | 2.50x | 2.00x | 80% | 81% | 81% | 0.031 |"
-            in bench.table(env, [row]))
+           "fp8_xq_ms": 0.4, "fp8_qk_ms": 0.2, "fp8_dense_ms": 0.25, "fp8_speedup": 2.0, "fp8_xq_speedup": 1.25,
+           "fp8_qk_speedup": 2.5, "fp8_dense_speedup": 2.0, "bf16_of_floor": 0.8, "fp8_of_floor": 0.81,
+           "fp8_dense_of_floor": 0.81, "fp8_rel_l2": 0.031}
+    text = bench.table(env, [row])
+    assert "| v2_lite | 64 | dense | 0.500 | 0.250 | 0.400 | 0.200 | 0.250 | 2.00x | 1.25x | 2.50x | 2.00x | 80% | 81% | 81% | 0.031 |" in text
+    assert "Command: `python scripts/bench_fp8_experts.py --out DIR --shapes v2_lite --tokens 64 --iters 5`" in text
 
 
 def test_without_a_gpu_it_exits_2(tmp_path, capsys):
