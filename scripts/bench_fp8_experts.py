@@ -23,7 +23,6 @@ receives every device's tokens. Writes bench_fp8_experts.json and .md under --ou
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe import SHAPES as MOE_SHAPES, random_layer  # noqa: E402
 
 from snapmla_jax.bench import timing  # noqa: E402
+from snapmla_jax import fp8_weights  # noqa: E402
 from snapmla_jax.fp8_weights import BlockFP8Weight, kernel_quantization  # noqa: E402
 from snapmla_jax.models import quantize_weights  # noqa: E402
 from snapmla_jax.models.moe import set_dense_token_range, set_gather_max_tokens  # noqa: E402
@@ -45,7 +45,7 @@ from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import MAX_TOKENS  # noqa: E402
 SHAPES = {"v2_lite": MOE_SHAPES["v2_lite"], "v3_ep8": dataclasses.replace(MOE_SHAPES["v3"], experts=32)}
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 PROGRAMS = ("bf16", "fp8", "fp8_xq", "fp8_qk", "fp8_dense")
-# Rows up to which the kernel quantizes its tokens, by program (None: the module default).
+# Rows up to which the kernel quantizes its tokens, by program (the others: the module default).
 KERNEL_QUANTIZATION = {"fp8_xq": 0, "fp8_qk": MAX_TOKENS}
 
 
@@ -86,8 +86,7 @@ def programs(tokens: int, layers: dict) -> tuple[dict, dict]:
             set_gather_max_tokens(layer, 0)
         dispatch = layer.dispatch(tokens, backend)
         graphdef, state = nnx.split(layer)
-        rows = KERNEL_QUANTIZATION.get(program)
-        with kernel_quantization(rows) if rows is not None else contextlib.nullcontext():
+        with kernel_quantization(KERNEL_QUANTIZATION.get(program, fp8_weights.KERNEL_QUANTIZES_MAX_ROWS)):
             runs[program] = (call.lower(state, x, graphdef=graphdef).compile(), [(state, x)])
         floors[program] = (dispatch, layer_bytes(layer, layer.gate(x)[1], dispatch))
         set_dense_token_range(layer, saved[0])
@@ -151,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure(name, tokens, layers, env["copy_gbps"], args.iters))
             r = rows[-1]
             print(f"{name} T={tokens} ({r['fp8_dispatch']}): bf16 {r['bf16_ms']:.3f} ms, fp8 {r['fp8_ms']:.3f} ms "
-                  f"({r['fp8_speedup']:.2f}x), fp8 xq {r['fp8_xq_ms']:.3f} ms, fp8 qk {r['fp8_qk_ms']:.3f} ms ({r['fp8_qk_speedup']:.2f}x), "
+                  f"({r['fp8_speedup']:.2f}x), fp8 xq {r['fp8_xq_ms']:.3f} ms, "
+                  f"fp8 qk {r['fp8_qk_ms']:.3f} ms ({r['fp8_qk_speedup']:.2f}x), "
                   f"fp8 dense {r['fp8_dense_ms']:.3f} ms", flush=True)
             timing.write_results(args.out, "bench_fp8_experts", env, rows, table(env, rows))
         del layers
