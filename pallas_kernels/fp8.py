@@ -4,7 +4,7 @@ cache write kernel, its reference, the decode kernels and the ablation report.
 It lives in pallas_kernels (the bottom layer: kernels import nothing from
 snapmla_jax) and is re-exported as ``snapmla_jax.quantization``.
 
-A token's 512-dim latent gets ONE float32 scale: ``s_t = max(amax_t, AMAX_FLOOR) / 448``
+A token's 512-dim latent gets ONE float32 scale: ``s_t = max(amax_t, AMAX_FLOOR) * float32(1 / 448)``
 and is stored as ``e4m3(clip(x / s_t, -448, 448))``; it is read back as
 ``float32(q) * s_t``. The RoPE part is not quantized (see ``LatentCache``).
 """
@@ -17,6 +17,10 @@ import numpy as np
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_E4M3_MAX = 448.0  # largest finite e4m3fn value; scales map a token's amax onto it
+# A scale is amax times this float32 constant, not amax / 448: XLA rewrites a division by a
+# constant into that product under jit and, in some jax versions, not op by op, so only the
+# product is computed alike by the jnp references, the interpreted kernels and the compiled ones.
+FP8_E4M3_MAX_RECIPROCAL = np.float32(1.0 / FP8_E4M3_MAX)
 # Floor on a token's amax before it becomes a scale. It keeps the scale a normal
 # float32 (GPUs flush denormals, and x / 0 would be NaN) for all-zero tokens;
 # a token whose amax is below it loses nothing that bf16 inputs could carry.
@@ -34,7 +38,7 @@ def per_token_scale(x: jnp.ndarray) -> jnp.ndarray:
 
 def scale_of_amax(amax: jnp.ndarray) -> jnp.ndarray:
     """The scale of rows whose largest magnitude is ``amax`` (float32 [...]): ``per_token_scale``'s."""
-    return jnp.maximum(amax, AMAX_FLOOR) / FP8_E4M3_MAX
+    return jnp.maximum(amax, AMAX_FLOOR) * FP8_E4M3_MAX_RECIPROCAL
 
 
 def saturate_to_e4m3(y: jnp.ndarray) -> jnp.ndarray:

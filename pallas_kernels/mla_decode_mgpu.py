@@ -109,12 +109,14 @@ QK_PROMOTIONS = (128, 256, 512)  # the promotions a call may ask for (``qk_promo
 # (H100, tools/time_mgpu_variants.py --variants no_producer issue_by_one_thread).
 ISSUE_BY_WARPS = True
 # ptxas honours ``setmaxnreg`` (the producer / consumer register split below) only when it compiles
-# a kernel whole. Under jax 0.12 Mosaic GPU kernels are JIT-linked, and ptxas reports "(C7504)
-# 'setmaxnreg' ignored to maintain compatibility across compilation units": every thread keeps 168
-# registers and the consumers spill 1560 bytes (392 under 0.11.2). No public option turns the
-# linking off. H200, 64 x 16k x 128: jax 0.11.2 with a producer 0.384 ms; jax 0.12.0.1 with one
-# 0.805, without 0.487 (tools/time_mgpu_variants.py --variants baseline with_producer under 0.12).
-SETMAXNREG_HONOURED = jax.__version_info__ < (0, 12)
+# a kernel whole. Under jax 0.12.0 (0.12.0.1) Mosaic GPU kernels are JIT-linked, and ptxas reports
+# "(C7504) 'setmaxnreg' ignored to maintain compatibility across compilation units": every thread
+# keeps 168 registers and the consumers spill 1560 bytes (392 under 0.11.2). H200, 64 x 16k x 128:
+# jax 0.11.2 with a producer 0.384 ms; jax 0.12.0.1 with one 0.805, without 0.487. jax 0.12.1
+# honours it again: no C7504, 236 bytes spilled, and on an H100 at 64 x 16k x 128 0.386 ms with a
+# producer against 0.450 without (jax 0.11.2 in the same session: 0.397 / 0.450)
+# (tools/time_mgpu_variants.py --variants baseline with_producer under 0.12.0 and 0.12.1).
+SETMAXNREG_HONOURED = not (0, 12) <= jax.__version_info__ < (0, 12, 1)
 # Whether a third warpgroup, the producer, issues the TMA ring while the two consumers only
 # compute (FA3's warp specialization): 0.817 vs 0.861 ms at 64 x 16k x 128 without it (H100,
 # tools/time_mgpu_variants.py --variants baseline no_producer). It needs the register split.

@@ -7,7 +7,7 @@ Every prefill and decode step of every layer runs it once:
   latent [T, R], k_rope [T, Dr] bf16/f16/f32; rows [T] int32, the cache row of each token
   (-1: write nothing) -> the cache arrays, aliased input->output
 
-Math (``fp8.quantize_per_token``, bit for bit): per token ``s = max(amax, 1e-30) / 448`` and
+Math (``fp8.quantize_per_token``, bit for bit): per token ``s = max(amax, 1e-30) * float32(1 / 448)`` and
 ``e4m3(clip(x / s, -448, 448))`` in float32 (round to nearest even); the bf16 cache stores
 ``bf16(x)``, and the RoPE part is stored as bf16 in both.
 

@@ -80,7 +80,7 @@ pick_python() {
     exit 2
 }
 
-# "0.11.2" from `"jax>=0.11.2,<0.12.1",`: the lowest jax pyproject.toml accepts, .venv's.
+# "0.11.2" from `"jax>=0.11.2,<0.13",`: the lowest jax pyproject.toml accepts, .venv's.
 lowest_jax=$(sed -n 's/^ *"jax>=\([0-9.]*[0-9]\),.*/\1/p' pyproject.toml)
 [ -n "$lowest_jax" ] || { echo "install.sh: error: no \"jax>=X.Y.Z,...\" in pyproject.toml" >&2; exit 2; }
 case "$jax" in

@@ -29,7 +29,7 @@ from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import kernel_takes as gemm_takes
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import TilesConfig, fp8_gemm_tiles_mgpu, fp8_grouped_gemm_tiles_mgpu
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import kernel_takes as tiles_takes
 
-FP8_E4M3_MAX = 448.0  # largest finite e4m3 value: a block's amax maps onto it
+from snapmla_jax.quantization import FP8_E4M3_MAX, FP8_E4M3_MAX_RECIPROCAL
 DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size
 
 
@@ -83,9 +83,9 @@ def quantize_blocks(w: jax.Array, block: tuple[int, int] = DEFAULT_BLOCK) -> Blo
     """A float matrix w [out, in], or a stack of them [..., out, in] (bf16 / f16 / f32) -> its
     ``BlockFP8Weight``.
 
-    Each block's scale is amax / 448 in float32, so the block's largest element lands on
-    e4m3's largest finite value; the values are ``w / scale`` cast to e4m3 with saturation
-    (never inf or NaN). A block of zeros gets scale 0 and values 0. ValueError for a w that
+    Each block's scale is amax * float32(1 / 448) (``fp8.scale_of_amax``'s product), so the
+    block's largest element lands on e4m3's largest finite value; the values are ``w / scale``
+    cast to e4m3 with saturation (never inf or NaN). A block of zeros gets scale 0 and values 0. ValueError for a w that
     is not at least 2-D or not floating, or a bad ``block``.
     """
     block = _check_block(block)
@@ -97,7 +97,7 @@ def quantize_blocks(w: jax.Array, block: tuple[int, int] = DEFAULT_BLOCK) -> Blo
     pad = [(0, 0)] * len(lead) + [(0, blocks[0] * block[0] - out_dim), (0, blocks[1] * block[1] - in_dim)]
     padded = jnp.pad(w32, pad)
     amax = jnp.max(jnp.abs(padded.reshape(*lead, blocks[0], block[0], blocks[1], block[1])), axis=(-3, -1))
-    scales = amax / FP8_E4M3_MAX
+    scales = amax * FP8_E4M3_MAX_RECIPROCAL
     safe = _expand(jnp.where(scales > 0, scales, 1.0), w.shape, block)
     values = jnp.clip(w32 / safe, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
     return BlockFP8Weight(values, scales, block)

@@ -88,7 +88,7 @@ def write_kv(cache: LatentCache, latent: jax.Array, k_rope: jax.Array, slot_mapp
         scatter under every backend (the same bytes).
 
     An fp8 cache receives the e4m3 latent with one float32 scale per token
-    (``max(amax, 1e-30) / 448``, saturating: never inf/NaN for finite input) and
+    (``max(amax, 1e-30) * float32(1 / 448)``, saturating: never inf/NaN for finite input) and
     the RoPE key in bf16; a bf16 cache receives both in bf16. Slots not named are
     untouched. Two tokens naming the same slot leave it unspecified (bytes of either).
     Under ``jax.jit`` with the cache donated the write is in place; an eager call

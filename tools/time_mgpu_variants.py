@@ -48,7 +48,7 @@ SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 KERNEL_NAMES = {"mgpu": "snapmla_decode_fp8_mgpu_mosaic", "small": "snapmla_decode_fp8_mgpu_small",
                 "bf16": "snapmla_decode_bf16_mgpu"}
 # The producer warpgroup flipped from what ships: it ships only where ptxas honours its register
-# split (``mla_decode_mgpu.SETMAXNREG_HONOURED``), so under jax 0.12 the flip is "with_producer".
+# split (``mla_decode_mgpu.SETMAXNREG_HONOURED``), so under jax 0.12.0 the flip is "with_producer".
 WITHOUT_PRODUCER = {"PRODUCER_WG": False} if mgpu_kernel.PRODUCER_WG else {}
 PRODUCER_FLIP = {"no_producer": WITHOUT_PRODUCER} if mgpu_kernel.PRODUCER_WG else {"with_producer": {"PRODUCER_WG": True}}
 VARIANTS = {
