@@ -34,11 +34,11 @@ of four ways (``MoE.__call__`` picks by the token count T, a static shape):
   With the experts split over devices either would move expert weights between
   devices, so the placements (``models.sharding``, the loaders' ``sharding=``)
   turn it off there (``match_dispatch_to_placement``).
-* sorted (where dense or ragged would run, from the layer's ``sorted_min_tokens`` on
-  (``default_sorted_min_tokens``), when the grouped GEMMs run: backend "pallas" on a Hopper GPU or
-  "interpret", bf16 stacks of whole tiles or block-FP8 ones): the assignments sorted by expert and
-  cut into chunks of one expert's tokens, one GEMM group a chunk
-  (pallas_kernels/grouped_experts.py ``sorted_products``): each chosen
+* sorted (where dense or ragged would run, from the layer's ``sorted_min_tokens`` on, or its
+  ``fp8_sorted_min_tokens`` with block-FP8 stacks (``default_sorted_min_tokens``), when the
+  grouped GEMMs run: backend "pallas" on a Hopper GPU or "interpret", bf16 stacks of whole tiles
+  or block-FP8 ones): the assignments sorted by expert and cut into chunks of one expert's
+  tokens, one GEMM group a chunk (pallas_kernels/grouped_experts.py ``sorted_products``): each chosen
   expert's matrices read once a chunk, as dense reads them, but each token multiplied only by its
   k experts instead of all E. Dense's arithmetic grows with T x E: at a serving batch's token
   counts it sets the step's pace (4 H200s, V2 shapes with FP8 weights, 184 rows of 32k: the FP8
@@ -152,14 +152,27 @@ SORTED_BLOCK_TOKENS = 8192
 # reads only the chosen experts, 40% of them at 16 tokens), V2's 23.6M at its capacity batch.
 LARGE_EXPERT_PARAMS = 16 * 2**20
 SORTED_MIN_TOKENS_LARGE_EXPERTS = 16
+# The same for block-FP8 expert stacks on the FP8 GEMM (``MoE.fp8_sorted_min_tokens``), where
+# dense reads only the chosen experts' gate and up. One layer on an H100 against dense
+# (scripts/bench_fp8_experts.py, fp8 sorted vs fp8 dense, docs/benchmarks/fp8_experts_sorted_h100.md): at
+# V2-Lite's shapes 0.91 / 0.98 / 0.96 / 1.02 / 1.09 / 1.23 / 1.12x as fast at T = 16 / 24 / 32 /
+# 48 / 64 / 96 / 128; at V3's (32 of its experts, one of 8 GPUs' share) 0.95 / 0.95 / 0.93 /
+# 0.90x at 16 / 32 / 64 / 128, while at V2's shapes on 4 H200s (184 tokens) sorted made the step
+# 1.44x as fast (docs/benchmarks/capacity_sorted.md).
+FP8_SORTED_MIN_TOKENS = 48
+FP8_SORTED_MIN_TOKENS_LARGE_EXPERTS = 160
 
 
-def default_sorted_min_tokens(cfg: MLAConfig) -> int | None:
-    """The ``sorted_min_tokens`` a new ``MoE`` layer of ``cfg`` starts with: SORTED_MIN_TOKENS,
-    or SORTED_MIN_TOKENS_LARGE_EXPERTS where an expert holds at least LARGE_EXPERT_PARAMS
-    parameters (None stays None: sorted off)."""
+def default_sorted_min_tokens(cfg: MLAConfig, fp8: bool = False) -> int | None:
+    """The ``sorted_min_tokens`` (``fp8``: ``fp8_sorted_min_tokens``) a new ``MoE`` layer of ``cfg``
+    starts with: SORTED_MIN_TOKENS (FP8_SORTED_MIN_TOKENS), or the ``_LARGE_EXPERTS`` value where
+    an expert holds at least LARGE_EXPERT_PARAMS parameters (SORTED_MIN_TOKENS None: sorted off)."""
+    if SORTED_MIN_TOKENS is None:
+        return None
     large = 3 * cfg.hidden_size * cfg.moe_intermediate_size >= LARGE_EXPERT_PARAMS
-    return SORTED_MIN_TOKENS_LARGE_EXPERTS if large and SORTED_MIN_TOKENS is not None else SORTED_MIN_TOKENS
+    if fp8:
+        return FP8_SORTED_MIN_TOKENS_LARGE_EXPERTS if large else FP8_SORTED_MIN_TOKENS
+    return SORTED_MIN_TOKENS_LARGE_EXPERTS if large else SORTED_MIN_TOKENS
 
 
 def choose_dispatch(num_tokens: int, dense_token_range: tuple[int, int] | None, gather_max_tokens: int) -> str:
@@ -205,13 +218,14 @@ def match_dispatch_to_placement(model: nnx.Module) -> int:
 
 
 def set_sorted_min_tokens(model: nnx.Module, min_tokens: int | None) -> int:
-    """Set ``sorted_min_tokens`` (an int >= 1, or None: never sorted) on every ``MoE`` layer
-    inside ``model``; returns how many. ValueError naming ``sorted_min_tokens`` otherwise."""
+    """Set ``sorted_min_tokens`` and ``fp8_sorted_min_tokens`` (an int >= 1, or None: never sorted)
+    on every ``MoE`` layer inside ``model``: sorted from ``min_tokens`` on whatever the expert
+    stacks hold; returns how many. ValueError naming ``sorted_min_tokens`` otherwise."""
     if min_tokens is not None and (isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1):
         raise ValueError(f"sorted_min_tokens: expected None or an int >= 1, got {min_tokens!r}")
     layers = moe_layers(model)
     for layer in layers:
-        layer.sorted_min_tokens = min_tokens
+        layer.sorted_min_tokens = layer.fp8_sorted_min_tokens = min_tokens
     return len(layers)
 
 
@@ -315,6 +329,7 @@ class MoE(nnx.Module):
         self.dense_token_range = check_token_range(DENSE_TOKEN_RANGE)
         self.gather_max_tokens = GATHER_MAX_TOKENS
         self.sorted_min_tokens = default_sorted_min_tokens(cfg)
+        self.fp8_sorted_min_tokens = default_sorted_min_tokens(cfg, fp8=True)  # block-FP8 stacks on the FP8 GEMM
         # Static: the mesh axis the routed experts are split over when the layer runs inside
         # ``jax.shard_map`` (module docstring); None: every expert is here.
         self.expert_axis: str | None = None
@@ -371,14 +386,14 @@ class MoE(nnx.Module):
 
     def sorted_runs(self, num_tokens: int, backend: str) -> bool:
         """Whether a call of ``num_tokens`` tokens may run the sorted dispatch with ``backend``
-        (resolved): from ``sorted_min_tokens`` on, with its chunks on the FP8 GEMM
-        (``fp8_kernel_stacks``) or on the bf16 grouped GEMM ("pallas" on a Hopper GPU, or
-        "interpret"; ``grouped_experts.sorted_takes``)."""
-        if self.sorted_min_tokens is None or num_tokens < self.sorted_min_tokens:
-            return False
+        (resolved): from ``fp8_sorted_min_tokens`` on with its chunks on the FP8 GEMM
+        (``fp8_kernel_stacks``), from ``sorted_min_tokens`` on with them on the bf16 grouped GEMM
+        ("pallas" on a Hopper GPU, or "interpret"; ``grouped_experts.sorted_takes``)."""
         chunk = self.sorted_chunk(num_tokens)
         if self.fp8_kernel_stacks(chunk, backend) is not None:
-            return True
+            return self.fp8_sorted_min_tokens is not None and num_tokens >= self.fp8_sorted_min_tokens
+        if self.sorted_min_tokens is None or num_tokens < self.sorted_min_tokens:
+            return False
         stacks = tuple(w.get_value() for w in (self.w_gate, self.w_up, self.w_down))
         return mosaic_kernels_run(backend) and all(isinstance(w, jax.Array) for w in stacks) and sorted_takes(chunk, *stacks)
 

@@ -11,10 +11,10 @@ Each runs the model's own dispatch for T tokens (gathered up to ``GATHER_MAX_TOK
 tokens of products of up to ``fp8_weights.KERNEL_QUANTIZES_MAX_ROWS`` rows itself (the gathered
 dispatch's down projections, one row an assignment), XLA the others. "fp8_xq" is the same with XLA
 quantizing every product's tokens, "fp8_qk" with the kernel quantizing up to 64 tokens
-(``fp8_weights.kernel_quantization``). "fp8_dense" is the FP8
-layer always dense. Round-robin medians
+(``fp8_weights.kernel_quantization``). "fp8_dense" is the FP8 layer always dense, "fp8_sorted" the
+FP8 layer with the sorted dispatch wherever dense would run (``sorted_min_tokens`` 1). Round-robin medians
 (``timing.time_round_robin``); floor = the weight bytes the dispatch must read (router, shared
-experts, and the chosen experts (gathered; dense in FP8 reads gate and up of the chosen and
+experts, and the chosen experts (gathered, sorted; dense in FP8 reads gate and up of the chosen and
 every down matrix) or all of them (dense in bf16)) over the copy bandwidth measured
 in the run. v3_ep8: a DeepSeek-V3 layer's share of its experts on one of 8 GPUs (32 of 256), which
 receives every device's tokens. Writes bench_fp8_experts.json and .md under --out.
@@ -39,26 +39,26 @@ from snapmla_jax.bench import timing  # noqa: E402
 from snapmla_jax import fp8_weights  # noqa: E402
 from snapmla_jax.fp8_weights import BlockFP8Weight, kernel_quantization  # noqa: E402
 from snapmla_jax.models import quantize_weights  # noqa: E402
-from snapmla_jax.models.moe import set_dense_token_range, set_gather_max_tokens  # noqa: E402
+from snapmla_jax.models.moe import set_dense_token_range, set_gather_max_tokens, set_sorted_min_tokens  # noqa: E402
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import MAX_TOKENS  # noqa: E402
 
 SHAPES = {"v2_lite": MOE_SHAPES["v2_lite"], "v3_ep8": dataclasses.replace(MOE_SHAPES["v3"], experts=32)}
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-PROGRAMS = ("bf16", "fp8", "fp8_xq", "fp8_qk", "fp8_dense")
+PROGRAMS = ("bf16", "fp8", "fp8_xq", "fp8_qk", "fp8_dense", "fp8_sorted")
 # Rows up to which the kernel quantizes its tokens, by program (the others: the module default).
 KERNEL_QUANTIZATION = {"fp8_xq": 0, "fp8_qk": MAX_TOKENS}
 
 
 def layer_bytes(layer, ids: jax.Array, dispatch: str) -> int:
     """Weight bytes the dispatch must read: router, shared experts, and the routed experts chosen
-    (gathered; dense on block-FP8 stacks: gate and up of the chosen, every down matrix) or all
+    (gathered, sorted; dense on block-FP8 stacks: gate and up of the chosen, every down matrix) or all
     (dense in bf16), in the layer's storage (bf16, or FP8 values and scales)."""
     leaves = lambda module: sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(module)))
     stack = {name: sum(leaf.nbytes for leaf in jax.tree.leaves(getattr(layer, name).get_value()))
              for name in ("w_gate", "w_up", "w_down")}
     experts = sum(stack.values())
     chosen_share = len(np.unique(np.asarray(ids))) / layer.num_local_experts()
-    if dispatch == "gathered":
+    if dispatch in ("gathered", "sorted"):
         routed = int(chosen_share * experts)
     elif dispatch == "dense" and isinstance(layer.w_gate.get_value(), BlockFP8Weight):
         routed = int(chosen_share * (stack["w_gate"] + stack["w_up"])) + stack["w_down"]
@@ -80,10 +80,13 @@ def programs(tokens: int, layers: dict) -> tuple[dict, dict]:
         call = jax.jit(lambda state, x, graphdef: nnx.merge(graphdef, state)(x, backend=backend),
                        static_argnames="graphdef")
         layer = layers["bf16" if program == "bf16" else "fp8"]
-        saved = layer.dense_token_range, layer.gather_max_tokens
+        saved = layer.dense_token_range, layer.gather_max_tokens, layer.sorted_min_tokens
         if program == "fp8_dense":
             set_dense_token_range(layer, (1, 1 << 30))
             set_gather_max_tokens(layer, 0)
+            set_sorted_min_tokens(layer, None)
+        if program == "fp8_sorted":
+            set_sorted_min_tokens(layer, 1)
         dispatch = layer.dispatch(tokens, backend)
         graphdef, state = nnx.split(layer)
         with kernel_quantization(KERNEL_QUANTIZATION.get(program, fp8_weights.KERNEL_QUANTIZES_MAX_ROWS)):
@@ -91,6 +94,7 @@ def programs(tokens: int, layers: dict) -> tuple[dict, dict]:
         floors[program] = (dispatch, layer_bytes(layer, layer.gate(x)[1], dispatch))
         set_dense_token_range(layer, saved[0])
         set_gather_max_tokens(layer, saved[1])
+        set_sorted_min_tokens(layer, saved[2])
     return runs, floors
 
 
@@ -116,15 +120,19 @@ def table(env: dict, rows: list[dict]) -> str:
               "(router, routed and shared experts), each with the model's dispatch for T tokens; round-robin "
               "medians; % floor = the weight bytes the dispatch reads over the copy bandwidth. fp8: the model's "
               "defaults; fp8 xq: XLA quantizes every product's tokens; fp8 qk: the FP8 GEMM quantizes them up "
-              "to 64 tokens; fp8 dense: always the dense dispatch. rel. L2: FP8 output against bf16's.\n\n")
-    columns = ["shape", "T", "dispatch", "bf16 ms", "fp8 ms", "fp8 xq ms", "fp8 qk ms", "fp8 dense ms", "fp8 / bf16",
-               "fp8 xq / bf16", "fp8 qk / bf16", "fp8 dense / bf16", "bf16 % floor", "fp8 % floor",
-               "fp8 dense % floor", "rel. L2"]
+              "to 64 tokens; fp8 dense: always the dense dispatch; fp8 sorted: the sorted dispatch (its own "
+              "dispatch column) wherever dense would run. rel. L2: FP8 output against bf16's.\n\n")
+    columns = ["shape", "T", "dispatch", "bf16 ms", "fp8 ms", "fp8 xq ms", "fp8 qk ms", "fp8 dense ms",
+               "fp8 sorted ms (dispatch)", "fp8 / bf16", "fp8 xq / bf16", "fp8 qk / bf16", "fp8 dense / bf16",
+               "fp8 sorted / bf16", "bf16 % floor", "fp8 % floor", "fp8 dense % floor", "fp8 sorted % floor",
+               "rel. L2"]
     body = [[r["shape"], r["tokens"], r["fp8_dispatch"], f"{r['bf16_ms']:.3f}", f"{r['fp8_ms']:.3f}",
-             f"{r['fp8_xq_ms']:.3f}", f"{r['fp8_qk_ms']:.3f}", f"{r['fp8_dense_ms']:.3f}", f"{r['fp8_speedup']:.2f}x",
+             f"{r['fp8_xq_ms']:.3f}", f"{r['fp8_qk_ms']:.3f}", f"{r['fp8_dense_ms']:.3f}",
+             f"{r['fp8_sorted_ms']:.3f} ({r['fp8_sorted_dispatch']})", f"{r['fp8_speedup']:.2f}x",
              f"{r['fp8_xq_speedup']:.2f}x", f"{r['fp8_qk_speedup']:.2f}x", f"{r['fp8_dense_speedup']:.2f}x",
-             f"{r['bf16_of_floor']:.0%}", f"{r['fp8_of_floor']:.0%}", f"{r['fp8_dense_of_floor']:.0%}",
-             f"{r['fp8_rel_l2']:.3f}"] for r in rows]
+             f"{r['fp8_sorted_speedup']:.2f}x", f"{r['bf16_of_floor']:.0%}", f"{r['fp8_of_floor']:.0%}",
+             f"{r['fp8_dense_of_floor']:.0%}", f"{r['fp8_sorted_of_floor']:.0%}", f"{r['fp8_rel_l2']:.3f}"]
+            for r in rows]
     return header + timing.markdown_table(columns, body)
 
 
@@ -152,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} T={tokens} ({r['fp8_dispatch']}): bf16 {r['bf16_ms']:.3f} ms, fp8 {r['fp8_ms']:.3f} ms "
                   f"({r['fp8_speedup']:.2f}x), fp8 xq {r['fp8_xq_ms']:.3f} ms, "
                   f"fp8 qk {r['fp8_qk_ms']:.3f} ms ({r['fp8_qk_speedup']:.2f}x), "
-                  f"fp8 dense {r['fp8_dense_ms']:.3f} ms", flush=True)
+                  f"fp8 dense {r['fp8_dense_ms']:.3f} ms, fp8 sorted {r['fp8_sorted_ms']:.3f} ms "
+                  f"({r['fp8_sorted_dispatch']}, {r['fp8_sorted_speedup']:.2f}x)", flush=True)
             timing.write_results(args.out, "bench_fp8_experts", env, rows, table(env, rows))
         del layers
     print(table(env, rows))

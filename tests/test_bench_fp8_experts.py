@@ -34,10 +34,11 @@ def test_the_programs_agree_within_fp8_rounding_and_name_their_dispatch(monkeypa
             assert unquantized == (rows <= limit), (tokens, launches)
         assert any(unquantized for limit, _, unquantized in launches if limit == default_rows) == (dispatch == "gathered")
         assert floors["fp8"][0] == dispatch and floors["fp8_dense"][0] == "dense"
+        assert floors["fp8_sorted"][0] == ("gathered" if dispatch == "gathered" else "sorted")
         # e4m3 weights and activations (RMS rounding ~2^-4 / 3 of a value each, in quadrature over
         # three products): a few percent of the output; a wrong expert or scale is O(1).
         outs = {name: np.asarray(fn(*args[0]), np.float64) for name, (fn, args) in runs.items()}
-        for name in ("fp8", "fp8_xq", "fp8_qk", "fp8_dense"):
+        for name in ("fp8", "fp8_xq", "fp8_qk", "fp8_dense", "fp8_sorted"):
             rel = np.linalg.norm(outs[name] - outs["bf16"]) / np.linalg.norm(outs["bf16"])
             assert rel < 0.1, (tokens, name, rel)
         # FP8 values are a byte a weight: half of bf16's bytes (plus the scales) for the experts.
@@ -48,11 +49,14 @@ def test_the_table_gives_ratios_and_floors():
     env = {"device": "H200", "jax": "0.11.2", "date": "2026-11-28", "copy_gbps": 4000.0,
            "command": "python scripts/bench_fp8_experts.py --out DIR --shapes v2_lite --tokens 64 --iters 5"}
     row = {"shape": "v2_lite", "tokens": 64, "fp8_dispatch": "dense", "bf16_ms": 0.5, "fp8_ms": 0.25,
-           "fp8_xq_ms": 0.4, "fp8_qk_ms": 0.2, "fp8_dense_ms": 0.25, "fp8_speedup": 2.0, "fp8_xq_speedup": 1.25,
-           "fp8_qk_speedup": 2.5, "fp8_dense_speedup": 2.0, "bf16_of_floor": 0.8, "fp8_of_floor": 0.81,
-           "fp8_dense_of_floor": 0.81, "fp8_rel_l2": 0.031}
+           "fp8_xq_ms": 0.4, "fp8_qk_ms": 0.2, "fp8_dense_ms": 0.25, "fp8_sorted_ms": 0.3,
+           "fp8_sorted_dispatch": "sorted",
+           "fp8_speedup": 2.0, "fp8_xq_speedup": 1.25, "fp8_qk_speedup": 2.5, "fp8_dense_speedup": 2.0,
+           "fp8_sorted_speedup": 0.5 / 0.3, "bf16_of_floor": 0.8, "fp8_of_floor": 0.81, "fp8_dense_of_floor": 0.81,
+           "fp8_sorted_of_floor": 0.3, "fp8_rel_l2": 0.031}
     text = bench.table(env, [row])
-    assert "| v2_lite | 64 | dense | 0.500 | 0.250 | 0.400 | 0.200 | 0.250 | 2.00x | 1.25x | 2.50x | 2.00x | 80% | 81% | 81% | 0.031 |" in text
+    assert ("| v2_lite | 64 | dense | 0.500 | 0.250 | 0.400 | 0.200 | 0.250 | 0.300 (sorted) | 2.00x | 1.25x | 2.50x | "
+            "2.00x | 1.67x | 80% | 81% | 81% | 30% | 0.031 |") in text
     assert "Command: `python scripts/bench_fp8_experts.py --out DIR --shapes v2_lite --tokens 64 --iters 5`" in text
 
 

@@ -24,6 +24,7 @@ from snapmla_jax.models.attention import per_head_fp8_product
 from snapmla_jax.models import layers as layers_module
 from snapmla_jax.models.layers import fp8_eligible_weights, fp8_layout, is_absorbed_weight
 from snapmla_jax.models.transformer import param_bytes
+from snapmla_jax.models.moe import default_sorted_min_tokens, set_sorted_min_tokens
 
 # e4m3 keeps 3 fraction bits: round-to-nearest moves a normal value by at most 2**-4 of itself.
 # Below the smallest normal (2**-6) the spacing is 2**-9, so a subnormal moves by at most 2**-10
@@ -237,7 +238,7 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
     quantize_weights(model, (128, 128))
     moe.gather_max_tokens = num_tokens if dispatch == "gathered" else 0
     moe.dense_token_range = (1, num_tokens) if dispatch in ("dense", "sorted") else None
-    moe.sorted_min_tokens = 1 if dispatch == "sorted" else None
+    moe.sorted_min_tokens = moe.fp8_sorted_min_tokens = 1 if dispatch == "sorted" else None
     assert moe.dispatch(num_tokens, backend) == dispatch
     assert moe.fp8_kernel_stacks(moe.sorted_chunk(num_tokens) if dispatch == "sorted" else num_tokens,
                                  backend) is not None
@@ -395,8 +396,8 @@ def test_absorbed_fp8_products_run_one_gemm_a_head_within_the_activation_roundin
 
 def test_fp8_experts_run_dense_once_the_assignments_reach_the_experts():
     """On the FP8 GEMM a gathered call reads a matrix an assignment: from T * k >= E on, dense
-    (each matrix once) runs instead, and sorted (of dense or ragged) from ``sorted_min_tokens`` on;
-    bf16 experts and the "xla" backend keep the settings' choice."""
+    (each matrix once) runs instead, and sorted (of dense or ragged) from ``fp8_sorted_min_tokens`` on
+    (bf16 stacks: ``sorted_min_tokens``); bf16 experts and the "xla" backend keep the settings' choice."""
     model = MLAModel(KERNEL_CFG, rngs=nnx.Rngs(0), dtype=jnp.float32)
     moe = model.layers[1].mlp
     moe.gather_max_tokens, moe.dense_token_range = 8, (1, 512)
@@ -404,15 +405,28 @@ def test_fp8_experts_run_dense_once_the_assignments_reach_the_experts():
     quantize_weights(model, (128, 128))
     # 8 experts, 2 a token: 3 tokens are 6 assignments, 4 tokens 8.
     assert [moe.dispatch(t, "interpret") for t in (3, 4, 9)] == ["gathered", "dense", "dense"]
-    # From sorted_min_tokens on (160 by default) sorted replaces dense.
-    assert moe.sorted_min_tokens == 160 and [moe.dispatch(t, "interpret") for t in (159, 160)] == ["dense", "sorted"]
-    moe.sorted_min_tokens = 16
+    # From fp8_sorted_min_tokens on (48 by default for these small experts) sorted replaces dense;
+    # sorted_min_tokens (the bf16 stacks', 160) does not decide for FP8 ones.
+    assert (moe.fp8_sorted_min_tokens, moe.sorted_min_tokens) == (48, 160)
+    assert [moe.dispatch(t, "interpret") for t in (47, 48)] == ["dense", "sorted"]
+    moe.fp8_sorted_min_tokens = 16
     assert [moe.dispatch(t, "interpret") for t in (15, 16)] == ["dense", "sorted"]
     assert moe.dispatch(4, "xla") == "gathered" and moe.dispatch(16, "xla") == "dense"  # no FP8 GEMM there
     # Above the dense range (a prompt's prefill) sorted replaces ragged, whose stacks XLA dequantizes.
     assert moe.dispatch(513, "interpret") == "sorted" and moe.dispatch(513, "xla") == "ragged"
-    moe.sorted_min_tokens = None
+    moe.fp8_sorted_min_tokens = None
     assert moe.dispatch(513, "interpret") == "ragged"
+    # set_sorted_min_tokens sets both: the same threshold whatever the stacks hold.
+    assert set_sorted_min_tokens(model, 100) >= 1 and (moe.fp8_sorted_min_tokens, moe.sorted_min_tokens) == (100, 100)
+    assert [moe.dispatch(t, "interpret") for t in (99, 100)] == ["dense", "sorted"]
+
+
+def test_fp8_layers_default_to_their_own_sorted_threshold():
+    """Large experts (>= LARGE_EXPERT_PARAMS) sort from 16 tokens in bf16 but from 160 in FP8."""
+    large = dataclasses.replace(KERNEL_CFG, hidden_size=4096, moe_intermediate_size=2048)
+    small = KERNEL_CFG
+    assert [default_sorted_min_tokens(c) for c in (small, large)] == [160, 16]
+    assert [default_sorted_min_tokens(c, fp8=True) for c in (small, large)] == [48, 160]
 
 
 @pytest.mark.parametrize("backend", ["interpret", "auto"])

@@ -298,7 +298,8 @@ def routed_dispatch(model, batch: int, backend: str) -> str:
     return layers[0].dispatch(batch, resolve_backend(backend)) if layers else "dense"
 
 
-def moe_dispatch_text(token_range, gather_max: int = 0, sorted_min: int | None = None) -> str:
+def moe_dispatch_text(token_range, gather_max: int = 0, sorted_min: int | None = None,
+                      fp8_sorted_min: int | None = None) -> str:
     """How the table's MoE layers ran their routed experts, for its header."""
     parts = [f"gathered up to {gather_max} tokens a call"] if gather_max else []
     if token_range is not None:
@@ -309,20 +310,24 @@ def moe_dispatch_text(token_range, gather_max: int = 0, sorted_min: int | None =
     if sorted_min is not None:
         text += (f"; sorted instead of dense or ragged from {sorted_min} tokens where its grouped GEMMs "
                  "run")
+        if fp8_sorted_min not in (None, sorted_min):
+            text += f" (from {fp8_sorted_min} on block-FP8 experts, `MoE.fp8_sorted_min_tokens`)"
     return text + " (`MoE.gather_max_tokens`, `MoE.dense_token_range`, `MoE.sorted_min_tokens`)"
 
 
 def moe_dispatch(model) -> dict:
     """The dispatch the model's MoE layers share: ``dense_moe_tokens`` (their
     ``dense_token_range``), ``gather_moe_tokens`` (their ``gather_max_tokens``) and
-    ``sorted_moe_tokens`` (their ``sorted_min_tokens``); None, 0 and None without MoE layers.
+    ``sorted_moe_tokens`` (their ``sorted_min_tokens``), ``fp8_sorted_moe_tokens`` (their
+    ``fp8_sorted_min_tokens``); None, 0, None and None without MoE layers.
     ValueError if the layers differ (this benchmark sets one for all)."""
-    found = {(module.dense_token_range, module.gather_max_tokens, module.sorted_min_tokens)
-             for module in models.moe.moe_layers(model)}
+    found = {(module.dense_token_range, module.gather_max_tokens, module.sorted_min_tokens,
+              module.fp8_sorted_min_tokens) for module in models.moe.moe_layers(model)}
     if len(found) > 1:
         raise ValueError(f"model: MoE layers with different dispatches {sorted(map(str, found))}")
-    token_range, gather_max, sorted_min = found.pop() if found else (None, 0, None)
-    return {"dense_moe_tokens": token_range, "gather_moe_tokens": gather_max, "sorted_moe_tokens": sorted_min}
+    token_range, gather_max, sorted_min, fp8_sorted_min = found.pop() if found else (None, 0, None, None)
+    return {"dense_moe_tokens": token_range, "gather_moe_tokens": gather_max, "sorted_moe_tokens": sorted_min,
+            "fp8_sorted_moe_tokens": fp8_sorted_min}
 
 
 def timed_calls(call, iters: int) -> float:
@@ -474,7 +479,8 @@ def activation_text(env: dict) -> str:
 def decoding_text(env: dict) -> str:
     """The tables' sentences on how the steps ran: the loop, the backend, the copy bandwidth, the
     MoE's dispatch and the memory setting."""
-    moe = moe_dispatch_text(env.get("dense_moe_tokens"), env.get("gather_moe_tokens", 0), env.get("sorted_moe_tokens"))
+    moe = moe_dispatch_text(env.get("dense_moe_tokens"), env.get("gather_moe_tokens", 0), env.get("sorted_moe_tokens"),
+                            env.get("fp8_sorted_moe_tokens"))
     return (f"Greedy decoding in the compiled `lax.while_loop` of `snapmla_jax.generate` ({env['steps']} steps per "
             f"call, median of {env['iters']} calls), every row holding `context` cached tokens; backend "
             f"`{env['backend']}`. Copy bandwidth measured in this run: {env['copy_gbps']:.0f} GB/s. MoE routed "
