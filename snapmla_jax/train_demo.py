@@ -328,10 +328,12 @@ def unigram_bits_per_byte(train_stream: np.ndarray, heldout_stream: np.ndarray) 
 def cast_model(model: MLAModel, dtype) -> MLAModel:
     """A copy of ``model`` whose parameters are stored and computed in ``dtype`` (float32 router-bias
     state, if any, stays float32)."""
-    out = MLAModel(model.cfg, rngs=nnx.Rngs(0), dtype=dtype)
-    params = nnx.state(model, nnx.Param)
-    nnx.update(out, jax.tree.map(lambda p: p.astype(dtype), params))
-    return out
+    # The new model's structure (its modules' compute dtype) without initializing its weights, and
+    # the cast in one program: eager casts compile one program a parameter shape.
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: MLAModel(model.cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+    params, rest = nnx.state(model, nnx.Param, ...)
+    cast = jax.jit(lambda tree: jax.tree.map(lambda p: p.astype(dtype), tree))(params)
+    return nnx.merge(graphdef, cast, rest)
 
 
 def load_init(path: str, cfg: MLAConfig, config_name: str) -> tuple[MLAModel, dict]:

@@ -305,3 +305,25 @@ def test_generate_cli_runs_the_shipped_model_by_default_on_cpu():
     # A def is followed by a name and its parameter list: an identifier, then "(" within the line.
     name, paren, _ = completion.partition("(")
     assert paren and name.isidentifier(), proc.stdout
+
+
+def test_cast_model_casts_the_weights_and_keeps_the_router_bias_in_float32():
+    from snapmla_jax.models.moe import moe_layers
+    cfg = dataclasses.replace(td.tiny_config(), topk_method="noaux_tc")
+    model = MLAModel(cfg, rngs=nnx.Rngs(3), dtype=jnp.float32)
+    bias = np.random.default_rng(0).standard_normal(cfg.n_routed_experts).astype(np.float32)
+    for layer in moe_layers(model):
+        layer.gate.e_score_correction_bias[...] = jnp.asarray(bias)
+    out = td.cast_model(model, jnp.bfloat16)
+    params = zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(out, nnx.Param)))
+    for before, after in params:  # each weight rounded once to bf16
+        assert after.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(after), np.asarray(before.astype(jnp.bfloat16)))
+    assert moe_layers(out)
+    for layer in moe_layers(out):  # load-balancing state: not a weight, copied as it is
+        np.testing.assert_array_equal(np.asarray(layer.gate.e_score_correction_bias[...]), bias)
+    # It runs as a model: bf16 weights and activations (2**-9 relative roundings, a few layers of
+    # them) move the logits by a few percent at most, a lost or transposed weight by O(1).
+    tokens = jnp.asarray([[1, 2, 3]], jnp.int32)
+    want, got = np.asarray(model(tokens), np.float64), np.asarray(out(tokens), np.float64)
+    assert np.linalg.norm(got - want) < 0.05 * np.linalg.norm(want)
