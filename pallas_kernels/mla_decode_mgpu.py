@@ -114,7 +114,7 @@ ISSUE_BY_WARPS = True
 # keeps 168 registers and the consumers spill 1560 bytes (392 under 0.11.2). H200, 64 x 16k x 128:
 # jax 0.11.2 with a producer 0.384 ms; jax 0.12.0.1 with one 0.805, without 0.487. jax 0.12.1
 # honours it again: no C7504, 236 bytes spilled, and on an H100 at 64 x 16k x 128 0.386 ms with a
-# producer against 0.450 without (jax 0.11.2 in the same session: 0.397 / 0.450)
+# producer against 0.450 without (jax 0.11.2 on the same GPU: 0.397 / 0.450)
 # (tools/time_mgpu_variants.py --variants baseline with_producer under 0.12.0 and 0.12.1).
 SETMAXNREG_HONOURED = not (0, 12) <= jax.__version_info__ < (0, 12, 1)
 # Whether a third warpgroup, the producer, issues the TMA ring while the two consumers only

@@ -9,6 +9,8 @@ import pytest
 from cpu_devices import run_with_cpu_devices
 from snapmla_jax import cli
 from snapmla_jax.bench import capacity
+from snapmla_jax.bench import e2e
+from snapmla_jax import models
 from snapmla_jax.capacity import MODEL_SHAPES
 
 
@@ -36,6 +38,8 @@ def test_capacity_bench_makes_block_fp8_weights_with_fp8_weights(tmp_path):
                  "--steps", "2", "--iters", "1", "--out", str(tmp_path)]) == 0
     saved = json.loads((tmp_path / "capacity.json").read_text())
     assert saved["environment"]["weights"] == "block-FP8"
+    # The sorted dispatch's default as block-FP8 experts take it, not the bf16 stacks'.
+    assert saved["environment"]["sorted_moe_tokens"] == models.moe.default_sorted_min_tokens(e2e.TINY, fp8=True)
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in saved["rows"])
     assert "random block-FP8 weights" in (tmp_path / "capacity.md").read_text()
 

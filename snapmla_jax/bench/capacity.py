@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sorted-moe-tokens", type=int, default=None, metavar="N",
                         help="run the MoE's sorted dispatch from N gathered tokens on, 0: never "
                              "(models.moe.set_sorted_min_tokens; default: the library's, "
-                             "models.moe.default_sorted_min_tokens)")
+                             "models.moe.default_sorted_min_tokens, block-FP8 experts' with --fp8-weights)")
     parser.add_argument("--caches", choices=CACHE_DTYPES, nargs="+", default=list(CACHE_DTYPES),
                         help="cache dtypes to run (default: %(default)s)")
     parser.add_argument("--fp8-weights", action="store_true",
@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     mesh = data_parallel.mesh_of(args.devices) if args.devices > 1 else None
     model = e2e.random_model(cfg, jnp.bfloat16, mesh=mesh, fp8_weights=args.fp8_weights)
     # The MoE's sorted dispatch: the flag's (0: never), else the library's default for this shape.
-    sorted_min_tokens = (models.moe.default_sorted_min_tokens(cfg) if args.sorted_moe_tokens is None
-                         else args.sorted_moe_tokens or None)
+    default_sorted = models.moe.default_sorted_min_tokens(cfg, fp8=args.fp8_weights)
+    sorted_min_tokens = default_sorted if args.sorted_moe_tokens is None else args.sorted_moe_tokens or None
     if args.sorted_moe_tokens is not None:
         models.moe.set_sorted_min_tokens(model, sorted_min_tokens)
     devices = jax.devices()[:args.devices]
