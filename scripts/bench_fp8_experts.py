@@ -47,6 +47,9 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 PROGRAMS = ("bf16", "fp8", "fp8_xq", "fp8_qk", "fp8_dense", "fp8_sorted")
 # Rows up to which the kernel quantizes its tokens, by program (the others: the module default).
 KERNEL_QUANTIZATION = {"fp8_xq": 0, "fp8_qk": MAX_TOKENS}
+# The layer attributes a program may change (``MoE.dispatch`` reads them), restored after it:
+# ``set_sorted_min_tokens`` sets both sorted thresholds, so the layer's own are saved, not re-derived.
+DISPATCH_SETTINGS = ("dense_token_range", "gather_max_tokens", "sorted_min_tokens", "fp8_sorted_min_tokens")
 
 
 def layer_bytes(layer, ids: jax.Array, dispatch: str) -> int:
@@ -80,7 +83,7 @@ def programs(tokens: int, layers: dict) -> tuple[dict, dict]:
         call = jax.jit(lambda state, x, graphdef: nnx.merge(graphdef, state)(x, backend=backend),
                        static_argnames="graphdef")
         layer = layers["bf16" if program == "bf16" else "fp8"]
-        saved = layer.dense_token_range, layer.gather_max_tokens, layer.sorted_min_tokens
+        saved = {name: getattr(layer, name) for name in DISPATCH_SETTINGS}
         if program == "fp8_dense":
             set_dense_token_range(layer, (1, 1 << 30))
             set_gather_max_tokens(layer, 0)
@@ -92,9 +95,8 @@ def programs(tokens: int, layers: dict) -> tuple[dict, dict]:
         with kernel_quantization(KERNEL_QUANTIZATION.get(program, fp8_weights.KERNEL_QUANTIZES_MAX_ROWS)):
             runs[program] = (call.lower(state, x, graphdef=graphdef).compile(), [(state, x)])
         floors[program] = (dispatch, layer_bytes(layer, layer.gate(x)[1], dispatch))
-        set_dense_token_range(layer, saved[0])
-        set_gather_max_tokens(layer, saved[1])
-        set_sorted_min_tokens(layer, saved[2])
+        for name, value in saved.items():
+            setattr(layer, name, value)
     return runs, floors
 
 

@@ -28,8 +28,8 @@ from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, MAX_TOKENS, fp8_gemm
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import kernel_takes as gemm_takes
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import TilesConfig, fp8_gemm_tiles_mgpu, fp8_grouped_gemm_tiles_mgpu
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import kernel_takes as tiles_takes
-
 from snapmla_jax.quantization import FP8_E4M3_MAX, FP8_E4M3_MAX_RECIPROCAL
+
 DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size
 
 
@@ -85,8 +85,8 @@ def quantize_blocks(w: jax.Array, block: tuple[int, int] = DEFAULT_BLOCK) -> Blo
 
     Each block's scale is amax * float32(1 / 448) (``fp8.scale_of_amax``'s product), so the
     block's largest element lands on e4m3's largest finite value; the values are ``w / scale``
-    cast to e4m3 with saturation (never inf or NaN). A block of zeros gets scale 0 and values 0. ValueError for a w that
-    is not at least 2-D or not floating, or a bad ``block``.
+    cast to e4m3 with saturation (never inf or NaN). A block of zeros gets scale 0 and values 0.
+    ValueError for a w that is not at least 2-D or not floating, or a bad ``block``.
     """
     block = _check_block(block)
     if w.ndim < 2 or not jnp.issubdtype(w.dtype, jnp.floating):

@@ -25,7 +25,11 @@ def test_the_programs_agree_within_fp8_rounding_and_name_their_dispatch(monkeypa
     layers["fp8"] = bench.quantize_weights(bench_moe.random_layer(SMALL))
     for tokens, dispatch in ((3, "gathered"), (20, "dense")):
         launches.clear()
+        settings = {name: getattr(layers["fp8"], name) for name in bench.DISPATCH_SETTINGS}
         runs, floors = bench.programs(tokens, layers)
+        # Every program leaves the layer's dispatch settings as it found them (the FP8 one's own
+        # sorted threshold too), so that the next token count runs the defaults again.
+        assert {name: getattr(layers["fp8"], name) for name in bench.DISPATCH_SETTINGS} == settings
         assert set(runs) == set(bench.PROGRAMS)
         # Every FP8 program traced launches; the kernel quantizes the tokens of exactly the products
         # of at most its program's rows: none for fp8_xq, all for fp8_qk, the 1-row ones by default.
