@@ -31,11 +31,12 @@ its groups' whole K, so the MoE's down projection sums over the experts inside t
 Several stacks of one shape (gate and up) share a launch and their tokens' quantization: the
 group axis runs over each stack's groups in turn.
 
-The tokens may come quantized (x8 e4m3 and their scales, combined with the weights' by XLA) or
-as they are (bf16, f16, f32; ``x_scales`` None): then each CTA quantizes its token tile per token
-and 128 channels in shared memory as it arrives (``quantize_tile``; rows past M arrive as the
-TMA's zeros, so M needs no padding) and reads the weights' scales by matrix id, so no launch runs
-before the product. Every weight tile's CTA reads the same
+Either way the kernel reads each weight block's scale by matrix id. The tokens may come
+quantized (x8 e4m3 and their scales [K / 128, M], streamed beside their tiles; one launch makes
+both, ``quantize_activations_mgpu``) or as they are (bf16, f16, f32; ``x_scales`` None): then
+each CTA quantizes its token tile per token and 128 channels in shared memory as it arrives
+(``quantize_tile``; rows past M arrive as the TMA's zeros, so M needs no padding), so no launch
+runs before the product. Every weight tile's CTA reads the same
 tokens (from L2) in bf16, twice e4m3's bytes, against the launches it saves. Compiled on an H100
 it failed at 11 and 100 tokens (the token array's TMA takes rows in whole 8s; they are now padded
 to them, not yet compiled) and passed at the other token counts of tests/test_fp8_gemm_mgpu.py;
@@ -59,7 +60,8 @@ Arguments of ``fp8_gemm_mgpu`` (``fp8_gemm_reference`` is its float32 twin):
 
   x         [M, K] e4m3, M a multiple of TOKEN_MULTIPLE up to MAX_TOKENS, of LARGE_TILE above; or
             bf16 / f16 / f32 with x_scales None (quantized in the kernel)
-  x_scales  [K / 128, M] float32 (``fp8_weights.quantize_activations``: the transpose of [M, K / 128])
+  x_scales  [K / 128, M] float32 (``fp8_weights.quantize_activations``: the transpose of [M, K / 128]),
+            or [K / 128, ``scale_columns``] (the columns past M unread)
   w8        [N, K] e4m3, N a multiple of 64, K of 128 (of 256 for two blocks a pipeline step)
   w_scales  [ceil(N / 128), K / 128] float32
   -> y [M, N] float32
@@ -181,15 +183,15 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
     (of stack g // ``stack_groups``: its weight matrix experts[g % stack_groups], or g % it),
     split s of K. Summed (one stack): groups [s groups, (s + 1) groups), the whole K of each.
 
-    refs: the ``num_stacks`` weight stacks' refs; then either x (e4m3) and the combined scales, or
-    with ``quantize`` the stacks' weight scales and x (unquantized); the output and its SMEM tile;
-    with ``quantize`` the SMEM of the step's quantized tokens and their scales (``quantize_tile``)."""
-    w_gmems, refs = refs[:num_stacks], refs[num_stacks:]
+    refs: the ``num_stacks`` weight stacks' refs and their scales' refs; then either x (e4m3) and
+    its scales [X, K / 128, M'] (M' >= M: ``scale_slot_tokens``), or with ``quantize`` x
+    (unquantized); the output and its SMEM tile; with ``quantize`` the SMEM of the step's quantized
+    tokens and their scales (``quantize_tile``)."""
+    w_gmems, ws_gmems, refs = refs[:num_stacks], refs[num_stacks:2 * num_stacks], refs[2 * num_stacks:]
     if quantize:
-        ws_gmems, (x_gmem, out_gmem, out_s, xq_s, xs_s) = refs[:num_stacks], refs[num_stacks:]
-        s_gmem = None
+        x_gmem, out_gmem, out_s, xq_s, xs_s = refs
     else:
-        ws_gmems, (x_gmem, s_gmem, out_gmem, out_s) = (None,) * num_stacks, refs
+        x_gmem, s_gmem, out_gmem, out_s = refs
     gg, n, split, mt = (lax.axis_index(name) for name in ("g", "n", "s", "m"))
     g = gg if num_stacks == 1 else lax.rem(gg, stack_groups)
     tk = BLOCK * kb_per_step
@@ -224,14 +226,18 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
     def run(stack):
         w_gmem, ws_gmem = stack
         w_rows = w_gmem.at[pl.ds(matrix0, groups), pl.ds(n * TILE_N, TILE_N), pl.ds(k0, steps * tk)]
+
+        def weight_scales(indices):
+            """The step's weight blocks' scales, one number each from global memory (cached), read
+            by matrix id before the step's products: their latency passes under them."""
+            e, k = indices
+            matrix, nb = matrix0 + e, lax.div(n, BLOCK // TILE_N)  # e > 0 only for summed groups
+            kb0 = k0 // BLOCK + k * kb_per_step
+            return [ws_gmem[matrix, nb, kb0 + kb] for kb in range(kb_per_step)]
+
         if quantize:
             def body(indices, w_s, x_s, total):
-                e, k = indices
-                matrix, nb = matrix0 + e, lax.div(n, BLOCK // TILE_N)  # e > 0 only for summed groups
-                # The weight blocks' scales, one number each from global memory (cached), read
-                # first: their latency passes under the quantization.
-                kb0 = k0 // BLOCK + k * kb_per_step
-                w_scales = [ws_gmem[matrix, nb, kb0 + kb] for kb in range(kb_per_step)]
+                w_scales = weight_scales(indices)
                 quantize_tile(x_s, xq_s, xs_s, interpret=interpret)
 
                 def scale_of(kb):
@@ -243,22 +249,24 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
                                            init_carry=zeros, in_specs=[w_spec, x_spec])
             out_s[...] = pipeline(w_rows, x_cols)
         else:
-            # The combined scales of this tile's 128-row block [groups, K / 128, tokens], this CTA's
-            # blocks (one stack's groups after another's).
-            s_rows = s_gmem.at[pl.ds(g0 if sum_groups else gg, groups), lax.div(n, BLOCK // TILE_N),
-                               pl.ds(k0 // BLOCK, steps * kb_per_step), pl.ds(mt * scale_tokens, scale_tokens)]
+            # The tokens' scales [K / 128, M'] of this CTA's groups, streamed beside their tiles.
+            s_cols = s_gmem.at[pl.ds(0, 1) if shared_x else pl.ds(g0, groups), pl.ds(k0 // BLOCK, steps * kb_per_step),
+                               pl.ds(mt * scale_tokens, scale_tokens)]
+            s_spec = plgpu.BlockSpec((None, kb_per_step, scale_tokens),
+                                     (lambda e, k: (0, k, 0)) if shared_x else (lambda e, k: (e, k, 0)))
 
-            def body(_, w_s, x_s, s_s, total):
+            def body(indices, w_s, x_s, s_s, total):
+                w_scales = weight_scales(indices)
+
                 def scale_of(kb):
                     scale_row = s_s.at[kb] if scale_tokens == tokens else s_s.at[kb, pl.ds(0, tokens)]
-                    return plgpu.load(scale_row, layout=COL)
+                    return plgpu.load(scale_row, layout=COL) * w_scales[kb]
 
                 return scaled_products(w_s, lambda kb: x_s.at[:, pl.ds(kb * BLOCK, BLOCK)], scale_of, total)
 
-            pipeline = plgpu.emit_pipeline(
-                body, grid=(groups, steps), max_concurrent_steps=min(depth, groups * steps), init_carry=zeros,
-                in_specs=[w_spec, x_spec, plgpu.BlockSpec((None, kb_per_step, scale_tokens), lambda e, k: (e, k, 0))])
-            out_s[...] = pipeline(w_rows, x_cols, s_rows)
+            pipeline = plgpu.emit_pipeline(body, grid=(groups, steps), max_concurrent_steps=min(depth, groups * steps),
+                                           init_carry=zeros, in_specs=[w_spec, x_spec, s_spec])
+            out_s[...] = pipeline(w_rows, x_cols, s_cols)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_s, out_gmem.at[split, 0 if sum_groups else gg, pl.ds(n * TILE_N, TILE_N),
                                                    pl.ds(mt * tokens, tokens)])
@@ -305,6 +313,23 @@ def kernel_takes(m: int, n: int, k: int, config: GemmConfig = GemmConfig()) -> b
     return m > 0 and n % TILE_N == 0 and k % (BLOCK * config.blocks_per_step(k)) == 0
 
 
+def scale_columns(m: int, k: int, config: GemmConfig = GemmConfig()) -> int:
+    """Columns of the tokens' scales [X, K / 128, columns] the kernel streams for M = ``m`` (as
+    ``pad_tokens`` leaves it) and K = ``k``: M, or for a single token tile whole 128-byte slots
+    (``scale_slot_tokens``). Scales of M columns are padded to it by an XLA op; a quantizer that
+    writes this many (``quantize_activations_mgpu``'s ``scale_rows``) saves that op."""
+    tokens = token_tile(m)
+    return max(m, scale_slot_tokens(tokens, config.blocks_per_step(k)))
+
+
+def tma_rows(m: int) -> int:
+    """Rows an unquantized token array needs for a tiled TMA of it: ``m`` up to TMA_ROW_TILE, else
+    whole such tiles. Compiled, Mosaic GPU refuses a TMA of an array whose rows are neither fewer
+    than nor a multiple of 8 ("dimension 1 must have size smaller or a multiple of its tiling 8":
+    11 and 100 tokens, H100); the callers pad such an array with zero rows (a small XLA op)."""
+    return m if m <= TMA_ROW_TILE else -(-m // TMA_ROW_TILE) * TMA_ROW_TILE
+
+
 def pad_tokens(m: int) -> int:
     """M padded to what the kernel takes: a multiple of TOKEN_MULTIPLE up to MAX_TOKENS, of
     LARGE_TILE (whole token tiles) above."""
@@ -322,12 +347,6 @@ def check_stacks(w8s: tuple, w_scales_s: tuple, num_x: int, groups: int, x_name:
         raise ValueError(f"{x_name}: expected 1 or {groups} groups of tokens, got {num_x}")
 
 
-def combined_scales(x_scales: jax.Array, w_scales: jax.Array) -> jax.Array:
-    """x_scales [X, KB, M] (X 1 or G), w_scales [G, NB, KB] -> [G, NB, KB, M]: the factor of each
-    block's product."""
-    return w_scales[:, :, :, None] * x_scales[:, None, :, :]
-
-
 @functools.partial(jax.jit, static_argnames=("sum_groups", "config", "num_sms", "interpret"))
 def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales, matrices: jax.Array | None = None, *,
                           sum_groups: bool = False, config: GemmConfig = GemmConfig(), num_sms: int = 132,
@@ -338,7 +357,8 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
       x         [X, M, K], X = 1 (shared) or G: e4m3 with ``x_scales`` (M as ``pad_tokens`` leaves
                 it), or bf16 / f16 / f32 with ``x_scales`` None (any M), quantized per token and
                 128 channels in the kernel (``quantize_tile``: no launches before this one)
-      x_scales  [X, K / 128, M] float32 (``fp8_weights.quantize_activations`` per group), or None
+      x_scales  [X, K / 128, M or ``scale_columns``] float32 (``fp8_weights.quantize_activations``
+                per group), or None
       w8        [E, N, K] e4m3;  w_scales [E, ceil(N / 128), K / 128] float32; or tuples of such
                 stacks of one shape (a MoE's gate and up: both products of the same tokens in one
                 launch)
@@ -387,25 +407,23 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
         if steps_total % splits:
             raise ValueError(f"config: splits={splits} must divide the {steps_total} pipeline steps")
         grid, groups, steps = (num_stacks * groups_total, n_tiles, splits, m_tiles), 1, steps_total // splits
+    # The kernel reads each group's weight scales by its matrix id.
+    weight_scales = tuple(ws.astype(jnp.float32) for ws in w_scales_s)
     if quantize:
-        if m_given > TMA_ROW_TILE and m_given % TMA_ROW_TILE:
-            # Compiled, Mosaic GPU refuses a TMA of the token array whose rows are neither fewer than
-            # nor a multiple of 8 ("dimension 1 must have size smaller or a multiple of its tiling
-            # 8", 11 and 100 tokens on an H100): pad them to whole 8s, a small XLA op.
-            x = jnp.pad(x, ((0, 0), (0, -m_given % TMA_ROW_TILE), (0, 0)))
-        # The kernel reads each group's weight scales by its matrix id, and makes the tokens' own.
+        x = jnp.pad(x, ((0, 0), (0, tma_rows(m_given) - m_given), (0, 0)))
         scale_tokens = 0
-        scale_operands = tuple(ws.astype(jnp.float32) for ws in w_scales_s)
-        operands = (*w8s, *scale_operands, x)
+        operands = (*w8s, *weight_scales, x)
         scratch = [plgpu.SMEM((kb_per_step, tokens, BLOCK), jnp.float8_e4m3fn),
                    plgpu.SMEM((kb_per_step, tokens), jnp.float32)]
     else:
-        scales = jnp.concatenate([combined_scales(x_scales, ws if matrices is None else ws[matrices])
-                                  for ws in w_scales_s])
         scale_tokens = scale_slot_tokens(tokens, kb_per_step)
-        if scale_tokens > tokens:  # then M = tokens (at most 64): one token tile
-            scales = jnp.pad(scales, ((0, 0), (0, 0), (0, 0), (0, scale_tokens - tokens)))
-        operands, scratch = (*w8s, x, scales), []
+        width = scale_columns(m, k, config)
+        if x_scales.shape not in ((num_x, k // BLOCK, m), (num_x, k // BLOCK, width)):
+            raise ValueError(f"x_scales: expected [{num_x}, {k // BLOCK}, {m}] (or {width} columns, the kernel's "
+                             f"slots), got {list(x_scales.shape)}")
+        if x_scales.shape[-1] < width:  # then M = tokens (at most 64): one token tile
+            x_scales = jnp.pad(x_scales, ((0, 0), (0, 0), (0, width - m)))
+        operands, scratch = (*w8s, *weight_scales, x, x_scales.astype(jnp.float32)), []
     depth = pipeline_depth(config, tokens, kb_per_step, scale_tokens, x_itemsize=x.dtype.itemsize if quantize else 1)
     body = functools.partial(_kernel, num_stacks=num_stacks, stack_groups=groups_total, steps=steps, groups=groups,
                              sum_groups=sum_groups, shared_x=num_x == 1, kb_per_step=kb_per_step, depth=depth,

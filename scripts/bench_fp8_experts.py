@@ -9,9 +9,10 @@ Each runs the model's own dispatch for T tokens (gathered up to ``GATHER_MAX_TOK
 512): in bf16 the grouped-experts kernel or XLA's batched products; in FP8 the FP8 GEMM launches
 (pallas_kernels/fp8_gemm_mgpu.py), with the model's defaults: the kernel of few tokens quantizes the
 tokens of products of up to ``fp8_weights.KERNEL_QUANTIZES_MAX_ROWS`` rows itself (the gathered
-dispatch's down projections, one row an assignment), XLA the others. "fp8_xq" is the same with XLA
-quantizing every product's tokens, "fp8_qk" with the kernel quantizing up to 64 tokens
-(``fp8_weights.kernel_quantization``). "fp8_dense" is the FP8 layer always dense, "fp8_sorted" the
+dispatch's down projections, one row an assignment), one Mosaic GPU launch the others
+(``quantize_activations_mgpu``). "fp8_xq" is the same with XLA's launches quantizing every
+product's tokens (``fp8_weights.kernel_quantization(0)``, ``mosaic_quantization(False)``),
+"fp8_qk" with the kernel quantizing up to 64 tokens (``fp8_weights.kernel_quantization``). "fp8_dense" is the FP8 layer always dense, "fp8_sorted" the
 FP8 layer with the sorted dispatch wherever dense would run (``sorted_min_tokens`` 1). Round-robin medians
 (``timing.time_round_robin``); floor = the weight bytes the dispatch must read (router, shared
 experts, and the chosen experts (gathered, sorted; dense in FP8 reads gate and up of the chosen and
@@ -37,7 +38,7 @@ from bench_moe import SHAPES as MOE_SHAPES, random_layer  # noqa: E402
 
 from snapmla_jax.bench import timing  # noqa: E402
 from snapmla_jax import fp8_weights  # noqa: E402
-from snapmla_jax.fp8_weights import BlockFP8Weight, kernel_quantization  # noqa: E402
+from snapmla_jax.fp8_weights import BlockFP8Weight, kernel_quantization, mosaic_quantization  # noqa: E402
 from snapmla_jax.models import quantize_weights  # noqa: E402
 from snapmla_jax.models.moe import set_dense_token_range, set_gather_max_tokens, set_sorted_min_tokens  # noqa: E402
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import MAX_TOKENS  # noqa: E402
@@ -92,7 +93,8 @@ def programs(tokens: int, layers: dict) -> tuple[dict, dict]:
             set_sorted_min_tokens(layer, 1)
         dispatch = layer.dispatch(tokens, backend)
         graphdef, state = nnx.split(layer)
-        with kernel_quantization(KERNEL_QUANTIZATION.get(program, fp8_weights.KERNEL_QUANTIZES_MAX_ROWS)):
+        with (kernel_quantization(KERNEL_QUANTIZATION.get(program, fp8_weights.KERNEL_QUANTIZES_MAX_ROWS)),
+              mosaic_quantization(program != "fp8_xq")):
             runs[program] = (call.lower(state, x, graphdef=graphdef).compile(), [(state, x)])
         floors[program] = (dispatch, layer_bytes(layer, layer.gate(x)[1], dispatch))
         for name, value in saved.items():
@@ -121,7 +123,7 @@ def table(env: dict, rows: list[dict]) -> str:
               f"{env['copy_gbps']:.0f} GB/s. Command: `{env['command']}`. One layer "
               "(router, routed and shared experts), each with the model's dispatch for T tokens; round-robin "
               "medians; % floor = the weight bytes the dispatch reads over the copy bandwidth. fp8: the model's "
-              "defaults; fp8 xq: XLA quantizes every product's tokens; fp8 qk: the FP8 GEMM quantizes them up "
+              "defaults (one Mosaic GPU launch quantizes the tokens); fp8 xq: XLA's launches quantize every product's tokens; fp8 qk: the FP8 GEMM quantizes them up "
               "to 64 tokens; fp8 dense: always the dense dispatch; fp8 sorted: the sorted dispatch (its own "
               "dispatch column) wherever dense would run. rel. L2: FP8 output against bf16's.\n\n")
     columns = ["shape", "T", "dispatch", "bf16 ms", "fp8 ms", "fp8 xq ms", "fp8 qk ms", "fp8 dense ms",

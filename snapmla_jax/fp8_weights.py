@@ -24,10 +24,12 @@ import jax
 import jax.numpy as jnp
 
 from snapmla_jax.backend import mosaic_kernels_run, resolve_backend, sm_count
-from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, MAX_TOKENS, fp8_gemm_mgpu, fp8_grouped_gemm_mgpu, pad_tokens
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import (BLOCK, MAX_TOKENS, fp8_gemm_mgpu, fp8_grouped_gemm_mgpu, pad_tokens,
+                                                      scale_columns)
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import kernel_takes as gemm_takes
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import TilesConfig, fp8_gemm_tiles_mgpu, fp8_grouped_gemm_tiles_mgpu
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import kernel_takes as tiles_takes
+from snapmla_jax.pallas_kernels.quantize_activations_mgpu import FLOAT_DTYPES, quantize_activations_mgpu
 from snapmla_jax.quantization import FP8_E4M3_MAX, FP8_E4M3_MAX_RECIPROCAL
 
 DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size
@@ -155,6 +157,12 @@ KERNEL_QUANTIZES_MAX_ROWS = 1
 XLA_MAX_ROWS = 1
 
 
+# Whether the FP8 GEMMs' activations are quantized by one Mosaic GPU launch
+# (``quantize_activations_mgpu``) where the kernels run, instead of XLA's three (the blocks' amax,
+# the cast, the scales' transpose). Off: XLA's (``mosaic_quantization``, for benchmarks).
+MOSAIC_QUANTIZES = True
+
+
 @contextlib.contextmanager
 def _module_setting(name: str, value):
     """This module's global ``name`` set to ``value`` within the block, restored after it."""
@@ -169,6 +177,12 @@ def xla_rows(max_rows: int):
     """Within the block, programs traced set XLA_MAX_ROWS to ``max_rows`` (benchmarks comparing
     the two paths of a one-row product)."""
     return _module_setting("XLA_MAX_ROWS", max_rows)
+
+
+def mosaic_quantization(enabled: bool):
+    """Within the block, programs traced set MOSAIC_QUANTIZES to ``enabled`` (benchmarks comparing
+    the Mosaic GPU quantizer with XLA's)."""
+    return _module_setting("MOSAIC_QUANTIZES", enabled)
 
 
 def kernel_quantization(max_rows: int):
@@ -201,28 +215,37 @@ def _tile_rows(rows: int) -> int:
     return -(-rows // TILES_CONFIG.tile_tokens) * TILES_CONFIG.tile_tokens
 
 
-def _quantized_rows(x: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+def _quantized_rows(x: jax.Array, rows: int, backend: str, scale_rows: int | None = None
+                    ) -> tuple[jax.Array, jax.Array]:
     """x [..., M, K] padded to ``rows`` rows and quantized per row and 128 channels:
-    (x8 [..., rows, K] e4m3, scales [..., K / 128, rows] float32)."""
+    (x8 [..., rows, K] e4m3, scales [..., K / 128, scale_rows or rows] float32, the columns past M
+    zeros). Where the kernels run (``backend`` resolved: "pallas" on a Hopper GPU, "interpret") and
+    MOSAIC_QUANTIZES: one Mosaic GPU launch; else XLA's ``quantize_activations``."""
+    scale_rows = rows if scale_rows is None else scale_rows
+    if MOSAIC_QUANTIZES and mosaic_kernels_run(backend) and x.ndim in (2, 3) and x.dtype in FLOAT_DTYPES:
+        return quantize_activations_mgpu(x, rows, scale_rows, interpret=backend == "interpret")
     pad = [(0, 0)] * (x.ndim - 2) + [(0, rows - x.shape[-2]), (0, 0)]
-    return quantize_activations(jnp.pad(x, pad))
+    x8, scales = quantize_activations(jnp.pad(x, pad))
+    return x8, jnp.pad(scales, [(0, 0)] * (x.ndim - 1) + [(0, scale_rows - rows)])
 
 
-def _kernel_tokens(x: jax.Array, rows: int) -> tuple[jax.Array, jax.Array | None]:
+def _kernel_tokens(x: jax.Array, rows: int, backend: str) -> tuple[jax.Array, jax.Array | None]:
     """The FP8 GEMM of few tokens' (tokens, x_scales) for x [..., M, K]: x itself and None up to
     KERNEL_QUANTIZES_MAX_ROWS rows of a bf16, f16 or f32 x (the kernel quantizes it, its tiles'
-    rows past M read as zeros: no pad), else XLA's quantization of x padded to ``rows``."""
+    rows past M read as zeros: no pad), else x padded to ``rows`` and quantized (``_quantized_rows``;
+    the scales as wide as the kernel's slots, ``fp8_gemm_mgpu.scale_columns``)."""
     if x.shape[-2] <= KERNEL_QUANTIZES_MAX_ROWS and x.dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
         return x, None
-    return _quantized_rows(x, rows)
+    return _quantized_rows(x, rows, backend, scale_columns(rows, x.shape[-1]))
 
 
 def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax.Array:
     """x [..., in] @ W^T for a block-FP8 weight W [out, in] -> [..., out] in x's dtype.
 
     On a Hopper GPU (backend "pallas", or "auto" there; 128 x 128 weight blocks) this is DeepSeek's
-    FP8 GEMM: x quantized to e4m3 per row and 128 channels (by XLA, or by the kernel of few tokens
-    itself up to KERNEL_QUANTIZES_MAX_ROWS rows), FP8 x FP8 products summed in float32
+    FP8 GEMM: x quantized to e4m3 per row and 128 channels (by one Mosaic GPU launch,
+    ``quantize_activations_mgpu``, or by the kernel of few tokens itself up to
+    KERNEL_QUANTIZES_MAX_ROWS rows), FP8 x FP8 products summed in float32
     per block and scaled there. Up to 64 rows of x (out a multiple of 64, in of 128) the kernel of
     few tokens (``pallas_kernels/fp8_gemm_mgpu.py``) reads the weight's e4m3 bytes once (1.6-1.8x
     the bf16 GEMM at large decode shapes, H100 and H200); above, where out and in are whole
@@ -244,13 +267,13 @@ def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax
     if rows <= XLA_MAX_ROWS and all(side % b == 0 for side, b in zip(w.shape, w.block)):
         backend = "xla"
     if tiles_run(w, rows, backend):
-        x8, x_scales = _quantized_rows(x.reshape(rows, x.shape[-1]), _tile_rows(rows))
+        x8, x_scales = _quantized_rows(x.reshape(rows, x.shape[-1]), _tile_rows(rows), backend)
         out_dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float32) else jnp.float32
         y = fp8_gemm_tiles_mgpu(x8, x_scales, w.values, w.scales, out_dtype=out_dtype, config=TILES_CONFIG,
                                 num_sms=sm_count(), interpret=backend == "interpret")
         return y[:rows].astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     if kernel_runs(w, rows, backend):
-        tokens, x_scales = _kernel_tokens(x.reshape(rows, x.shape[-1]), pad_tokens(rows))
+        tokens, x_scales = _kernel_tokens(x.reshape(rows, x.shape[-1]), pad_tokens(rows), backend)
         y = fp8_gemm_mgpu(tokens, x_scales, w.values, w.scales, num_sms=sm_count(), interpret=backend == "interpret")
         return y[:rows].astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
     product = jnp.einsum("...i,oi->...o", x, dequantize_weight(w, x.dtype), preferred_element_type=jnp.float32)
@@ -290,14 +313,14 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
     backend = resolve_backend(backend)
     rows = x.shape[1]
     if not sum_groups and all(tiles_run(s, rows, backend) for s in stacks):
-        x8, x_scales = _quantized_rows(x, _tile_rows(rows))
+        x8, x_scales = _quantized_rows(x, _tile_rows(rows), backend)
         values, scales = tuple(s.values for s in stacks), tuple(s.scales for s in stacks)
         ys = fp8_grouped_gemm_tiles_mgpu(x8, x_scales, values, scales, matrices, config=TILES_CONFIG,
                                          num_sms=sm_count(), interpret=backend == "interpret")
         ys = tuple(y[:, :rows] for y in ys)
         return ys if isinstance(w, tuple) else ys[0]
     if all(kernel_runs(s, rows, backend) for s in stacks):
-        tokens, x_scales = _kernel_tokens(x, pad_tokens(rows))
+        tokens, x_scales = _kernel_tokens(x, pad_tokens(rows), backend)
         values, scales = tuple(s.values for s in stacks), tuple(s.scales for s in stacks)
         if len(stacks) == 1:
             values, scales = values[0], scales[0]

@@ -108,12 +108,33 @@ def test_e2e_tiny_times_weight_kinds_side_by_side(tmp_path):
         ("bf16", "fp8", "ok"), ("fp8", "fp8", "ok")]
     assert all(r["ffn_ms"] > 0 and r["floor_ms"] > 0 for r in saved["rows"])
     table = (tmp_path / "e2e.md").read_text()
-    assert "--weights bf16 fp8" in table and "(activations quantized in the FP8 GEMM itself up to 16 rows" in table
+    assert env["activation_quantizer"] == "mosaic"
+    assert "--weights bf16 fp8" in table and ("(activations quantized in the FP8 GEMM itself up to 16 rows, by one "
+                                              "Mosaic GPU launch above" in table)
     assert "matrix products of up to 1 row by XLA, the weight dequantized in the product)" in table
     bf16, fp8 = sorted(saved["rows"], key=lambda r: r["weights"])
     ratio = f"{fp8['tokens_per_s'] / bf16['tokens_per_s']:.2f}"
     assert f"| 2 | 64 | FP8 | {bf16['step_ms']:.2f} | {fp8['step_ms']:.2f} | {ratio} |" in table
     assert fp8_weights.KERNEL_QUANTIZES_MAX_ROWS == library_setting  # back after the run
+
+
+def test_e2e_xla_quantizes_traces_the_fp8_programs_with_xlas_quantizer(tmp_path, monkeypatch):
+    from snapmla_jax.bench import e2e
+
+    during = []  # MOSAIC_QUANTIZES while the run builds, traces and times its programs
+    run = e2e.run
+    monkeypatch.setattr(e2e, "run", lambda args: during.append(fp8_weights.MOSAIC_QUANTIZES) or run(args))
+    assert main(["e2e", "--tiny", "--weights", "fp8", "--kv-caches", "fp8", "--xla-quantizes", "--batches", "2",
+                 "--contexts", "64", "--steps", "2", "--iters", "1", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "e2e.json").read_text())["environment"]["activation_quantizer"] == "xla"
+    assert "in the FP8 GEMM itself up to 1 row, by XLA above" in (tmp_path / "e2e.md").read_text()
+    assert during == [False] and fp8_weights.MOSAIC_QUANTIZES  # back after the run
+
+
+def test_e2e_xla_quantizes_needs_fp8_weights(capsys):
+    assert main(["e2e", "--tiny", "--xla-quantizes"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--xla-quantizes: with --fp8-weights" in err[0]
 
 
 def test_publish_names_the_repositorys_tables():

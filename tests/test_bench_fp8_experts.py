@@ -14,12 +14,13 @@ def test_the_programs_agree_within_fp8_rounding_and_name_their_dispatch(monkeypa
 
     # Each FP8 launch traced: (the kernel-quantization rows it was traced under, which tells the
     # program: 0 fp8_xq, 64 fp8_qk, the default fp8 and fp8_dense; its tokens' rows; whether they
-    # came unquantized, x_scales None).
+    # came unquantized, x_scales None; MOSAIC_QUANTIZES: which launch quantized the others).
     launches = []
     kernel = fp8_weights.fp8_grouped_gemm_mgpu
     monkeypatch.setattr(fp8_weights, "fp8_grouped_gemm_mgpu",
                         lambda x, xs, *a, **kw: launches.append((fp8_weights.KERNEL_QUANTIZES_MAX_ROWS, x.shape[-2],
-                                                                 xs is None)) or kernel(x, xs, *a, **kw))
+                                                                 xs is None, fp8_weights.MOSAIC_QUANTIZES))
+                        or kernel(x, xs, *a, **kw))
     default_rows = fp8_weights.KERNEL_QUANTIZES_MAX_ROWS
     layers = {"bf16": bench_moe.random_layer(SMALL)}
     layers["fp8"] = bench.quantize_weights(bench_moe.random_layer(SMALL))
@@ -33,10 +34,12 @@ def test_the_programs_agree_within_fp8_rounding_and_name_their_dispatch(monkeypa
         assert set(runs) == set(bench.PROGRAMS)
         # Every FP8 program traced launches; the kernel quantizes the tokens of exactly the products
         # of at most its program's rows: none for fp8_xq, all for fp8_qk, the 1-row ones by default.
-        assert {limit for limit, _, _ in launches} == {0, default_rows, bench.MAX_TOKENS}, launches
-        for limit, rows, unquantized in launches:
-            assert unquantized == (rows <= limit), (tokens, launches)
-        assert any(unquantized for limit, _, unquantized in launches if limit == default_rows) == (dispatch == "gathered")
+        # XLA's launches quantize fp8_xq's tokens, the Mosaic GPU quantizer every other program's.
+        assert {limit for limit, _, _, _ in launches} == {0, default_rows, bench.MAX_TOKENS}, launches
+        for limit, rows, unquantized, mosaic in launches:
+            assert unquantized == (rows <= limit) and mosaic == (limit != 0), (tokens, launches)
+        assert any(unquantized for limit, _, unquantized, _ in launches
+                   if limit == default_rows) == (dispatch == "gathered")
         assert floors["fp8"][0] == dispatch and floors["fp8_dense"][0] == "dense"
         assert floors["fp8_sorted"][0] == ("gathered" if dispatch == "gathered" else "sorted")
         # e4m3 weights and activations (RMS rounding ~2^-4 / 3 of a value each, in quadrature over

@@ -456,3 +456,39 @@ def test_the_grouped_launch_quantizing_its_tokens_lowers_for_cuda_at_v3_expert_s
     down, down_s = stack(7168, 2048)
     hidden = jax.ShapeDtypeStruct((256, 16, 2048), jnp.float32)
     lower_for_cuda(lambda h, d, ds: fp8_grouped_gemm_mgpu(h, None, d, ds, sum_groups=True), hidden, down, down_s)
+
+
+def test_the_products_quantize_x_in_one_mosaic_launch_with_xlas_bits(monkeypatch):
+    """Where the kernels run, ``fp8_matmul`` and ``fp8_grouped_matmul`` quantize x with the Mosaic
+    GPU quantizer (``quantize_activations_mgpu``: the kernel of few tokens's scales as wide as its
+    slots, the tiled kernel's as its rows); with ``mosaic_quantization(False)`` XLA's launches do.
+    Interpreted, both give the same bits (the quantizer's division is XLA's:
+    tests/test_quantize_activations_mgpu.py)."""
+    from snapmla_jax import fp8_weights
+
+    calls = []
+    quantizer = fp8_weights.quantize_activations_mgpu
+    monkeypatch.setattr(fp8_weights, "quantize_activations_mgpu",
+                        lambda x, rows, scale_rows, **kw: calls.append((x.shape, rows, scale_rows))
+                        or quantizer(x, rows, scale_rows, **kw))
+    x, w = _operands(5, 150, 256, 384)  # K = 3 blocks: the kernel of few tokens' one-block slots
+    xs, stack = _group_operands(6, 3, 3, 11, 128, 256)
+
+    def products():
+        return (fp8_matmul(x[:11], w, backend="interpret"), fp8_matmul(x, w, backend="interpret"),
+                fp8_grouped_matmul(xs, stack, backend="interpret"))
+
+    mosaic = products()
+    assert calls == [((11, 384), 16, 32), ((150, 384), 256, 256), ((3, 11, 256), 16, 16)]
+    with fp8_weights.mosaic_quantization(False):
+        xla = products()
+    assert len(calls) == 3  # XLA quantized the second time
+    for got, want in zip(mosaic, xla):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_x_scales_of_another_shape_are_refused_naming_them():
+    x8, xs = quantize_activations(jnp.ones((16, 256), jnp.float32))
+    w = quantize_blocks(jnp.ones((64, 256), jnp.float32))
+    with pytest.raises(ValueError, match=r"x_scales: expected \[1, 2, 16\] \(or 16 columns"):
+        fp8_gemm_mgpu(x8, xs[:, :8], w.values, w.scales, interpret=True)

@@ -467,8 +467,10 @@ def activation_text(env: dict) -> str:
     rows = env.get("kernel_quantization_rows")
     if rows is None:
         return ""
-    where = (f"in the FP8 GEMM itself up to {rows} row{'s' if rows > 1 else ''}, by XLA above" if rows
-             else "by XLA")
+    # Runs before the Mosaic GPU quantizer recorded no quantizer: XLA's.
+    above = "one Mosaic GPU launch" if env.get("activation_quantizer") == "mosaic" else "XLA"
+    where = (f"in the FP8 GEMM itself up to {rows} row{'s' if rows > 1 else ''}, by {above} above" if rows
+             else f"by {above}")
     one_row = env.get("xla_product_rows", 0)  # runs before it recorded none: every product on the GEMM
     if one_row:
         where += (f"; matrix products of up to {one_row} row{'s' if one_row > 1 else ''} by XLA, the weight "
@@ -619,6 +621,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --fp8-weights: the FP8 GEMM of few tokens quantizes x itself for products of at "
                              "most ROWS rows (fp8_weights.KERNEL_QUANTIZES_MAX_ROWS; 0: XLA quantizes; default: the "
                              "library's)")
+    parser.add_argument("--xla-quantizes", action="store_true",
+                        help="with --fp8-weights: XLA's launches quantize the FP8 products' activations instead of "
+                             "one Mosaic GPU launch (fp8_weights.MOSAIC_QUANTIZES off)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each row's GPU time per launch and decode step (JAX profiler) in the JSON")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting new runs after this many seconds")
@@ -665,8 +670,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tiny and timing.missing_gpu("e2e benchmark",
                                             "the V2-Lite-sized model needs a CUDA GPU (use --tiny elsewhere)"):
         return 2
+    if args.xla_quantizes and args.weights == ["bf16"]:
+        raise cli.UsageError("--xla-quantizes: with --fp8-weights (or fp8 in --weights)")
     rows = fp8_weights.KERNEL_QUANTIZES_MAX_ROWS if args.kernel_quantization is None else args.kernel_quantization
-    with fp8_weights.kernel_quantization(rows):  # every program of the run is traced with it
+    # Every program of the run is traced with these settings.
+    with fp8_weights.kernel_quantization(rows), fp8_weights.mosaic_quantization(not args.xla_quantizes):
         return run(args)
 
 
@@ -707,6 +715,7 @@ def run(args: argparse.Namespace) -> int:
     if any(w != "bf16" for w in args.weights):
         env["kernel_quantization_rows"] = fp8_weights.KERNEL_QUANTIZES_MAX_ROWS
         env["xla_product_rows"] = fp8_weights.XLA_MAX_ROWS
+        env["activation_quantizer"] = "mosaic" if fp8_weights.MOSAIC_QUANTIZES else "xla"
     weights_total = weight_bytes_touched(cfg, runners[0].params, 1)[0]
     env.update(model="tiny (2 layers)" if args.tiny else "DeepSeek-V2-Lite shapes",
                params_b=sum(x.size for x in jax.tree.leaves(runners[0].params)) / 1e9,

@@ -1,0 +1,144 @@
+"""Activations quantized for the FP8 GEMMs in one Mosaic GPU launch: per token and 128 channels.
+
+DeepSeek's activation recipe (``fp8_weights.quantize_activations``): a row's 128-channel block
+gets the scale amax * float32(1 / 448) (0 for a block of zeros) and its values x / scale cast to
+e4m3 with saturation. In XLA that is three launches (the blocks' amax, the cast, the scales'
+transpose to [K / 128, M]), ~1-4 us each at a decode step's few tokens, for every FP8 product
+past one row; here it is one launch, with the same bytes and scales bit for bit.
+
+A CTA (one warpgroup) takes ROW_TILE rows (64 where the rows pass 64) by 256 channels (128 where K
+is not a multiple of 256): one tiled TMA brings them to shared memory (rows past M arrive as the
+copy's zeros; a tile wholly past M is zeroed in shared memory), 8 rows x 128 channels at a time
+go through registers (``write_kv.row_layout``: a row's amax is an in-thread max and five
+shuffles), and TMAs store the e4m3 tile [rows, channels] and the scales [channels / 128, rows]
+where the GEMMs read them. A tiled TMA copies at most 256 elements a dimension, hence 256
+channels.
+
+The scales may come with more columns than rows (``scale_rows``): the FP8 GEMM of few tokens reads
+them in pipeline slots of whole 128-byte units (``fp8_gemm_mgpu.scale_slot_tokens``), and columns
+past the rows hold 0 (zero rows) instead of a pad launch of their own.
+
+Arguments of ``quantize_activations_mgpu`` (``fp8_weights.quantize_activations`` is its XLA twin):
+
+  x           [M, K] or [X, M, K] bfloat16, float16 or float32, K a multiple of 128
+  rows        rows of x8 (>= M; rows past M are zeros): a multiple of ROW_TILE up to 64, of
+              LARGE_ROW_TILE above (default M rounded up so)
+  scale_rows  columns of the scales (>= rows, the same multiples; default rows)
+  -> x8 [X?, rows, K] float8_e4m3fn, scales [X?, K / 128, scale_rows] float32
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from snapmla_jax.pallas_kernels.fp8 import FP8_E4M3_MAX_RECIPROCAL, saturate_to_e4m3
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, tma_rows
+from snapmla_jax.pallas_kernels.mgpu_decode_inputs import GROUP_ROWS, by_row
+from snapmla_jax.pallas_kernels.write_kv import row_layout
+
+ROW_TILE = 16  # rows a CTA up to 64 rows: a decode step's few tokens spread over more SMs
+LARGE_ROW_TILE = 64  # rows a CTA above 64 rows
+MAX_COLUMNS = 256  # channels a CTA: a tiled TMA copies at most 256 elements a dimension
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def row_tile(rows: int) -> int:
+    """Rows a CTA for ``rows`` rows (or scale columns) in all."""
+    return ROW_TILE if rows <= 64 else LARGE_ROW_TILE
+
+
+def padded_rows(m: int) -> int:
+    """``m`` rounded up to whole row tiles (``row_tile``)."""
+    tile = row_tile(m)
+    return -(-m // tile) * tile
+
+
+def _kernel(x_gmem, x8_gmem, scales_gmem, x_s, x8_s, scales_s, loaded, *, m: int, rows: int, tile: int,
+            interpret: bool):
+    """Rows [tile r, tile r + tile) by channels [C c, C c + C) of group g, C = x_s.shape[1]."""
+    g, r, c = (lax.axis_index(name) for name in ("g", "r", "c"))
+    blocks = x8_s.shape[0]
+    row0, col0 = r * tile, c * blocks * BLOCK
+
+    @pl.when(row0 < m)
+    def _():
+        plgpu.copy_gmem_to_smem(x_gmem.at[g, pl.ds(row0, tile), pl.ds(col0, blocks * BLOCK)], x_s, loaded)
+        plgpu.barrier_wait(loaded)
+
+    @pl.when(row0 >= m)
+    def _():
+        x_s[...] = jnp.zeros(x_s.shape, x_s.dtype)
+        plgpu.commit_smem()  # the zeros before other threads load them
+
+    layout = row_layout(BLOCK, x_s.dtype)
+    for kb in range(blocks):
+        for group in range(tile // GROUP_ROWS):
+            block_rows = pl.ds(group * GROUP_ROWS, GROUP_ROWS)
+            x = plgpu.load(x_s.at[block_rows, pl.ds(kb * BLOCK, BLOCK)], layout=layout).astype(jnp.float32)
+            # XLA's arithmetic (``fp8_weights.quantize_blocks``): scale = amax * (1 / 448), and a
+            # block of zeros divided by 1 (its scale stays 0).
+            scale = jnp.max(jnp.abs(x), axis=-1) * FP8_E4M3_MAX_RECIPROCAL
+            divisor = by_row(jnp.where(scale > 0, scale, 1.0), x.shape, layout, interpret)
+            if interpret:
+                # XLA on the CPU turns a division by a broadcast into a product with the reciprocal
+                # (one rounding more: a quotient next to an e4m3 midpoint then rounds the other way
+                # than XLA's own quantizer, whose divisor is no plain broadcast); the barrier keeps
+                # the division.
+                divisor = lax.optimization_barrier(jnp.broadcast_to(divisor, x.shape))
+            x8_s[kb, block_rows, :] = saturate_to_e4m3(x / divisor)
+            scales_s[kb, block_rows] = scale
+    plgpu.commit_smem()  # the stores before the TMAs (the async proxy) read them
+
+    @pl.when(row0 < rows)  # scale columns may run past x8's rows
+    def _():
+        for kb in range(blocks):
+            plgpu.copy_smem_to_gmem(x8_s.at[kb], x8_gmem.at[g, pl.ds(row0, tile), pl.ds(col0 + kb * BLOCK, BLOCK)],
+                                    commit_group=False)
+
+    plgpu.copy_smem_to_gmem(scales_s, scales_gmem.at[g, pl.ds(c * blocks, blocks), pl.ds(row0, tile)],
+                            commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the stores' reads
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "scale_rows", "interpret"))
+def quantize_activations_mgpu(x: jax.Array, rows: int | None = None, scale_rows: int | None = None, *,
+                              interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] or [X, M, K] -> (x8 [X?, rows, K] e4m3, scales [X?, K / 128, scale_rows] float32):
+    ``fp8_weights.quantize_activations`` of x padded with zero rows to ``rows``, the scales padded
+    with zero columns to ``scale_rows`` (module docstring). ValueError for other shapes or dtypes."""
+    if x.ndim not in (2, 3) or x.dtype not in FLOAT_DTYPES or x.shape[-1] % BLOCK or not x.shape[-2]:
+        raise ValueError(f"x: expected [M, K] or [X, M, K] bfloat16, float16 or float32 with M > 0 and K a multiple "
+                         f"of {BLOCK}, got {x.dtype} {list(x.shape)}")
+    stacked = x.ndim == 3
+    x3 = x if stacked else x[None]
+    num_x, m, k = x3.shape
+    rows = padded_rows(m) if rows is None else rows
+    scale_rows = rows if scale_rows is None else scale_rows
+    tile = row_tile(scale_rows)
+    if rows < m or scale_rows < rows or rows % tile or scale_rows % tile:
+        raise ValueError(f"rows, scale_rows: expected M={m} <= rows <= scale_rows, both multiples of {tile}, got "
+                         f"rows={rows}, scale_rows={scale_rows}")
+    columns = MAX_COLUMNS if k % MAX_COLUMNS == 0 else BLOCK
+    blocks = columns // BLOCK
+    # Compiled, Mosaic GPU refuses a tiled TMA of an array whose rows are neither fewer than nor a
+    # multiple of 8 (``fp8_gemm_mgpu.tma_rows``): such an x gets zero rows to whole 8s first.
+    x3 = jnp.pad(x3, ((0, 0), (0, tma_rows(m) - m), (0, 0)))
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, m=m, rows=rows, tile=tile, interpret=interpret),
+        out_type=(jax.ShapeDtypeStruct((num_x, rows, k), jnp.float8_e4m3fn),
+                  jax.ShapeDtypeStruct((num_x, k // BLOCK, scale_rows), jnp.float32)),
+        scratch_types=[plgpu.SMEM((tile, columns), x.dtype), plgpu.SMEM((blocks, tile, BLOCK), jnp.float8_e4m3fn),
+                       plgpu.SMEM((blocks, tile), jnp.float32), plgpu.Barrier(num_arrivals=1)],
+        grid=(num_x, scale_rows // tile, k // columns), grid_names=("g", "r", "c"),
+        kernel_name="snapmla_quantize_activations",
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    x8, scales = kernel(x3)
+    return (x8, scales) if stacked else (x8[0], scales[0])
