@@ -37,10 +37,9 @@ both, ``quantize_activations_mgpu``) or as they are (bf16, f16, f32; ``x_scales`
 each CTA quantizes its token tile per token and 128 channels in shared memory as it arrives
 (``quantize_tile``; rows past M arrive as the TMA's zeros, so M needs no padding), so no launch
 runs before the product. Every weight tile's CTA reads the same
-tokens (from L2) in bf16, twice e4m3's bytes, against the launches it saves. Compiled on an H100
-it failed at 11 and 100 tokens (the token array's TMA takes rows in whole 8s; they are now padded
-to them, not yet compiled) and passed at the other token counts of tests/test_fp8_gemm_mgpu.py;
-not yet timed.
+tokens (from L2) in bf16, twice e4m3's bytes, against the launches it saves (the token array's TMA
+takes rows in whole 8s past 8: ``tma_rows``). Compiled on an H100 at the token counts of
+tests/test_fp8_gemm_mgpu.py (1, 5, 11, 16, 32, 64, 100, 256); where it pays, docs/models.md.
 
 Measured (``scripts/bench_fp8_gemm.py``, the product chained over weight copies of >= 384 MiB,
 round-robin with XLA's bf16 product of the same shape; docs/benchmarks/fp8_gemm_h100.md,

@@ -12,8 +12,9 @@ tokens of products of up to ``fp8_weights.KERNEL_QUANTIZES_MAX_ROWS`` rows itsel
 dispatch's down projections, one row an assignment), one Mosaic GPU launch the others
 (``quantize_activations_mgpu``). "fp8_xq" is the same with XLA's launches quantizing every
 product's tokens (``fp8_weights.kernel_quantization(0)``, ``mosaic_quantization(False)``),
-"fp8_qk" with the kernel quantizing up to 64 tokens (``fp8_weights.kernel_quantization``). "fp8_dense" is the FP8 layer always dense, "fp8_sorted" the
-FP8 layer with the sorted dispatch wherever dense would run (``sorted_min_tokens`` 1). Round-robin medians
+"fp8_qk" with the kernel quantizing up to 64 tokens (``fp8_weights.kernel_quantization``).
+"fp8_dense" is the FP8 layer always dense, "fp8_sorted" the FP8 layer with the sorted dispatch
+wherever dense would run (``sorted_min_tokens`` 1). Round-robin medians
 (``timing.time_round_robin``); floor = the weight bytes the dispatch must read (router, shared
 experts, and the chosen experts (gathered, sorted; dense in FP8 reads gate and up of the chosen and
 every down matrix) or all of them (dense in bf16)) over the copy bandwidth measured
@@ -123,8 +124,8 @@ def table(env: dict, rows: list[dict]) -> str:
               f"{env['copy_gbps']:.0f} GB/s. Command: `{env['command']}`. One layer "
               "(router, routed and shared experts), each with the model's dispatch for T tokens; round-robin "
               "medians; % floor = the weight bytes the dispatch reads over the copy bandwidth. fp8: the model's "
-              "defaults (one Mosaic GPU launch quantizes the tokens); fp8 xq: XLA's launches quantize every product's tokens; fp8 qk: the FP8 GEMM quantizes them up "
-              "to 64 tokens; fp8 dense: always the dense dispatch; fp8 sorted: the sorted dispatch (its own "
+              "defaults (one Mosaic GPU launch quantizes the tokens); fp8 xq: XLA's launches quantize every "
+              "product's tokens; fp8 qk: the FP8 GEMM quantizes them up to 64 tokens; fp8 dense: always the dense dispatch; fp8 sorted: the sorted dispatch (its own "
               "dispatch column) wherever dense would run. rel. L2: FP8 output against bf16's.\n\n")
     columns = ["shape", "T", "dispatch", "bf16 ms", "fp8 ms", "fp8 xq ms", "fp8 qk ms", "fp8 dense ms",
                "fp8 sorted ms (dispatch)", "fp8 / bf16", "fp8 xq / bf16", "fp8 qk / bf16", "fp8 dense / bf16",

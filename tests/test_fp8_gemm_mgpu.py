@@ -460,8 +460,8 @@ def test_the_grouped_launch_quantizing_its_tokens_lowers_for_cuda_at_v3_expert_s
 
 def test_the_products_quantize_x_in_one_mosaic_launch_with_xlas_bits(monkeypatch):
     """Where the kernels run, ``fp8_matmul`` and ``fp8_grouped_matmul`` quantize x with the Mosaic
-    GPU quantizer (``quantize_activations_mgpu``: the kernel of few tokens's scales as wide as its
-    slots, the tiled kernel's as its rows); with ``mosaic_quantization(False)`` XLA's launches do.
+    GPU quantizer (``quantize_activations_mgpu``: the scales for the kernel of few tokens as wide as
+    its slots, the tiled kernel's as its rows); with ``mosaic_quantization(False)`` XLA's launches do.
     Interpreted, both give the same bits (the quantizer's division is XLA's:
     tests/test_quantize_activations_mgpu.py)."""
     from snapmla_jax import fp8_weights

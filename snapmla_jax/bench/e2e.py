@@ -665,13 +665,13 @@ def main(argv: list[str] | None = None) -> int:
     args.kv_caches = [kv for kv in CACHE_FORMATS if kv in args.kv_caches]
     if args.kernel_quantization is not None and (args.kernel_quantization < 0 or args.weights == ["bf16"]):
         raise cli.UsageError("--kernel-quantization: expected an int >= 0, with --fp8-weights (or fp8 in --weights)")
+    if args.xla_quantizes and args.weights == ["bf16"]:
+        raise cli.UsageError("--xla-quantizes: with --fp8-weights (or fp8 in --weights)")
     cli.backend(args.backend)
     args.out = cli.bench_output_dir(args)
     if not args.tiny and timing.missing_gpu("e2e benchmark",
                                             "the V2-Lite-sized model needs a CUDA GPU (use --tiny elsewhere)"):
         return 2
-    if args.xla_quantizes and args.weights == ["bf16"]:
-        raise cli.UsageError("--xla-quantizes: with --fp8-weights (or fp8 in --weights)")
     rows = fp8_weights.KERNEL_QUANTIZES_MAX_ROWS if args.kernel_quantization is None else args.kernel_quantization
     # Every program of the run is traced with these settings.
     with fp8_weights.kernel_quantization(rows), fp8_weights.mosaic_quantization(not args.xla_quantizes):
