@@ -35,3 +35,17 @@ def test_the_floor_counts_the_experts_each_dispatch_reads():
             _, ragged = e2e.weight_bytes_touched(cfg, params, batch, "ragged")
             extra = (1 - share) * (sizes["w_down"] if fp8 else sum(sizes.values()))
             assert ragged < dense < total and abs(dense - ragged - extra) <= 2, (batch, fp8)
+
+
+def test_fp8_ffn_models_keep_the_attention_projections_in_bf16():
+    """``fp8_ffn_only``: block-FP8 exactly the weights under the feed-forward blocks (dense MLP,
+    shared and routed experts); the attention's projections stay bf16 as in the bf16 model."""
+    from snapmla_jax.fp8_weights import BlockFP8Weight
+    from snapmla_jax.models.layers import fp8_eligible_weights
+
+    model = e2e.random_model(e2e.TINY, jnp.bfloat16, fp8_weights=True, fp8_ffn_only=True)
+    kinds = {path: isinstance(w.get_value(), BlockFP8Weight) for path, w in fp8_eligible_weights(model).items()}
+    fp8 = {path for path, is_fp8 in kinds.items() if is_fp8}
+    assert fp8 == {path for path in kinds if "/mlp/" in path}
+    assert any("self_attn/q" in path for path in kinds) and not any("self_attn" in path for path in fp8)
+    assert {"layers/0/mlp/gate_proj/kernel", "layers/1/mlp/w_down"} <= fp8  # a dense MLP and the experts

@@ -27,7 +27,8 @@ before the runs; results are written after every run, so a run cut short
 still leaves its table (``--out``; default: outside the source tree, printed; ``--publish``:
 the repository's docs/benchmarks/). ``--tiny`` runs a 2-layer model on any backend (CPU test).
 ``--fp8-weights`` makes the linear kernels and routed experts block-FP8 (``fp8_matmul``'s
-products; ``--fp8-absorbed`` the attention's w_uk / w_uv too); ``--weights bf16 fp8`` builds a
+products; ``--fp8-absorbed`` the attention's w_uk / w_uv too); ``--weights bf16 fp8`` (or
+fp8-absorbed, fp8-ffn: the feed-forward blocks' weights only) builds a
 model of each kind and times them side by side in one run, plan by plan (one table, the step's
 time under each and their ratio; ``--kv-caches fp8`` keeps one cache format);
 ``--kernel-quantization ROWS`` has the FP8 GEMM of few tokens quantize x itself up to ROWS rows.
@@ -59,6 +60,7 @@ import snapmla_jax.models.moe
 
 from snapmla_jax import models
 from snapmla_jax.models import MLAConfig, MLAModel
+from snapmla_jax.models.layers import fp8_eligible_weights
 from snapmla_jax.models.sharding import key_name
 from snapmla_jax import cli, data_parallel, fp8_weights
 from snapmla_jax.backend import BACKENDS, resolve_backend
@@ -79,9 +81,12 @@ GIB = 2**30
 HEADROOM_BYTES = 4 * GIB
 CACHE_FORMATS = ("fp8", "bf16")
 # --weights: the model's linear weights. "fp8": block-FP8 as ``models.quantize_weights`` converts
-# them; "fp8-absorbed": the attention's w_uk / w_uv too.
-WEIGHT_KINDS = ("bf16", "fp8", "fp8-absorbed")
-WEIGHT_TEXT = {"bf16": "bf16", "fp8": "block-FP8", "fp8-absorbed": "block-FP8 (w_uk / w_uv too)"}
+# them; "fp8-absorbed": the attention's w_uk / w_uv too; "fp8-ffn": the feed-forward blocks' only
+# (dense MLPs, shared and routed experts), the attention projections bf16: at a decode step's few
+# tokens a small projection's FP8 GEMM and the launches around it may cost more than its bytes save.
+WEIGHT_KINDS = ("bf16", "fp8", "fp8-absorbed", "fp8-ffn")
+WEIGHT_TEXT = {"bf16": "bf16", "fp8": "block-FP8", "fp8-absorbed": "block-FP8 (w_uk / w_uv too)",
+               "fp8-ffn": "block-FP8 feed-forward (attention projections bf16)"}
 WEIGHT_STD = 0.02  # of the random weight matrices (GPT-2's init scale; values only need to stay finite)
 FP8_VALUE_STD = 64.0  # of a random block-FP8 weight's e4m3 values (well inside +-448)
 
@@ -187,7 +192,7 @@ def _leaf_role(path, shape) -> str:
 
 
 def random_model(cfg: MLAConfig, dtype, seed: int = 0, mesh: jax.sharding.Mesh | None = None, *,
-                 fp8_weights: bool = False, fp8_absorbed: bool = False) -> MLAModel:
+                 fp8_weights: bool = False, fp8_absorbed: bool = False, fp8_ffn_only: bool = False) -> MLAModel:
     """An MLAModel with random weights drawn on the device directly in ``dtype``:
     N(0, WEIGHT_STD) matrices, unit norm scales. One small compiled generator per
     distinct shape and placement, instead of running the model's initializers op by op.
@@ -196,10 +201,15 @@ def random_model(cfg: MLAConfig, dtype, seed: int = 0, mesh: jax.sharding.Mesh |
     ``fp8_weights``: the weights ``models.quantize_weights`` converts are made block-FP8 directly
     (e4m3 values, one float32 scale a ``cfg.weight_block_size`` block), never held in ``dtype``:
     a model whose bf16 weights would not fit the devices can be made. ``fp8_absorbed``: with
-    ``fp8_weights``, the attention's w_uk / w_uv too (``quantize_weights(absorbed=True)``)."""
+    ``fp8_weights``, the attention's w_uk / w_uv too (``quantize_weights(absorbed=True)``).
+    ``fp8_ffn_only``: with ``fp8_weights``, only the feed-forward blocks' weights (paths under
+    "mlp/"), the attention's in ``dtype``."""
     def build():
         model = MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype)
-        return models.quantize_weights(model, cfg.weight_block_size, absorbed=fp8_absorbed) if fp8_weights else model
+        if not fp8_weights:
+            return model
+        paths = [p for p in fp8_eligible_weights(model) if "/mlp/" in p] if fp8_ffn_only else None
+        return models.quantize_weights(model, cfg.weight_block_size, paths=paths, absorbed=fp8_absorbed)
 
     graphdef, state = nnx.split(nnx.eval_shape(build))
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -613,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
                              "GEMM, one group a head, instead of XLA's bf16 einsums)")
     parser.add_argument("--weights", nargs="+", choices=WEIGHT_KINDS, default=None,
                         help="build a model of each kind and time them side by side, plan by plan: bf16, fp8 (as "
-                             "--fp8-weights), fp8-absorbed (as --fp8-absorbed); the first is the ratios' baseline "
+                             "--fp8-weights), fp8-absorbed (as --fp8-absorbed), fp8-ffn (FP8 feed-forward blocks, "
+                             "bf16 attention projections); the first is the ratios' baseline "
                              "(default: bf16, or what --fp8-weights / --fp8-absorbed say)")
     parser.add_argument("--kv-caches", nargs="+", choices=CACHE_FORMATS, default=list(CACHE_FORMATS),
                         help="the latent cache formats to run (default: fp8 bf16)")
@@ -697,7 +708,8 @@ def run(args: argparse.Namespace) -> int:
     compile_seconds: dict[str, float] = {}
     runners = []
     for weights in args.weights:  # every model built before the plans read what memory is left
-        model = random_model(cfg, jnp.bfloat16, fp8_weights=weights != "bf16", fp8_absorbed=weights == "fp8-absorbed")
+        model = random_model(cfg, jnp.bfloat16, fp8_weights=weights != "bf16", fp8_absorbed=weights == "fp8-absorbed",
+                             fp8_ffn_only=weights == "fp8-ffn")
         if args.dense_moe is not None or args.ragged_moe:
             models.moe.set_dense_token_range(model, None if args.ragged_moe else tuple(args.dense_moe))
         if args.gather_moe is not None or args.ragged_moe:
