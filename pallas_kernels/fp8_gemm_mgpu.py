@@ -97,6 +97,8 @@ COL = plgpu.Layout.WGMMA.reduce(0)  # a vector with one value per accumulator co
 # CUDA caps a grid's y and z extents at 65535 (x at 2**31 - 1). Mosaic GPU launches a grid of four
 # axes (a, b, c, d) as z = a x b, y = c, x = d (``launch_grid``).
 GRID_YZ_MAX = 65535
+# Token dtypes the kernels quantize themselves (``quantize_tile``, ``quantize_activations_mgpu``).
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,7 +387,7 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
         raise ValueError(f"x, w8: the FP8 GEMM takes M a multiple of {TOKEN_MULTIPLE} up to {MAX_TOKENS} (of "
                          f"{LARGE_TILE} above; any M it quantizes itself), N of {TILE_N} and K of "
                          f"{BLOCK * kb_per_step}, got M={m_given}, N={n}, K={k} (weights K={w8s[0].shape[2]})")
-    if quantize and x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+    if quantize and x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x: without x_scales the kernel quantizes bf16, f16 or f32 tokens, got {x.dtype}")
     if not quantize and x.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"x: with x_scales the tokens come quantized (float8_e4m3fn), got {x.dtype}")

@@ -41,19 +41,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from snapmla_jax.pallas_kernels.fp8 import FP8_E4M3_MAX_RECIPROCAL, saturate_to_e4m3
-from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, tma_rows
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, FLOAT_DTYPES, MAX_TOKENS, tma_rows
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import GROUP_ROWS, by_row
 from snapmla_jax.pallas_kernels.write_kv import row_layout
 
-ROW_TILE = 16  # rows a CTA up to 64 rows: a decode step's few tokens spread over more SMs
-LARGE_ROW_TILE = 64  # rows a CTA above 64 rows
+# Rows a CTA up to MAX_TOKENS rows (the GEMM's one token tile): a decode step's few tokens spread
+# over more SMs.
+ROW_TILE = 16
+LARGE_ROW_TILE = 64  # rows a CTA above
 MAX_COLUMNS = 256  # channels a CTA: a tiled TMA copies at most 256 elements a dimension
-FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 def row_tile(rows: int) -> int:
     """Rows a CTA for ``rows`` rows (or scale columns) in all."""
-    return ROW_TILE if rows <= 64 else LARGE_ROW_TILE
+    return ROW_TILE if rows <= MAX_TOKENS else LARGE_ROW_TILE
 
 
 def padded_rows(m: int) -> int:

@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 
 from snapmla_jax.backend import mosaic_kernels_run, resolve_backend, sm_count
-from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import (BLOCK, MAX_TOKENS, fp8_gemm_mgpu, fp8_grouped_gemm_mgpu, pad_tokens,
-                                                      scale_columns)
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import (BLOCK, FLOAT_DTYPES, MAX_TOKENS, fp8_gemm_mgpu, fp8_grouped_gemm_mgpu,
+                                                      pad_tokens, scale_columns)
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import kernel_takes as gemm_takes
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import TilesConfig, fp8_gemm_tiles_mgpu, fp8_grouped_gemm_tiles_mgpu
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import kernel_takes as tiles_takes
-from snapmla_jax.pallas_kernels.quantize_activations_mgpu import FLOAT_DTYPES, quantize_activations_mgpu
+from snapmla_jax.pallas_kernels.quantize_activations_mgpu import quantize_activations_mgpu
 from snapmla_jax.quantization import FP8_E4M3_MAX, FP8_E4M3_MAX_RECIPROCAL
 
 DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size
@@ -234,7 +234,7 @@ def _kernel_tokens(x: jax.Array, rows: int, backend: str) -> tuple[jax.Array, ja
     KERNEL_QUANTIZES_MAX_ROWS rows of a bf16, f16 or f32 x (the kernel quantizes it, its tiles'
     rows past M read as zeros: no pad), else x padded to ``rows`` and quantized (``_quantized_rows``;
     the scales as wide as the kernel's slots, ``fp8_gemm_mgpu.scale_columns``)."""
-    if x.shape[-2] <= KERNEL_QUANTIZES_MAX_ROWS and x.dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+    if x.shape[-2] <= KERNEL_QUANTIZES_MAX_ROWS and x.dtype in FLOAT_DTYPES:
         return x, None
     return _quantized_rows(x, rows, backend, scale_columns(rows, x.shape[-1]))
 
