@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from typing import Callable
@@ -284,7 +285,8 @@ def _check_and_plan(hf_dir: str, cfg: MLAConfig, expected: dict[tuple, tuple], n
 
 def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progress: bool = True,
                        sharding: ParamSharding = None, fp8_weights: bool = False,
-                       quantize_fp8_weights: bool = False, fp8_absorbed: bool = False) -> MLAModel:
+                       quantize_fp8_weights: bool = False, fp8_absorbed: bool = False,
+                       fp8_min_elements: int = 0) -> MLAModel:
     """Read a Hugging Face DeepSeek-V2/V2-Lite/V3 checkpoint directory into an ``MLAModel``.
 
     Args:
@@ -321,6 +323,12 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         its blocks fall within a head's keys or values (``kv_b_blocks_align``),
         else it is dequantized (and with ``quantize_fp8_weights`` quantized
         again, a head at a time). ValueError without ``fp8_weights``.
+      fp8_min_elements: with ``fp8_weights``, weights of fewer elements (a
+        routed-expert stack counted whole) are neither kept FP8 nor quantized
+        but converted to ``dtype`` (``quantize_weights(min_elements=...)``);
+        ``models.layers.DECODE_MIN_FP8_ELEMENTS`` keeps in ``dtype`` the
+        matrices whose FP8 products are slower than bf16 in a decode step, for
+        a little more memory. 0 (default): every eligible weight FP8.
 
     Raises ValueError naming the tensors that are missing, unexpected or
     mis-shaped (checked from the headers before any data is read), an FP8
@@ -332,6 +340,10 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         raise ValueError("quantize_fp8_weights: quantizes the weights fp8_weights keeps FP8; pass fp8_weights=True")
     if fp8_absorbed and not fp8_weights:
         raise ValueError("fp8_absorbed: makes kv_b_proj one of the weights fp8_weights keeps FP8; pass fp8_weights=True")
+    if isinstance(fp8_min_elements, bool) or not isinstance(fp8_min_elements, int) or fp8_min_elements < 0:
+        raise ValueError(f"fp8_min_elements: expected an int >= 0, got {fp8_min_elements!r}")
+    if fp8_min_elements and not fp8_weights:
+        raise ValueError("fp8_min_elements: chooses among the weights fp8_weights keeps FP8; pass fp8_weights=True")
     hf_dir = os.fspath(hf_dir)
     if not os.path.isdir(hf_dir):
         raise ValueError(f"hf_dir: {hf_dir} is not a directory")
@@ -353,7 +365,8 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         eligible = fp8_eligible_weights(abstract)
         for name, planned in plan.items():
             paths = [param_path(p.path) for p in planned]
-            if not all(path in eligible and (fp8_absorbed or not is_absorbed_weight(path)) for path in paths):
+            if not all(path in eligible and (fp8_absorbed or not is_absorbed_weight(path))
+                       and math.prod(expected[p.path]) >= fp8_min_elements for path, p in zip(paths, planned)):
                 continue
             stored_fp8 = (name + SCALE_SUFFIX in index
                           and files[index[name]].dtype(name) == np.dtype(ml_dtypes.float8_e4m3fn))

@@ -94,6 +94,11 @@ def fp8_eligible_weights(model: nnx.Module) -> dict[str, nnx.Variable]:
     return found
 
 
+def weight_elements(weight) -> int:
+    """Elements of a weight: a float array's, or a ``BlockFP8Weight``'s values'."""
+    return math.prod((weight.values if isinstance(weight, BlockFP8Weight) else weight).shape)
+
+
 def is_absorbed_weight(path: str) -> bool:
     """Whether the weight path names an attention's w_uk or w_uv ("layers/0/self_attn/w_uk")."""
     return path.rsplit("/", 1)[-1] in ABSORBED_WEIGHTS
@@ -108,8 +113,21 @@ def fp8_layout(path: str, weight):
     return weight.swapaxes(-1, -2) if axes is None else weight.transpose(axes)
 
 
+# The fewest elements of a weight (a matrix, or a stack the model multiplies in one launch) from
+# which its block-FP8 product beats bf16 in a decode step on an H100: below, the product is the
+# cost of its launches (~7-10 us at 576 x 2048 to 3072 x 2048 in either format), and FP8 adds the
+# activations' quantization and the partial sums' launches to the bytes it saves. Measured
+# (scripts/bench_fp8_gemm.py, 4-64 tokens, FP8 / bf16): 0.65-1.43x at 1.2-6.3M elements (V2-Lite's
+# attention projections), 0.73-0.96x at V3's q_a (11M), 0.88-1.13x at 7168 x 2048 (14.7M),
+# 1.05-1.17x at 10944 x 2048 (22M), 1.29-1.48x at 24576 x 1536 (38M), 1.61-1.72x at 7168 x 16384.
+# End to end (V2-Lite shapes, FP8 cache, 4k, B = 1-64) the step with the weights below it in bf16
+# (attention projections, shared experts) took 0.15-0.54 ms less than with them in FP8.
+# docs/models.md has the tables.
+DECODE_MIN_FP8_ELEMENTS = 1 << 24
+
+
 def quantize_weights(model: nnx.Module, block: tuple[int, int] = DEFAULT_BLOCK, *,
-                     paths=None, absorbed: bool = False) -> nnx.Module:
+                     paths=None, absorbed: bool = False, min_elements: int = 0) -> nnx.Module:
     """Convert ``model``'s FP8-eligible weights to ``BlockFP8Weight`` in place; returns ``model``.
 
     Converted (``fp8_eligible_weights``): the attention projections (q / q_a / q_b,
@@ -122,12 +140,18 @@ def quantize_weights(model: nnx.Module, block: tuple[int, int] = DEFAULT_BLOCK, 
     run 0.41-0.64x XLA's bf16 einsums at V2-Lite's 16 heads and 0.59x at V3's 128 heads and one
     token (1.11-1.17x at 16-64 tokens; H100, scripts/bench_fp8_absorbed.py), for 1-3% of a step's
     weight bytes. ``paths``: a subset of the weight paths to convert (None: all those above);
-    ValueError naming a path that is not an eligible weight. Weights already FP8 are left as they
-    are.
+    ValueError naming a path that is not an eligible weight. ``min_elements``: with ``paths``
+    None, weights of fewer elements (a routed-expert or absorbed stack counted whole: one launch
+    multiplies it) stay in the model's dtype; ``DECODE_MIN_FP8_ELEMENTS`` keeps those whose FP8
+    products are slower than bf16 in a decode step (0: every eligible weight, the bytes' minimum).
+    Weights already FP8 are left as they are.
     """
+    if isinstance(min_elements, bool) or not isinstance(min_elements, int) or min_elements < 0:
+        raise ValueError(f"min_elements: expected an int >= 0, got {min_elements!r}")
     eligible = fp8_eligible_weights(model)
     if paths is None:
-        paths = [path for path in eligible if absorbed or not is_absorbed_weight(path)]
+        paths = [path for path, weight in eligible.items() if (absorbed or not is_absorbed_weight(path))
+                 and weight_elements(weight.get_value()) >= min_elements]
     chosen = set(paths)
     unknown = sorted(set(chosen) - set(eligible))
     if unknown:

@@ -20,6 +20,7 @@ run; TFLOP/s counts 2 x tokens x out x in. Writes bench_fp8_gemm.json and .md un
 from __future__ import annotations
 
 import argparse
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -67,9 +68,9 @@ def tensor_scaled_fp8(x: jax.Array, w8_scale: tuple) -> jax.Array:
     return (y * (x_scale * w_scale)).astype(x.dtype)
 
 
-def copies_for(out_dim: int, in_dim: int, tokens: int) -> int:
+def copies_for(out_dim: int, in_dim: int, tokens: int, chain_bytes: int = CHAIN_BYTES) -> int:
     """Weight copies a chain runs over: enough that they come from HBM, or 1 from COMPUTE_TOKENS."""
-    return 1 if tokens >= COMPUTE_TOKENS else max(2, -(-CHAIN_BYTES // (out_dim * in_dim)))
+    return 1 if tokens >= COMPUTE_TOKENS else max(2, -(-chain_bytes // (out_dim * in_dim)))
 
 
 def programs(out_dim: int, in_dim: int, tokens: int, copies: int) -> dict:
@@ -97,7 +98,7 @@ def w8_tensor(w: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def table(env: dict, rows: list[dict]) -> str:
     lines = [f"# Block-FP8 weight product vs bf16 GEMM\n\n{env['device']}, jax {env['jax']}, {env['date']}; copy "
-             f"{env['copy_gbps']:.0f} GB/s. Command: `python scripts/bench_fp8_gemm.py`.\n",
+             f"{env['copy_gbps']:.0f} GB/s. Command: `{env.get('command', 'python scripts/bench_fp8_gemm.py')}`.\n",
              "| out x in | tokens | bf16 us | fp8 us | fp8_qk us | fp8_xla us | fp8_tensor us | fp8 / bf16 | "
              "fp8_qk / bf16 | fp8 GB/s | fp8 % copy | fp8 TFLOP/s | fp8 % fp8_tensor | fp8_xla / bf16 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -112,6 +113,13 @@ def table(env: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def command_text(argv: list[str]) -> str:
+    """The command line a table names: ``argv`` without its --out DIR."""
+    words = [w for i, w in enumerate(argv) if w != "--out" and (i == 0 or argv[i - 1] != "--out")
+             and not w.startswith("--out=")]
+    return " ".join(["python scripts/bench_fp8_gemm.py", *words])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for bench_fp8_gemm.json / .md")
@@ -119,16 +127,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="OUTxIN weight shapes")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--chain-mib", type=int, default=CHAIN_BYTES >> 20,
+                        help="e4m3 weight bytes a chain reads (MiB; fewer compile faster on small matrices, "
+                             "but under ~3x the L2 the copies are read from L2)")
     args = parser.parse_args(argv)
     if any(t < 1 for t in args.tokens):
         parser.error("--tokens: expected ints >= 1")
+    if args.chain_mib < 1:
+        parser.error("--chain-mib: expected an int >= 1")
     if timing.missing_gpu("FP8 GEMM benchmark"):
         return 2
-    env = dict(timing.environment(), copy_gbps=timing.measure_copy_gbps())
+    env = dict(timing.environment(), copy_gbps=timing.measure_copy_gbps(), command=command_text(
+        sys.argv[1:] if argv is None else argv))
     rows = []
     for out_dim, in_dim in args.shapes:
         for tokens in args.tokens:
-            copies = copies_for(out_dim, in_dim, tokens)
+            copies = copies_for(out_dim, in_dim, tokens, args.chain_mib << 20)
             times = timing.time_round_robin(programs(out_dim, in_dim, tokens, copies), iters=args.iters,
                                             min_sample_ms=5)
             for value in times.values():

@@ -105,6 +105,14 @@ def flag_error(err: Exception, flags: Mapping[str, str], default: str | None = N
     return UsageError(f"{default}: {message}" if default else message)
 
 
+def check_fp8_min_elements(args) -> None:
+    """``--fp8-min-elements``: an int >= 0, and only beside ``--fp8-weights``."""
+    if args.fp8_min_elements < 0:
+        raise UsageError(f"--fp8-min-elements: expected an int >= 0, got {args.fp8_min_elements}")
+    if args.fp8_min_elements and not args.fp8_weights:
+        raise UsageError("--fp8-min-elements: chooses among the weights --fp8-weights makes FP8; add --fp8-weights")
+
+
 def backend(value: str, flag: str = "--backend") -> str:
     """``snapmla_jax.backend.resolve_backend(value)``, its errors naming ``flag`` (e.g. "pallas"
     on a machine without a CUDA GPU, or "interpret" where the decode kernels' interpreter lacks

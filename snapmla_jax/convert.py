@@ -60,6 +60,10 @@ def _parser() -> cli.Parser:
                              "experts in block FP8: kept as stored where the checkpoint has them in FP8, else "
                              "quantized per block (128 x 128 unless the checkpoint names one) as they are read; "
                              "the rest in --dtype")
+    parser.add_argument("--fp8-min-elements", type=int, default=0, metavar="N",
+                        help="with --fp8-weights: weights of fewer than N elements (a routed-expert stack counted "
+                             "whole) in --dtype instead (16777216: those whose FP8 products are slower than bf16 in "
+                             "a decode step on an H100; default 0: all)")
     return parser
 
 
@@ -100,10 +104,12 @@ def _convert(argv: list[str]) -> int:
 
     args = _parser().parse_args(argv)
     check_paths(args.hf_dir, args.out, args.overwrite)
+    cli.check_fp8_min_elements(args)
     try:
         model = load_hf_checkpoint(args.hf_dir, dtype=DTYPES[args.dtype], progress=not args.quiet,
                                    sharding=expert_sharding() if args.shard_experts else None,
-                                   fp8_weights=args.fp8_weights, quantize_fp8_weights=args.fp8_weights)
+                                   fp8_weights=args.fp8_weights, quantize_fp8_weights=args.fp8_weights,
+                                   fp8_min_elements=args.fp8_min_elements)
     except PlacementError as err:  # the placement --shard-experts asked for, not the checkpoint
         raise cli.UsageError(f"--shard-experts: {jax.device_count()} devices: {err}") from err
     except ValueError as err:  # what the checkpoint holds: its config, tensors, shards

@@ -546,7 +546,7 @@ PROG = "snapmla_jax.generate"
 FLAGS = {"max_new_tokens": "--max-new-tokens", "kv_cache": "--kv-cache", "temperature": "--temperature",
          "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "eos_id": "--eos-id", "chunk_size": "--chunk-size",
          "backend": "--backend", "ckpt_dir": "--model", "hf_dir": "--model", "mesh": "--devices",
-         "query_terms": "--query-terms", "qk_promotion": "--qk-promotion"}
+         "query_terms": "--query-terms", "qk_promotion": "--qk-promotion", "fp8_min_elements": "--fp8-min-elements"}
 
 
 def _parser() -> cli.Parser:
@@ -580,6 +580,10 @@ def _parser() -> cli.Parser:
                         help="linear kernels and routed experts in block FP8 (about half their bf16 bytes): those "
                              "the checkpoint holds in FP8 kept as stored, the others quantized per 128 x 128 block "
                              "as the model loads")
+    parser.add_argument("--fp8-min-elements", type=int, default=0, metavar="N",
+                        help="with --fp8-weights: weights of fewer than N elements in --dtype instead (16777216: "
+                             "those whose FP8 products are slower than bf16 in a decode step on an H100; default 0: "
+                             "all)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="kernel backend for write_kv/mla_decode (default auto)")
     placement = parser.add_mutually_exclusive_group()
@@ -649,12 +653,13 @@ def _load_tokenizer(args, model_dir: pathlib.Path):
 
 
 def _load_model(model_dir: pathlib.Path, dtype_name: str | None, shard_experts: bool = False,
-                mesh: jax.sharding.Mesh | None = None, fp8_weights: bool = False):
+                mesh: jax.sharding.Mesh | None = None, fp8_weights: bool = False, fp8_min_elements: int = 0):
     """An orbax checkpoint (``<dir>/state`` beside config.json) or a Hugging Face
     directory (config.json + safetensors); ``shard_experts``: the expert weights split
     over all devices, the rest replicated (``expert_sharding``); ``mesh``: the same over
     its devices, loaded straight there (``--devices``); ``fp8_weights``: every weight that
-    can be block FP8 made so (``--fp8-weights``)."""
+    can be block FP8 made so (``--fp8-weights``), but those of fewer than ``fp8_min_elements``
+    (``--fp8-min-elements``)."""
     from snapmla_jax.models import (expert_sharding, load_checkpoint, load_hf_checkpoint, quantize_weights,
                                     shard_model)
     from snapmla_jax.models.sharding import PlacementError
@@ -666,11 +671,12 @@ def _load_model(model_dir: pathlib.Path, dtype_name: str | None, shard_experts: 
         if (model_dir / "state").is_dir():
             model = load_checkpoint(model_dir, dtype=dtype, sharding=sharding)
             if fp8_weights:  # a converted checkpoint's FP8 weights stay as saved; the rest are quantized here
-                model = quantize_weights(model, model.cfg.weight_block_size)
+                model = quantize_weights(model, model.cfg.weight_block_size, min_elements=fp8_min_elements)
                 model = shard_model(model, sharding) if sharding is not None else model
             return model
         return load_hf_checkpoint(model_dir, dtype=dtype or jnp.bfloat16, progress=False, sharding=sharding,
-                                  fp8_weights=fp8_weights, quantize_fp8_weights=fp8_weights)
+                                  fp8_weights=fp8_weights, quantize_fp8_weights=fp8_weights,
+                                  fp8_min_elements=fp8_min_elements)
     except PlacementError as err:  # the placement --shard-experts / --devices asked for, not the checkpoint
         flag = f"--devices: {mesh.size} devices" if mesh is not None else f"--shard-experts: {jax.device_count()} devices"
         raise cli.UsageError(f"{flag}: {err}") from err
@@ -760,6 +766,7 @@ class _TextStream:
 def _generate_cli(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     cli.check_positive(args, "max_new_tokens", "chunk_size")
+    cli.check_fp8_min_elements(args)
     try:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     except ValueError as err:
@@ -773,7 +780,7 @@ def _generate_cli(argv: list[str]) -> int:
     if not 1 <= devices <= jax.device_count():
         raise cli.UsageError(f"--devices: expected 1 to {jax.device_count()} (the devices JAX sees), got {devices}")
     mesh = data_parallel.mesh_of(devices) if devices > 1 else None
-    model = _load_model(model_dir, args.dtype, args.shard_experts, mesh, args.fp8_weights)
+    model = _load_model(model_dir, args.dtype, args.shard_experts, mesh, args.fp8_weights, args.fp8_min_elements)
     _check_prompts(args, prompts, model)
     eos_id = tokenizer.eos_id if args.eos_id is None else (None if args.eos_id == -1 else args.eos_id)
     try:

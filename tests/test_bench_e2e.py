@@ -49,3 +49,28 @@ def test_fp8_ffn_models_keep_the_attention_projections_in_bf16():
     assert fp8 == {path for path in kinds if "/mlp/" in path}
     assert any("self_attn/q" in path for path in kinds) and not any("self_attn" in path for path in fp8)
     assert {"layers/0/mlp/gate_proj/kernel", "layers/1/mlp/w_down"} <= fp8  # a dense MLP and the experts
+
+
+def test_fp8_large_models_keep_the_weights_below_the_threshold_in_bf16():
+    """``fp8_min_elements`` (the fp8-large kind's ``DECODE_MIN_FP8_ELEMENTS``): block-FP8 exactly
+    the eligible weights of at least that many elements, an expert stack counted whole."""
+    from snapmla_jax.fp8_weights import BlockFP8Weight
+    from snapmla_jax.models.layers import fp8_eligible_weights, is_absorbed_weight, weight_elements
+
+    sizes = {path: weight_elements(w.get_value())
+             for path, w in fp8_eligible_weights(e2e.random_model(e2e.TINY, jnp.bfloat16)).items()
+             if not is_absorbed_weight(path)}
+    threshold = sorted(set(sizes.values()))[len(set(sizes.values())) // 2]
+    model = e2e.random_model(e2e.TINY, jnp.bfloat16, fp8_weights=True, fp8_min_elements=threshold)
+    fp8 = {path for path, w in fp8_eligible_weights(model).items() if isinstance(w.get_value(), BlockFP8Weight)}
+    assert fp8 == {path for path, n in sizes.items() if n >= threshold}
+    assert fp8 and fp8 != set(sizes)
+
+
+def test_the_recorded_command_names_the_memory_fraction_it_ran_under(monkeypatch):
+    argv = ["--weights", "bf16", "fp8-large", "--out", "/tmp/x", "--publish"]
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert e2e.command_text(argv) == "python -m snapmla_jax.bench e2e --weights bf16 fp8-large"
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
+    assert e2e.command_text(argv) == ("XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 python -m snapmla_jax.bench e2e "
+                                      "--weights bf16 fp8-large")

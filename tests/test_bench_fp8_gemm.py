@@ -37,10 +37,12 @@ def test_a_chain_runs_over_enough_copies_to_come_from_hbm_below_the_compute_boun
     assert bench.copies_for(18432, 7168, 16) == 4  # 126 MiB a copy: 384 MiB in four
     assert bench.copies_for(2048, 2048, 64) == 96
     assert bench.copies_for(18432, 7168, bench.COMPUTE_TOKENS) == 1
+    assert bench.copies_for(576, 2048, 16, 160 << 20) == 143  # --chain-mib 160: 1.125 MiB a copy
 
 
 @pytest.mark.parametrize("flags, message", [(["--shapes", "12x"], "expected OUTxIN"),
-                                            (["--tokens", "0"], "--tokens: expected ints >= 1")])
+                                            (["--tokens", "0"], "--tokens: expected ints >= 1"),
+                                            (["--chain-mib", "0"], "--chain-mib: expected an int >= 1")])
 def test_bad_flags_are_refused_naming_them(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--out", "/tmp/unused", *flags])
@@ -51,3 +53,9 @@ def test_without_a_gpu_it_exits_2(tmp_path):
     if jax.default_backend() == "gpu":
         pytest.skip("a GPU is present")
     assert bench.main(["--out", str(tmp_path)]) == 2
+
+
+def test_the_table_names_the_command_without_its_output_directory():
+    command = bench.command_text(["--out", "/tmp/x", "--tokens", "4", "16", "--chain-mib", "160"])
+    assert command == "python scripts/bench_fp8_gemm.py --tokens 4 16 --chain-mib 160"
+    assert bench.command_text(["--out=/tmp/x", "--iters", "3"]) == "python scripts/bench_fp8_gemm.py --iters 3"

@@ -5,6 +5,7 @@ the convert CLI)."""
 import dataclasses
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from snapmla_jax.models import (MLAConfig, MLAModel, load_checkpoint, load_hf_ch
 from snapmla_jax.models.hf_loader import SafetensorsFile
 from snapmla_jax.models.attention import per_head_fp8_product
 from snapmla_jax.models import layers as layers_module
-from snapmla_jax.models.layers import fp8_eligible_weights, fp8_layout, is_absorbed_weight
+from snapmla_jax.models.layers import fp8_eligible_weights, fp8_layout, is_absorbed_weight, weight_elements
 from snapmla_jax.models.transformer import param_bytes
 from snapmla_jax.models.moe import default_sorted_min_tokens, set_sorted_min_tokens
 
@@ -135,6 +136,37 @@ def test_quantize_weights_converts_the_projections_and_experts_and_keeps_the_res
     experts, inner, hidden = CFG.n_routed_experts, CFG.moe_intermediate_size, CFG.hidden_size
     assert w_down.values.shape == (experts, hidden, inner)
     assert w_down.scales.shape == (experts, -(-hidden // BLOCK[0]), -(-inner // BLOCK[1]))
+
+
+def test_quantize_weights_min_elements_keeps_the_smaller_weights_in_their_dtype():
+    """``min_elements``: a weight converts when its whole array (an expert stack counted whole)
+    holds at least that many elements; the smaller ones keep the model's dtype and values."""
+    plain = MLAModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    sizes = {path: weight_elements(w.get_value()) for path, w in fp8_eligible_weights(plain).items()
+             if not is_absorbed_weight(path)}
+    stack = "layers/1/mlp/w_gate"
+    matrix = sizes[stack] // CFG.n_routed_experts
+    threshold = sorted(set(sizes.values()))[len(set(sizes.values())) // 2]
+    assert min(sizes.values()) < threshold <= max(sizes.values())
+    before = {path: np.asarray(w.get_value()) for path, w in fp8_eligible_weights(plain).items()}
+    model = quantize_weights(plain, BLOCK, min_elements=threshold)
+    for path, weight in fp8_eligible_weights(model).items():
+        value = weight.get_value()
+        if path in sizes and sizes[path] >= threshold:
+            assert isinstance(value, BlockFP8Weight), path
+        else:
+            assert value.dtype == jnp.bfloat16, path
+            np.testing.assert_array_equal(np.asarray(value), before[path], err_msg=path)
+    # A stack of matrices smaller than the threshold converts when the stack reaches it.
+    fresh = quantize_weights(MLAModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), BLOCK, min_elements=matrix + 1)
+    assert isinstance(fresh.layers[1].mlp.w_gate.get_value(), BlockFP8Weight)
+    # Paths named explicitly convert whatever their size.
+    named = quantize_weights(MLAModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), BLOCK,
+                             paths=["layers/0/self_attn/o_proj/kernel"], min_elements=10 ** 9)
+    assert isinstance(named.layers[0].self_attn.o_proj.kernel.get_value(), BlockFP8Weight)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="min_elements: expected an int >= 0"):
+            quantize_weights(MLAModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), BLOCK, min_elements=bad)
 
 
 def test_absorbed_weights_quantize_per_head_and_dequantize_to_their_stored_layout():
@@ -686,6 +718,48 @@ def test_hf_loader_quantizes_only_with_fp8_weights(hf_fp8_dir):
         load_hf_checkpoint(hf_fp8_dir, jnp.bfloat16, progress=False, quantize_fp8_weights=True)
     with pytest.raises(ValueError, match="fp8_absorbed: .*fp8_weights=True"):
         load_hf_checkpoint(hf_fp8_dir, jnp.bfloat16, progress=False, fp8_absorbed=True)
+
+
+def test_hf_loader_fp8_min_elements_loads_the_smaller_weights_as_the_plain_loader(hf_fp8_dir, hf_models):
+    """``fp8_min_elements``: the stored-FP8 weights of fewer elements come out as the plain
+    loader's (dequantized to the dtype, bit for bit), the others as ``fp8_weights`` keeps them."""
+    plain, kept = (fp8_eligible_weights(hf_models[fp8]) for fp8 in (False, True))
+    sizes = {path: weight_elements(w.get_value()) for path, w in kept.items() if isinstance(w.get_value(), BlockFP8Weight)}
+    threshold = sorted(set(sizes.values()))[len(set(sizes.values())) // 2]
+    loaded = fp8_eligible_weights(load_hf_checkpoint(hf_fp8_dir, jnp.bfloat16, progress=False, fp8_weights=True,
+                                                     fp8_min_elements=threshold))
+    small = {path for path, n in sizes.items() if n < threshold}
+    assert small and small != set(sizes)
+    for path, weight in loaded.items():
+        got = weight.get_value()
+        want = (plain if path in small or path not in sizes else kept)[path].get_value()
+        assert isinstance(got, BlockFP8Weight) == isinstance(want, BlockFP8Weight), path
+        leaves = (got.values, got.scales) if isinstance(got, BlockFP8Weight) else (got,)
+        wants = (want.values, want.scales) if isinstance(want, BlockFP8Weight) else (want,)
+        for a, b in zip(leaves, wants):
+            assert a.dtype == b.dtype, path
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8), err_msg=path)
+    for bad, message in ((-1, "expected an int >= 0"), (2, "pass fp8_weights=True")):
+        with pytest.raises(ValueError, match=f"fp8_min_elements: .*{re.escape(message)}"):
+            load_hf_checkpoint(hf_fp8_dir, jnp.bfloat16, progress=False, fp8_weights=bad < 0, fp8_min_elements=bad)
+
+
+def test_convert_cli_fp8_min_elements_keeps_the_smaller_weights_in_dtype(tmp_path, capsys):
+    write_tiny_hf_checkpoint(tmp_path / "hf", seed=7, hf_config=HF_MOE_CONFIG)
+    want = load_hf_checkpoint(tmp_path / "hf", jnp.bfloat16, progress=False, fp8_weights=True,
+                              quantize_fp8_weights=True, fp8_min_elements=1024)
+    converted = sorted(path for path, w in fp8_eligible_weights(want).items() if isinstance(w.get_value(), BlockFP8Weight))
+    assert 0 < len(converted) < len([path for path in fp8_eligible_weights(want) if not is_absorbed_weight(path)])
+    assert convert_main(["--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "ours"), "--quiet",
+                         "--fp8-weights", "--fp8-min-elements", "1024"]) == 0
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["fp8_weights"]["kernels"] == converted
+    assert _bits(load_checkpoint(tmp_path / "ours")) == _bits(want)
+    capsys.readouterr()
+    for flags, needle in ((["--fp8-min-elements", "1024"], "add --fp8-weights"),
+                          (["--fp8-weights", "--fp8-min-elements", "-3"], "expected an int >= 0")):
+        assert convert_main(["--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "bad"), *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "--fp8-min-elements: " in err and needle in err, err
 
 
 def test_convert_cli_fp8_weights_quantizes_a_bf16_release(tmp_path):

@@ -165,6 +165,22 @@ def test_fp8_weights_flag_quantizes_a_converted_checkpoint(checkpoint, capsys):
     assert plain["fp8_weights"] == [] and plain["weight_bytes"] > record["weight_bytes"]
 
 
+def test_fp8_min_elements_flag_keeps_the_smaller_weights_in_bf16(checkpoint, capsys):
+    from snapmla_jax.fp8_weights import BlockFP8Weight
+    from snapmla_jax.models import quantize_weights
+    from snapmla_jax.models.layers import fp8_eligible_weights, weight_elements
+
+    sizes = sorted({weight_elements(w.get_value()) for w in fp8_eligible_weights(load_checkpoint(checkpoint)).values()})
+    threshold = sizes[len(sizes) // 2]
+    code, out, err = _run(capsys, "--model", checkpoint, "--prompt", "a cache", "--max-new-tokens", 5, "--backend",
+                          "xla", "--eos-id", -1, "--json", "--fp8-weights", "--fp8-min-elements", threshold)
+    assert code == 0, err
+    model = quantize_weights(load_checkpoint(checkpoint), (128, 128), min_elements=threshold)
+    kept = sorted(path for path, w in fp8_eligible_weights(model).items() if isinstance(w.get_value(), BlockFP8Weight))
+    assert 0 < len(kept) < len(fp8_eligible_weights(model)) - 2 * model.cfg.num_hidden_layers
+    assert json.loads(out)["fp8_weights"] == kept
+
+
 def test_fp8_weights_flag_quantizes_a_hugging_face_checkpoint_as_it_loads(checkpoint, tmp_path, capsys):
     from hf_tiny import HF_MOE_CONFIG, write_tiny_hf_checkpoint
     from snapmla_jax.models import load_hf_checkpoint
@@ -217,6 +233,8 @@ def test_module_runs_as_a_program(checkpoint):
     (["--prompt", "x", "--query-terms", "3"], "--query-terms: expected one of 1, 2, got 3"),
     (["--prompt", "x", "--qk-promotion", "64"], "--qk-promotion: expected one of 128, 256, 512, got 64"),
     (["--prompt", "x", "--chunk-size", "0"], "--chunk-size: expected an int >= 1"),
+    (["--prompt", "x", "--fp8-min-elements", "1024"], "--fp8-min-elements: chooses among the weights --fp8-weights"),
+    (["--prompt", "x", "--fp8-weights", "--fp8-min-elements", "-1"], "--fp8-min-elements: expected an int >= 0"),
     (["--prompt", "x", "--dtype", "int8"], "--dtype: expected one of"),
     (["--prompt", "x", "--backend", "pallas"], "--backend: \"pallas\" compiles for a CUDA GPU"),
     (["--prompt", "x", "--batch-file", "b.txt"], "--batch-file: not allowed with argument --prompt"),

@@ -28,7 +28,8 @@ still leaves its table (``--out``; default: outside the source tree, printed; ``
 the repository's docs/benchmarks/). ``--tiny`` runs a 2-layer model on any backend (CPU test).
 ``--fp8-weights`` makes the linear kernels and routed experts block-FP8 (``fp8_matmul``'s
 products; ``--fp8-absorbed`` the attention's w_uk / w_uv too); ``--weights bf16 fp8`` (or
-fp8-absorbed, fp8-ffn: the feed-forward blocks' weights only) builds a
+fp8-absorbed; fp8-ffn: the feed-forward blocks' weights only; fp8-large: the weights of
+``DECODE_MIN_FP8_ELEMENTS`` elements and more) builds a
 model of each kind and times them side by side in one run, plan by plan (one table, the step's
 time under each and their ratio; ``--kv-caches fp8`` keeps one cache format);
 ``--kernel-quantization ROWS`` has the FP8 GEMM of few tokens quantize x itself up to ROWS rows.
@@ -60,7 +61,7 @@ import snapmla_jax.models.moe
 
 from snapmla_jax import models
 from snapmla_jax.models import MLAConfig, MLAModel
-from snapmla_jax.models.layers import fp8_eligible_weights
+from snapmla_jax.models.layers import DECODE_MIN_FP8_ELEMENTS, fp8_eligible_weights
 from snapmla_jax.models.sharding import key_name
 from snapmla_jax import cli, data_parallel, fp8_weights
 from snapmla_jax.backend import BACKENDS, resolve_backend
@@ -83,10 +84,12 @@ CACHE_FORMATS = ("fp8", "bf16")
 # --weights: the model's linear weights. "fp8": block-FP8 as ``models.quantize_weights`` converts
 # them; "fp8-absorbed": the attention's w_uk / w_uv too; "fp8-ffn": the feed-forward blocks' only
 # (dense MLPs, shared and routed experts), the attention projections bf16: at a decode step's few
-# tokens a small projection's FP8 GEMM and the launches around it may cost more than its bytes save.
-WEIGHT_KINDS = ("bf16", "fp8", "fp8-absorbed", "fp8-ffn")
+# tokens a small projection's FP8 GEMM and the launches around it may cost more than its bytes save;
+# "fp8-large": the weights of at least ``models.layers.DECODE_MIN_FP8_ELEMENTS`` elements only.
+WEIGHT_KINDS = ("bf16", "fp8", "fp8-absorbed", "fp8-ffn", "fp8-large")
 WEIGHT_TEXT = {"bf16": "bf16", "fp8": "block-FP8", "fp8-absorbed": "block-FP8 (w_uk / w_uv too)",
-               "fp8-ffn": "block-FP8 feed-forward (attention projections bf16)"}
+               "fp8-ffn": "block-FP8 feed-forward (attention projections bf16)",
+               "fp8-large": "block-FP8 from 2^24 elements a weight (smaller ones bf16)"}
 WEIGHT_STD = 0.02  # of the random weight matrices (GPT-2's init scale; values only need to stay finite)
 FP8_VALUE_STD = 64.0  # of a random block-FP8 weight's e4m3 values (well inside +-448)
 
@@ -192,7 +195,8 @@ def _leaf_role(path, shape) -> str:
 
 
 def random_model(cfg: MLAConfig, dtype, seed: int = 0, mesh: jax.sharding.Mesh | None = None, *,
-                 fp8_weights: bool = False, fp8_absorbed: bool = False, fp8_ffn_only: bool = False) -> MLAModel:
+                 fp8_weights: bool = False, fp8_absorbed: bool = False, fp8_ffn_only: bool = False,
+                 fp8_min_elements: int = 0) -> MLAModel:
     """An MLAModel with random weights drawn on the device directly in ``dtype``:
     N(0, WEIGHT_STD) matrices, unit norm scales. One small compiled generator per
     distinct shape and placement, instead of running the model's initializers op by op.
@@ -203,13 +207,15 @@ def random_model(cfg: MLAConfig, dtype, seed: int = 0, mesh: jax.sharding.Mesh |
     a model whose bf16 weights would not fit the devices can be made. ``fp8_absorbed``: with
     ``fp8_weights``, the attention's w_uk / w_uv too (``quantize_weights(absorbed=True)``).
     ``fp8_ffn_only``: with ``fp8_weights``, only the feed-forward blocks' weights (paths under
-    "mlp/"), the attention's in ``dtype``."""
+    "mlp/"), the attention's in ``dtype``. ``fp8_min_elements``: with ``fp8_weights``, weights of
+    fewer elements stay in ``dtype`` (``quantize_weights(min_elements=...)``)."""
     def build():
         model = MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype)
         if not fp8_weights:
             return model
         paths = [p for p in fp8_eligible_weights(model) if "/mlp/" in p] if fp8_ffn_only else None
-        return models.quantize_weights(model, cfg.weight_block_size, paths=paths, absorbed=fp8_absorbed)
+        return models.quantize_weights(model, cfg.weight_block_size, paths=paths, absorbed=fp8_absorbed,
+                                       min_elements=fp8_min_elements)
 
     graphdef, state = nnx.split(nnx.eval_shape(build))
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -588,7 +594,8 @@ def compared_markdown(env: dict, rows: list[dict], batches, contexts) -> str:
 
 
 def command_text(argv: list[str]) -> str:
-    """The command line a table names: ``argv`` without where its results went (--out, --publish)."""
+    """The command line a table names: ``argv`` without where its results went (--out, --publish),
+    after XLA_PYTHON_CLIENT_MEM_FRACTION where it is set (it decides which plans fit)."""
     words, skip = [], False
     for word in argv:
         if skip or word == "--publish":
@@ -599,7 +606,9 @@ def command_text(argv: list[str]) -> str:
             continue
         if not word.startswith("--out="):
             words.append(word)
-    return " ".join(["python -m snapmla_jax.bench e2e", *words])
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    setting = [f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}"] if fraction else []
+    return " ".join([*setting, "python -m snapmla_jax.bench e2e", *words])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -624,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", nargs="+", choices=WEIGHT_KINDS, default=None,
                         help="build a model of each kind and time them side by side, plan by plan: bf16, fp8 (as "
                              "--fp8-weights), fp8-absorbed (as --fp8-absorbed), fp8-ffn (FP8 feed-forward blocks, "
-                             "bf16 attention projections); the first is the ratios' baseline "
+                             "bf16 attention projections), fp8-large (FP8 from 2^24 elements a weight); the first is the ratios' baseline "
                              "(default: bf16, or what --fp8-weights / --fp8-absorbed say)")
     parser.add_argument("--kv-caches", nargs="+", choices=CACHE_FORMATS, default=list(CACHE_FORMATS),
                         help="the latent cache formats to run (default: fp8 bf16)")
@@ -709,7 +718,8 @@ def run(args: argparse.Namespace) -> int:
     runners = []
     for weights in args.weights:  # every model built before the plans read what memory is left
         model = random_model(cfg, jnp.bfloat16, fp8_weights=weights != "bf16", fp8_absorbed=weights == "fp8-absorbed",
-                             fp8_ffn_only=weights == "fp8-ffn")
+                             fp8_ffn_only=weights == "fp8-ffn",
+                             fp8_min_elements=DECODE_MIN_FP8_ELEMENTS if weights == "fp8-large" else 0)
         if args.dense_moe is not None or args.ragged_moe:
             models.moe.set_dense_token_range(model, None if args.ragged_moe else tuple(args.dense_moe))
         if args.gather_moe is not None or args.ragged_moe:
