@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from snapmla_jax.bench import e2e
@@ -74,3 +75,24 @@ def test_the_recorded_command_names_the_memory_fraction_it_ran_under(monkeypatch
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
     assert e2e.command_text(argv) == ("XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 python -m snapmla_jax.bench e2e "
                                       "--weights bf16 fp8-large")
+
+
+def test_models_that_cannot_fit_together_are_refused_naming_weights(monkeypatch):
+    """Side-by-side models larger than the memory XLA may use are refused before any is built,
+    with their sizes; a limit that holds them (or none known) passes."""
+    from snapmla_jax import cli
+
+    kinds = ["bf16", "fp8", "fp8-large"]
+    total = sum(sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(nnx.state(
+        e2e.abstract_model(e2e.TINY, jnp.bfloat16, **e2e.weight_kind_options(kind))))) for kind in kinds)
+    bf16_only = sum(leaf.size * jnp.dtype(leaf.dtype).itemsize
+                    for leaf in jax.tree.leaves(nnx.state(e2e.abstract_model(e2e.TINY, jnp.bfloat16))))
+    assert bf16_only < total < 3 * bf16_only  # the FP8 kinds are smaller, and counted
+    e2e.check_models_fit(e2e.TINY, kinds, None)
+    e2e.check_models_fit(e2e.TINY, kinds, total + e2e.HEADROOM_BYTES)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    with pytest.raises(cli.UsageError) as info:
+        e2e.check_models_fit(e2e.TINY, kinds, total + e2e.HEADROOM_BYTES - 1)
+    message = str(info.value)
+    assert message.startswith("--weights: the models take ") and "XLA_PYTHON_CLIENT_MEM_FRACTION=0.5" in message
+    assert "\n" not in message and "fp8-large " in message

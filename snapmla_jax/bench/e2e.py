@@ -31,7 +31,8 @@ products; ``--fp8-absorbed`` the attention's w_uk / w_uv too); ``--weights bf16 
 fp8-absorbed; fp8-ffn: the feed-forward blocks' weights only; fp8-large: the weights of
 ``DECODE_MIN_FP8_ELEMENTS`` elements and more) builds a
 model of each kind and times them side by side in one run, plan by plan (one table, the step's
-time under each and their ratio; ``--kv-caches fp8`` keeps one cache format);
+time under each and their ratio; ``--kv-caches fp8`` keeps one cache format; kinds whose models
+do not fit the device's memory together are refused before any is built);
 ``--kernel-quantization ROWS`` has the FP8 GEMM of few tokens quantize x itself up to ROWS rows.
 ``--profile`` adds each row's GPU time per launch and decode step (``timing.kernel_times_us``)
 to the JSON; XLA runs the decode loop's body as a CUDA graph, which the profiler does not see
@@ -194,6 +195,45 @@ def _leaf_role(path, shape) -> str:
     return "scales" if name == "scales" else "norm" if len(shape) == 1 else "weight"
 
 
+def abstract_model(cfg: MLAConfig, dtype, *, fp8_weights: bool = False, fp8_absorbed: bool = False,
+                   fp8_ffn_only: bool = False, fp8_min_elements: int = 0) -> MLAModel:
+    """The shapes and dtypes of ``random_model``'s model (``nnx.eval_shape``: nothing allocated)."""
+    def build():
+        model = MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype)
+        if not fp8_weights:
+            return model
+        paths = [p for p in fp8_eligible_weights(model) if "/mlp/" in p] if fp8_ffn_only else None
+        return models.quantize_weights(model, cfg.weight_block_size, paths=paths, absorbed=fp8_absorbed,
+                                       min_elements=fp8_min_elements)
+    return nnx.eval_shape(build)
+
+
+def weight_kind_options(weights: str) -> dict:
+    """``random_model`` / ``abstract_model``'s FP8 arguments for a WEIGHT_KINDS name."""
+    return dict(fp8_weights=weights != "bf16", fp8_absorbed=weights == "fp8-absorbed",
+                fp8_ffn_only=weights == "fp8-ffn",
+                fp8_min_elements=DECODE_MIN_FP8_ELEMENTS if weights == "fp8-large" else 0)
+
+
+def check_models_fit(cfg: MLAConfig, kinds, limit_bytes: int | None) -> None:
+    """cli.UsageError naming --weights where the models of ``kinds`` (built side by side) with
+    HEADROOM_BYTES beside them exceed ``limit_bytes`` (the device memory XLA may use; None:
+    unknown, no check): building them would only end in allocator errors and a table of "no room"."""
+    if limit_bytes is None:
+        return
+    sizes = {kind: sum(leaf.size * jnp.dtype(leaf.dtype).itemsize
+                       for leaf in jax.tree.leaves(nnx.state(abstract_model(cfg, jnp.bfloat16,
+                                                                            **weight_kind_options(kind)))))
+             for kind in kinds}
+    if sum(sizes.values()) + HEADROOM_BYTES > limit_bytes:
+        fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+        setting = f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}" if fraction else "XLA's default 75% of the GPU"
+        each = ", ".join(f"{kind} {size / GIB:.1f}" for kind, size in sizes.items())
+        raise cli.UsageError(f"--weights: the models take {sum(sizes.values()) / GIB:.1f} GiB ({each}) and "
+                             f"{HEADROOM_BYTES / GIB:.0f} GiB beside them, where {setting} leaves "
+                             f"{limit_bytes / GIB:.1f} GiB; name fewer kinds or raise XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
 def random_model(cfg: MLAConfig, dtype, seed: int = 0, mesh: jax.sharding.Mesh | None = None, *,
                  fp8_weights: bool = False, fp8_absorbed: bool = False, fp8_ffn_only: bool = False,
                  fp8_min_elements: int = 0) -> MLAModel:
@@ -209,15 +249,8 @@ def random_model(cfg: MLAConfig, dtype, seed: int = 0, mesh: jax.sharding.Mesh |
     ``fp8_ffn_only``: with ``fp8_weights``, only the feed-forward blocks' weights (paths under
     "mlp/"), the attention's in ``dtype``. ``fp8_min_elements``: with ``fp8_weights``, weights of
     fewer elements stay in ``dtype`` (``quantize_weights(min_elements=...)``)."""
-    def build():
-        model = MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype)
-        if not fp8_weights:
-            return model
-        paths = [p for p in fp8_eligible_weights(model) if "/mlp/" in p] if fp8_ffn_only else None
-        return models.quantize_weights(model, cfg.weight_block_size, paths=paths, absorbed=fp8_absorbed,
-                                       min_elements=fp8_min_elements)
-
-    graphdef, state = nnx.split(nnx.eval_shape(build))
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, fp8_weights=fp8_weights, fp8_absorbed=fp8_absorbed,
+                                               fp8_ffn_only=fp8_ffn_only, fp8_min_elements=fp8_min_elements))
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     key = jax.random.key(seed)
     makers: dict = {}
@@ -712,14 +745,13 @@ def run(args: argparse.Namespace) -> int:
     # preallocation: 75%); recorded so that a table's "no room" cells can be read.
     env["xla_mem_fraction"] = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     compared = len(args.weights) > 1
+    check_models_fit(cfg, args.weights, free_device_bytes())
     env["command"] = args.command
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.threads)
     compile_seconds: dict[str, float] = {}
     runners = []
     for weights in args.weights:  # every model built before the plans read what memory is left
-        model = random_model(cfg, jnp.bfloat16, fp8_weights=weights != "bf16", fp8_absorbed=weights == "fp8-absorbed",
-                             fp8_ffn_only=weights == "fp8-ffn",
-                             fp8_min_elements=DECODE_MIN_FP8_ELEMENTS if weights == "fp8-large" else 0)
+        model = random_model(cfg, jnp.bfloat16, **weight_kind_options(weights))
         if args.dense_moe is not None or args.ragged_moe:
             models.moe.set_dense_token_range(model, None if args.ragged_moe else tuple(args.dense_moe))
         if args.gather_moe is not None or args.ragged_moe:
