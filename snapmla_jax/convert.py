@@ -63,7 +63,7 @@ def _parser() -> cli.Parser:
     parser.add_argument("--fp8-min-elements", type=int, default=0, metavar="N",
                         help="with --fp8-weights: weights of fewer than N elements (a routed-expert stack counted "
                              "whole) in --dtype instead (16777216: those whose FP8 products are slower than bf16 in "
-                             "a decode step on an H100; default 0: all)")
+                             "a decode step on an H100; default 0: none)")
     return parser
 
 
