@@ -47,7 +47,8 @@ from tqdm.auto import tqdm
 
 from snapmla_jax.fp8_weights import BlockFP8Weight, quantize_blocks
 from snapmla_jax.models.config import MLAConfig, read_hf_config
-from snapmla_jax.models.layers import fp8_eligible_weights, fp8_layout, is_absorbed_weight, quantize_weights
+from snapmla_jax.models.layers import (check_min_elements, fp8_eligible_weights, fp8_layout, is_absorbed_weight,
+                                       quantize_weights)
 from snapmla_jax.models.sharding import (ParamSharding, fill_arrays, flat_arrays, merge_placed, param_path,
                                          resolve_sharding)
 from snapmla_jax.models.transformer import MLAModel
@@ -340,8 +341,7 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, dtype=jnp.bfloat16, *, progres
         raise ValueError("quantize_fp8_weights: quantizes the weights fp8_weights keeps FP8; pass fp8_weights=True")
     if fp8_absorbed and not fp8_weights:
         raise ValueError("fp8_absorbed: makes kv_b_proj one of the weights fp8_weights keeps FP8; pass fp8_weights=True")
-    if isinstance(fp8_min_elements, bool) or not isinstance(fp8_min_elements, int) or fp8_min_elements < 0:
-        raise ValueError(f"fp8_min_elements: expected an int >= 0, got {fp8_min_elements!r}")
+    check_min_elements(fp8_min_elements, "fp8_min_elements")
     if fp8_min_elements and not fp8_weights:
         raise ValueError("fp8_min_elements: chooses among the weights fp8_weights keeps FP8; pass fp8_weights=True")
     hf_dir = os.fspath(hf_dir)

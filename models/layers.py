@@ -126,6 +126,12 @@ def fp8_layout(path: str, weight):
 DECODE_MIN_FP8_ELEMENTS = 1 << 24
 
 
+def check_min_elements(value, name: str) -> None:
+    """ValueError naming the argument ``name`` unless ``value`` is an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+
+
 def quantize_weights(model: nnx.Module, block: tuple[int, int] = DEFAULT_BLOCK, *,
                      paths=None, absorbed: bool = False, min_elements: int = 0) -> nnx.Module:
     """Convert ``model``'s FP8-eligible weights to ``BlockFP8Weight`` in place; returns ``model``.
@@ -146,8 +152,7 @@ def quantize_weights(model: nnx.Module, block: tuple[int, int] = DEFAULT_BLOCK, 
     products are slower than bf16 in a decode step (0: every eligible weight, the bytes' minimum).
     Weights already FP8 are left as they are.
     """
-    if isinstance(min_elements, bool) or not isinstance(min_elements, int) or min_elements < 0:
-        raise ValueError(f"min_elements: expected an int >= 0, got {min_elements!r}")
+    check_min_elements(min_elements, "min_elements")
     eligible = fp8_eligible_weights(model)
     if paths is None:
         paths = [path for path, weight in eligible.items() if (absorbed or not is_absorbed_weight(path))

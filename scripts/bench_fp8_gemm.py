@@ -113,13 +113,6 @@ def table(env: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def command_text(argv: list[str]) -> str:
-    """The command line a table names: ``argv`` without its --out DIR."""
-    words = [w for i, w in enumerate(argv) if w != "--out" and (i == 0 or argv[i - 1] != "--out")
-             and not w.startswith("--out=")]
-    return " ".join(["python scripts/bench_fp8_gemm.py", *words])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for bench_fp8_gemm.json / .md")
@@ -137,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--chain-mib: expected an int >= 1")
     if timing.missing_gpu("FP8 GEMM benchmark"):
         return 2
-    env = dict(timing.environment(), copy_gbps=timing.measure_copy_gbps(), command=command_text(
-        sys.argv[1:] if argv is None else argv))
+    env = dict(timing.environment(), copy_gbps=timing.measure_copy_gbps(), command=timing.command_text(
+        "python scripts/bench_fp8_gemm.py", sys.argv[1:] if argv is None else argv))
     rows = []
     for out_dim, in_dim in args.shapes:
         for tokens in args.tokens:

@@ -3,7 +3,8 @@
 Public API: LatentCache, dequantize, write_kv, mla_decode,
 quant_error_report, the model (MLAConfig, MLAModel, load_hf_checkpoint,
 save_checkpoint, load_checkpoint; expert_sharding for their ``sharding=``, shard_model;
-quantize_weights for block-FP8 weights (DECODE_MIN_FP8_ELEMENTS: the size from which they pay in decode), param_bytes for the weights' footprint)
+quantize_weights for block-FP8 weights (DECODE_MIN_FP8_ELEMENTS: the size from which they pay
+in decode), param_bytes for the weights' footprint)
 and generation: ``generate`` (the module ``snapmla_jax.generate``, callable as its
 function: ``generate(model, prompts, max_new_tokens=...)``), ``stream`` and
 ``generate_with_stats``. ``__version__`` is the installed distribution's version.
@@ -15,8 +16,8 @@ from snapmla_jax.cache import LatentCache, dequantize
 from snapmla_jax.quant_report import quant_error_report
 from snapmla_jax.write import write_kv
 from snapmla_jax.decode import mla_decode
-from snapmla_jax.models import (DECODE_MIN_FP8_ELEMENTS, MLAConfig, MLAModel, expert_sharding, load_checkpoint, load_hf_checkpoint,
-                                param_bytes, quantize_weights, save_checkpoint, shard_model)
+from snapmla_jax.models import (DECODE_MIN_FP8_ELEMENTS, MLAConfig, MLAModel, expert_sharding, load_checkpoint,
+                                load_hf_checkpoint, param_bytes, quantize_weights, save_checkpoint, shard_model)
 
 import warnings
 

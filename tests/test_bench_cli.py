@@ -141,3 +141,15 @@ def test_publish_names_the_repositorys_tables():
     args = type("Args", (), {"out": None, "publish": True})()
     assert cli.bench_output_dir(args) == cli.PUBLISHED_BENCH_DIR
     assert (cli.PUBLISHED_BENCH_DIR / "e2e.md").is_file()
+
+
+def test_a_table_names_its_command_without_where_it_went_and_with_the_memory_fraction(monkeypatch):
+    from snapmla_jax.bench import timing
+
+    argv = ["--out", "/tmp/x", "--weights", "bf16", "fp8-large", "--out=/tmp/y", "--publish", "--iters", 3]
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert timing.command_text("python -m snapmla_jax.bench e2e", argv) == (
+        "python -m snapmla_jax.bench e2e --weights bf16 fp8-large --iters 3")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
+    assert timing.command_text("python scripts/bench_fp8_gemm.py", ["--chain-mib", "160", "--out", "d"]) == (
+        "XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 python scripts/bench_fp8_gemm.py --chain-mib 160")

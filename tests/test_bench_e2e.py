@@ -68,15 +68,6 @@ def test_fp8_large_models_keep_the_weights_below_the_threshold_in_bf16():
     assert fp8 and fp8 != set(sizes)
 
 
-def test_the_recorded_command_names_the_memory_fraction_it_ran_under(monkeypatch):
-    argv = ["--weights", "bf16", "fp8-large", "--out", "/tmp/x", "--publish"]
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    assert e2e.command_text(argv) == "python -m snapmla_jax.bench e2e --weights bf16 fp8-large"
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
-    assert e2e.command_text(argv) == ("XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 python -m snapmla_jax.bench e2e "
-                                      "--weights bf16 fp8-large")
-
-
 def test_models_that_cannot_fit_together_are_refused_naming_weights(monkeypatch):
     """Side-by-side models larger than the memory XLA may use are refused before any is built,
     with their sizes; a limit that holds them (or none known) passes."""

@@ -53,9 +53,3 @@ def test_without_a_gpu_it_exits_2(tmp_path):
     if jax.default_backend() == "gpu":
         pytest.skip("a GPU is present")
     assert bench.main(["--out", str(tmp_path)]) == 2
-
-
-def test_the_table_names_the_command_without_its_output_directory():
-    command = bench.command_text(["--out", "/tmp/x", "--tokens", "4", "16", "--chain-mib", "160"])
-    assert command == "python scripts/bench_fp8_gemm.py --tokens 4 16 --chain-mib 160"
-    assert bench.command_text(["--out=/tmp/x", "--iters", "3"]) == "python scripts/bench_fp8_gemm.py --iters 3"

@@ -724,7 +724,8 @@ def test_hf_loader_fp8_min_elements_loads_the_smaller_weights_as_the_plain_loade
     """``fp8_min_elements``: the stored-FP8 weights of fewer elements come out as the plain
     loader's (dequantized to the dtype, bit for bit), the others as ``fp8_weights`` keeps them."""
     plain, kept = (fp8_eligible_weights(hf_models[fp8]) for fp8 in (False, True))
-    sizes = {path: weight_elements(w.get_value()) for path, w in kept.items() if isinstance(w.get_value(), BlockFP8Weight)}
+    sizes = {path: weight_elements(w.get_value()) for path, w in kept.items()
+             if isinstance(w.get_value(), BlockFP8Weight)}
     threshold = sorted(set(sizes.values()))[len(set(sizes.values())) // 2]
     loaded = fp8_eligible_weights(load_hf_checkpoint(hf_fp8_dir, jnp.bfloat16, progress=False, fp8_weights=True,
                                                      fp8_min_elements=threshold))
@@ -748,7 +749,8 @@ def test_convert_cli_fp8_min_elements_keeps_the_smaller_weights_in_dtype(tmp_pat
     write_tiny_hf_checkpoint(tmp_path / "hf", seed=7, hf_config=HF_MOE_CONFIG)
     want = load_hf_checkpoint(tmp_path / "hf", jnp.bfloat16, progress=False, fp8_weights=True,
                               quantize_fp8_weights=True, fp8_min_elements=1024)
-    converted = sorted(path for path, w in fp8_eligible_weights(want).items() if isinstance(w.get_value(), BlockFP8Weight))
+    converted = sorted(path for path, w in fp8_eligible_weights(want).items()
+                       if isinstance(w.get_value(), BlockFP8Weight))
     assert 0 < len(converted) < len([path for path in fp8_eligible_weights(want) if not is_absorbed_weight(path)])
     assert convert_main(["--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "ours"), "--quiet",
                          "--fp8-weights", "--fp8-min-elements", "1024"]) == 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -249,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                steps=args.steps, iters=args.iters, backend=args.backend,
                weights="block-FP8" if args.fp8_weights else "bf16",
                sorted_moe_tokens=sorted_min_tokens,
-               command=" ".join(["python -m snapmla_jax.bench capacity",
-                                 *(a for a in (argv if argv is not None else []) if a != "--publish")]))
+               command=timing.command_text("python -m snapmla_jax.bench capacity",
+                                           sys.argv[1:] if argv is None else argv))
     total_steps = decode_steps(args.steps, args.iters, args.profile)
     rows = []
     for context in args.contexts:

@@ -626,24 +626,6 @@ def compared_markdown(env: dict, rows: list[dict], batches, contexts) -> str:
     return "\n".join(lines)
 
 
-def command_text(argv: list[str]) -> str:
-    """The command line a table names: ``argv`` without where its results went (--out, --publish),
-    after XLA_PYTHON_CLIENT_MEM_FRACTION where it is set (it decides which plans fit)."""
-    words, skip = [], False
-    for word in argv:
-        if skip or word == "--publish":
-            skip = False
-            continue
-        if word == "--out":
-            skip = True
-            continue
-        if not word.startswith("--out="):
-            words.append(word)
-    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    setting = [f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}"] if fraction else []
-    return " ".join([*setting, "python -m snapmla_jax.bench e2e", *words])
-
-
 def main(argv: list[str] | None = None) -> int:
     """The benchmark; raises cli.UsageError for bad flags (``python -m snapmla_jax.bench e2e``
     prints it on one line, exit code 2); exit code 2 without a CUDA GPU unless ``--tiny``."""
@@ -666,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", nargs="+", choices=WEIGHT_KINDS, default=None,
                         help="build a model of each kind and time them side by side, plan by plan: bf16, fp8 (as "
                              "--fp8-weights), fp8-absorbed (as --fp8-absorbed), fp8-ffn (FP8 feed-forward blocks, "
-                             "bf16 attention projections), fp8-large (FP8 from 2^24 elements a weight); the first is the ratios' baseline "
+                             "bf16 attention projections), fp8-large (FP8 from 2^24 elements a weight); the first "
+                             "is the ratios' baseline "
                              "(default: bf16, or what --fp8-weights / --fp8-absorbed say)")
     parser.add_argument("--kv-caches", nargs="+", choices=CACHE_FORMATS, default=list(CACHE_FORMATS),
                         help="the latent cache formats to run (default: fp8 bf16)")
@@ -693,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
                              "most MAX tokens (MoE.gather_max_tokens; 0: never; default: the library's, "
                              "models.moe.GATHER_MAX_TOKENS)")
     args = parser.parse_args(argv)
-    args.command = command_text(sys.argv[1:] if argv is None else argv)
+    args.command = timing.command_text("python -m snapmla_jax.bench e2e", sys.argv[1:] if argv is None else argv)
     cli.check_positive(args, "steps", "iters", "threads")
     for flag in ("batches", "contexts"):
         if any(v < 1 for v in getattr(args, flag) or []):

@@ -16,6 +16,7 @@ import datetime
 import functools
 import json
 import math
+import os
 import pathlib
 import platform
 import random
@@ -282,6 +283,22 @@ def missing_gpu(program: str, what: str = "needs a CUDA GPU") -> bool:
         return False
     print(f"{program}: {what}", file=sys.stderr)
     return True
+
+
+def command_text(program: str, argv: Sequence[str]) -> str:
+    """The command line a results table names: ``program`` and ``argv`` without where the results
+    went (--out DIR, --out=DIR, --publish), after XLA_PYTHON_CLIENT_MEM_FRACTION where it is set
+    (it decides what fits beside the weights)."""
+    words, skip = [], False
+    for word in map(str, argv):
+        if skip:
+            skip = False
+        elif word == "--out":
+            skip = True
+        elif word != "--publish" and not word.startswith("--out="):
+            words.append(word)
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    return " ".join([*([f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}"] if fraction else []), program, *words])
 
 
 def environment() -> dict[str, str]:
