@@ -84,13 +84,15 @@ class WeightBytes:
         return self.replicated + math.ceil(self.experts / devices)
 
 
-def weight_bytes(cfg: MLAConfig, *, fp8_weights: bool, dtype=jnp.bfloat16) -> WeightBytes:
+def weight_bytes(cfg: MLAConfig, *, fp8_weights: bool, dtype=jnp.bfloat16, fp8_min_elements: int = 0) -> WeightBytes:
     """Bytes of ``cfg``'s model in ``dtype``, its linear kernels and routed experts block-FP8 with
     ``fp8_weights`` (``models.quantize_weights``: 1 byte an element plus a float32 scale a
-    block), counted from the model's arrays built abstractly (nothing is allocated)."""
+    block; those of fewer than ``fp8_min_elements`` elements left in ``dtype``), counted from the
+    model's arrays built abstractly (nothing is allocated)."""
     def build():
         model = MLAModel(cfg, rngs=nnx.Rngs(0), dtype=dtype)
-        return quantize_weights(model, cfg.weight_block_size) if fp8_weights else model
+        return (quantize_weights(model, cfg.weight_block_size, min_elements=fp8_min_elements) if fp8_weights
+                else model)
 
     arrays = flat_arrays(nnx.state(nnx.eval_shape(build)))
     nbytes = lambda leaf: math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
@@ -112,9 +114,9 @@ def rows_per_device(cfg: MLAConfig, weights: WeightBytes, *, devices: int, devic
 
 
 def capacity_table(cfg: MLAConfig, *, devices: int, device_gib: float, reserve_gib: float, contexts: Sequence[int],
-                   fp8_weights: bool) -> tuple[WeightBytes, list[dict]]:
+                   fp8_weights: bool, fp8_min_elements: int = 0) -> tuple[WeightBytes, list[dict]]:
     """The plan for each context: batch (all devices) per cache dtype and FP8 / BF16."""
-    weights = weight_bytes(cfg, fp8_weights=fp8_weights)
+    weights = weight_bytes(cfg, fp8_weights=fp8_weights, fp8_min_elements=fp8_min_elements)
     rows = []
     for context in contexts:
         batch = {kind: devices * rows_per_device(cfg, weights, devices=devices, device_gib=device_gib,
@@ -125,10 +127,17 @@ def capacity_table(cfg: MLAConfig, *, devices: int, device_gib: float, reserve_g
     return weights, rows
 
 
+def weights_text(args) -> str:
+    """What the weights are, for the table's first line."""
+    if not args.fp8_weights:
+        return "bf16"
+    return f"block-FP8 from {args.fp8_min_elements} elements" if args.fp8_min_elements else "block-FP8"
+
+
 def to_markdown(args, weights: WeightBytes, rows: list[dict]) -> str:
     per_device = weights.per_device(args.devices) / GIB
     lines = [f"{args.model} on {args.devices} device(s) of {args.device_gib:.1f} GiB, weights "
-             f"{'block-FP8' if args.fp8_weights else 'bf16'}: {per_device:.1f} GiB a device "
+             f"{weights_text(args)}: {per_device:.1f} GiB a device "
              f"({weights.replicated / GIB:.1f} GiB replicated + {weights.experts / GIB:.1f} GiB of routed experts / "
              f"{args.devices}); reserve {args.reserve_gib:.1f} GiB a device.", "",
              "| context | batch, FP8 cache | batch, BF16 cache | FP8 / BF16 |", "|---|---|---|---|"]
@@ -150,12 +159,16 @@ def _parser() -> cli.Parser:
                    help=f"per device, for activations, logits and XLA's workspace (default {RESERVE_GIB})")
     p.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768], help="tokens a row")
     p.add_argument("--fp8-weights", action="store_true", help="linear kernels and routed experts block-FP8")
+    p.add_argument("--fp8-min-elements", type=int, default=0, metavar="N",
+                   help="with --fp8-weights: weights of fewer than N elements bf16 (16777216: "
+                        "models.layers.DECODE_MIN_FP8_ELEMENTS, the decode-speed rule; default 0: none)")
     return p
 
 
 def _capacity(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     cli.check_positive(args, "devices")
+    cli.check_fp8_min_elements(args)
     if any(c < 1 for c in args.contexts):
         raise cli.UsageError(f"--contexts: expected positive ints, got {args.contexts}")
     if args.device_gib is None:
@@ -170,7 +183,7 @@ def _capacity(argv: list[str]) -> int:
     with jax.default_device(jax.devices("cpu")[0]):
         weights, rows = capacity_table(cfg, devices=args.devices, device_gib=args.device_gib,
                                        reserve_gib=args.reserve_gib, contexts=args.contexts,
-                                       fp8_weights=args.fp8_weights)
+                                       fp8_weights=args.fp8_weights, fp8_min_elements=args.fp8_min_elements)
     print(to_markdown(args, weights, rows), end="")
     return 0
 

@@ -30,6 +30,20 @@ def test_weight_bytes_are_the_models_own(fp8_weights):
     assert got.per_device(4) == got.replicated + math.ceil(experts / 4)
 
 
+def test_weight_bytes_with_min_elements_are_those_of_the_model_it_quantizes():
+    """``fp8_min_elements``: the bytes of ``quantize_weights(min_elements=...)``'s model: the
+    smaller matrices in bf16 add to the replicated bytes, the expert stacks (counted whole) stay FP8."""
+    # 48 x 96 elements: the dense MLP's matrices and up are quantized, the o projection's (32 x 48)
+    # and the shared expert's (48 x 40) are not; the expert stacks (4 x 48 x 40) are, counted whole.
+    threshold = 48 * 96
+    model = quantize_weights(MLAModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), CFG.weight_block_size,
+                             min_elements=threshold)
+    got = capacity.weight_bytes(CFG, fp8_weights=True, fp8_min_elements=threshold)
+    every = capacity.weight_bytes(CFG, fp8_weights=True)
+    assert got.replicated + got.experts == param_bytes(model)
+    assert got.experts == every.experts and got.replicated > every.replicated
+
+
 def test_rows_per_device_by_hand():
     weights = capacity.WeightBytes(replicated=2 * capacity.GIB, experts=8 * capacity.GIB)
     # 20 GiB - 2 reserved - (2 + 8 / 4) weights = 14 GiB; a row of 1000 tokens is 16 pages of 64
@@ -54,6 +68,8 @@ def test_cli_prints_the_plan(capsys):
     assert capacity.main(["--model", "v2-lite", "--devices", "2", "--contexts", "16384"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("v2-lite on 2 device(s) of 79.6 GiB") and "| 16384 |" in out
+    assert capacity.main(["--model", "v2-lite", "--fp8-weights", "--fp8-min-elements", "16777216"]) == 0
+    assert "weights block-FP8 from 16777216 elements: 15.8 GiB a device" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -62,6 +78,8 @@ def test_cli_prints_the_plan(capsys):
     (["--contexts", "0"], "--contexts"),
     (["--reserve-gib", "100"], "--reserve-gib"),
     (["--model", "v9"], "--model"),
+    (["--fp8-min-elements", "16"], "--fp8-min-elements: chooses among the weights --fp8-weights"),
+    (["--fp8-weights", "--fp8-min-elements", "-1"], "--fp8-min-elements: expected an int >= 0"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, needle):
     assert capacity.main(argv) == 2
