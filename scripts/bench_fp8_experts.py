@@ -125,7 +125,8 @@ def table(env: dict, rows: list[dict]) -> str:
               "(router, routed and shared experts), each with the model's dispatch for T tokens; round-robin "
               "medians; % floor = the weight bytes the dispatch reads over the copy bandwidth. fp8: the model's "
               "defaults (one Mosaic GPU launch quantizes the tokens); fp8 xq: XLA's launches quantize every "
-              "product's tokens; fp8 qk: the FP8 GEMM quantizes them up to 64 tokens; fp8 dense: always the dense dispatch; fp8 sorted: the sorted dispatch (its own "
+              "product's tokens; fp8 qk: the FP8 GEMM quantizes them up to 64 tokens; fp8 dense: always the "
+              "dense dispatch; fp8 sorted: the sorted dispatch (its own "
               "dispatch column) wherever dense would run. rel. L2: FP8 output against bf16's.\n\n")
     columns = ["shape", "T", "dispatch", "bf16 ms", "fp8 ms", "fp8 xq ms", "fp8 qk ms", "fp8 dense ms",
                "fp8 sorted ms (dispatch)", "fp8 / bf16", "fp8 xq / bf16", "fp8 qk / bf16", "fp8 dense / bf16",

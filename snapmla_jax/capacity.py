@@ -159,9 +159,7 @@ def _parser() -> cli.Parser:
                    help=f"per device, for activations, logits and XLA's workspace (default {RESERVE_GIB})")
     p.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768], help="tokens a row")
     p.add_argument("--fp8-weights", action="store_true", help="linear kernels and routed experts block-FP8")
-    p.add_argument("--fp8-min-elements", type=int, default=0, metavar="N",
-                   help="with --fp8-weights: weights of fewer than N elements bf16 (16777216: "
-                        "models.layers.DECODE_MIN_FP8_ELEMENTS, the decode-speed rule; default 0: none)")
+    cli.add_fp8_min_elements(p)
     return p
 
 

@@ -105,6 +105,16 @@ def flag_error(err: Exception, flags: Mapping[str, str], default: str | None = N
     return UsageError(f"{default}: {message}" if default else message)
 
 
+def add_fp8_min_elements(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """``--fp8-min-elements N`` beside ``--fp8-weights`` (``quantize_weights(min_elements=N)``),
+    ``note`` ending its help; check it with ``check_fp8_min_elements``."""
+    parser.add_argument("--fp8-min-elements", type=int, default=0, metavar="N",
+                        help="with --fp8-weights: weights of fewer than N elements (a routed-expert stack counted "
+                             "whole) in the parameter dtype instead; 16777216 (DECODE_MIN_FP8_ELEMENTS): those "
+                             "whose FP8 products are slower than bf16 in a decode step on an H100 (default 0: "
+                             f"none){note}")
+
+
 def check_fp8_min_elements(args) -> None:
     """``--fp8-min-elements``: an int >= 0, and only beside ``--fp8-weights``."""
     if args.fp8_min_elements < 0:

@@ -60,10 +60,7 @@ def _parser() -> cli.Parser:
                              "experts in block FP8: kept as stored where the checkpoint has them in FP8, else "
                              "quantized per block (128 x 128 unless the checkpoint names one) as they are read; "
                              "the rest in --dtype")
-    parser.add_argument("--fp8-min-elements", type=int, default=0, metavar="N",
-                        help="with --fp8-weights: weights of fewer than N elements (a routed-expert stack counted "
-                             "whole) in --dtype instead (16777216: those whose FP8 products are slower than bf16 in "
-                             "a decode step on an H100; default 0: none)")
+    cli.add_fp8_min_elements(parser)
     return parser
 
 

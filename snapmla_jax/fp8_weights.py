@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from snapmla_jax.backend import mosaic_kernels_run, resolve_backend, sm_count
-from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import (BLOCK, FLOAT_DTYPES, MAX_TOKENS, fp8_gemm_mgpu, fp8_grouped_gemm_mgpu,
-                                                      pad_tokens, scale_columns)
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import (BLOCK, FLOAT_DTYPES, MAX_TOKENS, fp8_gemm_mgpu,
+                                                      fp8_grouped_gemm_mgpu, pad_tokens, scale_columns)
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import kernel_takes as gemm_takes
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import TilesConfig, fp8_gemm_tiles_mgpu, fp8_grouped_gemm_tiles_mgpu
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import kernel_takes as tiles_takes

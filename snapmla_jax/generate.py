@@ -580,10 +580,7 @@ def _parser() -> cli.Parser:
                         help="linear kernels and routed experts in block FP8 (about half their bf16 bytes): those "
                              "the checkpoint holds in FP8 kept as stored, the others quantized per 128 x 128 block "
                              "as the model loads")
-    parser.add_argument("--fp8-min-elements", type=int, default=0, metavar="N",
-                        help="with --fp8-weights: weights of fewer than N elements in --dtype instead (16777216: "
-                             "those whose FP8 products are slower than bf16 in a decode step on an H100; default 0: "
-                             "none; a converted checkpoint's FP8 weights stay as saved)")
+    cli.add_fp8_min_elements(parser, "; a converted checkpoint's FP8 weights stay as saved")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="kernel backend for write_kv/mla_decode (default auto)")
     placement = parser.add_mutually_exclusive_group()
