@@ -154,12 +154,14 @@ LARGE_EXPERT_PARAMS = 16 * 2**20
 SORTED_MIN_TOKENS_LARGE_EXPERTS = 16
 # The same for block-FP8 expert stacks on the FP8 GEMM (``MoE.fp8_sorted_min_tokens``), where
 # dense reads only the chosen experts' gate and up. One layer on an H100 against dense
-# (scripts/bench_fp8_experts.py, fp8 sorted vs fp8 dense, docs/benchmarks/fp8_experts_sorted_h100.md): at
-# V2-Lite's shapes 0.91 / 0.98 / 0.96 / 1.02 / 1.09 / 1.23 / 1.12x as fast at T = 16 / 24 / 32 /
-# 48 / 64 / 96 / 128; at V3's (32 of its experts, one of 8 GPUs' share) 0.95 / 0.95 / 0.93 /
-# 0.90x at 16 / 32 / 64 / 128, while at V2's shapes on 4 H200s (184 tokens) sorted made the step
-# 1.44x as fast (docs/benchmarks/capacity_sorted.md).
-FP8_SORTED_MIN_TOKENS = 48
+# (scripts/bench_fp8_experts.py, fp8 sorted vs fp8 dense): at V2-Lite's shapes 0.92 / 0.95 /
+# 1.00 / 1.13x as fast at T = 32 / 48 / 64 / 96 (docs/benchmarks/fp8_experts_occupancy_h100.md,
+# with the FP8 GEMM's depth chosen for its CTAs an SM and dense's gate and up left transposed;
+# before those, docs/benchmarks/fp8_experts_sorted_h100.md: 0.96 / 1.02 / 1.09 / 1.23x); at V3's
+# (32 of its experts, one of 8 GPUs' share) 0.95 / 0.95 / 0.93 / 0.90x at 16 / 32 / 64 / 128,
+# while at V2's shapes on 4 H200s (184 tokens) sorted made the step 1.44x as fast
+# (docs/benchmarks/capacity_sorted.md).
+FP8_SORTED_MIN_TOKENS = 64
 FP8_SORTED_MIN_TOKENS_LARGE_EXPERTS = 160
 
 
@@ -537,10 +539,14 @@ class MoE(nnx.Module):
             # 75.8 with all chosen, plus ~5.6 us of launches for its plan (docs/models.md).
             chosen = jnp.any(gate_of != 0, axis=0)                            # [E]
             matrices = jnp.where(chosen, jnp.arange(num_experts, dtype=jnp.int32), -1)
-            gate, up = fp8_grouped_matmul(flat[None], (w_gate, w_up), matrices=matrices, backend=backend)
+            # [E, I, T] as the kernel writes them, transposed once below inside XLA's fusions of
+            # the product: transposing gate and up first copied both (H100, 64 tokens: the
+            # launches around the three GEMM launches took 68 us, now 50).
+            gate, up = fp8_grouped_matmul(flat[None], (w_gate, w_up), matrices=matrices, transposed=True,
+                                          backend=backend)
             # A skipped expert's rows are left unwritten: zeros, not whatever lies there, go on.
-            hidden = jnp.where(chosen[:, None, None], jax.nn.silu(gate) * up, 0.0)   # [E, T, I] f32
-            scaled = hidden * gate_of.T[:, :, None]
+            hidden = jnp.where(chosen[:, None, None], jax.nn.silu(gate) * up, 0.0)   # [E, I, T] f32
+            scaled = jnp.swapaxes(hidden * gate_of.T[:, None, :], 1, 2)              # [E, T, I]
             out = fp8_grouped_matmul(scaled, w_down, sum_groups=True, backend=backend)
             return out.astype(out_dtype or flat.dtype)
         w_gate, w_up, w_down = self.expert_stacks(flat.dtype)

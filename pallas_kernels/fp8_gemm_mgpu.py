@@ -90,6 +90,10 @@ SMEM_BYTES = 227 * 1024  # shared memory a CTA may use on Hopper: the pipeline's
 # SMEM kept back for alignment where the kernel quantizes its tokens (``pipeline_depth``): four slots
 # of 64 bf16 tokens came to 232480 bytes in all, 32 past the 232448 a CTA may take.
 QUANTIZE_SMEM_SLACK = 4096
+# Shared memory of one SM, which the CTAs resident on it share, and what each CTA takes beyond
+# its own allocations (1 KB the hardware reserves a CTA, and the allocations' 1 KB alignment).
+SM_SMEM_BYTES = 228 * 1024
+CTA_SMEM_OVERHEAD = 3 * 1024
 TOKEN_MULTIPLE = 16  # M = 8 failed the tensor map's alignment on an H100 (module docstring)
 TMA_ROW_TILE = 8  # more rows of the bf16 tokens the kernel quantizes itself than this come in whole such tiles
 SCALE_SLOT_FLOATS = 32  # float32 in 128 bytes: a pipeline slot of scales is whole such units (``scale_slot_tokens``)
@@ -143,19 +147,53 @@ def scale_slot_tokens(tokens: int, kb_per_step: int) -> int:
     return -(-tokens // unit) * unit
 
 
-def pipeline_depth(config: GemmConfig, tokens: int, kb_per_step: int, scale_tokens: int,
-                   x_itemsize: int = 1) -> int:
-    """``config.depth``, or fewer steps in flight where that many slots (weight and token tiles and
-    scales) and the output tile would not fit SMEM_BYTES (128-token tiles of 256 channels: 3).
-    ``x_itemsize`` > 1: the tokens arrive unquantized (``scale_tokens`` 0), and the kernel's e4m3
-    tile and scales of them take their room once, with QUANTIZE_SMEM_SLACK for the allocations'
-    alignment (64 bf16 tokens of 256 channels: 3 slots)."""
-    tk = BLOCK * kb_per_step
-    slot = (TILE_N + x_itemsize * tokens) * tk + 4 * kb_per_step * scale_tokens
+def slot_bytes(tokens: int, kb_per_step: int, scale_tokens: int, x_itemsize: int = 1) -> int:
+    """SMEM bytes of one pipeline slot: the weight tile, the token tile and their scales."""
+    return (TILE_N + x_itemsize * tokens) * BLOCK * kb_per_step + 4 * kb_per_step * scale_tokens
+
+
+def fixed_bytes(tokens: int, kb_per_step: int, x_itemsize: int = 1) -> int:
+    """SMEM bytes a CTA holds besides its slots: the output tile, and where the kernel quantizes
+    its tokens (``x_itemsize`` > 1) their e4m3 tile and scales with QUANTIZE_SMEM_SLACK."""
     fixed = 4 * TILE_N * tokens
     if x_itemsize > 1:
-        fixed += tokens * tk + 4 * kb_per_step * tokens + QUANTIZE_SMEM_SLACK
-    return max(1, min(config.depth, (SMEM_BYTES - fixed) // slot))
+        fixed += tokens * BLOCK * kb_per_step + 4 * kb_per_step * tokens + QUANTIZE_SMEM_SLACK
+    return fixed
+
+
+def ctas_per_sm(smem_bytes: int) -> int:
+    """CTAs of ``smem_bytes`` of shared memory each that one SM holds at once."""
+    return SM_SMEM_BYTES // (smem_bytes + CTA_SMEM_OVERHEAD)
+
+
+def pipeline_depth(config: GemmConfig, tokens: int, kb_per_step: int, scale_tokens: int,
+                   x_itemsize: int = 1, ctas: int | None = None, num_sms: int | None = None) -> int:
+    """Pipeline steps a CTA keeps in flight: at most ``config.depth``, and no more than fit
+    SMEM_BYTES beside the output tile (128-token tiles of 256 channels: 3). ``x_itemsize`` > 1:
+    the tokens arrive unquantized (``scale_tokens`` 0; ``fixed_bytes``).
+
+    Given the launch's ``ctas`` and ``num_sms``, the depth also sets how many CTAs an SM holds
+    (``ctas_per_sm``), and that matters more than the depth: a CTA streams too few steps to hide
+    its start and its output's store, which a second CTA on the SM hides. So the deepest pipeline
+    of at least two steps at which every CTA of the launch is resident at once (no second wave),
+    else the deepest at which an SM holds two CTAs, else the deepest that fits. Kernel durations
+    (H200, jax 0.11.2, profiler; depth 4 -> the chosen one): 18432 x 7168 at 16 tokens
+    42.2 -> 33.8 us (3 instead of 2 CTAs an SM: 288 CTAs in one wave), V2-Lite's 64 gate and up
+    matrices at 64 tokens 131.1 -> 111.4 (two CTAs an SM instead of one), their down projection
+    summed over 64 experts at 64 tokens 55.2 -> 52.4 (512 CTAs resident); on an H100 18432 x 7168
+    at 16 tokens 53.3 -> 49.5, and no change at 64 tokens (docs/models.md, "FP8 weights")."""
+    slot = slot_bytes(tokens, kb_per_step, scale_tokens, x_itemsize)
+    fixed = fixed_bytes(tokens, kb_per_step, x_itemsize)
+    fit = max(1, min(config.depth, (SMEM_BYTES - fixed) // slot))
+    if ctas is None or num_sms is None:
+        return fit
+    deep = range(fit, min(2, fit) - 1, -1)
+    for holds in (lambda d: ctas <= num_sms * ctas_per_sm(fixed + d * slot),
+                  lambda d: ctas_per_sm(fixed + d * slot) >= 2):
+        chosen = next((d for d in deep if holds(d)), None)
+        if chosen is not None:
+            return chosen
+    return fit
 
 
 def quantize_tile(x_s, xq_s, xs_s, *, interpret: bool) -> None:
@@ -348,10 +386,10 @@ def check_stacks(w8s: tuple, w_scales_s: tuple, num_x: int, groups: int, x_name:
         raise ValueError(f"{x_name}: expected 1 or {groups} groups of tokens, got {num_x}")
 
 
-@functools.partial(jax.jit, static_argnames=("sum_groups", "config", "num_sms", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sum_groups", "transposed", "config", "num_sms", "interpret"))
 def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales, matrices: jax.Array | None = None, *,
-                          sum_groups: bool = False, config: GemmConfig = GemmConfig(), num_sms: int = 132,
-                          interpret: bool = False):
+                          sum_groups: bool = False, transposed: bool = False, config: GemmConfig = GemmConfig(),
+                          num_sms: int = 132, interpret: bool = False):
     """G block-scaled products of one launch (module docstring), group g multiplying its tokens
     x[g] (or the one x[0] all groups share) by weight matrix ``matrices[g]`` of w8 (None: g).
 
@@ -369,7 +407,10 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
       -> y [G, M, N] float32 (M padded as ``pad_tokens`` pads it where the kernel quantizes x; a
          tuple of them, one a stack, for tuples), or with ``sum_groups``
          [M, N] = the sum over the groups (the K of one product that runs over every group's
-         channels; one stack, ``matrices`` None).
+         channels; one stack, ``matrices`` None). ``transposed``: [G, N, M] (and [N, M]), the
+         layout the kernel writes, where XLA would otherwise transpose the result on its own
+         (a copy of it: 21 us of a V2-Lite MoE layer's 246 at 64 tokens, H200) instead of
+         fusing the transpose into what consumes it.
 
     ValueError for shapes the kernel does not take (``kernel_takes``, ``pad_tokens``).
     """
@@ -425,7 +466,8 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
         if x_scales.shape[-1] < width:  # then M = tokens (at most 64): one token tile
             x_scales = jnp.pad(x_scales, ((0, 0), (0, 0), (0, width - m)))
         operands, scratch = (*w8s, *weight_scales, x, x_scales.astype(jnp.float32)), []
-    depth = pipeline_depth(config, tokens, kb_per_step, scale_tokens, x_itemsize=x.dtype.itemsize if quantize else 1)
+    depth = pipeline_depth(config, tokens, kb_per_step, scale_tokens, x_itemsize=x.dtype.itemsize if quantize else 1,
+                           ctas=math.prod(grid), num_sms=num_sms)
     body = functools.partial(_kernel, num_stacks=num_stacks, stack_groups=groups_total, steps=steps, groups=groups,
                              sum_groups=sum_groups, shared_x=num_x == 1, kb_per_step=kb_per_step, depth=depth,
                              tokens=tokens, scale_tokens=scale_tokens, quantize=quantize, interpret=interpret)
@@ -438,17 +480,20 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
         kernel_name="snapmla_fp8_gemm",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    ys = summed_partials(kernel, operands, matrices, stacked=stacked, num_stacks=num_stacks, groups=groups_total)
+    ys = summed_partials(kernel, operands, matrices, stacked=stacked, num_stacks=num_stacks, groups=groups_total,
+                         transposed=transposed)
     return ys[0] if sum_groups else ys
 
 
 def summed_partials(kernel, operands: tuple, matrices: jax.Array | None, *, stacked: bool, num_stacks: int,
-                    groups: int):
+                    groups: int, transposed: bool = False):
     """Run a grouped launch (``matrices`` its first operand when given) and add its splits' partial
-    sums [splits, num_stacks * groups, N, M] float32 into [num_stacks * groups, M, N], or for
-    ``stacked`` a tuple of ``num_stacks`` [groups, M, N]."""
+    sums [splits, num_stacks * groups, N, M] float32 into [num_stacks * groups, M, N] (``transposed``:
+    [..., N, M]), or for ``stacked`` a tuple of ``num_stacks`` of them [groups, ...]."""
     partials = kernel(*operands) if matrices is None else kernel(matrices.astype(jnp.int32), *operands)
-    summed = jnp.swapaxes(jnp.sum(partials, axis=0), -1, -2)
+    summed = jnp.sum(partials, axis=0)
+    if not transposed:
+        summed = jnp.swapaxes(summed, -1, -2)
     if not stacked:
         return summed
     return tuple(summed.reshape(num_stacks, groups, *summed.shape[1:]))

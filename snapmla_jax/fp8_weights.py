@@ -281,7 +281,7 @@ def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax
 
 
 def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, sum_groups: bool = False,
-                       backend: str = "auto"):
+                       transposed: bool = False, backend: str = "auto"):
     """Products of token groups with matrices of a block-FP8 stack (a MoE layer's experts), in
     float32.
 
@@ -293,7 +293,9 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
                 nothing for it)
       -> [G, T, out] float32 (a tuple of them for a tuple of stacks): y[g] = x[g or 0] @
          W[matrices[g]]^T; with ``sum_groups`` (one stack, matrices None), [T, out] = the sum
-         over g.
+         over g. ``transposed``: [G, out, T] (and [out, T]), the layout the FP8 GEMM of few
+         tokens writes: a caller that consumes the result elementwise and transposes after (as
+         the MoE's dense dispatch does) lets XLA fuse the transpose instead of copying it.
 
     On a Hopper GPU or in the interpreter this is one launch of an FP8 GEMM, x quantized per row
     and 128 channels, each matrix's e4m3 bytes read where they lie: the tiled kernel
@@ -317,7 +319,7 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
         values, scales = tuple(s.values for s in stacks), tuple(s.scales for s in stacks)
         ys = fp8_grouped_gemm_tiles_mgpu(x8, x_scales, values, scales, matrices, config=TILES_CONFIG,
                                          num_sms=sm_count(), interpret=backend == "interpret")
-        ys = tuple(y[:, :rows] for y in ys)
+        ys = tuple(jnp.swapaxes(y[:, :rows], -1, -2) if transposed else y[:, :rows] for y in ys)
         return ys if isinstance(w, tuple) else ys[0]
     if all(kernel_runs(s, rows, backend) for s in stacks):
         tokens, x_scales = _kernel_tokens(x, pad_tokens(rows), backend)
@@ -325,8 +327,9 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
         if len(stacks) == 1:
             values, scales = values[0], scales[0]
         ys = fp8_grouped_gemm_mgpu(tokens, x_scales, values, scales, matrices, sum_groups=sum_groups,
-                                   num_sms=sm_count(), interpret=backend == "interpret")
-        ys = tuple(y[:rows] if sum_groups else y[:, :rows] for y in (ys if isinstance(ys, tuple) else (ys,)))
+                                   transposed=transposed, num_sms=sm_count(), interpret=backend == "interpret")
+        ys = tuple(y[..., :rows] if transposed else y[:rows] if sum_groups else y[:, :rows]
+                   for y in (ys if isinstance(ys, tuple) else (ys,)))
         return ys if isinstance(w, tuple) else ys[0]
     shared = x.shape[0] == 1
     spec = f"{'ti' if shared else 'gti'},goi->{'to' if sum_groups else 'gto'}"
@@ -337,5 +340,5 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
         return jnp.einsum(spec, x[0] if shared else x, dequantize_weight(stack, x.dtype),
                           preferred_element_type=jnp.float32)
 
-    ys = tuple(product(s) for s in stacks)
+    ys = tuple(jnp.swapaxes(product(s), -1, -2) if transposed else product(s) for s in stacks)
     return ys if isinstance(w, tuple) else ys[0]

@@ -328,6 +328,17 @@ def test_fp8_grouped_matmul_through_the_kernel_is_within_the_activation_rounding
     np.testing.assert_allclose(np.asarray(fallback, np.float64), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("summed, m, backend", [(False, 11, "interpret"), (True, 11, "interpret"),
+                                                (False, 100, "interpret"), (False, 11, "xla"), (True, 11, "xla")])
+def test_a_transposed_grouped_product_is_the_same_numbers_out_by_tokens(summed, m, backend):
+    """``transposed=True`` ([G, out, T]) on every path (the kernel of few tokens, the tiled kernel at
+    100 tokens, XLA): bit for bit the usual result with its last two axes swapped, tokens cut back."""
+    x, w = _group_operands(3, 2, 2, m, 128, 256)
+    plain = fp8_grouped_matmul(x, w, sum_groups=summed, backend=backend)
+    flipped = fp8_grouped_matmul(x, w, sum_groups=summed, transposed=True, backend=backend)
+    np.testing.assert_array_equal(np.asarray(flipped), np.swapaxes(np.asarray(plain), -1, -2))
+
+
 def test_under_kernel_quantization_the_products_hand_the_kernel_their_tokens_unquantized(monkeypatch):
     """``kernel_quantization(64)``: ``fp8_matmul`` (15 rows, padded to 16) and a MoE's gate and up
     through ``fp8_grouped_matmul`` give the kernel of few tokens x itself (x_scales None), past 64
@@ -381,6 +392,23 @@ def test_fp8_grouped_matmul_refuses_what_it_cannot_run_naming_the_argument():
     with pytest.raises(ValueError, match="x: expected 1 or 2 groups"):
         x8, xs = quantize_activations(jnp.ones((3, 16, 256), jnp.float32))
         fp8_grouped_gemm_mgpu(x8, xs, w.values, w.scales, interpret=True)
+
+
+def test_the_depth_keeps_every_cta_resident_else_two_an_sm():
+    """The measured cases of ``pipeline_depth``'s rule (132 SMs)."""
+    # 18432 x 7168 at 16 tokens, 288 CTAs: depth 4 holds two CTAs an SM (264 < 288), depth 3 three.
+    assert pipeline_depth(GemmConfig(), 16, 2, 32) == 4
+    assert pipeline_depth(GemmConfig(), 16, 2, 32, ctas=288, num_sms=132) == 3
+    # V2-Lite's gate and up at 64 tokens, 2816 CTAs: never one wave; depth 2 holds two an SM, 3 one.
+    assert pipeline_depth(GemmConfig(), 64, 2, 64, ctas=2816, num_sms=132) == 2
+    # Their down projection (K = 1408: one block a step), 512 CTAs: four an SM at depth 2.
+    assert pipeline_depth(GemmConfig(), 64, 1, 64, ctas=512, num_sms=132) == 2
+    assert pipeline_depth(GemmConfig(), 16, 1, 32, ctas=512, num_sms=132) == 4  # already resident
+    # A launch of few CTAs keeps the configured depth; a depth of 1 stays 1.
+    assert pipeline_depth(GemmConfig(), 64, 2, 64, ctas=40, num_sms=132) == 4
+    assert pipeline_depth(GemmConfig(depth=1), 64, 2, 64, ctas=2816, num_sms=132) == 1
+    # 128-token tiles fit 3 slots; no depth of 2 or more holds two such CTAs: the deepest that fits.
+    assert pipeline_depth(GemmConfig(), 128, 2, 128, ctas=1000, num_sms=132) == 3
 
 
 def test_splits_fill_two_ctas_an_sm_and_divide_the_steps():
