@@ -187,13 +187,10 @@ def pipeline_depth(config: GemmConfig, tokens: int, kb_per_step: int, scale_toke
     fit = max(1, min(config.depth, (SMEM_BYTES - fixed) // slot))
     if ctas is None or num_sms is None:
         return fit
-    deep = range(fit, min(2, fit) - 1, -1)
-    for holds in (lambda d: ctas <= num_sms * ctas_per_sm(fixed + d * slot),
-                  lambda d: ctas_per_sm(fixed + d * slot) >= 2):
-        chosen = next((d for d in deep if holds(d)), None)
-        if chosen is not None:
-            return chosen
-    return fit
+    deepest_first = range(fit, 1, -1)  # depths of at least two steps
+    resident = [d for d in deepest_first if ctas <= num_sms * ctas_per_sm(fixed + d * slot)]
+    paired = [d for d in deepest_first if ctas_per_sm(fixed + d * slot) >= 2]
+    return (resident or paired or [fit])[0]
 
 
 def quantize_tile(x_s, xq_s, xs_s, *, interpret: bool) -> None:
