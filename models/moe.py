@@ -541,7 +541,7 @@ class MoE(nnx.Module):
             matrices = jnp.where(chosen, jnp.arange(num_experts, dtype=jnp.int32), -1)
             # [E, I, T] as the kernel writes them, transposed once below inside XLA's fusions of
             # the product: transposing gate and up first copied both (H100, 64 tokens: the
-            # launches around the three GEMM launches took 68 us, now 50).
+            # launches around the two GEMM launches took 68 us, now 50).
             gate, up = fp8_grouped_matmul(flat[None], (w_gate, w_up), matrices=matrices, transposed=True,
                                           backend=backend)
             # A skipped expert's rows are left unwritten: zeros, not whatever lies there, go on.
