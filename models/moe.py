@@ -298,7 +298,8 @@ def _fp8_products(stacks: tuple[BlockFP8Weight, ...], backend: str) -> tuple:
     """(gate_up, down) for ``gathered_products`` / ``sorted_products`` on block-FP8 (w_gate, w_up,
     w_down): each group's chosen matrices read in FP8 where they lie, gate and up in one launch."""
     w_gate, w_up, w_down = stacks
-    return (lambda x, chosen: fp8_grouped_matmul(x, (w_gate, w_up), matrices=chosen, backend=backend),
+    return (lambda x, chosen: fp8_grouped_matmul(x, (w_gate, w_up), matrices=chosen, gated=True, out_dtype=x.dtype,
+                                                 backend=backend),
             lambda hidden, chosen: fp8_grouped_matmul(hidden, w_down, matrices=chosen, backend=backend))
 
 
@@ -521,9 +522,9 @@ class MoE(nnx.Module):
         their stored layout.
 
         Block-FP8 experts where the FP8 GEMM kernel runs (``fp8_kernel_stacks``; ``backend``
-        resolved): the same products as two FP8 GEMM launches over the stacks' e4m3 bytes, gate
-        and up together in float32, then the down projection summed over the experts inside its
-        launch; gate and up skip the experts that no token chose.
+        resolved): the same products as two FP8 GEMM launches over the stacks' e4m3 bytes, one
+        writing silu(gate) * up in the tokens' dtype (``gated``), then the down projection summed
+        over the experts inside its launch; gate and up skip the experts that no token chose.
         """
         num_tokens = flat.shape[0]
         fp8_stacks = self.fp8_kernel_stacks(num_tokens, backend)
@@ -539,14 +540,14 @@ class MoE(nnx.Module):
             # 75.8 with all chosen, plus ~5.6 us of launches for its plan (docs/models.md).
             chosen = jnp.any(gate_of != 0, axis=0)                            # [E]
             matrices = jnp.where(chosen, jnp.arange(num_experts, dtype=jnp.int32), -1)
-            # [E, I, T] as the kernel writes them, transposed once below inside XLA's fusions of
-            # the product: transposing gate and up first copied both (H100, 64 tokens: the
-            # launches around the two GEMM launches took 68 us, now 50).
-            gate, up = fp8_grouped_matmul(flat[None], (w_gate, w_up), matrices=matrices, transposed=True,
-                                          backend=backend)
+            # silu(gate) * up from one launch whose CTAs multiply the tokens by both matrices' rows,
+            # rounded once to the tokens' dtype as the bf16 experts round it; [E, I, T] as the
+            # kernel writes it, transposed once below inside XLA's fusion of the gate weights.
+            hidden = fp8_grouped_matmul(flat[None], (w_gate, w_up), matrices=matrices, transposed=True, gated=True,
+                                        out_dtype=flat.dtype, backend=backend)
             # A skipped expert's rows are left unwritten: zeros, not whatever lies there, go on.
-            hidden = jnp.where(chosen[:, None, None], jax.nn.silu(gate) * up, 0.0)   # [E, I, T] f32
-            scaled = jnp.swapaxes(hidden * gate_of.T[:, None, :], 1, 2)              # [E, T, I]
+            weighted = jnp.where(chosen[:, None, None], hidden.astype(jnp.float32) * gate_of.T[:, None, :], 0.0)
+            scaled = jnp.swapaxes(weighted.astype(flat.dtype), 1, 2)                  # [E, T, I]
             out = fp8_grouped_matmul(scaled, w_down, sum_groups=True, backend=backend)
             return out.astype(out_dtype or flat.dtype)
         w_gate, w_up, w_down = self.expert_stacks(flat.dtype)

@@ -29,7 +29,10 @@ group a chunk of one expert's tokens, negative ids skipping the chunks a call le
 by matrix g (dense: one group an expert). Summed, the groups are the splits' contraction: a CTA's pipeline runs over
 its groups' whole K, so the MoE's down projection sums over the experts inside the launch.
 Several stacks of one shape (gate and up) share a launch and their tokens' quantization: the
-group axis runs over each stack's groups in turn.
+group axis runs over each stack's groups in turn. Gated (``gated``, a MoE's gate and up), a CTA
+instead multiplies its token tile by both stacks' weight rows and writes silu(gate) * up, in
+bf16 where asked: the tile crosses from L2 once for both products, and neither product is
+written out and read back.
 
 Either way the kernel reads each weight block's scale by matrix id. The tokens may come
 quantized (x8 e4m3 and their scales [K / 128, M], streamed beside their tiles; one launch makes
@@ -147,9 +150,10 @@ def scale_slot_tokens(tokens: int, kb_per_step: int) -> int:
     return -(-tokens // unit) * unit
 
 
-def slot_bytes(tokens: int, kb_per_step: int, scale_tokens: int, x_itemsize: int = 1) -> int:
-    """SMEM bytes of one pipeline slot: the weight tile, the token tile and their scales."""
-    return (TILE_N + x_itemsize * tokens) * BLOCK * kb_per_step + 4 * kb_per_step * scale_tokens
+def slot_bytes(tokens: int, kb_per_step: int, scale_tokens: int, x_itemsize: int = 1, weight_tiles: int = 1) -> int:
+    """SMEM bytes of one pipeline slot: the weight tiles (two for a gated product), the token tile
+    and their scales."""
+    return (TILE_N * weight_tiles + x_itemsize * tokens) * BLOCK * kb_per_step + 4 * kb_per_step * scale_tokens
 
 
 def fixed_bytes(tokens: int, kb_per_step: int, x_itemsize: int = 1) -> int:
@@ -167,7 +171,8 @@ def ctas_per_sm(smem_bytes: int) -> int:
 
 
 def pipeline_depth(config: GemmConfig, tokens: int, kb_per_step: int, scale_tokens: int,
-                   x_itemsize: int = 1, ctas: int | None = None, num_sms: int | None = None) -> int:
+                   x_itemsize: int = 1, ctas: int | None = None, num_sms: int | None = None,
+                   weight_tiles: int = 1) -> int:
     """Pipeline steps a CTA keeps in flight: at most ``config.depth``, and no more than fit
     SMEM_BYTES beside the output tile (128-token tiles of 256 channels: 3). ``x_itemsize`` > 1:
     the tokens arrive unquantized (``scale_tokens`` 0; ``fixed_bytes``).
@@ -182,7 +187,7 @@ def pipeline_depth(config: GemmConfig, tokens: int, kb_per_step: int, scale_toke
     matrices at 64 tokens 131.1 -> 111.4 (two CTAs an SM instead of one), their down projection
     summed over 64 experts at 64 tokens 55.2 -> 52.4 (512 CTAs resident); on an H100 18432 x 7168
     at 16 tokens 53.3 -> 49.5, and no change at 64 tokens (docs/models.md, "FP8 weights")."""
-    slot = slot_bytes(tokens, kb_per_step, scale_tokens, x_itemsize)
+    slot = slot_bytes(tokens, kb_per_step, scale_tokens, x_itemsize, weight_tiles)
     fixed = fixed_bytes(tokens, kb_per_step, x_itemsize)
     fit = max(1, min(config.depth, (SMEM_BYTES - fixed) // slot))
     if ctas is None or num_sms is None:
@@ -213,7 +218,7 @@ def quantize_tile(x_s, xq_s, xs_s, *, interpret: bool) -> None:
 
 def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int, groups: int, sum_groups: bool,
             shared_x: bool, kb_per_step: int, depth: int, tokens: int, scale_tokens: int, quantize: bool,
-            interpret: bool):
+            gated: bool, interpret: bool):
     """One CTA of grid (g, n, s, m): weight rows [64 n, 64 n + 64) times token tile m, over ``steps``
     pipeline steps of K for each of ``groups`` groups. Batched (``sum_groups`` False): group g
     (of stack g // ``stack_groups``: its weight matrix experts[g % stack_groups], or g % it),
@@ -222,14 +227,17 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
     refs: the ``num_stacks`` weight stacks' refs and their scales' refs; then either x (e4m3) and
     its scales [X, K / 128, M'] (M' >= M: ``scale_slot_tokens``), or with ``quantize`` x
     (unquantized); the output and its SMEM tile; with ``quantize`` the SMEM of the step's quantized
-    tokens and their scales (``quantize_tile``)."""
+    tokens and their scales (``quantize_tile``).
+
+    ``gated`` (two stacks, a MoE's gate and up): the CTA multiplies the token tile by both
+    stacks' weight rows [64 n, 64 n + 64) of group g and writes silu(gate) * up (``swiglu``)."""
     w_gmems, ws_gmems, refs = refs[:num_stacks], refs[num_stacks:2 * num_stacks], refs[2 * num_stacks:]
     if quantize:
         x_gmem, out_gmem, out_s, xq_s, xs_s = refs
     else:
         x_gmem, s_gmem, out_gmem, out_s = refs
     gg, n, split, mt = (lax.axis_index(name) for name in ("g", "n", "s", "m"))
-    g = gg if num_stacks == 1 else lax.rem(gg, stack_groups)
+    g = gg if num_stacks == 1 or gated else lax.rem(gg, stack_groups)
     tk = BLOCK * kb_per_step
     if sum_groups:
         g0, k0 = split * groups, 0
@@ -241,29 +249,34 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
     x_spec = plgpu.BlockSpec((None, tokens, tk), (lambda e, k: (0, 0, k)) if shared_x else (lambda e, k: (e, 0, k)),
                              transforms=() if quantize else BYTE_TILE_TRANSFORMS)
 
-    def scaled_products(w_s, x8_tile, scale_of, total):
-        """total + each block's product scaled by ``scale_of(kb)``, f32 [tokens] (``COL``)."""
+    def scaled_products(w_tiles, x8_tile, scales_of, totals):
+        """Each weight tile's total + each block's product scaled by ``scales_of[i](kb)``, f32
+        [tokens] (``COL``): w_tiles, scales_of and totals one a weight tile (two when ``gated``)."""
         def products(*acc_refs):
             # Every block's product is issued before the first is read: block kb's scaling runs
             # while the tensor cores work on the blocks after it.
-            for kb, acc_ref in enumerate(acc_refs):
-                plgpu.wgmma(acc_ref, w_s.at[:, pl.ds(kb * BLOCK, BLOCK)], x8_tile(kb).transpose((1, 0)))
-            result = total
-            for kb, acc_ref in enumerate(acc_refs):
-                fresh = plgpu.wgmma_accumulator_load(acc_ref, wait_n=kb_per_step - 1 - kb)
-                result = result + fresh * lax.broadcast_in_dim(scale_of(kb), (TILE_N, tokens), [1])
-            return result
+            issued = [(i, kb) for i in range(len(w_tiles)) for kb in range(kb_per_step)]
+            for (i, kb), acc_ref in zip(issued, acc_refs):
+                plgpu.wgmma(acc_ref, w_tiles[i].at[:, pl.ds(kb * BLOCK, BLOCK)], x8_tile(kb).transpose((1, 0)))
+            results = list(totals)
+            for index, ((i, kb), acc_ref) in enumerate(zip(issued, acc_refs)):
+                fresh = plgpu.wgmma_accumulator_load(acc_ref, wait_n=len(issued) - 1 - index)
+                results[i] = results[i] + fresh * lax.broadcast_in_dim(scales_of[i](kb), (TILE_N, tokens), [1])
+            return tuple(results)
 
-        return pl.run_scoped(products, *[plgpu.ACC((TILE_N, tokens), jnp.float32) for _ in range(kb_per_step)])
+        return pl.run_scoped(products, *[plgpu.ACC((TILE_N, tokens), jnp.float32)
+                                         for _ in range(len(w_tiles) * kb_per_step)])
 
     zeros = plgpu.layout_cast(jnp.zeros((TILE_N, tokens), jnp.float32), plgpu.Layout.WGMMA)
     w_spec = plgpu.BlockSpec((None, TILE_N, tk), lambda e, k: (e, 0, k), transforms=BYTE_TILE_TRANSFORMS)
 
-    def run(stack):
-        w_gmem, ws_gmem = stack
-        w_rows = w_gmem.at[pl.ds(matrix0, groups), pl.ds(n * TILE_N, TILE_N), pl.ds(k0, steps * tk)]
+    def run(*run_stacks):
+        """The CTA's product with each of ``run_stacks`` ((weight ref, scales ref): one, or gate and
+        up when ``gated``), written as its one output tile."""
+        def weight_rows(w_gmem):
+            return w_gmem.at[pl.ds(matrix0, groups), pl.ds(n * TILE_N, TILE_N), pl.ds(k0, steps * tk)]
 
-        def weight_scales(indices):
+        def weight_scales(ws_gmem, indices):
             """The step's weight blocks' scales, one number each from global memory (cached), read
             by matrix id before the step's products: their latency passes under them."""
             e, k = indices
@@ -271,19 +284,24 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
             kb0 = k0 // BLOCK + k * kb_per_step
             return [ws_gmem[matrix, nb, kb0 + kb] for kb in range(kb_per_step)]
 
+        num_w = len(run_stacks)
+        init = (zeros,) * num_w
+
+        def scalers(indices, x_scale_of):
+            """scale_of(kb) for each stack: the tokens' block scales times the weight block's."""
+            w_scales = [weight_scales(ws_gmem, indices) for _, ws_gmem in run_stacks]
+            return [functools.partial(lambda kb, w_sc: x_scale_of(kb) * w_sc[kb], w_sc=w_sc) for w_sc in w_scales]
+
         if quantize:
-            def body(indices, w_s, x_s, total):
-                w_scales = weight_scales(indices)
+            def body(indices, *refs_and_totals):  # the weight tiles, the token tile, the carry
+                *w_tiles, x_s, totals = refs_and_totals
+                scales_of = scalers(indices, lambda kb: plgpu.load(xs_s.at[kb], layout=COL))
                 quantize_tile(x_s, xq_s, xs_s, interpret=interpret)
-
-                def scale_of(kb):
-                    return plgpu.load(xs_s.at[kb], layout=COL) * w_scales[kb]
-
-                return scaled_products(w_s, lambda kb: xq_s.at[kb], scale_of, total)
+                return scaled_products(w_tiles, lambda kb: xq_s.at[kb], scales_of, totals)
 
             pipeline = plgpu.emit_pipeline(body, grid=(groups, steps), max_concurrent_steps=min(depth, groups * steps),
-                                           init_carry=zeros, in_specs=[w_spec, x_spec])
-            out_s[...] = pipeline(w_rows, x_cols)
+                                           init_carry=init, in_specs=[w_spec] * num_w + [x_spec])
+            results = pipeline(*(weight_rows(w) for w, _ in run_stacks), x_cols)
         else:
             # The tokens' scales [K / 128, M'] of this CTA's groups, streamed beside their tiles.
             s_cols = s_gmem.at[pl.ds(0, 1) if shared_x else pl.ds(g0, groups), pl.ds(k0 // BLOCK, steps * kb_per_step),
@@ -291,28 +309,36 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
             s_spec = plgpu.BlockSpec((None, kb_per_step, scale_tokens),
                                      (lambda e, k: (0, k, 0)) if shared_x else (lambda e, k: (e, k, 0)))
 
-            def body(indices, w_s, x_s, s_s, total):
-                w_scales = weight_scales(indices)
+            def body(indices, *refs_and_totals):  # the weight tiles, the token and scale tiles, the carry
+                *w_tiles, x_s, s_s, totals = refs_and_totals
 
-                def scale_of(kb):
+                def x_scale_of(kb):
                     scale_row = s_s.at[kb] if scale_tokens == tokens else s_s.at[kb, pl.ds(0, tokens)]
-                    return plgpu.load(scale_row, layout=COL) * w_scales[kb]
+                    return plgpu.load(scale_row, layout=COL)
 
-                return scaled_products(w_s, lambda kb: x_s.at[:, pl.ds(kb * BLOCK, BLOCK)], scale_of, total)
+                return scaled_products(w_tiles, lambda kb: x_s.at[:, pl.ds(kb * BLOCK, BLOCK)],
+                                       scalers(indices, x_scale_of), totals)
 
             pipeline = plgpu.emit_pipeline(body, grid=(groups, steps), max_concurrent_steps=min(depth, groups * steps),
-                                           init_carry=zeros, in_specs=[w_spec, x_spec, s_spec])
-            out_s[...] = pipeline(w_rows, x_cols, s_cols)
+                                           init_carry=init, in_specs=[w_spec] * num_w + [x_spec, s_spec])
+            results = pipeline(*(weight_rows(w) for w, _ in run_stacks), x_cols, s_cols)
+        out_s[...] = (swiglu(*results) if gated else results[0]).astype(out_s.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_s, out_gmem.at[split, 0 if sum_groups else gg, pl.ds(n * TILE_N, TILE_N),
                                                    pl.ds(mt * tokens, tokens)])
         plgpu.wait_smem_to_gmem(0)
 
     stacks = tuple(zip(w_gmems, ws_gmems))
+    launch = (lambda: run(*stacks)) if gated else (lambda: run_on_stack(run, stacks, gg, stack_groups))
     if experts_gmem is None:
-        run_on_stack(run, stacks, gg, stack_groups)
+        launch()
     else:
-        pl.when(matrix0 >= 0)(lambda: run_on_stack(run, stacks, gg, stack_groups))
+        pl.when(matrix0 >= 0)(launch)
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up in float32, as ``jax.nn.silu`` computes silu (gate * sigmoid(gate))."""
+    return gate / (1.0 + jnp.exp(-gate)) * up
 
 
 def run_on_stack(run, w_gmems: tuple, gg, stack_groups: int) -> None:
@@ -383,10 +409,12 @@ def check_stacks(w8s: tuple, w_scales_s: tuple, num_x: int, groups: int, x_name:
         raise ValueError(f"{x_name}: expected 1 or {groups} groups of tokens, got {num_x}")
 
 
-@functools.partial(jax.jit, static_argnames=("sum_groups", "transposed", "config", "num_sms", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sum_groups", "transposed", "gated", "out_dtype", "config", "num_sms",
+                                             "interpret"))
 def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales, matrices: jax.Array | None = None, *,
-                          sum_groups: bool = False, transposed: bool = False, config: GemmConfig = GemmConfig(),
-                          num_sms: int = 132, interpret: bool = False):
+                          sum_groups: bool = False, transposed: bool = False, gated: bool = False,
+                          out_dtype=jnp.float32, config: GemmConfig = GemmConfig(), num_sms: int = 132,
+                          interpret: bool = False):
     """G block-scaled products of one launch (module docstring), group g multiplying its tokens
     x[g] (or the one x[0] all groups share) by weight matrix ``matrices[g]`` of w8 (None: g).
 
@@ -408,6 +436,11 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
          layout the kernel writes, where XLA would otherwise transpose the result on its own
          (a copy of it: 21 us of a V2-Lite MoE layer's 246 at 64 tokens, H200) instead of
          fusing the transpose into what consumes it.
+      gated     with two stacks (gate, up): one result, silu(x @ gate^T) * (x @ up^T) (``swiglu``),
+                each CTA multiplying its token tile by both stacks' rows (the tile read once for
+                both, and neither product written out); K is not split then
+      out_dtype what the results are written as (float32, bfloat16 or float16): the kernel writes
+                it where K is not split, else its float32 partials are summed, then cast
 
     ValueError for shapes the kernel does not take (``kernel_takes``, ``pad_tokens``).
     """
@@ -416,7 +449,9 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
     num_x, m_given, k = x.shape
     num_matrices, n, _ = w8s[0].shape
     groups_total = num_matrices if matrices is None else matrices.shape[0]
-    kb_per_step = config.blocks_per_step(k)
+    # A gated CTA brings two weight tiles a step: one 128-channel block of each keeps its
+    # products' accumulators (two totals, two fresh) at the one-stack kernel's count.
+    kb_per_step = config.kb_per_step or (1 if gated else config.blocks_per_step(k))
     quantize = x_scales is None
     # Tokens the kernel quantizes may be any number: its tiles' rows past M arrive as zeros (the
     # TMA's out-of-bounds fill), and the output keeps whole tiles.
@@ -432,6 +467,10 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
     check_stacks(w8s, w_scales_s, num_x, groups_total, x_name="x")
     if sum_groups and (matrices is not None or stacked):
         raise ValueError("matrices: a summed product runs every matrix of one stack in order (matrices=None)")
+    if gated and len(w8s) != 2:
+        raise ValueError(f"w8: a gated product takes two stacks (gate, up), got {len(w8s)}")
+    if jnp.dtype(out_dtype) not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype: expected float32, bfloat16 or float16, got {jnp.dtype(out_dtype)}")
     steps_total = k // (BLOCK * kb_per_step)
     tokens = token_tile(m)
     n_tiles, m_tiles = n // TILE_N, m // tokens
@@ -441,6 +480,10 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
         if groups_total % splits:
             raise ValueError(f"config: splits={splits} must divide the {groups_total} groups")
         grid, groups, steps = (1, n_tiles, splits, m_tiles), groups_total // splits, steps_total
+    elif gated:  # silu needs the whole sum: one split
+        if (config.splits or 1) != 1:
+            raise ValueError(f"config: a gated product runs K whole (splits=1), got splits={config.splits}")
+        splits, grid, groups, steps = 1, (groups_total, n_tiles, 1, m_tiles), 1, steps_total
     else:
         splits = config.splits or choose_splits(num_stacks * groups_total * n_tiles * m_tiles, steps_total, num_sms)
         if steps_total % splits:
@@ -456,7 +499,7 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
                    plgpu.SMEM((kb_per_step, tokens), jnp.float32)]
     else:
         scale_tokens = scale_slot_tokens(tokens, kb_per_step)
-        width = scale_columns(m, k, config)
+        width = max(m, scale_tokens)  # scale_columns, for this launch's blocks a step
         if x_scales.shape not in ((num_x, k // BLOCK, m), (num_x, k // BLOCK, width)):
             raise ValueError(f"x_scales: expected [{num_x}, {k // BLOCK}, {m}] (or {width} columns, the kernel's "
                              f"slots), got {list(x_scales.shape)}")
@@ -464,31 +507,34 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
             x_scales = jnp.pad(x_scales, ((0, 0), (0, 0), (0, width - m)))
         operands, scratch = (*w8s, *weight_scales, x, x_scales.astype(jnp.float32)), []
     depth = pipeline_depth(config, tokens, kb_per_step, scale_tokens, x_itemsize=x.dtype.itemsize if quantize else 1,
-                           ctas=math.prod(grid), num_sms=num_sms)
+                           ctas=math.prod(grid), num_sms=num_sms, weight_tiles=2 if gated else 1)
     body = functools.partial(_kernel, num_stacks=num_stacks, stack_groups=groups_total, steps=steps, groups=groups,
                              sum_groups=sum_groups, shared_x=num_x == 1, kb_per_step=kb_per_step, depth=depth,
-                             tokens=tokens, scale_tokens=scale_tokens, quantize=quantize, interpret=interpret)
+                             tokens=tokens, scale_tokens=scale_tokens, quantize=quantize, gated=gated,
+                             interpret=interpret)
+    out_groups = 1 if sum_groups else groups_total if gated else num_stacks * groups_total
     grid, grid_names = launch_grid(*grid)
+    written = jnp.dtype(out_dtype) if splits == 1 else jnp.dtype(jnp.float32)
     kernel = plgpu.kernel(
         body if matrices is not None else functools.partial(body, None),
-        out_type=jax.ShapeDtypeStruct((splits, 1 if sum_groups else num_stacks * groups_total, n, m), jnp.float32),
-        scratch_types=[plgpu.SMEM((TILE_N, tokens), jnp.float32), *scratch],
+        out_type=jax.ShapeDtypeStruct((splits, out_groups, n, m), written),
+        scratch_types=[plgpu.SMEM((TILE_N, tokens), written), *scratch],
         grid=grid, grid_names=grid_names,
         kernel_name="snapmla_fp8_gemm",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    ys = summed_partials(kernel, operands, matrices, stacked=stacked, num_stacks=num_stacks, groups=groups_total,
-                         transposed=transposed)
+    ys = summed_partials(kernel, operands, matrices, stacked=stacked and not gated, num_stacks=num_stacks,
+                         groups=groups_total, transposed=transposed, out_dtype=out_dtype)
     return ys[0] if sum_groups else ys
 
 
 def summed_partials(kernel, operands: tuple, matrices: jax.Array | None, *, stacked: bool, num_stacks: int,
-                    groups: int, transposed: bool = False):
+                    groups: int, transposed: bool = False, out_dtype=jnp.float32):
     """Run a grouped launch (``matrices`` its first operand when given) and add its splits' partial
-    sums [splits, num_stacks * groups, N, M] float32 into [num_stacks * groups, M, N] (``transposed``:
-    [..., N, M]), or for ``stacked`` a tuple of ``num_stacks`` of them [groups, ...]."""
+    sums [splits, num_stacks * groups, N, M] into [num_stacks * groups, M, N] ``out_dtype``
+    (``transposed``: [..., N, M]), or for ``stacked`` a tuple of ``num_stacks`` of them [groups, ...]."""
     partials = kernel(*operands) if matrices is None else kernel(matrices.astype(jnp.int32), *operands)
-    summed = jnp.sum(partials, axis=0)
+    summed = (partials[0] if partials.shape[0] == 1 else jnp.sum(partials, axis=0)).astype(out_dtype)
     if not transposed:
         summed = jnp.swapaxes(summed, -1, -2)
     if not stacked:

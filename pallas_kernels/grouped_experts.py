@@ -147,11 +147,20 @@ def grouped_experts(flat: jax.Array, weights: jax.Array, ids: jax.Array, w_gate:
     return out.astype(flat.dtype)
 
 
+def swiglu_rows(products, rows) -> jax.Array:
+    """silu(gate) * up at index ``rows`` of a ``gate_up`` result: (gate, up), or silu(gate) * up
+    itself (a gated product)."""
+    if isinstance(products, tuple):
+        gate, up = products
+        return jax.nn.silu(gate[rows]) * up[rows]
+    return products[rows]
+
+
 def gathered_products(flat: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: Callable, down: Callable, *,
                       num_experts: int, hidden_dtype=None) -> jax.Array:
     """The gathered dispatch over two grouped products, one group an assignment (a = t * k + s):
     ``gate_up(x [1, T, hidden], chosen [T*k])`` -> (gate, up), each [T*k, >= T, inner] float32
-    (matrix chosen[a] of each stack times every token), then ``down(hidden [T*k, 1, inner],
+    (matrix chosen[a] of each stack times every token), or silu(gate) * up (``swiglu_rows``), then ``down(hidden [T*k, 1, inner],
     chosen)`` -> [T*k, >= 1, hidden] float32 (each assignment's own row). flat [T, hidden],
     weights [T, k] f32, ids [T, k] int32, clipped into [0, ``num_experts``) (a traced id cannot be
     checked), so no product reads past its stack. ``hidden_dtype``: what silu(gate) * up is
@@ -160,8 +169,7 @@ def gathered_products(flat: jax.Array, weights: jax.Array, ids: jax.Array, gate_
     chosen = jnp.clip(ids.reshape(-1), 0, num_experts - 1)
     assignments = jnp.arange(chosen.shape[0])
     rows = (assignments, assignments // ids.shape[1])  # each assignment's own token
-    gate, up = gate_up(flat[None], chosen)
-    hidden = jax.nn.silu(gate[rows]) * up[rows]                                       # [T*k, inner]
+    hidden = swiglu_rows(gate_up(flat[None], chosen), rows)                          # [T*k, inner]
     if hidden_dtype is not None:
         hidden = hidden.astype(hidden_dtype)
     return combine_assignments(down(hidden[:, None, :], chosen)[:, 0], weights)
@@ -171,8 +179,8 @@ def sorted_products(flat: jax.Array, weights: jax.Array, ids: jax.Array, gate_up
                     num_experts: int, chunk: int, hidden_dtype=None) -> jax.Array:
     """The sorted dispatch over two grouped products, one group a chunk of at most ``chunk``
     assignments of one expert (module docstring): ``gate_up(x [G, chunk, hidden], matrices [G])``
-    -> (gate, up), each [G, >= chunk, inner] float32, then ``down(hidden [G, chunk, inner],
-    matrices)`` -> [G, >= chunk, hidden] float32; ``matrices[g]`` is chunk g's expert, or -1 for a
+    -> (gate, up), each [G, >= chunk, inner] float32, or silu(gate) * up, then
+    ``down(hidden [G, chunk, inner], matrices)`` -> [G, >= chunk, hidden] float32; ``matrices[g]`` is chunk g's expert, or -1 for a
     chunk this call leaves empty (G = ``num_chunks``, the most there can be), whose rows are never
     read. flat [T, hidden], weights [T, k] f32, ids [T, k] int32, clipped into [0,
     ``num_experts``). An assignment of weight 0 takes no row: its product would be multiplied by
@@ -201,8 +209,7 @@ def sorted_products(flat: jax.Array, weights: jax.Array, ids: jax.Array, gate_up
         (order // k).astype(jnp.int32), mode="drop")           # num_tokens: an empty row
     x = flat.at[token_of_slot].get(mode="fill", fill_value=0).reshape(groups, chunk, flat.shape[1])
     matrices = jnp.full(groups, -1, jnp.int32).at[slot // chunk].set(e, mode="drop")  # num_slots // chunk: dropped
-    gate, up = gate_up(x, matrices)
-    hidden = jax.nn.silu(gate[:, :chunk]) * up[:, :chunk]
+    hidden = swiglu_rows(gate_up(x, matrices), (slice(None), slice(0, chunk)))
     if hidden_dtype is not None:
         hidden = hidden.astype(hidden_dtype)
     out = down(hidden, matrices)[:, :chunk].reshape(num_slots, -1)     # [G * chunk, hidden]

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from snapmla_jax.backend import mosaic_kernels_run, resolve_backend, sm_count
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import (BLOCK, FLOAT_DTYPES, MAX_TOKENS, fp8_gemm_mgpu,
-                                                      fp8_grouped_gemm_mgpu, pad_tokens, scale_columns)
+                                                      fp8_grouped_gemm_mgpu, pad_tokens, scale_columns, swiglu)
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import kernel_takes as gemm_takes
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import TilesConfig, fp8_gemm_tiles_mgpu, fp8_grouped_gemm_tiles_mgpu
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import kernel_takes as tiles_takes
@@ -281,9 +281,9 @@ def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax
 
 
 def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, sum_groups: bool = False,
-                       transposed: bool = False, backend: str = "auto"):
+                       transposed: bool = False, gated: bool = False, out_dtype=jnp.float32, backend: str = "auto"):
     """Products of token groups with matrices of a block-FP8 stack (a MoE layer's experts), in
-    float32.
+    float32 (or ``out_dtype``).
 
       x         [X, T, in], X = 1 (every group multiplies the same tokens) or G
       w         BlockFP8Weight stack [E, out, in], or a tuple of stacks of one shape and block
@@ -296,6 +296,10 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
          over g. ``transposed``: [G, out, T] (and [out, T]), the layout the FP8 GEMM of few
          tokens writes: a caller that consumes the result elementwise and transposes after (as
          the MoE's dense dispatch does) lets XLA fuse the transpose instead of copying it.
+      gated     w a tuple (gate, up): one result, silu(x @ gate^T) * (x @ up^T), which the FP8 GEMM
+                of few tokens computes in its CTAs (the tokens read once for both products, and
+                neither product written out); the other paths compute it from the two products
+      out_dtype what the result is rounded to once (float32, bfloat16 or float16)
 
     On a Hopper GPU or in the interpreter this is one launch of an FP8 GEMM, x quantized per row
     and 128 channels, each matrix's e4m3 bytes read where they lie: the tiled kernel
@@ -312,25 +316,34 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
                          f"shape, got {list(x.shape)} against {[list(s.shape) for s in stacks]}")
     if sum_groups and (matrices is not None or len(stacks) > 1):
         raise ValueError("matrices: a summed product runs every matrix of one stack in order (matrices=None)")
+    if gated and (not isinstance(w, tuple) or len(stacks) != 2):
+        raise ValueError("w: a gated product takes a tuple of two stacks (gate, up)")
     backend = resolve_backend(backend)
     rows = x.shape[1]
+
+    def finished(ys):
+        """The products as the caller asked for them: silu(gate) * up where ``gated``, in ``out_dtype``."""
+        ys = (swiglu(*ys),) if gated else ys
+        ys = tuple(y.astype(out_dtype) for y in ys)
+        return ys[0] if gated or not isinstance(w, tuple) else ys
+
     if not sum_groups and all(tiles_run(s, rows, backend) for s in stacks):
         x8, x_scales = _quantized_rows(x, _tile_rows(rows), backend)
         values, scales = tuple(s.values for s in stacks), tuple(s.scales for s in stacks)
         ys = fp8_grouped_gemm_tiles_mgpu(x8, x_scales, values, scales, matrices, config=TILES_CONFIG,
                                          num_sms=sm_count(), interpret=backend == "interpret")
-        ys = tuple(jnp.swapaxes(y[:, :rows], -1, -2) if transposed else y[:, :rows] for y in ys)
-        return ys if isinstance(w, tuple) else ys[0]
+        return finished(tuple(jnp.swapaxes(y[:, :rows], -1, -2) if transposed else y[:, :rows] for y in ys))
     if all(kernel_runs(s, rows, backend) for s in stacks):
         tokens, x_scales = _kernel_tokens(x, pad_tokens(rows), backend)
         values, scales = tuple(s.values for s in stacks), tuple(s.scales for s in stacks)
         if len(stacks) == 1:
             values, scales = values[0], scales[0]
         ys = fp8_grouped_gemm_mgpu(tokens, x_scales, values, scales, matrices, sum_groups=sum_groups,
-                                   transposed=transposed, num_sms=sm_count(), interpret=backend == "interpret")
+                                   transposed=transposed, gated=gated, out_dtype=out_dtype, num_sms=sm_count(),
+                                   interpret=backend == "interpret")
         ys = tuple(y[..., :rows] if transposed else y[:rows] if sum_groups else y[:, :rows]
                    for y in (ys if isinstance(ys, tuple) else (ys,)))
-        return ys if isinstance(w, tuple) else ys[0]
+        return ys[0] if gated or not isinstance(w, tuple) else ys
     shared = x.shape[0] == 1
     spec = f"{'ti' if shared else 'gti'},goi->{'to' if sum_groups else 'gto'}"
 
@@ -340,5 +353,4 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
         return jnp.einsum(spec, x[0] if shared else x, dequantize_weight(stack, x.dtype),
                           preferred_element_type=jnp.float32)
 
-    ys = tuple(jnp.swapaxes(product(s), -1, -2) if transposed else product(s) for s in stacks)
-    return ys if isinstance(w, tuple) else ys[0]
+    return finished(tuple(jnp.swapaxes(product(s), -1, -2) if transposed else product(s) for s in stacks))

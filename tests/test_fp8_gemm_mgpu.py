@@ -299,6 +299,81 @@ def test_two_stacks_in_one_launch_each_match_their_own_product(chosen, interpret
         assert (err <= (2.0**-15 if interpret else 2.0**-10) * size + 1e-30).all()
 
 
+@pytest.mark.parametrize("chosen, m, quantized, out_dtype, interpret", [
+    (None, 16, True, jnp.float32, True), ([2, -1, 0, 2], 11, False, jnp.bfloat16, True),
+    ([1, 0], 100, True, jnp.float32, True),  # two token tiles
+    pytest.param([2, -1, 0, 2], 64, True, jnp.bfloat16, False, marks=pytest.mark.gpu),
+    pytest.param(None, 5, False, jnp.float32, False, marks=pytest.mark.gpu)])
+def test_a_gated_launch_writes_silu_of_gate_times_up_within_the_roundings_of_float64(chosen, m, quantized, out_dtype,
+                                                                                     interpret):
+    """``gated=True``: each CTA multiplies its token tile by both stacks' rows and writes
+    silu(gate) * up, here against float64 x (as given: float32, or bf16 the kernel quantizes as it
+    arrives) times the dequantized matrices. Each product is off by x's e4m3 rounding and its sums'
+    (interpreted 2^-15, compiled 2^-10 of the terms' size: ``_activation_rounding_bound``); silu's
+    slope is at most 1.1, so silu(g) * u is off by at most 1.1 |dg| (|u| + |du|) + |silu(g)| |du|;
+    then one rounding to the output's dtype (bfloat16: 2^-9 of the value) and float32's own exp
+    and products (2^-20)."""
+    k, n = 256, 128
+    x, gate = _group_operands(31, 1, 3, m, n, k)
+    _, up = _group_operands(32, 1, 3, m, n, k)
+    ids = None if chosen is None else jnp.asarray(chosen, jnp.int32)
+    if quantized:
+        x8, x_scales = quantize_activations(jnp.pad(x, ((0, 0), (0, pad_tokens(m) - m), (0, 0))))
+        h = fp8_grouped_gemm_mgpu(x8, x_scales, (gate.values, up.values), (gate.scales, up.scales), ids, gated=True,
+                                  out_dtype=out_dtype, num_sms=4, interpret=interpret)
+    else:  # the kernel quantizes the tokens itself
+        x = x.astype(jnp.bfloat16)
+        h = fp8_grouped_gemm_mgpu(x, None, (gate.values, up.values), (gate.scales, up.scales), ids, gated=True,
+                                  out_dtype=out_dtype, num_sms=4, interpret=interpret)
+    assert h.dtype == out_dtype and h.shape == (3 if chosen is None else len(chosen), pad_tokens(m), n)
+    kept = np.ones(h.shape[0], bool) if chosen is None else np.asarray(chosen) >= 0
+    matrices = np.arange(3) if chosen is None else np.asarray(chosen)[kept]
+    rel = 2.0**-15 if interpret else 2.0**-10
+    x64 = np.broadcast_to(np.asarray(x.astype(jnp.float32), np.float64), (len(matrices), m, k))
+    products = []
+    for w in (gate, up):
+        w64 = np.asarray(dequantize_weight(w, jnp.float32), np.float64)[matrices]
+        products.append((np.einsum("gmk,gnk->gmn", x64, w64),
+                         _activation_rounding_bound(x64, w64, "gmk,gnk->gmn", rel)))
+    (g, g_err), (u, u_err) = products
+    silu = g * 0.5 * (1.0 + np.tanh(0.5 * g))  # g * sigmoid(g), without exp's overflow
+    want = silu * u
+    out_rel = 2.0**-9 if out_dtype == jnp.bfloat16 else 2.0**-20
+    bound = 1.1 * g_err * (np.abs(u) + u_err) + np.abs(silu) * u_err + out_rel * np.abs(want) + 1e-30
+    err = np.abs(np.asarray(h[kept], np.float64)[:, :m] - want)
+    assert (err <= bound).all(), float((err / bound).max())
+    assert np.abs(want).max() > 0
+
+
+@pytest.mark.parametrize("m, backend", [(11, "interpret"), (100, "interpret"), (11, "xla")])
+def test_fp8_grouped_matmul_gated_is_silu_of_its_two_products_on_every_path(m, backend):
+    """``fp8_grouped_matmul(..., gated=True)`` on the kernel of few tokens (11), the tiled kernel
+    (100) and XLA: silu(gate) * up of the same call's two products, within one rounding of the
+    output (bfloat16, 2^-8 of the value where both sides round) and float32's exp (2^-20)."""
+    x, gate = _group_operands(41, 1, 2, m, 128, 256)
+    _, up = _group_operands(42, 1, 2, m, 128, 256)
+    g, u = fp8_grouped_matmul(x, (gate, up), transposed=True, backend=backend)
+    h = fp8_grouped_matmul(x, (gate, up), transposed=True, gated=True, out_dtype=jnp.bfloat16, backend=backend)
+    want = np.asarray(jax.nn.silu(g) * u, np.float64)
+    assert h.shape == want.shape and h.dtype == jnp.bfloat16
+    err = np.abs(np.asarray(h, np.float64) - want)
+    assert (err <= 2.0**-8 * np.abs(want) + 2.0**-20 * np.abs(want).max()).all()
+
+
+def test_a_gated_product_refuses_one_stack_a_split_k_and_an_integer_output():
+    x, gate = _group_operands(43, 1, 2, 16, 128, 256)
+    x8, x_scales = quantize_activations(x)
+    two = ((gate.values, gate.values), (gate.scales, gate.scales))
+    with pytest.raises(ValueError, match="w8: a gated product takes two stacks"):
+        fp8_grouped_gemm_mgpu(x8, x_scales, gate.values, gate.scales, gated=True, interpret=True)
+    with pytest.raises(ValueError, match="config: a gated product runs K whole"):
+        fp8_grouped_gemm_mgpu(x8, x_scales, *two, gated=True, config=GemmConfig(splits=2), interpret=True)
+    with pytest.raises(ValueError, match="out_dtype: expected float32, bfloat16 or float16"):
+        fp8_grouped_gemm_mgpu(x8, x_scales, *two, out_dtype=jnp.int32, interpret=True)
+    with pytest.raises(ValueError, match="w: a gated product takes a tuple of two stacks"):
+        fp8_grouped_matmul(x, gate, gated=True, backend="interpret")
+
+
 @pytest.mark.parametrize("summed, chosen, m", [(False, None, 11), (False, [1, 1, 0], 11), (True, None, 11),
                                                (False, [1, -1, 0], 100), (True, None, 100)])
 def test_fp8_grouped_matmul_through_the_kernel_is_within_the_activation_rounding(summed, chosen, m):

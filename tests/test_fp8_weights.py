@@ -255,8 +255,9 @@ def _e4m3_rounding(v: np.ndarray) -> np.ndarray:
     pytest.param(5, "dense", "pallas", 64, marks=pytest.mark.gpu),
     pytest.param(200, "dense", "pallas", 0, marks=pytest.mark.gpu),  # two token tiles
     pytest.param(200, "sorted", "pallas", 0, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(num_tokens, dispatch, backend,
-                                                                               kernel_quantizes, monkeypatch):
+                                                                               kernel_quantizes, dtype, monkeypatch):
     """The routed experts on the FP8 GEMM kernel (interpreted) against float64 experts on the
     dequantized weights. The kernel quantizes each product's input to e4m3 per row and 128
     channels (x for gate and up; the gate-weighted (dense) or plain (gathered, sorted) hidden row
@@ -264,8 +265,11 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
     ``kernel_quantizes`` rows (``fp8_weights.kernel_quantization``),
     so the bound carries those roundings through: |d silu| <= 1.1 |d g|, then the product with up,
     then the down projection's absolute sums; the sums add 2**-15 of the terms' size interpreted
-    (float32), 2**-10 compiled (the FP8 wgmma's accumulation)."""
-    model = MLAModel(KERNEL_CFG, rngs=nnx.Rngs(3), dtype=jnp.float32)
+    (float32), 2**-10 compiled (the FP8 wgmma's accumulation). A bfloat16 model rounds silu(g) * u
+    to bfloat16 and, dense, its product with the gate weight again (2**-9 of the value each, before
+    the hidden row's e4m3 rounding), and the layer's output, routed + shared, once more (2**-9 of
+    their sizes)."""
+    model = MLAModel(KERNEL_CFG, rngs=nnx.Rngs(3), dtype=dtype)
     moe = model.layers[1].mlp
     quantize_weights(model, (128, 128))
     moe.gather_max_tokens = num_tokens if dispatch == "gathered" else 0
@@ -277,12 +281,13 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
     rng = np.random.default_rng(num_tokens)
     x = rng.normal(size=(num_tokens, KERNEL_CFG.hidden_size))
     x[0, :7] *= 30.0  # outlier channels
-    x = jnp.asarray(x, jnp.float32)
+    x = jnp.asarray(x, dtype)
     weights, ids = moe.gate(x)
     w_gate, w_up, w_down = (np.swapaxes(reference_dequantize(w.get_value()), -1, -2)
                             for w in (moe.w_gate, moe.w_up, moe.w_down))
-    x64 = np.asarray(x, np.float64)
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
     x_err = _e4m3_rounding(x64)
+    hidden_rel = 2 * 2.0**-9 if dtype == jnp.bfloat16 else 0.0  # silu(g) * u, then times the gate weight
     sums = 2.0**-15 if backend == "interpret" else 2.0**-10  # float32 / the FP8 wgmma's ~14 bits
     want, bound = np.zeros((num_tokens, KERNEL_CFG.hidden_size)), np.zeros((num_tokens, KERNEL_CFG.hidden_size))
     for t in range(num_tokens):
@@ -293,6 +298,7 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
             silu = g / (1 + np.exp(-g))
             h = silu * u
             h_err = 1.1 * g_err * (np.abs(u) + u_err) + np.abs(silu) * u_err
+            h_err = h_err + hidden_rel * (np.abs(h) + h_err)
             h_err = h_err + _e4m3_rounding(np.abs(h) + h_err)  # the hidden row's own quantization
             want[t] += a * (h @ w_down[e])
             bound[t] += a * (h_err @ np.abs(w_down[e]) + sums * (np.abs(h) @ np.abs(w_down[e])))
@@ -304,16 +310,19 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
     monkeypatch.setattr(fp8_weights, "fp8_grouped_gemm_tiles_mgpu",
                         lambda *a, **kw: quantized_by.append(False) or tiled(*a, **kw))
     with kernel_quantization(kernel_quantizes):
-        shared = np.asarray(moe.shared_experts(x, backend=backend), np.float64)
-        got = np.asarray(moe(x, backend=backend), np.float64) - shared
+        shared = np.asarray(moe.shared_experts(x, backend=backend).astype(jnp.float32), np.float64)
+        got = np.asarray(moe(x, backend=backend).astype(jnp.float32), np.float64) - shared
     assert quantized_by and set(quantized_by) == {kernel_quantizes > 0}
+    if dtype == jnp.bfloat16:  # the routed output, then routed + shared, each rounded to bfloat16
+        bound = bound + 2.0**-9 * (2 * (np.abs(want) + bound) + np.abs(shared))
     err = np.abs(got - want)
     assert (err <= bound + 1e-6 * np.abs(want).max()).all(), float((err / bound).max())
     # The worst case above adds every rounding with one sign; e4m3's roundings (RMS ~2**-4 / 3 of a
     # value) add in quadrature: two of them in series stay far below 0.1 of the output's L2 norm,
     # where a wrong expert, scale or token gives an O(1) error.
     assert np.linalg.norm(err) <= 0.1 * np.linalg.norm(want)
-    unquantized = np.asarray(moe(x, backend="xla"), np.float64) - np.asarray(moe.shared_experts(x, backend="xla"))
+    unquantized = (np.asarray(moe(x, backend="xla").astype(jnp.float32), np.float64)
+                   - np.asarray(moe.shared_experts(x, backend="xla").astype(jnp.float32), np.float64))
     assert not np.array_equal(got, unquantized)  # the kernel ran: the activations' rounding shows
 
 
