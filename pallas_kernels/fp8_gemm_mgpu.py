@@ -252,19 +252,23 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
     x_spec = plgpu.BlockSpec((None, tokens, tk), (lambda e, k: (0, 0, k)) if shared_x else (lambda e, k: (e, 0, k)),
                              transforms=() if quantize else BYTE_TILE_TRANSFORMS)
 
-    def scaled_products(w_tiles, x8_tile, scales_of, totals):
-        """Each weight tile's total + each block's product scaled by ``scales_of[i](kb)``, f32
-        [tokens] (``COL``): w_tiles, scales_of and totals one a weight tile (two when ``gated``)."""
+    def scaled_products(w_tiles, x8_tile, x_scale_of, w_scales, totals):
+        """Each weight tile's total + each block's product scaled by ``x_scale_of(kb)``, f32
+        [tokens] (``COL``), times the tile's block scale ``w_scales[i][kb]``: w_tiles, w_scales
+        and totals one a weight tile (two when ``gated``)."""
         def products(*acc_refs):
             # Every block's product is issued before the first is read: block kb's scaling runs
             # while the tensor cores work on the blocks after it.
             issued = [(i, kb) for i in range(len(w_tiles)) for kb in range(kb_per_step)]
             for (i, kb), acc_ref in zip(issued, acc_refs):
                 plgpu.wgmma(acc_ref, w_tiles[i].at[:, pl.ds(kb * BLOCK, BLOCK)], x8_tile(kb).transpose((1, 0)))
-            results = list(totals)
+            results, x_scales = list(totals), {}
             for index, ((i, kb), acc_ref) in enumerate(zip(issued, acc_refs)):
                 fresh = plgpu.wgmma_accumulator_load(acc_ref, wait_n=len(issued) - 1 - index)
-                results[i] = results[i] + fresh * lax.broadcast_in_dim(scales_of[i](kb), (TILE_N, tokens), [1])
+                if kb not in x_scales:  # loaded once a block for all the weight tiles
+                    x_scales[kb] = x_scale_of(kb)
+                scale = x_scales[kb] * w_scales[i][kb]
+                results[i] = results[i] + fresh * lax.broadcast_in_dim(scale, (TILE_N, tokens), [1])
             return tuple(results)
 
         return pl.run_scoped(products, *[plgpu.ACC((TILE_N, tokens), jnp.float32)
@@ -290,17 +294,16 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
         num_w = len(run_stacks)
         init = (zeros,) * num_w
 
-        def scalers(indices, x_scale_of):
-            """scale_of(kb) for each stack: the tokens' block scales times the weight block's."""
-            w_scales = [weight_scales(ws_gmem, indices) for _, ws_gmem in run_stacks]
-            return [functools.partial(lambda kb, w_sc: x_scale_of(kb) * w_sc[kb], w_sc=w_sc) for w_sc in w_scales]
+        def stacks_scales(indices):
+            return [weight_scales(ws_gmem, indices) for _, ws_gmem in run_stacks]
 
         if quantize:
             def body(indices, *refs_and_totals):  # the weight tiles, the token tile, the carry
                 *w_tiles, x_s, totals = refs_and_totals
-                scales_of = scalers(indices, lambda kb: plgpu.load(xs_s.at[kb], layout=COL))
+                w_scales = stacks_scales(indices)
                 quantize_tile(x_s, xq_s, xs_s, interpret=interpret)
-                return scaled_products(w_tiles, lambda kb: xq_s.at[kb], scales_of, totals)
+                return scaled_products(w_tiles, lambda kb: xq_s.at[kb], lambda kb: plgpu.load(xs_s.at[kb], layout=COL),
+                                       w_scales, totals)
 
             pipeline = plgpu.emit_pipeline(body, grid=(groups, steps), max_concurrent_steps=min(depth, groups * steps),
                                            init_carry=init, in_specs=[w_spec] * num_w + [x_spec])
@@ -314,13 +317,14 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
 
             def body(indices, *refs_and_totals):  # the weight tiles, the token and scale tiles, the carry
                 *w_tiles, x_s, s_s, totals = refs_and_totals
+                w_scales = stacks_scales(indices)
 
                 def x_scale_of(kb):
                     scale_row = s_s.at[kb] if scale_tokens == tokens else s_s.at[kb, pl.ds(0, tokens)]
                     return plgpu.load(scale_row, layout=COL)
 
-                return scaled_products(w_tiles, lambda kb: x_s.at[:, pl.ds(kb * BLOCK, BLOCK)],
-                                       scalers(indices, x_scale_of), totals)
+                return scaled_products(w_tiles, lambda kb: x_s.at[:, pl.ds(kb * BLOCK, BLOCK)], x_scale_of,
+                                       w_scales, totals)
 
             pipeline = plgpu.emit_pipeline(body, grid=(groups, steps), max_concurrent_steps=min(depth, groups * steps),
                                            init_carry=init, in_specs=[w_spec] * num_w + [x_spec, s_spec])

@@ -321,11 +321,15 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
     backend = resolve_backend(backend)
     rows = x.shape[1]
 
-    def finished(ys):
-        """The products as the caller asked for them: silu(gate) * up where ``gated``, in ``out_dtype``."""
-        ys = (swiglu(*ys),) if gated else ys
-        ys = tuple(y.astype(out_dtype) for y in ys)
+    def returned(ys):
+        """The tuple ``ys`` as the caller's ``w`` asks: its one array for one stack or ``gated``."""
         return ys[0] if gated or not isinstance(w, tuple) else ys
+
+    def finished(ys):
+        """The float32 products as the caller asked for them: silu(gate) * up where ``gated``, in
+        ``out_dtype``."""
+        ys = (swiglu(*ys),) if gated else ys
+        return returned(tuple(y.astype(out_dtype) for y in ys))
 
     if not sum_groups and all(tiles_run(s, rows, backend) for s in stacks):
         x8, x_scales = _quantized_rows(x, _tile_rows(rows), backend)
@@ -343,7 +347,7 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
                                    interpret=backend == "interpret")
         ys = tuple(y[..., :rows] if transposed else y[:rows] if sum_groups else y[:, :rows]
                    for y in (ys if isinstance(ys, tuple) else (ys,)))
-        return ys[0] if gated or not isinstance(w, tuple) else ys
+        return returned(ys)
     shared = x.shape[0] == 1
     spec = f"{'ti' if shared else 'gti'},goi->{'to' if sum_groups else 'gto'}"
 
