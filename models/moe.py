@@ -157,9 +157,9 @@ SORTED_MIN_TOKENS_LARGE_EXPERTS = 16
 # (scripts/bench_fp8_experts.py, fp8 sorted vs fp8 dense): at V2-Lite's shapes 0.92 / 0.94 /
 # 1.18x as fast at T = 48 / 64 / 96 with gate and up as one gated launch
 # (docs/benchmarks/fp8_experts_gated_h100.md; dense's time grows ~2.7 us a token there and
-# sorted's stays ~0.30 ms, so they cross near 70 tokens); before it 0.92 / 0.95 / 1.00 / 1.13x at
-# 32 / 48 / 64 / 96 (docs/benchmarks/fp8_experts_occupancy_h100.md); at V3's
-# (32 of its experts, one of 8 GPUs' share) 0.95 / 0.95 / 0.93 / 0.90x at 16 / 32 / 64 / 128,
+# sorted's stays ~0.30 ms, so they cross near 70 tokens); at V3's (32 of its experts, one of 8
+# GPUs' share; docs/benchmarks/fp8_experts_sorted_h100.md, measured before the gated launch)
+# 0.95 / 0.95 / 0.93 / 0.90x at 16 / 32 / 64 / 128,
 # while at V2's shapes on 4 H200s (184 tokens) sorted made the step 1.44x as fast
 # (docs/benchmarks/capacity_sorted.md).
 FP8_SORTED_MIN_TOKENS = 72

@@ -182,9 +182,9 @@ def sorted_products(flat: jax.Array, weights: jax.Array, ids: jax.Array, gate_up
     assignments of one expert (module docstring): ``gate_up(x [G, chunk, hidden], matrices [G])``
     -> (gate, up), each [G, >= chunk, inner] float32, or silu(gate) * up, then
     ``down(hidden [G, chunk, inner], matrices)`` -> [G, >= chunk, hidden] float32;
-    ``matrices[g]`` is chunk g's expert, or -1 for a chunk this call leaves empty (G = ``num_chunks``, the most there can be), whose rows are never
-    read. flat [T, hidden], weights [T, k] f32, ids [T, k] int32, clipped into [0,
-    ``num_experts``). An assignment of weight 0 takes no row: its product would be multiplied by
+    ``matrices[g]`` is chunk g's expert, or -1 for a chunk this call leaves empty (G =
+    ``num_chunks``, the most there can be), whose rows are never read. flat [T, hidden], weights
+    [T, k] f32, ids [T, k] int32, clipped into [0, ``num_experts``). An assignment of weight 0 takes no row: its product would be multiplied by
     0 (under expert parallelism, the assignments to another device's experts,
     ``MoE._local_assignments``). ``hidden_dtype``: what silu(gate) * up is rounded to between
     the products (None: float32). -> float32 [T, hidden] (``combine_assignments``)."""
