@@ -160,12 +160,18 @@ def slot_bytes(tokens: int, kb_per_step: int, scale_tokens: int, x_itemsize: int
 
 
 def fixed_bytes(tokens: int, kb_per_step: int, x_itemsize: int = 1) -> int:
-    """SMEM bytes a CTA holds besides its slots: the output tile, and where the kernel quantizes
-    its tokens (``x_itemsize`` > 1) their e4m3 tile and scales with QUANTIZE_SMEM_SLACK."""
-    fixed = 4 * TILE_N * tokens
-    if x_itemsize > 1:
-        fixed += tokens * BLOCK * kb_per_step + 4 * kb_per_step * tokens + QUANTIZE_SMEM_SLACK
-    return fixed
+    """SMEM bytes a CTA holds beside its slots: where the kernel quantizes its tokens
+    (``x_itemsize`` > 1) their e4m3 tile and scales with QUANTIZE_SMEM_SLACK, else none. The
+    output tile is staged in the slots' bytes once the pipeline is done (``cta_bytes``)."""
+    if x_itemsize == 1:
+        return 0
+    return tokens * BLOCK * kb_per_step + 4 * kb_per_step * tokens + QUANTIZE_SMEM_SLACK
+
+
+def cta_bytes(depth: int, slot: int, fixed: int, tokens: int) -> int:
+    """SMEM bytes of a CTA of ``depth`` slots: ``fixed``, then the slots, whose bytes the [64,
+    tokens] float32 output tile takes over after the last step (a scope of its own)."""
+    return fixed + max(depth * slot, 4 * TILE_N * tokens)
 
 
 def ctas_per_sm(smem_bytes: int) -> int:
@@ -177,8 +183,9 @@ def pipeline_depth(config: GemmConfig, tokens: int, kb_per_step: int, scale_toke
                    x_itemsize: int = 1, ctas: int | None = None, num_sms: int | None = None,
                    weight_tiles: int = 1) -> int:
     """Pipeline steps a CTA keeps in flight: at most ``config.depth``, and no more than fit
-    SMEM_BYTES beside the output tile (128-token tiles of 256 channels: 3). ``x_itemsize`` > 1:
-    the tokens arrive unquantized (``scale_tokens`` 0; ``fixed_bytes``).
+    SMEM_BYTES (128-token tiles of 256 channels: 4; the output tile is staged in the slots'
+    bytes, ``cta_bytes``). ``x_itemsize`` > 1: the tokens arrive unquantized (``scale_tokens``
+    0; ``fixed_bytes``).
 
     Given the launch's ``ctas`` and ``num_sms``, the depth also sets how many CTAs an SM holds
     (``ctas_per_sm``), and that matters more than the depth: a CTA streams too few steps to hide
@@ -189,15 +196,20 @@ def pipeline_depth(config: GemmConfig, tokens: int, kb_per_step: int, scale_toke
     42.2 -> 33.8 us (3 instead of 2 CTAs an SM: 288 CTAs in one wave), V2-Lite's 64 gate and up
     matrices at 64 tokens 131.1 -> 111.4 (two CTAs an SM instead of one), their down projection
     summed over 64 experts at 64 tokens 55.2 -> 52.4 (512 CTAs resident); on an H100 18432 x 7168
-    at 16 tokens 53.3 -> 49.5, and no change at 64 tokens (docs/models.md, "FP8 weights")."""
+    at 16 tokens 53.3 -> 49.5. Staging the output tile in the slots' bytes rather than beside them
+    lets 18432 x 7168 at 64 tokens run three CTAs an SM at depth 2 (all 288 resident; two with the
+    tile beside them): 65.3 -> 56.7 us a product on an H100 (wall clock of a chain over weight
+    copies, side by side), 7168 x 18432 61.8 -> 56.2 (336 CTAs); where it only deepens the
+    pipeline at the same residency it costs 2-3% (18432 x 7168 at 32 tokens, depth 2 -> 3: 52.8 ->
+    54.6; 7168 x 2048 at 64: 13.8 -> 14.1) (docs/models.md, "FP8 weights")."""
     slot = slot_bytes(tokens, kb_per_step, scale_tokens, x_itemsize, weight_tiles)
     fixed = fixed_bytes(tokens, kb_per_step, x_itemsize)
     fit = max(1, min(config.depth, (SMEM_BYTES - fixed) // slot))
     if ctas is None or num_sms is None:
         return fit
     deepest_first = range(fit, 1, -1)  # depths of at least two steps
-    resident = [d for d in deepest_first if ctas <= num_sms * ctas_per_sm(fixed + d * slot)]
-    paired = [d for d in deepest_first if ctas_per_sm(fixed + d * slot) >= 2]
+    resident = [d for d in deepest_first if ctas <= num_sms * ctas_per_sm(cta_bytes(d, slot, fixed, tokens))]
+    paired = [d for d in deepest_first if ctas_per_sm(cta_bytes(d, slot, fixed, tokens)) >= 2]
     return (resident or paired or [fit])[0]
 
 
@@ -229,16 +241,16 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
 
     refs: the ``num_stacks`` weight stacks' refs and their scales' refs; then either x (e4m3) and
     its scales [X, K / 128, M'] (M' >= M: ``scale_slot_tokens``), or with ``quantize`` x
-    (unquantized); the output and its SMEM tile; with ``quantize`` the SMEM of the step's quantized
-    tokens and their scales (``quantize_tile``).
+    (unquantized); the output; with ``quantize`` the SMEM of the step's quantized tokens and their
+    scales (``quantize_tile``). The output tile is staged in SMEM the pipeline has released.
 
     ``gated`` (two stacks, a MoE's gate and up): the CTA multiplies the token tile by both
     stacks' weight rows [64 n, 64 n + 64) of group g and writes silu(gate) * up (``swiglu``)."""
     w_gmems, ws_gmems, refs = refs[:num_stacks], refs[num_stacks:2 * num_stacks], refs[2 * num_stacks:]
     if quantize:
-        x_gmem, out_gmem, out_s, xq_s, xs_s = refs
+        x_gmem, out_gmem, xq_s, xs_s = refs
     else:
-        x_gmem, s_gmem, out_gmem, out_s = refs
+        x_gmem, s_gmem, out_gmem = refs
     gg, n, split, mt = (lax.axis_index(name) for name in ("g", "n", "s", "m"))
     g = gg if num_stacks == 1 or gated else lax.rem(gg, stack_groups)
     tk = BLOCK * kb_per_step
@@ -329,11 +341,16 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
             pipeline = plgpu.emit_pipeline(body, grid=(groups, steps), max_concurrent_steps=min(depth, groups * steps),
                                            init_carry=init, in_specs=[w_spec] * num_w + [x_spec, s_spec])
             results = pipeline(*(weight_rows(w) for w, _ in run_stacks), x_cols, s_cols)
-        out_s[...] = (swiglu(*results) if gated else results[0]).astype(out_s.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_s, out_gmem.at[split, 0 if sum_groups else gg, pl.ds(n * TILE_N, TILE_N),
-                                                   pl.ds(mt * tokens, tokens)])
-        plgpu.wait_smem_to_gmem(0)
+        tile = (swiglu(*results) if gated else results[0]).astype(out_gmem.dtype)
+
+        def store(out_s):  # in the bytes the pipeline's slots held (``cta_bytes``)
+            out_s[...] = tile
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_s, out_gmem.at[split, 0 if sum_groups else gg, pl.ds(n * TILE_N, TILE_N),
+                                                       pl.ds(mt * tokens, tokens)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(store, plgpu.SMEM((TILE_N, tokens), out_gmem.dtype))
 
     stacks = tuple(zip(w_gmems, ws_gmems))
     launch = (lambda: run(*stacks)) if gated else (lambda: run_on_stack(run, stacks, gg, stack_groups))
@@ -523,7 +540,7 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
     kernel = plgpu.kernel(
         body if matrices is not None else functools.partial(body, None),
         out_type=jax.ShapeDtypeStruct((splits, out_groups, n, m), written),
-        scratch_types=[plgpu.SMEM((TILE_N, tokens), written), *scratch],
+        scratch_types=scratch,
         grid=grid, grid_names=grid_names,
         kernel_name="snapmla_fp8_gemm",
         interpret=plgpu.InterpretGPUParams() if interpret else None,

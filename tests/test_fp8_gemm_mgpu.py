@@ -113,8 +113,8 @@ def test_fp8_matmul_keeps_xla_where_the_kernel_does_not_take_the_shape():
     assert not kernel_takes(16, 100, 512) and kernel_takes(64, 128, 512) and kernel_takes(128, 128, 384)
     assert not kernel_takes(16, 128, 200)  # K not whole 128-channel blocks
     assert [pad_tokens(m) for m in (1, 16, 17, 64, 65, 200)] == [16, 16, 32, 64, 128, 256]
-    # 128-token tiles of 256 channels: 3 slots of 48 KB beside the 32 KB output tile; 4 would overflow.
-    assert pipeline_depth(GemmConfig(), 128, 2, 128) == 3 and pipeline_depth(GemmConfig(), 64, 2, 64) == 4
+    # 128-token tiles of 256 channels: 4 slots of 49 KB (the output tile staged in them); 5 would overflow.
+    assert pipeline_depth(GemmConfig(), 128, 2, 128) == 4 and pipeline_depth(GemmConfig(), 64, 2, 64) == 4
 
 
 def _group_operands(seed, groups, matrices, m, n, k):
@@ -470,20 +470,25 @@ def test_fp8_grouped_matmul_refuses_what_it_cannot_run_naming_the_argument():
 
 
 def test_the_depth_keeps_every_cta_resident_else_two_an_sm():
-    """The measured cases of ``pipeline_depth``'s rule (132 SMs)."""
+    """The measured cases of ``pipeline_depth``'s rule (132 SMs; a CTA's SMEM is its slots, the
+    output tile staged in them after the last step)."""
     # 18432 x 7168 at 16 tokens, 288 CTAs: depth 4 holds two CTAs an SM (264 < 288), depth 3 three.
     assert pipeline_depth(GemmConfig(), 16, 2, 32) == 4
     assert pipeline_depth(GemmConfig(), 16, 2, 32, ctas=288, num_sms=132) == 3
-    # V2-Lite's gate and up at 64 tokens, 2816 CTAs: never one wave; depth 2 holds two an SM, 3 one.
-    assert pipeline_depth(GemmConfig(), 64, 2, 64, ctas=2816, num_sms=132) == 2
-    # Their down projection (K = 1408: one block a step), 512 CTAs: four an SM at depth 2.
-    assert pipeline_depth(GemmConfig(), 64, 1, 64, ctas=512, num_sms=132) == 2
+    # At 64 tokens (slots of 33 KB): three an SM at depth 2, all 288 resident.
+    assert pipeline_depth(GemmConfig(), 64, 2, 64, ctas=288, num_sms=132) == 2
+    # 2816 CTAs: never one wave; depth 3 holds two an SM, 4 one.
+    assert pipeline_depth(GemmConfig(), 64, 2, 64, ctas=2816, num_sms=132) == 3
+    # V2-Lite's gated gate and up at 64 tokens (two weight tiles a slot, 1408 CTAs): two an SM at 2.
+    assert pipeline_depth(GemmConfig(), 64, 2, 64, ctas=1408, num_sms=132, weight_tiles=2) == 2
+    # Their down projection (K = 1408: one block a step), 512 CTAs: four an SM at depth 3.
+    assert pipeline_depth(GemmConfig(), 64, 1, 64, ctas=512, num_sms=132) == 3
     assert pipeline_depth(GemmConfig(), 16, 1, 32, ctas=512, num_sms=132) == 4  # already resident
     # A launch of few CTAs keeps the configured depth; a depth of 1 stays 1.
     assert pipeline_depth(GemmConfig(), 64, 2, 64, ctas=40, num_sms=132) == 4
     assert pipeline_depth(GemmConfig(depth=1), 64, 2, 64, ctas=2816, num_sms=132) == 1
-    # 128-token tiles fit 3 slots; no depth of 2 or more holds two such CTAs: the deepest that fits.
-    assert pipeline_depth(GemmConfig(), 128, 2, 128, ctas=1000, num_sms=132) == 3
+    # 128-token tiles (slots of 49 KB): two an SM at depth 2.
+    assert pipeline_depth(GemmConfig(), 128, 2, 128, ctas=1000, num_sms=132) == 2
 
 
 def test_splits_fill_two_ctas_an_sm_and_divide_the_steps():
@@ -541,7 +546,7 @@ def test_the_kernel_lowers_for_cuda_within_shared_memory_at_the_largest_tokens(m
     text = lower_for_cuda(lambda x, x_scales, *w: fp8_gemm_mgpu(x, x_scales, *w), x, x_scales, *w).as_text()
     assert "snapmla_fp8_gemm" in text
     if not quantized:
-        assert pipeline_depth(GemmConfig(), 64, 2, 0, x_itemsize=2) == 3
+        assert pipeline_depth(GemmConfig(), 64, 2, 0, x_itemsize=2) == 4
 
 
 def test_the_grouped_launch_quantizing_its_tokens_lowers_for_cuda_at_v3_expert_shapes():
