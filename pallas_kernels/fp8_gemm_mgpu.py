@@ -201,8 +201,12 @@ def pipeline_depth(config: GemmConfig, tokens: int, kb_per_step: int, scale_toke
     lets 18432 x 7168 at 64 tokens run three CTAs an SM at depth 2 (all 288 resident; two with the
     tile beside them): 65.3 -> 56.7 us a product on an H100 (wall clock of a chain over weight
     copies, side by side), 7168 x 18432 61.8 -> 56.2 (336 CTAs); where it only deepens the
-    pipeline at the same residency it costs 2-3% (18432 x 7168 at 32 tokens, depth 2 -> 3: 52.8 ->
-    54.6; 7168 x 2048 at 64: 13.8 -> 14.1) (docs/models.md, "FP8 weights")."""
+    pipeline at the same residency it costs 2-5% (18432 x 7168 at 32 tokens, depth 2 -> 3: 52.1 ->
+    54.4; 7168 x 2048 at 64: 14.2 -> 14.5), and 128-token tiles gain (18432 x 7168 at 128 / 256
+    tokens 80.2 -> 74.5 / 133.6 -> 120.6) (docs/models.md, "FP8 weights"). At the same residency
+    a shallower pipeline was at most 3% slower and up to 16% faster (V2-Lite's gated
+    experts at 256 tokens, one CTA an SM: depth 2 818 us, 3 947), but a launch of fewer CTAs than
+    SMs needs the depth, so the rule keeps the deepest."""
     slot = slot_bytes(tokens, kb_per_step, scale_tokens, x_itemsize, weight_tiles)
     fixed = fixed_bytes(tokens, kb_per_step, x_itemsize)
     fit = max(1, min(config.depth, (SMEM_BYTES - fixed) // slot))
