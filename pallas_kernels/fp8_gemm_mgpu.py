@@ -51,10 +51,11 @@ Measured (``scripts/bench_fp8_gemm.py``, the product chained over weight copies 
 round-robin with XLA's bf16 product of the same shape; docs/benchmarks/fp8_gemm_h100.md,
 fp8_gemm_h200.md): at 16 tokens 1.64-1.76x the bf16 GEMM at 24576 x 1536 and 18432 x 7168 /
 7168 x 18432 on an H100 (68-77% of the copy ceiling), 1.60x at 18432 x 7168 on an H200; 64
-tokens 1.63x / 1.42x there, and on an H100 1.87-1.91x (78-79%) since the output tile is staged in
-the pipeline's released slots (``pipeline_depth``). On the 14 MiB expert matrices ~1x alone: the launches around the
-kernel (the activation quantization and the partials' sum) take what the bytes save; one
-launch over a layer's experts reads them at 46-83% of the copy bandwidth (H200,
+tokens 1.63x / 1.42x on those pages, which predate the output tile staged in the pipeline's
+released slots (``pipeline_depth``): with it 1.87-1.91x at 64 tokens on an H100 (78-79% of copy,
+docs/models.md). On the 14 MiB expert matrices ~1x alone: the launches around the kernel (the
+activation quantization and the partials' sum) take what the bytes save; one launch over a
+layer's experts reads them at 46-83% of the copy bandwidth (H200,
 scripts/bench_fp8_experts.py). Above 64 tokens each token tile re-reads its weight tile and the
 CTA's one warpgroup, waiting for each block's product before it scales it, sets the pace:
 0.94x / 0.81x the bf16 GEMM at 128 / 256 tokens (H200, 18432 x 7168); there ``fp8_matmul`` runs
