@@ -213,9 +213,10 @@ def pipeline_depth(config: GemmConfig, tokens: int, kb_per_step: int, scale_toke
     fit = max(1, min(config.depth, (SMEM_BYTES - fixed) // slot))
     if ctas is None or num_sms is None:
         return fit
-    deepest_first = range(fit, 1, -1)  # depths of at least two steps
-    resident = [d for d in deepest_first if ctas <= num_sms * ctas_per_sm(cta_bytes(d, slot, fixed, tokens))]
-    paired = [d for d in deepest_first if ctas_per_sm(cta_bytes(d, slot, fixed, tokens)) >= 2]
+    # CTAs an SM holds at each depth of at least two steps, deepest first.
+    per_sm = {d: ctas_per_sm(cta_bytes(d, slot, fixed, tokens)) for d in range(fit, 1, -1)}
+    resident = [d for d, held in per_sm.items() if ctas <= num_sms * held]
+    paired = [d for d, held in per_sm.items() if held >= 2]
     return (resident or paired or [fit])[0]
 
 
