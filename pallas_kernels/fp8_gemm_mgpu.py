@@ -48,15 +48,13 @@ takes rows in whole 8s past 8: ``tma_rows``). Compiled on an H100 at the token c
 tests/test_fp8_gemm_mgpu.py (1, 5, 11, 16, 32, 64, 100, 256); where it pays, docs/models.md.
 
 Measured (``scripts/bench_fp8_gemm.py``, the product chained over weight copies of >= 384 MiB,
-round-robin with XLA's bf16 product of the same shape; docs/benchmarks/fp8_gemm_h100.md,
-fp8_gemm_h200.md): at 16 tokens 1.64-1.76x the bf16 GEMM at 24576 x 1536 and 18432 x 7168 /
-7168 x 18432 on an H100 (68-77% of the copy ceiling), 1.60x at 18432 x 7168 on an H200; 64
-tokens 1.63x / 1.42x on those pages, which predate the output tile staged in the pipeline's
-released slots (``pipeline_depth``): with it 1.87-1.91x at 64 tokens on an H100 (78-79% of copy,
-docs/models.md). On the 14 MiB expert matrices ~1x alone: the launches around the kernel (the
-activation quantization and the partials' sum) take what the bytes save; one launch over a
-layer's experts reads them at 46-83% of the copy bandwidth (H200,
-scripts/bench_fp8_experts.py). Above 64 tokens each token tile re-reads its weight tile and the
+round-robin with XLA's bf16 product of the same shape; docs/benchmarks/fp8_gemm_h100.md): on an
+H100 1.87-1.92x the bf16 GEMM at 16 tokens and 1.77-1.83x at 64 at 18432 x 7168 / 7168 x 18432
+(76-85% of the copy ceiling, as fast as cuBLAS' FP8 product with per-tensor scales), 1.45-1.75x
+at 24576 x 1536, and 1.18-1.53x at the 14-43 MiB matrices (2048 x 7168, 7168 x 2048, 10944 x
+2048; 45-58% of copy), where the launches around the kernel (the activation quantization and
+the partials' sum) weigh; one launch over a layer's experts reads them at 46-83% of the copy
+bandwidth (H200, scripts/bench_fp8_experts.py). Above 64 tokens each token tile re-reads its weight tile and the
 CTA's one warpgroup, waiting for each block's product before it scales it, sets the pace:
 0.94x / 0.81x the bf16 GEMM at 128 / 256 tokens (H200, 18432 x 7168); there ``fp8_matmul`` runs
 ``fp8_gemm_tiles_mgpu`` (128 x 128 output tiles, 1.08-1.76x this kernel at 128-512 tokens) where
@@ -109,6 +107,12 @@ COL = plgpu.Layout.WGMMA.reduce(0)  # a vector with one value per accumulator co
 # CUDA caps a grid's y and z extents at 65535 (x at 2**31 - 1). Mosaic GPU launches a grid of four
 # axes (a, b, c, d) as z = a x b, y = c, x = d (``launch_grid``).
 GRID_YZ_MAX = 65535
+# ``choose_splits``: where two CTAs an SM would take splits whose float32 partials exceed
+# PARTIALS_MAX_SHARE of the weight's bytes, a launch stops at FILL_SHARE of a CTA an SM. Measured:
+# partials of 0.125 of the weight still paid for the second CTA an SM (10944 x 2048 at 16 tokens),
+# those of 0.25 and more did not (the small matrices in ``choose_splits``).
+FILL_SHARE = 0.7
+PARTIALS_MAX_SHARE = 0.2
 # Token dtypes the kernels quantize themselves (``quantize_tile``, ``quantize_activations_mgpu``).
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -129,14 +133,28 @@ class GemmConfig:
         return 2 if k % (2 * BLOCK) == 0 else 1
 
 
-def choose_splits(n_tiles: int, steps: int, num_sms: int) -> int:
-    """Splits of ``steps`` (K's pipeline steps, or the groups of a summed product: a divisor) that
-    give at least two CTAs an SM where the other grid axes (``n_tiles`` CTAs) give fewer: a CTA
-    streams its tiles with ``depth`` in flight, and a memory-bound product needs every SM
-    streaming."""
-    target = 2 * num_sms
+def choose_splits(n_tiles: int, steps: int, num_sms: int, split_share: float = 0.0) -> int:
+    """Splits of ``steps`` (K's pipeline steps, or the groups of a summed product: a divisor) for a
+    launch whose other grid axes give ``n_tiles`` CTAs: a CTA streams its tiles with ``depth`` in
+    flight, and a memory-bound product needs every SM streaming. The fewest that give two CTAs an
+    SM, unless the float32 partials they write and XLA reads back (``split_share`` of the weight's
+    bytes a split: 8 M / K for e4m3 weights) come to more than PARTIALS_MAX_SHARE of the weight's
+    bytes; then the fewest that give FILL_SHARE of a CTA an SM.
+
+    Small matrices are where the partials weigh (H100, jax 0.11.2, the product and its sum, wall
+    clock of chains over weight copies, side by side; two an SM -> this rule): 2048 x 7168 at 64
+    tokens 14 splits 14.8 us -> 4 splits 11.5 (bf16 19.2), 7168 x 2048 4 -> 1 15.6 -> 13.0 (bf16
+    17.3), 1536 x 7168 14 -> 4 11.9 -> 10.7, 576 x 7168 28 -> 14 9.9 -> 9.3; 3-5% at 16 tokens
+    (docs/models.md, "FP8 weights")."""
     divisors = [d for d in range(1, steps + 1) if steps % d == 0]
-    return next((d for d in divisors if n_tiles * d >= target), divisors[-1])
+
+    def fewest(ctas: float) -> int:
+        return next((d for d in divisors if n_tiles * d >= ctas), divisors[-1])
+
+    two_an_sm = fewest(2 * num_sms)
+    if two_an_sm == 1 or two_an_sm * split_share <= PARTIALS_MAX_SHARE:
+        return two_an_sm
+    return fewest(FILL_SHARE * num_sms)
 
 
 def token_tile(m: int) -> int:
@@ -201,13 +219,11 @@ def pipeline_depth(config: GemmConfig, tokens: int, kb_per_step: int, scale_toke
     at 16 tokens 53.3 -> 49.5. Staging the output tile in the slots' bytes rather than beside them
     lets 18432 x 7168 at 64 tokens run three CTAs an SM at depth 2 (all 288 resident; two with the
     tile beside them): 65.3 -> 56.7 us a product on an H100 (wall clock of a chain over weight
-    copies, side by side), 7168 x 18432 61.8 -> 56.2 (336 CTAs); where it only deepens the
-    pipeline at the same residency it costs 2-5% (18432 x 7168 at 32 tokens, depth 2 -> 3: 52.1 ->
-    54.4; 7168 x 2048 at 64: 14.2 -> 14.5), and 128-token tiles gain (18432 x 7168 at 128 / 256
-    tokens 80.2 -> 74.5 / 133.6 -> 120.6) (docs/models.md, "FP8 weights"). At the same residency
-    a shallower pipeline was at most 3% slower and up to 16% faster (V2-Lite's gated
-    experts at 256 tokens, one CTA an SM: depth 2 818 us, 3 947), but a launch of fewer CTAs than
-    SMs needs the depth, so the rule keeps the deepest."""
+    copies, side by side), 7168 x 18432 61.8 -> 56.2 (336 CTAs). At the same residency the depth
+    moved nothing measurable: depths 2, 3 and 4 forced side by side ran within 1.5% of each other
+    at 18432 x 7168 (16-256 tokens), 7168 x 18432, the small matrices and V2-Lite's gated and
+    summed experts at 64 and 256 tokens (H100, jax 0.11.2), so the rule keeps the deepest, which
+    a launch of fewer CTAs than SMs needs."""
     slot = slot_bytes(tokens, kb_per_step, scale_tokens, x_itemsize, weight_tiles)
     fixed = fixed_bytes(tokens, kb_per_step, x_itemsize)
     fit = max(1, min(config.depth, (SMEM_BYTES - fixed) // slot))
@@ -505,7 +521,8 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
     n_tiles, m_tiles = n // TILE_N, m // tokens
     num_stacks = len(w8s)
     if sum_groups:
-        splits = config.splits or choose_splits(n_tiles * m_tiles, groups_total, num_sms)
+        splits = config.splits or choose_splits(n_tiles * m_tiles, groups_total, num_sms,
+                                                split_share=8 * m / (groups_total * k))
         if groups_total % splits:
             raise ValueError(f"config: splits={splits} must divide the {groups_total} groups")
         grid, groups, steps = (1, n_tiles, splits, m_tiles), groups_total // splits, steps_total
@@ -514,7 +531,8 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
             raise ValueError(f"config: a gated product runs K whole (splits=1), got splits={config.splits}")
         splits, grid, groups, steps = 1, (groups_total, n_tiles, 1, m_tiles), 1, steps_total
     else:
-        splits = config.splits or choose_splits(num_stacks * groups_total * n_tiles * m_tiles, steps_total, num_sms)
+        splits = config.splits or choose_splits(num_stacks * groups_total * n_tiles * m_tiles, steps_total, num_sms,
+                                                split_share=8 * m / k)
         if steps_total % splits:
             raise ValueError(f"config: splits={splits} must divide the {steps_total} pipeline steps")
         grid, groups, steps = (num_stacks * groups_total, n_tiles, splits, m_tiles), 1, steps_total // splits

@@ -322,8 +322,8 @@ def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16,
     32 rows) that holds them, the query rows on the wgmma N dimension; above, the 64-row
     ``mla_decode_mgpu``, its rows padded to whole blocks. All compute the same math. At 16 rows
     (H = 16 at s_q = 1: DeepSeek-V2-Lite, V3 over 8 GPUs by heads) the small FP8 kernel runs
-    1.55-1.63x FlashMLA on an H100 where the 64-row one, 48 of its rows padding, ran 0.74-0.79x
-    the BF16 twin. At 17-32 rows (H = 16 at s_q = 2, multi-token prediction; H = 32) its 32-row
+    1.65-1.72x FlashMLA on an H100 (B >= 32) where the 64-row one, 48 of its rows padding, ran
+    0.74-0.79x the BF16 twin. At 17-32 rows (H = 16 at s_q = 2, multi-token prediction; H = 32) its 32-row
     blocks run 1.04-1.11x the 64-row kernel (H100, one process, round-robin: 0.504 vs 0.535 ms at
     128 x 16k x 16 x 2, 0.147 vs 0.162 at 32 x 16k x 16 x 2, 0.266 vs 0.280 at 64 x 16k x 32 x 1).
     bf16 rows of a small problem in whole 16-row blocks (up to ``SMALL_BLOCKS_MAX_TOKENS`` of

@@ -498,6 +498,19 @@ def test_splits_fill_two_ctas_an_sm_and_divide_the_steps():
     assert choose_splits(n_tiles=1, steps=6, num_sms=132) == 6  # all it can
 
 
+def test_splits_stop_at_one_cta_an_sm_where_their_partials_outweigh_the_weight():
+    """split_share = 8 M / K: a split's float32 partials, written and read back, over the e4m3
+    weight's bytes. Past PARTIALS_MAX_SHARE in all, the fewest splits that give FILL_SHARE of a CTA
+    an SM."""
+    assert choose_splits(32, 28, 132, split_share=8 * 64 / 7168) == 4  # 2048 x 7168, 64 tokens: 128 CTAs
+    assert choose_splits(32, 28, 132, split_share=8 * 16 / 7168) == 4  # 14 splits' partials: 0.25
+    assert choose_splits(112, 8, 132, split_share=8 * 64 / 2048) == 1  # 7168 x 2048: 112 CTAs fill enough
+    assert choose_splits(9, 28, 132, split_share=8 * 16 / 7168) == 14  # 576 x 7168: 126 CTAs, not 252
+    assert choose_splits(171, 8, 132, split_share=8 * 16 / 2048) == 2  # partials 0.125: two an SM
+    assert choose_splits(112, 72, 132, split_share=8 * 64 / 18432) == 3  # long K: partials 0.08
+    assert choose_splits(288, 28, 132, split_share=1.0) == 1  # no split, no partials
+
+
 @pytest.mark.parametrize("kb_per_step", [1, 2, 3])
 def test_every_slot_of_scales_starts_on_a_128_byte_boundary(kb_per_step):
     """The slots lie end to end and a TMA writes shared memory at 128-byte aligned addresses: each
