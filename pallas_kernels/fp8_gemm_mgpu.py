@@ -48,17 +48,17 @@ takes rows in whole 8s past 8: ``tma_rows``). Compiled on an H100 at the token c
 tests/test_fp8_gemm_mgpu.py (1, 5, 11, 16, 32, 64, 100, 256); where it pays, docs/models.md.
 
 Measured (``scripts/bench_fp8_gemm.py``, the product chained over weight copies of >= 384 MiB,
-round-robin with XLA's bf16 product of the same shape; docs/benchmarks/fp8_gemm_h100.md): on an
-H100 1.87-1.92x the bf16 GEMM at 16 tokens and 1.77-1.83x at 64 at 18432 x 7168 / 7168 x 18432
-(76-85% of the copy ceiling, as fast as cuBLAS' FP8 product with per-tensor scales), 1.45-1.75x
-at 24576 x 1536, and 1.18-1.53x at the 14-43 MiB matrices (2048 x 7168, 7168 x 2048, 10944 x
-2048; 45-58% of copy), where the launches around the kernel (the activation quantization and
-the partials' sum) weigh; one launch over a layer's experts reads them at 46-83% of the copy
-bandwidth (H200, scripts/bench_fp8_experts.py). Above 64 tokens each token tile re-reads its weight tile and the
-CTA's one warpgroup, waiting for each block's product before it scales it, sets the pace:
-0.94x / 0.81x the bf16 GEMM at 128 / 256 tokens (H200, 18432 x 7168); there ``fp8_matmul`` runs
-``fp8_gemm_tiles_mgpu`` (128 x 128 output tiles, 1.08-1.76x this kernel at 128-512 tokens) where
-the weight is whole 128-blocks, and this kernel serves the grouped launches. M = 8 fails the tensor
+round-robin with XLA's bf16 product of the same shape; docs/benchmarks/fp8_gemm_h100.md): on an H100
+1.87-1.92x the bf16 GEMM at 16 tokens and 1.77-1.83x at 64 at 18432 x 7168 / 7168 x 18432 (76-85% of
+the copy ceiling, as fast as cuBLAS' FP8 product with per-tensor scales), 1.45-1.75x at 24576 x
+1536, and 1.18-1.53x at the 14-43 MiB matrices (2048 x 7168, 7168 x 2048, 10944 x 2048; 45-58% of
+copy), where the launches around the kernel (the activation quantization and the partials' sum)
+weigh; one launch over a layer's experts reads them at 46-83% of the copy bandwidth (H200,
+scripts/bench_fp8_experts.py). Above 64 tokens each token tile re-reads its weight tile and the
+CTA's one warpgroup, waiting for each block's product before it scales it, sets the pace: 0.94x /
+0.81x the bf16 GEMM at 128 / 256 tokens (H200, 18432 x 7168); there ``fp8_matmul`` runs
+``fp8_gemm_tiles_mgpu`` (128 x 128 output tiles, 1.08-1.76x this kernel at 128-512 tokens) where the
+weight is whole 128-blocks, and this kernel serves the grouped launches. M = 8 fails the tensor
 map's alignment on large shapes (tokens are padded to a multiple of TOKEN_MULTIPLE).
 
 Arguments of ``fp8_gemm_mgpu`` (``fp8_gemm_reference`` is its float32 twin):

@@ -318,14 +318,14 @@ def mosaic_kernel(num_rows: int, cache_dtype: str = "fp8", q_dtype=jnp.bfloat16,
     0.70-0.78x at 8 x 32k, 32 x 16k, 128 x 16k and 64 x 16k x 32 x 1 (H200, jax 0.11.2, round-robin:
     0.0114 vs 0.0164 ms at 1 x 1k, 0.0201 vs 0.0276 at 1 x 16k, 0.140 vs 0.109 at 8 x 32k).
 
-    An fp8 cache: up to 32 rows, ``mla_decode_mgpu_small`` in the smallest of its blocks (16 or
-    32 rows) that holds them, the query rows on the wgmma N dimension; above, the 64-row
-    ``mla_decode_mgpu``, its rows padded to whole blocks. All compute the same math. At 16 rows
-    (H = 16 at s_q = 1: DeepSeek-V2-Lite, V3 over 8 GPUs by heads) the small FP8 kernel runs
-    1.65-1.72x FlashMLA on an H100 (B >= 32) where the 64-row one, 48 of its rows padding, ran
-    0.74-0.79x the BF16 twin. At 17-32 rows (H = 16 at s_q = 2, multi-token prediction; H = 32) its 32-row
-    blocks run 1.04-1.11x the 64-row kernel (H100, one process, round-robin: 0.504 vs 0.535 ms at
-    128 x 16k x 16 x 2, 0.147 vs 0.162 at 32 x 16k x 16 x 2, 0.266 vs 0.280 at 64 x 16k x 32 x 1).
+    An fp8 cache: up to 32 rows, ``mla_decode_mgpu_small`` in the smallest of its blocks (16 or 32
+    rows) that holds them, the query rows on the wgmma N dimension; above, the 64-row
+    ``mla_decode_mgpu``, its rows padded to whole blocks. All compute the same math. At 16 rows (H =
+    16 at s_q = 1: DeepSeek-V2-Lite, V3 over 8 GPUs by heads) the small FP8 kernel runs 1.65-1.72x
+    FlashMLA on an H100 (B >= 32) where the 64-row one, 48 of its rows padding, ran 0.74-0.79x the
+    BF16 twin. At 17-32 rows (H = 16 at s_q = 2, multi-token prediction; H = 32) its 32-row blocks
+    run 1.04-1.11x the 64-row kernel (H100, one process, round-robin: 0.504 vs 0.535 ms at 128 x 16k
+    x 16 x 2, 0.147 vs 0.162 at 32 x 16k x 16 x 2, 0.266 vs 0.280 at 64 x 16k x 32 x 1).
     bf16 rows of a small problem in whole 16-row blocks (up to ``SMALL_BLOCKS_MAX_TOKENS`` of
     capacity and ``SMALL_BLOCKS_MAX_WORK`` rows x capacity) run its 16-row blocks instead: they
     quantize their query in the kernel, so the call saves the inputs launch, which there outweighs
