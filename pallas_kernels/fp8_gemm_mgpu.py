@@ -138,8 +138,8 @@ def choose_splits(n_tiles: int, steps: int, num_sms: int, split_share: float = 0
     launch whose other grid axes give ``n_tiles`` CTAs: a CTA streams its tiles with ``depth`` in
     flight, and a memory-bound product needs every SM streaming. The fewest that give two CTAs an
     SM, unless the float32 partials they write and XLA reads back (``split_share`` of the weight's
-    bytes a split: 8 M / K for e4m3 weights) come to more than PARTIALS_MAX_SHARE of the weight's
-    bytes; then the fewest that give FILL_SHARE of a CTA an SM.
+    bytes a split, ``partials_share``) come to more than PARTIALS_MAX_SHARE of the weight's bytes;
+    then the fewest that give FILL_SHARE of a CTA an SM.
 
     Small matrices are where the partials weigh (H100, jax 0.11.2, the product and its sum, wall
     clock of chains over weight copies, side by side; two an SM -> this rule): 2048 x 7168 at 64
@@ -152,9 +152,15 @@ def choose_splits(n_tiles: int, steps: int, num_sms: int, split_share: float = 0
         return next((d for d in divisors if n_tiles * d >= ctas), divisors[-1])
 
     two_an_sm = fewest(2 * num_sms)
-    if two_an_sm == 1 or two_an_sm * split_share <= PARTIALS_MAX_SHARE:
+    if two_an_sm * split_share <= PARTIALS_MAX_SHARE:
         return two_an_sm
-    return fewest(FILL_SHARE * num_sms)
+    return fewest(FILL_SHARE * num_sms)  # 1 where two_an_sm is: no split, no partials
+
+
+def partials_share(tokens: int, channels: int) -> float:
+    """A split's float32 partials [N, tokens], written by the kernel and read back by XLA's sum (8
+    bytes a value), over the e4m3 weight's [N, channels] bytes (``choose_splits``' split_share)."""
+    return 8 * tokens / channels
 
 
 def token_tile(m: int) -> int:
@@ -522,7 +528,7 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
     num_stacks = len(w8s)
     if sum_groups:
         splits = config.splits or choose_splits(n_tiles * m_tiles, groups_total, num_sms,
-                                                split_share=8 * m / (groups_total * k))
+                                                split_share=partials_share(m, groups_total * k))
         if groups_total % splits:
             raise ValueError(f"config: splits={splits} must divide the {groups_total} groups")
         grid, groups, steps = (1, n_tiles, splits, m_tiles), groups_total // splits, steps_total
@@ -532,7 +538,7 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
         splits, grid, groups, steps = 1, (groups_total, n_tiles, 1, m_tiles), 1, steps_total
     else:
         splits = config.splits or choose_splits(num_stacks * groups_total * n_tiles * m_tiles, steps_total, num_sms,
-                                                split_share=8 * m / k)
+                                                split_share=partials_share(m, k))
         if steps_total % splits:
             raise ValueError(f"config: splits={splits} must divide the {steps_total} pipeline steps")
         grid, groups, steps = (num_stacks * groups_total, n_tiles, splits, m_tiles), 1, steps_total // splits
