@@ -500,8 +500,8 @@ def test_splits_fill_two_ctas_an_sm_and_divide_the_steps():
 
 def test_splits_stop_at_one_cta_an_sm_where_their_partials_outweigh_the_weight():
     """split_share = 8 M / K (``fp8_gemm_mgpu.partials_share``): a split's float32 partials,
-    written and read back, over the e4m3 weight's bytes. Past PARTIALS_MAX_SHARE in all, the fewest splits that
-    give FILL_SHARE of a CTA an SM."""
+    written and read back, over the e4m3 weight's bytes. Past PARTIALS_MAX_SHARE in all, the
+    fewest splits that give FILL_SHARE of a CTA an SM."""
     assert choose_splits(32, 28, 132, split_share=8 * 64 / 7168) == 4  # 2048 x 7168, 64 tokens: 128 CTAs
     assert choose_splits(32, 28, 132, split_share=8 * 16 / 7168) == 4  # 14 splits' partials: 0.25
     assert choose_splits(112, 8, 132, split_share=8 * 64 / 2048) == 1  # 7168 x 2048: 112 CTAs fill enough
