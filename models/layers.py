@@ -121,8 +121,9 @@ def fp8_layout(path: str, weight):
 # attention projections), 0.73-0.96x at V3's q_a (11M), 0.88-1.13x at 7168 x 2048 (14.7M),
 # 1.05-1.17x at 10944 x 2048 (22M), 1.29-1.48x at 24576 x 1536 (38M), 1.61-1.72x at 7168 x 16384.
 # End to end (V2-Lite shapes, FP8 cache, 4k, B = 1-64) the step with the weights below it in bf16
-# (attention projections, shared experts) took 0.15-0.54 ms less than with them in FP8.
-# docs/models.md has the tables.
+# (attention projections, shared experts) took 0.15-0.54 ms less than with them in FP8, and still
+# 0.28-0.43 ms less at B = 16-128 once the split count counted its partials (which made 7168 x 2048
+# 1.35-1.43x bf16 alone). docs/models.md has the tables.
 DECODE_MIN_FP8_ELEMENTS = 1 << 24
 
 

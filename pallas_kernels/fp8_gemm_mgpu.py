@@ -10,16 +10,17 @@ in float32 per 128-channel block and scaled there:
 For a decode step M is a few tokens and the product reads W once: its time is W's bytes. The
 tokens go on the wgmma N dimension and the weight's rows on M, so W is the A operand straight
 from its K-major rows and no token padding reaches 64 ("swap AB"). Each CTA computes y^T for
-TILE_N = 64 weight rows and one token tile (all M up to MAX_TOKENS, else LARGE_TILE tokens)
-over one split of K, its weight and token tiles streaming through a TMA pipeline; the splits'
-partial sums [splits, ..., N, M] float32 are added by XLA. A CTA keeps a running [64, tokens]
-float32 sum and a fresh accumulator for each 128-channel block of a pipeline step (the block's
-scale is applied before the fresh product joins the sum, so the FP8 accumulator never carries
-more than 128 channels: Hopper's FP8 wgmma keeps ~14 bits). A step issues all its blocks'
-products before it reads the first, so a block's scaling runs under the next block's product:
-against reading each product before issuing the next, 70.1 vs 74.7 us at 18432 x 7168 x 128
-tokens, 115 vs 125 at 256, 383 vs 403 at a V2-Lite layer's 64 gate matrices x 512 tokens, the
-same at 64 tokens and fewer (H200, side by side).
+TILE_N = 64 weight rows and one token tile (all M up to MAX_TOKENS, else LARGE_TILE tokens) over
+one split of K, its weight and token tiles streaming through a TMA pipeline; the splits' partial
+sums [splits, ..., N, M] float32 are added by XLA (a 16-bit result of one split leaves as [...,
+M, N] through transposed stores into SMEM, as its consumers read it). A CTA keeps a running [64,
+tokens] float32 sum and a fresh accumulator for each 128-channel block of a pipeline step (the
+block's scale is applied before the fresh product joins the sum, so the FP8 accumulator never
+carries more than 128 channels: Hopper's FP8 wgmma keeps ~14 bits). A step issues all its
+blocks' products before it reads the first, so a block's scaling runs under the next block's
+product: against reading each product before issuing the next, 70.1 vs 74.7 us at 18432 x 7168 x
+128 tokens, 115 vs 125 at 256, 383 vs 403 at a V2-Lite layer's 64 gate matrices x 512 tokens,
+the same at 64 tokens and fewer (H200, side by side).
 
 Groups (``fp8_grouped_gemm_mgpu``): a stack of E weight matrices [E, N, K] (a MoE layer's
 experts) and G groups of tokens in one launch, grid (group, weight tile, split, token tile).
@@ -84,7 +85,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from snapmla_jax.pallas_kernels.mgpu_bytes import BYTE_TILE_TRANSFORMS
+from snapmla_jax.pallas_kernels.mgpu_bytes import BYTE_TILE_TRANSFORMS, output_transforms
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import GROUP_ROWS, quantized_rows
 from snapmla_jax.pallas_kernels.write_kv import row_layout
 
@@ -262,7 +263,7 @@ def quantize_tile(x_s, xq_s, xs_s, *, interpret: bool) -> None:
 
 def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int, groups: int, sum_groups: bool,
             shared_x: bool, kb_per_step: int, depth: int, tokens: int, scale_tokens: int, quantize: bool,
-            gated: bool, interpret: bool):
+            gated: bool, token_major: bool, interpret: bool):
     """One CTA of grid (g, n, s, m): weight rows [64 n, 64 n + 64) times token tile m, over ``steps``
     pipeline steps of K for each of ``groups`` groups. Batched (``sum_groups`` False): group g
     (of stack g // ``stack_groups``: its weight matrix experts[g % stack_groups], or g % it),
@@ -274,7 +275,11 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
     scales (``quantize_tile``). The output tile is staged in SMEM the pipeline has released.
 
     ``gated`` (two stacks, a MoE's gate and up): the CTA multiplies the token tile by both
-    stacks' weight rows [64 n, 64 n + 64) of group g and writes silu(gate) * up (``swiglu``)."""
+    stacks' weight rows [64 n, 64 n + 64) of group g and writes silu(gate) * up (``swiglu``).
+
+    ``token_major`` (a 16-bit output of one split): the tile leaves as [tokens, 64] through
+    transposed stores into SMEM, the output [1, G, M, N] as its consumers read it; else [64, tokens]
+    into [splits, G, N, M]."""
     w_gmems, ws_gmems, refs = refs[:num_stacks], refs[num_stacks:2 * num_stacks], refs[2 * num_stacks:]
     if quantize:
         x_gmem, out_gmem, xq_s, xs_s = refs
@@ -372,14 +377,25 @@ def _kernel(experts_gmem, *refs, num_stacks: int, stack_groups: int, steps: int,
             results = pipeline(*(weight_rows(w) for w, _ in run_stacks), x_cols, s_cols)
         tile = (swiglu(*results) if gated else results[0]).astype(out_gmem.dtype)
 
+        group_out = out_gmem.at[split, 0 if sum_groups else gg]
+        rows, tokens_at = pl.ds(n * TILE_N, TILE_N), pl.ds(mt * tokens, tokens)
+
         def store(out_s):  # in the bytes the pipeline's slots held (``cta_bytes``)
-            out_s[...] = tile
+            if token_major:
+                out_s.transpose((1, 0))[...] = tile
+            else:
+                out_s[...] = tile
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_s, out_gmem.at[split, 0 if sum_groups else gg, pl.ds(n * TILE_N, TILE_N),
-                                                       pl.ds(mt * tokens, tokens)])
+            target = group_out.at[tokens_at, rows] if token_major else group_out.at[rows, tokens_at]
+            plgpu.copy_smem_to_gmem(out_s, target)
             plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(store, plgpu.SMEM((TILE_N, tokens), out_gmem.dtype))
+        if token_major:
+            staging = plgpu.SMEM((tokens, TILE_N), out_gmem.dtype,
+                                 transforms=() if interpret else output_transforms(out_gmem.dtype))
+        else:
+            staging = plgpu.SMEM((TILE_N, tokens), out_gmem.dtype)
+        pl.run_scoped(store, staging)
 
     stacks = tuple(zip(w_gmems, ws_gmems))
     launch = (lambda: run(*stacks)) if gated else (lambda: run_on_stack(run, stacks, gg, stack_groups))
@@ -486,9 +502,13 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
          tuple of them, one a stack, for tuples), or with ``sum_groups``
          [M, N] = the sum over the groups (the K of one product that runs over every group's
          channels; one stack, ``matrices`` None). ``transposed``: [G, N, M] (and [N, M]), the
-         layout the kernel writes, where XLA would otherwise transpose the result on its own
-         (a copy of it: 21 us of a V2-Lite MoE layer's 246 at 64 tokens, H200) instead of
-         fusing the transpose into what consumes it.
+         layout the kernel writes float32 and split results in, where XLA would otherwise
+         transpose the result on its own (a copy of it: 21 us of a V2-Lite MoE layer's 246 at
+         64 tokens, H200) instead of fusing the transpose into what consumes it. A 16-bit
+         result of one split the kernel writes either way round (transposed stores into its
+         staging tile for [M, N]): at 128 tokens on the sorted dispatch, the gated product's
+         and the down projection's XLA transposes took 5.5 and 13.1 us of a V2-Lite layer's
+         317 (H100, profiler; the down rows were float32 then).
       gated     with two stacks (gate, up): one result, silu(x @ gate^T) * (x @ up^T) (``swiglu``),
                 each CTA multiplying its token tile by both stacks' rows (the tile read once for
                 both, and neither product written out); K is not split then
@@ -561,34 +581,38 @@ def fp8_grouped_gemm_mgpu(x: jax.Array, x_scales: jax.Array | None, w8, w_scales
         operands, scratch = (*w8s, *weight_scales, x, x_scales.astype(jnp.float32)), []
     depth = pipeline_depth(config, tokens, kb_per_step, scale_tokens, x_itemsize=x.dtype.itemsize if quantize else 1,
                            ctas=math.prod(grid), num_sms=num_sms, weight_tiles=2 if gated else 1)
+    written = jnp.dtype(out_dtype) if splits == 1 else jnp.dtype(jnp.float32)
+    # A 16-bit result of one split leaves the kernel as [M, N] (transposed stores into SMEM; 32-bit
+    # ones do not lower), so that no XLA transpose copies it.
+    token_major = written.itemsize == 2 and not transposed
     body = functools.partial(_kernel, num_stacks=num_stacks, stack_groups=groups_total, steps=steps, groups=groups,
                              sum_groups=sum_groups, shared_x=num_x == 1, kb_per_step=kb_per_step, depth=depth,
                              tokens=tokens, scale_tokens=scale_tokens, quantize=quantize, gated=gated,
-                             interpret=interpret)
+                             token_major=token_major, interpret=interpret)
     out_groups = 1 if sum_groups else groups_total if gated else num_stacks * groups_total
     grid, grid_names = launch_grid(*grid)
-    written = jnp.dtype(out_dtype) if splits == 1 else jnp.dtype(jnp.float32)
     kernel = plgpu.kernel(
         body if matrices is not None else functools.partial(body, None),
-        out_type=jax.ShapeDtypeStruct((splits, out_groups, n, m), written),
+        out_type=jax.ShapeDtypeStruct((splits, out_groups, *((m, n) if token_major else (n, m))), written),
         scratch_types=scratch,
         grid=grid, grid_names=grid_names,
         kernel_name="snapmla_fp8_gemm",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     ys = summed_partials(kernel, operands, matrices, stacked=stacked and not gated, num_stacks=num_stacks,
-                         groups=groups_total, transposed=transposed, out_dtype=out_dtype)
+                         groups=groups_total, keep_layout=transposed or token_major, out_dtype=out_dtype)
     return ys[0] if sum_groups else ys
 
 
 def summed_partials(kernel, operands: tuple, matrices: jax.Array | None, *, stacked: bool, num_stacks: int,
-                    groups: int, transposed: bool = False, out_dtype=jnp.float32):
+                    groups: int, keep_layout: bool = False, out_dtype=jnp.float32):
     """Run a grouped launch (``matrices`` its first operand when given) and add its splits' partial
     sums [splits, num_stacks * groups, N, M] into [num_stacks * groups, M, N] ``out_dtype``
-    (``transposed``: [..., N, M]), or for ``stacked`` a tuple of ``num_stacks`` of them [groups, ...]."""
+    (``keep_layout``: the last two axes as the kernel wrote them), or for ``stacked`` a tuple of
+    ``num_stacks`` of them [groups, ...]."""
     partials = kernel(*operands) if matrices is None else kernel(matrices.astype(jnp.int32), *operands)
     summed = (partials[0] if partials.shape[0] == 1 else jnp.sum(partials, axis=0)).astype(out_dtype)
-    if not transposed:
+    if not keep_layout:
         summed = jnp.swapaxes(summed, -1, -2)
     if not stacked:
         return summed

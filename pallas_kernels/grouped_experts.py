@@ -161,8 +161,8 @@ def gathered_products(flat: jax.Array, weights: jax.Array, ids: jax.Array, gate_
     """The gathered dispatch over two grouped products, one group an assignment (a = t * k + s):
     ``gate_up(x [1, T, hidden], chosen [T*k])`` -> (gate, up), each [T*k, >= T, inner] float32
     (matrix chosen[a] of each stack times every token), or silu(gate) * up (``swiglu_rows``),
-    then ``down(hidden [T*k, 1, inner], chosen)`` -> [T*k, >= 1, hidden] float32 (each
-    assignment's own row). flat [T, hidden],
+    then ``down(hidden [T*k, 1, inner], chosen)`` -> [T*k, >= 1, hidden] float32 or 16-bit (each
+    assignment's own row, weighted and summed in float32). flat [T, hidden],
     weights [T, k] f32, ids [T, k] int32, clipped into [0, ``num_experts``) (a traced id cannot be
     checked), so no product reads past its stack. ``hidden_dtype``: what silu(gate) * up is
     rounded to between the products (None: float32). -> float32 [T, hidden]
@@ -181,7 +181,7 @@ def sorted_products(flat: jax.Array, weights: jax.Array, ids: jax.Array, gate_up
     """The sorted dispatch over two grouped products, one group a chunk of at most ``chunk``
     assignments of one expert (module docstring): ``gate_up(x [G, chunk, hidden], matrices [G])``
     -> (gate, up), each [G, >= chunk, inner] float32, or silu(gate) * up, then
-    ``down(hidden [G, chunk, inner], matrices)`` -> [G, >= chunk, hidden] float32;
+    ``down(hidden [G, chunk, inner], matrices)`` -> [G, >= chunk, hidden] float32 or 16-bit;
     ``matrices[g]`` is chunk g's expert, or -1 for a chunk this call leaves empty (G =
     ``num_chunks``, the most there can be), whose rows are never read. flat [T, hidden], weights
     [T, k] f32, ids [T, k] int32, clipped into [0, ``num_experts``). An assignment of weight 0 takes no row: its product would be multiplied by

@@ -20,6 +20,13 @@ experts, and the chosen experts (gathered, sorted; dense in FP8 reads gate and u
 every down matrix) or all of them (dense in bf16)) over the copy bandwidth measured
 in the run. v3_ep8: a DeepSeek-V3 layer's share of its experts on one of 8 GPUs (32 of 256), which
 receives every device's tokens. Writes bench_fp8_experts.json and .md under --out.
+
+``--profile`` adds, for every program, where its GPU time goes (JAX profiler, PROFILE_CALLS warm
+calls back to back): busy time a call, the idle gaps between its launches, and the
+PROFILE_TOP longest launches' durations, to the JSON (``<program>_profile``). A layer past ~64
+tokens is a few GEMM launches among ~20-30 short XLA ones (the routing, the sorted dispatch's
+gathers and transposes, the quantizations); busy time, not the wall clock of one call, is what
+a decode step's CUDA graph pays for them.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ KERNEL_QUANTIZATION = {"fp8_xq": 0, "fp8_qk": MAX_TOKENS}
 # The layer attributes a program may change (``MoE.dispatch`` reads them), restored after it:
 # ``set_sorted_min_tokens`` sets both sorted thresholds, so the layer's own are saved, not re-derived.
 DISPATCH_SETTINGS = ("dense_token_range", "gather_max_tokens", "sorted_min_tokens", "fp8_sorted_min_tokens")
+PROFILE_CALLS = 3  # traced calls a program with --profile
+PROFILE_TOP = 12  # launches kept a program with --profile
 
 
 def layer_bytes(layer, ids: jax.Array, dispatch: str) -> int:
@@ -103,11 +112,23 @@ def programs(tokens: int, layers: dict) -> tuple[dict, dict]:
     return runs, floors
 
 
-def measure(name: str, tokens: int, layers: dict, copy_gbps: float, iters: int) -> dict:
+def launch_profile(fn, args: tuple) -> dict:
+    """Where a call of ``fn(*args)`` spends GPU time, us a call: {"timeline_us": span, busy and idle
+    (``timing.timeline_us``), "launches_us": the PROFILE_TOP longest launches by name}; zeros and no
+    launches on a machine without a GPU."""
+    events = timing.gpu_events(fn, args, calls=PROFILE_CALLS)
+    launches = timing.kernel_totals_us(events, PROFILE_CALLS)
+    return {"timeline_us": timing.timeline_us(events, PROFILE_CALLS),
+            "launches_us": dict(list(launches.items())[:PROFILE_TOP])}
+
+
+def measure(name: str, tokens: int, layers: dict, copy_gbps: float, iters: int, profile: bool = False) -> dict:
     runs, floors = programs(tokens, layers)
     outs = {p: np.asarray(fn(*args[0]), np.float64) for p, (fn, args) in runs.items()}
     times = timing.time_round_robin(runs, iters=iters, min_sample_ms=10.0)
     row = {"shape": name, "tokens": tokens}
+    if profile:
+        row.update({f"{p}_profile": launch_profile(fn, args[0]) for p, (fn, args) in runs.items()})
     for program in PROGRAMS:
         dispatch, nbytes = floors[program]
         row[f"{program}_dispatch"] = dispatch
@@ -148,21 +169,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--profile", action="store_true",
+                        help="also record each program's GPU busy and idle time and its longest launches (JAX "
+                             "profiler) in the JSON")
     args = parser.parse_args(argv)
     if any(t < 1 for t in args.tokens):
         parser.error("--tokens: expected positive token counts")
     if timing.missing_gpu("FP8 experts benchmark"):
         return 2
     command = " ".join(["python scripts/bench_fp8_experts.py --out DIR", "--shapes", *args.shapes, "--tokens",
-                        *map(str, args.tokens), "--iters", str(args.iters)])
+                        *map(str, args.tokens), "--iters", str(args.iters), *(["--profile"] if args.profile else [])])
     env = dict(timing.environment(), copy_gbps=timing.measure_copy_gbps(), command=command)
     rows = []
     for name in args.shapes:
         layers = {"bf16": random_layer(SHAPES[name])}
         layers["fp8"] = quantize_weights(random_layer(SHAPES[name]))
         for tokens in args.tokens:
-            rows.append(measure(name, tokens, layers, env["copy_gbps"], args.iters))
+            rows.append(measure(name, tokens, layers, env["copy_gbps"], args.iters, args.profile))
             r = rows[-1]
+            for program in PROGRAMS if args.profile else ():
+                line = r[f"{program}_profile"]["timeline_us"]
+                print(f"  {program}: busy {line['busy']:.1f} us, idle between launches {line['idle']:.1f} us",
+                      flush=True)
             print(f"{name} T={tokens} ({r['fp8_dispatch']}): bf16 {r['bf16_ms']:.3f} ms, fp8 {r['fp8_ms']:.3f} ms "
                   f"({r['fp8_speedup']:.2f}x), fp8 xq {r['fp8_xq_ms']:.3f} ms, "
                   f"fp8 qk {r['fp8_qk_ms']:.3f} ms ({r['fp8_qk_speedup']:.2f}x), "

@@ -70,3 +70,27 @@ def test_the_table_gives_ratios_and_floors():
 def test_without_a_gpu_it_exits_2(tmp_path, capsys):
     assert bench.main(["--out", str(tmp_path)]) == 2
     assert "FP8 experts benchmark: needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_profile_keeps_the_longest_launches_and_the_gaps_between_them(monkeypatch):
+    """``--profile``'s record of a program: the PROFILE_TOP longest launches a call, largest first,
+    and busy / idle time a call from the launches' intervals (here synthetic profiler events: 15
+    kernels a call, PROFILE_CALLS calls, each launch 1 us after the last one ends)."""
+    from snapmla_jax.bench import timing
+
+    calls, kernels = bench.PROFILE_CALLS, 15
+    events, clock = [], 0
+    for _ in range(calls):
+        for k in range(kernels):
+            duration = 1000 * (k + 1)  # kernel k lasts k + 1 us
+            events.append(timing.GpuEvent("stream", f"kernel_{k}", clock, duration))
+            clock += duration + 1000
+    monkeypatch.setattr(timing, "gpu_events", lambda fn, args, calls: events)
+    profile = bench.launch_profile(None, ())
+    launches = profile["launches_us"]
+    assert list(launches) == [f"kernel_{k}" for k in range(kernels - 1, kernels - 1 - bench.PROFILE_TOP, -1)]
+    assert launches["kernel_14"] == 15.0
+    busy = sum(range(1, kernels + 1))  # us a call
+    line = profile["timeline_us"]
+    assert line["busy"] == busy and line["idle"] == (calls * kernels - 1) / calls
+    assert line["span"] == line["busy"] + line["idle"]

@@ -403,15 +403,23 @@ def test_fp8_grouped_matmul_through_the_kernel_is_within_the_activation_rounding
     np.testing.assert_allclose(np.asarray(fallback, np.float64), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("summed, m, backend", [(False, 11, "interpret"), (True, 11, "interpret"),
-                                                (False, 100, "interpret"), (False, 11, "xla"), (True, 11, "xla")])
-def test_a_transposed_grouped_product_is_the_same_numbers_out_by_tokens(summed, m, backend):
+@pytest.mark.parametrize("summed, m, backend, out_dtype", [
+    (False, 11, "interpret", jnp.float32), (True, 11, "interpret", jnp.float32), (False, 100, "interpret", jnp.float32),
+    (False, 11, "xla", jnp.float32), (True, 11, "xla", jnp.float32),
+    (False, 37, "interpret", jnp.bfloat16), (True, 11, "interpret", jnp.float16),
+    pytest.param(False, 48, "pallas", jnp.bfloat16, marks=pytest.mark.gpu),
+    pytest.param(False, 16, "pallas", jnp.float16, marks=pytest.mark.gpu)])
+def test_a_transposed_grouped_product_is_the_same_numbers_out_by_tokens(summed, m, backend, out_dtype):
     """``transposed=True`` ([G, out, T]) on every path (the kernel of few tokens, the tiled kernel at
-    100 tokens, XLA): bit for bit the usual result with its last two axes swapped, tokens cut back."""
+    100 tokens, XLA): bit for bit the usual result with its last two axes swapped, tokens cut back.
+    A 16-bit result of one split leaves the kernel of few tokens token-major (transposed stores
+    into its staging tile) unless ``transposed``: the two layouts hold the same bits."""
     x, w = _group_operands(3, 2, 2, m, 128, 256)
-    plain = fp8_grouped_matmul(x, w, sum_groups=summed, backend=backend)
-    flipped = fp8_grouped_matmul(x, w, sum_groups=summed, transposed=True, backend=backend)
+    plain = fp8_grouped_matmul(x, w, sum_groups=summed, out_dtype=out_dtype, backend=backend)
+    flipped = fp8_grouped_matmul(x, w, sum_groups=summed, transposed=True, out_dtype=out_dtype, backend=backend)
+    assert plain.dtype == flipped.dtype == out_dtype
     np.testing.assert_array_equal(np.asarray(flipped), np.swapaxes(np.asarray(plain), -1, -2))
+    assert np.abs(np.asarray(plain, np.float64)).max() > 0
 
 
 def test_under_kernel_quantization_the_products_hand_the_kernel_their_tokens_unquantized(monkeypatch):

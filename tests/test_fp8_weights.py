@@ -268,7 +268,8 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
     (float32), 2**-10 compiled (the FP8 wgmma's accumulation). A bfloat16 model rounds silu(g) * u
     to bfloat16 and, dense, its product with the gate weight again (2**-9 of the value each, before
     the hidden row's e4m3 rounding), and the layer's output, routed + shared, once more (2**-9 of
-    their sizes)."""
+    their sizes); gathered and sorted, each assignment's down projection too (its rows come in the
+    hidden's dtype, weighted and summed in float32 after)."""
     model = MLAModel(KERNEL_CFG, rngs=nnx.Rngs(3), dtype=dtype)
     moe = model.layers[1].mlp
     quantize_weights(model, (128, 128))
@@ -300,8 +301,12 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
             h_err = 1.1 * g_err * (np.abs(u) + u_err) + np.abs(silu) * u_err
             h_err = h_err + hidden_rel * (np.abs(h) + h_err)
             h_err = h_err + _e4m3_rounding(np.abs(h) + h_err)  # the hidden row's own quantization
-            want[t] += a * (h @ w_down[e])
-            bound[t] += a * (h_err @ np.abs(w_down[e]) + sums * (np.abs(h) @ np.abs(w_down[e])))
+            down = h @ w_down[e]
+            down_err = h_err @ np.abs(w_down[e]) + sums * (np.abs(h) @ np.abs(w_down[e]))
+            if dtype == jnp.bfloat16 and dispatch != "dense":
+                down_err = down_err + 2.0**-9 * (np.abs(down) + down_err)
+            want[t] += a * down
+            bound[t] += a * down_err
     quantized_by = []  # who quantized each routed product's input: the kernel (True) or XLA
     grouped = fp8_weights.fp8_grouped_gemm_mgpu
     monkeypatch.setattr(fp8_weights, "fp8_grouped_gemm_mgpu",
