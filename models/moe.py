@@ -80,7 +80,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from snapmla_jax.backend import mosaic_kernels_run, resolve_backend, sm_count
-from snapmla_jax.fp8_weights import BlockFP8Weight, dequantize_weight, fp8_grouped_matmul, kernel_runs
+from snapmla_jax.fp8_weights import (BlockFP8Weight, dequantize_weight, fp8_grouped_matmul, kernel_quantizes,
+                                     kernel_runs, quantize_tokens)
 from snapmla_jax.models.config import MLAConfig
 from snapmla_jax.models.layers import MLP
 from snapmla_jax.pallas_kernels.grouped_experts import (chunk_rows, combine_assignments, gathered_products,
@@ -509,8 +510,13 @@ class MoE(nnx.Module):
         chunk = self.sorted_chunk(num_tokens)
         fp8_stacks = self.fp8_kernel_stacks(chunk, backend)
         if fp8_stacks is not None:
-            out = sorted_products(flat, weights, ids, *_fp8_products(fp8_stacks, backend),
-                                  num_experts=fp8_stacks[0].shape[0], chunk=chunk)
+            # The T tokens quantized once and their e4m3 rows and scales gathered into the chunks,
+            # not the chunks' rows quantized: those are every token k times over and the empty
+            # chunks' zeros (V2-Lite at 128 tokens: 88 chunks of 32, 2,816 rows for 128 tokens).
+            # (Chunks the GEMM quantizes itself, ``kernel_quantizes``, take the tokens as they are.)
+            tokens = flat if kernel_quantizes(chunk) else quantize_tokens(flat, backend=backend)
+            out = sorted_products(tokens, weights, ids,
+                                  *_fp8_products(fp8_stacks, backend), num_experts=fp8_stacks[0].shape[0], chunk=chunk)
         else:
             out = sorted_experts(flat, weights, ids, *self.expert_stacks(flat.dtype), chunk=chunk,
                                  num_sms=sm_count(), interpret=backend == "interpret")

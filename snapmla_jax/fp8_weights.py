@@ -29,6 +29,7 @@ from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import (BLOCK, FLOAT_DTYPES, MAX_T
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import kernel_takes as gemm_takes
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import TilesConfig, fp8_gemm_tiles_mgpu, fp8_grouped_gemm_tiles_mgpu
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import kernel_takes as tiles_takes
+from snapmla_jax.pallas_kernels.quantize_activations_mgpu import padded_rows as quantized_rows
 from snapmla_jax.pallas_kernels.quantize_activations_mgpu import quantize_activations_mgpu
 from snapmla_jax.quantization import FP8_E4M3_MAX, FP8_E4M3_MAX_RECIPROCAL
 
@@ -59,6 +60,37 @@ class BlockFP8Weight:
     def nbytes(self) -> int:
         """Bytes of values and scales together."""
         return self.values.nbytes + self.scales.nbytes
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedTokens:
+    """Token rows quantized once for the FP8 GEMMs (``quantize_tokens``), to be moved as rows (a
+    MoE's sorted dispatch gathers them into its chunks) and passed as the x of
+    ``fp8_grouped_matmul``; a pytree whose leaves share their leading axes.
+
+    values: float8_e4m3fn [..., M, K]
+    scales: float32 [..., M, K / 128]; a row's 128-channel block ~= values * scale (0: zeros)
+    dtype:  the rows' own dtype (static): a product asked for "in x's dtype" comes in it
+    """
+
+    values: jax.Array
+    scales: jax.Array
+    dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(..., M, K) of the rows."""
+        return tuple(self.values.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self.values.ndim
+
+    def dequantized(self) -> jax.Array:
+        """The rows as [..., M, K] in ``dtype``: values * scale in float32, one rounding."""
+        scales = jnp.repeat(self.scales, BLOCK, axis=-1)
+        return (self.values.astype(jnp.float32) * scales).astype(self.dtype)
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
@@ -215,13 +247,17 @@ def _tile_rows(rows: int) -> int:
     return -(-rows // TILES_CONFIG.tile_tokens) * TILES_CONFIG.tile_tokens
 
 
-def _quantized_rows(x: jax.Array, rows: int, backend: str, scale_rows: int | None = None
-                    ) -> tuple[jax.Array, jax.Array]:
+def _quantized_rows(x, rows: int, backend: str, scale_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
     """x [..., M, K] padded to ``rows`` rows and quantized per row and 128 channels:
     (x8 [..., rows, K] e4m3, scales [..., K / 128, scale_rows or rows] float32, the columns past M
     zeros). Where the kernels run (``backend`` resolved: "pallas" on a Hopper GPU, "interpret") and
-    MOSAIC_QUANTIZES: one Mosaic GPU launch; else XLA's ``quantize_activations``."""
+    MOSAIC_QUANTIZES: one Mosaic GPU launch; else XLA's ``quantize_activations``. An x already
+    quantized (``QuantizedTokens``) is only padded, its scales laid out so."""
     scale_rows = rows if scale_rows is None else scale_rows
+    if isinstance(x, QuantizedTokens):
+        pad = [(0, 0)] * (x.ndim - 2)
+        return (jnp.pad(x.values, pad + [(0, rows - x.shape[-2]), (0, 0)]),
+                jnp.pad(jnp.swapaxes(x.scales, -1, -2), pad + [(0, 0), (0, scale_rows - x.shape[-2])]))
     if MOSAIC_QUANTIZES and mosaic_kernels_run(backend) and x.ndim in (2, 3) and x.dtype in FLOAT_DTYPES:
         return quantize_activations_mgpu(x, rows, scale_rows, interpret=backend == "interpret")
     pad = [(0, 0)] * (x.ndim - 2) + [(0, rows - x.shape[-2]), (0, 0)]
@@ -229,14 +265,34 @@ def _quantized_rows(x: jax.Array, rows: int, backend: str, scale_rows: int | Non
     return x8, jnp.pad(scales, [(0, 0)] * (x.ndim - 1) + [(0, scale_rows - rows)])
 
 
+def kernel_quantizes(rows: int) -> bool:
+    """Whether the FP8 GEMM of few tokens quantizes a product's ``rows`` rows of x itself
+    (KERNEL_QUANTIZES_MAX_ROWS, as set where the program is traced)."""
+    return rows <= KERNEL_QUANTIZES_MAX_ROWS
+
+
 def _kernel_tokens(x: jax.Array, rows: int, backend: str) -> tuple[jax.Array, jax.Array | None]:
     """The FP8 GEMM of few tokens' (tokens, x_scales) for x [..., M, K]: x itself and None up to
     KERNEL_QUANTIZES_MAX_ROWS rows of a bf16, f16 or f32 x (the kernel quantizes it, its tiles'
     rows past M read as zeros: no pad), else x padded to ``rows`` and quantized (``_quantized_rows``;
     the scales as wide as the kernel's slots, ``fp8_gemm_mgpu.scale_columns``)."""
-    if x.shape[-2] <= KERNEL_QUANTIZES_MAX_ROWS and x.dtype in FLOAT_DTYPES:
+    if kernel_quantizes(x.shape[-2]) and x.dtype in FLOAT_DTYPES and not isinstance(x, QuantizedTokens):
         return x, None
     return _quantized_rows(x, rows, backend, scale_columns(rows, x.shape[-1]))
+
+
+def quantize_tokens(x: jax.Array, *, backend: str = "auto") -> QuantizedTokens:
+    """x [M, K] (bf16, f16 or f32, K a multiple of 128) quantized per row and 128 channels as the
+    FP8 GEMMs quantize their x (``_quantized_rows``: the same bytes and scales, ``backend`` picking
+    the quantizer), for rows gathered before the products (a MoE's sorted dispatch: each chunk's
+    rows come quantized, instead of quantizing every chunk's, the empty ones' included)."""
+    if x.ndim != 2 or x.shape[-1] % BLOCK or x.dtype not in FLOAT_DTYPES or not x.shape[0]:
+        raise ValueError(f"x: expected [M, K] bfloat16, float16 or float32 with M > 0 and K a multiple of {BLOCK}, "
+                         f"got {x.dtype} {list(x.shape)}")
+    backend = resolve_backend(backend)
+    rows = x.shape[0]
+    x8, scales = _quantized_rows(x, quantized_rows(rows), backend)
+    return QuantizedTokens(x8[:rows], jnp.swapaxes(scales, 0, 1)[:rows], x.dtype)
 
 
 def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax.Array:
@@ -285,7 +341,8 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
     """Products of token groups with matrices of a block-FP8 stack (a MoE layer's experts), in
     float32 (or ``out_dtype``).
 
-      x         [X, T, in], X = 1 (every group multiplies the same tokens) or G
+      x         [X, T, in], X = 1 (every group multiplies the same tokens) or G; an array, or
+                ``QuantizedTokens`` (the rows quantized before, as this would quantize them)
       w         BlockFP8Weight stack [E, out, in], or a tuple of stacks of one shape and block
                 (a MoE's gate and up: one launch for both, x quantized once)
       matrices  None (G = E, group g multiplies matrix g) or int [G]: each group's matrix, or
@@ -348,6 +405,8 @@ def fp8_grouped_matmul(x: jax.Array, w, *, matrices: jax.Array | None = None, su
         ys = tuple(y[..., :rows] if transposed else y[:rows] if sum_groups else y[:, :rows]
                    for y in (ys if isinstance(ys, tuple) else (ys,)))
         return returned(ys)
+    if isinstance(x, QuantizedTokens):
+        x = x.dequantized()
     shared = x.shape[0] == 1
     spec = f"{'ti' if shared else 'gti'},goi->{'to' if sum_groups else 'gto'}"
 

@@ -314,10 +314,22 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
     tiled = fp8_weights.fp8_grouped_gemm_tiles_mgpu  # more than 64 rows: the tiled kernel, XLA quantizes
     monkeypatch.setattr(fp8_weights, "fp8_grouped_gemm_tiles_mgpu",
                         lambda *a, **kw: quantized_by.append(False) or tiled(*a, **kw))
+    quantized_shapes = []  # what the Mosaic quantizer took for the routed products
+    quantizer = fp8_weights.quantize_activations_mgpu
+    monkeypatch.setattr(fp8_weights, "quantize_activations_mgpu",
+                        lambda x, *a, **kw: quantized_shapes.append(x.shape) or quantizer(x, *a, **kw))
     with kernel_quantization(kernel_quantizes):
         shared = np.asarray(moe.shared_experts(x, backend=backend).astype(jnp.float32), np.float64)
+        quantized_shapes.clear()
         got = np.asarray(moe(x, backend=backend).astype(jnp.float32), np.float64) - shared
     assert quantized_by and set(quantized_by) == {kernel_quantizes > 0}
+    if dispatch == "sorted" and not kernel_quantizes:
+        # The tokens quantized once, then the chunks' hidden rows; no chunks of x rows (the shared
+        # experts quantize x as one group, [1, T, hidden], and their hidden rows).
+        hidden_size, inner = KERNEL_CFG.hidden_size, KERNEL_CFG.moe_intermediate_size
+        chunks = [shape for shape in quantized_shapes if len(shape) == 3 and shape[0] > 1]
+        assert quantized_shapes[0] == (num_tokens, hidden_size), quantized_shapes
+        assert chunks and all(shape[-1] == inner for shape in chunks), quantized_shapes
     if dtype == jnp.bfloat16:  # the routed output, then routed + shared, each rounded to bfloat16
         bound = bound + 2.0**-9 * (2 * (np.abs(want) + bound) + np.abs(shared))
     err = np.abs(got - want)
@@ -329,6 +341,45 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
     unquantized = (np.asarray(moe(x, backend="xla").astype(jnp.float32), np.float64)
                    - np.asarray(moe.shared_experts(x, backend="xla").astype(jnp.float32), np.float64))
     assert not np.array_equal(got, unquantized)  # the kernel ran: the activations' rounding shows
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("groups, rows", [(3, 16), (2, 72)])  # the kernel of few tokens; the tiled kernel
+def test_tokens_quantized_once_then_gathered_give_the_grouped_products_the_same_bits(dtype, groups, rows):
+    """``quantize_tokens`` then a gather of its rows (the sorted dispatch's order) against the
+    gathered rows quantized by the product itself: each row is quantized alone, so the interpreted
+    kernels' results agree bit for bit, rows of index T (an empty slot) included; XLA's path (the
+    rows dequantized) agrees with the product of the dequantized rows."""
+    rng = np.random.default_rng(groups * rows)
+    num_tokens, hidden, out = 23, 256, 128
+    x = rng.normal(size=(num_tokens, hidden))
+    x[3, :5] *= 40.0  # outlier channels
+    x = jnp.asarray(x, dtype)
+    stack = quantize_blocks(jnp.asarray(rng.normal(size=(4, out, hidden)) / 16, jnp.float32), (128, 128))
+    index = jnp.asarray(rng.integers(0, num_tokens + 1, (groups, rows)), jnp.int32)  # num_tokens: zeros
+    matrices = jnp.asarray(rng.integers(0, 4, groups), jnp.int32)
+    tokens = fp8_weights.quantize_tokens(x, backend="interpret")
+    assert tokens.shape == x.shape and tokens.dtype == x.dtype and tokens.scales.shape == (num_tokens, hidden // 128)
+    want_x8, want_scales = fp8_weights.quantize_activations(x)  # XLA's quantization, bit for bit interpreted
+    np.testing.assert_array_equal(np.asarray(tokens.values, np.float32), np.asarray(want_x8, np.float32))
+    np.testing.assert_array_equal(np.asarray(tokens.scales), np.asarray(want_scales).T)
+    gather = lambda rows_of: rows_of.at[index].get(mode="fill", fill_value=0)
+    gathered = jax.tree.map(gather, tokens)
+    for backend in ("interpret", "xla"):
+        got = fp8_weights.fp8_grouped_matmul(gathered, stack, matrices=matrices, out_dtype=dtype, backend=backend)
+        rows_in = gather(x) if backend == "interpret" else gathered.dequantized()
+        want = fp8_weights.fp8_grouped_matmul(rows_in, stack, matrices=matrices, out_dtype=dtype, backend=backend)
+        assert got.shape == (groups, rows, out) and got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    empty = np.asarray(index) == num_tokens
+    assert empty.any() and not np.asarray(got, np.float32)[empty].any()
+
+
+def test_quantize_tokens_rejects_what_the_quantizer_does_not_take():
+    for x, text in [(jnp.ones((2, 3, 128)), "expected \\[M, K\\]"), (jnp.ones((2, 100)), "multiple of 128"),
+                    (jnp.ones((2, 128), jnp.int32), "int32"), (jnp.ones((0, 128)), "M > 0")]:
+        with pytest.raises(ValueError, match=f"^x: .*{text}"):
+            fp8_weights.quantize_tokens(x, backend="interpret")
 
 
 def test_the_dense_dispatch_reads_no_gate_or_up_matrix_of_an_expert_no_token_chose():

@@ -15,9 +15,9 @@ from flax import nnx
 import snapmla_jax.models.moe
 
 from snapmla_jax import models
-from snapmla_jax.pallas_kernels.grouped_experts import (chunk_rows, grouped_experts, grouped_experts_reference,
-                                                        num_chunks, sorted_experts, sorted_products, sorted_takes,
-                                                        takes)
+from snapmla_jax.pallas_kernels.grouped_experts import (chunk_rows, expert_ranks, grouped_experts,
+                                                        grouped_experts_reference, num_chunks, sorted_experts,
+                                                        sorted_products, sorted_takes, takes)
 from snapmla_jax.backend import lower_for_cuda
 
 
@@ -116,6 +116,26 @@ def test_sorted_products_skip_assignments_of_weight_zero():
     # One chunk an expert for each chunk of rows it has, none for an expert left without rows.
     np.testing.assert_array_equal(np.bincount(used, minlength=8), -(-counts // chunk))
     assert len(seen[0]) == num_chunks(24, 3, 8, chunk)
+
+
+@pytest.mark.parametrize("tokens, k, experts, repeats", [(1, 1, 4, False), (37, 6, 64, False), (130, 8, 16, False),
+                                                        (29, 4, 6, True)])
+def test_expert_ranks_are_a_stable_sort_s_positions_within_each_expert(tokens, k, experts, repeats):
+    """The counted ranks against the positions a stable argsort by expert gives, on fresh routings:
+    distinct experts a token as the router makes them, or ids with repeats within a token and
+    assignments that take no row (id ``experts``), which are ranked too (by slot)."""
+    rng = np.random.default_rng(tokens * k)
+    if repeats:
+        expert = rng.integers(0, experts + 1, (tokens, k))
+    else:
+        expert = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)])
+    flat = expert.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    want = np.empty_like(flat)
+    for e in np.unique(flat):
+        want[order[flat[order] == e]] = np.arange(np.sum(flat == e))
+    got = expert_ranks(jnp.asarray(expert, jnp.int32), experts)
+    np.testing.assert_array_equal(np.asarray(got).reshape(-1), want)
 
 
 def test_chunks_hold_the_mean_assignments_with_headroom_and_bound_every_routing():
