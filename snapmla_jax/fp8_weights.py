@@ -88,9 +88,9 @@ class QuantizedTokens:
         return self.values.ndim
 
     def dequantized(self) -> jax.Array:
-        """The rows as [..., M, K] in ``dtype``: values * scale in float32, one rounding."""
-        scales = jnp.repeat(self.scales, BLOCK, axis=-1)
-        return (self.values.astype(jnp.float32) * scales).astype(self.dtype)
+        """The rows as [..., M, K] in ``dtype``: values * scale in float32, one rounding (the rows
+        as a weight of 1 x 128 blocks, ``dequantize_weight``)."""
+        return dequantize_weight(BlockFP8Weight(self.values, self.scales, (1, BLOCK)), self.dtype)
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
