@@ -176,21 +176,23 @@ def gathered_products(flat: jax.Array, weights: jax.Array, ids: jax.Array, gate_
     return combine_assignments(down(hidden[:, None, :], chosen)[:, 0], weights)
 
 
-def expert_ranks(expert: jax.Array, num_experts: int) -> jax.Array:
-    """expert int32 [T, k] (num_experts: the assignment takes no row) -> int32 [T, k]: each
-    assignment's rank among its expert's assignments in the order a = t * k + s, which a stable
-    sort by expert would give. Counted, not sorted: the assignments of earlier tokens from a
-    running sum over the tokens of each expert's count a token ([T, E + 1]), plus those of the
-    token's earlier slots. At V2-Lite's 768 assignments (128 tokens) XLA's sort was a 7.6 us
-    launch, the counting ~5 us of fusions (H100, docs/models.md)."""
+def expert_ranks(expert: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """expert int32 [T, k] (num_experts: the assignment takes no row) -> (ranks int32 [T, k],
+    counts int32 [num_experts]): each assignment's rank among its expert's assignments in the
+    order a = t * k + s, which a stable sort by expert would give, and each expert's assignments.
+    Counted, not sorted: the assignments of earlier tokens from a running sum over the tokens of
+    each expert's count a token ([T, E + 1]; its last row the counts), plus those of the token's
+    earlier slots. At V2-Lite's 768 assignments (128 tokens) XLA's sort was a 7.6 us launch, the
+    counting ~5 us of fusions (H100, docs/models.md)."""
     k = expert.shape[1]
     one_hot = (expert[:, :, None] == jnp.arange(num_experts + 1)).astype(jnp.int32)   # [T, k, E + 1]
     per_token = jnp.sum(one_hot, axis=1)                                                 # [T, E + 1]
-    earlier_tokens = jnp.cumsum(per_token, axis=0) - per_token
+    running = jnp.cumsum(per_token, axis=0)
     # A token's experts are distinct as the router makes them; equal ones (clipped ids) are ranked by slot.
     earlier_slots = jnp.sum((expert[:, None, :] == expert[:, :, None]) & (jnp.arange(k) < jnp.arange(k)[:, None]),
                             axis=-1)
-    return jnp.take_along_axis(earlier_tokens, expert, axis=1) + earlier_slots
+    ranks = jnp.take_along_axis(running - per_token, expert, axis=1) + earlier_slots
+    return ranks, running[-1, :num_experts]
 
 
 def sorted_products(flat, weights: jax.Array, ids: jax.Array, gate_up: Callable, down: Callable, *,
@@ -212,11 +214,11 @@ def sorted_products(flat, weights: jax.Array, ids: jax.Array, gate_up: Callable,
     num_slots = groups * chunk
     # Expert of each assignment (a = t * k + s); num_experts where it takes no row.
     expert = jnp.where(weights != 0, jnp.clip(ids, 0, num_experts - 1), num_experts)
-    counts = jnp.zeros(num_experts + 1, jnp.int32).at[expert].add(1)[:num_experts]
+    ranks, counts = expert_ranks(expert, num_experts)
     chunks = -(-counts // chunk)
     first_chunk = jnp.cumsum(chunks) - chunks
     e = jnp.minimum(expert, num_experts - 1).reshape(-1)
-    rank = expert_ranks(expert, num_experts).reshape(-1)
+    rank = ranks.reshape(-1)
     # Each assignment's row of the GEMMs (chunk * chunk rows + row in the chunk); num_slots: none.
     slot = jnp.where(expert.reshape(-1) < num_experts, (first_chunk[e] + rank // chunk) * chunk + rank % chunk,
                      num_slots)

@@ -121,7 +121,8 @@ def test_sorted_products_skip_assignments_of_weight_zero():
 @pytest.mark.parametrize("tokens, k, experts, repeats", [(1, 1, 4, False), (37, 6, 64, False), (130, 8, 16, False),
                                                         (29, 4, 6, True)])
 def test_expert_ranks_are_a_stable_sort_s_positions_within_each_expert(tokens, k, experts, repeats):
-    """The counted ranks against the positions a stable argsort by expert gives, on fresh routings:
+    """The counted ranks against the positions a stable argsort by expert gives, and the counts
+    against a bincount, on fresh routings:
     distinct experts a token as the router makes them, or ids with repeats within a token and
     assignments that take no row (id ``experts``), which are ranked too (by slot)."""
     rng = np.random.default_rng(tokens * k)
@@ -134,8 +135,9 @@ def test_expert_ranks_are_a_stable_sort_s_positions_within_each_expert(tokens, k
     want = np.empty_like(flat)
     for e in np.unique(flat):
         want[order[flat[order] == e]] = np.arange(np.sum(flat == e))
-    got = expert_ranks(jnp.asarray(expert, jnp.int32), experts)
+    got, counts = expert_ranks(jnp.asarray(expert, jnp.int32), experts)
     np.testing.assert_array_equal(np.asarray(got).reshape(-1), want)
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(flat, minlength=experts + 1)[:experts])
 
 
 def test_chunks_hold_the_mean_assignments_with_headroom_and_bound_every_routing():
