@@ -26,7 +26,9 @@ calls back to back): busy time a call, the idle gaps between its launches, and t
 PROFILE_TOP longest launches' durations, to the JSON (``<program>_profile``). A layer past ~64
 tokens is a few GEMM launches among ~20-30 short XLA ones (the routing, the sorted dispatch's
 gathers and transposes, the quantizations); busy time, not the wall clock of one call, is what
-a decode step's CUDA graph pays for them.
+a decode step's CUDA graph pays for them. With ``--profile`` each program's optimized HLO is also
+written (``write_hlo``, DIR/hlo/<shape>_T<tokens>_<program>.txt): the profile names XLA's launches
+by fusion ("loop_select_fusion_1"), and the HLO says which operations each one runs.
 """
 
 from __future__ import annotations
@@ -122,8 +124,22 @@ def launch_profile(fn, args: tuple) -> dict:
             "launches_us": dict(list(launches.items())[:PROFILE_TOP])}
 
 
-def measure(name: str, tokens: int, layers: dict, copy_gbps: float, iters: int, profile: bool = False) -> dict:
+def write_hlo(runs: dict, directory, stem: str) -> None:
+    """Each compiled program of ``runs`` (name -> (compiled, arg sets)) as its optimized HLO text,
+    ``directory``/``stem``_<program>.txt."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for program, (compiled, _) in runs.items():
+        (directory / f"{stem}_{program}.txt").write_text(compiled.as_text())
+
+
+def measure(name: str, tokens: int, layers: dict, copy_gbps: float, iters: int, profile: bool = False,
+            hlo_dir=None) -> dict:
+    """One row of the table for shape ``name`` at ``tokens`` tokens; with ``profile`` each program's
+    launches (``launch_profile``) and, where ``hlo_dir`` is given, its optimized HLO there."""
     runs, floors = programs(tokens, layers)
+    if profile and hlo_dir is not None:
+        write_hlo(runs, hlo_dir, f"{name}_T{tokens}")
     outs = {p: np.asarray(fn(*args[0]), np.float64) for p, (fn, args) in runs.items()}
     times = timing.time_round_robin(runs, iters=iters, min_sample_ms=10.0)
     row = {"shape": name, "tokens": tokens}
@@ -171,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--profile", action="store_true",
                         help="also record each program's GPU busy and idle time and its longest launches (JAX "
-                             "profiler) in the JSON")
+                             "profiler) in the JSON, and write its optimized HLO under OUT/hlo")
     args = parser.parse_args(argv)
     if any(t < 1 for t in args.tokens):
         parser.error("--tokens: expected positive token counts")
@@ -185,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         layers = {"bf16": random_layer(SHAPES[name])}
         layers["fp8"] = quantize_weights(random_layer(SHAPES[name]))
         for tokens in args.tokens:
-            rows.append(measure(name, tokens, layers, env["copy_gbps"], args.iters, args.profile))
+            rows.append(measure(name, tokens, layers, env["copy_gbps"], args.iters, args.profile,
+                                Path(args.out) / "hlo"))
             r = rows[-1]
             for program in PROGRAMS if args.profile else ():
                 line = r[f"{program}_profile"]["timeline_us"]

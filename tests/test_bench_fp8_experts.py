@@ -1,6 +1,8 @@
 """scripts/bench_fp8_experts.py on the CPU (kernels interpreted): its programs compute the layer's
 output within FP8's rounding, read the bytes their dispatch names, and the table reads."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from script_loader import load_script
 
@@ -94,3 +96,17 @@ def test_a_profile_keeps_the_longest_launches_and_the_gaps_between_them(monkeypa
     line = profile["timeline_us"]
     assert line["busy"] == busy and line["idle"] == (calls * kernels - 1) / calls
     assert line["span"] == line["busy"] + line["idle"]
+
+
+def test_hlo_of_each_program_is_written_where_asked(tmp_path):
+    """``--profile``'s HLO: each compiled program's optimized text under the directory given, one
+    file a program, named by shape, tokens and program, so that a launch's fusion name can be found."""
+    x = jnp.ones((4, 8), jnp.float32)
+    runs = {name: (jax.jit(fn).lower(x).compile(), [(x,)]) for name, fn in
+            (("bf16", lambda a: jnp.sin(a) * 2.0), ("fp8", lambda a: jnp.cumsum(a, axis=0)))}
+    bench.write_hlo(runs, tmp_path / "hlo", "v2_lite_T4")
+    written = sorted(p.name for p in (tmp_path / "hlo").iterdir())
+    assert written == ["v2_lite_T4_bf16.txt", "v2_lite_T4_fp8.txt"]
+    for name, (compiled, _) in runs.items():
+        text = (tmp_path / "hlo" / f"v2_lite_T4_{name}.txt").read_text()
+        assert text == compiled.as_text() and "ENTRY" in text
