@@ -136,9 +136,9 @@ def write_hlo(runs: dict, directory, stem: str) -> None:
 def measure(name: str, tokens: int, layers: dict, copy_gbps: float, iters: int, profile: bool = False,
             hlo_dir=None) -> dict:
     """One row of the table for shape ``name`` at ``tokens`` tokens; with ``profile`` each program's
-    launches (``launch_profile``) and, where ``hlo_dir`` is given, its optimized HLO there."""
+    launches (``launch_profile``); with ``hlo_dir`` its optimized HLO there (``write_hlo``)."""
     runs, floors = programs(tokens, layers)
-    if profile and hlo_dir is not None:
+    if hlo_dir is not None:
         write_hlo(runs, hlo_dir, f"{name}_T{tokens}")
     outs = {p: np.asarray(fn(*args[0]), np.float64) for p, (fn, args) in runs.items()}
     times = timing.time_round_robin(runs, iters=iters, min_sample_ms=10.0)
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         layers["fp8"] = quantize_weights(random_layer(SHAPES[name]))
         for tokens in args.tokens:
             rows.append(measure(name, tokens, layers, env["copy_gbps"], args.iters, args.profile,
-                                Path(args.out) / "hlo"))
+                                Path(args.out) / "hlo" if args.profile else None))
             r = rows[-1]
             for program in PROGRAMS if args.profile else ():
                 line = r[f"{program}_profile"]["timeline_us"]
