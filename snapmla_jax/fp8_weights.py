@@ -29,7 +29,7 @@ from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import (BLOCK, FLOAT_DTYPES, MAX_T
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import kernel_takes as gemm_takes
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import TilesConfig, fp8_gemm_tiles_mgpu, fp8_grouped_gemm_tiles_mgpu
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import kernel_takes as tiles_takes
-from snapmla_jax.pallas_kernels.quantize_activations_mgpu import padded_rows as quantized_rows
+from snapmla_jax.pallas_kernels.quantize_activations_mgpu import padded_rows as quantizer_rows
 from snapmla_jax.pallas_kernels.quantize_activations_mgpu import quantize_activations_mgpu
 from snapmla_jax.quantization import FP8_E4M3_MAX, FP8_E4M3_MAX_RECIPROCAL
 
@@ -291,7 +291,7 @@ def quantize_tokens(x: jax.Array, *, backend: str = "auto") -> QuantizedTokens:
                          f"got {x.dtype} {list(x.shape)}")
     backend = resolve_backend(backend)
     rows = x.shape[0]
-    x8, scales = _quantized_rows(x, quantized_rows(rows), backend)
+    x8, scales = _quantized_rows(x, quantizer_rows(rows), backend)
     return QuantizedTokens(x8[:rows], jnp.swapaxes(scales, 0, 1)[:rows], x.dtype)
 
 
