@@ -64,7 +64,9 @@ def combine_assignments(per_assignment: jax.Array, weights: jax.Array) -> jax.Ar
     [T, hidden], each token's assignments weighted and summed."""
     num_tokens, k = weights.shape
     per_token = per_assignment.reshape(num_tokens, k, -1).astype(jnp.float32)
-    return jnp.einsum("tkd,tk->td", per_token, weights)
+    # A product and a sum, not an einsum: XLA fuses them with the gather that makes
+    # per_assignment, where a dot reads it back from memory in float32.
+    return jnp.sum(per_token * weights[:, :, None], axis=1)
 
 
 def takes(num_tokens: int, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> bool:
@@ -176,15 +178,27 @@ def gathered_products(flat: jax.Array, weights: jax.Array, ids: jax.Array, gate_
     return combine_assignments(down(hidden[:, None, :], chosen)[:, 0], weights)
 
 
+# Assignments up to which ``expert_ranks`` compares every pair (A^2 comparisons in one fusion:
+# 4M at 2048) rather than summing over the tokens.
+PAIRWISE_MAX_ASSIGNMENTS = 2048
+
+
 def expert_ranks(expert: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """expert int32 [T, k] (num_experts: the assignment takes no row) -> (ranks int32 [T, k],
     counts int32 [num_experts]): each assignment's rank among its expert's assignments in the
     order a = t * k + s, which a stable sort by expert would give, and each expert's assignments.
-    Counted, not sorted: the assignments of earlier tokens from a running sum over the tokens of
-    each expert's count a token ([T, E + 1]; its last row the counts), plus those of the token's
-    earlier slots. At V2-Lite's 768 assignments (128 tokens) XLA's sort was a 7.6 us launch, the
-    counting ~5 us of fusions (H100, docs/models.md)."""
+    Counted, not sorted (at V2-Lite's 768 assignments, 128 tokens, XLA's sort was a 7.6 us launch;
+    H100, docs/models.md). Up to PAIRWISE_MAX_ASSIGNMENTS assignments each counts the earlier
+    assignments of its expert directly (one reduction); above, from a running sum over the tokens
+    of each expert's count a token ([T, E + 1]; its last row the counts), plus those of the token's
+    earlier slots: XLA's running sum is a reduce_window whose every output sums its whole window."""
     k = expert.shape[1]
+    if expert.size <= PAIRWISE_MAX_ASSIGNMENTS:
+        flat = expert.reshape(-1)
+        order = jnp.arange(flat.shape[0])
+        earlier = (flat[None, :] == flat[:, None]) & (order[None, :] < order[:, None])   # [A, A]
+        counts = jnp.sum(flat[:, None] == jnp.arange(num_experts), axis=0, dtype=jnp.int32)
+        return jnp.sum(earlier, axis=1, dtype=jnp.int32).reshape(expert.shape), counts
     one_hot = (expert[:, :, None] == jnp.arange(num_experts + 1)).astype(jnp.int32)   # [T, k, E + 1]
     per_token = jnp.sum(one_hot, axis=1)                                                 # [T, E + 1]
     running = jnp.cumsum(per_token, axis=0)
@@ -216,7 +230,9 @@ def sorted_products(flat, weights: jax.Array, ids: jax.Array, gate_up: Callable,
     expert = jnp.where(weights != 0, jnp.clip(ids, 0, num_experts - 1), num_experts)
     ranks, counts = expert_ranks(expert, num_experts)
     chunks = -(-counts // chunk)
-    first_chunk = jnp.cumsum(chunks) - chunks
+    # The chunks of the experts before each (a masked sum: a cumsum is a reduce_window in XLA).
+    experts = jnp.arange(num_experts)
+    first_chunk = jnp.sum(jnp.where(experts[None, :] < experts[:, None], chunks[None, :], 0), axis=1)
     e = jnp.minimum(expert, num_experts - 1).reshape(-1)
     rank = ranks.reshape(-1)
     # Each assignment's row of the GEMMs (chunk * chunk rows + row in the chunk); num_slots: none.

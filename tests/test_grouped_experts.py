@@ -119,10 +119,11 @@ def test_sorted_products_skip_assignments_of_weight_zero():
 
 
 @pytest.mark.parametrize("tokens, k, experts, repeats", [(1, 1, 4, False), (37, 6, 64, False), (130, 8, 16, False),
-                                                        (29, 4, 6, True)])
+                                                        (29, 4, 6, True), (400, 6, 64, False), (350, 6, 12, True)])
 def test_expert_ranks_are_a_stable_sort_s_positions_within_each_expert(tokens, k, experts, repeats):
     """The counted ranks against the positions a stable argsort by expert gives, and the counts
-    against a bincount, on fresh routings:
+    against a bincount, on fresh routings (pairwise up to PAIRWISE_MAX_ASSIGNMENTS, a running sum
+    over the tokens above: 400 x 6 and 350 x 6):
     distinct experts a token as the router makes them, or ids with repeats within a token and
     assignments that take no row (id ``experts``), which are ranked too (by slot)."""
     rng = np.random.default_rng(tokens * k)
