@@ -13,8 +13,8 @@ from flax import nnx
 
 from snapmla_jax import fp8_weights
 from snapmla_jax.backend import resolve_backend
-from snapmla_jax.fp8_weights import (DEFAULT_BLOCK, BlockFP8Weight, fp8_grouped_matmul, fp8_matmul, kernel_runs,
-                                     quantize_blocks, tiles_run)
+from snapmla_jax.fp8_weights import (DEFAULT_BLOCK, BlockFP8Weight, QuantizedTokens, fp8_grouped_matmul, fp8_matmul,
+                                     kernel_runs, quantize_blocks, tiles_run)
 from snapmla_jax.models.config import MLAConfig
 
 
@@ -193,31 +193,55 @@ class MLP(nnx.Module):
         self.up_proj = linear(hidden, intermediate, dtype=dtype, rngs=rngs)
         self.down_proj = linear(intermediate, hidden, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, backend: str = "auto") -> jax.Array:
+    def __call__(self, x, backend: str = "auto") -> jax.Array:
         """``backend`` (snapmla_jax.backend) runs the block-FP8 products: where both gate and up
         kernels are block-FP8, whether they run as one FP8 GEMM launch ("pallas" on Hopper,
-        "interpret"); each ``Linear`` on its own otherwise."""
+        "interpret"); each ``Linear`` on its own otherwise. x may come quantized
+        (``fp8_weights.QuantizedTokens`` [..., hidden]) where ``takes_quantized`` says so."""
         backend = resolve_backend(backend)
         gate_up = self._fp8_gate_up(x, backend)
         if gate_up is None:
+            if isinstance(x, QuantizedTokens):
+                raise ValueError("x: quantized tokens need gate and up on the FP8 GEMM (MLP.takes_quantized)")
             return self.down_proj(jax.nn.silu(self.gate_proj(x, backend)) * self.up_proj(x, backend), backend)
         gate, up = gate_up
         dtype = x.dtype if self.up_proj.dtype is None else self.up_proj.dtype
         return self.down_proj((jax.nn.silu(gate) * up).astype(dtype), backend)
 
-    def _fp8_gate_up(self, x: jax.Array, backend: str) -> tuple[jax.Array, jax.Array] | None:
-        """gate(x) and up(x) in float32 from one FP8 GEMM launch (x quantized once) when both
-        kernels are block-FP8 and a kernel runs them (``fp8_weights.tiles_run`` or ``kernel_runs``,
+    def takes_quantized(self, x: jax.Array, backend: str) -> bool:
+        """Whether this call on x [..., hidden] may be given x quantized as
+        ``fp8_weights.quantize_tokens`` quantizes it (rows quantized once for several products, as
+        a MoE's routed and shared experts are): gate and up run as one FP8 GEMM launch that would
+        quantize x itself to the same bytes (no cast to another dtype first). ``backend`` resolved."""
+        dtype = self.gate_proj.dtype
+        return (dtype is None or dtype == x.dtype) and self._gate_up_stacks(math.prod(x.shape[:-1]), backend) is not None
+
+    def _gate_up_stacks(self, rows: int, backend: str) -> tuple[BlockFP8Weight, BlockFP8Weight] | None:
+        """Gate and up as stacks of one matrix when both kernels are block-FP8 and a kernel runs a
+        product of ``rows`` rows with them (``fp8_weights.tiles_run`` or ``kernel_runs``,
         ``backend`` resolved); else None."""
         kernels = [linear.kernel.get_value() for linear in (self.gate_proj, self.up_proj)]
         if not all(isinstance(k, BlockFP8Weight) for k in kernels):
             return None
-        rows = math.prod(x.shape[:-1])
         stacks = tuple(BlockFP8Weight(k.values[None], k.scales[None], k.block) for k in kernels)
         if not all(tiles_run(stack, rows, backend) or kernel_runs(stack, rows, backend) for stack in stacks):
             return None
-        dtype = self.gate_proj.dtype
-        x2 = (x if dtype is None else x.astype(dtype)).reshape(1, rows, x.shape[-1])
+        return stacks
+
+    def _fp8_gate_up(self, x, backend: str) -> tuple[jax.Array, jax.Array] | None:
+        """gate(x) and up(x) in float32 from one FP8 GEMM launch (x quantized once, or given
+        quantized) where ``_gate_up_stacks`` finds them; else None."""
+        rows = math.prod(x.shape[:-1])
+        stacks = self._gate_up_stacks(rows, backend)
+        if stacks is None:
+            return None
+        if isinstance(x, QuantizedTokens):
+            if x.ndim != 2:
+                raise ValueError(f"x: quantized tokens come as [M, hidden], got {list(x.shape)}")
+            x2 = x.expand_dims()
+        else:
+            dtype = self.gate_proj.dtype
+            x2 = (x if dtype is None else x.astype(dtype)).reshape(1, rows, x.shape[-1])
         gate, up = fp8_grouped_matmul(x2, stacks, backend=backend)
         return gate.reshape(*x.shape[:-1], -1), up.reshape(*x.shape[:-1], -1)
 

@@ -80,8 +80,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from snapmla_jax.backend import mosaic_kernels_run, resolve_backend, sm_count
-from snapmla_jax.fp8_weights import (BlockFP8Weight, dequantize_weight, fp8_grouped_matmul, kernel_quantizes,
-                                     kernel_runs, quantize_tokens)
+from snapmla_jax.fp8_weights import (BlockFP8Weight, QuantizedTokens, dequantize_weight, fp8_grouped_matmul,
+                                     kernel_quantizes, kernel_runs, quantize_tokens)
 from snapmla_jax.models.config import MLAConfig
 from snapmla_jax.models.layers import MLP
 from snapmla_jax.pallas_kernels.grouped_experts import (chunk_rows, combine_assignments, gathered_products,
@@ -358,10 +358,12 @@ class MoE(nnx.Module):
         if axis is not None:
             weights, ids = self._local_assignments(weights, ids, axis)
         name = self.dispatch(flat.shape[0], backend)
+        tokens = None  # flat quantized for the routed experts' FP8 GEMMs, where they take it so
         if name == "gathered":
             routed = self._gathered_experts(flat, weights, ids, backend=backend, out_dtype=out_dtype)
         elif name == "sorted":
-            routed = self._sorted_experts(flat, weights, ids, backend=backend, out_dtype=out_dtype)
+            tokens = self._sorted_tokens(flat, backend)
+            routed = self._sorted_experts(flat, weights, ids, backend=backend, out_dtype=out_dtype, tokens=tokens)
         else:
             dispatch = {"dense": functools.partial(self._dense_experts, backend=backend),
                         "ragged": self._ragged_experts}[name]
@@ -369,7 +371,12 @@ class MoE(nnx.Module):
         if axis is not None:
             routed = jax.lax.psum_scatter(routed, axis, scatter_dimension=0, tiled=True).astype(x.dtype)
         if self.shared_experts is not None:
-            routed = routed + self.shared_experts(local, backend=backend)
+            # Block-FP8 shared experts take the routed experts' quantized tokens where those are
+            # this device's and their GEMM would quantize them to the same bytes: one quantizer
+            # launch a layer less.
+            shared_x = (tokens if tokens is not None and axis is None
+                        and self.shared_experts.takes_quantized(local, backend) else local)
+            routed = routed + self.shared_experts(shared_x, backend=backend)
         return routed.reshape(x.shape)
 
     def dispatch(self, num_tokens: int, backend: str) -> str:
@@ -493,11 +500,27 @@ class MoE(nnx.Module):
             out = grouped_experts_reference(*experts)
         return out.astype(out_dtype or flat.dtype)
 
+    def _sorted_tokens(self, flat: jax.Array, backend: str) -> QuantizedTokens | None:
+        """flat [T, hidden] quantized once for the sorted dispatch's FP8 GEMMs (``quantize_tokens``)
+        where they run and do not quantize their chunks themselves (``kernel_quantizes``), up to
+        SORTED_BLOCK_TOKENS tokens; else None. ``backend`` resolved."""
+        num_tokens = flat.shape[0]
+        if num_tokens > SORTED_BLOCK_TOKENS:
+            return None
+        chunk = self.sorted_chunk(num_tokens)
+        if self.fp8_kernel_stacks(chunk, backend) is None or kernel_quantizes(chunk):
+            return None
+        # The T tokens quantized once and their e4m3 rows and scales gathered into the chunks,
+        # not the chunks' rows quantized: those are every token k times over and the empty
+        # chunks' zeros (V2-Lite at 128 tokens: 88 chunks of 32, 2,816 rows for 128 tokens).
+        return quantize_tokens(flat, backend=backend)
+
     def _sorted_experts(self, flat: jax.Array, weights: jax.Array, ids: jax.Array, *, backend: str,
-                        out_dtype=None) -> jax.Array:
+                        out_dtype=None, tokens: QuantizedTokens | None = None) -> jax.Array:
         """The assignments sorted by expert into chunks, one GEMM group a chunk (``sorted_runs``
         must hold), the same arguments and result as ``_ragged_experts``; above
-        SORTED_BLOCK_TOKENS tokens, in blocks of that many one after another."""
+        SORTED_BLOCK_TOKENS tokens, in blocks of that many one after another. ``tokens``: flat as
+        ``_sorted_tokens`` quantized it (None: quantized here where the FP8 GEMMs need it)."""
         num_tokens = flat.shape[0]
         if num_tokens > SORTED_BLOCK_TOKENS:
             blocks = -(-num_tokens // SORTED_BLOCK_TOKENS)
@@ -510,12 +533,10 @@ class MoE(nnx.Module):
         chunk = self.sorted_chunk(num_tokens)
         fp8_stacks = self.fp8_kernel_stacks(chunk, backend)
         if fp8_stacks is not None:
-            # The T tokens quantized once and their e4m3 rows and scales gathered into the chunks,
-            # not the chunks' rows quantized: those are every token k times over and the empty
-            # chunks' zeros (V2-Lite at 128 tokens: 88 chunks of 32, 2,816 rows for 128 tokens).
-            # (Chunks the GEMM quantizes itself, ``kernel_quantizes``, take the tokens as they are.)
-            tokens = flat if kernel_quantizes(chunk) else quantize_tokens(flat, backend=backend)
-            out = sorted_products(tokens, weights, ids,
+            # Chunks the GEMM quantizes itself (``kernel_quantizes``) take the tokens as they are.
+            if tokens is None:
+                tokens = self._sorted_tokens(flat, backend)
+            out = sorted_products(flat if tokens is None else tokens, weights, ids,
                                   *_fp8_products(fp8_stacks, backend), num_experts=fp8_stacks[0].shape[0], chunk=chunk)
         else:
             out = sorted_experts(flat, weights, ids, *self.expert_stacks(flat.dtype), chunk=chunk,

@@ -178,6 +178,20 @@ def gathered_products(flat: jax.Array, weights: jax.Array, ids: jax.Array, gate_
     return combine_assignments(down(hidden[:, None, :], chosen)[:, 0], weights)
 
 
+def gather_rows(rows: jax.Array, index: jax.Array) -> jax.Array:
+    """rows [N, ...] -> [*index.shape, ...]: row ``index[i]`` of ``rows``, zeros where it is N or
+    beyond (N marks an empty row). Rows of 8- or 16-bit values whose bytes make whole 32-bit words
+    move as uint32 words: XLA's gather runs a thread an element, so a row of 2,048 e4m3 values
+    takes a quarter of the elements as 512 words. The same bits either way."""
+    width = math.prod(rows.shape[1:])
+    pack = 4 // rows.dtype.itemsize if rows.dtype.itemsize < 4 else 1
+    if pack == 1 or width % pack:
+        return rows.at[index].get(mode="fill", fill_value=0)
+    words = jax.lax.bitcast_convert_type(rows.reshape(rows.shape[0], width // pack, pack), jnp.uint32)
+    taken = words.at[index].get(mode="fill", fill_value=0)                        # [*index.shape, W]
+    return jax.lax.bitcast_convert_type(taken, rows.dtype).reshape(*index.shape, *rows.shape[1:])
+
+
 # Assignments up to which ``expert_ranks`` compares every pair (A^2 comparisons in one fusion:
 # 4M at 2048) rather than summing over the tokens.
 PAIRWISE_MAX_ASSIGNMENTS = 2048
@@ -216,9 +230,10 @@ def sorted_products(flat, weights: jax.Array, ids: jax.Array, gate_up: Callable,
     -> (gate, up), each [G, >= chunk, inner] float32, or silu(gate) * up, then
     ``down(hidden [G, chunk, inner], matrices)`` -> [G, >= chunk, hidden] float32 or 16-bit;
     ``matrices[g]`` is chunk g's expert, or -1 for a chunk this call leaves empty (G =
-    ``num_chunks``, the most there can be), whose rows are never read. flat [T, hidden], or a
-    pytree of arrays of T rows (tokens already quantized: each leaf's rows gathered alike, the
-    rows of an empty slot zeros), weights [T, k] f32, ids [T, k] int32, clipped into [0,
+    ``num_chunks``, the most there can be), whose rows are never read. flat [T, hidden], or T
+    tokens already quantized: an object whose ``rows_at(index [G, chunk])`` gathers its rows into
+    the chunks, index T an empty row of zeros (``fp8_weights.QuantizedTokens``); weights [T, k]
+    f32, ids [T, k] int32, clipped into [0,
     ``num_experts``). An assignment of weight 0 takes no row: its product would be multiplied by
     0 (under expert parallelism, the assignments to another device's experts,
     ``MoE._local_assignments``). ``hidden_dtype``: what silu(gate) * up is rounded to between
@@ -242,8 +257,8 @@ def sorted_products(flat, weights: jax.Array, ids: jax.Array, gate_up: Callable,
     # rows took 2-5 ms a decode step at V2-Lite's capacity on 4 H200s, more than the GEMMs).
     token_of_slot = jnp.full(num_slots, num_tokens, jnp.int32).at[slot].set(
         jnp.arange(num_tokens * k, dtype=jnp.int32) // k, mode="drop")          # num_tokens: an empty row
-    x = jax.tree.map(lambda rows: rows.at[token_of_slot].get(mode="fill", fill_value=0).reshape(
-        groups, chunk, *rows.shape[1:]), flat)
+    index = token_of_slot.reshape(groups, chunk)
+    x = flat.rows_at(index) if hasattr(flat, "rows_at") else gather_rows(flat, index)
     matrices = jnp.full(groups, -1, jnp.int32).at[slot // chunk].set(e, mode="drop")  # num_slots // chunk: dropped
     hidden = swiglu_rows(gate_up(x, matrices), (slice(None), slice(0, chunk)))
     if hidden_dtype is not None:

@@ -29,6 +29,7 @@ from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import (BLOCK, FLOAT_DTYPES, MAX_T
 from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import kernel_takes as gemm_takes
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import TilesConfig, fp8_gemm_tiles_mgpu, fp8_grouped_gemm_tiles_mgpu
 from snapmla_jax.pallas_kernels.fp8_gemm_tiles_mgpu import kernel_takes as tiles_takes
+from snapmla_jax.pallas_kernels.grouped_experts import gather_rows
 from snapmla_jax.pallas_kernels.quantize_activations_mgpu import padded_rows as quantizer_rows
 from snapmla_jax.pallas_kernels.quantize_activations_mgpu import quantize_activations_mgpu
 from snapmla_jax.quantization import FP8_E4M3_MAX, FP8_E4M3_MAX_RECIPROCAL
@@ -66,11 +67,14 @@ class BlockFP8Weight:
 @dataclasses.dataclass(frozen=True)
 class QuantizedTokens:
     """Token rows quantized once for the FP8 GEMMs (``quantize_tokens``), to be moved as rows (a
-    MoE's sorted dispatch gathers them into its chunks) and passed as the x of
-    ``fp8_grouped_matmul``; a pytree whose leaves share their leading axes.
+    MoE's sorted dispatch gathers them into its chunks, ``rows_at``) and passed as the x of
+    ``fp8_grouped_matmul``, as often as products of the same rows need them (a MoE's routed and
+    shared experts); a pytree.
 
     values: float8_e4m3fn [..., M, K]
-    scales: float32 [..., M, K / 128]; a row's 128-channel block ~= values * scale (0: zeros)
+    scales: float32 [..., K / 128, M], the layout the FP8 GEMMs read (no transpose between the
+            quantizer and them); row m's block j ~= values[..., m, 128 j:] * scales[..., j, m]
+            (0: zeros)
     dtype:  the rows' own dtype (static): a product asked for "in x's dtype" comes in it
     """
 
@@ -90,7 +94,23 @@ class QuantizedTokens:
     def dequantized(self) -> jax.Array:
         """The rows as [..., M, K] in ``dtype``: values * scale in float32, one rounding (the rows
         as a weight of 1 x 128 blocks, ``dequantize_weight``)."""
-        return dequantize_weight(BlockFP8Weight(self.values, self.scales, (1, BLOCK)), self.dtype)
+        blocks = BlockFP8Weight(self.values, jnp.swapaxes(self.scales, -1, -2), (1, BLOCK))
+        return dequantize_weight(blocks, self.dtype)
+
+    def rows_at(self, index: jax.Array) -> QuantizedTokens:
+        """Rows [M, K] gathered into [*index.shape, K] (index int, M or beyond: a row of zeros),
+        the scales straight into [*index.shape[:-1], K / 128, index.shape[-1]]: a chunked
+        dispatch's [G, chunk] index gives the [G, K / 128, chunk] scales the grouped GEMMs read."""
+        if self.values.ndim != 2:
+            raise ValueError(f"rows_at: expected tokens [M, K], got {list(self.shape)}")
+        blocks = jnp.arange(self.scales.shape[0]).reshape(1, -1, 1)
+        scales = self.scales.at[blocks, index.reshape(-1, 1, index.shape[-1])].get(mode="fill", fill_value=0)
+        return QuantizedTokens(gather_rows(self.values, index),
+                               scales.reshape(*index.shape[:-1], *scales.shape[1:]), self.dtype)
+
+    def expand_dims(self) -> QuantizedTokens:
+        """The rows [M, K] as one group [1, M, K] (the x of ``fp8_grouped_matmul``)."""
+        return QuantizedTokens(self.values[None], self.scales[None], self.dtype)
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
@@ -257,7 +277,7 @@ def _quantized_rows(x, rows: int, backend: str, scale_rows: int | None = None) -
     if isinstance(x, QuantizedTokens):
         pad = [(0, 0)] * (x.ndim - 2)
         return (jnp.pad(x.values, pad + [(0, rows - x.shape[-2]), (0, 0)]),
-                jnp.pad(jnp.swapaxes(x.scales, -1, -2), pad + [(0, 0), (0, scale_rows - x.shape[-2])]))
+                jnp.pad(x.scales, pad + [(0, 0), (0, scale_rows - x.shape[-2])]))
     if MOSAIC_QUANTIZES and mosaic_kernels_run(backend) and x.ndim in (2, 3) and x.dtype in FLOAT_DTYPES:
         return quantize_activations_mgpu(x, rows, scale_rows, interpret=backend == "interpret")
     pad = [(0, 0)] * (x.ndim - 2) + [(0, rows - x.shape[-2]), (0, 0)]
@@ -292,7 +312,7 @@ def quantize_tokens(x: jax.Array, *, backend: str = "auto") -> QuantizedTokens:
     backend = resolve_backend(backend)
     rows = x.shape[0]
     x8, scales = _quantized_rows(x, quantizer_rows(rows), backend)
-    return QuantizedTokens(x8[:rows], jnp.swapaxes(scales, 0, 1)[:rows], x.dtype)
+    return QuantizedTokens(x8[:rows], scales[:, :rows], x.dtype)
 
 
 def fp8_matmul(x: jax.Array, w: BlockFP8Weight, *, backend: str = "auto") -> jax.Array:

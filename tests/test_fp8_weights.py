@@ -16,8 +16,8 @@ from flax import nnx
 from hf_tiny import HF_MOE_CONFIG, write_tiny_hf_checkpoint
 from snapmla_jax.convert import main as convert_main
 from snapmla_jax import fp8_weights
-from snapmla_jax.fp8_weights import (FP8_E4M3_MAX, BlockFP8Weight, dequantize_weight, fp8_matmul, kernel_quantization,
-                                     quantize_blocks)
+from snapmla_jax.fp8_weights import (FP8_E4M3_MAX, BlockFP8Weight, QuantizedTokens, dequantize_weight, fp8_matmul,
+                                     kernel_quantization, quantize_blocks)
 from snapmla_jax.models import (MLAConfig, MLAModel, load_checkpoint, load_hf_checkpoint, quantize_weights,
                                 save_checkpoint)
 from snapmla_jax.models.hf_loader import SafetensorsFile
@@ -324,12 +324,13 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
         got = np.asarray(moe(x, backend=backend).astype(jnp.float32), np.float64) - shared
     assert quantized_by and set(quantized_by) == {kernel_quantizes > 0}
     if dispatch == "sorted" and not kernel_quantizes:
-        # The tokens quantized once, then the chunks' hidden rows; no chunks of x rows (the shared
-        # experts quantize x as one group, [1, T, hidden], and their hidden rows).
+        # The tokens quantized once, for the routed chunks and the block-FP8 shared experts alike;
+        # then only hidden rows: the chunks' and the shared experts' one group.
         hidden_size, inner = KERNEL_CFG.hidden_size, KERNEL_CFG.moe_intermediate_size
         chunks = [shape for shape in quantized_shapes if len(shape) == 3 and shape[0] > 1]
         assert quantized_shapes[0] == (num_tokens, hidden_size), quantized_shapes
         assert chunks and all(shape[-1] == inner for shape in chunks), quantized_shapes
+        assert all(shape[-1] != hidden_size for shape in quantized_shapes[1:]), quantized_shapes
     if dtype == jnp.bfloat16:  # the routed output, then routed + shared, each rounded to bfloat16
         bound = bound + 2.0**-9 * (2 * (np.abs(want) + bound) + np.abs(shared))
     err = np.abs(got - want)
@@ -341,6 +342,33 @@ def test_fp8_experts_through_the_fp8_gemm_stay_within_the_activation_rounding(nu
     unquantized = (np.asarray(moe(x, backend="xla").astype(jnp.float32), np.float64)
                    - np.asarray(moe.shared_experts(x, backend="xla").astype(jnp.float32), np.float64))
     assert not np.array_equal(got, unquantized)  # the kernel ran: the activations' rounding shows
+
+
+@pytest.mark.parametrize("num_tokens", [37, 80])  # the shared experts on the kernel of few tokens; the tiled one
+def test_shared_experts_given_the_routed_tokens_quantized_compute_the_same_bits(num_tokens, monkeypatch):
+    """A fully block-FP8 layer in the sorted dispatch hands its quantized tokens to the shared
+    experts (their gate and up quantize x to the same bytes themselves): the layer's output is
+    bit for bit the one where the shared experts take x."""
+    model = MLAModel(KERNEL_CFG, rngs=nnx.Rngs(5), dtype=jnp.bfloat16)
+    moe = model.layers[1].mlp
+    quantize_weights(model, (128, 128))
+    moe.dense_token_range, moe.sorted_min_tokens, moe.fp8_sorted_min_tokens = (1, num_tokens), 1, 1
+    assert moe.dispatch(num_tokens, "interpret") == "sorted"
+    rng = np.random.default_rng(num_tokens)
+    x = rng.normal(size=(num_tokens, KERNEL_CFG.hidden_size))
+    x[2, :9] *= 50.0  # outlier channels
+    x = jnp.asarray(x, jnp.bfloat16)
+    given = []
+    mlp_call = type(moe.shared_experts).__call__
+    monkeypatch.setattr(type(moe.shared_experts), "__call__",
+                        lambda self, x, *a, **kw: given.append(isinstance(x, QuantizedTokens)) or mlp_call(self, x, *a, **kw))
+    got = np.asarray(moe(x, backend="interpret"), np.float32)
+    assert given == [True]
+    monkeypatch.setattr(type(moe.shared_experts), "takes_quantized", lambda *a: False)
+    want = np.asarray(moe(x, backend="interpret"), np.float32)
+    assert given[1:] == [False]
+    np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(got, np.asarray(moe(x, backend="xla"), np.float32))  # the kernels ran
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -359,12 +387,17 @@ def test_tokens_quantized_once_then_gathered_give_the_grouped_products_the_same_
     index = jnp.asarray(rng.integers(0, num_tokens + 1, (groups, rows)), jnp.int32)  # num_tokens: zeros
     matrices = jnp.asarray(rng.integers(0, 4, groups), jnp.int32)
     tokens = fp8_weights.quantize_tokens(x, backend="interpret")
-    assert tokens.shape == x.shape and tokens.dtype == x.dtype and tokens.scales.shape == (num_tokens, hidden // 128)
+    assert tokens.shape == x.shape and tokens.dtype == x.dtype and tokens.scales.shape == (hidden // 128, num_tokens)
     want_x8, want_scales = fp8_weights.quantize_activations(x)  # XLA's quantization, bit for bit interpreted
     np.testing.assert_array_equal(np.asarray(tokens.values, np.float32), np.asarray(want_x8, np.float32))
-    np.testing.assert_array_equal(np.asarray(tokens.scales), np.asarray(want_scales).T)
+    np.testing.assert_array_equal(np.asarray(tokens.scales), np.asarray(want_scales))
     gather = lambda rows_of: rows_of.at[index].get(mode="fill", fill_value=0)
-    gathered = jax.tree.map(gather, tokens)
+    gathered = tokens.rows_at(index)
+    # The rows and their scales, [G, K / 128, rows], where numpy's gather puts them (zeros past T).
+    padded = lambda a: np.concatenate([np.asarray(a, np.float32), np.zeros((1, *a.shape[1:]), np.float32)])
+    np.testing.assert_array_equal(np.asarray(gathered.values, np.float32), padded(want_x8)[np.asarray(index)])
+    np.testing.assert_array_equal(np.asarray(gathered.scales),
+                                  np.swapaxes(padded(np.asarray(want_scales).T)[np.asarray(index)], 1, 2))
     for backend in ("interpret", "xla"):
         got = fp8_weights.fp8_grouped_matmul(gathered, stack, matrices=matrices, out_dtype=dtype, backend=backend)
         rows_in = gather(x) if backend == "interpret" else gathered.dequantized()

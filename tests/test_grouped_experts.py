@@ -15,7 +15,7 @@ from flax import nnx
 import snapmla_jax.models.moe
 
 from snapmla_jax import models
-from snapmla_jax.pallas_kernels.grouped_experts import (chunk_rows, expert_ranks, grouped_experts,
+from snapmla_jax.pallas_kernels.grouped_experts import (chunk_rows, expert_ranks, gather_rows, grouped_experts,
                                                         grouped_experts_reference, num_chunks, sorted_experts,
                                                         sorted_products, sorted_takes, takes)
 from snapmla_jax.backend import lower_for_cuda
@@ -139,6 +139,26 @@ def test_expert_ranks_are_a_stable_sort_s_positions_within_each_expert(tokens, k
     got, counts = expert_ranks(jnp.asarray(expert, jnp.int32), experts)
     np.testing.assert_array_equal(np.asarray(got).reshape(-1), want)
     np.testing.assert_array_equal(np.asarray(counts), np.bincount(flat, minlength=experts + 1)[:experts])
+
+
+@pytest.mark.parametrize("dtype, shape", [(jnp.float8_e4m3fn, (9, 256)), (jnp.bfloat16, (9, 2, 6)),
+                                          (jnp.bfloat16, (5, 3)), (jnp.float8_e4m3fn, (7, 6)), (jnp.float32, (4, 5)),
+                                          (jnp.int8, (6, 8))])
+def test_gather_rows_moves_the_same_bits_as_an_element_gather(dtype, shape):
+    """Rows moved as 32-bit words (8- and 16-bit rows of whole words) or as elements (odd widths,
+    32-bit values) against numpy's gather of the rows' bytes, with zeros at index N and beyond; the
+    rows hold every bit pattern of their width that the random bytes give (NaNs, negative zeros)."""
+    rng = np.random.default_rng(sum(shape))
+    itemsize = jnp.dtype(dtype).itemsize
+    raw = rng.integers(0, 256, (*shape, itemsize), dtype=np.uint8)
+    rows = jax.lax.bitcast_convert_type(jnp.asarray(raw), dtype) if itemsize > 1 else jnp.asarray(raw[..., 0]).view(dtype)
+    index = rng.integers(0, shape[0] + 3, (3, 4)).astype(np.int32)
+    index[0, 0] = shape[0]  # an empty row
+    got = gather_rows(rows, jnp.asarray(index))
+    assert got.shape == (3, 4, *shape[1:]) and got.dtype == rows.dtype
+    as_bytes = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)).reshape(*a.shape, itemsize)
+    padded = np.concatenate([as_bytes(rows), np.zeros((3, *shape[1:], itemsize), np.uint8)])
+    np.testing.assert_array_equal(as_bytes(got), padded[index])
 
 
 def test_chunks_hold_the_mean_assignments_with_headroom_and_bound_every_routing():
