@@ -192,9 +192,10 @@ def gather_rows(rows: jax.Array, index: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(taken, rows.dtype).reshape(*index.shape, *rows.shape[1:])
 
 
-# Assignments up to which ``expert_ranks`` compares every pair (A^2 comparisons in one fusion:
-# 4M at 2048) rather than summing over the tokens.
-PAIRWISE_MAX_ASSIGNMENTS = 2048
+# Comparisons up to which the sorted dispatch counts pairwise (one fusion of that many elements)
+# rather than by a running sum or a scatter: ``expert_ranks`` compares every pair of assignments
+# (up to 2,048 assignments), the slots' tokens every slot with every assignment.
+PAIRWISE_MAX_PAIRS = 2048 * 2048
 
 
 def expert_ranks(expert: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -202,12 +203,12 @@ def expert_ranks(expert: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Ar
     counts int32 [num_experts]): each assignment's rank among its expert's assignments in the
     order a = t * k + s, which a stable sort by expert would give, and each expert's assignments.
     Counted, not sorted (at V2-Lite's 768 assignments, 128 tokens, XLA's sort was a 7.6 us launch;
-    H100, docs/models.md). Up to PAIRWISE_MAX_ASSIGNMENTS assignments each counts the earlier
+    H100, docs/models.md). Up to PAIRWISE_MAX_PAIRS pairs each assignment counts the earlier
     assignments of its expert directly (one reduction); above, from a running sum over the tokens
     of each expert's count a token ([T, E + 1]; its last row the counts), plus those of the token's
     earlier slots: XLA's running sum is a reduce_window whose every output sums its whole window."""
     k = expert.shape[1]
-    if expert.size <= PAIRWISE_MAX_ASSIGNMENTS:
+    if expert.size ** 2 <= PAIRWISE_MAX_PAIRS:
         flat = expert.reshape(-1)
         order = jnp.arange(flat.shape[0])
         earlier = (flat[None, :] == flat[:, None]) & (order[None, :] < order[:, None])   # [A, A]
@@ -253,13 +254,23 @@ def sorted_products(flat, weights: jax.Array, ids: jax.Array, gate_up: Callable,
     # Each assignment's row of the GEMMs (chunk * chunk rows + row in the chunk); num_slots: none.
     slot = jnp.where(expert.reshape(-1) < num_experts, (first_chunk[e] + rank // chunk) * chunk + rank % chunk,
                      num_slots)
-    # Rows move by gathers only; the index arrays are scattered (XLA's scatters of [T*k, hidden]
-    # rows took 2-5 ms a decode step at V2-Lite's capacity on 4 H200s, more than the GEMMs).
-    token_of_slot = jnp.full(num_slots, num_tokens, jnp.int32).at[slot].set(
-        jnp.arange(num_tokens * k, dtype=jnp.int32) // k, mode="drop")          # num_tokens: an empty row
-    index = token_of_slot.reshape(groups, chunk)
+    # Rows move by gathers only (XLA's scatters of [T*k, hidden] rows took 2-5 ms a decode step at
+    # V2-Lite's capacity on 4 H200s, more than the GEMMs); the index arrays are scattered, or
+    # counted pairwise like the ranks, which makes reductions, not a scatter and its buffer's fill.
+    assignments = num_tokens * k
+    token_of_assignment = jnp.arange(assignments, dtype=jnp.int32) // k
+    if num_slots * assignments <= PAIRWISE_MAX_PAIRS:
+        taken_by = slot[None, :] == jnp.arange(num_slots)[:, None]                    # [slots, A]
+        token_of_slot = jnp.where(jnp.any(taken_by, axis=1),
+                                  jnp.sum(jnp.where(taken_by, token_of_assignment, 0), axis=1), num_tokens)
+    else:
+        token_of_slot = jnp.full(num_slots, num_tokens, jnp.int32).at[slot].set(token_of_assignment, mode="drop")
+    index = token_of_slot.reshape(groups, chunk)                                     # num_tokens: an empty row
     x = flat.rows_at(index) if hasattr(flat, "rows_at") else gather_rows(flat, index)
-    matrices = jnp.full(groups, -1, jnp.int32).at[slot // chunk].set(e, mode="drop")  # num_slots // chunk: dropped
+    # Chunk g's expert: the one whose chunks span g (every such chunk holds an assignment), else -1.
+    group = jnp.arange(groups)[:, None]
+    owner = (first_chunk[None, :] <= group) & (group < (first_chunk + chunks)[None, :])   # [G, E]
+    matrices = jnp.where(jnp.any(owner, axis=1), jnp.sum(jnp.where(owner, experts, 0), axis=1), -1).astype(jnp.int32)
     hidden = swiglu_rows(gate_up(x, matrices), (slice(None), slice(0, chunk)))
     if hidden_dtype is not None:
         hidden = hidden.astype(hidden_dtype)

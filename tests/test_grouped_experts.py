@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import snapmla_jax.models.moe
+import snapmla_jax.pallas_kernels.grouped_experts as grouped_experts_module
 
 from snapmla_jax import models
 from snapmla_jax.pallas_kernels.grouped_experts import (chunk_rows, expert_ranks, gather_rows, grouped_experts,
@@ -118,11 +119,49 @@ def test_sorted_products_skip_assignments_of_weight_zero():
     assert len(seen[0]) == num_chunks(24, 3, 8, chunk)
 
 
+@pytest.mark.parametrize("tokens, k, zero_share", [(24, 3, 0.0), (37, 6, 0.3), (5, 2, 1.0)])
+def test_sorted_chunks_are_the_same_counted_pairwise_or_scattered(tokens, k, zero_share, monkeypatch):
+    """The chunks' rows and experts (what the GEMMs see) from the pairwise counts against the
+    running sum and scatters (PAIRWISE_MAX_PAIRS 0), and against what they must be: each chunk one
+    expert's tokens in token order, an expert's chunks full but its last, unused chunks -1 and
+    zero rows; assignments of weight 0 (every one, in the last case) take no row."""
+    x, weights, ids, *experts = _problem(tokens, tokens=tokens, k=k, dtype=jnp.float32)
+    weights = jnp.where(jnp.asarray(np.random.default_rng(tokens).random(weights.shape) < zero_share), 0.0, weights)
+    x = x + jnp.arange(tokens, dtype=jnp.float32)[:, None] * 1000  # a row's token readable from its values
+    chunk = 16
+    seen = {}
+
+    def run(path):
+        def gate_up(rows, chosen):
+            seen[path] = (np.asarray(rows), np.asarray(chosen))
+            return jnp.zeros((*rows.shape[:2], 128))
+        return sorted_products(x, weights, ids, gate_up, lambda h, c: jnp.zeros((*h.shape[:2], 256)),
+                               num_experts=8, chunk=chunk)
+
+    run("pairwise")
+    monkeypatch.setattr(grouped_experts_module, "PAIRWISE_MAX_PAIRS", 0)
+    run("scattered")
+    for got in seen["pairwise"], seen["scattered"]:
+        rows, chosen = got
+        assert len(chosen) == num_chunks(tokens, k, 8, chunk) and rows.shape == (len(chosen), chunk, 256)
+        taken, ids_np = np.asarray(weights) != 0, np.asarray(ids)
+        for e in range(8):
+            want_tokens = [t for t in range(tokens) for s in range(k) if ids_np[t, s] == e and taken[t, s]]
+            mine = np.flatnonzero(chosen == e)
+            assert len(mine) == -(-len(want_tokens) // chunk)
+            got_rows = rows[mine].reshape(-1, 256)[:len(want_tokens)]
+            np.testing.assert_array_equal(got_rows, np.asarray(x)[want_tokens])
+            assert not rows[mine].reshape(-1, 256)[len(want_tokens):].any()  # the last chunk's rest: zeros
+        assert not rows[chosen < 0].any() and set(chosen[chosen >= 0]) <= set(range(8))
+    np.testing.assert_array_equal(seen["pairwise"][1], seen["scattered"][1])
+    np.testing.assert_array_equal(seen["pairwise"][0], seen["scattered"][0])
+
+
 @pytest.mark.parametrize("tokens, k, experts, repeats", [(1, 1, 4, False), (37, 6, 64, False), (130, 8, 16, False),
                                                         (29, 4, 6, True), (400, 6, 64, False), (350, 6, 12, True)])
 def test_expert_ranks_are_a_stable_sort_s_positions_within_each_expert(tokens, k, experts, repeats):
     """The counted ranks against the positions a stable argsort by expert gives, and the counts
-    against a bincount, on fresh routings (pairwise up to PAIRWISE_MAX_ASSIGNMENTS, a running sum
+    against a bincount, on fresh routings (pairwise up to PAIRWISE_MAX_PAIRS pairs, a running sum
     over the tokens above: 400 x 6 and 350 x 6):
     distinct experts a token as the router makes them, or ids with repeats within a token and
     assignments that take no row (id ``experts``), which are ranked too (by slot)."""
