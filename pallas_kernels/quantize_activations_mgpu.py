@@ -9,16 +9,15 @@ round to the other neighbour: the division's last bit). On an H100 a V2-Lite MoE
 1.06-1.11x faster with it at 4-8 tokens, the same at 16-64, and a whole decode step the same within
 run-to-run noise (docs/models.md, "The launch before the GEMM").
 
-A CTA (one warpgroup) takes ROW_TILE rows (64 where the rows pass 64) by 256 channels (128 where K
-is not a multiple of 256): one tiled TMA brings them to shared memory (rows past M arrive as the
-copy's zeros; a tile wholly past M is zeroed in shared memory), 8 rows x 128 channels at a time
-go through registers (``write_kv.row_layout``: a row's amax is an in-thread max and five
-shuffles), and TMAs store the e4m3 tile [rows, channels] and the scales [channels / 128, rows]
-where the GEMMs read them. A tiled TMA copies at most 256 elements a dimension, hence 256
-channels. Many small CTAs are not what limits it: the MoE's hidden rows at V2-Lite's 128 tokens,
-[88, 32, 1408] bf16 in 1,936 CTAs of 4 KiB, took 4.45 us (2.7 TB/s), and CTAs of 2, 4 or 8 groups
-(one TMA of [groups, 16, 128]) 4.74, 5.18 and 6.27 us (H200, jax 0.11.2, kernel durations side
-by side in one profiler trace).
+A CTA (one warpgroup) takes ROW_TILE rows by 256 channels (128 where K is not a multiple of
+256): one tiled TMA brings them to shared memory (rows past M arrive as the copy's zeros; a tile
+wholly past M is zeroed in shared memory), 8 rows x 128 channels at a time go through registers
+(``write_kv.row_layout``: a row's amax is an in-thread max and five shuffles), and TMAs store the
+e4m3 tile [rows, channels] and the scales [channels / 128, rows] where the GEMMs read them. A
+tiled TMA copies at most 256 elements a dimension, hence 256 channels. Many small CTAs are not
+what limits it: the MoE's hidden rows at V2-Lite's 128 tokens, [88, 32, 1408] bf16 in 1,936 CTAs
+of 4 KiB, took 4.45 us (2.7 TB/s), and CTAs of 2, 4 or 8 groups (one TMA of [groups, 16, 128])
+4.74, 5.18 and 6.27 us (H200, jax 0.11.2, kernel durations side by side in one profiler trace).
 
 The scales may come with more columns than rows (``scale_rows``): the FP8 GEMM of few tokens reads
 them in pipeline slots of whole 128-byte units (``fp8_gemm_mgpu.scale_slot_tokens``), and columns
@@ -27,9 +26,9 @@ past the rows hold 0 (zero rows) instead of a pad launch of their own.
 Arguments of ``quantize_activations_mgpu`` (``fp8_weights.quantize_activations`` is its XLA twin):
 
   x           [M, K] or [X, M, K] bfloat16, float16 or float32, K a multiple of 128
-  rows        rows of x8 (>= M; rows past M are zeros): a multiple of ROW_TILE up to 64, of
-              LARGE_ROW_TILE above (default M rounded up so)
-  scale_rows  columns of the scales (>= rows, the same multiples; default rows)
+  rows        rows of x8 (>= M; rows past M are zeros): a multiple of ROW_TILE (default M
+              rounded up so)
+  scale_rows  columns of the scales (>= rows, a multiple of ROW_TILE; default rows)
   -> x8 [X?, rows, K] float8_e4m3fn, scales [X?, K / 128, scale_rows] float32
 """
 
@@ -44,26 +43,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from snapmla_jax.pallas_kernels.fp8 import FP8_E4M3_MAX_RECIPROCAL, saturate_to_e4m3
-from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, FLOAT_DTYPES, MAX_TOKENS, tma_rows
+from snapmla_jax.pallas_kernels.fp8_gemm_mgpu import BLOCK, FLOAT_DTYPES, tma_rows
 from snapmla_jax.pallas_kernels.mgpu_decode_inputs import GROUP_ROWS, by_row
 from snapmla_jax.pallas_kernels.write_kv import row_layout
 
-# Rows a CTA up to MAX_TOKENS rows (the GEMM's one token tile): a decode step's few tokens spread
-# over more SMs.
+# Rows a CTA: small CTAs spread a decode step's few tokens over more SMs, and at every row count
+# measured they beat 64-row CTAs (H100, jax 0.11.2, kernel durations side by side, K = 2048 bf16:
+# 2.1 against 4.9 us at 128 rows, 2.6 against 5.1 at 512, 3.4 against 5.4 at 1,024, 7.8 against
+# 9.2 at 4,096).
 ROW_TILE = 16
-LARGE_ROW_TILE = 64  # rows a CTA above
 MAX_COLUMNS = 256  # channels a CTA: a tiled TMA copies at most 256 elements a dimension
 
 
-def row_tile(rows: int) -> int:
-    """Rows a CTA for ``rows`` rows (or scale columns) in all."""
-    return ROW_TILE if rows <= MAX_TOKENS else LARGE_ROW_TILE
-
-
 def padded_rows(m: int) -> int:
-    """``m`` rounded up to whole row tiles (``row_tile``)."""
-    tile = row_tile(m)
-    return -(-m // tile) * tile
+    """``m`` rounded up to whole row tiles (ROW_TILE)."""
+    return -(-m // ROW_TILE) * ROW_TILE
 
 
 def _kernel(x_gmem, x8_gmem, scales_gmem, x_s, x8_s, scales_s, loaded, *, m: int, rows: int, tile: int,
@@ -128,7 +122,7 @@ def quantize_activations_mgpu(x: jax.Array, rows: int | None = None, scale_rows:
     num_x, m, k = x3.shape
     rows = padded_rows(m) if rows is None else rows
     scale_rows = rows if scale_rows is None else scale_rows
-    tile = row_tile(scale_rows)
+    tile = ROW_TILE
     if rows < m or scale_rows < rows or rows % tile or scale_rows % tile:
         raise ValueError(f"rows, scale_rows: expected M={m} <= rows <= scale_rows, both multiples of {tile}, got "
                          f"rows={rows}, scale_rows={scale_rows}")

@@ -78,8 +78,8 @@ CASES = [  # (shape, rows, scale_rows); None: the defaults
     ((11, 384), 16, 32),  # K = 3 blocks: CTAs of 128 channels; scales wider than the rows
     ((16, 2048), 16, None),
     ((3, 40, 512), 48, 64),  # groups, a tile of rows wholly past M
-    ((70, 256), 128, None),  # past 64 rows: tiles of 64, the last one partly past M
-    ((130, 256), 256, None),  # a 64-row tile wholly past M
+    ((70, 256), 80, None),  # past 64 rows: the last tile partly past M
+    ((130, 256), 256, None),  # many tiles wholly past M
 ]
 
 
@@ -103,7 +103,7 @@ def test_quantizer_matches_float64_and_xla_compiled(shape, rows, scale_rows):
 
 
 def test_default_rows_are_whole_tiles():
-    assert [padded_rows(m) for m in (1, 16, 17, 64, 65, 129)] == [16, 16, 32, 64, 128, 192]
+    assert [padded_rows(m) for m in (1, 16, 17, 64, 65, 129)] == [16, 16, 32, 64, 80, 144]
 
 
 @pytest.mark.parametrize("x, rows, scale_rows, match", [
