@@ -538,10 +538,10 @@ def test_fp8_experts_run_dense_once_the_assignments_reach_the_experts():
     quantize_weights(model, (128, 128))
     # 8 experts, 2 a token: 3 tokens are 6 assignments, 4 tokens 8.
     assert [moe.dispatch(t, "interpret") for t in (3, 4, 9)] == ["gathered", "dense", "dense"]
-    # From fp8_sorted_min_tokens on (72 by default for these small experts) sorted replaces dense;
+    # From fp8_sorted_min_tokens on (56 by default for these small experts) sorted replaces dense;
     # sorted_min_tokens (the bf16 stacks', 160) does not decide for FP8 ones.
-    assert (moe.fp8_sorted_min_tokens, moe.sorted_min_tokens) == (72, 160)
-    assert [moe.dispatch(t, "interpret") for t in (71, 72)] == ["dense", "sorted"]
+    assert (moe.fp8_sorted_min_tokens, moe.sorted_min_tokens) == (56, 160)
+    assert [moe.dispatch(t, "interpret") for t in (55, 56)] == ["dense", "sorted"]
     moe.fp8_sorted_min_tokens = 16
     assert [moe.dispatch(t, "interpret") for t in (15, 16)] == ["dense", "sorted"]
     assert moe.dispatch(4, "xla") == "gathered" and moe.dispatch(16, "xla") == "dense"  # no FP8 GEMM there
@@ -559,7 +559,7 @@ def test_fp8_layers_default_to_their_own_sorted_threshold():
     large = dataclasses.replace(KERNEL_CFG, hidden_size=4096, moe_intermediate_size=2048)
     small = KERNEL_CFG
     assert [default_sorted_min_tokens(c) for c in (small, large)] == [160, 16]
-    assert [default_sorted_min_tokens(c, fp8=True) for c in (small, large)] == [72, 160]
+    assert [default_sorted_min_tokens(c, fp8=True) for c in (small, large)] == [56, 160]
 
 
 @pytest.mark.parametrize("backend", ["interpret", "auto"])
