@@ -154,18 +154,14 @@ SORTED_BLOCK_TOKENS = 8192
 LARGE_EXPERT_PARAMS = 16 * 2**20
 SORTED_MIN_TOKENS_LARGE_EXPERTS = 16
 # The same for block-FP8 expert stacks on the FP8 GEMM (``MoE.fp8_sorted_min_tokens``), where
-# dense reads only the chosen experts' gate and up. One layer on an H100 against dense
-# (scripts/bench_fp8_experts.py, fp8 sorted vs fp8 dense): at V2-Lite's shapes 0.92 / 0.94 /
-# 1.18x as fast at T = 48 / 64 / 96 with gate and up as one gated launch
-# (docs/benchmarks/fp8_experts_gated_h100.md; dense's time grows ~2.7 us a token there). With the
-# sorted dispatch's glue thinned and the tokens quantized in 16-row CTAs sorted fell to ~0.26 ms:
-# 0.264 against dense's 0.262 ms at T = 48, and at B = 64 a V2-Lite decode step's feed-forward
-# blocks took 6.94 ms sorted against 7.44 dense (H100, 2026-12-07, two runs of `bench e2e`, the
-# first in docs/benchmarks/e2e_fp8_weights_h100_b64_4k.md); at V3's (32 of its experts, one of 8
-# GPUs' share; docs/benchmarks/fp8_experts_sorted_h100.md, measured before the gated launch)
-# 0.95 / 0.95 / 0.93 / 0.90x at 16 / 32 / 64 / 128,
-# while at V2's shapes on 4 H200s (184 tokens) sorted made the step 1.44x as fast
-# (docs/benchmarks/capacity_sorted.md).
+# dense reads only the chosen experts' gate and up. At V2-Lite's shapes dense's layer grows ~2.7 us
+# a token while sorted's stays near 0.26 ms (H100, jax 0.11.2): one layer 0.262 ms dense against
+# 0.264 sorted at T = 48 (scripts/bench_fp8_experts.py), and at B = 64 a decode step's
+# feed-forward blocks 6.88 ms sorted (docs/benchmarks/e2e_fp8_weights_h100_4k.md) against 7.44
+# dense (the same command, dense up to 71 tokens). At V3's (32 of its experts, one of 8 GPUs'
+# share; docs/benchmarks/fp8_experts_sorted_h100.md, measured before the gated launch) sorted ran
+# 0.95 / 0.95 / 0.93 / 0.90x dense at 16 / 32 / 64 / 128, while at V2's shapes on 4 H200s (184
+# tokens) it made the step 1.44x as fast (docs/benchmarks/capacity_sorted.md).
 FP8_SORTED_MIN_TOKENS = 56
 FP8_SORTED_MIN_TOKENS_LARGE_EXPERTS = 160
 
