@@ -156,7 +156,7 @@ SORTED_MIN_TOKENS_LARGE_EXPERTS = 16
 # The same for block-FP8 expert stacks on the FP8 GEMM (``MoE.fp8_sorted_min_tokens``), where
 # dense reads only the chosen experts' gate and up. At V2-Lite's shapes dense's layer grows ~2.7 us
 # a token while sorted's stays near 0.26 ms (H100, jax 0.11.2): one layer 0.262 ms dense against
-# 0.264 sorted at T = 48 (scripts/bench_fp8_experts.py), and at B = 64 a decode step's
+# 0.264 sorted at T = 48 (docs/benchmarks/fp8_experts_t48_h100.md), and at B = 64 a decode step's
 # feed-forward blocks 6.88 ms sorted (docs/benchmarks/e2e_fp8_weights_h100_4k.md) against 7.44
 # dense (the same command, dense up to 71 tokens). At V3's (32 of its experts, one of 8 GPUs'
 # share; docs/benchmarks/fp8_experts_sorted_h100.md, measured before the gated launch) sorted ran
