@@ -60,9 +60,11 @@ def padded_rows(m: int) -> int:
     return -(-m // ROW_TILE) * ROW_TILE
 
 
-def _kernel(x_gmem, x8_gmem, scales_gmem, x_s, x8_s, scales_s, loaded, *, m: int, rows: int, tile: int,
+def _kernel(x_gmem, x8_gmem, scales_gmem, x_s, x8_s, scales_s, loaded, *, m: int, rows: int,
             interpret: bool):
-    """Rows [tile r, tile r + tile) by channels [C c, C c + C) of group g, C = x_s.shape[1]."""
+    """Rows [tile r, tile r + tile) by channels [C c, C c + C) of group g, tile = ROW_TILE, C =
+    x_s.shape[1]."""
+    tile = ROW_TILE
     g, r, c = (lax.axis_index(name) for name in ("g", "r", "c"))
     blocks = x8_s.shape[0]
     row0, col0 = r * tile, c * blocks * BLOCK
@@ -122,9 +124,8 @@ def quantize_activations_mgpu(x: jax.Array, rows: int | None = None, scale_rows:
     num_x, m, k = x3.shape
     rows = padded_rows(m) if rows is None else rows
     scale_rows = rows if scale_rows is None else scale_rows
-    tile = ROW_TILE
-    if rows < m or scale_rows < rows or rows % tile or scale_rows % tile:
-        raise ValueError(f"rows, scale_rows: expected M={m} <= rows <= scale_rows, both multiples of {tile}, got "
+    if rows < m or scale_rows < rows or rows % ROW_TILE or scale_rows % ROW_TILE:
+        raise ValueError(f"rows, scale_rows: expected M={m} <= rows <= scale_rows, both multiples of {ROW_TILE}, got "
                          f"rows={rows}, scale_rows={scale_rows}")
     columns = MAX_COLUMNS if k % MAX_COLUMNS == 0 else BLOCK
     blocks = columns // BLOCK
@@ -132,12 +133,13 @@ def quantize_activations_mgpu(x: jax.Array, rows: int | None = None, scale_rows:
     # multiple of 8 (``fp8_gemm_mgpu.tma_rows``): such an x gets zero rows to whole 8s first.
     x3 = jnp.pad(x3, ((0, 0), (0, tma_rows(m) - m), (0, 0)))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, m=m, rows=rows, tile=tile, interpret=interpret),
+        functools.partial(_kernel, m=m, rows=rows, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((num_x, rows, k), jnp.float8_e4m3fn),
                   jax.ShapeDtypeStruct((num_x, k // BLOCK, scale_rows), jnp.float32)),
-        scratch_types=[plgpu.SMEM((tile, columns), x.dtype), plgpu.SMEM((blocks, tile, BLOCK), jnp.float8_e4m3fn),
-                       plgpu.SMEM((blocks, tile), jnp.float32), plgpu.Barrier(num_arrivals=1)],
-        grid=(num_x, scale_rows // tile, k // columns), grid_names=("g", "r", "c"),
+        scratch_types=[plgpu.SMEM((ROW_TILE, columns), x.dtype),
+                       plgpu.SMEM((blocks, ROW_TILE, BLOCK), jnp.float8_e4m3fn),
+                       plgpu.SMEM((blocks, ROW_TILE), jnp.float32), plgpu.Barrier(num_arrivals=1)],
+        grid=(num_x, scale_rows // ROW_TILE, k // columns), grid_names=("g", "r", "c"),
         kernel_name="snapmla_quantize_activations",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
